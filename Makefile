@@ -1,0 +1,36 @@
+# The two commands: `make up` runs the whole mesh, `make test` runs the whole test suite.
+# Both set up the virtual environment first (Python 3.11, pip and gcc are all they need).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: up test setup protos protos-check bench-serving clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned and installed first: an unpinned resolve would pull multi-GB CUDA wheels.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[services,test,dev]'
+	touch $@
+
+up: setup
+	$(PY) -m services.mesh $(ARGS)
+
+test: setup protos-check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+protos:
+	$(PY) scripts/gen_protos.py
+
+protos-check: setup
+	$(PY) scripts/gen_protos.py --check
+
+bench-serving: setup
+	$(PY) -m bench.serving $(ARGS)
+
+clean:
+	rm -rf run .pytest_cache

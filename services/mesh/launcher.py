@@ -1,0 +1,256 @@
+"""Start, supervise and stop the mesh's service processes (used by `make up` and the e2e tests).
+
+Internal services bind port 0 and report the bound port through a port file, so nothing
+collides and nobody guesses ports; the gateway takes the public ports it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.server import wait_for_serving
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if the launcher dies, even by SIGKILL: no orphans."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class MeshConfig:
+    workers: int = 2
+    model: str = "small"
+    model_dir: Path = Path("models")
+    run_dir: Path = Path("run")
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    initial_instances: int = 2
+    worker_threads: int = 1
+    ready_timeout_s: float = 300.0
+    worker_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    manager_args: list[str] = field(default_factory=list)
+    log_to_files: bool = True
+
+
+@dataclass
+class Proc:
+    name: str
+    process: asyncio.subprocess.Process
+    port_file: Path
+    ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc_port']}"
+
+
+class Mesh:
+    """The processes of one mesh. `start()` returns when everything serves; `stop()` ends all."""
+
+    def __init__(self, cfg: MeshConfig) -> None:
+        self.cfg = cfg
+        self.procs: dict[str, Proc] = {}
+
+    @property
+    def gateway_http(self) -> str:
+        return f"http://{self.cfg.host}:{self.procs['gateway'].ports['http_port']}"
+
+    @property
+    def gateway_grpc(self) -> str:
+        return f"{self.cfg.host}:{self.procs['gateway'].ports['grpc_port']}"
+
+    async def spawn(self, name: str, module: str, args: list[str]) -> Proc:
+        run_dir = self.cfg.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        port_file = (run_dir / f"{name}.ports.json").resolve()
+        port_file.unlink(missing_ok=True)
+        out = open(run_dir / f"{name}.log", "ab") if self.cfg.log_to_files else None  # noqa: SIM115
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            module,
+            "--port-file",
+            str(port_file),
+            *args,
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT if out else None,
+            preexec_fn=_die_with_parent,
+        )
+        if out is not None:
+            out.close()  # the child holds its own descriptor
+        proc = Proc(name, process, port_file)
+        self.procs[name] = proc
+        return proc
+
+    async def wait_ready(self, proc: Proc, timeout_s: float) -> None:
+        """Port file written (server bound), then SERVING on health; fail fast if it exits."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not proc.port_file.exists():
+            if proc.process.returncode is not None:
+                raise RuntimeError(f"{proc.name} exited with code {proc.process.returncode}; see {self.cfg.run_dir / (proc.name + '.log')}")
+            if loop.time() > deadline:
+                raise TimeoutError(f"{proc.name} did not bind within {timeout_s}s")
+            await asyncio.sleep(0.05)
+        proc.ports = json.loads(proc.port_file.read_text())
+        exited = asyncio.create_task(proc.process.wait())
+        serving = asyncio.create_task(wait_for_serving(proc.grpc_address, max(deadline - loop.time(), 1.0)))
+        done, _ = await asyncio.wait({exited, serving}, return_when=asyncio.FIRST_COMPLETED)
+        if serving in done:
+            exited.cancel()
+            serving.result()
+            return
+        serving.cancel()
+        raise RuntimeError(f"{proc.name} exited with code {proc.process.returncode} before serving")
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        await asyncio.to_thread(ensure_model, cfg.model_dir, cfg.model)
+        pm = await self.spawn("param_manager", "services.param_manager", ["--model-dir", str(cfg.model_dir)])
+        await self.wait_ready(pm, cfg.ready_timeout_s)
+        gm = await self.spawn(
+            "global_manager",
+            "services.global_manager",
+            [
+                "--param-manager", pm.grpc_address,
+                "--default-model", cfg.model,
+                "--min-instances", str(cfg.initial_instances),
+                *cfg.manager_args,
+            ],
+        )
+        await self.wait_ready(gm, cfg.ready_timeout_s)
+        workers = [
+            await self.spawn(
+                f"worker-{i}",
+                "services.worker",
+                [
+                    "--instance-id", f"worker-{i}",
+                    "--global-manager", gm.grpc_address,
+                    "--param-manager", pm.grpc_address,
+                    "--num-threads", str(cfg.worker_threads),
+                    *cfg.worker_args,
+                ],
+            )
+            for i in range(cfg.workers)
+        ]
+        await asyncio.gather(*(self.wait_ready(w, cfg.ready_timeout_s) for w in workers))
+        gw = await self.spawn(
+            "gateway",
+            "services.gateway",
+            [
+                "--host", cfg.host,
+                "--port", str(cfg.grpc_port),
+                "--http-host", cfg.host,
+                "--http-port", str(cfg.http_port),
+                "--global-manager", gm.grpc_address,
+                "--param-manager", pm.grpc_address,
+                *cfg.gateway_args,
+            ],
+        )
+        await self.wait_ready(gw, cfg.ready_timeout_s)
+        await self.wait_instances_serving(cfg.initial_instances, cfg.ready_timeout_s)
+
+    async def wait_instances_serving(self, n: int, timeout_s: float) -> None:
+        """Until the manager reports n SERVING instances (model loaded through the pool)."""
+        from blitzmesh.v1 import admin_pb2, common_pb2, global_manager_pb2_grpc
+        from services.common.grpc_util import channel
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        async with channel(self.procs["global_manager"].grpc_address) as ch:
+            stub = global_manager_pb2_grpc.GlobalManagerStub(ch)
+            while True:
+                state = await stub.GetCluster(admin_pb2.GetClusterRequest(), timeout=5)
+                serving = [i for i in state.instances if i.state == common_pb2.INSTANCE_STATE_SERVING]
+                if len(serving) >= n:
+                    return
+                if loop.time() > deadline:
+                    raise TimeoutError(f"only {len(serving)} of {n} instances SERVING after {timeout_s}s")
+                await asyncio.sleep(0.1)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers."""
+        order = ["gateway", *[n for n in self.procs if n.startswith("worker")], "global_manager", "param_manager"]
+        for name in order:
+            proc = self.procs.get(name)
+            if proc is not None and proc.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.process.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                await asyncio.wait_for(proc.process.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.process.kill()
+                await proc.process.wait()
+
+    async def run_forever(self) -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            start = asyncio.create_task(self.start())
+            stop_wait = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if start not in done:
+                start.cancel()
+                return 130
+            start.result()
+            print_banner(self)
+            exits = [asyncio.create_task(p.process.wait()) for p in self.procs.values()]
+            done, _ = await asyncio.wait({stop_wait, *exits}, return_when=asyncio.FIRST_COMPLETED)
+            if stop_wait not in done:
+                dead = [p.name for p in self.procs.values() if p.process.returncode is not None]
+                print(f"blitzmesh: {', '.join(dead)} exited; stopping the mesh (logs in {self.cfg.run_dir}/)", file=sys.stderr)
+                return 1
+            return 0
+        finally:
+            await self.stop()
+            print("blitzmesh: all processes stopped", file=sys.stderr)
+
+
+def ensure_model(model_dir: Path, model: str) -> Path:
+    """Synthesize the model when `model` names a preset and its directory is missing."""
+    from services.worker.model.synth import PRESETS, synthesize
+
+    path = model_dir / model
+    if (path / "config.json").exists():
+        return path
+    if model not in PRESETS:
+        raise SystemExit(f"model {model!r} not found in {str(model_dir)!r} and not a preset {sorted(PRESETS)}")
+    print(f"blitzmesh: synthesizing model {model!r} into {path}", file=sys.stderr)
+    return synthesize(path, model)
+
+
+def print_banner(mesh: Mesh) -> None:
+    cfg = mesh.cfg
+    print(
+        f"""
+Blitzmesh is up: {cfg.workers} workers, model {cfg.model!r}
+  OpenAI HTTP API  {mesh.gateway_http}/v1
+  SDK gRPC API     {mesh.gateway_grpc}
+  global manager   {mesh.procs['global_manager'].grpc_address}
+  param manager    {mesh.procs['param_manager'].grpc_address}
+  logs             {cfg.run_dir}/
+
+Try:
+  curl -s {mesh.gateway_http}/v1/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "max_tokens": 16}}'
+
+Ctrl-C stops every process.""",
+        flush=True,
+    )

@@ -1,0 +1,98 @@
+"""Parameter groups: the unit in which weights are read, loaded into a model and sent over the data plane.
+
+Order matters: `embed`, `layers.0` … `layers.{L-1}`, `head`. A model holding the groups up to
+`layers.{k-1}` can run decoder layers [0, k), which is what ZigZag live scaling relies on.
+"""
+
+from __future__ import annotations
+
+import re
+
+from services.worker.model.config import LlamaConfig
+
+EMBED = "embed"
+HEAD = "head"
+
+EMBED_WEIGHT = "model.embed_tokens.weight"
+NORM_WEIGHT = "model.norm.weight"
+LM_HEAD_WEIGHT = "lm_head.weight"
+
+# Per-layer tensor suffixes, after `model.layers.{i}.`, in the order a layer group lists them.
+LAYER_TENSORS: tuple[str, ...] = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_GROUP_LAYER_RE = re.compile(r"^layers\.(\d+)$")
+
+
+def layer_group(index: int) -> str:
+    """Group name of decoder layer `index`."""
+    return f"layers.{index}"
+
+
+def layer_index(group: str) -> int | None:
+    """Decoder layer index of a `layers.{i}` group, None for `embed` / `head`."""
+    m = _GROUP_LAYER_RE.match(group)
+    return int(m.group(1)) if m else None
+
+
+def param_groups(cfg: LlamaConfig) -> list[str]:
+    """All groups of a model, in load order."""
+    return [EMBED, *(layer_group(i) for i in range(cfg.num_hidden_layers)), HEAD]
+
+
+def group_of(tensor_name: str) -> str:
+    """The group an HF tensor name belongs to; ValueError for a name no group owns."""
+    if tensor_name == EMBED_WEIGHT:
+        return EMBED
+    if tensor_name in (NORM_WEIGHT, LM_HEAD_WEIGHT):
+        return HEAD
+    m = _LAYER_RE.match(tensor_name)
+    if m and m.group(2) in LAYER_TENSORS:
+        return layer_group(int(m.group(1)))
+    raise ValueError(f"tensor {tensor_name!r} belongs to no parameter group of a Llama model")
+
+
+def group_tensor_shapes(cfg: LlamaConfig, group: str) -> dict[str, tuple[int, ...]]:
+    """The tensors a group must contain, with their shapes (HF `[out, in]` for linear weights).
+
+    With tied embeddings `head` holds only the final norm: the LM head reuses the embedding.
+    """
+    h = cfg.hidden_size
+    if group == EMBED:
+        return {EMBED_WEIGHT: (cfg.vocab_size, h)}
+    if group == HEAD:
+        shapes: dict[str, tuple[int, ...]] = {NORM_WEIGHT: (h,)}
+        if not cfg.tie_word_embeddings:
+            shapes[LM_HEAD_WEIGHT] = (cfg.vocab_size, h)
+        return shapes
+    index = layer_index(group)
+    if index is None or index >= cfg.num_hidden_layers:
+        raise ValueError(
+            f"group {group!r} is not one of {EMBED!r}, 'layers.0'..'layers.{cfg.num_hidden_layers - 1}', "
+            f"{HEAD!r}"
+        )
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    by_suffix: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    return {f"model.layers.{index}.{s}": by_suffix[s] for s in LAYER_TENSORS}
