@@ -1,0 +1,418 @@
+"""Converters between the SDK's dataclasses (`blitzmesh.types`) and the protobuf messages.
+
+This is the one module where `_pb2` types meet the public API. Each message has a `*_to_proto`
+and a `*_from_proto`; the unit tests pin that they round-trip. `*_from_proto` raises ValueError
+when a reply breaks the protocol (the client reports that as an InternalError).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from blitzmesh.types import (
+    ChatMessage,
+    ClusterEvent,
+    ClusterState,
+    Completion,
+    FinishReason,
+    InstanceInfo,
+    InstanceRole,
+    InstanceState,
+    LoadReport,
+    ModelInfo,
+    PolicyState,
+    SamplingParams,
+    ScaleResult,
+    TokenChunk,
+    Usage,
+)
+from blitzmesh.v1 import admin_pb2, common_pb2, inference_pb2
+
+_FINISH_TO_PROTO: dict[FinishReason, common_pb2.FinishReason.ValueType] = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+_STATE_TO_PROTO: dict[InstanceState, common_pb2.InstanceState.ValueType] = {
+    "unspecified": common_pb2.INSTANCE_STATE_UNSPECIFIED,
+    "idle": common_pb2.INSTANCE_STATE_IDLE,
+    "loading": common_pb2.INSTANCE_STATE_LOADING,
+    "serving": common_pb2.INSTANCE_STATE_SERVING,
+    "draining": common_pb2.INSTANCE_STATE_DRAINING,
+    "lost": common_pb2.INSTANCE_STATE_LOST,
+}
+_STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
+
+_ROLE_TO_PROTO: dict[InstanceRole, common_pb2.InstanceRole.ValueType] = {
+    "unspecified": common_pb2.INSTANCE_ROLE_UNSPECIFIED,
+    "colocated": common_pb2.INSTANCE_ROLE_COLOCATED,
+    "prefill": common_pb2.INSTANCE_ROLE_PREFILL,
+    "decode": common_pb2.INSTANCE_ROLE_DECODE,
+}
+_ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
+
+
+# --- enums ------------------------------------------------------------------------------------
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReason.ValueType:
+    """``None`` becomes FINISH_REASON_UNSPECIFIED."""
+    if reason is None:
+        return common_pb2.FINISH_REASON_UNSPECIFIED
+    try:
+        return _FINISH_TO_PROTO[reason]
+    except KeyError:
+        raise ValueError(
+            f"finish_reason must be one of {sorted(_FINISH_TO_PROTO)}, got {reason!r}"
+        ) from None
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """FINISH_REASON_UNSPECIFIED becomes ``None``.
+
+    Raises:
+        ValueError: for a value this SDK does not know. Unlike states and roles, which are only
+            displayed, a finish reason drives the caller's logic, so guessing would be wrong.
+    """
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    try:
+        return _FINISH_FROM_PROTO[value]
+    except KeyError:
+        raise ValueError(f"unknown finish_reason value {value!r}") from None
+
+
+def instance_state_to_proto(state: InstanceState) -> common_pb2.InstanceState.ValueType:
+    try:
+        return _STATE_TO_PROTO[state]
+    except KeyError:
+        raise ValueError(f"state must be one of {sorted(_STATE_TO_PROTO)}, got {state!r}") from None
+
+
+def instance_state_from_proto(value: int) -> InstanceState:
+    # A newer server may add states; show them as unspecified rather than fail a status call.
+    return _STATE_FROM_PROTO.get(value, "unspecified")
+
+
+def instance_role_to_proto(role: InstanceRole) -> common_pb2.InstanceRole.ValueType:
+    try:
+        return _ROLE_TO_PROTO[role]
+    except KeyError:
+        raise ValueError(f"role must be one of {sorted(_ROLE_TO_PROTO)}, got {role!r}") from None
+
+
+def instance_role_from_proto(value: int) -> InstanceRole:
+    return _ROLE_FROM_PROTO.get(value, "unspecified")
+
+
+# --- inference --------------------------------------------------------------------------------
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Unset (``None``) fields stay unset so the gateway applies its defaults."""
+    msg = common_pb2.SamplingParams(
+        stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos
+    )
+    if params.temperature is not None:
+        msg.temperature = params.temperature
+    if params.top_p is not None:
+        msg.top_p = params.top_p
+    if params.top_k is not None:
+        msg.top_k = params.top_k
+    if params.max_tokens is not None:
+        msg.max_tokens = params.max_tokens
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Note that temperature and top_p travel as float32: 0.7 comes back as 0.699999988."""
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else None,
+        top_p=msg.top_p if msg.HasField("top_p") else None,
+        top_k=msg.top_k if msg.HasField("top_k") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        stop=tuple(msg.stop),
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def chat_message_to_proto(message: ChatMessage) -> inference_pb2.ChatMessage:
+    return inference_pb2.ChatMessage(role=message.role, content=message.content)
+
+
+def chat_message_from_proto(msg: inference_pb2.ChatMessage) -> ChatMessage:
+    return ChatMessage(role=msg.role, content=msg.content)
+
+
+def generate_request_to_proto(
+    *,
+    model: str,
+    prompt: str | None = None,
+    messages: Sequence[ChatMessage] | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    sampling: SamplingParams | None = None,
+    request_id: str = "",
+    return_token_ids: bool = False,
+) -> inference_pb2.GenerateRequest:
+    """Build a GenerateRequest (also the request of Complete). The caller validates the
+    exactly-one-of rule for prompt, messages and prompt_token_ids."""
+    return inference_pb2.GenerateRequest(
+        model=model,
+        prompt=prompt or "",
+        messages=[chat_message_to_proto(m) for m in messages or ()],
+        prompt_token_ids=prompt_token_ids or (),
+        sampling=sampling_to_proto(sampling or SamplingParams()),
+        request_id=request_id,
+        return_token_ids=return_token_ids,
+    )
+
+
+def usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+    )
+
+
+def usage_from_proto(msg: common_pb2.Usage) -> Usage:
+    return Usage(
+        prompt_tokens=msg.prompt_tokens,
+        completion_tokens=msg.completion_tokens,
+        total_tokens=msg.total_tokens,
+    )
+
+
+def token_chunk_to_proto(chunk: TokenChunk) -> inference_pb2.GenerateResponse:
+    msg = inference_pb2.GenerateResponse(
+        request_id=chunk.request_id,
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        instance_id=chunk.instance_id,
+    )
+    if chunk.finish_reason is not None:
+        msg.finish_reason = finish_reason_to_proto(chunk.finish_reason)
+    if chunk.usage is not None:
+        msg.usage.CopyFrom(usage_to_proto(chunk.usage))
+    return msg
+
+
+def token_chunk_from_proto(msg: inference_pb2.GenerateResponse) -> TokenChunk:
+    return TokenChunk(
+        text=msg.text,
+        token_ids=tuple(msg.token_ids),
+        finish_reason=(
+            finish_reason_from_proto(msg.finish_reason) if msg.HasField("finish_reason") else None
+        ),
+        usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
+        request_id=msg.request_id,
+        instance_id=msg.instance_id,
+    )
+
+
+def completion_to_proto(completion: Completion) -> inference_pb2.CompleteResponse:
+    return inference_pb2.CompleteResponse(
+        request_id=completion.request_id,
+        text=completion.text,
+        token_ids=completion.token_ids,
+        finish_reason=finish_reason_to_proto(completion.finish_reason),
+        usage=usage_to_proto(completion.usage),
+        instance_id=completion.instance_id,
+    )
+
+
+def completion_from_proto(msg: inference_pb2.CompleteResponse) -> Completion:
+    """Raises ValueError when the reply has no finish_reason: a finished completion has one."""
+    reason = finish_reason_from_proto(msg.finish_reason)
+    if reason is None:
+        raise ValueError(f"Complete reply for request {msg.request_id!r} has no finish_reason")
+    return Completion(
+        text=msg.text,
+        token_ids=tuple(msg.token_ids),
+        finish_reason=reason,
+        usage=usage_from_proto(msg.usage),
+        request_id=msg.request_id,
+        instance_id=msg.instance_id,
+    )
+
+
+# --- admin ------------------------------------------------------------------------------------
+
+
+def model_info_to_proto(model: ModelInfo) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model_id=model.model_id,
+        num_layers=model.num_layers,
+        size_bytes=model.size_bytes,
+        max_context=model.max_context,
+        vocab_size=model.vocab_size,
+        dtype=model.dtype,
+        created_unix_s=model.created_unix_s,
+        num_parameters=model.num_parameters,
+    )
+
+
+def model_info_from_proto(msg: common_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        model_id=msg.model_id,
+        num_layers=msg.num_layers,
+        size_bytes=msg.size_bytes,
+        max_context=msg.max_context,
+        vocab_size=msg.vocab_size,
+        dtype=msg.dtype,
+        created_unix_s=msg.created_unix_s,
+        num_parameters=msg.num_parameters,
+    )
+
+
+def load_report_to_proto(load: LoadReport) -> common_pb2.LoadReport:
+    return common_pb2.LoadReport(
+        decode_tps=load.decode_tps,
+        prefill_tps=load.prefill_tps,
+        ttft_p50_s=load.ttft_p50_s,
+        ttft_p99_s=load.ttft_p99_s,
+        tbt_p50_s=load.tbt_p50_s,
+        tbt_p99_s=load.tbt_p99_s,
+        running=load.running,
+        waiting=load.waiting,
+        waiting_prefill_tokens=load.waiting_prefill_tokens,
+        kv_blocks_used=load.kv_blocks_used,
+        kv_blocks_total=load.kv_blocks_total,
+        tokens_generated_total=load.tokens_generated_total,
+    )
+
+
+def load_report_from_proto(msg: common_pb2.LoadReport) -> LoadReport:
+    return LoadReport(
+        decode_tps=msg.decode_tps,
+        prefill_tps=msg.prefill_tps,
+        ttft_p50_s=msg.ttft_p50_s,
+        ttft_p99_s=msg.ttft_p99_s,
+        tbt_p50_s=msg.tbt_p50_s,
+        tbt_p99_s=msg.tbt_p99_s,
+        running=msg.running,
+        waiting=msg.waiting,
+        waiting_prefill_tokens=msg.waiting_prefill_tokens,
+        kv_blocks_used=msg.kv_blocks_used,
+        kv_blocks_total=msg.kv_blocks_total,
+        tokens_generated_total=msg.tokens_generated_total,
+    )
+
+
+def instance_info_to_proto(info: InstanceInfo) -> common_pb2.InstanceInfo:
+    return common_pb2.InstanceInfo(
+        instance_id=info.instance_id,
+        address=info.address,
+        host=info.host,
+        model_id=info.model_id,
+        state=instance_state_to_proto(info.state),
+        role=instance_role_to_proto(info.role),
+        layers_loaded=info.layers_loaded,
+        num_layers=info.num_layers,
+        load=load_report_to_proto(info.load),
+        dataplane_address=info.dataplane_address,
+        dataplane_kind=info.dataplane_kind,
+        last_heartbeat_age_s=info.last_heartbeat_age_s,
+        memory_budget_bytes=info.memory_budget_bytes,
+    )
+
+
+def instance_info_from_proto(msg: common_pb2.InstanceInfo) -> InstanceInfo:
+    return InstanceInfo(
+        instance_id=msg.instance_id,
+        address=msg.address,
+        host=msg.host,
+        model_id=msg.model_id,
+        state=instance_state_from_proto(msg.state),
+        role=instance_role_from_proto(msg.role),
+        layers_loaded=msg.layers_loaded,
+        num_layers=msg.num_layers,
+        load=load_report_from_proto(msg.load),
+        dataplane_address=msg.dataplane_address,
+        dataplane_kind=msg.dataplane_kind,
+        last_heartbeat_age_s=msg.last_heartbeat_age_s,
+        memory_budget_bytes=msg.memory_budget_bytes,
+    )
+
+
+def cluster_state_to_proto(state: ClusterState) -> admin_pb2.ClusterState:
+    return admin_pb2.ClusterState(
+        instances=[instance_info_to_proto(i) for i in state.instances],
+        models=[model_info_to_proto(m) for m in state.models],
+        policy=state.policy,
+        advisory=state.advisory,
+    )
+
+
+def cluster_state_from_proto(msg: admin_pb2.ClusterState) -> ClusterState:
+    return ClusterState(
+        instances=tuple(instance_info_from_proto(i) for i in msg.instances),
+        models=tuple(model_info_from_proto(m) for m in msg.models),
+        policy=msg.policy,
+        advisory=msg.advisory,
+    )
+
+
+def cluster_event_to_proto(event: ClusterEvent) -> admin_pb2.ClusterEvent:
+    return admin_pb2.ClusterEvent(
+        time_s=event.time_s,
+        action=event.action,
+        target=event.target,
+        status=event.status,
+        reason=event.reason,
+        instance_id=event.instance_id,
+    )
+
+
+def cluster_event_from_proto(msg: admin_pb2.ClusterEvent) -> ClusterEvent:
+    return ClusterEvent(
+        time_s=msg.time_s,
+        action=msg.action,
+        target=msg.target,
+        status=msg.status,
+        reason=msg.reason,
+        instance_id=msg.instance_id,
+    )
+
+
+def scale_result_to_proto(result: ScaleResult) -> admin_pb2.ScaleResponse:
+    return admin_pb2.ScaleResponse(instance_ids=result.instance_ids, reason=result.reason)
+
+
+def scale_result_from_proto(msg: admin_pb2.ScaleResponse) -> ScaleResult:
+    return ScaleResult(instance_ids=tuple(msg.instance_ids), reason=msg.reason)
+
+
+def policy_params_to_proto(params: Mapping[str, str | int | float | bool]) -> dict[str, str]:
+    """Policy parameters travel as strings; numbers are formatted with ``str`` and booleans as
+    ``"true"``/``"false"`` (``str(True)`` would give ``"True"``, which parsers on the manager side
+    need not accept)."""
+    out: dict[str, str] = {}
+    for key, value in params.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"policy parameter names must be non-empty strings, got {key!r}")
+        if isinstance(value, bool):
+            out[key] = "true" if value else "false"
+        elif isinstance(value, (str, int, float)):
+            out[key] = str(value)
+        else:
+            raise ValueError(
+                f"policy parameter {key!r} must be a str, int, float or bool, got {value!r}"
+            )
+    return out
+
+
+def policy_state_to_proto(state: PolicyState) -> admin_pb2.SetPolicyResponse:
+    return admin_pb2.SetPolicyResponse(
+        policy=state.policy, params=dict(state.params), advisory=state.advisory
+    )
+
+
+def policy_state_from_proto(msg: admin_pb2.SetPolicyResponse) -> PolicyState:
+    return PolicyState(policy=msg.policy, params=dict(msg.params), advisory=msg.advisory)

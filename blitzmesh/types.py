@@ -1,0 +1,250 @@
+"""Plain data types of the Blitzmesh SDK: what callers pass in and get back.
+
+No protobuf type appears here; `blitzmesh.convert` is the only place that translates between
+these dataclasses and the wire messages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "ChatMessage",
+    "ClusterEvent",
+    "ClusterState",
+    "Completion",
+    "FinishReason",
+    "InstanceInfo",
+    "InstanceRole",
+    "InstanceState",
+    "LoadReport",
+    "ModelInfo",
+    "PolicyState",
+    "SamplingParams",
+    "ScaleResult",
+    "TokenChunk",
+    "Usage",
+]
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why generation ended: eos or a stop sequence, the token limit, or a client abort."""
+
+InstanceState = Literal["unspecified", "idle", "loading", "serving", "draining", "lost"]
+"""Lifecycle of a worker instance: idle -> loading -> serving -> draining -> idle (or lost)."""
+
+InstanceRole = Literal["unspecified", "colocated", "prefill", "decode"]
+"""What part of inference an instance runs."""
+
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; `top_k=True` is a caller mistake, not a 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How tokens are sampled; ``None`` leaves the choice to the gateway's defaults.
+
+    Raises:
+        ValueError: on an out-of-range value, quoting it.
+    """
+
+    temperature: float | None = None
+    """0 means greedy; the gateway's default is 1.0."""
+    top_p: float | None = None
+    """Nucleus mass in (0, 1]."""
+    top_k: int | None = None
+    """Keep the k most likely tokens; 0 or -1 turns it off."""
+    max_tokens: int | None = None
+    """Most tokens to generate (at least 1)."""
+    stop: tuple[str, ...] = ()
+    """Stop sequences; they never appear in the output."""
+    seed: int | None = None
+    """Same seed, same output."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Callers naturally pass lists; store tuples so the object stays immutable and hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        t = self.temperature
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        p = self.top_p
+        if p is not None and (
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1
+        ):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        k = self.top_k
+        if k is not None and (not _is_int(k) or not -1 <= k <= _INT32_MAX):
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 turns it off), got {k!r}")
+        n = self.max_tokens
+        if n is not None and (not _is_int(n) or not 1 <= n <= _INT32_MAX):
+            raise ValueError(f"max_tokens must be an int >= 1, got {n!r}")
+        s = self.seed
+        if s is not None and (not _is_int(s) or not _INT64_MIN <= s <= _INT64_MAX):
+            raise ValueError(f"seed must be a 64-bit int, got {s!r}")
+        for seq in self.stop:
+            if not isinstance(seq, str) or not seq:
+                raise ValueError(f"stop sequences must be non-empty strings, got {self.stop!r}")
+        for tid in self.stop_token_ids:
+            if not _is_int(tid) or not 0 <= tid <= _INT32_MAX:
+                raise ValueError(
+                    f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}"
+                )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One turn of a chat prompt."""
+
+    role: str
+    """``"system"``, ``"user"`` or ``"assistant"``."""
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """One message of a generation stream: the text produced since the previous chunk.
+
+    Only the last chunk has ``finish_reason`` and ``usage``; ``token_ids`` is filled only when
+    the request asked for ``return_token_ids``.
+    """
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    request_id: str = ""
+    instance_id: str = ""
+    """Which instance served the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole completion."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    request_id: str
+    instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A model the cluster can serve."""
+
+    model_id: str
+    num_layers: int = 0
+    size_bytes: int = 0
+    max_context: int = 0
+    vocab_size: int = 0
+    dtype: str = ""
+    created_unix_s: int = 0
+    num_parameters: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """Load figures an instance reports in its heartbeats (windowed on the worker)."""
+
+    decode_tps: float = 0.0
+    prefill_tps: float = 0.0
+    ttft_p50_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    tbt_p50_s: float = 0.0
+    tbt_p99_s: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    waiting_prefill_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    tokens_generated_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    """One worker instance (one accelerator) as the global manager sees it."""
+
+    instance_id: str
+    address: str = ""
+    """gRPC ``host:port`` of the worker."""
+    host: str = ""
+    model_id: str = ""
+    """Empty while idle."""
+    state: InstanceState = "unspecified"
+    role: InstanceRole = "unspecified"
+    layers_loaded: int = 0
+    """k of ``num_layers`` decoder layers usable; below ``num_layers`` while loading."""
+    num_layers: int = 0
+    load: LoadReport = field(default_factory=LoadReport)
+    dataplane_address: bytes = b""
+    """Opaque transport address of the data plane."""
+    dataplane_kind: str = ""
+    """``"ucx"`` or ``"tcp"``."""
+    last_heartbeat_age_s: float = 0.0
+    memory_budget_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterState:
+    """Snapshot of the cluster: instances, models and the scaling policy in force."""
+
+    instances: tuple[InstanceInfo, ...] = ()
+    models: tuple[ModelInfo, ...] = ()
+    policy: str = ""
+    advisory: bool = False
+    """True when the policy only decides and does not act."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterEvent:
+    """One scaling or lifecycle event, e.g. an autoscaling decision with its reason."""
+
+    time_s: float
+    action: str
+    """``autoscaling_decision``, ``instance_state``, ``load_result``, ..."""
+    target: str = ""
+    status: str = ""
+    reason: str = ""
+    instance_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleResult:
+    """Outcome of a scale request."""
+
+    instance_ids: tuple[str, ...]
+    """Instances that were assigned (scale out) or drained (scale in)."""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """The scaling policy in force after a ``set_policy`` call."""
+
+    policy: str
+    params: Mapping[str, str] = field(default_factory=dict)
+    advisory: bool = False

@@ -1,0 +1,515 @@
+"""The request path shared by the HTTP and gRPC front ends.
+
+validate -> tokenize (per-model tokenizer from the parameter manager, cached) -> admit (bounded
+concurrency + FIFO queue) -> Schedule a route on the global manager -> stream Worker.Generate
+-> detokenize incrementally -> stop strings -> usage. A worker that fails before the first
+token reaches the client is excluded and the request re-routed; after it, the stream ends with
+an error naming the instance. A client that goes away cancels the worker call and sends Abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from blitzmesh.v1 import (
+    common_pb2,
+    global_manager_pb2,
+    global_manager_pb2_grpc,
+    param_manager_pb2,
+    param_manager_pb2_grpc,
+    admin_pb2,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.common.grpc_util import channel
+from services.gateway.admission import Admission
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import ErrorKind, GatewayError, invalid, quote
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.schema import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Event,
+    Finish,
+    InferenceRequest,
+    Sampling,
+    TokenDelta,
+    Usage,
+    validate_request,
+)
+from services.gateway.tokenization import ModelAssets, ModelCache
+from services.worker.model.tokenizer import StopStringMatcher
+
+log = structlog.get_logger(__name__)
+
+# Prompts longer than this are tokenized in a thread so one huge body cannot stall the loop.
+_THREAD_TOKENIZE_CHARS = 16_384
+_ABORT_TIMEOUT_S = 2.0
+_HEALTH_TIMEOUT_S = 2.0
+# Worker failures that another instance may not have; everything else is final.
+_RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    model_id: str
+    created_unix_s: int
+    max_context: int
+    num_layers: int
+
+
+class _WorkerFailed(Exception):
+    """One attempt on one instance failed; the caller decides between retry and error."""
+
+    def __init__(self, instance_id: str, code: grpc.StatusCode, detail: str, tokens_received: int) -> None:
+        super().__init__(f"{code.name}: {detail}")
+        self.instance_id = instance_id
+        self.code = code
+        self.detail = detail
+        self.tokens_received = tokens_received
+
+
+class Backend:
+    """Owns the upstream channels, the model cache, admission and the metrics."""
+
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics if metrics is not None else GatewayMetrics()
+        self.admission = Admission(
+            config.max_concurrency, config.max_queue, config.queue_timeout_s, on_change=self.metrics.set_admission
+        )
+        self._gm_channel: grpc.aio.Channel | None = None
+        self._pm_channel: grpc.aio.Channel | None = None
+        self.gm: global_manager_pb2_grpc.GlobalManagerStub | None = None
+        self.pm: param_manager_pb2_grpc.ParamManagerStub | None = None
+        self._workers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._models = ModelCache(self._fetch_model_files)
+        # Abort RPCs outlive the request that sent them; kept here so none is dropped or leaked.
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._gm_channel = channel(self.config.global_manager)
+        self._pm_channel = channel(self.config.param_manager)
+        self.gm = global_manager_pb2_grpc.GlobalManagerStub(self._gm_channel)
+        self.pm = param_manager_pb2_grpc.ParamManagerStub(self._pm_channel)
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=_ABORT_TIMEOUT_S)
+        for task in list(self._background):
+            task.cancel()
+        channels = [ch for ch, _ in self._workers.values()]
+        self._workers.clear()
+        for ch in (*channels, self._gm_channel, self._pm_channel):
+            if ch is not None:
+                await ch.close()
+        self._gm_channel = self._pm_channel = None
+
+    async def health(self) -> dict[str, str]:
+        """Serving status of each manager as this gateway sees it ("SERVING" when reachable)."""
+        assert self._gm_channel is not None and self._pm_channel is not None, "Backend.start() first"
+        gm, pm = await asyncio.gather(_probe(self._gm_channel), _probe(self._pm_channel))
+        return {"global_manager": gm, "param_manager": pm}
+
+    # ---- models ----------------------------------------------------------------------------
+
+    async def list_models(self) -> list[ModelCard]:
+        pm = self._pm()
+        try:
+            resp = await pm.ListModels(admin_pb2.ListModelsRequest(), timeout=self.config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise GatewayError(
+                ErrorKind.UNAVAILABLE, f"parameter manager unreachable: {e.code().name}: {e.details()}"
+            ) from e
+        return [
+            ModelCard(m.model_id, m.created_unix_s, m.max_context, m.num_layers) for m in resp.models
+        ]
+
+    async def _fetch_model_files(self, model_id: str) -> dict[str, bytes]:
+        pm = self._pm()
+        try:
+            resp = await pm.GetModelFiles(
+                param_manager_pb2.GetModelRequest(model_id=model_id), timeout=self.config.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise GatewayError(
+                    ErrorKind.NOT_FOUND,
+                    f"The model {quote(model_id)} does not exist (see GET /v1/models)",
+                    param="model",
+                    code="model_not_found",
+                ) from e
+            raise GatewayError(
+                ErrorKind.UNAVAILABLE,
+                f"cannot fetch the tokenizer of model {quote(model_id)} from the parameter manager:"
+                f" {e.code().name}: {e.details()}",
+            ) from e
+        return dict(resp.files)
+
+    def _pm(self) -> param_manager_pb2_grpc.ParamManagerStub:
+        assert self.pm is not None, "Backend.start() first"
+        return self.pm
+
+    def _gm(self) -> global_manager_pb2_grpc.GlobalManagerStub:
+        assert self.gm is not None, "Backend.start() first"
+        return self.gm
+
+    def _worker(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        entry = self._workers.get(address)
+        if entry is None:
+            ch = channel(address)
+            entry = (ch, worker_pb2_grpc.WorkerStub(ch))
+            self._workers[address] = entry
+        return entry[1]
+
+    # ---- the request path ------------------------------------------------------------------
+
+    async def generate(self, req: InferenceRequest) -> AsyncIterator[Event]:
+        """Stream events for `req`: TokenDeltas then one Finish, or raise GatewayError.
+
+        Errors raised before the first event are the request's status (400, 404, 429, 503...);
+        once an event was yielded, the only error is MID_STREAM (or TIMEOUT). Closing the
+        iterator early (client gone) cancels the worker call and aborts it there.
+        """
+        arrived_s = time.monotonic()
+        outcome = "internal"
+        bound = log.bind(request_id=req.request_id, model=req.model, api=req.api)
+        try:
+            validate_request(req)
+            assets = await self._models.get(req.model)
+            prompt_ids = await self._tokenize(assets, req)
+            max_tokens = _resolve_max_tokens(assets, req, len(prompt_ids), self.config.default_max_tokens)
+            async with self.admission.slot():
+                self.metrics.queue_wait_s.observe(time.monotonic() - arrived_s)
+                deadline_s = time.monotonic() + self.config.request_timeout_s
+                first = True
+                async for event in self._attempts(req, assets, prompt_ids, max_tokens, deadline_s, bound):
+                    if first and isinstance(event, TokenDelta):
+                        self.metrics.ttft_s.observe(time.monotonic() - arrived_s)
+                        first = False
+                    if isinstance(event, Finish):
+                        outcome = event.finish_reason
+                        self.metrics.tokens.labels("prompt").inc(event.usage.prompt_tokens)
+                        self.metrics.tokens.labels("completion").inc(event.usage.completion_tokens)
+                    yield event
+        except GatewayError as e:
+            outcome = e.kind.metric_outcome
+            bound.info("request_failed", kind=e.kind.name, error=e.message)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.requests.labels(req.api, outcome).inc()
+
+    async def _tokenize(self, assets: ModelAssets, req: InferenceRequest) -> list[int]:
+        if req.prompt_token_ids:
+            ids = list(req.prompt_token_ids)
+            vocab = assets.vocab_size
+            if vocab is not None:
+                bad = [t for t in ids if t >= vocab]
+                if bad:
+                    raise invalid(
+                        f"prompt token id {bad[0]} is out of range for model {quote(req.model)}"
+                        f" (vocab_size={vocab})",
+                        "prompt",
+                    )
+            return ids
+        try:
+            if req.messages:
+                size = sum(len(m.content) for m in req.messages)
+                work = lambda: assets.encode_chat(req.messages)  # noqa: E731
+            else:
+                assert req.prompt is not None
+                size = len(req.prompt)
+                work = lambda: assets.encode_prompt(req.prompt or "")  # noqa: E731
+            ids = await asyncio.to_thread(work) if size > _THREAD_TOKENIZE_CHARS else work()
+        except GatewayError:
+            raise
+        except Exception as e:  # a template or tokenizer refusing this input is the client's problem
+            raise invalid(f"cannot tokenize the input for model {quote(req.model)}: {e}", "messages" if req.messages else "prompt") from e
+        if not ids:
+            raise invalid("the prompt is empty (0 tokens after tokenization)", "prompt")
+        return ids
+
+    async def _attempts(
+        self,
+        req: InferenceRequest,
+        assets: ModelAssets,
+        prompt_ids: list[int],
+        max_tokens: int,
+        deadline_s: float,
+        bound: structlog.typing.FilteringBoundLogger,
+    ) -> AsyncIterator[Event]:
+        """Try instances until one streams; re-route only while nothing reached the client."""
+        excluded: list[str] = []
+        failures: list[str] = []
+        last_code = grpc.StatusCode.UNAVAILABLE
+        attempts = 1 + self.config.retries_before_first_token
+        for attempt in range(attempts):
+            hop = await self._schedule(req, len(prompt_ids), max_tokens, excluded, failures, deadline_s)
+            sent_any = False
+            try:
+                async for event in self._stream(req, assets, hop, prompt_ids, max_tokens, deadline_s):
+                    sent_any = True
+                    yield event
+                return
+            except _WorkerFailed as f:
+                if f.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise GatewayError(
+                        ErrorKind.TIMEOUT,
+                        f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}"
+                        f" on instance {f.instance_id} after {f.tokens_received} tokens",
+                    ) from None
+                if sent_any:
+                    bound.warning(
+                        "instance_died_mid_stream", instance_id=f.instance_id, code=f.code.name, detail=f.detail
+                    )
+                    raise GatewayError(
+                        ErrorKind.MID_STREAM,
+                        f"instance {f.instance_id} died mid-stream after {f.tokens_received} tokens"
+                        f" ({f.code.name}: {f.detail}); the partial completion cannot be resumed",
+                        code="instance_failed",
+                    ) from None
+                if f.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise invalid(f"instance {f.instance_id} rejected the request: {f.detail}") from None
+                if f.code not in _RETRYABLE:
+                    raise GatewayError(
+                        ErrorKind.INTERNAL, f"instance {f.instance_id} failed: {f.code.name}: {f.detail}"
+                    ) from None
+                excluded.append(f.instance_id)
+                last_code = f.code
+                failures.append(f"{f.instance_id}: {f.code.name}: {f.detail}")
+                self.metrics.retries.labels(f.code.name).inc()
+                bound.warning(
+                    "retry_before_first_token",
+                    instance_id=f.instance_id,
+                    code=f.code.name,
+                    detail=f.detail,
+                    attempt=attempt + 1,
+                    attempts=attempts,
+                )
+        # Every instance tried was full rather than broken: that is back-pressure, not an outage.
+        kind = ErrorKind.OVERLOADED if last_code == grpc.StatusCode.RESOURCE_EXHAUSTED else ErrorKind.UNAVAILABLE
+        raise GatewayError(
+            kind,
+            f"request {req.request_id} failed on {attempts} instances before the first token"
+            f" (retries_before_first_token={self.config.retries_before_first_token}): {'; '.join(failures)}",
+            code="instances_failed",
+        )
+
+    async def _schedule(
+        self,
+        req: InferenceRequest,
+        prompt_tokens: int,
+        max_tokens: int,
+        excluded: list[str],
+        failures: list[str],
+        deadline_s: float,
+    ) -> global_manager_pb2.RouteHop:
+        remaining_s = deadline_s - time.monotonic()
+        if remaining_s <= 0:
+            raise GatewayError(
+                ErrorKind.TIMEOUT, f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}"
+            )
+        try:
+            route = await self._gm().Schedule(
+                global_manager_pb2.ScheduleRequest(
+                    request_id=req.request_id,
+                    model_id=req.model,
+                    prompt_tokens=prompt_tokens,
+                    max_tokens=max_tokens,
+                    exclude_instance_ids=excluded,
+                ),
+                timeout=min(self.config.rpc_timeout_s, remaining_s),
+            )
+        except grpc.aio.AioRpcError as e:
+            code, detail = e.code(), e.details() or ""
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise GatewayError(
+                    ErrorKind.NOT_FOUND,
+                    f"The model {quote(req.model)} does not exist or is not served ({detail})",
+                    param="model",
+                    code="model_not_found",
+                ) from e
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise GatewayError(ErrorKind.OVERLOADED, f"cluster overloaded: {detail}", code="cluster_overloaded") from e
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise invalid(f"the scheduler rejected the request: {detail}") from e
+            earlier = f"; before that: {'; '.join(failures)}" if failures else ""
+            raise GatewayError(
+                ErrorKind.UNAVAILABLE,
+                f"no instance available for model {quote(req.model)}: {code.name}: {detail}{earlier}",
+                code="no_instance",
+            ) from e
+        if not route.hops:
+            raise GatewayError(
+                ErrorKind.UNAVAILABLE, f"the global manager returned an empty route for model {quote(req.model)}"
+            )
+        # A ZigZag route lists the partial (new) instance first; it forwards to the rest itself.
+        return route.hops[0]
+
+    async def _stream(
+        self,
+        req: InferenceRequest,
+        assets: ModelAssets,
+        hop: global_manager_pb2.RouteHop,
+        prompt_ids: list[int],
+        max_tokens: int,
+        deadline_s: float,
+    ) -> AsyncIterator[Event]:
+        """One attempt on one instance; raises _WorkerFailed on any worker-side failure."""
+        instance = hop.instance_id or hop.address
+        stub = self._worker(hop.address)
+        call = stub.Generate(
+            worker_pb2.WorkerGenerateRequest(
+                request_id=req.request_id,
+                model_id=req.model,
+                prompt_token_ids=prompt_ids,
+                sampling=_sampling_to_proto(req.sampling, max_tokens),
+                layer_start=0,
+                layer_end=0,
+            ),
+            timeout=max(deadline_s - time.monotonic(), 0.001),
+        )
+        detok = assets.new_detokenizer()
+        stops = StopStringMatcher(req.sampling.stop)
+        received = 0
+        last_s: float | None = None
+        worker_done = False
+        try:
+            try:
+                async for resp in call:
+                    ids = tuple(resp.token_ids)
+                    if ids:
+                        now_s = time.monotonic()
+                        if last_s is not None:
+                            self.metrics.tbt_s.observe((now_s - last_s) / len(ids))
+                        last_s = now_s
+                        received += len(ids)
+                    text, matched = stops.feed(detok.add(ids))
+                    finished = resp.HasField("finish_reason")
+                    if finished and not matched:
+                        if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                            worker_done = True
+                            raise _WorkerFailed(instance, grpc.StatusCode.ABORTED, "the instance aborted the request", received)
+                        tail, matched = stops.feed(detok.flush())
+                        text += tail
+                        if not matched:
+                            text += stops.flush()
+                    if text or (req.return_token_ids and ids):
+                        yield TokenDelta(text, ids, instance)
+                    if matched or finished:
+                        worker_done = finished
+                        reason = FINISH_STOP if matched or resp.finish_reason == common_pb2.FINISH_REASON_STOP else FINISH_LENGTH
+                        usage = Usage(
+                            prompt_tokens=resp.prompt_tokens if finished and resp.prompt_tokens else len(prompt_ids),
+                            completion_tokens=max(received, resp.completion_tokens if finished else 0),
+                        )
+                        yield Finish(reason, usage, instance)
+                        return
+            except grpc.aio.AioRpcError as e:
+                worker_done = True
+                raise _WorkerFailed(instance, e.code(), e.details() or "", received) from None
+            worker_done = True
+            raise _WorkerFailed(
+                instance, grpc.StatusCode.UNAVAILABLE, "the token stream ended without a finish_reason", received
+            )
+        finally:
+            if not worker_done:
+                # Client gone or a stop string matched: free the instance's KV now.
+                call.cancel()
+                self._abort_later(hop.address, req.request_id)
+
+    def _abort_later(self, address: str, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort(address, request_id), name=f"abort-{request_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, address: str, request_id: str) -> None:
+        try:
+            resp = await self._worker(address).Abort(
+                worker_pb2.AbortRequest(request_id=request_id), timeout=_ABORT_TIMEOUT_S
+            )
+            log.debug("aborted", request_id=request_id, address=address, found=resp.found)
+        except grpc.aio.AioRpcError as e:
+            # The cancelled call already freed the KV; Abort is the belt to those braces.
+            log.debug("abort_failed", request_id=request_id, address=address, code=e.code().name)
+
+
+def _resolve_max_tokens(assets: ModelAssets, req: InferenceRequest, prompt_tokens: int, default_max_tokens: int) -> int:
+    """The completion budget: the request's, else the default capped by the context left."""
+    context = assets.max_context
+    requested = req.sampling.max_tokens
+    if context is not None:
+        if prompt_tokens >= context:
+            raise invalid(
+                f"This model's maximum context length is {context} tokens, but the prompt has {prompt_tokens}"
+                " tokens; shorten the prompt",
+                "prompt" if not req.messages else "messages",
+                "context_length_exceeded",
+            )
+        if requested is not None and prompt_tokens + requested > context:
+            raise invalid(
+                f"This model's maximum context length is {context} tokens, but {prompt_tokens + requested} were"
+                f" requested ({prompt_tokens} in the prompt + max_tokens={requested}); lower max_tokens or"
+                " shorten the prompt",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+    if requested is not None:
+        return requested
+    if context is not None:
+        return min(default_max_tokens, context - prompt_tokens)
+    return default_max_tokens
+
+
+def _sampling_to_proto(s: Sampling, max_tokens: int) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+    # Stop strings are applied here, on text; the worker only sees token-level stops.
+    if s.temperature is not None:
+        msg.temperature = s.temperature
+    if s.top_p is not None:
+        msg.top_p = s.top_p
+    if s.top_k is not None:
+        msg.top_k = s.top_k
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+async def _probe(ch: grpc.aio.Channel) -> str:
+    try:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S
+        )
+    except grpc.aio.AioRpcError as e:
+        return f"UNREACHABLE ({e.code().name})"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+

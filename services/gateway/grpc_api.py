@@ -1,0 +1,213 @@
+"""gRPC front end of the gateway for the SDK: `Inference` (streaming and unary generation on the
+shared backend) and `Admin` (models from the parameter manager; cluster, scaling and policy
+forwarded to the global manager). Failures are gRPC status codes with a readable details string."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+import structlog
+
+from blitzmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, inference_pb2, inference_pb2_grpc
+from services.gateway.auth import check_bearer
+from services.gateway.backend import Backend
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import GatewayError
+from services.gateway.schema import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    ChatMessage,
+    Finish,
+    InferenceRequest,
+    Sampling,
+    TokenDelta,
+    Usage,
+    validate_request,
+)
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+_FINISH_TO_PROTO = {FINISH_STOP: common_pb2.FINISH_REASON_STOP, FINISH_LENGTH: common_pb2.FINISH_REASON_LENGTH}
+
+
+def request_from_proto(msg: inference_pb2.GenerateRequest) -> InferenceRequest:
+    """Proto -> internal request, validated; raises GatewayError(INVALID) quoting the value."""
+    s = msg.sampling
+    sampling = Sampling(
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        stop=tuple(s.stop),
+        seed=s.seed if s.HasField("seed") else None,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+    req = InferenceRequest(
+        model=msg.model,
+        request_id=msg.request_id or "gen-" + uuid.uuid4().hex,
+        sampling=sampling,
+        # proto3 cannot tell "" from unset; an empty prompt counts as not given.
+        prompt=msg.prompt or None,
+        messages=tuple(ChatMessage(m.role, m.content) for m in msg.messages),
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        return_token_ids=msg.return_token_ids,
+        api="grpc",
+    )
+    validate_request(req)
+    return req
+
+
+def usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens
+    )
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: GatewayError) -> NoReturn:
+    await context.abort(err.kind.grpc_code, err.message)
+    raise AssertionError("context.abort returned")  # it always raises
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key.lower() == "authorization":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, backend: Backend, config: GatewayConfig) -> None:
+        self.backend = backend
+        self.config = config
+
+    async def _admit(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> InferenceRequest:
+        try:
+            check_bearer(_authorization(context), self.config.api_keys)
+            return request_from_proto(request)
+        except GatewayError as e:
+            self.backend.metrics.requests.labels("grpc", e.kind.metric_outcome).inc()
+            await _abort(context, e)
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        req = await self._admit(request, context)
+        events = self.backend.generate(req)
+        async with contextlib.aclosing(events):
+            try:
+                async for event in events:
+                    if isinstance(event, TokenDelta):
+                        yield inference_pb2.GenerateResponse(
+                            request_id=req.request_id,
+                            text=event.text,
+                            token_ids=event.token_ids if req.return_token_ids else (),
+                            instance_id=event.instance_id,
+                        )
+                    elif isinstance(event, Finish):
+                        yield inference_pb2.GenerateResponse(
+                            request_id=req.request_id,
+                            finish_reason=_FINISH_TO_PROTO[event.finish_reason],
+                            usage=usage_to_proto(event.usage),
+                            instance_id=event.instance_id,
+                        )
+            except GatewayError as e:
+                await _abort(context, e)
+
+    async def Complete(  # noqa: N802
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.CompleteResponse:
+        req = await self._admit(request, context)
+        text: list[str] = []
+        ids: list[int] = []
+        events = self.backend.generate(req)
+        async with contextlib.aclosing(events):
+            try:
+                async for event in events:
+                    if isinstance(event, TokenDelta):
+                        text.append(event.text)
+                        ids.extend(event.token_ids)
+                    elif isinstance(event, Finish):
+                        return inference_pb2.CompleteResponse(
+                            request_id=req.request_id,
+                            text="".join(text),
+                            token_ids=ids if req.return_token_ids else (),
+                            finish_reason=_FINISH_TO_PROTO[event.finish_reason],
+                            usage=usage_to_proto(event.usage),
+                            instance_id=event.instance_id,
+                        )
+            except GatewayError as e:
+                await _abort(context, e)
+        await context.abort(grpc.StatusCode.INTERNAL, f"request {req.request_id} ended without a finish event")
+        raise AssertionError("unreachable")
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """Thin forwarder: the managers own the answers; upstream status codes pass through."""
+
+    def __init__(self, backend: Backend, config: GatewayConfig) -> None:
+        self.backend = backend
+        self.config = config
+
+    async def _auth(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            check_bearer(_authorization(context), self.config.api_keys)
+        except GatewayError as e:
+            await _abort(context, e)
+
+    async def _forward(
+        self,
+        target: str,
+        method: Callable[..., Awaitable[T]],
+        request: Any,
+        context: grpc.aio.ServicerContext,
+        timeout_s: float | None,
+    ) -> T:
+        await self._auth(context)
+        # Keep the caller's own deadline when it set one (Scale with wait=true can be long).
+        remaining_s = context.time_remaining()
+        if remaining_s is not None and (timeout_s is None or remaining_s < timeout_s):
+            timeout_s = remaining_s
+        try:
+            return await method(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), f"{target}: {e.details()}")
+            raise AssertionError("unreachable") from e
+
+    async def ListModels(self, request: admin_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ListModelsResponse:  # noqa: N802
+        assert self.backend.pm is not None
+        return await self._forward("param manager", self.backend.pm.ListModels, request, context, self.config.rpc_timeout_s)
+
+    async def GetCluster(self, request: admin_pb2.GetClusterRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ClusterState:  # noqa: N802
+        assert self.backend.gm is not None
+        return await self._forward("global manager", self.backend.gm.GetCluster, request, context, self.config.rpc_timeout_s)
+
+    async def Scale(self, request: admin_pb2.ScaleRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ScaleResponse:  # noqa: N802
+        assert self.backend.gm is not None
+        timeout_s = None if request.wait else self.config.rpc_timeout_s
+        return await self._forward("global manager", self.backend.gm.Scale, request, context, timeout_s)
+
+    async def SetPolicy(self, request: admin_pb2.SetPolicyRequest, context: grpc.aio.ServicerContext) -> admin_pb2.SetPolicyResponse:  # noqa: N802
+        assert self.backend.gm is not None
+        return await self._forward("global manager", self.backend.gm.SetPolicy, request, context, self.config.rpc_timeout_s)
+
+    async def WatchEvents(  # noqa: N802
+        self, request: admin_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.ClusterEvent]:
+        await self._auth(context)
+        assert self.backend.gm is not None
+        call = self.backend.gm.WatchEvents(request)
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), f"global manager: {e.details()}")
+        finally:
+            # The SDK client went away (or we failed): stop the upstream watch too.
+            call.cancel()

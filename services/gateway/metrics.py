@@ -1,0 +1,53 @@
+"""Prometheus metrics of the gateway, on a registry of their own so tests can make many."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TBT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "blitzmesh_gateway_requests",
+            "Requests by front end and outcome (stop, length, cancelled, invalid, overloaded, ...)",
+            ["api", "outcome"],
+            registry=r,
+        )
+        self.ttft_s = Histogram(
+            "blitzmesh_gateway_ttft_seconds",
+            "Time from admission to the first token sent to the client",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.tbt_s = Histogram(
+            "blitzmesh_gateway_tbt_seconds",
+            "Time between consecutive token messages from the worker, per token",
+            buckets=_TBT_BUCKETS_S,
+            registry=r,
+        )
+        self.queue_wait_s = Histogram(
+            "blitzmesh_gateway_queue_wait_seconds",
+            "Time a request waited for an admission slot",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "blitzmesh_gateway_tokens", "Tokens processed, by kind (prompt, completion)", ["kind"], registry=r
+        )
+        self.in_flight = Gauge("blitzmesh_gateway_in_flight", "Requests holding an admission slot", registry=r)
+        self.queue_depth = Gauge("blitzmesh_gateway_queue_depth", "Requests waiting for a slot", registry=r)
+        self.retries = Counter(
+            "blitzmesh_gateway_retries",
+            "Re-routes after an instance failed before the first token, by gRPC status",
+            ["code"],
+            registry=r,
+        )
+
+    def set_admission(self, in_flight: int, waiting: int) -> None:
+        self.in_flight.set(in_flight)
+        self.queue_depth.set(waiting)

@@ -1,0 +1,342 @@
+"""OpenAI wire format: request bodies -> InferenceRequest (every refusal quotes the value), and
+the response, chunk and error objects of /v1/completions and /v1/chat/completions. No I/O."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from services.gateway.errors import invalid, quote
+from services.gateway.schema import (
+    ChatMessage,
+    InferenceRequest,
+    Sampling,
+    Usage,
+    validate_request,
+    validate_sampling,
+)
+
+Kind = Literal["completion", "chat"]
+
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "stream", "stream_options", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed",
+        "n", "presence_penalty", "frequency_penalty", "logit_bias", "user", "ignore_eos", "stop_token_ids",
+        "logprobs", "metadata", "store", "service_tier",
+    }
+)  # fmt: skip
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix"}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A parsed request: what to generate plus how to answer (stream, usage in the stream)."""
+
+    kind: Kind
+    inference: InferenceRequest
+    stream: bool
+    include_usage: bool
+
+
+# ---- body -> request ---------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; NaN/Infinity are refused (they pass range checks)."""
+    if not raw:
+        raise invalid("the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"the request body is not valid UTF-8 (byte {e.start})") from e
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}: {quote(body)}")
+    return body
+
+
+def parse_completion(body: dict[str, Any], request_id: str) -> OpenAIRequest:
+    """POST /v1/completions."""
+    _check_fields(body, _COMPLETION_FIELDS)
+    _unsupported(body, "best_of", lambda v: v in (None, 1), "only best_of=1 is supported")
+    _unsupported(body, "echo", lambda v: v in (None, False), "echo=true is not supported")
+    _unsupported(body, "suffix", lambda v: v in (None, ""), "suffix is not supported")
+    _unsupported(body, "logprobs", lambda v: v is None, "logprobs are not supported")
+    prompt, prompt_ids = _parse_prompt(body.get("prompt"))
+    return _finish(body, "completion", request_id, "max_tokens", prompt=prompt, prompt_token_ids=prompt_ids)
+
+
+def parse_chat(body: dict[str, Any], request_id: str) -> OpenAIRequest:
+    """POST /v1/chat/completions."""
+    _check_fields(body, _CHAT_FIELDS)
+    _unsupported(body, "logprobs", lambda v: v in (None, False), "logprobs are not supported")
+    _unsupported(body, "top_logprobs", lambda v: v in (None, 0), "top_logprobs are not supported")
+    _unsupported(body, "tools", lambda v: v in (None, []), "tools (function calling) are not supported")
+    _unsupported(body, "tool_choice", lambda v: v in (None, "none"), "tool_choice is not supported")
+    _unsupported(
+        body,
+        "response_format",
+        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+        "only response_format {\"type\": \"text\"} is supported",
+    )
+    messages = _parse_messages(body.get("messages"))
+    param = "max_tokens"
+    if body.get("max_completion_tokens") is not None:
+        # The newer name wins; max_tokens is its deprecated alias.
+        param = "max_completion_tokens"
+    return _finish(body, "chat", request_id, param, messages=messages)
+
+
+def _finish(body: dict[str, Any], kind: Kind, request_id: str, max_tokens_param: str, **inputs: Any) -> OpenAIRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid(f"model must be a non-empty string naming a model from GET /v1/models, got {quote(model)}", "model")
+    n = _int(body, "n")
+    if n is not None and n != 1:
+        raise invalid(f"only n=1 is supported, got n={quote(n)}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name)
+        if value is not None and value != 0:
+            raise invalid(f"{name} is not supported (only 0), got {quote(value)}", name)
+    _unsupported(body, "logit_bias", lambda v: v in (None, {}), "logit_bias is not supported")
+    stream = _bool(body, "stream") or False
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise invalid(f"stream_options is only allowed with stream=true, got {quote(options)}", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+            raise invalid(f"stream_options must be {{\"include_usage\": bool}}, got {quote(options)}", "stream_options")
+        include_usage = _bool(options, "include_usage", "stream_options.include_usage") or False
+    sampling = Sampling(
+        temperature=_number(body, "temperature"),
+        top_p=_number(body, "top_p"),
+        top_k=_int(body, "top_k"),
+        max_tokens=_int(body, max_tokens_param),
+        stop=_parse_stop(body.get("stop")),
+        seed=_int(body, "seed"),
+        stop_token_ids=_int_list(body, "stop_token_ids"),
+        ignore_eos=_bool(body, "ignore_eos") or False,
+    )
+    validate_sampling(sampling, max_tokens_param=max_tokens_param)
+    req = InferenceRequest(model=model, request_id=request_id, sampling=sampling, api="http", **inputs)
+    validate_request(req)
+    return OpenAIRequest(kind, req, stream, include_usage)
+
+
+def _check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise invalid(f"Unrecognized request argument supplied: {', '.join(quote(u) for u in unknown)}", unknown[0])
+
+
+def _unsupported(body: dict[str, Any], name: str, ok: Callable[[Any], bool], why: str) -> None:
+    value = body.get(name)
+    if not ok(value):
+        raise invalid(f"{why}; got {name}={quote(value)}", name)
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass in Python; `true` is not a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(f"{name} must be a number, got {quote(value)}", name)
+    return float(value)
+
+
+def _int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # JSON writers often send 16.0 for 16
+    if not _is_int(value):
+        raise invalid(f"{name} must be an integer, got {quote(value)}", name)
+    return int(value)
+
+
+def _bool(body: dict[str, Any], name: str, param: str | None = None) -> bool | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise invalid(f"{param or name} must be true or false, got {quote(value)}", param or name)
+    return value
+
+
+def _int_list(body: dict[str, Any], name: str) -> tuple[int, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise invalid(f"{name} must be a list of integers, got {quote(value)}", name)
+    return tuple(value)
+
+
+def _parse_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        if not value:
+            raise invalid(f"stop must be a non-empty string or a list of them, got {quote(value)}", "stop")
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)  # count and emptiness are checked by validate_sampling
+    raise invalid(f"stop must be a string or a list of at most 4 strings, got {quote(value)}", "stop")
+
+
+def _parse_prompt(value: Any) -> tuple[str | None, tuple[int, ...]]:
+    """OpenAI allows a string, a token list, or a batch of either; a batch must hold one."""
+    if isinstance(value, str):
+        return value, ()
+    if isinstance(value, list):
+        if value and all(_is_int(v) for v in value):
+            return None, tuple(value)
+        if len(value) == 1 and isinstance(value[0], (str, list)):
+            return _parse_prompt(value[0])
+        if len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+            raise invalid(f"only one prompt per request is supported, got a batch of {len(value)}", "prompt")
+    raise invalid(
+        f"prompt must be a string, a list of token ids, or a one-element list of either, got {quote(value)}", "prompt"
+    )
+
+
+def _parse_messages(value: Any) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise invalid(f"messages must be a non-empty list of {{\"role\", \"content\"}} objects, got {quote(value)}", "messages")
+    out: list[ChatMessage] = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise invalid(f"messages[{i}] must be an object, got {quote(msg)}", f"messages[{i}]")
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise invalid(f"messages[{i}].role must be a string, got {quote(role)}", f"messages[{i}].role")
+        if msg.get("tool_calls"):
+            raise invalid(f"messages[{i}].tool_calls are not supported, got {quote(msg['tool_calls'])}", f"messages[{i}].tool_calls")
+        out.append(ChatMessage(role, _message_text(i, msg.get("content"))))
+    return tuple(out)
+
+
+def _message_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise invalid(
+                    f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": str}} (only text is"
+                    f" supported), got {quote(part)}",
+                    f"messages[{i}].content",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid(
+        f"messages[{i}].content must be a string or a list of text parts, got {quote(content)}", f"messages[{i}].content"
+    )
+
+
+# ---- results -> response objects ---------------------------------------------------------
+
+
+def usage_json(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def full_response(
+    kind: Kind, response_id: str, model: str, created_s: int, text: str, finish_reason: str, usage: Usage
+) -> dict[str, Any]:
+    """The non-streaming answer."""
+    if kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion"
+    return {
+        "id": response_id,
+        "object": obj,
+        "created": created_s,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_json(usage),
+    }
+
+
+def stream_chunk(
+    kind: Kind,
+    response_id: str,
+    model: str,
+    created_s: int,
+    *,
+    text: str | None,
+    finish_reason: str | None,
+    include_usage: bool,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One SSE chunk carrying a text delta and/or the finish reason."""
+    if kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    chunk: dict[str, Any] = {"id": response_id, "object": obj, "created": created_s, "model": model, "choices": [choice]}
+    if include_usage:
+        chunk["usage"] = None  # as OpenAI does: only the last chunk carries usage
+    return chunk
+
+
+def usage_chunk(kind: Kind, response_id: str, model: str, created_s: int, usage: Usage) -> dict[str, Any]:
+    """The last chunk of a stream with include_usage: no choices, the request's usage."""
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    return {
+        "id": response_id,
+        "object": obj,
+        "created": created_s,
+        "model": model,
+        "choices": [],
+        "usage": usage_json(usage),
+    }
+
+
+def sse_event(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = sse_event("[DONE]")

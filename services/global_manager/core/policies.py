@@ -1,0 +1,749 @@
+"""Autoscaling policies: pure `decide(now_s, snapshot) -> ScaleDecision` rules (ALGORITHMS.md 1).
+
+Each policy owns exactly one piece of mutable state, its `CooldownState`, updated when it
+returns a scale decision; everything else comes from the snapshot. `make_policy(name, params)`
+builds one from a name and a plain dict so the manager can switch and tune policies at run time.
+
+Split (prefill/decode) and colocated deployments share the interface: a colocated deployment is
+one pool, and each policy says below how its rule maps onto it. Every policy first repairs pool
+sizes outside [min, max] (a hard bound, not subject to cooldowns), then applies its rule.
+
+Rounding helpers subtract or add 1e-9 before ceil/floor: products such as 30 * 1.2 can land a
+hair above an integer, and ceil must not turn 36.000000000000004 into 37.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .types import ClusterSnapshot, PoolSnapshot, Role, ScaleAction, ScaleDecision
+
+__all__ = [
+    "BlitzScaleBoundsConfig",
+    "BlitzScaleBoundsPolicy",
+    "CooldownState",
+    "HeteroScaleConfig",
+    "HeteroScalePolicy",
+    "LatencyConfig",
+    "LatencyPolicy",
+    "PeriodicConfig",
+    "PeriodicPolicy",
+    "Policy",
+    "ScheduleEntry",
+    "UtilizationConfig",
+    "UtilizationPolicy",
+    "make_policy",
+    "policy_names",
+]
+
+_EPS = 1e-9
+Percentile = Literal["p50", "p99"]
+
+
+def ceil_eps(x: float) -> int:
+    return math.ceil(x - _EPS)
+
+
+def floor_eps(x: float) -> int:
+    return math.floor(x + _EPS)
+
+
+def round_half_up(x: float) -> int:
+    # Python's round() is banker's rounding (round(6.5) == 6); half-up is what readers expect.
+    return math.floor(x + 0.5 + _EPS)
+
+
+def _g(x: float | None) -> str:
+    """Compact number for reason strings (no commas: reasons end up in a CSV column)."""
+    return "none" if x is None else f"{x:.4g}"
+
+
+# ------------------------------------------------------------------------------------------
+# Shared pieces
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CooldownState:
+    """When this policy last decided to scale out and to scale in (seconds, manager clock).
+
+    Two independent timers starting at minus infinity, so the first decision of either kind is
+    never blocked and a scale-out does not delay a scale-in.
+    """
+
+    last_scale_out_s: float = -math.inf
+    last_scale_in_s: float = -math.inf
+
+    def out_ready(self, now_s: float, cooldown_s: float) -> bool:
+        return now_s - self.last_scale_out_s >= cooldown_s
+
+    def in_ready(self, now_s: float, cooldown_s: float) -> bool:
+        return now_s - self.last_scale_in_s >= cooldown_s
+
+    def record(self, decision: ScaleDecision) -> None:
+        if decision.action == "scale_out":
+            self.last_scale_out_s = decision.now_s
+        elif decision.action == "scale_in":
+            self.last_scale_in_s = decision.now_s
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What the manager's control loop and the simulator call once per tick."""
+
+    name: str
+    cooldown: CooldownState
+
+    def decide(self, now_s: float, snapshot: ClusterSnapshot) -> ScaleDecision: ...
+
+
+class _BaseConfig(BaseModel):
+    """Bounds and cooldowns every policy has. Names carry units; the ALGORITHMS.md spellings
+    without units (`scale_out_cooldown`, `tbt_slo`) are accepted as aliases."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    min_instances: int = Field(1, ge=1, description="lower bound of each pool")
+    max_instances: int = Field(100, ge=1, description="upper bound of each pool")
+    allow_zero_prefill: bool = Field(
+        False, description="let the prefill pool shrink to 0 (decode instances then prefill themselves)"
+    )
+    scale_out_cooldown_s: float = Field(
+        180.0, ge=0, validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
+        description="seconds after a scale-out before the next scale-out may be decided",
+    )
+    scale_in_cooldown_s: float = Field(
+        600.0, ge=0, validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
+        description="seconds after a scale-in before the next scale-in may be decided",
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> _BaseConfig:
+        if self.min_instances > self.max_instances:
+            raise ValueError(
+                f"min_instances={self.min_instances!r} must be <= max_instances={self.max_instances!r}"
+            )
+        return self
+
+    def bounds(self, role: Role) -> tuple[int, int]:
+        low = 0 if role is Role.PREFILL and self.allow_zero_prefill else self.min_instances
+        return low, self.max_instances
+
+    def clamp(self, role: Role, count: int) -> int:
+        low, high = self.bounds(role)
+        return min(high, max(low, count))
+
+
+def _roles(snapshot: ClusterSnapshot) -> tuple[Role, ...]:
+    return (Role.PREFILL, Role.DECODE) if snapshot.disaggregated else (Role.COLOCATED,)
+
+
+def _counts(snapshot: ClusterSnapshot) -> dict[Role, int]:
+    return {role: snapshot.pool(role).count for role in _roles(snapshot)}
+
+
+def _make_decision(
+    policy: str,
+    now_s: float,
+    action: ScaleAction,
+    reason: str,
+    before: Mapping[Role, int],
+    after: Mapping[Role, int],
+    extra: Mapping[str, float] | None = None,
+) -> ScaleDecision:
+    if Role.COLOCATED in before:
+        return ScaleDecision(
+            action=action, reason=reason, policy=policy, now_s=now_s,
+            instances_from=before[Role.COLOCATED], instances_to=after[Role.COLOCATED],
+            extra=dict(extra or {}),
+        )
+    return ScaleDecision(
+        action=action, reason=reason, policy=policy, now_s=now_s,
+        prefill_from=before[Role.PREFILL], prefill_to=after[Role.PREFILL],
+        decode_from=before[Role.DECODE], decode_to=after[Role.DECODE],
+        extra=dict(extra or {}),
+    )
+
+
+class _PolicyBase:
+    """Holds the config and cooldowns; subclasses implement `_rule`."""
+
+    name = "base"
+
+    def __init__(self, config: _BaseConfig) -> None:
+        self.config = config
+        self.cooldown = CooldownState()
+
+    def decide(self, now_s: float, snapshot: ClusterSnapshot) -> ScaleDecision:
+        before = _counts(snapshot)
+        repaired = {role: self.config.clamp(role, n) for role, n in before.items()}
+        if repaired != before:
+            # Bounds are hard limits: they apply at once, whatever the cooldowns say.
+            grows = any(repaired[r] > before[r] for r in before)
+            low, high = self.config.min_instances, self.config.max_instances
+            reason = f"BOUNDS: pool sizes outside [{low}..{high}]"
+            decision = _make_decision(self.name, now_s, "scale_out" if grows else "scale_in",
+                                      reason, before, repaired)
+        else:
+            decision = self._rule(now_s, snapshot, before)
+        self.cooldown.record(decision)
+        return decision
+
+    def _rule(self, now_s: float, snapshot: ClusterSnapshot, before: dict[Role, int]) -> ScaleDecision:
+        raise NotImplementedError
+
+    def _apply_mixed(
+        self, now_s: float, before: Mapping[Role, int], wanted: Mapping[Role, int], reason: str,
+        extra: Mapping[str, float] | None = None,
+    ) -> ScaleDecision:
+        """Turn per-pool wishes into a decision, holding back the directions in cooldown.
+
+        Used by rules that judge each pool on its own: a pool may grow only if the scale-out
+        timer allows and shrink only if the scale-in timer allows. The action is scale_out if
+        any pool grows, else scale_in if any shrinks.
+        """
+        cfg = self.config
+        out_ok = self.cooldown.out_ready(now_s, cfg.scale_out_cooldown_s)
+        in_ok = self.cooldown.in_ready(now_s, cfg.scale_in_cooldown_s)
+        after: dict[Role, int] = {}
+        held: list[str] = []
+        for role, cur in before.items():
+            want = cfg.clamp(role, wanted[role])
+            if want > cur and not out_ok:
+                held.append(f"scale_out cooldown until t={_g(self.cooldown.last_scale_out_s + cfg.scale_out_cooldown_s)}")
+                want = cur
+            elif want < cur and not in_ok:
+                held.append(f"scale_in cooldown until t={_g(self.cooldown.last_scale_in_s + cfg.scale_in_cooldown_s)}")
+                want = cur
+            after[role] = want
+        if any(after[r] > before[r] for r in before):
+            action: ScaleAction = "scale_out"
+        elif any(after[r] < before[r] for r in before):
+            action = "scale_in"
+        else:
+            action = "no_change"
+        if held:
+            reason = f"{reason}; COOLDOWN: {' and '.join(sorted(set(held)))}"
+        return _make_decision(self.name, now_s, action, reason, before, after, extra)
+
+
+# ------------------------------------------------------------------------------------------
+# HeteroScale (default)
+# ------------------------------------------------------------------------------------------
+
+
+class HeteroScaleConfig(_BaseConfig):
+    """HeteroScale parameters; defaults are ALGORITHMS.md section 1's."""
+
+    target_decode_tps_per_instance: float = Field(
+        100.0, gt=0, description="decode tokens/s one decode (or colocated) instance should carry"
+    )
+    pd_ratio: float = Field(
+        0.33, gt=0, le=1, description="prefill instances per decode instance (0.33 = 1:3)"
+    )
+    scale_out_threshold: float = Field(0.1, ge=0, description="scale out when need/current > 1 + this")
+    scale_in_threshold: float = Field(0.1, ge=0, lt=1, description="scale in when need/current < 1 - this")
+    enable_latency_trigger: bool = Field(True, description="grow both pools when TBT breaks the panic line")
+    tbt_slo_s: float = Field(
+        0.1, gt=0, validation_alias=AliasChoices("tbt_slo_s", "tbt_slo"), description="TBT objective, seconds"
+    )
+    tbt_percentile: Percentile = Field("p50", description="which window TBT percentile the trigger reads")
+    latency_panic_threshold: float = Field(1.2, gt=0, description="panic when TBT > tbt_slo_s * this")
+    latency_panic_scale_factor: float = Field(
+        1.2, ge=1, description="panic grows each pool to max(cur + 1, ceil(cur * this))"
+    )
+    rounding: Literal["ceil", "floor", "round"] = Field(
+        "ceil",
+        description="ceil/floor: prefill = f(P_exp), decode = prefill * round(1/pd_ratio) (seed formula); "
+        "round: each pool rounded half-up on its own (reference simulator)",
+    )
+
+
+class HeteroScalePolicy(_PolicyBase):
+    """Coordinated P/D scaling on decode TPS with a TBT safety net (ALGORITHMS.md 1, steps 1-3).
+
+    Colocated mapping: one pool of N instances, each both prefilling and decoding.
+    need = tps / target; ratio = need / N; scale out if ratio > 1 + theta_out, in if
+    ratio < 1 - theta_in; desired = rounding(need) (ceil by default), clamped to [min, max].
+    The latency panic grows N to max(N + 1, ceil(N * factor)). Cooldowns as in the split case.
+    """
+
+    name = "heteroscale"
+    config: HeteroScaleConfig
+
+    def __init__(self, config: HeteroScaleConfig | None = None) -> None:
+        super().__init__(config or HeteroScaleConfig())
+
+    def _rule(self, now_s: float, snapshot: ClusterSnapshot, before: dict[Role, int]) -> ScaleDecision:
+        cfg = self.config
+        tbt_s = snapshot.token_pool.tbt_s(cfg.tbt_percentile)
+        panic_line_s = cfg.tbt_slo_s * cfg.latency_panic_threshold
+        out_ok = self.cooldown.out_ready(now_s, cfg.scale_out_cooldown_s)
+        in_ok = self.cooldown.in_ready(now_s, cfg.scale_in_cooldown_s)
+        out_until_s = self.cooldown.last_scale_out_s + cfg.scale_out_cooldown_s
+        in_until_s = self.cooldown.last_scale_in_s + cfg.scale_in_cooldown_s
+
+        # Step 1: latency panic. Blocked by the scale-out cooldown, it falls through to step 2.
+        note = ""
+        if cfg.enable_latency_trigger and tbt_s is not None and tbt_s > panic_line_s:
+            panic_reason = f"LATENCY_PANIC: tbt={_g(tbt_s)}s > {_g(panic_line_s)}s"
+            if out_ok:
+                factor = cfg.latency_panic_scale_factor
+                after = {r: cfg.clamp(r, max(n + 1, ceil_eps(n * factor))) for r, n in before.items()}
+                if after != before:
+                    return _make_decision(self.name, now_s, "scale_out", panic_reason, before, after,
+                                          {"tbt_s": tbt_s})
+                note = f"{panic_reason} but every pool is at max_instances={cfg.max_instances}; "
+            else:
+                note = f"{panic_reason} held by scale_out cooldown until t={_g(out_until_s)}; "
+
+        # Step 2: proportional control on decode TPS.
+        tps = snapshot.decode_tps
+        need = tps / cfg.target_decode_tps_per_instance
+        current = sum(before.values())
+        ratio = need / current if current > 0 else math.inf
+        extra = {"decode_tps": tps, "need": need, "ratio": ratio}
+        facts = f"ratio={_g(ratio)} need={_g(need)} decode_tps={_g(tps)}"
+        hi_line, lo_line = 1 + cfg.scale_out_threshold, 1 - cfg.scale_in_threshold
+        if ratio > hi_line:
+            action: ScaleAction = "scale_out"
+            reason = f"{note}SCALE_OUT: {facts} > {_g(hi_line)}"
+            allowed, until_s = out_ok, out_until_s
+        elif ratio < lo_line:
+            action = "scale_in"
+            reason = f"{note}SCALE_IN: {facts} < {_g(lo_line)}"
+            allowed, until_s = in_ok, in_until_s
+        else:
+            reason = f"{note}IN_BAND: {facts} within {_g(lo_line)}..{_g(hi_line)}"
+            return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
+
+        if not allowed:
+            reason = f"{reason}; COOLDOWN: {action} held until t={_g(until_s)}"
+            return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
+        after = self._targets(need, snapshot.disaggregated)
+        if after == before:
+            reason = f"{reason}; AT_BOUNDS: pools already at the clamped target"
+            return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
+        return _make_decision(self.name, now_s, action, reason, before, after, extra)
+
+    def _targets(self, need: float, disaggregated: bool) -> dict[Role, int]:
+        cfg = self.config
+        if not disaggregated:
+            rounder = {"ceil": ceil_eps, "floor": floor_eps, "round": round_half_up}[cfg.rounding]
+            return {Role.COLOCATED: cfg.clamp(Role.COLOCATED, rounder(need))}
+        parts = 1 + 1 / cfg.pd_ratio
+        p_exp = need / parts
+        d_exp = p_exp / cfg.pd_ratio
+        if cfg.rounding == "round":
+            prefill, decode = round_half_up(p_exp), round_half_up(d_exp)
+        else:
+            prefill = ceil_eps(p_exp) if cfg.rounding == "ceil" else floor_eps(p_exp)
+            # pd_ratio <= 1 is validated, so the multiplier is at least 1.
+            decode = prefill * round_half_up(1 / cfg.pd_ratio)
+        return {Role.PREFILL: cfg.clamp(Role.PREFILL, prefill), Role.DECODE: cfg.clamp(Role.DECODE, decode)}
+
+
+# ------------------------------------------------------------------------------------------
+# Utilization (Kubernetes HPA style)
+# ------------------------------------------------------------------------------------------
+
+
+class UtilizationConfig(_BaseConfig):
+    """HPA-style rule. Cooldown defaults are HPA's: scale up at once, 300 s before scaling down."""
+
+    scale_out_cooldown_s: float = Field(
+        0.0, ge=0, validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
+        description="seconds after a scale-out before the next scale-out may be decided",
+    )
+    scale_in_cooldown_s: float = Field(
+        300.0, ge=0, validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
+        description="seconds after a scale-in before the next scale-in may be decided",
+    )
+    target_utilization: float = Field(0.7, gt=0, le=1, description="utilization each pool is sized for")
+    scale_out_ratio: float = Field(1.1, ge=1, description="scale out if any pool's util/target exceeds this")
+    scale_in_ratio: float = Field(0.9, gt=0, le=1, description="scale in only if every pool's util/target is below this")
+    prefill_metric: Literal["kv", "tps"] = Field("tps", description="prefill pool utilization: KV use or prefill TPS / capacity")
+    decode_metric: Literal["kv", "tps"] = Field("kv", description="decode pool utilization: KV use or decode TPS / capacity")
+    colocated_metric: Literal["kv", "tps"] = Field("kv", description="colocated pool utilization")
+    prefill_capacity_tps_per_instance: float = Field(10000.0, gt=0, description="prefill tokens/s one instance can do (tps metric)")
+    decode_capacity_tps_per_instance: float = Field(100.0, gt=0, description="decode tokens/s one instance can do (tps metric)")
+
+
+class UtilizationPolicy(_PolicyBase):
+    """Each pool wants ceil(reporting * util / target); out if any pool's util/target > 1.1,
+    in only if all are < 0.9 (ALGORITHMS.md 1, other policies).
+
+    Utilization is measured on the instances that reported in the window, and the wish is
+    compared with the pool count that includes LOADING ones: capacity already on its way is not
+    ordered again while it loads. "tps" utilization is TPS / (reporting * capacity per instance);
+    "kv" is KV blocks used / total. Colocated: the one pool with `colocated_metric`.
+    """
+
+    name = "utilization"
+    config: UtilizationConfig
+
+    def __init__(self, config: UtilizationConfig | None = None) -> None:
+        super().__init__(config or UtilizationConfig())
+
+    def _utilization(self, pool: PoolSnapshot) -> tuple[float, int] | None:
+        cfg = self.config
+        metric = {Role.PREFILL: cfg.prefill_metric, Role.DECODE: cfg.decode_metric,
+                  Role.COLOCATED: cfg.colocated_metric}[pool.role]
+        base = pool.instances_reporting
+        if base == 0:
+            return None
+        if metric == "kv":
+            util = pool.kv_utilization
+            return None if util is None else (util, base)
+        if pool.role is Role.PREFILL:
+            return pool.prefill_tps / (base * cfg.prefill_capacity_tps_per_instance), base
+        return pool.decode_tps / (base * cfg.decode_capacity_tps_per_instance), base
+
+    def _rule(self, now_s: float, snapshot: ClusterSnapshot, before: dict[Role, int]) -> ScaleDecision:
+        cfg = self.config
+        measured = {role: self._utilization(snapshot.pool(role)) for role in before}
+        ratios = {role: (m[0] / cfg.target_utilization if m else None) for role, m in measured.items()}
+        facts = " ".join(f"{role.value.lower()}_ratio={_g(r)}" for role, r in ratios.items())
+        extra = {f"{role.value.lower()}_ratio": r for role, r in ratios.items() if r is not None}
+
+        def wish(role: Role) -> int:
+            m, r = measured[role], ratios[role]
+            assert m is not None and r is not None
+            return ceil_eps(m[1] * r)
+
+        hot = [role for role, r in ratios.items() if r is not None and r > cfg.scale_out_ratio]
+        if hot:
+            wanted = {role: max(before[role], wish(role)) if role in hot else before[role] for role in before}
+            return self._apply_mixed(now_s, before, wanted, f"UTIL_HIGH: {facts} > {_g(cfg.scale_out_ratio)}", extra)
+        if all(r is not None and r < cfg.scale_in_ratio for r in ratios.values()):
+            wanted = {role: min(before[role], wish(role)) for role in before}
+            return self._apply_mixed(now_s, before, wanted, f"UTIL_LOW: {facts} < {_g(cfg.scale_in_ratio)}", extra)
+        reason = f"IN_BAND: {facts}" if all(r is not None for r in ratios.values()) else f"NO_DATA: {facts}"
+        return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
+
+
+# ------------------------------------------------------------------------------------------
+# Latency
+# ------------------------------------------------------------------------------------------
+
+
+class LatencyConfig(_BaseConfig):
+    """Step rule on TBT; cooldowns default to HeteroScale's so the two compare on the rule alone."""
+
+    tbt_slo_s: float = Field(
+        0.1, gt=0, validation_alias=AliasChoices("tbt_slo_s", "tbt_slo"), description="TBT objective, seconds"
+    )
+    tbt_percentile: Percentile = Field("p50", description="which window TBT percentile is compared")
+    scale_out_above: float = Field(1.1, gt=0, description="add instances when TBT > tbt_slo_s * this")
+    scale_in_below: float = Field(0.8, gt=0, description="remove instances when TBT < tbt_slo_s * this")
+    step_out: int = Field(2, ge=1, description="instances added per pool")
+    step_in: int = Field(1, ge=1, description="instances removed per pool")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> LatencyConfig:
+        if self.scale_in_below >= self.scale_out_above:
+            raise ValueError(
+                f"scale_in_below={self.scale_in_below!r} must be < scale_out_above={self.scale_out_above!r}"
+            )
+        return self
+
+
+class LatencyPolicy(_PolicyBase):
+    """TBT > 1.1 SLO adds 2 to each pool, TBT < 0.8 SLO removes 1 from each pool.
+
+    TBT is the token pool's (decode, or colocated). Colocated: the one pool moves by the steps.
+    No TBT in the window (no traffic) is not evidence of slack, so it changes nothing.
+    """
+
+    name = "latency"
+    config: LatencyConfig
+
+    def __init__(self, config: LatencyConfig | None = None) -> None:
+        super().__init__(config or LatencyConfig())
+
+    def _rule(self, now_s: float, snapshot: ClusterSnapshot, before: dict[Role, int]) -> ScaleDecision:
+        cfg = self.config
+        tbt_s = snapshot.token_pool.tbt_s(cfg.tbt_percentile)
+        high_s, low_s = cfg.tbt_slo_s * cfg.scale_out_above, cfg.tbt_slo_s * cfg.scale_in_below
+        extra = {} if tbt_s is None else {"tbt_s": tbt_s}
+        if tbt_s is not None and tbt_s > high_s:
+            wanted = {role: n + cfg.step_out for role, n in before.items()}
+            return self._apply_mixed(now_s, before, wanted, f"TBT_HIGH: tbt={_g(tbt_s)}s > {_g(high_s)}s", extra)
+        if tbt_s is not None and tbt_s < low_s:
+            wanted = {role: n - cfg.step_in for role, n in before.items()}
+            return self._apply_mixed(now_s, before, wanted, f"TBT_LOW: tbt={_g(tbt_s)}s < {_g(low_s)}s", extra)
+        reason = "NO_DATA: no TBT in window" if tbt_s is None else (
+            f"IN_BAND: tbt={_g(tbt_s)}s within {_g(low_s)}..{_g(high_s)}s")
+        return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
+
+
+# ------------------------------------------------------------------------------------------
+# Periodic
+# ------------------------------------------------------------------------------------------
+
+_HHMM = re.compile(r"^(\d{1,2}):(\d{2})(?::(\d{2}))?$")
+
+
+class ScheduleEntry(BaseModel):
+    """From `at_s` seconds into the period (or "HH:MM[:SS]") until the next entry, these sizes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    at_s: float = Field(validation_alias=AliasChoices("at_s", "at"), ge=0, description="start, seconds into the period")
+    prefill: int | None = Field(None, ge=0, description="prefill pool size (split deployments)")
+    decode: int | None = Field(None, ge=0, description="decode pool size (split deployments)")
+    instances: int | None = Field(None, ge=0, description="pool size (colocated deployments)")
+
+    @field_validator("at_s", mode="before")
+    @classmethod
+    def _parse_clock(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            match = _HHMM.match(value.strip())
+            if not match:
+                raise ValueError(f"schedule time {value!r} is not HH:MM or HH:MM:SS")
+            hours, minutes, seconds = (int(g or 0) for g in match.groups())
+            if hours > 23 or minutes > 59 or seconds > 59:
+                raise ValueError(f"schedule time {value!r} is not a valid time of day")
+            return hours * 3600 + minutes * 60 + seconds
+        return value
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> ScheduleEntry:
+        split = self.prefill is not None and self.decode is not None
+        single = self.instances is not None
+        if split == single or (not split and (self.prefill is not None or self.decode is not None)):
+            raise ValueError(
+                "schedule entry needs prefill and decode (split) or instances (colocated), got "
+                f"prefill={self.prefill!r} decode={self.decode!r} instances={self.instances!r}"
+            )
+        return self
+
+
+class PeriodicConfig(_BaseConfig):
+    """A daily (or `period_s`) schedule; sizes still pass through [min, max] and cooldowns."""
+
+    scale_out_cooldown_s: float = Field(
+        0.0, ge=0, validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
+        description="seconds after a scale-out before the next scale-out may be decided",
+    )
+    scale_in_cooldown_s: float = Field(
+        0.0, ge=0, validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
+        description="seconds after a scale-in before the next scale-in may be decided",
+    )
+    schedule: tuple[ScheduleEntry, ...] = Field(min_length=1, description="entries, any order")
+    period_s: float = Field(86400.0, gt=0, description="length of the cycle (a day; shorter in simulations)")
+    period_start_s: float = Field(0.0, description="the now_s at which a period starts (midnight)")
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> PeriodicConfig:
+        starts = [e.at_s for e in self.schedule]
+        if len(set(starts)) != len(starts):
+            raise ValueError(f"schedule has two entries starting at the same time: {sorted(starts)!r}")
+        if max(starts) >= self.period_s:
+            raise ValueError(f"schedule entry at_s={max(starts)!r} is not inside period_s={self.period_s!r}")
+        kinds = {e.instances is None for e in self.schedule}
+        if len(kinds) > 1:
+            raise ValueError("schedule mixes split (prefill/decode) and colocated (instances) entries")
+        return self
+
+    @field_validator("schedule", mode="after")
+    @classmethod
+    def _sort_schedule(cls, schedule: tuple[ScheduleEntry, ...]) -> tuple[ScheduleEntry, ...]:
+        # Sorted once here so entry_at() can stop at the first later start.
+        return tuple(sorted(schedule, key=lambda e: e.at_s))
+
+
+class PeriodicPolicy(_PolicyBase):
+    """Pool sizes by time of day: the entry in force is the last one starting at or before the
+    current point of the period, wrapping to the last entry before the first start.
+
+    Colocated deployments use `instances` entries; a schedule of the other kind changes nothing
+    and says so in the reason.
+    """
+
+    name = "periodic"
+    config: PeriodicConfig
+
+    def __init__(self, config: PeriodicConfig) -> None:
+        super().__init__(config)
+
+    def entry_at(self, now_s: float) -> ScheduleEntry:
+        cfg = self.config
+        offset_s = (now_s - cfg.period_start_s) % cfg.period_s
+        current = cfg.schedule[-1]
+        for entry in cfg.schedule:
+            if entry.at_s <= offset_s:
+                current = entry
+            else:
+                break
+        return current
+
+    def _rule(self, now_s: float, snapshot: ClusterSnapshot, before: dict[Role, int]) -> ScaleDecision:
+        entry = self.entry_at(now_s)
+        at = _g(entry.at_s)
+        if snapshot.disaggregated != (entry.instances is None):
+            kind = "split" if snapshot.disaggregated else "colocated"
+            reason = f"SCHEDULE_MISMATCH: deployment is {kind} but the schedule is not"
+            return _make_decision(self.name, now_s, "no_change", reason, before, before)
+        if entry.instances is not None:
+            wanted = {Role.COLOCATED: entry.instances}
+            reason = f"SCHEDULE: entry at_s={at} wants instances={entry.instances}"
+        else:
+            assert entry.prefill is not None and entry.decode is not None
+            wanted = {Role.PREFILL: entry.prefill, Role.DECODE: entry.decode}
+            reason = f"SCHEDULE: entry at_s={at} wants prompt={entry.prefill} token={entry.decode}"
+        return self._apply_mixed(now_s, before, wanted, reason)
+
+
+# ------------------------------------------------------------------------------------------
+# BlitzScale bounds
+# ------------------------------------------------------------------------------------------
+
+
+class BlitzScaleBoundsConfig(_BaseConfig):
+    """Keep KV use and queued prefill work inside bands. Cooldowns default to 0: growth targets
+    an absolute size (idempotent while instances load) and shrinking is one per step."""
+
+    scale_out_cooldown_s: float = Field(
+        0.0, ge=0, validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
+        description="seconds after a scale-out before the next scale-out may be decided",
+    )
+    scale_in_cooldown_s: float = Field(
+        0.0, ge=0, validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
+        description="seconds after a scale-in before the next scale-in may be decided",
+    )
+    kv_low: float = Field(0.75, gt=0, lt=1, description="decode KV use below this removes one replica")
+    kv_high: float = Field(0.95, gt=0, le=1, description="decode KV use above this grows to the band middle")
+    prefill_low: float = Field(0.5, gt=0, description="prefill load below this removes one replica")
+    prefill_high: float = Field(0.8, gt=0, description="prefill load above this grows to the band middle")
+    kv_blocks_per_replica: int | None = Field(
+        None, ge=1, description="KV blocks of one replica; None infers it from the window's reports"
+    )
+    prefill_tps_per_replica: float = Field(
+        10000.0, gt=0, description="prefill tokens/s one replica sustains (measure it for your model)"
+    )
+
+    @model_validator(mode="after")
+    def _check_bands(self) -> BlitzScaleBoundsConfig:
+        if self.kv_low >= self.kv_high:
+            raise ValueError(f"kv_low={self.kv_low!r} must be < kv_high={self.kv_high!r}")
+        if self.prefill_low >= self.prefill_high:
+            raise ValueError(f"prefill_low={self.prefill_low!r} must be < prefill_high={self.prefill_high!r}")
+        return self
+
+
+class BlitzScaleBoundsPolicy(_PolicyBase):
+    """BlitzScale's bounds (ALGORITHMS.md 1, other policies).
+
+    Decode: util = KV blocks used / (D * blocks per replica). Above kv_high, D grows to
+    ceil(used / (blocks per replica * band middle)); below kv_low, D drops by one.
+    Prefill: load = waiting prefill tokens / (P * prefill tokens/s per replica) (seconds of queued
+    work per replica). Above prefill_high, P grows to ceil(waiting / (tps * middle)); below
+    prefill_low, P drops by one. Never below one (or the configured minimum).
+    We also refuse a one-step shrink that would land above the upper bound, which would only
+    bounce back on the next tick.
+    Colocated: both rules judge the one pool; it grows to the larger wish and shrinks only if
+    both rules want it smaller.
+    """
+
+    name = "blitzscale_bounds"
+    config: BlitzScaleBoundsConfig
+
+    def __init__(self, config: BlitzScaleBoundsConfig | None = None) -> None:
+        super().__init__(config or BlitzScaleBoundsConfig())
+
+    def _kv_wish(self, pool: PoolSnapshot, cur: int) -> tuple[int, str] | None:
+        cfg = self.config
+        per_replica = cfg.kv_blocks_per_replica or pool.kv_blocks_per_instance
+        if per_replica is None or cur == 0:
+            return None
+        used = pool.kv_blocks_used
+        util = used / (cur * per_replica)
+        middle = (cfg.kv_low + cfg.kv_high) / 2
+        fact = f"kv={_g(util)}"
+        if util > cfg.kv_high:
+            return max(cur, ceil_eps(used / (per_replica * middle))), f"{fact} > {_g(cfg.kv_high)}"
+        if util < cfg.kv_low and cur > 1 and used / ((cur - 1) * per_replica) <= cfg.kv_high:
+            return cur - 1, f"{fact} < {_g(cfg.kv_low)}"
+        return cur, fact
+
+    def _prefill_wish(self, pool: PoolSnapshot, cur: int) -> tuple[int, str] | None:
+        cfg = self.config
+        if cur == 0:
+            return None
+        waiting = pool.waiting_prefill_tokens
+        per_replica = cfg.prefill_tps_per_replica
+        load = waiting / (cur * per_replica)
+        middle = (cfg.prefill_low + cfg.prefill_high) / 2
+        fact = f"prefill_load={_g(load)}"
+        if load > cfg.prefill_high:
+            return max(cur, ceil_eps(waiting / (per_replica * middle))), f"{fact} > {_g(cfg.prefill_high)}"
+        if load < cfg.prefill_low and cur > 1 and waiting / ((cur - 1) * per_replica) <= cfg.prefill_high:
+            return cur - 1, f"{fact} < {_g(cfg.prefill_low)}"
+        return cur, fact
+
+    def _rule(self, now_s: float, snapshot: ClusterSnapshot, before: dict[Role, int]) -> ScaleDecision:
+        wanted = dict(before)
+        facts: list[str] = []
+        if snapshot.disaggregated:
+            for role, judge in ((Role.DECODE, self._kv_wish), (Role.PREFILL, self._prefill_wish)):
+                wish = judge(snapshot.pool(role), before[role])
+                if wish is None:
+                    facts.append(f"{role.value.lower()}: no data")
+                else:
+                    wanted[role] = wish[0]
+                    facts.append(wish[1])
+        else:
+            pool, cur = snapshot.colocated, before[Role.COLOCATED]
+            wishes = [w for w in (self._kv_wish(pool, cur), self._prefill_wish(pool, cur)) if w is not None]
+            facts = [w[1] for w in wishes] or ["no data"]
+            if any(w[0] > cur for w in wishes):
+                wanted[Role.COLOCATED] = max(w[0] for w in wishes)
+            elif wishes and all(w[0] < cur for w in wishes):
+                wanted[Role.COLOCATED] = cur - 1
+        reason = f"BOUNDS_RULE: {' '.join(facts)}"
+        return self._apply_mixed(now_s, before, wanted, reason)
+
+
+# ------------------------------------------------------------------------------------------
+# Registry
+# ------------------------------------------------------------------------------------------
+
+_POLICIES: dict[str, tuple[type[_BaseConfig], Callable[[Any], _PolicyBase]]] = {
+    HeteroScalePolicy.name: (HeteroScaleConfig, HeteroScalePolicy),
+    UtilizationPolicy.name: (UtilizationConfig, UtilizationPolicy),
+    LatencyPolicy.name: (LatencyConfig, LatencyPolicy),
+    PeriodicPolicy.name: (PeriodicConfig, PeriodicPolicy),
+    BlitzScaleBoundsPolicy.name: (BlitzScaleBoundsConfig, BlitzScaleBoundsPolicy),
+}
+
+
+def policy_names() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
+    """Build a policy by name from plain parameters (a config file section or an Admin RPC).
+
+    Raises ValueError naming the policy and quoting every bad parameter and value.
+    """
+    key = name.strip().lower().replace("-", "_")
+    if key not in _POLICIES:
+        raise ValueError(f"unknown autoscaling policy {name!r}; known: {', '.join(policy_names())}")
+    config_cls, policy_cls = _POLICIES[key]
+    try:
+        config = config_cls.model_validate(dict(params or {}))
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(params)'}: {e['msg']} (got {e.get('input')!r})"
+            for e in err.errors()
+        )
+        raise ValueError(f"invalid parameters for policy {key!r}: {problems}") from err
+    policy: Policy = policy_cls(config)
+    return policy

@@ -1,0 +1,146 @@
+"""Adapter between worker messages (protobuf) and the pure core's registry.
+
+Workers are the source of truth for their own state; the registry follows what they report,
+through legal transitions, and rebuilds itself from re-registration after a restart.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from blitzmesh.v1 import common_pb2
+from services.global_manager.core.router import Registry, is_legal_transition
+from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
+
+log = structlog.get_logger(__name__)
+
+STATE_FROM_PROTO = {
+    common_pb2.INSTANCE_STATE_IDLE: InstanceState.IDLE,
+    common_pb2.INSTANCE_STATE_LOADING: InstanceState.LOADING,
+    common_pb2.INSTANCE_STATE_SERVING: InstanceState.SERVING,
+    common_pb2.INSTANCE_STATE_DRAINING: InstanceState.DRAINING,
+    common_pb2.INSTANCE_STATE_LOST: InstanceState.LOST,
+}
+STATE_TO_PROTO = {v: k for k, v in STATE_FROM_PROTO.items()}
+ROLE_FROM_PROTO = {
+    common_pb2.INSTANCE_ROLE_UNSPECIFIED: Role.COLOCATED,
+    common_pb2.INSTANCE_ROLE_COLOCATED: Role.COLOCATED,
+    common_pb2.INSTANCE_ROLE_PREFILL: Role.PREFILL,
+    common_pb2.INSTANCE_ROLE_DECODE: Role.DECODE,
+}
+ROLE_TO_PROTO = {
+    Role.COLOCATED: common_pb2.INSTANCE_ROLE_COLOCATED,
+    Role.PREFILL: common_pb2.INSTANCE_ROLE_PREFILL,
+    Role.DECODE: common_pb2.INSTANCE_ROLE_DECODE,
+}
+
+
+def sample_from_proto(instance_id: str, now_s: float, load: common_pb2.LoadReport) -> LoadSample:
+    # A worker reports 0 latency when it observed none; the core wants None for "no observation".
+    def opt(v: float) -> float | None:
+        return v if v > 0 else None
+
+    return LoadSample(
+        instance_id=instance_id,
+        now_s=now_s,
+        decode_tps=load.decode_tps,
+        prefill_tps=load.prefill_tps,
+        ttft_p50_s=opt(load.ttft_p50_s),
+        ttft_p99_s=opt(load.ttft_p99_s),
+        tbt_p50_s=opt(load.tbt_p50_s),
+        tbt_p99_s=opt(load.tbt_p99_s),
+        running=load.running,
+        waiting=load.waiting,
+        waiting_prefill_tokens=load.waiting_prefill_tokens,
+        kv_blocks_used=load.kv_blocks_used,
+        kv_blocks_total=load.kv_blocks_total,
+    )
+
+
+class InstanceTable:
+    """The registry plus what only the adapter needs: each instance's addresses."""
+
+    def __init__(self) -> None:
+        self.registry = Registry()
+        self.addresses: dict[str, str] = {}
+        self.dataplane: dict[str, tuple[bytes, str]] = {}
+
+    def upsert(self, info: common_pb2.InstanceInfo, now_s: float) -> InstanceView:
+        """Register (or re-register) a worker in the state it reports."""
+        iid = info.instance_id
+        state = STATE_FROM_PROTO.get(info.state, InstanceState.IDLE)
+        if iid in self.registry:
+            self.registry.mark_lost(iid)
+            self.registry.remove(iid)
+        view = self.registry.register(
+            iid,
+            model=info.model_id,
+            role=ROLE_FROM_PROTO[info.role],
+            host=info.host,
+            # An idle worker holds no model; the core counts layers against at least one.
+            num_layers=max(info.num_layers, 1),
+            now_s=now_s,
+            state=state,
+            layers_loaded=min(info.layers_loaded, max(info.num_layers, 1)),
+        )
+        self.addresses[iid] = info.address
+        self.dataplane[iid] = (info.dataplane_address, info.dataplane_kind)
+        return view
+
+    def follow(
+        self, iid: str, state: InstanceState, model: str, layers_loaded: int, num_layers: int
+    ) -> InstanceView:
+        """Bring the registry to the state a worker reports, via legal transitions."""
+        view = self.registry.get(iid)
+        if view.state is state:
+            if state is InstanceState.LOADING and layers_loaded > view.layers_loaded:
+                return self.registry.set_layers_loaded(iid, min(layers_loaded, view.num_layers))
+            return view
+        if is_legal_transition(view.state, state):
+            kwargs = {}
+            if view.state is InstanceState.IDLE and state is InstanceState.LOADING:
+                kwargs = {"model": model, "num_layers": max(num_layers, 1)}
+            return self.registry.transition(iid, state, **kwargs)
+        # A jump the state machine does not allow (a missed heartbeat, a failed load going back
+        # to IDLE): write the old view off and take the worker's word for where it is now.
+        log.info("instance_resync", instance_id=iid, registry=view.state.value, reported=state.value)
+        self.registry.mark_lost(iid)
+        self.registry.remove(iid)
+        return self.registry.register(
+            iid, model=model, role=view.role, host=view.host, num_layers=max(num_layers, 1),
+            now_s=view.last_heartbeat_s, state=state, layers_loaded=min(layers_loaded, max(num_layers, 1)),
+        )
+
+    def to_proto(self, view: InstanceView, now_s: float) -> common_pb2.InstanceInfo:
+        load = view.load
+        dp_addr, dp_kind = self.dataplane.get(view.instance_id, (b"", ""))
+        info = common_pb2.InstanceInfo(
+            instance_id=view.instance_id,
+            address=self.addresses.get(view.instance_id, ""),
+            host=view.host,
+            model_id=view.model,
+            state=STATE_TO_PROTO[view.state],
+            role=ROLE_TO_PROTO[view.role],
+            layers_loaded=view.layers_loaded,
+            num_layers=view.num_layers if view.model else 0,
+            dataplane_address=dp_addr,
+            dataplane_kind=dp_kind,
+            last_heartbeat_age_s=max(0.0, now_s - view.last_heartbeat_s),
+        )
+        if load is not None:
+            info.load.CopyFrom(
+                common_pb2.LoadReport(
+                    decode_tps=load.decode_tps,
+                    prefill_tps=load.prefill_tps,
+                    ttft_p50_s=load.ttft_p50_s or 0.0,
+                    ttft_p99_s=load.ttft_p99_s or 0.0,
+                    tbt_p50_s=load.tbt_p50_s or 0.0,
+                    tbt_p99_s=load.tbt_p99_s or 0.0,
+                    running=load.running,
+                    waiting=load.waiting,
+                    waiting_prefill_tokens=load.waiting_prefill_tokens,
+                    kv_blocks_used=load.kv_blocks_used,
+                    kv_blocks_total=load.kv_blocks_total,
+                )
+            )
+        return info

@@ -1,0 +1,45 @@
+"""Worker configuration."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field, model_validator
+
+from services.common.config import ServiceConfig
+
+
+class WorkerConfig(ServiceConfig):
+    instance_id: str = Field("", description="unique instance id; empty = worker-<pid>")
+    topology_host: str = Field("host-0", description="host (topology node) this worker runs on")
+    role: str = Field("colocated", pattern="^(colocated|prefill|decode)$", description="serving role")
+    global_manager: str = Field("", description="global manager address; empty runs standalone")
+    param_manager: str = Field("", description="parameter manager address (weights come only from it)")
+    preload_model: str = Field("", description="load this model at start (standalone use and tests)")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period")
+    max_batch_size: int = Field(32, gt=0, description="most requests in one engine iteration")
+    max_num_tokens: int = Field(1024, gt=0, description="most tokens (prefill + decode) in one iteration")
+    block_size: int = Field(16, gt=0, description="tokens per KV block")
+    kv_cache_tokens: int = Field(32768, gt=0, description="KV cache capacity in tokens")
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
+    step_time_a_s: float | None = Field(None, ge=0, description="emulated accelerator: fixed step time")
+    step_time_b_s: float | None = Field(None, ge=0, description="emulated accelerator: step time per batch token")
+    load_timeout_s: float = Field(300.0, gt=0, description="give up a parameter load after this long")
+
+    @model_validator(mode="after")
+    def _check(self) -> "WorkerConfig":
+        if self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens={self.kv_cache_tokens} is smaller than one block (block_size={self.block_size})"
+            )
+        if (self.step_time_a_s is None) != (self.step_time_b_s is None):
+            raise ValueError(
+                f"set both step_time_a_s and step_time_b_s or neither, got {self.step_time_a_s!r}, {self.step_time_b_s!r}"
+            )
+        if self.preload_model and not self.param_manager:
+            raise ValueError(f"preload_model={self.preload_model!r} needs param_manager (weights come only from it)")
+        return self
+
+    @property
+    def resolved_instance_id(self) -> str:
+        return self.instance_id or f"worker-{os.getpid()}"

@@ -1,0 +1,153 @@
+"""Reader of HF-layout checkpoint directories, one parameter group at a time.
+
+Tensors are read through `safetensors.safe_open` (memory-mapped), so at most one group is
+materialised at once, whatever the size of the shard files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.worker.model.config import LlamaConfig
+from services.worker.model.groups import (
+    LM_HEAD_WEIGHT,
+    group_of,
+    group_tensor_shapes,
+    param_groups,
+)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+# Buffers some older exports carry; they are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is incomplete or does not match its config."""
+
+
+def load_config(path: str | Path) -> LlamaConfig:
+    """Read and validate `config.json` of a checkpoint directory."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint config not found: {str(file)!r}")
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{str(file)!r} is not valid JSON: {exc}") from exc
+    try:
+        return LlamaConfig.from_hf_dict(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{str(file)!r}: {exc}") from exc
+
+
+class Checkpoint:
+    """An HF checkpoint directory: its config and where each tensor lives."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"checkpoint directory not found: {str(self.path)!r}")
+        self.config = load_config(self.path)
+        self._locations = self._index_tensors()
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """Path of `tokenizer.json` (FileNotFoundError when absent)."""
+        file = self.path / TOKENIZER_FILE
+        if not file.is_file():
+            raise FileNotFoundError(f"tokenizer not found: {str(file)!r}")
+        return file
+
+    def _index_tensors(self) -> dict[str, Path]:
+        """Map tensor name -> shard file, from the index when sharded, else from file headers."""
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{str(index)!r} has no valid weight_map: {exc!r}") from exc
+            locations = {name: self.path / file for name, file in weight_map.items()}
+            for file in sorted(set(locations.values())):
+                if not file.is_file():
+                    raise CheckpointError(f"shard {str(file)!r} named in {str(index)!r} is missing")
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors weights in {str(self.path)!r}")
+            locations = {}
+            for file in files:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():
+                        locations[name] = file
+        # Drop recomputed buffers, and a duplicated lm_head when the config ties it to the
+        # embedding (some exporters write both).
+        return {
+            name: file
+            for name, file in locations.items()
+            if not name.endswith(_IGNORED_SUFFIXES)
+            and not (name == LM_HEAD_WEIGHT and self.config.tie_word_embeddings)
+        }
+
+    def tensor_names(self) -> list[str]:
+        """Names of all tensors the checkpoint holds (after dropping ignored ones)."""
+        return sorted(self._locations)
+
+    def read_group(self, group: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Read one group's tensors, checking names and shapes against the config."""
+        expected = group_tensor_shapes(self.config, group)
+        by_file: dict[Path, list[str]] = {}
+        for name in expected:
+            file = self._locations.get(name)
+            if file is None:
+                raise CheckpointError(
+                    f"tensor {name!r} of group {group!r} is missing from checkpoint {str(self.path)!r}"
+                )
+            by_file.setdefault(file, []).append(name)
+        tensors: dict[str, torch.Tensor] = {}
+        for file, names in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for name in names:
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != expected[name]:
+                        raise CheckpointError(
+                            f"tensor {name!r} in {str(file)!r} has shape {tuple(tensor.shape)}, "
+                            f"config says {expected[name]}"
+                        )
+                    tensors[name] = tensor if dtype is None else tensor.to(dtype)
+        # Return in the group's canonical order, whatever the shard order was.
+        return {name: tensors[name] for name in expected}
+
+    def iter_groups(
+        self, groups: Sequence[str] | None = None, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """Yield `(group, tensors)` in group order (or the order given), one group in memory at once."""
+        unknown = [name for name in self._locations if not _known(name)]
+        if unknown:
+            raise CheckpointError(
+                f"checkpoint {str(self.path)!r} holds tensors no group owns: {unknown[:5]!r}"
+            )
+        for group in groups if groups is not None else param_groups(self.config):
+            yield group, self.read_group(group, dtype)
+
+
+def _known(name: str) -> bool:
+    try:
+        group_of(name)
+    except ValueError:
+        return False
+    return True
+
+
+def iter_groups(
+    path: str | Path, groups: Sequence[str] | None = None, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """Yield `(group_name, {tensor_name: tensor})` of the checkpoint at `path`, in group order."""
+    yield from Checkpoint(path).iter_groups(groups, dtype)
