@@ -596,7 +596,7 @@ class AsyncClient:
             finally:
                 # No-op once the call is done; otherwise (consumer left, task cancelled) it stops
                 # the work on the server.
-                pass
+                call.cancel()
 
 
 # --- sync client ------------------------------------------------------------------------------

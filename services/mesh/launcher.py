@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import ctypes
 import json
-import os
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -50,6 +49,8 @@ class Proc:
     name: str
     process: asyncio.subprocess.Process
     port_file: Path
+    module: str = ""
+    args: list[str] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -91,9 +92,21 @@ class Mesh:
         )
         if out is not None:
             out.close()  # the child holds its own descriptor
-        proc = Proc(name, process, port_file)
+        proc = Proc(name, process, port_file, module, args)
         self.procs[name] = proc
         return proc
+
+    async def restart(self, name: str, sig: int = signal.SIGKILL) -> Proc:
+        """Kill a service and start it again on the same gRPC port (peers keep its address)."""
+        old = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            old.process.send_signal(sig)
+        await old.process.wait()
+        args = [*old.args, "--port", str(old.ports["grpc_port"])]
+        new = await self.spawn(name, old.module, args)
+        new.args = old.args
+        await self.wait_ready(new, self.cfg.ready_timeout_s)
+        return new
 
     async def wait_ready(self, proc: Proc, timeout_s: float) -> None:
         """Port file written (server bound), then SERVING on health; fail fast if it exits."""

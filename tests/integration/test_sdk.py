@@ -363,7 +363,7 @@ async def test_leaving_a_stream_early_cancels_it_on_the_server(gateway, client):
         async for chunk in stream:
             if chunk.text == "lo":
                 break
-    await asyncio.wait_for(gateway.cancelled.wait(), timeout=5)
+    await asyncio.wait_for(gateway.cancelled.wait(), timeout=2)
 
 
 async def test_cancelling_the_callers_task_cancels_the_server_stream(gateway, client):
@@ -380,7 +380,7 @@ async def test_cancelling_the_callers_task_cancels_the_server_stream(gateway, cl
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.wait_for(gateway.cancelled.wait(), timeout=5)
+    await asyncio.wait_for(gateway.cancelled.wait(), timeout=2)
 
 
 # --- admin ------------------------------------------------------------------------------------
@@ -425,7 +425,7 @@ async def test_watch_events_streams_until_the_caller_stops(gateway, client):
         (1.0, "instance_state", "s1"),
         (2.0, "instance_state", "s2"),
     ]
-    await asyncio.wait_for(gateway.cancelled.wait(), timeout=5)
+    await asyncio.wait_for(gateway.cancelled.wait(), timeout=2)
 
 
 # --- blocking client --------------------------------------------------------------------------
@@ -455,6 +455,8 @@ async def test_sync_client_retries_and_cancels_like_the_async_one(gateway):
     gateway.endless = True
     gateway.delay_s = 0.01
 
+    server_loop = asyncio.get_running_loop()
+
     def read_two_then_stop() -> list[str]:
         with Client(gateway.target, retry_backoff_s=0.01) as c:
             texts = []
@@ -462,11 +464,15 @@ async def test_sync_client_retries_and_cancels_like_the_async_one(gateway):
                 texts.append(chunk.text)
                 if len(texts) == 2:
                     break
+            # Still inside `with`: leaving the loop alone must stop the server's work, not
+            # only closing the client.
+            asyncio.run_coroutine_threadsafe(
+                asyncio.wait_for(gateway.cancelled.wait(), timeout=2), server_loop
+            ).result()
             return texts
 
     assert await asyncio.to_thread(read_two_then_stop) == ["Hel", "lo"]
     assert gateway.calls == 2
-    await asyncio.wait_for(gateway.cancelled.wait(), timeout=5)
 
 
 async def test_sync_client_raises_mid_stream_errors(gateway):

@@ -389,6 +389,7 @@ def plan_multicast(
             continue
         lane.units.sort(key=lambda u: (-u.bw_gbps, u.name))
         shards = min(len(lane.sources), max(len(u.members) for u in lane.units))
+        lane.sources = _spread_hosts(lane.sources)
         lane_ids = {s.node_id for s in lane.sources}
 
         def backups(lane: _Lane = lane, lane_ids: set[str] = lane_ids, shards: int = shards) -> Iterable[Source]:
@@ -402,6 +403,18 @@ def plan_multicast(
 
     return MulticastPlan(chains=tuple(chains), allgather=_allgathers(units, chains),
                          pruned_sources=tuple(pruned), busy_sources_used=tuple(used_busy))
+
+
+def _spread_hosts(sources: list[Source]) -> list[Source]:
+    """Stable reorder putting each host's best source before any host's second: shards on
+    one host would share its NIC and gain nothing."""
+    rank: dict[str, int] = {}
+    keyed = []
+    for i, src in enumerate(sources):
+        n = rank.get(src.host, 0)
+        rank[src.host] = n + 1
+        keyed.append((n, i, src))
+    return [src for _, _, src in sorted(keyed, key=lambda x: (x[0], x[1]))]
 
 
 def _lane_chains(

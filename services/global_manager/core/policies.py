@@ -309,18 +309,18 @@ class HeteroScalePolicy(_PolicyBase):
         current = sum(before.values())
         ratio = need / current if current > 0 else math.inf
         extra = {"decode_tps": tps, "need": need, "ratio": ratio}
-        facts = f"ratio={_g(ratio)} need={_g(need)} decode_tps={_g(tps)}"
+        facts = f"need={_g(need)} decode_tps={_g(tps)}"
         hi_line, lo_line = 1 + cfg.scale_out_threshold, 1 - cfg.scale_in_threshold
         if ratio > hi_line:
             action: ScaleAction = "scale_out"
-            reason = f"{note}SCALE_OUT: {facts} > {_g(hi_line)}"
+            reason = f"{note}SCALE_OUT: ratio={_g(ratio)} > {_g(hi_line)} {facts}"
             allowed, until_s = out_ok, out_until_s
         elif ratio < lo_line:
             action = "scale_in"
-            reason = f"{note}SCALE_IN: {facts} < {_g(lo_line)}"
+            reason = f"{note}SCALE_IN: ratio={_g(ratio)} < {_g(lo_line)} {facts}"
             allowed, until_s = in_ok, in_until_s
         else:
-            reason = f"{note}IN_BAND: {facts} within {_g(lo_line)}..{_g(hi_line)}"
+            reason = f"{note}IN_BAND: ratio={_g(ratio)} within {_g(lo_line)}..{_g(hi_line)} {facts}"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
 
         if not allowed:
@@ -586,18 +586,19 @@ class PeriodicPolicy(_PolicyBase):
 
     def _rule(self, now_s: float, snapshot: ClusterSnapshot, before: dict[Role, int]) -> ScaleDecision:
         entry = self.entry_at(now_s)
-        at = _g(entry.at_s)
+        whole_s = int(entry.at_s)
+        at = f"{whole_s // 3600:02d}:{whole_s // 60 % 60:02d}:{whole_s % 60:02d}"
         if snapshot.disaggregated != (entry.instances is None):
             kind = "split" if snapshot.disaggregated else "colocated"
             reason = f"SCHEDULE_MISMATCH: deployment is {kind} but the schedule is not"
             return _make_decision(self.name, now_s, "no_change", reason, before, before)
         if entry.instances is not None:
             wanted = {Role.COLOCATED: entry.instances}
-            reason = f"SCHEDULE: entry at_s={at} wants instances={entry.instances}"
+            reason = f"SCHEDULE: entry at {at} wants instances={entry.instances}"
         else:
             assert entry.prefill is not None and entry.decode is not None
             wanted = {Role.PREFILL: entry.prefill, Role.DECODE: entry.decode}
-            reason = f"SCHEDULE: entry at_s={at} wants prompt={entry.prefill} token={entry.decode}"
+            reason = f"SCHEDULE: entry at {at} wants prompt={entry.prefill} token={entry.decode}"
         return self._apply_mixed(now_s, before, wanted, reason)
 
 
@@ -741,7 +742,8 @@ def make_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
         config = config_cls.model_validate(dict(params or {}))
     except ValidationError as err:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(params)'}: {e['msg']} (got {e.get('input')!r})"
+            f"{'.'.join(str(p) for p in e['loc']) or '(params)'}: {e['msg'].removeprefix('Value error, ')}"
+            + ("" if not e["loc"] else f" (got {e.get('input')!r})")
             for e in err.errors()
         )
         raise ValueError(f"invalid parameters for policy {key!r}: {problems}") from err

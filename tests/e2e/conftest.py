@@ -1,0 +1,48 @@
+"""E2E fixtures: a real mesh of service processes on a tiny synthesized model.
+
+Internal services bind port 0; the gateway too. Ready means SERVING on gRPC health and the
+manager reporting the instances SERVING, never a sleep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from services.mesh.launcher import Mesh, MeshConfig
+from services.worker.model.synth import synthesize
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    synthesize(root / "tiny", "tiny", seed=0)
+    return root
+
+
+def mesh_config(model_dir: Path, run_dir: Path, workers: int = 2, **kw: object) -> MeshConfig:
+    return MeshConfig(
+        workers=workers,
+        model="tiny",
+        model_dir=model_dir,
+        run_dir=run_dir,
+        http_port=0,
+        grpc_port=0,
+        initial_instances=workers,
+        ready_timeout_s=120.0,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    """One shared mesh for the tests that do not break it."""
+    m = Mesh(mesh_config(model_dir, tmp_path_factory.mktemp("run")))
+    try:
+        await m.start()
+        yield m
+    finally:
+        await m.stop()
