@@ -8,6 +8,7 @@ deadlines, retries, error mapping and validation.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import math
@@ -32,7 +33,7 @@ import grpc.aio
 
 from blitzmesh import convert
 from blitzmesh._version import __version__
-from blitzmesh.errors import InternalError, from_rpc_error
+from blitzmesh.errors import InternalError, RequestCancelledError, from_rpc_error
 from blitzmesh.types import (
     ChatMessage,
     ClusterEvent,
@@ -489,7 +490,9 @@ class AsyncClient:
         happen, until the caller stops iterating.
 
         Unlike other calls a watch has no deadline unless `timeout_s` is given, since it is
-        meant to run for as long as the caller wants.
+        meant to run for as long as the caller wants. A lost connection is retried only until
+        the first event; after that UnavailableError is raised and the caller watches again
+        (events in between are not replayed).
         """
         _check_timeout("timeout_s", timeout_s)
         return self._watch_events(None if timeout_s is None or math.isinf(timeout_s) else timeout_s)
@@ -734,6 +737,13 @@ class Client:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result()
+        except concurrent.futures.CancelledError:
+            if not self._closed:
+                raise
+            # close() from another thread cut this call short; say so in the SDK's terms.
+            raise RequestCancelledError(
+                f"the client of {self.target} was closed during the call", code="CANCELLED"
+            ) from None
         finally:
             # Only matters when the wait itself was interrupted (KeyboardInterrupt): then the
             # call on the loop is cancelled too instead of running on unobserved.

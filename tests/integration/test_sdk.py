@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -488,3 +489,27 @@ async def test_sync_client_raises_mid_stream_errors(gateway):
 
     assert await asyncio.to_thread(read_all) == ["Hel"]
     assert gateway.calls == 1
+
+
+async def test_closing_a_sync_client_ends_calls_other_threads_wait_on(gateway):
+    gateway.endless = True
+    gateway.delay_s = 0.01
+    client = Client(gateway.target)
+    started = threading.Event()
+    outcome: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            for _ in client.generate("x", model=MODEL):
+                started.set()
+        except BaseException as e:  # noqa: BLE001 - the test inspects whatever ended it
+            outcome.append(e)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    assert await asyncio.to_thread(started.wait, 5)
+    await asyncio.to_thread(client.close)
+    await asyncio.to_thread(thread.join, 5)
+    assert not thread.is_alive()
+    assert [type(e) for e in outcome] == [blitzmesh.RequestCancelledError]
+    await asyncio.wait_for(gateway.cancelled.wait(), timeout=2)

@@ -19,7 +19,10 @@ NOWHERE = "127.0.0.1:9"
     ("kwargs", "quoted"),
     [
         ({}, "got none"),
-        ({"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}, "prompt='hi', messages="),
+        (
+            {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]},
+            "prompt='hi', messages=[{",
+        ),
         ({"prompt": "hi", "prompt_token_ids": [1, 2]}, "prompt_token_ids=[1, 2]"),
         ({"prompt": ""}, "prompt must be a non-empty string, got ''"),
         ({"messages": []}, "got []"),
