@@ -27,6 +27,8 @@ class Admission:
         self._in_flight = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._on_change = on_change
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def in_flight(self) -> int:
@@ -36,7 +38,15 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    async def wait_idle(self) -> None:
+        """Return once nothing is in flight or waiting (used to drain before shutdown)."""
+        await self._idle.wait()
+
     def _changed(self) -> None:
+        if self._in_flight or self._waiters:
+            self._idle.clear()
+        else:
+            self._idle.set()
         if self._on_change is not None:
             self._on_change(self._in_flight, len(self._waiters))
 

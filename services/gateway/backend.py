@@ -10,8 +10,9 @@ an error naming the instance. A client that goes away cancels the worker call an
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -19,16 +20,16 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blitzmesh.v1 import (
+    admin_pb2,
     common_pb2,
     global_manager_pb2,
     global_manager_pb2_grpc,
     param_manager_pb2,
     param_manager_pb2_grpc,
-    admin_pb2,
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.grpc_util import channel
+from services.common.grpc_util import CHANNEL_OPTIONS
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ErrorKind, GatewayError, invalid, quote
@@ -53,6 +54,9 @@ log = structlog.get_logger(__name__)
 _THREAD_TOKENIZE_CHARS = 16_384
 _ABORT_TIMEOUT_S = 2.0
 _HEALTH_TIMEOUT_S = 2.0
+# gRPC's default reconnect backoff grows to 120 s: a manager or worker that restarts at the same
+# address would be refused for minutes. Cap it so the gateway notices the comeback within seconds.
+_UPSTREAM_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
 # Worker failures that another instance may not have; everything else is final.
 _RETRYABLE = frozenset(
     {
@@ -78,7 +82,7 @@ class ModelCard:
     num_layers: int
 
 
-class _WorkerFailed(Exception):
+class _WorkerFailedError(Exception):
     """One attempt on one instance failed; the caller decides between retry and error."""
 
     def __init__(self, instance_id: str, code: grpc.StatusCode, detail: str, tokens_received: int) -> None:
@@ -110,12 +114,21 @@ class Backend:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._gm_channel = channel(self.config.global_manager)
-        self._pm_channel = channel(self.config.param_manager)
+        self._gm_channel = _channel(self.config.global_manager)
+        self._pm_channel = _channel(self.config.param_manager)
         self.gm = global_manager_pb2_grpc.GlobalManagerStub(self._gm_channel)
         self.pm = param_manager_pb2_grpc.ParamManagerStub(self._pm_channel)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) until no admitted or queued request is left, e.g. before close()."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.admission.wait_idle()
+        except TimeoutError:
+            log.warning("drain_timeout", in_flight=self.admission.in_flight, waiting=self.admission.waiting)
+
     async def close(self) -> None:
+        await self._models.close()
         if self._background:
             await asyncio.wait(set(self._background), timeout=_ABORT_TIMEOUT_S)
         for task in list(self._background):
@@ -143,9 +156,7 @@ class Backend:
             raise GatewayError(
                 ErrorKind.UNAVAILABLE, f"parameter manager unreachable: {e.code().name}: {e.details()}"
             ) from e
-        return [
-            ModelCard(m.model_id, m.created_unix_s, m.max_context, m.num_layers) for m in resp.models
-        ]
+        return [ModelCard(m.model_id, m.created_unix_s, m.max_context, m.num_layers) for m in resp.models]
 
     async def _fetch_model_files(self, model_id: str) -> dict[str, bytes]:
         pm = self._pm()
@@ -179,14 +190,14 @@ class Backend:
     def _worker(self, address: str) -> worker_pb2_grpc.WorkerStub:
         entry = self._workers.get(address)
         if entry is None:
-            ch = channel(address)
+            ch = _channel(address)
             entry = (ch, worker_pb2_grpc.WorkerStub(ch))
             self._workers[address] = entry
         return entry[1]
 
     # ---- the request path ------------------------------------------------------------------
 
-    async def generate(self, req: InferenceRequest) -> AsyncIterator[Event]:
+    async def generate(self, req: InferenceRequest) -> AsyncGenerator[Event, None]:
         """Stream events for `req`: TokenDeltas then one Finish, or raise GatewayError.
 
         Errors raised before the first event are the request's status (400, 404, 429, 503...);
@@ -195,6 +206,7 @@ class Backend:
         """
         arrived_s = time.monotonic()
         outcome = "internal"
+        sent_any = False
         bound = log.bind(request_id=req.request_id, model=req.model, api=req.api)
         try:
             validate_request(req)
@@ -204,23 +216,28 @@ class Backend:
             async with self.admission.slot():
                 self.metrics.queue_wait_s.observe(time.monotonic() - arrived_s)
                 deadline_s = time.monotonic() + self.config.request_timeout_s
-                first = True
                 async for event in self._attempts(req, assets, prompt_ids, max_tokens, deadline_s, bound):
-                    if first and isinstance(event, TokenDelta):
+                    if not sent_any and isinstance(event, TokenDelta):
                         self.metrics.ttft_s.observe(time.monotonic() - arrived_s)
-                        first = False
                     if isinstance(event, Finish):
                         outcome = event.finish_reason
                         self.metrics.tokens.labels("prompt").inc(event.usage.prompt_tokens)
                         self.metrics.tokens.labels("completion").inc(event.usage.completion_tokens)
+                    sent_any = True
                     yield event
         except GatewayError as e:
             outcome = e.kind.metric_outcome
-            bound.info("request_failed", kind=e.kind.name, error=e.message)
+            server_side = e.kind in (ErrorKind.MID_STREAM, ErrorKind.INTERNAL, ErrorKind.TIMEOUT, ErrorKind.UNAVAILABLE)
+            (bound.warning if server_side else bound.info)("request_failed", kind=e.kind.name, error=e.message)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise
+        except Exception as e:
+            # A bug must still end the request with an answer, never a silent hang or cut.
+            bound.exception("request_crashed")
+            kind = ErrorKind.MID_STREAM if sent_any else ErrorKind.INTERNAL
+            raise GatewayError(kind, f"internal error in the gateway ({type(e).__name__}: {e})") from e
         finally:
             self.metrics.requests.labels(req.api, outcome).inc()
 
@@ -232,24 +249,24 @@ class Backend:
                 bad = [t for t in ids if t >= vocab]
                 if bad:
                     raise invalid(
-                        f"prompt token id {bad[0]} is out of range for model {quote(req.model)}"
-                        f" (vocab_size={vocab})",
+                        f"prompt token id {bad[0]} is out of range for model {quote(req.model)} (vocab_size={vocab})",
                         "prompt",
                     )
             return ids
+        work: Callable[[], list[int]]
+        if req.messages:
+            size = sum(len(m.content) for m in req.messages)
+            work = functools.partial(assets.encode_chat, req.messages)
+        else:
+            size = len(req.prompt or "")
+            work = functools.partial(assets.encode_prompt, req.prompt or "")
         try:
-            if req.messages:
-                size = sum(len(m.content) for m in req.messages)
-                work = lambda: assets.encode_chat(req.messages)  # noqa: E731
-            else:
-                assert req.prompt is not None
-                size = len(req.prompt)
-                work = lambda: assets.encode_prompt(req.prompt or "")  # noqa: E731
             ids = await asyncio.to_thread(work) if size > _THREAD_TOKENIZE_CHARS else work()
         except GatewayError:
             raise
         except Exception as e:  # a template or tokenizer refusing this input is the client's problem
-            raise invalid(f"cannot tokenize the input for model {quote(req.model)}: {e}", "messages" if req.messages else "prompt") from e
+            param = "messages" if req.messages else "prompt"
+            raise invalid(f"cannot tokenize the {param} for model {quote(req.model)}: {e}", param) from e
         if not ids:
             raise invalid("the prompt is empty (0 tokens after tokenization)", "prompt")
         return ids
@@ -262,7 +279,7 @@ class Backend:
         max_tokens: int,
         deadline_s: float,
         bound: structlog.typing.FilteringBoundLogger,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """Try instances until one streams; re-route only while nothing reached the client."""
         excluded: list[str] = []
         failures: list[str] = []
@@ -276,20 +293,17 @@ class Backend:
                     sent_any = True
                     yield event
                 return
-            except _WorkerFailed as f:
+            except _WorkerFailedError as f:
                 if f.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise GatewayError(
                         ErrorKind.TIMEOUT,
                         f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}"
-                        f" on instance {f.instance_id} after {f.tokens_received} tokens",
+                        f" on instance {f.instance_id} after {_count(f.tokens_received, 'token')}",
                     ) from None
                 if sent_any:
-                    bound.warning(
-                        "instance_died_mid_stream", instance_id=f.instance_id, code=f.code.name, detail=f.detail
-                    )
                     raise GatewayError(
                         ErrorKind.MID_STREAM,
-                        f"instance {f.instance_id} died mid-stream after {f.tokens_received} tokens"
+                        f"instance {f.instance_id} died mid-stream after {_count(f.tokens_received, 'token')}"
                         f" ({f.code.name}: {f.detail}); the partial completion cannot be resumed",
                         code="instance_failed",
                     ) from None
@@ -332,7 +346,8 @@ class Backend:
         remaining_s = deadline_s - time.monotonic()
         if remaining_s <= 0:
             raise GatewayError(
-                ErrorKind.TIMEOUT, f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}"
+                ErrorKind.TIMEOUT,
+                f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}",
             )
         try:
             route = await self._gm().Schedule(
@@ -355,7 +370,9 @@ class Backend:
                     code="model_not_found",
                 ) from e
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise GatewayError(ErrorKind.OVERLOADED, f"cluster overloaded: {detail}", code="cluster_overloaded") from e
+                raise GatewayError(
+                    ErrorKind.OVERLOADED, f"cluster overloaded: {detail}", code="cluster_overloaded"
+                ) from e
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise invalid(f"the scheduler rejected the request: {detail}") from e
             earlier = f"; before that: {'; '.join(failures)}" if failures else ""
@@ -369,7 +386,8 @@ class Backend:
                 ErrorKind.UNAVAILABLE, f"the global manager returned an empty route for model {quote(req.model)}"
             )
         # A ZigZag route lists the partial (new) instance first; it forwards to the rest itself.
-        return route.hops[0]
+        hop: global_manager_pb2.RouteHop = route.hops[0]
+        return hop
 
     async def _stream(
         self,
@@ -379,8 +397,8 @@ class Backend:
         prompt_ids: list[int],
         max_tokens: int,
         deadline_s: float,
-    ) -> AsyncIterator[Event]:
-        """One attempt on one instance; raises _WorkerFailed on any worker-side failure."""
+    ) -> AsyncGenerator[Event, None]:
+        """One attempt on one instance; raises _WorkerFailedError on any worker-side failure."""
         instance = hop.instance_id or hop.address
         stub = self._worker(hop.address)
         call = stub.Generate(
@@ -414,7 +432,9 @@ class Backend:
                     if finished and not matched:
                         if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
                             worker_done = True
-                            raise _WorkerFailed(instance, grpc.StatusCode.ABORTED, "the instance aborted the request", received)
+                            raise _WorkerFailedError(
+                                instance, grpc.StatusCode.ABORTED, "the instance aborted the request", received
+                            )
                         tail, matched = stops.feed(detok.flush())
                         text += tail
                         if not matched:
@@ -423,7 +443,11 @@ class Backend:
                         yield TokenDelta(text, ids, instance)
                     if matched or finished:
                         worker_done = finished
-                        reason = FINISH_STOP if matched or resp.finish_reason == common_pb2.FINISH_REASON_STOP else FINISH_LENGTH
+                        reason = (
+                            FINISH_STOP
+                            if matched or resp.finish_reason == common_pb2.FINISH_REASON_STOP
+                            else FINISH_LENGTH
+                        )
                         usage = Usage(
                             prompt_tokens=resp.prompt_tokens if finished and resp.prompt_tokens else len(prompt_ids),
                             completion_tokens=max(received, resp.completion_tokens if finished else 0),
@@ -432,9 +456,9 @@ class Backend:
                         return
             except grpc.aio.AioRpcError as e:
                 worker_done = True
-                raise _WorkerFailed(instance, e.code(), e.details() or "", received) from None
+                raise _WorkerFailedError(instance, e.code(), e.details() or "", received) from None
             worker_done = True
-            raise _WorkerFailed(
+            raise _WorkerFailedError(
                 instance, grpc.StatusCode.UNAVAILABLE, "the token stream ended without a finish_reason", received
             )
         finally:
@@ -457,6 +481,14 @@ class Backend:
         except grpc.aio.AioRpcError as e:
             # The cancelled call already freed the KV; Abort is the belt to those braces.
             log.debug("abort_failed", request_id=request_id, address=address, code=e.code().name)
+
+
+def _channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=_UPSTREAM_OPTIONS)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _resolve_max_tokens(assets: ModelAssets, req: InferenceRequest, prompt_tokens: int, default_max_tokens: int) -> int:
@@ -512,4 +544,3 @@ async def _probe(ch: grpc.aio.Channel) -> str:
     except grpc.aio.AioRpcError as e:
         return f"UNREACHABLE ({e.code().name})"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
-

@@ -35,7 +35,7 @@ class GatewayConfig(ServiceConfig):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "GatewayConfig":
+    def _check(self) -> GatewayConfig:
         if any(not key.strip() for key in self.api_keys):
             raise ValueError(f"api_keys holds an empty key ({len(self.api_keys)} keys given)")
         if self.port != 0 and self.http_port == self.port and self.http_host == self.host:

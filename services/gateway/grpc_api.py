@@ -87,7 +87,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.backend = backend
         self.config = config
 
-    async def _admit(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> InferenceRequest:
+    async def _admit(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> InferenceRequest:
         try:
             check_bearer(_authorization(context), self.config.api_keys)
             return request_from_proto(request)
@@ -95,7 +97,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self.backend.metrics.requests.labels("grpc", e.kind.metric_outcome).inc()
             await _abort(context, e)
 
-    async def Generate(  # noqa: N802 (gRPC method name)
+    async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         req = await self._admit(request, context)
@@ -120,7 +122,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             except GatewayError as e:
                 await _abort(context, e)
 
-    async def Complete(  # noqa: N802
+    async def Complete(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CompleteResponse:
         req = await self._admit(request, context)
@@ -180,24 +182,38 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(e.code(), f"{target}: {e.details()}")
             raise AssertionError("unreachable") from e
 
-    async def ListModels(self, request: admin_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ListModelsResponse:  # noqa: N802
+    async def ListModels(
+        self, request: admin_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListModelsResponse:
         assert self.backend.pm is not None
-        return await self._forward("param manager", self.backend.pm.ListModels, request, context, self.config.rpc_timeout_s)
+        return await self._forward(
+            "param manager", self.backend.pm.ListModels, request, context, self.config.rpc_timeout_s
+        )
 
-    async def GetCluster(self, request: admin_pb2.GetClusterRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ClusterState:  # noqa: N802
+    async def GetCluster(
+        self, request: admin_pb2.GetClusterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ClusterState:
         assert self.backend.gm is not None
-        return await self._forward("global manager", self.backend.gm.GetCluster, request, context, self.config.rpc_timeout_s)
+        return await self._forward(
+            "global manager", self.backend.gm.GetCluster, request, context, self.config.rpc_timeout_s
+        )
 
-    async def Scale(self, request: admin_pb2.ScaleRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ScaleResponse:  # noqa: N802
+    async def Scale(
+        self, request: admin_pb2.ScaleRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ScaleResponse:
         assert self.backend.gm is not None
         timeout_s = None if request.wait else self.config.rpc_timeout_s
         return await self._forward("global manager", self.backend.gm.Scale, request, context, timeout_s)
 
-    async def SetPolicy(self, request: admin_pb2.SetPolicyRequest, context: grpc.aio.ServicerContext) -> admin_pb2.SetPolicyResponse:  # noqa: N802
+    async def SetPolicy(
+        self, request: admin_pb2.SetPolicyRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.SetPolicyResponse:
         assert self.backend.gm is not None
-        return await self._forward("global manager", self.backend.gm.SetPolicy, request, context, self.config.rpc_timeout_s)
+        return await self._forward(
+            "global manager", self.backend.gm.SetPolicy, request, context, self.config.rpc_timeout_s
+        )
 
-    async def WatchEvents(  # noqa: N802
+    async def WatchEvents(
         self, request: admin_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admin_pb2.ClusterEvent]:
         await self._auth(context)

@@ -33,6 +33,7 @@ from services.gateway.schema import Event, Finish, TokenDelta
 log = structlog.get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+REQUEST_ID = web.RequestKey("request_id", str)
 _OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no API key
 
 
@@ -90,7 +91,7 @@ class HttpApi:
         try:
             return await handler(request)
         except GatewayError as e:
-            return error_response(e, request.get("request_id"))
+            return error_response(e, request.get(REQUEST_ID))
         except web.HTTPRequestEntityTooLarge as e:
             return error_response(_too_large(e.text or "", self.config.max_body_bytes))
         except web.HTTPException as e:
@@ -99,11 +100,13 @@ class HttpApi:
             kind = ErrorKind.NOT_FOUND if e.status == 404 else ErrorKind.INVALID
             err = GatewayError(kind, f"{e.reason}: {request.method} {quote(request.path)}")
             body = err.openai_body()
-            return web.json_response(body, status=e.status, headers={k: v for k, v in e.headers.items() if k == "Allow"})
+            return web.json_response(
+                body, status=e.status, headers={k: v for k, v in e.headers.items() if k == "Allow"}
+            )
         except Exception:
-            log.exception("http_handler_crashed", path=request.path, request_id=request.get("request_id"))
+            log.exception("http_handler_crashed", path=request.path, request_id=request.get(REQUEST_ID))
             err = GatewayError(ErrorKind.INTERNAL, "internal error in the gateway; see its log")
-            return error_response(err, request.get("request_id"))
+            return error_response(err, request.get(REQUEST_ID))
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -136,7 +139,9 @@ class HttpApi:
         return web.json_response({"status": "ok" if ok else "unavailable", **status}, status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.backend.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(self.backend.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_completion, "cmpl-")
@@ -157,7 +162,7 @@ class HttpApi:
         self, request: web.Request, parse: Callable[[dict[str, Any], str], OpenAIRequest], id_prefix: str
     ) -> web.StreamResponse:
         response_id = id_prefix + uuid.uuid4().hex
-        request["request_id"] = response_id
+        request[REQUEST_ID] = response_id
         raw = await self._read_body(request)
         try:
             oreq = parse(parse_json_body(raw), response_id)
@@ -180,7 +185,13 @@ class HttpApi:
                 parts.append(event.text)
             elif isinstance(event, Finish):
                 body = full_response(
-                    oreq.kind, response_id, oreq.inference.model, created_s, "".join(parts), event.finish_reason, event.usage
+                    oreq.kind,
+                    response_id,
+                    oreq.inference.model,
+                    created_s,
+                    "".join(parts),
+                    event.finish_reason,
+                    event.usage,
                 )
                 return web.json_response(body, headers={"X-Request-Id": response_id})
         raise GatewayError(ErrorKind.INTERNAL, f"request {response_id} ended without a finish event")
@@ -211,7 +222,16 @@ class HttpApi:
 
         def chunk(text: str | None, finish: str | None = None, role: bool = False) -> bytes:
             return sse_event(
-                stream_chunk(kind, response_id, model, created_s, text=text, finish_reason=finish, include_usage=usage_on, role=role)
+                stream_chunk(
+                    kind,
+                    response_id,
+                    model,
+                    created_s,
+                    text=text,
+                    finish_reason=finish,
+                    include_usage=usage_on,
+                    role=role,
+                )
             )
 
         try:
@@ -230,7 +250,6 @@ class HttpApi:
                 event = await anext(events, None)
         except GatewayError as e:
             # Headers are out: the failure travels in-band, then the stream ends cleanly.
-            log.warning("stream_failed", request_id=response_id, kind=e.kind.name, error=e.message)
             await resp.write(sse_event(e.openai_body()))
         except ConnectionResetError:
             log.info("client_disconnected", request_id=response_id)
@@ -257,4 +276,3 @@ def _model_json(card: ModelCard) -> dict[str, Any]:
         "owned_by": "blitzmesh",
         "max_model_len": card.max_context,
     }
-

@@ -91,7 +91,7 @@ def parse_chat(body: dict[str, Any], request_id: str) -> OpenAIRequest:
         body,
         "response_format",
         lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-        "only response_format {\"type\": \"text\"} is supported",
+        'only response_format {"type": "text"} is supported',
     )
     messages = _parse_messages(body.get("messages"))
     param = "max_tokens"
@@ -104,7 +104,9 @@ def parse_chat(body: dict[str, Any], request_id: str) -> OpenAIRequest:
 def _finish(body: dict[str, Any], kind: Kind, request_id: str, max_tokens_param: str, **inputs: Any) -> OpenAIRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise invalid(f"model must be a non-empty string naming a model from GET /v1/models, got {quote(model)}", "model")
+        raise invalid(
+            f"model must be a non-empty string naming a model from GET /v1/models, got {quote(model)}", "model"
+        )
     n = _int(body, "n")
     if n is not None and n != 1:
         raise invalid(f"only n=1 is supported, got n={quote(n)}", "n")
@@ -120,7 +122,7 @@ def _finish(body: dict[str, Any], kind: Kind, request_id: str, max_tokens_param:
         if not stream:
             raise invalid(f"stream_options is only allowed with stream=true, got {quote(options)}", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
-            raise invalid(f"stream_options must be {{\"include_usage\": bool}}, got {quote(options)}", "stream_options")
+            raise invalid(f'stream_options must be {{"include_usage": bool}}, got {quote(options)}', "stream_options")
         include_usage = _bool(options, "include_usage", "stream_options.include_usage") or False
     sampling = Sampling(
         temperature=_number(body, "temperature"),
@@ -223,7 +225,9 @@ def _parse_prompt(value: Any) -> tuple[str | None, tuple[int, ...]]:
 
 def _parse_messages(value: Any) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list) or not value:
-        raise invalid(f"messages must be a non-empty list of {{\"role\", \"content\"}} objects, got {quote(value)}", "messages")
+        raise invalid(
+            f'messages must be a non-empty list of {{"role", "content"}} objects, got {quote(value)}', "messages"
+        )
     out: list[ChatMessage] = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
@@ -232,7 +236,10 @@ def _parse_messages(value: Any) -> tuple[ChatMessage, ...]:
         if not isinstance(role, str):
             raise invalid(f"messages[{i}].role must be a string, got {quote(role)}", f"messages[{i}].role")
         if msg.get("tool_calls"):
-            raise invalid(f"messages[{i}].tool_calls are not supported, got {quote(msg['tool_calls'])}", f"messages[{i}].tool_calls")
+            raise invalid(
+                f"messages[{i}].tool_calls are not supported, got {quote(msg['tool_calls'])}",
+                f"messages[{i}].tool_calls",
+            )
         out.append(ChatMessage(role, _message_text(i, msg.get("content"))))
     return tuple(out)
 
@@ -245,14 +252,15 @@ def _message_text(i: int, content: Any) -> str:
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise invalid(
-                    f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": str}} (only text is"
+                    f'messages[{i}].content[{j}] must be {{"type": "text", "text": str}} (only text is'
                     f" supported), got {quote(part)}",
                     f"messages[{i}].content",
                 )
             parts.append(part["text"])
         return "".join(parts)
     raise invalid(
-        f"messages[{i}].content must be a string or a list of text parts, got {quote(content)}", f"messages[{i}].content"
+        f"messages[{i}].content must be a string or a list of text parts, got {quote(content)}",
+        f"messages[{i}].content",
     )
 
 
@@ -315,7 +323,13 @@ def stream_chunk(
             delta["content"] = text
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
-    chunk: dict[str, Any] = {"id": response_id, "object": obj, "created": created_s, "model": model, "choices": [choice]}
+    chunk: dict[str, Any] = {
+        "id": response_id,
+        "object": obj,
+        "created": created_s,
+        "model": model,
+        "choices": [choice],
+    }
     if include_usage:
         chunk["usage"] = None  # as OpenAI does: only the last chunk carries usage
     return chunk

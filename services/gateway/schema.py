@@ -97,7 +97,9 @@ def validate_sampling(s: Sampling, *, max_tokens_param: str = "max_tokens") -> N
         if s.max_tokens <= 0:
             raise invalid(f"{max_tokens_param} must be at least 1, got {quote(s.max_tokens)}", max_tokens_param)
         if s.max_tokens > INT32_MAX:
-            raise invalid(f"{max_tokens_param} must be at most {INT32_MAX}, got {quote(s.max_tokens)}", max_tokens_param)
+            raise invalid(
+                f"{max_tokens_param} must be at most {INT32_MAX}, got {quote(s.max_tokens)}", max_tokens_param
+            )
     if len(s.stop) > MAX_STOP_SEQUENCES:
         raise invalid(
             f"stop holds at most {MAX_STOP_SEQUENCES} sequences, got {len(s.stop)}: {quote(list(s.stop))}", "stop"
@@ -116,11 +118,15 @@ def validate_request(req: InferenceRequest) -> None:
     """Shape checks that need no model: model named, one kind of input, sane sampling."""
     if not req.model:
         raise invalid("model is required (a model id from GET /v1/models)", "model")
-    given = [name for name, present in (
-        ("prompt", req.prompt is not None),
-        ("messages", bool(req.messages)),
-        ("prompt_token_ids", bool(req.prompt_token_ids)),
-    ) if present]
+    given = [
+        name
+        for name, present in (
+            ("prompt", req.prompt is not None),
+            ("messages", bool(req.messages)),
+            ("prompt_token_ids", bool(req.prompt_token_ids)),
+        )
+        if present
+    ]
     if len(given) != 1:
         raise invalid(f"give exactly one of prompt, messages, prompt_token_ids; got {given or 'none'}", "prompt")
     for i, msg in enumerate(req.messages):

@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 import structlog
-from prometheus_client import CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from blitzmesh.v1 import admin_pb2_grpc, inference_pb2_grpc
 from services.common.server import ServeContext, wait_for_serving
@@ -29,8 +29,6 @@ class GatewayService:
     def __init__(self, config: GatewayConfig, registry: CollectorRegistry | None = None) -> None:
         """`registry` defaults to the process-wide one, so the common metrics port shows it too."""
         if registry is None:
-            from prometheus_client import REGISTRY
-
             registry = REGISTRY
         self.config = config
         self.backend = Backend(config, GatewayMetrics(registry))
@@ -68,5 +66,8 @@ class GatewayService:
         await ctx.set_serving()
 
     async def stop(self) -> None:
+        # serve() stops the gRPC server only after this returns: let its streams finish on open
+        # upstream channels (HTTP ones already had their grace inside http.stop()).
         await self.http.stop()
+        await self.backend.drain(self.config.shutdown_grace_s)
         await self.backend.close()

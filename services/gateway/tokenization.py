@@ -7,6 +7,7 @@ requests for the same model share one fetch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
@@ -24,6 +25,7 @@ log = structlog.get_logger(__name__)
 
 # The files a tokenizer needs; anything else the parameter manager sends is ignored.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
 
 @dataclass(frozen=True)
 class ModelAssets:
@@ -59,7 +61,7 @@ def build_assets(model_id: str, files: dict[str, bytes]) -> ModelAssets:
                 (Path(tmp) / name).write_bytes(files[name])
         try:
             tokenizer = Tokenizer(tmp)
-        except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exception)
+        except Exception as e:
             raise GatewayError(
                 ErrorKind.UNAVAILABLE, f"cannot load the tokenizer of model {quote(model_id)}: {e}"
             ) from e
@@ -98,7 +100,7 @@ class ModelCache:
         if pending is None:
             pending = asyncio.ensure_future(self._load(model_id))
             self._loading[model_id] = pending
-            pending.add_done_callback(lambda f, m=model_id: self._loaded(m, f))
+            pending.add_done_callback(functools.partial(self._loaded, model_id))
         # shield: one impatient client going away must not cancel the load others wait for.
         return await asyncio.shield(pending)
 
@@ -113,6 +115,13 @@ class ModelCache:
         self._ready[model_id] = assets
         log.info("model_tokenizer_loaded", model=model_id, max_context=assets.max_context, vocab_size=assets.vocab_size)
         return assets
+
+    async def close(self) -> None:
+        pending = list(self._loading.values())
+        for fut in pending:
+            fut.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
     def forget(self, model_id: str) -> None:
         """Drop a cached model (e.g. after it was re-registered with new files)."""

@@ -107,7 +107,11 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         now = self.now_s()
         state = STATE_FROM_PROTO.get(request.state, S.IDLE)
         before = self.table.registry.get(iid).state
-        self.table.follow(iid, state, request.model_id, request.layers_loaded, request.num_layers)
+        if iid not in self._actions:
+            # While the actuator loads or drains an instance it owns the transitions; a
+            # heartbeat sent before the worker heard the command would only move it back.
+            self.table.follow(iid, state, request.model_id, request.layers_loaded, request.num_layers)
+        state = self.table.registry.get(iid).state
         self.table.registry.heartbeat(sample_from_proto(iid, now, request.load))
         self.monitor.observe(sample_from_proto(iid, now, request.load))
         if before is not state:

@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.server import wait_for_serving
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Children get SIGTERM if the launcher dies, even by SIGKILL: no orphans."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
 
 @dataclass
 class MeshConfig:
@@ -82,13 +73,15 @@ class Mesh:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
+            "services.mesh.child",
+            str(os.getpid()),
             module,
             "--port-file",
             str(port_file),
             *args,
             stdout=out,
             stderr=asyncio.subprocess.STDOUT if out else None,
-            preexec_fn=_die_with_parent,
+            env=child_env(),
         )
         if out is not None:
             out.close()  # the child holds its own descriptor
@@ -234,6 +227,11 @@ class Mesh:
         finally:
             await self.stop()
             print("blitzmesh: all processes stopped", file=sys.stderr)
+
+
+def child_env() -> dict[str, str]:
+    """The launcher's environment, unbuffered so logs reach run/*.log as they happen."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def ensure_model(model_dir: Path, model: str) -> Path:

@@ -16,11 +16,11 @@ from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc
 from services.common.grpc_util import channel
 from services.common.server import ServeContext
 from services.worker.config import WorkerConfig
-from services.worker.engine.engine import Engine, EngineConfig, RequestTooLarge
+from services.worker.engine.engine import Engine, EngineConfig, PacingProfile, RequestTooLarge
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.sampling import SamplingParams
 from services.worker.loader import config_of, fetch_layout, stream_groups
-from services.worker.model.llama import LlamaModel
+from services.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +47,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -
         top_p=p.top_p if p.HasField("top_p") else 1.0,
         top_k=p.top_k if p.HasField("top_k") else 0,
         max_tokens=p.max_tokens if p.HasField("max_tokens") else default_max_tokens,
-        stop_token_ids=list(p.stop_token_ids),
+        stop_token_ids=tuple(p.stop_token_ids),
         seed=p.seed if p.HasField("seed") else None,
         ignore_eos=p.ignore_eos,
     )
@@ -56,7 +56,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -
 class Instance:
     """What the worker holds for its current model; replaced as a whole on load/unload."""
 
-    def __init__(self, model_id: str, model: LlamaModel) -> None:
+    def __init__(self, model_id: str, model: LlamaForCausalLM) -> None:
         self.model_id = model_id
         self.model = model
         self.engine: Engine | None = None
@@ -96,18 +96,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return common_pb2.LoadReport()
         s = engine.stats()
         return common_pb2.LoadReport(
-            decode_tps=s.decode_tps,
-            prefill_tps=s.prefill_tps,
-            ttft_p50_s=s.ttft_p50_s,
-            ttft_p99_s=s.ttft_p99_s,
-            tbt_p50_s=s.tbt_p50_s,
-            tbt_p99_s=s.tbt_p99_s,
+            decode_tps=s.decode_tokens_per_s,
+            prefill_tps=s.prefill_tokens_per_s,
+            ttft_p50_s=s.ttft_p50_s or 0.0,
+            ttft_p99_s=s.ttft_p99_s or 0.0,
+            tbt_p50_s=s.tbt_p50_s or 0.0,
+            tbt_p99_s=s.tbt_p99_s or 0.0,
             running=s.running,
             waiting=s.waiting,
             waiting_prefill_tokens=s.waiting_prefill_tokens,
             kv_blocks_used=s.kv_blocks_used,
             kv_blocks_total=s.kv_blocks_total,
-            tokens_generated_total=s.tokens_generated_total,
+            tokens_generated_total=s.total_generated_tokens,
         )
 
     async def GetStatus(self, request, context):  # noqa: N802 (gRPC names)
@@ -173,7 +173,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request, context):  # noqa: N802
         inst = self.instance
-        found = bool(inst and inst.engine and inst.engine.abort(request.request_id))
+        found = request.request_id in self._inflight
+        if found and inst is not None and inst.engine is not None:
+            inst.engine.abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -207,7 +209,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async with asyncio.timeout(self.cfg.load_timeout_s):
                 layout = await fetch_layout(pm_address, model_id, self.cfg.load_timeout_s)
-                model = LlamaModel(config_of(layout))
+                model = LlamaForCausalLM(config_of(layout))
                 self.instance = Instance(model_id, model)
                 total = len(layout.groups)
                 async for p in stream_groups(pm_address, layout, model.load_group, self.cfg.load_timeout_s):
@@ -235,19 +237,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self._drop_instance()
             raise
 
-    def _make_engine(self, model: LlamaModel) -> Engine:
+    def _make_engine(self, model: LlamaForCausalLM) -> Engine:
         cfg = self.cfg
-        kv = KVCache.for_model(model.config, num_blocks=cfg.kv_cache_tokens // cfg.block_size, block_size=cfg.block_size)
-        pacing = None if cfg.step_time_a_s is None else (cfg.step_time_a_s, cfg.step_time_b_s)
-        return Engine(
-            model,
-            kv,
-            EngineConfig(
-                max_batch_size=cfg.max_batch_size,
-                max_num_tokens=cfg.max_num_tokens,
-                step_time_profile=pacing,
-            ),
+        num_blocks = cfg.kv_cache_tokens // cfg.block_size
+        kv = KVCache.for_model(
+            model.config, num_blocks=num_blocks, block_size=cfg.block_size, dtype=model.dtype, device=model.device
         )
+        pacing = (
+            None
+            if cfg.step_time_a_s is None or cfg.step_time_b_s is None
+            else PacingProfile(base_s=cfg.step_time_a_s, per_token_s=cfg.step_time_b_s)
+        )
+        engine_cfg = EngineConfig(
+            max_batch_size=cfg.max_batch_size,
+            max_num_tokens=cfg.max_num_tokens,
+            block_size=cfg.block_size,
+            num_kv_blocks=num_blocks,
+            pacing=pacing,
+        )
+        log.info("kv_cache", blocks=num_blocks, tokens=kv.capacity_tokens, bytes=kv.nbytes)
+        return Engine(model, kv, model.config.eos_token_id, engine_cfg)
 
     async def _drop_instance(self) -> None:
         inst, self.instance = self.instance, None
@@ -272,7 +281,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except asyncio.TimeoutError:
             inst = self.instance
             for rid in list(self._inflight):
-                if inst and inst.engine and inst.engine.abort(rid):
+                if inst and inst.engine:
+                    inst.engine.abort(rid)
                     aborted += 1
         return worker_pb2.DrainResponse(finished=before - aborted, aborted=aborted)
 

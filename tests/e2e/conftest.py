@@ -6,7 +6,7 @@ manager reporting the instances SERVING, never a sleep.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -33,8 +33,21 @@ def mesh_config(model_dir: Path, run_dir: Path, workers: int = 2, **kw: object) 
         grpc_port=0,
         initial_instances=workers,
         ready_timeout_s=120.0,
+        # Emulated accelerator pacing (5 ms a step) so a long generation outlives the
+        # actions a test takes mid-stream (cancel, SIGKILL); the model still computes every token.
+        worker_args=["--step-time-a-s", "0.005", "--step-time-b-s", "0"],
         **kw,  # type: ignore[arg-type]
     )
+
+
+@pytest.fixture(scope="session")
+def make_mesh_config(model_dir: Path) -> Callable[..., MeshConfig]:
+    """Factory for tests that need a mesh of their own (e.g. to break it)."""
+
+    def make(run_dir: Path, workers: int = 2, **kw: object) -> MeshConfig:
+        return mesh_config(model_dir, run_dir, workers, **kw)
+
+    return make
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="session")

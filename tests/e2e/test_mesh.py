@@ -102,14 +102,16 @@ async def test_cancel_mid_stream_frees_kv_blocks(mesh: Mesh) -> None:
     async with blitzmesh.AsyncClient(mesh.gateway_grpc, timeout_s=60) as client:
         cluster = await client.cluster()
         addresses = [i.address for i in cluster.instances if i.state == "serving"]
-        stream = client.generate("Count forever", model=MODEL, max_tokens=2000, ignore_eos=True, temperature=0)
+        stream = client.generate("Count forever", model=MODEL, max_tokens=400, ignore_eos=True, temperature=0)
         got = 0
         async for _chunk in stream:
             got += 1
             if got == 3:
                 break
+        held = sum([await _kv_used(a) for a in addresses])
         await stream.aclose()
         assert got == 3
+        assert held > 0, "the running request should hold KV blocks before the cancel"
     # KV blocks return as soon as the worker sees the cancellation: poll its status, bounded.
     for _ in range(100):
         used = [await _kv_used(a) for a in addresses]

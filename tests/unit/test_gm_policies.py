@@ -146,9 +146,11 @@ def test_latency_trigger_can_be_disabled_and_reads_configured_percentile() -> No
 
 
 def test_clamping_and_bounds_repair() -> None:
-    capped = make_policy("heteroscale", {"max_instances": 20})
+    capped = make_policy("heteroscale", {"max_instances": 50})
     d = capped.decide(0.0, split(10, 30, tps=10000))  # need 100: (25, 75) clamped per pool
-    assert counts(d) == (20, 20)
+    assert counts(d) == (25, 50)
+    over = make_policy("heteroscale", {"max_instances": 20}).decide(0.0, split(10, 30, tps=10000))
+    assert (over.action, counts(over)) == ("scale_in", (10, 20)) and over.reason.startswith("BOUNDS")
     at_max = make_policy("heteroscale", {"max_instances": 3})
     d2 = at_max.decide(0.0, split(3, 3, tps=1000, tbt=0.5))
     assert d2.action == "no_change" and "max_instances=3" in d2.reason

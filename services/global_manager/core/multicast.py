@@ -26,7 +26,6 @@ Bandwidth is in gigabits per second (`bw_gbps`), sizes in bytes.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -348,7 +347,9 @@ def plan_multicast(
 
     # Step 1: prune, for network sends only (a fast-link copy does not touch the NIC).
     kept, pruned, used_busy = _prune(all_sources, serving_traffic or {}, groups)
-    kept.sort(key=order)
+    # Busy sources that had to come back go last, so they only fill what others lack.
+    busy_ids = set(used_busy)
+    kept.sort(key=lambda s: (s.node_id in busy_ids, *order(s)))
 
     # Step 3: lanes.
     src_by_leaf: dict[str, list[Source]] = {}
@@ -549,7 +550,9 @@ def estimate_plan_time_s(
         worst_s = max(worst_s, chain_fill_time_s(size, chunk_bytes, len(chain.hops), bw))
     gather_s = 0.0
     for gather in plan.allgather:
-        most = max(len(g) for g in gather.received.values()) if gather.received else 0
-        total = len(set().union(*map(set, gather.received.values())))
-        gather_s = max(gather_s, (total - min(most, total)) * bytes_per_group / (fast_link_gbps * 1e9 / 8))
-    return worst_s + gather_s if math.isfinite(worst_s) else worst_s
+        got = [set(g) for g in gather.received.values()]
+        total = len(set().union(*got))
+        # The member that got the least over the network waits for the rest over the fast link.
+        missing = total - min((len(g) for g in got), default=0)
+        gather_s = max(gather_s, missing * bytes_per_group / (fast_link_gbps * 1e9 / 8))
+    return worst_s + gather_s

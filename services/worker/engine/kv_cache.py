@@ -60,6 +60,10 @@ class KVCache:
         # LIFO free list: a just-freed block is handed out first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
+        # Reused destination of `gather`: a fresh multi-MB tensor per layer per step costs page
+        # faults that took as long as the copy itself. Grows to the largest gather seen.
+        self._scratch_k = torch.empty(0, dtype=dtype, device=device)
+        self._scratch_v = torch.empty(0, dtype=dtype, device=device)
 
     @classmethod
     def for_model(
@@ -139,6 +143,30 @@ class KVCache:
             )
         return self._k[i], self._v[i]
 
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store `k, v [T, kv_heads, head_dim]` of `layer` at flat slots `slots [T]`
+        (slot = block * block_size + offset)."""
+        k_cache, v_cache = self.layer_cache(layer)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `blocks [N]` of `layer`, each `[N, block_size, kv_heads, head_dim]`.
+
+        Returned tensors are views of scratch buffers, overwritten by the next call.
+        """
+        k_cache, v_cache = self.layer_cache(layer)
+        shape = (int(blocks.shape[0]), *k_cache.shape[1:])
+        numel = int(torch.Size(shape).numel())
+        if self._scratch_k.numel() < numel:
+            self._scratch_k = torch.empty(numel, dtype=k_cache.dtype, device=k_cache.device)
+            self._scratch_v = torch.empty(numel, dtype=v_cache.dtype, device=v_cache.device)
+        k_out = self._scratch_k[:numel].view(shape)
+        v_out = self._scratch_v[:numel].view(shape)
+        torch.index_select(k_cache, 0, blocks, out=k_out)
+        torch.index_select(v_cache, 0, blocks, out=v_out)
+        return k_out, v_out
+
     # ---- allocator ----------------------------------------------------------------------------
 
     @property
@@ -161,6 +189,10 @@ class KVCache:
 
     def has(self, seq_id: str) -> bool:
         return seq_id in self._tables
+
+    def num_blocks_of(self, seq_id: str) -> int:
+        """Blocks `seq_id` holds (0 if none)."""
+        return len(self._tables.get(seq_id, ()))
 
     def block_table(self, seq_id: str) -> list[int]:
         """The blocks of `seq_id`, in token order (a copy)."""

@@ -22,8 +22,15 @@ class PagedKV(Protocol):
     @property
     def block_size(self) -> int: ...
 
-    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V storage of decoder layer `layer`, each `[num_blocks, block_size, kv_heads, head_dim]`."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store `k, v [T, kv_heads, head_dim]` of decoder layer `layer` at flat slots `slots [T]`."""
+        ...
+
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `blocks [N]` of layer `layer`, each `[N, block_size, kv_heads, head_dim]`.
+
+        The result may live in a scratch buffer that the next `gather` overwrites.
+        """
         ...
 
 
@@ -186,19 +193,17 @@ def attention(
     if batch.uses_cache:
         if kv is None:
             raise ValueError("ForwardBatch was built with block tables but no KV cache was given")
-        k_cache, v_cache = kv.layer_cache(layer)
-        nb, bs, kvh, d = k_cache.shape
-        assert batch.slot_mapping is not None and batch.block_tables is not None
-        k_cache.view(nb * bs, kvh, d).index_copy_(0, batch.slot_mapping, k)
-        v_cache.view(nb * bs, kvh, d).index_copy_(0, batch.slot_mapping, v)
-    use_context = batch.uses_cache and any(batch.context_lens)
+        assert batch.slot_mapping is not None
+        kv.write(layer, batch.slot_mapping, k, v)
     qp = _pad(q, batch).transpose(1, 2)  # [B, H, Q, d]
-    if use_context:
-        assert batch.block_tables is not None
+    if batch.uses_cache and any(batch.context_lens):
+        assert kv is not None and batch.block_tables is not None
         b, max_blocks = batch.block_tables.shape
-        # Advanced indexing copies the blocks into one padded [B, S, KVH, d] tensor per step.
-        keys = k_cache[batch.block_tables].view(b, max_blocks * bs, kvh, d).transpose(1, 2)
-        values = v_cache[batch.block_tables].view(b, max_blocks * bs, kvh, d).transpose(1, 2)
+        # Each sequence's whole context, copied block by block into one padded [B, S, KVH, d].
+        k_blocks, v_blocks = kv.gather(layer, batch.block_tables.view(-1))
+        s = max_blocks * k_blocks.shape[1]
+        keys = k_blocks.view(b, s, *k_blocks.shape[2:]).transpose(1, 2)
+        values = v_blocks.view(b, s, *v_blocks.shape[2:]).transpose(1, 2)
     else:
         keys = _pad(k, batch).transpose(1, 2)
         values = _pad(v, batch).transpose(1, 2)

@@ -1,0 +1,1 @@
+"""Control-plane latency benchmark (policies, snapshot, routing, multicast planner)."""

@@ -1,0 +1,282 @@
+"""UCX transport through `ucxx`: the fast path of the data plane (cma/posix shared memory on a host).
+
+How it is driven, and why (measured here, see DESIGN.md):
+- Endpoints come from exchanged *worker addresses* (`get_worker_address()` /
+  `create_endpoint_from_worker_address`), never from the listener API, which always ends up on
+  tcp (1.5-1.8 GB/s). The address goes to peers over gRPC as opaque bytes.
+- Endpoint error handling is off: with it on, transfers fell from ~10 to ~1 GB/s. The price is
+  that UCX never notices a dead peer, so every send and receive here has a timeout, and a
+  timed-out endpoint is aborted, which cancels its requests (no late write into a buffer).
+- Progress mode "blocking" (epoll fd on the asyncio loop): the fastest mode that leaves the
+  CPU idle when nothing moves; "thread" wants a CUDA context.
+- Worker-address endpoints are one-way and carry no tags of their own, so a connection is a
+  handshake: the connector sends (connection id, its own worker address) on a well-known tag;
+  the acceptor opens an endpoint back and answers, then sends a warm-up message so the first
+  real chunk does not pay for protocol set-up. Every tag is
+  `connection id << 32 | direction << 31 | user tag`, matched exactly.
+
+One `ucxx` context exists per process, hence one `UcxTransport` per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import struct
+from typing import Any, Final
+
+# UCX reads these when its context is created (first use); set them before importing ucxx.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # silences warnings about CUDA variables
+
+import numpy as np  # noqa: E402
+import structlog  # noqa: E402
+import ucxx  # noqa: E402
+
+from .buffers import as_uint8_array  # noqa: E402
+from .errors import PeerClosed, ProtocolError, TransferTimeout, TransportError  # noqa: E402
+from .transport import Endpoint, Transport, address_kind, check_tag  # noqa: E402
+
+__all__ = ["UcxTransport", "ucx_version"]
+
+log = structlog.get_logger(__name__)
+
+_ADDRESS_PREFIX: Final = b"UCX1"
+_ACCEPT_TAG: Final = 0x42_4D_44_50  # connection id 0 is never handed out, so this cannot collide
+_HELLO = struct.Struct("<4sHIH")  # magic, protocol version, connection id, address length
+_HELLO_MAGIC: Final = b"BMHI"
+_HELLO_BYTES: Final = 8192  # fixed receive size; worker addresses are ~200-2000 bytes
+_PROTOCOL_VERSION: Final = 1
+_ACK_TAG: Final = 0
+_WARMUP_TAG: Final = 1
+# User tags handed to us are shifted up so the handshake tags above stay private.
+_USER_TAG_BASE: Final = 2
+_ABORT_PERIOD_NS: Final = 100_000_000  # how long abort may wait on UCX internals (0.1 s)
+
+_active_transport: UcxTransport | None = None
+
+
+def ucx_version() -> str:
+    return "ucxx %s / UCX %s" % (ucxx.__version__, ".".join(map(str, ucxx.get_ucx_version())))
+
+
+def _ensure_ucxx(progress_mode: str) -> None:
+    try:
+        ucxx.init(progress_mode=progress_mode)
+    except RuntimeError:
+        pass  # already initialised by someone else in this process: use it as it is
+    ucxx.continuous_ucx_progress()  # bind progress to the running loop (no-op if already bound)
+
+
+class _UcxEndpoint(Endpoint):
+    def __init__(self, ep: Any, conn_id: int, *, is_client: bool, peer: str, transport: UcxTransport) -> None:
+        self._ep = ep
+        self._conn_id = conn_id
+        self.peer = peer
+        self._transport = transport
+        # Client sends with direction bit 0 and receives with 1; the acceptor the other way.
+        self._send_dir = 0 if is_client else 1
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _full_tag(self, tag: int, direction: int) -> int:
+        return (self._conn_id << 32) | (direction << 31) | tag
+
+    async def _send_raw(self, arr: np.ndarray, tag: int, timeout_s: float | None) -> None:
+        if self._closed:
+            raise PeerClosed(f"endpoint to {self.peer} is closed")
+        full = self._full_tag(tag, self._send_dir)
+        try:
+            await asyncio.wait_for(self._ep.send(arr, tag=full, force_tag=True), timeout_s)
+        except TimeoutError:
+            self.abort()
+            raise TransferTimeout(
+                f"send of {arr.nbytes} bytes (tag {tag - _USER_TAG_BASE}) to {self.peer} not taken "
+                f"within {timeout_s}s") from None
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        except ucxx.exceptions.UCXError as exc:
+            self.abort()
+            raise PeerClosed(f"send to {self.peer} failed: {exc}") from exc
+
+    async def _recv_raw(self, arr: np.ndarray, tag: int, timeout_s: float | None) -> None:
+        if self._closed:
+            raise PeerClosed(f"endpoint to {self.peer} is closed")
+        full = self._full_tag(tag, 1 - self._send_dir)
+        try:
+            await asyncio.wait_for(self._ep.recv(arr, tag=full, force_tag=True), timeout_s)
+        except TimeoutError:
+            self.abort()  # cancels the posted receive: nothing lands in `arr` after this
+            raise TransferTimeout(
+                f"no message with tag {tag - _USER_TAG_BASE} from {self.peer} within {timeout_s}s") from None
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        except ucxx.exceptions.UCXMessageTruncatedError as exc:
+            self.abort()
+            raise ProtocolError(f"message with tag {tag - _USER_TAG_BASE} from {self.peer} is larger than "
+                                f"the {arr.nbytes}-byte buffer") from exc
+        except ucxx.exceptions.UCXError as exc:
+            self.abort()
+            raise PeerClosed(f"receive from {self.peer} failed: {exc}") from exc
+
+    async def send(self, buffer: Any, tag: int, *, timeout_s: float | None = None) -> None:
+        arr = as_uint8_array(buffer, writable=False)
+        await self._send_raw(arr, check_tag(tag) + _USER_TAG_BASE, timeout_s)
+
+    async def recv_into(self, buffer: Any, tag: int, *, timeout_s: float | None = None) -> None:
+        arr = as_uint8_array(buffer, writable=True)
+        # UCX accepts a shorter message into a larger buffer without telling its length;
+        # callers always know exact sizes, and control messages carry their length.
+        await self._recv_raw(arr, check_tag(tag) + _USER_TAG_BASE, timeout_s)
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._ep.abort(period=_ABORT_PERIOD_NS, max_attempts=1)
+        except Exception as exc:  # noqa: BLE001 - an abort must not raise; log and move on
+            log.warning("dataplane_ucx_abort_failed", peer=self.peer, error=repr(exc))
+        self._transport._forget(self)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        # Let completions already queued run before the endpoint goes away.
+        await asyncio.sleep(0)
+        self.abort()
+
+
+class UcxTransport(Transport):
+    """UCX transport over `ucxx` worker addresses (see the module docstring)."""
+
+    kind = "ucx"
+
+    def __init__(self, *, progress_mode: str = "blocking", warmup_bytes: int = 1 << 20) -> None:
+        if progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
+            raise ValueError(f"unknown progress_mode {progress_mode!r}")
+        self._progress_mode = progress_mode
+        self._warmup_bytes = warmup_bytes
+        self._address: bytes | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self._accepted: asyncio.Queue[_UcxEndpoint] = asyncio.Queue()
+        self._endpoints: set[_UcxEndpoint] = set()
+        # Reused across connections: the first transfer into a fresh buffer is slow.
+        self._warmup_buf = np.zeros(max(warmup_bytes, 1), dtype=np.uint8)
+        self._pending_hello: np.ndarray | None = None
+
+    async def start(self) -> None:
+        global _active_transport
+        if self._address is not None:
+            return
+        if _active_transport is not None and _active_transport is not self:
+            raise TransportError("only one UcxTransport per process (ucxx has one worker per process)")
+        _ensure_ucxx(self._progress_mode)
+        _active_transport = self
+        self._address = _ADDRESS_PREFIX + ucxx.get_worker_address().tobytes()
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(), name="dataplane-ucx-accept")
+        log.info("dataplane_ucx_started", progress_mode=self._progress_mode, version=ucx_version(),
+                 address_bytes=len(self._address), pid=os.getpid())
+
+    def address(self) -> bytes:
+        if self._address is None:
+            raise TransportError("UcxTransport.address() called before start()")
+        return self._address
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            hello = np.zeros(_HELLO_BYTES, dtype=np.uint8)
+            # Kept on self: a receive posted on the worker outlives a cancelled task, and UCX
+            # must never write a late hello into freed memory.
+            self._pending_hello = hello
+            await ucxx.recv(hello, _ACCEPT_TAG)
+            task = loop.create_task(self._handshake(hello.tobytes()))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _handshake(self, hello: bytes) -> None:
+        magic, version, conn_id, addr_len = _HELLO.unpack_from(hello)
+        if magic != _HELLO_MAGIC or version != _PROTOCOL_VERSION or not 0 < addr_len <= _HELLO_BYTES - _HELLO.size:
+            log.warning("dataplane_ucx_bad_hello", magic=magic, version=version, addr_len=addr_len)
+            return
+        peer_addr = hello[_HELLO.size : _HELLO.size + addr_len]
+        peer = f"ucx:{conn_id:08x}"
+        try:
+            ep = await ucxx.create_endpoint_from_worker_address(
+                ucxx.get_ucx_address_from_buffer(peer_addr), endpoint_error_handling=False)
+        except Exception as exc:  # noqa: BLE001 - a bad peer must not kill the accept loop
+            log.warning("dataplane_ucx_accept_failed", peer=peer, error=repr(exc))
+            return
+        endpoint = _UcxEndpoint(ep, conn_id, is_client=False, peer=peer, transport=self)
+        self._endpoints.add(endpoint)
+        try:
+            await endpoint._send_raw(np.frombuffer(struct.pack("<Q", self._warmup_bytes), np.uint8), _ACK_TAG, 10.0)
+            if self._warmup_bytes:
+                await endpoint._send_raw(self._warmup_buf[: self._warmup_bytes], _WARMUP_TAG, 10.0)
+        except TransportError as exc:
+            log.warning("dataplane_ucx_handshake_failed", peer=peer, error=repr(exc))
+            return
+        await self._accepted.put(endpoint)
+
+    async def connect(self, address: bytes, *, timeout_s: float = 10.0) -> Endpoint:
+        if self._address is None:
+            raise TransportError("UcxTransport.connect() called before start()")
+        if address_kind(address) != "ucx":
+            raise TransportError(f"UcxTransport cannot connect to a {address_kind(address)} address")
+        raw = bytes(address[len(_ADDRESS_PREFIX):])
+        me = self._address[len(_ADDRESS_PREFIX):]
+        conn_id = secrets.randbits(32) or 1
+        peer = f"ucx:{conn_id:08x}"
+        ep = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(raw), endpoint_error_handling=False)
+        endpoint = _UcxEndpoint(ep, conn_id, is_client=True, peer=peer, transport=self)
+        self._endpoints.add(endpoint)
+        hello = np.zeros(_HELLO_BYTES, dtype=np.uint8)
+        packed = _HELLO.pack(_HELLO_MAGIC, _PROTOCOL_VERSION, conn_id, len(me)) + me
+        hello[: len(packed)] = np.frombuffer(packed, np.uint8)
+        try:
+            # The hello goes to the peer's worker, not to a connection: raw tag, no conn id.
+            await asyncio.wait_for(ep.send(hello, tag=_ACCEPT_TAG, force_tag=True), timeout_s)
+            ack = np.zeros(8, dtype=np.uint8)
+            await endpoint._recv_raw(ack, _ACK_TAG, timeout_s)
+            (warmup_bytes,) = struct.unpack("<Q", ack.tobytes())
+            if warmup_bytes:
+                scratch = self._warmup_buf if warmup_bytes <= self._warmup_buf.size else np.zeros(warmup_bytes, np.uint8)
+                await endpoint._recv_raw(scratch[:warmup_bytes], _WARMUP_TAG, timeout_s)
+        except TimeoutError:
+            endpoint.abort()
+            raise TransferTimeout(f"UCX peer did not answer the handshake within {timeout_s}s") from None
+        except BaseException:
+            endpoint.abort()
+            raise
+        return endpoint
+
+    async def accept(self, *, timeout_s: float | None = None) -> Endpoint:
+        try:
+            return await asyncio.wait_for(self._accepted.get(), timeout_s)
+        except TimeoutError:
+            raise TransferTimeout(f"no incoming connection within {timeout_s}s") from None
+
+    def _forget(self, ep: _UcxEndpoint) -> None:
+        self._endpoints.discard(ep)
+
+    async def close(self) -> None:
+        global _active_transport
+        tasks = [t for t in (self._accept_task, *self._handshakes) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for ep in list(self._endpoints):
+            ep.abort()
+        while not self._accepted.empty():
+            self._accepted.get_nowait().abort()
+        if _active_transport is self:
+            _active_transport = None
+        self._address = None

@@ -1,0 +1,612 @@
+"""The worker's in-process engine: iteration-level continuous batching over a paged KV cache.
+
+Requests join and leave between iterations. The scheduling and bookkeeping run on the event
+loop; the model step (forward + sampling) runs on one dedicated compute thread, so gRPC handlers
+sharing the loop stay responsive while a step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import structlog
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.sampling import SamplingParams, sample
+from services.worker.engine.scheduler import (
+    CapacityPolicy,
+    RunningSeq,
+    SchedulerLimits,
+    WaitingSeq,
+    schedule,
+)
+from services.worker.model.attention import ForwardBatch
+from services.worker.model.llama import LlamaForCausalLM
+
+log = structlog.get_logger(__name__)
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestTooLarge(ValueError):
+    """A request that no amount of waiting would let this engine run."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; the original error is the `__cause__`."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine was stopped (or never started) while a request needed it."""
+
+
+class PacingProfile(BaseModel):
+    """Emulated accelerator: each iteration lasts at least `base_s + per_token_s * batch_tokens`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_s: float = Field(ge=0, description="fixed cost of one iteration, seconds")
+    per_token_s: float = Field(ge=0, description="added cost per token in the iteration, seconds")
+
+    def step_time_s(self, batch_tokens: int) -> float:
+        return self.base_s + self.per_token_s * batch_tokens
+
+
+class EngineConfig(BaseModel):
+    """Engine limits; `ValueError` (pydantic) quoting the value when one is out of range."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_batch_size: int = Field(16, ge=1, description="most requests running at once (in one iteration)")
+    max_num_tokens: int = Field(
+        2048, ge=1, description="most tokens in one iteration: prefill tokens in full, 1 per decode"
+    )
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV pool size in blocks; None = from kv_cache_bytes or the given cache"
+    )
+    kv_cache_bytes: int | None = Field(
+        None, ge=1, description="KV pool budget in bytes, used by Engine.create when num_kv_blocks is None"
+    )
+    capacity_policy: CapacityPolicy = Field(
+        CapacityPolicy.GUARANTEED_NO_EVICT, description="admission rule against KV capacity"
+    )
+    enable_chunked_prefill: bool = Field(
+        False, description="split prompts over iterations to fill max_num_tokens (else whole prompts)"
+    )
+    pacing: PacingProfile | None = Field(
+        None, description="emulated accelerator step time; off by default"
+    )
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads, set at start(); None leaves torch's default"
+    )
+    stats_window_s: float = Field(10.0, gt=0, description="window of the rates and latency percentiles")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.max_num_tokens < self.max_batch_size:
+            # Otherwise a full batch of decodes could not all run in one iteration.
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size ({self.max_batch_size})"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One streamed step of a request. The last event has `finish_reason` set.
+
+    `token_id` is None only on an "abort" event. A stop token (EOS or a stop_token_id) is delivered
+    as the token of the final "stop" event; the caller decides whether to show it.
+    """
+
+    token_id: int | None
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprob: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load snapshot for heartbeats and metrics; rates and percentiles over the last `window_s`."""
+
+    running: int
+    waiting: int
+    waiting_prefill_tokens: int  # prompt tokens not yet computed (queued + unfinished prefills)
+    kv_blocks_used: int  # allocated blocks
+    kv_blocks_reserved: int  # allocated + promised to running requests (what admission counts)
+    kv_blocks_total: int
+    decode_tokens_per_s: float  # generated tokens per second
+    prefill_tokens_per_s: float  # prompt tokens computed per second
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tbt_p50_s: float | None
+    tbt_p99_s: float | None
+    total_generated_tokens: int
+    total_prompt_tokens: int
+    window_s: float
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one iteration ran (kept for the last few iterations, for debugging and tests)."""
+
+    index: int
+    admitted: tuple[str, ...]
+    work: tuple[tuple[str, int], ...]
+    compute_s: float
+    step_s: float
+
+
+@dataclass(eq=False)
+class _Seq:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    blocks_reserved: int
+    arrival_s: float
+    queue: asyncio.Queue[TokenEvent | BaseException]
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    last_token_s: float | None = None
+    finished: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        p = len(self.prompt)
+        if start + n <= p:
+            return self.prompt[start : start + n]
+        return (self.prompt + self.output)[start : start + n]
+
+
+@dataclass(frozen=True)
+class _StepInput:
+    input_ids: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+
+
+class _Window:
+    """Timestamped samples kept for `window_s` (and at most `maxlen`), for rates and percentiles."""
+
+    def __init__(self, window_s: float, maxlen: int = 100_000) -> None:
+        self.window_s = window_s
+        self._items: deque[tuple[float, float]] = deque(maxlen=maxlen)
+
+    def add(self, now_s: float, value: float) -> None:
+        self._items.append((now_s, value))
+
+    def _prune(self, now_s: float) -> None:
+        while self._items and self._items[0][0] <= now_s - self.window_s:
+            self._items.popleft()
+
+    def total(self, now_s: float) -> float:
+        self._prune(now_s)
+        return sum(v for _, v in self._items)
+
+    def percentiles(self, now_s: float, qs: Sequence[float]) -> list[float | None]:
+        self._prune(now_s)
+        values = sorted(v for _, v in self._items)
+        if not values:
+            return [None] * len(qs)
+        # Nearest-rank percentile.
+        return [values[max(0, math.ceil(q * len(values)) - 1)] for q in qs]
+
+
+class Engine:
+    """Continuous-batching engine for one complete model on one device."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        tokenizer_eos_id: int,
+        config: EngineConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        step_history: int = 64,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.kv_cache = kv_cache
+        self.eos_token_id = tokenizer_eos_id
+        if kv_cache.block_size != self.config.block_size:
+            raise ValueError(
+                f"KV cache block_size {kv_cache.block_size} != EngineConfig.block_size {self.config.block_size}"
+            )
+        if self.config.num_kv_blocks is not None and self.config.num_kv_blocks != kv_cache.total_blocks:
+            raise ValueError(
+                f"KV cache has {kv_cache.total_blocks} blocks, EngineConfig.num_kv_blocks is "
+                f"{self.config.num_kv_blocks}"
+            )
+        cfg = model.config
+        if kv_cache.first_layer != 0 or kv_cache.num_layers != cfg.num_hidden_layers:
+            raise ValueError(
+                f"KV cache covers layers [{kv_cache.first_layer}, {kv_cache.first_layer + kv_cache.num_layers}), "
+                f"the engine runs all {cfg.num_hidden_layers}"
+            )
+        if not 0 <= tokenizer_eos_id < cfg.vocab_size:
+            raise ValueError(f"tokenizer_eos_id {tokenizer_eos_id} outside vocabulary [0, {cfg.vocab_size})")
+        self._clock = clock
+        self._limits = SchedulerLimits(
+            max_batch_size=self.config.max_batch_size,
+            max_num_tokens=self.config.max_num_tokens,
+            chunked_prefill=self.config.enable_chunked_prefill,
+        )
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._by_id: dict[str, _Seq] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._dead: BaseException | None = None
+        self._stopped = False
+        self._steps = 0
+        self.step_log: deque[StepRecord] = deque(maxlen=step_history)
+        window = self.config.stats_window_s
+        self._decode_window = _Window(window)
+        self._prefill_window = _Window(window)
+        self._ttft = _Window(window)
+        self._tbt = _Window(window)
+        self._started_s: float | None = None
+        self._total_generated = 0
+        self._total_prompt = 0
+
+    @classmethod
+    def create(
+        cls,
+        model: LlamaForCausalLM,
+        tokenizer_eos_id: int,
+        config: EngineConfig | None = None,
+        **kwargs: object,
+    ) -> Engine:
+        """Build the KV cache from the config (num_kv_blocks, else kv_cache_bytes, else enough for
+        max_batch_size full-length sequences capped at 1 GiB) and the engine around it."""
+        config = config or EngineConfig()
+        mcfg = model.config
+        if config.num_kv_blocks is not None:
+            blocks = config.num_kv_blocks
+        else:
+            budget = config.kv_cache_bytes or 1 << 30
+            by_budget = KVCache.blocks_for_budget(mcfg, budget, config.block_size, model.dtype)
+            wanted = config.max_batch_size * -(-mcfg.max_position_embeddings // config.block_size)
+            blocks = by_budget if config.kv_cache_bytes else min(by_budget, wanted)
+        if blocks < 1:
+            raise ValueError(f"KV cache budget {config.kv_cache_bytes} bytes holds no block")
+        kv = KVCache.for_model(
+            mcfg, num_blocks=blocks, block_size=config.block_size, dtype=model.dtype, device=model.device
+        )
+        return cls(model, kv, tokenizer_eos_id, config, **kwargs)  # type: ignore[arg-type]
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        """Start the engine loop (idempotent). The model must be complete."""
+        if self._stopped:
+            raise EngineStoppedError("engine was stopped; build a new one")
+        if self._task is not None:
+            return
+        if not self.model.is_complete:
+            raise RuntimeError(f"model is not complete: loaded groups {self.model.loaded_groups!r}")
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-compute")
+        self._started_s = self._clock()
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        log.info(
+            "engine_started",
+            kv_blocks=self.kv_cache.total_blocks,
+            kv_tokens=self.kv_cache.capacity_tokens,
+            max_batch_size=self.config.max_batch_size,
+            max_num_tokens=self.config.max_num_tokens,
+        )
+
+    async def stop(self) -> None:
+        """Stop the loop; requests still in flight fail with EngineStoppedError."""
+        self._stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._fail_all(EngineStoppedError("engine stopped"))
+        if self._executor is not None:
+            # A step still computing finishes in its thread; its result is dropped.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def check_request(self, prompt_len: int, sampling: SamplingParams) -> None:
+        """Raise RequestTooLarge if a request of this size can never run here."""
+        total = prompt_len + sampling.max_tokens
+        max_pos = self.model.config.max_position_embeddings
+        if total > max_pos:
+            raise RequestTooLarge(
+                f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
+                f"max_position_embeddings {max_pos}"
+            )
+        blocks = self.kv_cache.blocks_needed(total)
+        if blocks > self.kv_cache.total_blocks:
+            raise RequestTooLarge(
+                f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) = {total} tokens need "
+                f"{blocks} KV blocks, the cache has {self.kv_cache.total_blocks} "
+                f"({self.kv_cache.capacity_tokens} tokens)"
+            )
+        if not self.config.enable_chunked_prefill and prompt_len > self.config.max_num_tokens:
+            raise RequestTooLarge(
+                f"prompt of {prompt_len} tokens exceeds max_num_tokens {self.config.max_num_tokens} "
+                "and chunked prefill is off"
+            )
+
+    def _add(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> _Seq:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop crashed: {self._dead!r}") from self._dead
+        if self._stopped or self._task is None:
+            raise EngineStoppedError("engine is not running (call start())")
+        if request_id in self._by_id:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r} has token ids outside [0, {vocab}): {bad[:5]!r}")
+        self.check_request(len(prompt), sampling)
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids.add(self.eos_token_id)
+        seq = _Seq(
+            request_id=request_id,
+            prompt=prompt,
+            params=sampling,
+            generator=sampling.make_generator(),
+            stop_ids=frozenset(stop_ids),
+            blocks_reserved=self.kv_cache.blocks_needed(len(prompt) + sampling.max_tokens),
+            arrival_s=self._clock(),
+            queue=asyncio.Queue(),
+        )
+        self._by_id[request_id] = seq
+        self._waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream a request's tokens. Closing or cancelling the stream aborts the request and frees
+        its KV at once. Raises RequestTooLarge / ValueError on the first iteration for a bad
+        request, EngineDeadError if the loop crashes, EngineStoppedError if the engine stops."""
+        seq = self._add(request_id, prompt_token_ids, sampling)
+        try:
+            while True:
+                item = await seq.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not seq.finished:
+                self._finish(seq, "abort", notify=False)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request: its stream ends with an "abort" event and its KV is freed now.
+        Unknown or finished ids are ignored (the request may just have finished)."""
+        seq = self._by_id.get(request_id)
+        if seq is not None and not seq.finished:
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: _Seq, reason: FinishReason, notify: bool = True, token: int | None = None) -> None:
+        seq.finished = True
+        self._by_id.pop(seq.request_id, None)
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(seq)
+        self.kv_cache.free(seq.request_id)
+        if notify and reason == "abort":
+            seq.queue.put_nowait(TokenEvent(None, "abort", len(seq.prompt), len(seq.output)))
+        self._wake.set()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for seq in [*self._running, *self._waiting]:
+            seq.finished = True
+            self.kv_cache.free(seq.request_id)
+            seq.queue.put_nowait(exc)
+        self._running.clear()
+        self._waiting.clear()
+        self._by_id.clear()
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self._running and not self._waiting:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await self._step()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Supervision: every waiting consumer gets the error instead of hanging.
+            log.exception("engine_loop_crashed", running=len(self._running), waiting=len(self._waiting))
+            self._dead = exc
+            dead = EngineDeadError(f"engine loop crashed: {exc!r}")
+            dead.__cause__ = exc
+            self._fail_all(dead)
+
+    def _available_blocks(self) -> int:
+        # Blocks promised to running requests but not yet allocated are not available.
+        outstanding = sum(
+            max(0, s.blocks_reserved - self.kv_cache.num_blocks_of(s.request_id)) for s in self._running
+        )
+        return self.kv_cache.free_blocks - outstanding
+
+    async def _step(self) -> None:
+        plan = schedule(
+            [RunningSeq(s.request_id, s.pending) for s in self._running],
+            [WaitingSeq(s.request_id, len(s.prompt), s.blocks_reserved) for s in self._waiting],
+            self._available_blocks(),
+            self._limits,
+        )
+        for request_id in plan.admitted:
+            seq = self._by_id[request_id]
+            self._waiting.remove(seq)
+            self._running.append(seq)
+            self.kv_cache.allocate(request_id, 0)
+        if not plan.work:
+            # Nothing fits now (only possible with an exhausted pool); wait for a change.
+            self._wake.clear()
+            await self._wake.wait()
+            return
+
+        seqs: list[_Seq] = []
+        counts: list[int] = []
+        inp = _StepInput([], [], [], [], [], [], [])
+        prefill_tokens = 0
+        for row, (request_id, n) in enumerate(plan.work):
+            seq = self._by_id[request_id]
+            start = seq.num_computed
+            inp.input_ids.extend(seq.tokens(start, n))
+            inp.query_lens.append(n)
+            inp.context_lens.append(start)
+            self.kv_cache.extend(request_id, start + n)
+            inp.block_tables.append(self.kv_cache.block_table(request_id))
+            if start + n == seq.num_tokens:
+                inp.sample_rows.append(row)
+                inp.params.append(seq.params)
+                inp.generators.append(seq.generator)
+            if start < len(seq.prompt):
+                prefill_tokens += min(n, len(seq.prompt) - start)
+            seqs.append(seq)
+            counts.append(n)
+
+        assert self._executor is not None
+        t0 = self._clock()
+        tokens, logprobs = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, inp)
+        compute_s = self._clock() - t0
+        if self.config.pacing is not None:
+            remaining = self.config.pacing.step_time_s(plan.num_tokens) - compute_s
+            if remaining > 0:
+                await asyncio.sleep(remaining)
+        now = self._clock()
+
+        sampled = dict(zip(inp.sample_rows, zip(tokens, logprobs, strict=True), strict=True))
+        generated = 0
+        for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+            if seq.finished:
+                continue  # aborted while the step ran; its blocks are already back in the pool
+            seq.num_computed += n
+            if row in sampled:
+                token, logprob = sampled[row]
+                generated += 1
+                self._emit(seq, token, logprob, now)
+        self._total_generated += generated
+        self._total_prompt += prefill_tokens
+        self._decode_window.add(now, generated)
+        self._prefill_window.add(now, prefill_tokens)
+        self._steps += 1
+        self.step_log.append(StepRecord(self._steps, plan.admitted, plan.work, compute_s, now - t0))
+
+    def _emit(self, seq: _Seq, token: int, logprob: float, now: float) -> None:
+        seq.output.append(token)
+        if seq.last_token_s is None:
+            self._ttft.add(now, now - seq.arrival_s)
+        else:
+            self._tbt.add(now, now - seq.last_token_s)
+        seq.last_token_s = now
+        reason: FinishReason | None = None
+        if token in seq.stop_ids:
+            reason = "stop"
+        elif len(seq.output) >= seq.params.max_tokens:
+            reason = "length"
+        seq.queue.put_nowait(TokenEvent(token, reason, len(seq.prompt), len(seq.output), logprob))
+        if reason is not None:
+            self._finish(seq, reason, notify=False)
+
+    def _execute(self, inp: _StepInput) -> tuple[list[int], list[float]]:
+        """The compute thread's part of a step: forward over the flat batch, then sampling."""
+        batch = ForwardBatch.build(
+            inp.query_lens,
+            inp.context_lens,
+            inp.block_tables,
+            self.kv_cache.block_size,
+            logits_rows=inp.sample_rows,
+            device=self.model.device,
+        )
+        ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.model.device)
+        logits = self.model.forward_batch(ids, batch, self.kv_cache)
+        if not inp.sample_rows:
+            return [], []
+        return sample(logits, inp.params, inp.generators)
+
+    # ---- observability ------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        now = self._clock()
+        window = self.config.stats_window_s
+        # Before a full window has passed, rates are over the time the engine has run.
+        span = min(window, now - self._started_s) if self._started_s is not None else window
+        span = max(span, 1e-3)
+        ttft = self._ttft.percentiles(now, (0.5, 0.99))
+        tbt = self._tbt.percentiles(now, (0.5, 0.99))
+        reserved = self.kv_cache.total_blocks - self._available_blocks()
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            waiting_prefill_tokens=sum(len(s.prompt) for s in self._waiting)
+            + sum(max(0, len(s.prompt) - s.num_computed) for s in self._running),
+            kv_blocks_used=self.kv_cache.used_blocks,
+            kv_blocks_reserved=reserved,
+            kv_blocks_total=self.kv_cache.total_blocks,
+            decode_tokens_per_s=self._decode_window.total(now) / span,
+            prefill_tokens_per_s=self._prefill_window.total(now) / span,
+            ttft_p50_s=ttft[0],
+            ttft_p99_s=ttft[1],
+            tbt_p50_s=tbt[0],
+            tbt_p99_s=tbt[1],
+            total_generated_tokens=self._total_generated,
+            total_prompt_tokens=self._total_prompt,
+            window_s=window,
+        )
+

@@ -1,0 +1,710 @@
+"""The gateway over real sockets: its HTTP and gRPC APIs in front of real grpc.aio servers that
+play the global manager, the parameter manager and scripted workers, with a real tokenizer.json.
+
+Checks the OpenAI wire format (with the official client too), usage, stop strings, re-routing
+before the first token, the error event when an instance dies mid-stream, cancellation reaching
+the worker, admission (429), auth (401) and the Admin forwarding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import grpc.aio
+import openai
+import pytest
+from grpc_health.v1 import health, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from blitzmesh.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    global_manager_pb2,
+    global_manager_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    param_manager_pb2,
+    param_manager_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.common.server import ServeContext, serve, wait_for_serving
+from services.gateway.config import GatewayConfig
+from services.gateway.service import GatewayService
+from services.worker.model.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.timeout(20), pytest.mark.filterwarnings("error")]
+
+MODEL = "tiny-chat"
+MAX_CONTEXT = 128
+# Non-ASCII on purpose: byte-level BPE splits these characters across tokens.
+REPLY = "Hello there, friend. The café answer is 42 ☕ STOP and then more words follow."
+CORPUS = [
+    REPLY,
+    "hello world, the quick brown fox jumps over the lazy dog",
+    "<|system|>\nYou are terse.\n<|user|>\nSay hi\n<|assistant|>\n",
+    "What is the answer? Tell me a story about a café.",
+]
+
+
+# ---- upstream fakes --------------------------------------------------------------------------
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """Streams the token ids of REPLY, one per message; tests script failures and delays."""
+
+    def __init__(self, instance_id: str, reply_ids: list[int]) -> None:
+        self.instance_id = instance_id
+        self.reply_ids = reply_ids
+        self.fail_code: grpc.StatusCode | None = None  # fail before any token
+        self.die_after: int | None = None  # fail with UNAVAILABLE after this many tokens
+        self.gate: asyncio.Event | None = None  # hold the first token until set
+        self.delay_s = 0.0
+        self.requests: list[worker_pb2.WorkerGenerateRequest] = []
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.aborts: list[str] = []
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        self.started.set()
+        if self.fail_code is not None:
+            await context.abort(self.fail_code, f"{self.instance_id} is draining")
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            budget = request.sampling.max_tokens
+            n = min(budget, len(self.reply_ids))
+            for i in range(n):
+                if self.die_after is not None and i == self.die_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.instance_id} lost its accelerator")
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                msg = worker_pb2.WorkerGenerateResponse(
+                    token_ids=[self.reply_ids[i]],
+                    prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=i + 1,
+                )
+                if i == n - 1:
+                    # The reply ends with eos; running out of budget first is "length".
+                    eos = n == len(self.reply_ids)
+                    msg.finish_reason = common_pb2.FINISH_REASON_STOP if eos else common_pb2.FINISH_REASON_LENGTH
+                yield msg
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def Abort(self, request, context):
+        self.aborts.append(request.request_id)
+        return worker_pb2.AbortResponse(found=True)
+
+
+class FakeGlobalManager(global_manager_pb2_grpc.GlobalManagerServicer):
+    """Routes to the first registered instance that is not excluded."""
+
+    def __init__(self) -> None:
+        self.instances: list[tuple[str, str]] = []
+        self.schedules: list[global_manager_pb2.ScheduleRequest] = []
+
+    async def Schedule(self, request, context):
+        self.schedules.append(request)
+        if request.model_id != MODEL:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_id!r}")
+        for instance_id, address in self.instances:
+            if instance_id not in request.exclude_instance_ids:
+                hop = global_manager_pb2.RouteHop(instance_id=instance_id, address=address)
+                return global_manager_pb2.Route(request_id=request.request_id, hops=[hop])
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"no SERVING instance of {request.model_id!r}")
+
+    async def GetCluster(self, request, context):
+        return admin_pb2.ClusterState(
+            instances=[common_pb2.InstanceInfo(instance_id=i, address=a) for i, a in self.instances],
+            policy="heteroscale",
+        )
+
+    async def Scale(self, request, context):
+        if request.delta == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "delta=0 does nothing")
+        return admin_pb2.ScaleResponse(instance_ids=["w-new"], reason=f"manual {request.delta:+d}")
+
+    async def SetPolicy(self, request, context):
+        return admin_pb2.SetPolicyResponse(policy=request.policy, params=request.params)
+
+    async def WatchEvents(self, request, context):
+        for i in range(3):
+            yield admin_pb2.ClusterEvent(time_s=float(i), action="instance_state", target=f"w-{i}")
+
+
+class FakeParamManager(param_manager_pb2_grpc.ParamManagerServicer):
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+        self.file_requests = 0
+
+    async def ListModels(self, request, context):
+        return admin_pb2.ListModelsResponse(
+            models=[
+                common_pb2.ModelInfo(model_id=MODEL, max_context=MAX_CONTEXT, num_layers=2, created_unix_s=1700000000)
+            ]
+        )
+
+    async def GetModelFiles(self, request, context):
+        self.file_requests += 1
+        if request.model_id != MODEL:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_id!r}")
+        return param_manager_pb2.ModelFiles(files=self.files)
+
+
+def write_model_files(directory: Path) -> dict[str, bytes]:
+    """A small byte-level BPE tokenizer trained here, plus the config the gateway reads."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    config = {"max_position_embeddings": MAX_CONTEXT, "vocab_size": tok.get_vocab_size()}
+    (directory / "config.json").write_text(json.dumps(config))
+    return {
+        name: (directory / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json", "config.json")
+    }
+
+
+async def start_server(*adders: Callable[[grpc.aio.Server], None]) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    for add in adders:
+        add(server)
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@dataclass
+class Cluster:
+    gm: FakeGlobalManager
+    pm: FakeParamManager
+    gm_address: str
+    pm_address: str
+    tokenizer: Tokenizer
+    reply_ids: list[int]
+    workers: dict[str, FakeWorker] = field(default_factory=dict)
+    worker_servers: dict[str, grpc.aio.Server] = field(default_factory=dict)
+
+    async def add_worker(self, instance_id: str) -> FakeWorker:
+        worker = FakeWorker(instance_id, self.reply_ids)
+        server, address = await start_server(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(worker, s))
+        self.workers[instance_id] = worker
+        self.worker_servers[instance_id] = server
+        self.gm.instances.append((instance_id, address))
+        return worker
+
+
+@dataclass
+class Gateway:
+    service: GatewayService
+    http: str
+    grpc_address: str
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    files = write_model_files(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    reply_ids = tokenizer.encode(REPLY, add_bos=False)
+    gm, pm = FakeGlobalManager(), FakeParamManager(files)
+    gm_server, gm_address = await start_server(
+        lambda s: global_manager_pb2_grpc.add_GlobalManagerServicer_to_server(gm, s)
+    )
+    pm_server, pm_address = await start_server(
+        lambda s: param_manager_pb2_grpc.add_ParamManagerServicer_to_server(pm, s)
+    )
+    c = Cluster(gm, pm, gm_address, pm_address, tokenizer, reply_ids)
+    try:
+        yield c
+    finally:
+        for server in (*c.worker_servers.values(), gm_server, pm_server):
+            await server.stop(0)
+
+
+@pytest.fixture
+async def start_gateway(cluster: Cluster) -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
+    stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    async def start(**overrides: Any) -> Gateway:
+        cfg = GatewayConfig(
+            port=0,
+            http_port=0,
+            global_manager=cluster.gm_address,
+            param_manager=cluster.pm_address,
+            shutdown_grace_s=0.5,
+            **overrides,
+        )
+        service = GatewayService(cfg, registry=CollectorRegistry())
+        bound: asyncio.Future[ServeContext] = asyncio.get_running_loop().create_future()
+
+        async def on_bound(ctx: ServeContext) -> None:
+            bound.set_result(ctx)
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve(service, cfg, stop_event=stop, on_bound=on_bound))
+        stops.append((stop, task))
+        ctx = await asyncio.wait_for(bound, 5)
+        await wait_for_serving(ctx.address, 5)
+        return Gateway(service, f"http://127.0.0.1:{ctx.extra_ports['http_port']}", ctx.address)
+
+    try:
+        yield start
+    finally:
+        for stop, task in stops:
+            stop.set()
+            await task
+
+
+async def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+async def sse_events(url: str, body: Any) -> list[Any]:
+    """Every `data:` payload of an SSE response, parsed; checks the framing on the way."""
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await resp.read()).decode()
+    frames = raw.split("\n\n")
+    assert frames[-1] == "", f"stream must end with a blank line: {raw[-40:]!r}"
+    out: list[Any] = []
+    for frame in frames[:-1]:
+        assert frame.startswith("data: "), frame
+        payload = frame[len("data: ") :]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert out[-1] == "[DONE]"
+    return out
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], **extra}
+
+
+def chat_prompt_tokens(cluster: Cluster, content: str = "Say hi") -> int:
+    text = cluster.tokenizer.apply_chat_template([{"role": "user", "content": content}])
+    return len(cluster.tokenizer.encode(text))
+
+
+# ---- the OpenAI HTTP API -----------------------------------------------------------------------
+
+
+async def test_openai_client_streams_chat_with_usage(cluster: Cluster, start_gateway) -> None:
+    await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="unused", max_retries=0)
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, finish, usage = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                usage = chunk.usage
+        models = await client.models.list()
+    finally:
+        await client.close()
+    assert text == REPLY
+    assert finish == "stop"
+    assert usage is not None
+    assert usage.prompt_tokens == chat_prompt_tokens(cluster)
+    assert usage.completion_tokens == len(cluster.reply_ids)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert [m.id for m in models.data] == [MODEL]
+    # The worker got exactly the tokens of the rendered chat prompt.
+    assert len(cluster.workers["w-1"].requests[0].prompt_token_ids) == usage.prompt_tokens
+
+
+async def test_openai_client_completion_length_and_params(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="unused", max_retries=0)
+    try:
+        done = await client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=5, temperature=0.5, top_p=0.9, seed=7, extra_body={"top_k": 3}
+        )
+    finally:
+        await client.close()
+    assert done.choices[0].finish_reason == "length"
+    assert done.choices[0].text == cluster.tokenizer.decode(cluster.reply_ids[:5])
+    assert done.usage is not None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(cluster.tokenizer.encode("Hello")), 5)
+    sampling = worker.requests[0].sampling
+    assert sampling.max_tokens == 5 and sampling.seed == 7 and sampling.top_k == 3
+    assert sampling.temperature == pytest.approx(0.5) and sampling.top_p == pytest.approx(0.9)
+
+
+async def test_sse_shape_of_completions(cluster: Cluster, start_gateway) -> None:
+    await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    events = await sse_events(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert all("usage" not in c for c in chunks)  # only with stream_options.include_usage
+
+
+async def test_sse_shape_of_chat_with_usage(cluster: Cluster, start_gateway) -> None:
+    await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    events = await sse_events(
+        gw.http + "/v1/chat/completions", chat_body(stream=True, stream_options={"include_usage": True})
+    )
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == len(cluster.reply_ids)
+    assert usage_chunk["usage"]["prompt_tokens"] == chat_prompt_tokens(cluster)
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == REPLY
+
+
+async def test_stop_string_cuts_text_and_aborts_worker(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.delay_s = 0.01  # the stop lands well before the worker would finish
+    gw = await start_gateway()
+    status, body = await post(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "stop": ["STOP", "zzz"]})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == REPLY[: REPLY.index("STOP")]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < len(cluster.reply_ids)
+    await asyncio.wait_for(worker.cancelled.wait(), 5)
+    for _ in range(100):  # Abort is sent in the background right after the cancel
+        if worker.aborts:
+            break
+        await asyncio.sleep(0.02)
+    assert worker.aborts == [body["id"]]
+
+
+async def test_retry_on_another_instance_before_first_token(cluster: Cluster, start_gateway) -> None:
+    bad = await cluster.add_worker("w-bad")
+    bad.fail_code = grpc.StatusCode.UNAVAILABLE
+    await cluster.add_worker("w-good")
+    gw = await start_gateway()
+    events = await sse_events(gw.http + "/v1/chat/completions", chat_body(stream=True))
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in events[:-1]) == REPLY
+    assert [list(s.exclude_instance_ids) for s in cluster.gm.schedules] == [[], ["w-bad"]]
+    metrics = await _get_text(gw.http + "/metrics")
+    assert 'blitzmesh_gateway_retries_total{code="UNAVAILABLE"} 1.0' in metrics
+
+
+async def test_all_instances_fail_before_first_token_is_503(cluster: Cluster, start_gateway) -> None:
+    for name in ("w-1", "w-2"):
+        (await cluster.add_worker(name)).fail_code = grpc.StatusCode.UNAVAILABLE
+    gw = await start_gateway(retries_before_first_token=2)
+    status, body = await post(gw.http + "/v1/chat/completions", chat_body())
+    assert status == 503
+    message = body["error"]["message"]
+    assert "w-1" in message and "w-2" in message and "no SERVING instance" in message
+
+
+async def test_instance_dying_mid_stream_ends_with_error_event(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.die_after = 3
+    await cluster.add_worker("w-2")  # must NOT be tried: tokens already reached the client
+    gw = await start_gateway()
+    events = await sse_events(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert "instance w-1 died mid-stream" in error["message"] and "after 3 tokens" in error["message"]
+    assert error["type"] == "server_error"
+    assert len(cluster.gm.schedules) == 1
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    assert text == cluster.tokenizer.decode(cluster.reply_ids[:3])
+
+    # The official client surfaces the in-band error as an exception, not a silent end.
+    client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="unused", max_retries=0)
+    try:
+        with pytest.raises(openai.APIError, match="died mid-stream"):
+            stream = await client.completions.create(model=MODEL, prompt="Hi", stream=True)
+            async for _ in stream:
+                pass
+    finally:
+        await client.close()
+
+
+async def test_worker_process_gone_mid_stream(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.delay_s = 0.05
+    gw = await start_gateway()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(gw.http + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True}) as resp,
+    ):
+        assert resp.status == 200
+        first = await resp.content.readuntil(b"\n\n")
+        assert first.startswith(b"data: {")
+        await cluster.worker_servers["w-1"].stop(0)  # the connection drops under the stream
+        rest = (await asyncio.wait_for(resp.read(), 5)).decode()
+    assert "died mid-stream" in rest and rest.endswith("data: [DONE]\n\n")
+
+
+async def test_client_disconnect_cancels_and_aborts_worker(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.delay_s = 0.2
+    gw = await start_gateway()
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(gw.http + "/v1/chat/completions", json=chat_body(stream=True))
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")
+        resp.close()  # hang up mid-stream
+    await asyncio.wait_for(worker.cancelled.wait(), 5)
+    for _ in range(100):
+        if worker.aborts:
+            break
+        await asyncio.sleep(0.02)
+    assert len(worker.aborts) == 1 and worker.aborts[0].startswith("chatcmpl-")
+    for _ in range(100):  # the slot comes back
+        if gw.service.backend.admission.in_flight == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert gw.service.backend.admission.in_flight == 0
+
+
+async def test_queue_full_is_429_and_queued_requests_run(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.gate = asyncio.Event()
+    gw = await start_gateway(max_concurrency=1, max_queue=1, queue_timeout_s=5)
+    url = gw.http + "/v1/completions"
+    first = asyncio.create_task(post(url, {"model": MODEL, "prompt": "Hi", "max_tokens": 2}))
+    await asyncio.wait_for(worker.started.wait(), 5)
+    queued = asyncio.create_task(post(url, {"model": MODEL, "prompt": "Hi", "max_tokens": 2}))
+    for _ in range(100):
+        if gw.service.backend.admission.waiting == 1:
+            break
+        await asyncio.sleep(0.01)
+    status, body = await post(url, {"model": MODEL, "prompt": "Hi"})
+    assert status == 429
+    assert body["error"]["type"] == "rate_limit_error"
+    assert "max_queue=1" in body["error"]["message"] and "max_concurrency=1" in body["error"]["message"]
+    worker.gate.set()
+    assert (await first)[0] == 200
+    assert (await queued)[0] == 200
+
+
+async def test_queue_timeout_is_429(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.gate = asyncio.Event()
+    gw = await start_gateway(max_concurrency=1, max_queue=4, queue_timeout_s=0.2)
+    url = gw.http + "/v1/completions"
+    first = asyncio.create_task(post(url, {"model": MODEL, "prompt": "Hi", "max_tokens": 2}))
+    await asyncio.wait_for(worker.started.wait(), 5)
+    status, body = await post(url, {"model": MODEL, "prompt": "Hi"})
+    assert status == 429 and "queue_timeout_s=0.2" in body["error"]["message"]
+    worker.gate.set()
+    assert (await first)[0] == 200
+
+
+async def test_api_keys(cluster: Cluster, start_gateway) -> None:
+    await cluster.add_worker("w-1")
+    gw = await start_gateway(api_keys=["sk-right-key-123"])
+    url = gw.http + "/v1/chat/completions"
+    status, body = await post(url, chat_body())
+    assert status == 401 and "missing API key" in body["error"]["message"]
+    status, body = await post(url, chat_body(), {"Authorization": "Bearer sk-wrong-key-999"})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert "sk-wrong-key-999" not in body["error"]["message"]  # never echo a secret in full
+    status, body = await post(url, chat_body(), {"Authorization": "Bearer sk-right-key-123"})
+    assert status == 200 and body["choices"][0]["message"]["content"] == REPLY
+    async with aiohttp.ClientSession() as session, session.get(gw.http + "/health") as resp:
+        assert resp.status == 200  # probes carry no key
+
+    client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="sk-wrong", max_retries=0)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            await client.models.list()
+    finally:
+        await client.close()
+
+
+async def test_http_errors_have_openai_shape(cluster: Cluster, start_gateway) -> None:
+    await cluster.add_worker("w-1")
+    gw = await start_gateway(max_body_bytes=4096)
+    url = gw.http + "/v1/completions"
+
+    status, body = await post(url, {"model": "no-such-model", "prompt": "Hi"})
+    assert status == 404 and '"no-such-model"' in body["error"]["message"] and body["error"]["param"] == "model"
+
+    long_prompt = "hello world " * 200
+    status, body = await post(url, {"model": MODEL, "prompt": "Hi", "max_tokens": 500})
+    assert status == 400 and "128" in body["error"]["message"] and "max_tokens=500" in body["error"]["message"]
+    assert body["error"]["code"] == "context_length_exceeded"
+    status, body = await post(url, {"model": MODEL, "prompt": long_prompt[:3000]})
+    assert status == 400 and "maximum context length is 128" in body["error"]["message"]
+
+    status, body = await post(url, {"model": MODEL, "prompt": "x" * 10_000})
+    assert status == 413 and "max_body_bytes=4096" in body["error"]["message"]
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, data=b"{not json", headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 400
+            assert "not valid JSON" in (await resp.json())["error"]["message"]
+        async with session.get(gw.http + "/v1/nothing") as resp:
+            assert resp.status == 404 and "error" in await resp.json()
+
+    status, body = await post(url, {"model": MODEL, "prompt": "Hi", "temperature": 3})
+    assert status == 400 and body["error"]["param"] == "temperature" and "3" in body["error"]["message"]
+    assert (await post(url, {"model": MODEL, "prompt": "Hi", "n": 2}))[0] == 400
+
+
+async def test_no_instance_is_503_and_health(cluster: Cluster, start_gateway) -> None:
+    gw = await start_gateway()
+    status, body = await post(gw.http + "/v1/chat/completions", chat_body())
+    assert status == 503 and body["error"]["type"] == "service_unavailable"
+    assert "no SERVING instance" in body["error"]["message"]
+    async with aiohttp.ClientSession() as session, session.get(gw.http + "/health") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["global_manager"] == "SERVING"
+    metrics = await _get_text(gw.http + "/metrics")
+    assert 'blitzmesh_gateway_requests_total{api="http",outcome="unavailable"} 1.0' in metrics
+
+
+async def test_tokenizer_fetched_once_for_concurrent_requests(cluster: Cluster, start_gateway) -> None:
+    await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    results = await asyncio.gather(*(post(gw.http + "/v1/chat/completions", chat_body()) for _ in range(8)))
+    assert all(status == 200 for status, _ in results)
+    assert cluster.pm.file_requests == 1
+
+
+async def _get_text(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        assert resp.status == 200
+        return await resp.text()
+
+
+# ---- the gRPC API --------------------------------------------------------------------------------
+
+
+async def test_grpc_generate_complete_and_errors(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    gw = await start_gateway(api_keys=["k-1"])
+    auth = (("authorization", "Bearer k-1"),)
+    async with grpc.aio.insecure_channel(gw.grpc_address) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        req = inference_pb2.GenerateRequest(
+            model=MODEL,
+            messages=[inference_pb2.ChatMessage(role="user", content="Say hi")],
+            request_id="sdk-1",
+            return_token_ids=True,
+        )
+        replies = [r async for r in stub.Generate(req, metadata=auth)]
+        assert "".join(r.text for r in replies) == REPLY
+        assert [t for r in replies for t in r.token_ids] == cluster.reply_ids
+        assert replies[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        assert replies[-1].usage.completion_tokens == len(cluster.reply_ids)
+        assert {r.instance_id for r in replies} == {"w-1"} and {r.request_id for r in replies} == {"sdk-1"}
+
+        one = await stub.Complete(
+            inference_pb2.GenerateRequest(model=MODEL, prompt="Hi", sampling=common_pb2.SamplingParams(max_tokens=4)),
+            metadata=auth,
+        )
+        assert one.finish_reason == common_pb2.FINISH_REASON_LENGTH and one.usage.completion_tokens == 4
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Complete(inference_pb2.GenerateRequest(model=MODEL, prompt="Hi"))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            bad = common_pb2.SamplingParams(top_p=0.0)
+            await stub.Complete(inference_pb2.GenerateRequest(model=MODEL, prompt="Hi", sampling=bad), metadata=auth)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in (err.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Complete(inference_pb2.GenerateRequest(model="nope", prompt="Hi"), metadata=auth)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and '"nope"' in (err.value.details() or "")
+
+        worker.die_after = 2
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Generate(inference_pb2.GenerateRequest(model=MODEL, prompt="Hi"), metadata=auth):
+                pass
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "instance w-1 died mid-stream" in (err.value.details() or "")
+
+
+async def test_grpc_cancel_reaches_worker(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.delay_s = 0.2
+    gw = await start_gateway()
+    async with grpc.aio.insecure_channel(gw.grpc_address) as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        call = stub.Generate(inference_pb2.GenerateRequest(model=MODEL, prompt="Hi", request_id="sdk-cancel"))
+        await call.read()
+        call.cancel()
+    await asyncio.wait_for(worker.cancelled.wait(), 5)
+    for _ in range(100):
+        if worker.aborts:
+            break
+        await asyncio.sleep(0.02)
+    assert worker.aborts == ["sdk-cancel"]
+
+
+async def test_grpc_admin_forwards(cluster: Cluster, start_gateway) -> None:
+    await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    async with grpc.aio.insecure_channel(gw.grpc_address) as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        models = await admin.ListModels(admin_pb2.ListModelsRequest())
+        assert [m.model_id for m in models.models] == [MODEL]
+        state = await admin.GetCluster(admin_pb2.GetClusterRequest())
+        assert state.policy == "heteroscale" and [i.instance_id for i in state.instances] == ["w-1"]
+        scaled = await admin.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=2))
+        assert scaled.reason == "manual +2"
+        policy = await admin.SetPolicy(admin_pb2.SetPolicyRequest(policy="latency", params={"ttft_s": "1"}))
+        assert policy.policy == "latency" and dict(policy.params) == {"ttft_s": "1"}
+        events = [e async for e in admin.WatchEvents(admin_pb2.WatchEventsRequest())]
+        assert [e.target for e in events] == ["w-0", "w-1", "w-2"]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await admin.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=0))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "delta=0" in (err.value.details() or "")
+
+
+async def test_many_cancelled_requests_leak_nothing(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.delay_s = 0.05
+    gw = await start_gateway(max_concurrency=4, max_queue=16)
+
+    async def one() -> None:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(
+                gw.http + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True}
+            )
+            await resp.content.readuntil(b"\n\n")
+            resp.close()
+
+    await asyncio.gather(*(one() for _ in range(4)))
+    backend = gw.service.backend
+    for _ in range(200):
+        if backend.admission.in_flight == 0 and backend.admission.waiting == 0 and len(worker.aborts) == 4:
+            break
+        await asyncio.sleep(0.02)
+    assert (backend.admission.in_flight, backend.admission.waiting, len(worker.aborts)) == (0, 0, 4)

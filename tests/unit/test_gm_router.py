@@ -1,0 +1,160 @@
+"""Routing choices and the instance registry's lifecycle state machine."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from services.global_manager.core.router import (
+    IllegalTransitionError,
+    Registry,
+    RegistryError,
+    UnknownInstanceError,
+    choose_instance,
+    choose_pair,
+    instance_load,
+    is_legal_transition,
+    pick_scale_in_victim,
+)
+from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
+
+S = InstanceState
+
+
+def inst(iid: str, state: InstanceState = S.SERVING, role: Role = Role.COLOCATED, running: int = 0,
+         waiting: int = 0, kv_used: int = 0, kv_total: int = 100, model: str = "m", loaded: bool = True) -> InstanceView:
+    load = LoadSample(iid, 0.0, running=running, waiting=waiting, kv_blocks_used=kv_used,
+                      kv_blocks_total=kv_total) if loaded else None
+    layers = 8 if state in (S.SERVING, S.DRAINING) else 0
+    return InstanceView(iid, model, role, state, layers, 8, "h", 0.0, load)
+
+
+def test_least_loaded_serving_instance() -> None:
+    pool = [inst("a", running=3), inst("b", running=1, waiting=1), inst("c", running=1)]
+    assert choose_instance(pool, 100, ()).instance_id == "c"
+    assert instance_load(pool[1]) == 2.0
+
+
+def test_kv_utilisation_breaks_equal_queues_and_ids_break_exact_ties() -> None:
+    assert choose_instance([inst("a", running=1, kv_used=50), inst("b", running=1, kv_used=10)]).instance_id == "b"
+    assert choose_instance([inst("z"), inst("b"), inst("m")]).instance_id == "b"
+
+
+def test_never_picks_non_serving_instances() -> None:
+    others = [inst(f"x{s.value}", state=s, running=0) for s in S if s is not S.SERVING]
+    busy = inst("busy", running=50)
+    for perm in itertools.permutations([*others, busy]):
+        assert choose_instance(list(perm)).instance_id == "busy"
+    assert choose_instance(others) is None
+    assert pick_scale_in_victim(others) is None
+
+
+def test_exclusions_roles_models_and_unreported_load() -> None:
+    pool = [inst("a", running=5), inst("b", running=0), inst("p", role=Role.PREFILL),
+            inst("d", role=Role.DECODE, running=2), inst("o", model="other"), inst("new", running=0, loaded=False)]
+    assert choose_instance(pool, exclude_ids={"b", "new", "o", "p", "d"}).instance_id == "a"
+    assert choose_instance(pool, role=Role.PREFILL).instance_id == "p"
+    assert choose_instance(pool, model="other").instance_id == "o"
+    assert choose_instance(pool, role=Role.COLOCATED, model="m", exclude_ids={"b"}).instance_id == "new"
+    pair = choose_pair(pool)
+    assert pair is not None and (pair[0].instance_id, pair[1].instance_id) == ("p", "d")
+    assert choose_pair([inst("p", role=Role.PREFILL)]) is None
+
+
+def test_kv_fit_is_a_preference_not_a_filter() -> None:
+    full = inst("a", running=0, kv_used=99)  # 1 free block
+    roomy = inst("b", running=3, kv_used=0)
+    assert choose_instance([full, roomy], 64, kv_block_size_tokens=16).instance_id == "b"
+    assert choose_instance([full, roomy], 16, kv_block_size_tokens=16).instance_id == "a"
+    assert choose_instance([full], 1000, kv_block_size_tokens=16).instance_id == "a"
+    with pytest.raises(ValueError, match="request_tokens must be >= 0, got -1"):
+        choose_instance([full], -1)
+
+
+def test_scale_in_victim_is_least_loaded_serving() -> None:
+    pool = [inst("a", running=4), inst("b", running=1), inst("c", state=S.DRAINING), inst("d", role=Role.DECODE)]
+    assert pick_scale_in_victim(pool, role=Role.COLOCATED).instance_id == "b"
+    assert pick_scale_in_victim(pool).instance_id == "d"  # idle d (load 0) beats b across roles
+    assert pick_scale_in_victim(pool, role=Role.DECODE).instance_id == "d"
+
+
+def register(reg: Registry, iid: str = "w0") -> InstanceView:
+    return reg.register(iid, model="m", role=Role.DECODE, host="h", num_layers=8, now_s=1.0)
+
+
+def test_registry_full_lifecycle() -> None:
+    reg = Registry()
+    v = register(reg)
+    assert (v.state, v.layers_loaded, v.last_heartbeat_s) == (S.IDLE, 0, 1.0)
+    assert reg.transition("w0", S.LOADING, model="m2", role=Role.PREFILL, num_layers=4).model == "m2"
+    assert reg.set_layers_loaded("w0", 3).layers_loaded == 3
+    served = reg.transition("w0", S.SERVING)
+    assert (served.state, served.layers_loaded, served.role, served.num_layers) == (S.SERVING, 4, Role.PREFILL, 4)
+    hb = reg.heartbeat(LoadSample("w0", 5.0, running=2))
+    assert hb.last_heartbeat_s == 5.0 and hb.load is not None and hb.load.running == 2
+    assert reg.transition("w0", S.DRAINING).state is S.DRAINING
+    idle = reg.transition("w0", S.IDLE)
+    assert (idle.state, idle.layers_loaded, idle.load) == (S.IDLE, 0, None)
+    assert [x.instance_id for x in reg.views(state=S.IDLE)] == ["w0"]
+    assert reg.remove("w0").instance_id == "w0" and len(reg) == 0
+
+
+@pytest.mark.parametrize(("src", "dst"), [
+    (S.IDLE, S.SERVING), (S.IDLE, S.DRAINING), (S.LOADING, S.IDLE), (S.LOADING, S.DRAINING),
+    (S.SERVING, S.LOADING), (S.SERVING, S.IDLE), (S.DRAINING, S.SERVING), (S.LOST, S.SERVING),
+    (S.LOST, S.LOADING), (S.SERVING, S.SERVING),
+])
+def test_illegal_transitions_name_both_states(src: InstanceState, dst: InstanceState) -> None:
+    reg = Registry()
+    reg.register("w0", model="m", role=Role.DECODE, host="h", num_layers=8, now_s=0.0,
+                 state=S.IDLE if src is S.LOST else src)
+    if src is S.LOST:
+        reg.mark_lost("w0")
+    assert not is_legal_transition(src, dst)
+    with pytest.raises(IllegalTransitionError, match=f"illegal transition {src.value} -> {dst.value}"):
+        reg.transition("w0", dst)
+    assert reg.get("w0").state is src  # unchanged
+
+
+@pytest.mark.parametrize("src", [S.IDLE, S.LOADING, S.SERVING, S.DRAINING])
+def test_any_state_can_become_lost_and_comes_back_idle(src: InstanceState) -> None:
+    reg = Registry()
+    reg.register("w0", model="m", role=Role.DECODE, host="h", num_layers=8, now_s=0.0, state=src)
+    assert reg.mark_lost("w0").state is S.LOST
+    assert reg.mark_lost("w0").state is S.LOST  # idempotent
+    with pytest.raises(RegistryError, match="is LOST; it must register again"):
+        reg.heartbeat(LoadSample("w0", 1.0))
+    back = reg.register("w0", model="m", role=Role.PREFILL, host="h2", num_layers=8, now_s=9.0)
+    assert (back.state, back.role, back.host, back.last_heartbeat_s) == (S.IDLE, Role.PREFILL, "h2", 9.0)
+
+
+def test_registry_rejects_duplicates_and_unknowns() -> None:
+    reg = Registry()
+    register(reg)
+    with pytest.raises(IllegalTransitionError, match="IDLE -> IDLE.*mark it lost first"):
+        register(reg)
+    with pytest.raises(UnknownInstanceError, match="'nope' is not registered"):
+        reg.get("nope")
+    with pytest.raises(UnknownInstanceError):
+        reg.heartbeat(LoadSample("nope", 0.0))
+    with pytest.raises(RegistryError, match="layer progress applies to LOADING, it is IDLE"):
+        reg.set_layers_loaded("w0", 2)
+    reg.transition("w0", S.LOADING)
+    reg.set_layers_loaded("w0", 4)
+    with pytest.raises(ValueError, match="progress does not go backwards"):
+        reg.set_layers_loaded("w0", 3)
+    with pytest.raises(RegistryError, match="only IDLE or LOST"):
+        reg.remove("w0")
+    with pytest.raises(RegistryError, match="only on IDLE -> LOADING"):
+        reg.transition("w0", S.SERVING, model="x")
+
+
+def test_registry_rebuild_after_manager_restart() -> None:
+    reg = Registry()
+    v = reg.register("w9", model="m", role=Role.DECODE, host="h", num_layers=8, now_s=3.0, state=S.SERVING)
+    assert (v.state, v.layers_loaded) == (S.SERVING, 8)
+    loading = reg.register("w8", model="m", role=Role.DECODE, host="h", num_layers=8, now_s=3.0,
+                           state=S.LOADING, layers_loaded=5)
+    assert loading.layers_loaded == 5
+    assert choose_instance(reg) is not None and choose_instance(reg).instance_id == "w9"  # type: ignore[union-attr]
