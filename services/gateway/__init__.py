@@ -1,0 +1,1 @@
+"""The Blitzmesh gateway: OpenAI-compatible HTTP and SDK gRPC front end of the mesh."""

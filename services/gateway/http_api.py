@@ -235,27 +235,28 @@ class HttpApi:
             )
 
         try:
-            if kind == "chat":
-                await resp.write(chunk("", role=True))
-            event: Event | None = first
-            while event is not None:
-                if isinstance(event, TokenDelta):
-                    if event.text:
-                        await resp.write(chunk(event.text))
-                else:
-                    await resp.write(chunk(None if kind == "chat" else "", finish=event.finish_reason))
-                    if usage_on:
-                        await resp.write(sse_event(usage_chunk(kind, response_id, model, created_s, event.usage)))
-                    break
-                event = await anext(events, None)
-        except GatewayError as e:
-            # Headers are out: the failure travels in-band, then the stream ends cleanly.
-            await resp.write(sse_event(e.openai_body()))
+            try:
+                if kind == "chat":
+                    await resp.write(chunk("", role=True))
+                event: Event | None = first
+                while event is not None:
+                    if isinstance(event, TokenDelta):
+                        if event.text:
+                            await resp.write(chunk(event.text))
+                    else:
+                        await resp.write(chunk(None if kind == "chat" else "", finish=event.finish_reason))
+                        if usage_on:
+                            await resp.write(sse_event(usage_chunk(kind, response_id, model, created_s, event.usage)))
+                        break
+                    event = await anext(events, None)
+            except GatewayError as e:
+                # Headers are out: the failure travels in-band, then the stream ends cleanly.
+                await resp.write(sse_event(e.openai_body()))
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
         except ConnectionResetError:
+            # The client hung up between writes; leaving `aclosing` cancels the worker call.
             log.info("client_disconnected", request_id=response_id)
-            return resp
-        await resp.write(SSE_DONE)
-        await resp.write_eof()
         return resp
 
 

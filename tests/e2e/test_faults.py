@@ -11,6 +11,7 @@ import signal
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
+import grpc
 import pytest
 import pytest_asyncio
 
@@ -39,8 +40,12 @@ async def fault_mesh(
 
 
 async def _running(address: str) -> int:
-    async with channel(address) as ch:
-        info = await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+    """Requests running on a worker; 0 for one that is gone (killed by an earlier test)."""
+    try:
+        async with channel(address) as ch:
+            info = await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+    except grpc.aio.AioRpcError:
+        return 0
     return info.load.running
 
 

@@ -262,15 +262,21 @@ def _prune(
     kept = [s for s in sources if traffic.get(s.node_id) not in busy_dirs]
     busy = [s for s in sources if traffic.get(s.node_id) in busy_dirs]
     used_busy: list[str] = []
+    full_copy = any(s.groups is None for s in kept)
+    held: set[str] = set() if full_copy else set().union(*(s.groups or () for s in kept))
     # Fallback: a busy link beats no source at all, but only for groups nobody else has.
     for group in groups:
-        if any(s.holds(group) for s in kept):
+        if full_copy or group in held:
             continue
         helper = next((s for s in busy if s.holds(group) and s.node_id not in used_busy), None)
         if helper is None:
             raise ValueError(f"no source holds parameter group {group!r}")
         kept.append(helper)
         used_busy.append(helper.node_id)
+        if helper.groups is None:
+            full_copy = True
+        else:
+            held |= helper.groups
     pruned = [s.node_id for s in busy if s.node_id not in used_busy]
     return kept, sorted(pruned), sorted(used_busy)
 

@@ -74,7 +74,8 @@ class CooldownState:
     """When this policy last decided to scale out and to scale in (seconds, manager clock).
 
     Two independent timers starting at minus infinity, so the first decision of either kind is
-    never blocked and a scale-out does not delay a scale-in.
+    never blocked and a scale-out does not delay a scale-in. A decision that moves pools both
+    ways (a rebalance) sets the timer of its action only.
     """
 
     last_scale_out_s: float = -math.inf
@@ -216,10 +217,12 @@ class _PolicyBase:
         for role, cur in before.items():
             want = cfg.clamp(role, wanted[role])
             if want > cur and not out_ok:
-                held.append(f"scale_out cooldown until t={_g(self.cooldown.last_scale_out_s + cfg.scale_out_cooldown_s)}")
+                until_s = self.cooldown.last_scale_out_s + cfg.scale_out_cooldown_s
+                held.append(f"scale_out cooldown until t={_g(until_s)}")
                 want = cur
             elif want < cur and not in_ok:
-                held.append(f"scale_in cooldown until t={_g(self.cooldown.last_scale_in_s + cfg.scale_in_cooldown_s)}")
+                until_s = self.cooldown.last_scale_in_s + cfg.scale_in_cooldown_s
+                held.append(f"scale_in cooldown until t={_g(until_s)}")
                 want = cur
             after[role] = want
         if any(after[r] > before[r] for r in before):
@@ -367,12 +370,22 @@ class UtilizationConfig(_BaseConfig):
     )
     target_utilization: float = Field(0.7, gt=0, le=1, description="utilization each pool is sized for")
     scale_out_ratio: float = Field(1.1, ge=1, description="scale out if any pool's util/target exceeds this")
-    scale_in_ratio: float = Field(0.9, gt=0, le=1, description="scale in only if every pool's util/target is below this")
-    prefill_metric: Literal["kv", "tps"] = Field("tps", description="prefill pool utilization: KV use or prefill TPS / capacity")
-    decode_metric: Literal["kv", "tps"] = Field("kv", description="decode pool utilization: KV use or decode TPS / capacity")
+    scale_in_ratio: float = Field(
+        0.9, gt=0, le=1, description="scale in only if every pool's util/target is below this"
+    )
+    prefill_metric: Literal["kv", "tps"] = Field(
+        "tps", description="prefill pool utilization: KV use, or prefill TPS / capacity"
+    )
+    decode_metric: Literal["kv", "tps"] = Field(
+        "kv", description="decode pool utilization: KV use, or decode TPS / capacity"
+    )
     colocated_metric: Literal["kv", "tps"] = Field("kv", description="colocated pool utilization")
-    prefill_capacity_tps_per_instance: float = Field(10000.0, gt=0, description="prefill tokens/s one instance can do (tps metric)")
-    decode_capacity_tps_per_instance: float = Field(100.0, gt=0, description="decode tokens/s one instance can do (tps metric)")
+    prefill_capacity_tps_per_instance: float = Field(
+        10000.0, gt=0, description="prefill tokens/s one instance sustains (tps metric)"
+    )
+    decode_capacity_tps_per_instance: float = Field(
+        100.0, gt=0, description="decode tokens/s one instance sustains (tps metric)"
+    )
 
 
 class UtilizationPolicy(_PolicyBase):

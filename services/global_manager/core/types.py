@@ -209,7 +209,8 @@ class ScaleDecision:
 
     A split deployment sets prefill_* and decode_*; a colocated one sets instances_*. `action`
     follows the rule that fired, so when the P:D mix is off ratio one pool may move against it
-    (a scale-in that rebalances can still add a prefill instance).
+    (a scale-in that rebalances can still add a prefill instance). `extra` carries the numbers
+    behind the decision (ratio, need, tbt_s) for metrics and simulators; it is not logged.
     """
 
     action: ScaleAction
@@ -241,8 +242,10 @@ class ScaleDecision:
                                 "instances_from", "instances_to"), split + single):
             if value is not None and value < 0:
                 raise ValueError(f"ScaleDecision.{name} must be >= 0, got {value!r}")
-        if self.action == "no_change" and self.changes_anything:
-            raise ValueError(f"ScaleDecision is no_change but changes counts: {self.target_str()!r}")
+        if (self.action == "no_change") == self.changes_anything:
+            raise ValueError(
+                f"ScaleDecision action {self.action!r} disagrees with its counts {self.target_str()!r}"
+            )
 
     @property
     def is_colocated(self) -> bool:

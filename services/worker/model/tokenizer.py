@@ -162,9 +162,13 @@ class IncrementalDetokenizer:
     short window and emitting what it adds, waiting while it ends in U+FFFD.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special_tokens: bool = True, byte_level: bool | None = None
+    ) -> None:
+        """`byte_level` picks the algorithm; None means whichever fits `tokenizer`."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._byte_level = tokenizer.byte_level if byte_level is None else byte_level
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._ids: list[int] = []
         self._prefix = 0  # window start (generic path)
@@ -174,7 +178,7 @@ class IncrementalDetokenizer:
     def add(self, token_ids: int | Sequence[int]) -> str:
         """Feed one or more ids; return the new text that is now certain (possibly "")."""
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        if self._tokenizer.byte_level:
+        if self._byte_level:
             data = b"".join(self._tokenizer.token_bytes(i, self._skip) for i in ids)
             delta = self._utf8.decode(data, final=False)
         else:
@@ -185,7 +189,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """End of stream: return whatever was held back (a broken character becomes U+FFFD)."""
-        if self._tokenizer.byte_level:
+        if self._byte_level:
             delta = self._utf8.decode(b"", final=True)
         else:
             delta = self._window_delta(final=True)

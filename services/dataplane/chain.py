@@ -1,0 +1,792 @@
+"""Serial forwarding chains and sharded transfers of parameter groups (BlitzScale's data plane).
+
+Model
+-----
+Transfers are *pulls*. Every process that holds a model's groups, or is receiving them, keeps
+them in a `GroupStore` and publishes the store on its `GroupServer`; a receiver connects to an
+upstream server and asks for a list of groups, and the server streams their chunks in layer
+order, each chunk as soon as it has landed in its own store. A chain `S -> T1 -> T2 -> T3` is
+therefore "T1 pulls from S, T2 pulls from T1, T3 pulls from T2", all started at once: each hop
+receives a chunk straight into the tensor's final memory and serves it downstream right away,
+so filling n targets takes about as long as filling one (plus n-1 chunk times).
+
+Pulls (rather than pushes) make the other cases the same code:
+- *sharded transfer*: g sources each serve a disjoint subset of groups to a target (several
+  `Pull`s, one per source);
+- *all-gather*: targets on a fast local link pull from each other the groups the others
+  receive (more `Pull`s; a store serves groups it is still receiving);
+- *fallback*: when an upstream stalls past `stall_timeout_s` (UCX cannot see a dead peer) or
+  goes away, the receiver re-requests exactly the missing bytes (from the first chunk not yet
+  landed) from the next address in `Pull.fallbacks`, e.g. a host shard. Its own downstream
+  keeps pulling from it and never notices, beyond the pause.
+
+A group becomes *usable* only when all its bytes have landed and its checksum matches the
+manifest: then `on_group_ready(name)` runs (in the event loop, in completion order; use
+`GroupStore.ready_prefix()` for "the first k layers are in"). Nothing else is ever marked
+usable. Failures are typed: `ManifestMismatch` (the source serves another model or another
+manifest), `ChecksumMismatch`, `TransferTimeout` / `PeerClosed` (every source of a pull failed),
+`InsufficientMemory` (over `budget_bytes`, or allocation failed).
+
+Worker-side use::
+
+    server = GroupServer(transport); await server.start()          # once per process
+    result = await receive_chain(transport, upstream_address, manifest,
+                                 fallback_addresses=[host_shard_address], server=server,
+                                 on_group_ready=lambda name: ..., budget_bytes=free_bytes)
+    tensors = result.store.tensors("layers.0")                      # zero-copy torch views
+
+Source-side use (parameter manager, or a serving instance): `serve_groups(transport, manifest,
+buffers, server=server)`. There is no push API and no downstream address: downstream hops
+connect to us.
+
+Wire protocol (per endpoint, tags from `transport.Endpoint`): the receiver sends a JSON request
+on CONTROL_TAG; the server answers a JSON response on CONTROL_TAG, then sends chunk i of the
+requested plan with tag DATA_TAG_BASE + i; the receiver ends with a JSON "done". The server may
+send {"abort": reason} on CONTROL_TAG at any time instead of more chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import structlog
+
+from .buffers import as_uint8_array, host_buffer
+from .checksum import GroupDigests, checksum_algo_of
+from .errors import (
+    ChecksumMismatch,
+    DataPlaneError,
+    InsufficientMemory,
+    ManifestMismatch,
+    PeerClosed,
+    ProtocolError,
+    SourceUnavailable,
+    TransferTimeout,
+    TransportError,
+    UpstreamAborted,
+)
+from .manifest import Chunk, GroupEntry, Manifest, chunks, group_tensors
+from .transport import MAX_TAG, Endpoint, Transport, address_label
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CONTROL_TAG",
+    "DATA_TAG_BASE",
+    "GroupServer",
+    "GroupStore",
+    "Pull",
+    "TransferResult",
+    "fetch_manifest",
+    "receive_chain",
+    "receive_groups",
+    "serve_groups",
+]
+
+log = structlog.get_logger(__name__)
+
+CONTROL_TAG: Final = 0
+DATA_TAG_BASE: Final = 16
+_PROTOCOL_VERSION: Final = 1
+# Chunks smaller than this are digested inline: a thread hop costs more than the work.
+_INLINE_DIGEST_BYTES: Final = 256 * 1024
+# Errors after which the next source of a pull is tried; anything else ends the transfer.
+_RETRYABLE: Final = (TransferTimeout, PeerClosed, ProtocolError, UpstreamAborted, SourceUnavailable, OSError)
+
+Allocate = Callable[[GroupEntry], Any]
+OnGroupReady = Callable[[str], None]
+
+
+def default_allocate(entry: GroupEntry) -> np.ndarray:
+    """Prefaulted host memory for one group (see `buffers.host_buffer`)."""
+    return host_buffer(entry.size_bytes)
+
+
+# -- the store ------------------------------------------------------------------------------------
+
+
+class GroupStore:
+    """The groups of one model in this process: complete (a source) or filling (a receiver).
+
+    Per group it tracks the buffer, how many leading bytes have landed (chunks land in order),
+    and whether the checksum has been verified (`is_ready`). Servers wait on it to forward
+    chunks as they land.
+    """
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        n = len(manifest.groups)
+        self._buffers: list[np.ndarray | None] = [None] * n
+        self._landed = [0] * n
+        self._ready = [False] * n
+        self._expected = [False] * n
+        self._failure: BaseException | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+
+    @classmethod
+    def complete(cls, manifest: Manifest, buffers: Sequence[Any], *, verify: bool = False) -> GroupStore:
+        """A store that holds every group already (`buffers` in manifest order, zero-copy).
+
+        With `verify`, every group's checksum is checked first (ChecksumMismatch if not).
+        """
+        if len(buffers) != len(manifest.groups):
+            raise ValueError(f"{len(buffers)} buffers for {len(manifest.groups)} groups of {manifest.model_id!r}")
+        store = cls(manifest)
+        for gi, (entry, buf) in enumerate(zip(manifest.groups, buffers, strict=True)):
+            arr = as_uint8_array(buf, writable=False)
+            if arr.size != entry.size_bytes:
+                raise ValueError(f"group {entry.name!r}: buffer has {arr.size} bytes, manifest says {entry.size_bytes}")
+            if verify:
+                digests = GroupDigests(entry.size_bytes, checksum_algo_of(entry.checksum))
+                digests.add(0, arr)
+                actual = digests.checksum()
+                if actual != entry.checksum:
+                    raise ChecksumMismatch(f"group {entry.name!r} of {manifest.model_id!r}: checksum {actual} != "
+                                           f"manifest {entry.checksum}", group=entry.name,
+                                           expected=entry.checksum, actual=actual)
+            store._buffers[gi] = arr
+            store._landed[gi] = entry.size_bytes
+            store._ready[gi] = True
+            store._expected[gi] = True
+        return store
+
+    # -- public queries -----------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self.manifest.model_id
+
+    def _index(self, group: str | int) -> int:
+        return group if isinstance(group, int) else self.manifest.group_index(group)
+
+    def is_ready(self, group: str | int) -> bool:
+        return self._ready[self._index(group)]
+
+    def ready_groups(self) -> list[str]:
+        return [g.name for g, r in zip(self.manifest.groups, self._ready, strict=True) if r]
+
+    def ready_prefix(self) -> int:
+        """How many leading groups (embed, layers.0, ...) are usable: what ZigZag can run."""
+        k = 0
+        while k < len(self._ready) and self._ready[k]:
+            k += 1
+        return k
+
+    def landed_bytes(self, group: str | int) -> int:
+        return self._landed[self._index(group)]
+
+    def holds(self, group: str | int) -> bool:
+        """Whether this store has, or is receiving, the group (what a server may offer)."""
+        return self._expected[self._index(group)]
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    def buffer(self, group: str | int) -> np.ndarray:
+        """The group's buffer (flat uint8). Only meaningful once `is_ready(group)`."""
+        gi = self._index(group)
+        buf = self._buffers[gi]
+        if buf is None:
+            raise KeyError(f"group {self.manifest.groups[gi].name!r} of {self.model_id!r} has no buffer yet")
+        return buf
+
+    def tensors(self, group: str | int) -> dict[str, torch.Tensor]:
+        """Zero-copy torch views of a usable group's tensors; KeyError if it is not usable."""
+        gi = self._index(group)
+        entry = self.manifest.groups[gi]
+        if not self._ready[gi]:
+            raise KeyError(f"group {entry.name!r} of {self.model_id!r} is not usable yet")
+        return group_tensors(entry, self.buffer(gi))
+
+    # -- updates (receiver side) --------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def expect(self, indices: Sequence[int]) -> None:
+        for gi in indices:
+            self._expected[gi] = True
+
+    def set_buffer(self, gi: int, buffer: Any) -> None:
+        entry = self.manifest.groups[gi]
+        arr = as_uint8_array(buffer, writable=True)
+        if arr.size != entry.size_bytes:
+            raise ValueError(f"allocate() gave {arr.size} bytes for group {entry.name!r}, it needs {entry.size_bytes}")
+        self._buffers[gi] = arr
+
+    def mark_landed(self, gi: int, end_bytes: int) -> None:
+        if end_bytes > self._landed[gi]:
+            self._landed[gi] = end_bytes
+            self._wake()
+
+    def mark_ready(self, gi: int) -> None:
+        self._ready[gi] = True
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark the store failed: servers stop forwarding from it and tell their receivers."""
+        if self._failure is None:
+            self._failure = exc
+        self._wake()
+
+    async def wait_landed(self, gi: int, end_bytes: int, *, timeout_s: float | None) -> None:
+        """Wait until the first `end_bytes` of group `gi` have landed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        loop = asyncio.get_running_loop()
+        while self._landed[gi] < end_bytes:
+            if self._failure is not None:
+                raise UpstreamAborted(f"store of {self.model_id!r} failed: {self._failure!r}")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TransferTimeout(
+                    f"group {self.manifest.groups[gi].name!r} of {self.model_id!r} did not reach {end_bytes} bytes "
+                    f"within {timeout_s}s (has {self._landed[gi]})")
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except TimeoutError:
+                pass
+
+    def view(self, chunk: Chunk) -> np.ndarray:
+        buf = self.buffer(chunk.group_index)
+        return buf[chunk.offset_bytes : chunk.offset_bytes + chunk.length_bytes]
+
+
+# -- the server -----------------------------------------------------------------------------------
+
+
+def _encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _decode(data: bytes, what: str, peer: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"{what} from {peer} is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what} from {peer} is not a JSON object: {obj!r:.100}")
+    return obj
+
+
+class GroupServer:
+    """Serves published `GroupStore`s to receivers that connect to this process's transport.
+
+    One per process (it owns `transport.accept()`). A request for a model not published yet
+    waits up to `publish_wait_s` (a downstream hop may ask before we got our LoadParameters).
+    A chunk not landed yet is waited for up to `land_timeout_s`; a send not taken within
+    `send_timeout_s` ends that stream (the receiver is gone).
+    """
+
+    def __init__(self, transport: Transport, *, window_chunks: int = 4, send_timeout_s: float = 30.0,
+                 publish_wait_s: float = 30.0, land_timeout_s: float = 300.0, request_timeout_s: float = 10.0) -> None:
+        if window_chunks < 1:
+            raise ValueError(f"window_chunks must be >= 1, got {window_chunks}")
+        self.transport = transport
+        self._window = window_chunks
+        self._send_timeout_s = send_timeout_s
+        self._publish_wait_s = publish_wait_s
+        self._land_timeout_s = land_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._stores: dict[str, GroupStore] = {}
+        self._published: dict[str, asyncio.Event] = {}
+        self._accept_task: asyncio.Task[None] | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self.streams_served = 0
+
+    async def start(self) -> None:
+        if self._accept_task is None:
+            self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(), name="dataplane-group-server")
+
+    def publish(self, store: GroupStore) -> None:
+        """Offer `store` (complete or filling) to receivers; replaces a store of the same model."""
+        self._stores[store.model_id] = store
+        self._published.setdefault(store.model_id, asyncio.Event()).set()
+
+    def unpublish(self, model_id: str) -> None:
+        self._stores.pop(model_id, None)
+        ev = self._published.pop(model_id, None)
+        if ev is not None:
+            ev.clear()
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._accept_task, *self._handlers) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._accept_task = None
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            ep = await self.transport.accept()
+            task = loop.create_task(self._serve(ep), name=f"dataplane-serve-{ep.peer}")
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+    async def _store_for(self, model_id: str) -> GroupStore | None:
+        if model_id not in self._stores:
+            ev = self._published.setdefault(model_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(ev.wait(), self._publish_wait_s)
+            except TimeoutError:
+                return None
+        return self._stores.get(model_id)
+
+    async def _serve(self, ep: Endpoint) -> None:
+        started = time.monotonic()
+        try:
+            req = _decode(await ep.recv_msg(CONTROL_TAG, timeout_s=self._request_timeout_s, max_bytes=1 << 20),
+                          "request", ep.peer)
+            model_id = str(req.get("model_id"))
+            store = await self._store_for(model_id)
+            if store is None:
+                await ep.send_msg(_encode({"ok": False, "kind": "unknown_model", "error":
+                                           f"model {model_id!r} is not served here (serves {sorted(self._stores)})"}),
+                                  CONTROL_TAG, timeout_s=self._request_timeout_s)
+                return
+            if req.get("op") == "manifest":
+                await ep.send_msg(_encode({"ok": True, "manifest": store.manifest.to_dict()}), CONTROL_TAG,
+                                  timeout_s=self._request_timeout_s)
+                return
+            if req.get("manifest_digest") != store.manifest.digest():
+                await ep.send_msg(_encode({"ok": False, "kind": "manifest_mismatch", "manifest": store.manifest.to_dict(),
+                                           "error": f"manifest of {model_id!r} differs"}),
+                                  CONTROL_TAG, timeout_s=self._request_timeout_s)
+                return
+            todo = [(int(g), int(s)) for g, s in req.get("groups", [])]
+            bad = [g for g, _ in todo if not 0 <= g < len(store.manifest.groups) or not store.holds(g)]
+            if store.failure is not None or bad:
+                reason = (f"store failed: {store.failure!r}" if store.failure is not None
+                          else f"groups {bad} are not held here")
+                await ep.send_msg(_encode({"ok": False, "kind": "unavailable", "error": reason}), CONTROL_TAG,
+                                  timeout_s=self._request_timeout_s)
+                return
+            await ep.send_msg(_encode({"ok": True}), CONTROL_TAG, timeout_s=self._request_timeout_s)
+            sent = await self._stream(ep, store, todo)
+            # Wait for "done" so the last chunks are not cut off by closing the endpoint.
+            await ep.recv_msg(CONTROL_TAG, timeout_s=self._send_timeout_s, max_bytes=1 << 16)
+            self.streams_served += 1
+            log.info("dataplane_stream_served", peer=ep.peer, model=model_id, bytes=sent,
+                     elapsed_s=round(time.monotonic() - started, 4))
+        except UpstreamAborted as exc:
+            log.warning("dataplane_stream_aborted", peer=ep.peer, reason=str(exc))
+            try:
+                await ep.send_msg(_encode({"abort": str(exc)}), CONTROL_TAG, timeout_s=1.0)
+            except TransportError:
+                pass
+        except (DataPlaneError, OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("dataplane_stream_failed", peer=ep.peer, error=repr(exc))
+        finally:
+            await ep.close()
+
+    async def _stream(self, ep: Endpoint, store: GroupStore, todo: list[tuple[int, int]]) -> int:
+        inflight: deque[asyncio.Task[None]] = deque()
+        loop = asyncio.get_running_loop()
+        sent = 0
+        try:
+            for seq, chunk in enumerate(chunks(store.manifest, todo)):
+                if DATA_TAG_BASE + seq > MAX_TAG:
+                    raise ProtocolError(f"stream of {store.model_id!r} exceeds {MAX_TAG - DATA_TAG_BASE} chunks")
+                await store.wait_landed(chunk.group_index, chunk.offset_bytes + chunk.length_bytes,
+                                        timeout_s=self._land_timeout_s)
+                inflight.append(loop.create_task(
+                    ep.send(store.view(chunk), DATA_TAG_BASE + seq, timeout_s=self._send_timeout_s)))
+                sent += chunk.length_bytes
+                while len(inflight) >= self._window or (inflight and inflight[0].done()):
+                    await inflight.popleft()
+            while inflight:
+                await inflight.popleft()
+        finally:
+            for t in inflight:
+                t.cancel()
+            if inflight:
+                await asyncio.gather(*inflight, return_exceptions=True)
+        return sent
+
+
+async def serve_groups(transport: Transport, manifest: Manifest, buffers: Sequence[Any], *,
+                       server: GroupServer | None = None, verify: bool = False) -> GroupServer:
+    """Publish a complete model (one buffer per group, manifest order) on `server` (created and
+    started if None) and return the server. The buffers are served in place, never copied."""
+    if server is None:
+        server = GroupServer(transport)
+        await server.start()
+    server.publish(GroupStore.complete(manifest, buffers, verify=verify))
+    return server
+
+
+# -- the receiver ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Receive `groups` (names; None = all) from the server at `address`; if it fails, resume
+    the missing bytes from each of `fallbacks` in turn."""
+
+    address: bytes
+    groups: tuple[str, ...] | None = None
+    fallbacks: tuple[bytes, ...] = ()
+
+
+@dataclass(slots=True)
+class TransferResult:
+    """What a receive did. `store` holds the groups; `bytes_by_source` is keyed by address label."""
+
+    model_id: str
+    store: GroupStore
+    groups_received: list[str]
+    bytes_received: int
+    elapsed_s: float
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    resourced_groups: list[str] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_received / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
+
+
+class _ReceiveSession:
+    def __init__(self, transport: Transport, store: GroupStore, *, allocate: Allocate,
+                 on_group_ready: OnGroupReady | None, stall_timeout_s: float, connect_timeout_s: float,
+                 window_chunks: int) -> None:
+        self.transport = transport
+        self.store = store
+        self.manifest = store.manifest
+        self._allocate = allocate
+        self._on_group_ready = on_group_ready
+        self._stall_timeout_s = stall_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._window = window_chunks
+        self._alloc_tasks: dict[int, asyncio.Task[None]] = {}
+        self._digests: dict[int, GroupDigests] = {}
+        self._digest_futs: dict[int, list[asyncio.Future[None]]] = {}
+        self._verify_tasks: list[asyncio.Task[None]] = []
+        self.bytes_received = 0
+        self.bytes_by_source: dict[str, int] = {}
+        self.resourced: set[int] = set()
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    async def _alloc(self, gi: int) -> None:
+        entry = self.manifest.groups[gi]
+        try:
+            # In a thread: prefaulting a big group takes ~0.1 s/GiB and must not stall the loop.
+            buf = await asyncio.get_running_loop().run_in_executor(None, self._allocate, entry)
+        except MemoryError as exc:
+            raise InsufficientMemory(f"allocating {entry.size_bytes} bytes for group {entry.name!r} failed: {exc}") from exc
+        self.store.set_buffer(gi, buf)
+
+    def _alloc_task(self, gi: int) -> asyncio.Task[None]:
+        task = self._alloc_tasks.get(gi)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._alloc(gi))
+            self._alloc_tasks[gi] = task
+        return task
+
+    # -- landing and verification -------------------------------------------------------------
+
+    def _landed(self, chunk: Chunk, source: str) -> None:
+        gi, off, n = chunk
+        self.store.mark_landed(gi, off + n)
+        if n:
+            self.bytes_received += n
+            self.bytes_by_source[source] = self.bytes_by_source.get(source, 0) + n
+        entry = self.manifest.groups[gi]
+        digests = self._digests.get(gi)
+        if digests is None:
+            digests = self._digests[gi] = GroupDigests(entry.size_bytes, checksum_algo_of(entry.checksum))
+        data = self.store.view(chunk)
+        loop = asyncio.get_running_loop()
+        futs = self._digest_futs.setdefault(gi, [])
+        if n >= _INLINE_DIGEST_BYTES:
+            futs.append(loop.run_in_executor(None, digests.add, off, data))
+        else:
+            digests.add(off, data)
+        if off + n == entry.size_bytes:
+            self._verify_tasks.append(loop.create_task(self._verify(gi)))
+
+    async def _verify(self, gi: int) -> None:
+        entry = self.manifest.groups[gi]
+        await asyncio.gather(*self._digest_futs.pop(gi, []))
+        actual = self._digests.pop(gi).checksum()
+        if actual != entry.checksum:
+            raise ChecksumMismatch(
+                f"group {entry.name!r} of {self.manifest.model_id!r}: received bytes have checksum {actual}, "
+                f"manifest says {entry.checksum}", group=entry.name, expected=entry.checksum, actual=actual)
+        self.store.mark_ready(gi)
+        if self._on_group_ready is not None:
+            self._on_group_ready(entry.name)
+
+    def _verification_failure(self) -> BaseException | None:
+        for t in self._verify_tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                return t.exception()
+        return None
+
+    # -- pulling ------------------------------------------------------------------------------
+
+    async def run_pull(self, pull: Pull, indices: list[int]) -> None:
+        sources = (pull.address, *pull.fallbacks)
+        errors: list[str] = []
+        last: BaseException | None = None
+        for attempt, address in enumerate(sources):
+            label = address_label(address)
+            try:
+                if attempt:
+                    missing = [gi for gi in indices if self.store.landed_bytes(gi) < self.manifest.groups[gi].size_bytes]
+                    self.resourced.update(missing)
+                    log.warning("dataplane_resourcing", model=self.manifest.model_id, source=label,
+                                groups=[self.manifest.groups[gi].name for gi in missing], previous_error=errors[-1])
+                await self._pull_once(address, label, indices)
+                return
+            except _RETRYABLE as exc:
+                errors.append(f"{label}: {type(exc).__name__}: {exc}")
+                last = exc
+        if isinstance(last, DataPlaneError):
+            raise type(last)(f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)) from last
+        raise PeerClosed(f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)) from last
+
+    async def _pull_once(self, address: bytes, label: str, indices: list[int]) -> None:
+        todo = [(gi, self.store.landed_bytes(gi)) for gi in indices
+                if self.store.landed_bytes(gi) < self.manifest.groups[gi].size_bytes]
+        if not todo:
+            return
+        ep = await self.transport.connect(address, timeout_s=self._connect_timeout_s)
+        posted: deque[tuple[Chunk, asyncio.Task[None]]] = deque()
+        control: asyncio.Task[bytes] | None = None
+        ok = False
+        loop = asyncio.get_running_loop()
+        try:
+            await ep.send_msg(_encode({"v": _PROTOCOL_VERSION, "op": "pull", "model_id": self.manifest.model_id,
+                                       "manifest_digest": self.manifest.digest(), "groups": todo}),
+                              CONTROL_TAG, timeout_s=self._stall_timeout_s)
+            # The server may wait for the model to be published upstream first: allow for it.
+            resp = _decode(await ep.recv_msg(CONTROL_TAG, timeout_s=self._stall_timeout_s * 4), "response", label)
+            self._check_response(resp, label)
+            control = loop.create_task(ep.recv_msg(CONTROL_TAG, max_bytes=1 << 20))
+            plan = chunks(self.manifest, todo)
+            seq = 0
+
+            async def post_next() -> None:
+                nonlocal seq
+                chunk = next(plan, None)
+                if chunk is None:
+                    return
+                await self._alloc_task(chunk.group_index)
+                if chunk.offset_bytes == 0:
+                    # Start faulting in the next group's memory while this one is on the wire.
+                    nxt = next((gi for gi, _ in todo if gi > chunk.group_index), None)
+                    if nxt is not None:
+                        self._alloc_task(nxt)
+                task = loop.create_task(ep.recv_into(self.store.view(chunk), DATA_TAG_BASE + seq))
+                seq += 1
+                posted.append((chunk, task))
+
+            for _ in range(self._window):
+                await post_next()
+            while posted:
+                chunk, task = posted[0]
+                done, _ = await asyncio.wait((task, control), timeout=self._stall_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    task.result()
+                    posted.popleft()
+                    self._landed(chunk, label)
+                    failure = self._verification_failure()
+                    if failure is not None:
+                        raise failure
+                    await post_next()
+                elif control in done:
+                    msg = _decode(control.result(), "control message", label)
+                    raise UpstreamAborted(f"{label} aborted the stream: {msg.get('abort', msg)}")
+                else:
+                    raise TransferTimeout(f"no chunk from {label} for {self._stall_timeout_s}s "
+                                          f"(group {self.manifest.groups[chunk.group_index].name!r} at byte {chunk.offset_bytes})")
+            await ep.send_msg(_encode({"done": True}), CONTROL_TAG, timeout_s=self._stall_timeout_s)
+            ok = True
+        finally:
+            if ok:
+                await ep.close()
+            else:
+                ep.abort()  # cancels posted receives before their buffers are re-used
+            leftovers = [t for _, t in posted] + ([control] if control is not None else [])
+            for t in leftovers:
+                t.cancel()
+            if leftovers:
+                await asyncio.gather(*leftovers, return_exceptions=True)
+
+    def _check_response(self, resp: dict[str, Any], label: str) -> None:
+        if resp.get("ok") is True:
+            return
+        kind, error = resp.get("kind"), resp.get("error", "")
+        if kind == "unknown_model":
+            raise ManifestMismatch(f"{label}: {error}")
+        if kind == "manifest_mismatch":
+            detail = None
+            try:
+                detail = self.manifest.diff(Manifest.from_dict(resp["manifest"]))
+            except (DataPlaneError, KeyError, TypeError):
+                pass
+            raise ManifestMismatch(f"{label} serves a different manifest for {self.manifest.model_id!r}: "
+                                   f"{detail or error}")
+        if kind == "unavailable":
+            raise SourceUnavailable(f"{label}: {error}")
+        raise ProtocolError(f"unexpected response from {label}: {resp!r:.200}")
+
+
+async def receive_groups(
+    transport: Transport,
+    target: Manifest | GroupStore,
+    pulls: Sequence[Pull],
+    *,
+    server: GroupServer | None = None,
+    allocate: Allocate = default_allocate,
+    on_group_ready: OnGroupReady | None = None,
+    budget_bytes: int | None = None,
+    stall_timeout_s: float = 10.0,
+    connect_timeout_s: float = 10.0,
+    window_chunks: int = 4,
+) -> TransferResult:
+    """Receive groups of one model from one or more sources, concurrently (sharded transfer,
+    all-gather), into `target` (a store, or a manifest to make a new one from).
+
+    Each `Pull` names a source, its groups (disjoint across pulls) and its fallbacks. With a
+    `server`, the store is published first so that downstream hops can pull from us while we
+    receive (the chain). `allocate(group_entry)` returns a writable buffer of exactly
+    `size_bytes` for a group (called in a worker thread; default: prefaulted host memory).
+    `budget_bytes` bounds the bytes this call allocates (InsufficientMemory before anything
+    moves). On failure the store is marked failed (its downstream streams abort) and the error
+    is raised; groups already verified stay usable, no other group is.
+    """
+    store = target if isinstance(target, GroupStore) else GroupStore(target)
+    manifest = store.manifest
+    plan: list[tuple[Pull, list[int]]] = []
+    claimed: dict[int, str] = {}
+    for pull in pulls:
+        names = manifest.group_names if pull.groups is None else list(pull.groups)
+        indices = sorted(manifest.group_index(n) for n in names)
+        for gi in indices:
+            if gi in claimed:
+                raise ValueError(f"group {manifest.groups[gi].name!r} is requested from both "
+                                 f"{claimed[gi]} and {address_label(pull.address)}")
+            claimed[gi] = address_label(pull.address)
+        plan.append((pull, indices))
+    wanted = sorted(claimed)
+    needed_bytes = sum(manifest.groups[gi].size_bytes for gi in wanted if store._buffers[gi] is None)
+    if budget_bytes is not None and needed_bytes > budget_bytes:
+        raise InsufficientMemory(f"model {manifest.model_id!r}: receiving {len(wanted)} groups needs {needed_bytes} "
+                                 f"bytes, budget is {budget_bytes}")
+    store.expect(wanted)
+    store._failure = None  # a new attempt on a store that failed before
+    if server is not None:
+        server.publish(store)
+    session = _ReceiveSession(transport, store, allocate=allocate, on_group_ready=on_group_ready,
+                              stall_timeout_s=stall_timeout_s, connect_timeout_s=connect_timeout_s,
+                              window_chunks=window_chunks)
+    for gi in wanted:
+        if manifest.groups[gi].size_bytes == 0 and not store.is_ready(gi):
+            # No chunk will ever land for an empty group: verify and publish it right away.
+            store.set_buffer(gi, np.empty(0, dtype=np.uint8))
+            session._landed(Chunk(gi, 0, 0), "local")
+    started = time.monotonic()
+    log.info("dataplane_receive_started", model=manifest.model_id, groups=len(wanted), bytes=needed_bytes,
+             sources=[address_label(p.address) for p, _ in plan], transport=transport.kind)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for pull, indices in plan:
+                tg.create_task(session.run_pull(pull, indices))
+        await asyncio.gather(*session._verify_tasks)
+    except BaseException as exc:
+        error = _first_error(exc)
+        for t in session._verify_tasks + list(session._alloc_tasks.values()):
+            t.cancel()
+        await asyncio.gather(*session._verify_tasks, *session._alloc_tasks.values(), return_exceptions=True)
+        store.fail(error)
+        log.warning("dataplane_receive_failed", model=manifest.model_id, error=repr(error),
+                    ready=len(store.ready_groups()), elapsed_s=round(time.monotonic() - started, 4))
+        if error is exc:
+            raise
+        raise error from None
+    elapsed = time.monotonic() - started
+    result = TransferResult(
+        model_id=manifest.model_id, store=store, groups_received=[manifest.groups[gi].name for gi in wanted],
+        bytes_received=session.bytes_received, elapsed_s=elapsed, bytes_by_source=session.bytes_by_source,
+        resourced_groups=[manifest.groups[gi].name for gi in sorted(session.resourced)])
+    log.info("dataplane_receive_done", model=manifest.model_id, bytes=result.bytes_received,
+             elapsed_s=round(elapsed, 4), gbps=round(result.gbps, 3), resourced=len(result.resourced_groups))
+    return result
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The most telling error inside a (nested) exception group: data plane errors first."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    for kind in (ChecksumMismatch, ManifestMismatch, InsufficientMemory, DataPlaneError, Exception):
+        for leaf in leaves:
+            if isinstance(leaf, kind):
+                return leaf
+    return leaves[0] if leaves else exc
+
+
+async def receive_chain(
+    transport: Transport,
+    upstream_address: bytes,
+    target: Manifest | GroupStore,
+    *,
+    groups: Sequence[str] | None = None,
+    fallback_addresses: Sequence[bytes] = (),
+    server: GroupServer | None = None,
+    allocate: Allocate = default_allocate,
+    on_group_ready: OnGroupReady | None = None,
+    budget_bytes: int | None = None,
+    stall_timeout_s: float = 10.0,
+    connect_timeout_s: float = 10.0,
+    window_chunks: int = 4,
+) -> TransferResult:
+    """Be one hop of a chain: pull `groups` (default all) from `upstream_address`, falling back
+    to `fallback_addresses` in turn, while `server` forwards every landed chunk to whoever pulls
+    from us. See `receive_groups` for the arguments and errors."""
+    return await receive_groups(
+        transport, target, [Pull(upstream_address, None if groups is None else tuple(groups), tuple(fallback_addresses))],
+        server=server, allocate=allocate, on_group_ready=on_group_ready, budget_bytes=budget_bytes,
+        stall_timeout_s=stall_timeout_s, connect_timeout_s=connect_timeout_s, window_chunks=window_chunks)
+
+
+async def fetch_manifest(transport: Transport, address: bytes, model_id: str, *, timeout_s: float = 10.0) -> Manifest:
+    """Ask the server at `address` for its manifest of `model_id` (ManifestMismatch if it has none)."""
+    ep = await transport.connect(address, timeout_s=timeout_s)
+    label = address_label(address)
+    try:
+        await ep.send_msg(_encode({"v": _PROTOCOL_VERSION, "op": "manifest", "model_id": model_id}), CONTROL_TAG,
+                          timeout_s=timeout_s)
+        resp = _decode(await ep.recv_msg(CONTROL_TAG, timeout_s=timeout_s), "response", label)
+    except BaseException:
+        ep.abort()
+        raise
+    await ep.close()
+    if resp.get("ok") is not True:
+        raise ManifestMismatch(f"{label}: {resp.get('error', resp)}")
+    return Manifest.from_dict(resp["manifest"])

@@ -1,0 +1,269 @@
+"""Test and benchmark support: synthetic models and data plane node processes driven over a pipe.
+
+A *node* is a separate process (multiprocessing "spawn") with its own transport and
+`GroupServer`; it can serve a synthetic model (a source) and, on command, receive groups from
+other nodes. The parent drives it with `NodeProcess` over a pipe, so tests and benchmarks use
+real processes and real sockets / UCX, as a worker would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .chain import GroupServer, Pull, receive_groups, serve_groups
+from .errors import DataPlaneError
+from .manifest import GroupEntry, Manifest, pack_groups
+from .transport import make_transport
+
+__all__ = [
+    "ModelSpec",
+    "NodeProcess",
+    "NodeSpec",
+    "buffer_digest",
+    "start_nodes",
+    "synthetic_groups",
+    "synthetic_model",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A synthetic model: `num_layers` layer groups of about `layer_bytes`, plus embed and head."""
+
+    model_id: str = "synthetic"
+    num_layers: int = 4
+    layer_bytes: int = 1 << 20
+    chunk_bytes: int = 256 * 1024
+    seed: int = 0
+    checksum_algo: str = "blocksum64"
+
+
+def _pattern(n_bytes: int, seed: int) -> np.ndarray:
+    """Deterministic, cheap (GB/s), non-repeating bytes: a multiplicative hash of word indices."""
+    words = np.arange(-(-n_bytes // 8), dtype=np.uint64)
+    words *= np.uint64(0x9E3779B97F4A7C15)
+    words ^= np.uint64((seed * 0x2545F4914F6CDD1D + 1) & 0xFFFFFFFFFFFFFFFF)
+    words ^= words >> np.uint64(29)
+    return words.view(np.uint8)[:n_bytes]
+
+
+def synthetic_groups(spec: ModelSpec) -> list[tuple[str, dict[str, np.ndarray]]]:
+    """HF-named tensors per group (embed, layers.i, head) filled with `_pattern` bytes."""
+    groups: list[tuple[str, dict[str, np.ndarray]]] = []
+    seed = spec.seed * 1000
+
+    def tensor(n_bytes: int, dtype: str, cols: int) -> np.ndarray:
+        nonlocal seed
+        seed += 1
+        itemsize = np.dtype(dtype).itemsize
+        n = max(cols, (n_bytes // itemsize) // cols * cols)
+        return _pattern(n * itemsize, seed).view(dtype).reshape(-1, cols)
+
+    lb = spec.layer_bytes
+    groups.append(("embed", {"model.embed_tokens.weight": tensor(lb // 2, "float16", 64)}))
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        groups.append((f"layers.{i}", {
+            f"{p}.self_attn.qkv_proj.weight": tensor(lb // 3, "float16", 64),
+            f"{p}.mlp.up_proj.weight": tensor(lb - lb // 3 - 4096, "float16", 64),
+            f"{p}.input_layernorm.weight": tensor(4096, "float32", 1024)[0],
+        }))
+    groups.append(("head", {"lm_head.weight": tensor(lb // 2, "float16", 64)}))
+    return groups
+
+
+def synthetic_model(spec: ModelSpec) -> tuple[Manifest, list[np.ndarray]]:
+    """Manifest and packed group buffers of the synthetic model `spec` (same spec, same bytes)."""
+    return pack_groups(spec.model_id, synthetic_groups(spec), spec.chunk_bytes, spec.checksum_algo)
+
+
+def buffer_digest(buf: Any) -> str:
+    """Strong hash of all bytes of a buffer: equal digests mean bit-identical contents."""
+    return hashlib.blake2b(memoryview(np.ascontiguousarray(buf)).cast("B"), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """What a node process runs: its transport, and a model to serve if it is a source."""
+
+    transport: str = "tcp"
+    source: ModelSpec | None = None
+    corrupt_group: str | None = None  # flip one byte of this group after checksumming (tests)
+    window_chunks: int = 4
+    send_timeout_s: float = 10.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# -- inside the node process ----------------------------------------------------------------------
+
+
+async def _next_command(conn: multiprocessing.connection.Connection) -> Any:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    fd = conn.fileno()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+    return conn.recv()
+
+
+async def _node(spec: NodeSpec, conn: multiprocessing.connection.Connection) -> None:
+    transport = make_transport(spec.transport)  # type: ignore[arg-type]
+    await transport.start()
+    server = GroupServer(transport, window_chunks=spec.window_chunks, send_timeout_s=spec.send_timeout_s)
+    await server.start()
+    manifest_bytes = None
+    source_digests: dict[str, str] = {}
+    if spec.source is not None:
+        manifest, bufs = synthetic_model(spec.source)
+        for entry, buf in zip(manifest.groups, bufs, strict=True):
+            source_digests[entry.name] = buffer_digest(buf)
+        if spec.corrupt_group is not None:
+            buf = bufs[manifest.group_index(spec.corrupt_group)]
+            buf[buf.size // 2] ^= 0xFF
+        await serve_groups(transport, manifest, bufs, server=server)
+        manifest_bytes = manifest.to_bytes()
+    conn.send(("ready", transport.address(), manifest_bytes, source_digests))
+    cache: dict[str, np.ndarray] = {}
+    try:
+        while True:
+            cmd = await _next_command(conn)
+            if cmd[0] == "stop":
+                break
+            if cmd[0] == "receive":
+                conn.send(await _receive(transport, server, cache, *cmd[1:]))
+    finally:
+        await server.close()
+        await transport.close()
+
+
+async def _receive(transport: Any, server: GroupServer, cache: dict[str, np.ndarray], manifest_bytes: bytes,
+                   pulls: Sequence[tuple[bytes, Sequence[str] | None, Sequence[bytes]]], options: dict[str, Any]) -> tuple:
+    manifest = Manifest.from_bytes(manifest_bytes)
+    ready_order: list[str] = []
+    die_after = options.get("die_after_groups")
+
+    def on_ready(name: str) -> None:
+        ready_order.append(name)
+        if die_after is not None and len(ready_order) >= die_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # the fault under test: die mid-transfer
+
+    def allocate(entry: GroupEntry) -> np.ndarray:
+        # With reuse_buffers, later runs land in memory already faulted in (warm numbers).
+        buf = cache.get(entry.name) if options.get("reuse_buffers") else None
+        if buf is None or buf.size != entry.size_bytes:
+            buf = np.empty(entry.size_bytes, np.uint8)
+            buf.fill(0)
+            if options.get("reuse_buffers"):
+                cache[entry.name] = buf
+        return buf
+
+    t_start = time.monotonic()
+    try:
+        result = await receive_groups(
+            transport, manifest, [Pull(a, None if g is None else tuple(g), tuple(f)) for a, g, f in pulls],
+            server=server, allocate=allocate, on_group_ready=on_ready,
+            budget_bytes=options.get("budget_bytes"), stall_timeout_s=options.get("stall_timeout_s", 10.0),
+            window_chunks=options.get("window_chunks", 4))
+    except DataPlaneError as exc:
+        return ("error", type(exc).__name__, str(exc), ready_order)
+    t_done = time.monotonic()
+    digests = {g: buffer_digest(result.store.buffer(g)) for g in result.groups_received} if options.get("digests", True) else {}
+    return ("done", {
+        "t_start": t_start, "t_done": t_done, "elapsed_s": result.elapsed_s, "bytes": result.bytes_received,
+        "digests": digests, "ready_order": ready_order, "resourced": result.resourced_groups,
+        "bytes_by_source": result.bytes_by_source,
+    })
+
+
+def node_main(spec: NodeSpec, conn: multiprocessing.connection.Connection) -> None:
+    """Entry point of a node process."""
+    os.environ.update(spec.env)
+    asyncio.run(_node(spec, conn))
+
+
+# -- in the parent --------------------------------------------------------------------------------
+
+
+class NodeProcess:
+    """A running node, driven synchronously from tests and benchmarks. Every wait is bounded."""
+
+    def __init__(self, spec: NodeSpec, *, start_timeout_s: float = 60.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=node_main, args=(spec, child), daemon=True)
+        self.proc.start()
+        child.close()
+        self.spec = spec
+        self._start_timeout_s = start_timeout_s
+        self.address: bytes = b""
+        self.manifest_bytes: bytes | None = None
+        self.source_digests: dict[str, str] = {}
+
+    def wait_ready(self) -> NodeProcess:
+        msg = self.expect(self._start_timeout_s)
+        if msg[0] != "ready":
+            raise RuntimeError(f"node sent {msg!r} instead of ready")
+        _, self.address, self.manifest_bytes, self.source_digests = msg
+        return self
+
+    def expect(self, timeout_s: float) -> Any:
+        """The next message from the node; TimeoutError/RuntimeError if none comes or it died."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
+                try:
+                    return self._conn.recv()
+                except EOFError:
+                    raise RuntimeError(f"node {self.proc.pid} died (exitcode {self.proc.exitcode})") from None
+            if not self.proc.is_alive() and not self._conn.poll(0):
+                raise RuntimeError(f"node {self.proc.pid} died (exitcode {self.proc.exitcode})")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"node {self.proc.pid} sent nothing within {timeout_s}s")
+
+    def receive(self, manifest_bytes: bytes, pulls: Sequence[tuple[bytes, Sequence[str] | None, Sequence[bytes]]],
+                **options: Any) -> None:
+        """Start a receive in the node; collect its outcome with `expect`."""
+        self._conn.send(("receive", manifest_bytes, [(a, g, tuple(f)) for a, g, f in pulls], options))
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(5)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.is_alive():
+            try:
+                self._conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.kill()
+        self._conn.close()
+
+
+def start_nodes(specs: Sequence[NodeSpec], *, timeout_s: float = 60.0) -> list[NodeProcess]:
+    """Start nodes in parallel (imports overlap) and wait until each has its address."""
+    nodes = [NodeProcess(s, start_timeout_s=timeout_s) for s in specs]
+    try:
+        for n in nodes:
+            n.wait_ready()
+    except BaseException:
+        for n in nodes:
+            n.kill()
+        raise
+    return nodes
