@@ -21,6 +21,7 @@ from services.worker.model.config import LlamaConfig
 log = structlog.get_logger(__name__)
 
 # Files besides the weights that clients (gateway tokenizers, workers) need.
+TENSOR_ALIGN_BYTES = 64
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -58,9 +59,11 @@ def pack_group(name: str, tensors: dict[str, torch.Tensor]) -> PackedGroup:
     for tname in sorted(tensors):
         t = tensors[tname]
         size = t.numel() * t.element_size()
+        # Aligned offsets let a receiver view each tensor in place, whatever its dtype.
+        offset = -(-offset // TENSOR_ALIGN_BYTES) * TENSOR_ALIGN_BYTES
         slots.append(TensorSlot(tname, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, size))
         offset += size
-    buffer = torch.empty(offset, dtype=torch.uint8)
+    buffer = torch.zeros(offset, dtype=torch.uint8)  # zeroed padding keeps checksums stable
     for slot in slots:
         src = tensors[slot.name].contiguous().reshape(-1).view(torch.uint8)
         buffer[slot.offset_bytes : slot.offset_bytes + slot.size_bytes].copy_(src)
