@@ -52,7 +52,8 @@ HOSTS_PER_LEAF = 16
 NUM_LAYERS = 80
 TARGET_MS_AT_1000 = 10.0
 POLICY_PARAMS: dict[str, dict[str, Any]] = {
-    "periodic": {"schedule": [{"at": "00:00", "prefill": 4, "decode": 12}, {"at": "08:00", "prefill": 8, "decode": 24}]},
+    "periodic": {"schedule": [{"at": "00:00", "prefill": 4, "decode": 12},
+                              {"at": "08:00", "prefill": 8, "decode": 24}]},
 }
 
 
@@ -64,7 +65,7 @@ def _median_ms(fn: Callable[[], object], repeats: int, before: Callable[[], None
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return round(statistics.median(samples), 4)
 
 
 class _Cluster:
@@ -105,7 +106,7 @@ class _Cluster:
 def _multicast_case(n: int) -> tuple[list[Target], list[Source], Topology, dict[str, Any], list[str]]:
     """n live instances on n/8 hosts plus n/4 targets on whole new hosts; one host-cache copy
     of the model spread over the live hosts (O(1) host caching)."""
-    live_hosts = max(1, n // PER_HOST)
+    live_hosts = -(-n // PER_HOST)  # ceil: every live instance has a host of its own set
     new_hosts = max(1, (n // 4) // PER_HOST)
     hosts = [f"h{i}" for i in range(live_hosts + new_hosts)]
     topology = Topology.from_dict({"hosts": {
@@ -137,8 +138,10 @@ def run(quick: bool) -> dict[str, Any]:
         "multicast_validate_ms": {},
         "multicast_chains": {},
         # Hook for the lead: the gRPC Schedule round trip, filled once the servicer exists.
-        "schedule_rpc_ms": {"p50": None, "p99": None,
-                            "note": "to be measured against the grpc.aio Schedule servicer (not part of the pure core)"},
+        "schedule_rpc_ms": {
+            "p50": None, "p99": None,
+            "note": "to be measured against the grpc.aio Schedule servicer (not part of the pure core)",
+        },
         "setup": {
             "window_s": WINDOW_S, "heartbeat_s": HEARTBEAT_S, "instances_per_host": PER_HOST,
             "hosts_per_leaf": HOSTS_PER_LEAF, "layers": NUM_LAYERS, "repeats": repeats,

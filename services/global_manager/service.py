@@ -303,9 +303,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     def _reset_idle(self, iid: str) -> None:
         if iid not in self.table.registry:
             return
-        view = self.table.registry.get(iid)
-        if view.state is not S.IDLE:
-            self.table.registry.mark_lost(iid)
+        if self.table.registry.get(iid).state is S.LOADING:
             self.table.registry.transition(iid, S.IDLE)
 
     async def _update_location(self, model_id: str, iid: str, present: bool) -> None:

@@ -152,7 +152,9 @@ def test_sample_validation() -> None:
         LoadSample("a", 0.0, decode_tps=-1)
 
 
-def _reference(samples: list[LoadSample], views: list[InstanceView], now_s: float, window_s: float) -> dict[Role, dict[str, float | None]]:
+def _reference(
+    samples: list[LoadSample], views: list[InstanceView], now_s: float, window_s: float
+) -> dict[Role, dict[str, float | None]]:
     """Brute force version of the window math in the module docstring."""
     out: dict[Role, dict[str, float | None]] = {}
     for role in Role:

@@ -227,3 +227,41 @@ def test_estimate_uses_bottleneck_link_and_shards_cut_time() -> None:
     # 8 GB at 12.5 GB/s, then 8 GB over the 900 Gbit/s fast link; two shards halve both.
     assert t_one == pytest.approx(8e9 / 12.5e9 + 8e9 / 112.5e9)
     assert t_two == pytest.approx(4e9 / 12.5e9 + 4e9 / 112.5e9)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_plans_hold_the_invariants(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    n_hosts = rng.randint(2, 30)
+    hosts = {f"h{i}": (f"L{rng.randrange(4)}", rng.choice([25.0, 50.0, 100.0, 200.0])) for i in range(n_hosts)}
+    names = sorted(hosts)
+    pairs = [names[i:i + 2] for i in range(0, n_hosts - 1, 5) if rng.random() < 0.5]
+    t = topo(hosts, fast_groups=pairs)
+    groups = [f"g{i}" for i in range(rng.randint(1, 12))]
+    targets = [Target(f"t{i}", rng.choice(names)) for i in range(rng.randint(1, 25))]
+    sources: list[Source] = [Source(f"s{i}", rng.choice(names)) for i in range(rng.randint(0, 6))]
+    for i in range(rng.randint(0 if sources else 1, 4)):
+        sources.append(Source(f"c{i}", rng.choice(names), SourceKind.HOST_CACHE,
+                              frozenset(g for g in groups if rng.random() < 0.6)))
+    # Make sure every group has at least one holder.
+    sources.append(Source("c_all", rng.choice(names), SourceKind.HOST_CACHE, frozenset(groups)))
+    traffic = {s.node_id: rng.choice(list(TrafficDirection)) for s in sources if rng.random() < 0.4}
+    max_chains = rng.choice([None, 1, 2, 3])
+    plan = plan_multicast(targets, sources, t, traffic, groups=groups, max_chains=max_chains)
+    validate_plan(plan, targets, sources, groups)
+
+    unit_bw: dict[str, float] = {}
+    for tgt in targets:
+        key = t.group_key(tgt.host)
+        unit_bw[key] = max(unit_bw.get(key, 0.0), t.link(tgt.host).bw_gbps)
+    host_of = {tgt.node_id: tgt.host for tgt in targets}
+    units = len(unit_bw)
+    usable = len([s for s in sources if s.node_id not in plan.pruned_sources])
+    assert plan.num_lanes <= min(usable, units, max_chains or units)
+    for chain in plan.chains:
+        if not chain.local:  # a fast-link copy does not use the busy NIC, so it may use any source
+            assert chain.source not in plan.pruned_sources
+            bws = [unit_bw[t.group_key(host_of[h])] for h in chain.hops]
+            assert bws == sorted(bws, reverse=True), chain

@@ -27,17 +27,18 @@ from services.global_manager.core.types import (
 )
 
 
-def split(p: int, d: int, tps: float = 0.0, tbt: float | None = 0.05, now_s: float = 0.0, **decode: float) -> ClusterSnapshot:
-    """A P/D snapshot with P prefill and D decode instances serving."""
-    prefill_kw = {k.removeprefix("prefill_"): v for k, v in decode.items() if k.startswith("prefill_")}
-    decode_kw = {k: v for k, v in decode.items() if not k.startswith("prefill_")}
-    prefill_kw.setdefault("instances_reporting", p)
-    decode_kw.setdefault("instances_reporting", d)
+def split(
+    p: int, d: int, tps: float = 0.0, tbt: float | None = 0.05, *, prefill: dict[str, float] | None = None,
+    **decode: float,
+) -> ClusterSnapshot:
+    """A P/D snapshot with P prefill and D decode instances serving, all reporting."""
+    prefill_kw: dict[str, float] = {"instances_reporting": p, **(prefill or {})}
+    decode_kw: dict[str, float | None] = {"instances_reporting": d, "decode_tps": tps, "tbt_p50_s": tbt, **decode}
     return ClusterSnapshot(
-        now_s=now_s,
+        now_s=0.0,
         pools={
             Role.PREFILL: PoolSnapshot(Role.PREFILL, serving=p, **prefill_kw),  # type: ignore[arg-type]
-            Role.DECODE: PoolSnapshot(Role.DECODE, serving=d, decode_tps=tps, tbt_p50_s=tbt, **decode_kw),  # type: ignore[arg-type]
+            Role.DECODE: PoolSnapshot(Role.DECODE, serving=d, **decode_kw),  # type: ignore[arg-type]
         },
         disaggregated=True,
     )
@@ -84,7 +85,9 @@ def test_latency_panic_small_pool_always_grows() -> None:
 def test_log_line_matches_reference_format() -> None:
     d = HeteroScalePolicy().decide(30.0, split(10, 30, tps=3000, tbt=0.15))
     assert DECISION_LOG_HEADER == "time,action,target,status,reason"
-    assert d.to_log_line() == "30.0,autoscaling_decision,scale_out,prompt:10->12_token:30->36,LATENCY_PANIC: tbt=0.15s > 0.12s"
+    assert d.to_log_line() == (
+        "30.0,autoscaling_decision,scale_out,prompt:10->12_token:30->36,LATENCY_PANIC: tbt=0.15s > 0.12s"
+    )
 
 
 def test_log_line_escapes_commas_and_formats_colocated() -> None:
@@ -207,10 +210,13 @@ def test_registry_names_and_errors() -> None:
 def test_decision_requires_one_shape() -> None:
     with pytest.raises(ValueError, match="either all of"):
         ScaleDecision(action="scale_out", reason="r", policy="p", now_s=0, prefill_from=1, prefill_to=2)
-    with pytest.raises(ValueError, match="no_change but changes"):
+    with pytest.raises(ValueError, match="action 'no_change' disagrees with its counts 'instances:1->2'"):
         ScaleDecision(action="no_change", reason="r", policy="p", now_s=0, instances_from=1, instances_to=2)
+    with pytest.raises(ValueError, match="action 'scale_in' disagrees"):
+        ScaleDecision(action="scale_in", reason="r", policy="p", now_s=0, instances_from=2, instances_to=2)
     with pytest.raises(ValueError, match="action must be one of"):
-        ScaleDecision(action="grow", reason="r", policy="p", now_s=0, instances_from=1, instances_to=2)  # type: ignore[arg-type]
+        ScaleDecision(action="grow", reason="r", policy="p", now_s=0,  # type: ignore[arg-type]
+                      instances_from=1, instances_to=2)
 
 
 # -- Utilization ---------------------------------------------------------------------------
@@ -219,7 +225,7 @@ def test_decision_requires_one_shape() -> None:
 def test_utilization_scales_out_if_any_pool_is_hot() -> None:
     policy = UtilizationPolicy()
     # decode KV 90%: ratio 0.9/0.7 = 1.286 > 1.1 -> ceil(4 * 1.286) = 6; prefill 50% tps stays.
-    snap = split(2, 4, kv_blocks_used=3600, kv_blocks_total=4000, prefill_prefill_tps=10000)
+    snap = split(2, 4, kv_blocks_used=3600, kv_blocks_total=4000, prefill={"prefill_tps": 10000})
     d = policy.decide(0.0, snap)
     assert (d.action, counts(d)) == ("scale_out", (2, 6))
     assert d.extra["decode_ratio"] == pytest.approx(0.9 / 0.7)
@@ -228,9 +234,9 @@ def test_utilization_scales_out_if_any_pool_is_hot() -> None:
 def test_utilization_scales_in_only_if_all_pools_are_cold() -> None:
     policy = UtilizationPolicy()
     # decode KV 30% (ratio 0.43) but prefill at 70% (ratio 1.0): no scale-in.
-    mixed = split(2, 4, kv_blocks_used=1200, kv_blocks_total=4000, prefill_prefill_tps=14000)
+    mixed = split(2, 4, kv_blocks_used=1200, kv_blocks_total=4000, prefill={"prefill_tps": 14000})
     assert policy.decide(0.0, mixed).action == "no_change"
-    cold = split(2, 4, kv_blocks_used=1200, kv_blocks_total=4000, prefill_prefill_tps=4000)
+    cold = split(2, 4, kv_blocks_used=1200, kv_blocks_total=4000, prefill={"prefill_tps": 4000})
     d = policy.decide(0.0, cold)
     # decode ceil(4 * 0.3/0.7) = 2; prefill ceil(2 * 0.2/0.7) = 1
     assert (d.action, counts(d)) == ("scale_in", (1, 2))
@@ -305,7 +311,7 @@ def test_periodic_mismatch_and_validation() -> None:
 
 def test_blitzscale_bounds_vector() -> None:
     policy = make_policy("blitzscale_bounds", {"kv_blocks_per_replica": 1000, "prefill_tps_per_replica": 13000})
-    snap = split(2, 2, kv_blocks_used=3000, prefill_waiting_prefill_tokens=20000)
+    snap = split(2, 2, kv_blocks_used=3000, prefill={"waiting_prefill_tokens": 20000})
     d = policy.decide(0.0, snap)
     assert d.delta(Role.DECODE) == 2 and d.delta(Role.PREFILL) == 0
     assert d.action == "scale_out"
@@ -315,7 +321,7 @@ def test_blitzscale_infers_blocks_per_replica_and_scales_down_one_step() -> None
     policy = BlitzScaleBoundsPolicy()
     # 4 reporting replicas of 1000 blocks, 1000 used: 25% < 75% -> D - 1 (3 replicas: 33%, ok).
     d = policy.decide(0.0, split(3, 4, kv_blocks_used=1000, kv_blocks_total=4000,
-                                 prefill_waiting_prefill_tokens=0))
+                                 prefill={"waiting_prefill_tokens": 0}))
     assert counts(d) == (2, 3) and d.action == "scale_in"
     # Never below one.
     one = policy.decide(1.0, split(1, 1, kv_blocks_used=0, kv_blocks_total=1000))
@@ -325,14 +331,14 @@ def test_blitzscale_infers_blocks_per_replica_and_scales_down_one_step() -> None
 def test_blitzscale_refuses_a_shrink_that_would_bounce_back() -> None:
     policy = make_policy("blitzscale_bounds", {"kv_blocks_per_replica": 1000})
     # 2 replicas at 70% (< 75%), but 1 replica would be at 140% > 95%.
-    d = policy.decide(0.0, split(1, 2, kv_blocks_used=1400, prefill_waiting_prefill_tokens=1))
+    d = policy.decide(0.0, split(1, 2, kv_blocks_used=1400, prefill={"waiting_prefill_tokens": 1}))
     assert d.delta(Role.DECODE) == 0
 
 
 def test_blitzscale_prefill_grows_to_band_middle() -> None:
     policy = make_policy("blitzscale_bounds", {"kv_blocks_per_replica": 1000, "prefill_tps_per_replica": 10000})
     # load = 30000 / (2 * 10000) = 1.5 > 0.8 -> ceil(30000 / (10000 * 0.65)) = 5
-    d = policy.decide(0.0, split(2, 2, kv_blocks_used=1700, prefill_waiting_prefill_tokens=30000))
+    d = policy.decide(0.0, split(2, 2, kv_blocks_used=1700, prefill={"waiting_prefill_tokens": 30000}))
     assert counts(d) == (5, 2)
 
 

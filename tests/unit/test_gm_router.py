@@ -22,8 +22,10 @@ from services.global_manager.core.types import InstanceState, InstanceView, Load
 S = InstanceState
 
 
-def inst(iid: str, state: InstanceState = S.SERVING, role: Role = Role.COLOCATED, running: int = 0,
-         waiting: int = 0, kv_used: int = 0, kv_total: int = 100, model: str = "m", loaded: bool = True) -> InstanceView:
+def inst(
+    iid: str, state: InstanceState = S.SERVING, role: Role = Role.COLOCATED, running: int = 0, waiting: int = 0,
+    kv_used: int = 0, kv_total: int = 100, model: str = "m", loaded: bool = True,
+) -> InstanceView:
     load = LoadSample(iid, 0.0, running=running, waiting=waiting, kv_blocks_used=kv_used,
                       kv_blocks_total=kv_total) if loaded else None
     layers = 8 if state in (S.SERVING, S.DRAINING) else 0
@@ -101,7 +103,7 @@ def test_registry_full_lifecycle() -> None:
 
 
 @pytest.mark.parametrize(("src", "dst"), [
-    (S.IDLE, S.SERVING), (S.IDLE, S.DRAINING), (S.LOADING, S.IDLE), (S.LOADING, S.DRAINING),
+    (S.IDLE, S.SERVING), (S.IDLE, S.DRAINING), (S.LOADING, S.DRAINING),
     (S.SERVING, S.LOADING), (S.SERVING, S.IDLE), (S.DRAINING, S.SERVING), (S.LOST, S.SERVING),
     (S.LOST, S.LOADING), (S.SERVING, S.SERVING),
 ])
@@ -158,3 +160,12 @@ def test_registry_rebuild_after_manager_restart() -> None:
                            state=S.LOADING, layers_loaded=5)
     assert loading.layers_loaded == 5
     assert choose_instance(reg) is not None and choose_instance(reg).instance_id == "w9"  # type: ignore[union-attr]
+
+
+def test_failed_load_rolls_back_to_idle() -> None:
+    reg = Registry()
+    reg.register("w", model="", role=Role.COLOCATED, host="h", num_layers=1, now_s=0.0)
+    reg.transition("w", S.LOADING, model="m", num_layers=4)
+    reg.set_layers_loaded("w", 2)
+    view = reg.transition("w", S.IDLE)
+    assert view.state is S.IDLE and view.layers_loaded == 0 and view.load is None

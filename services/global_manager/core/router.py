@@ -1,6 +1,7 @@
 """Instance registry (the lifecycle state machine) and the least-loaded routing choices.
 
-Lifecycle: IDLE -> LOADING -> SERVING -> DRAINING -> IDLE; any state -> LOST; LOST -> IDLE when
+Lifecycle: IDLE -> LOADING -> SERVING -> DRAINING -> IDLE; LOADING -> IDLE when a load fails;
+any state -> LOST; LOST -> IDLE when
 the worker registers again. Anything else raises `IllegalTransitionError` naming both states.
 Routing only ever picks SERVING instances: LOADING ones are reached through the zigzag planner,
 DRAINING ones take no new work, IDLE ones hold no model and LOST ones are gone.
@@ -30,7 +31,8 @@ S = InstanceState
 
 _NEXT: dict[InstanceState, frozenset[InstanceState]] = {
     S.IDLE: frozenset({S.LOADING, S.LOST}),
-    S.LOADING: frozenset({S.SERVING, S.LOST}),
+    # LOADING -> IDLE is the rollback of a failed load (bad checksum, no room, timeout).
+    S.LOADING: frozenset({S.SERVING, S.IDLE, S.LOST}),
     S.SERVING: frozenset({S.DRAINING, S.LOST}),
     S.DRAINING: frozenset({S.IDLE, S.LOST}),
     S.LOST: frozenset({S.IDLE}),
