@@ -56,7 +56,11 @@ _ABORT_TIMEOUT_S = 2.0
 _HEALTH_TIMEOUT_S = 2.0
 # gRPC's default reconnect backoff grows to 120 s: a manager or worker that restarts at the same
 # address would be refused for minutes. Cap it so the gateway notices the comeback within seconds.
-_UPSTREAM_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+_UPSTREAM_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 # Worker failures that another instance may not have; everything else is final.
 _RETRYABLE = frozenset(
     {
@@ -231,7 +235,9 @@ class Backend:
             (bound.warning if server_side else bound.info)("request_failed", kind=e.kind.name, error=e.message)
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            # Closing the stream right after its Finish is the normal end, not a cancel.
+            if outcome not in (FINISH_STOP, FINISH_LENGTH):
+                outcome = "cancelled"
             raise
         except Exception as e:
             # A bug must still end the request with an answer, never a silent hang or cut.

@@ -218,6 +218,8 @@ class Gateway:
     service: GatewayService
     http: str
     grpc_address: str
+    stop: asyncio.Event
+    task: asyncio.Task[None]
 
 
 @pytest.fixture
@@ -245,12 +247,12 @@ async def start_gateway(cluster: Cluster) -> AsyncIterator[Callable[..., Awaitab
     stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
 
     async def start(**overrides: Any) -> Gateway:
+        overrides.setdefault("shutdown_grace_s", 0.5)
         cfg = GatewayConfig(
             port=0,
             http_port=0,
             global_manager=cluster.gm_address,
             param_manager=cluster.pm_address,
-            shutdown_grace_s=0.5,
             **overrides,
         )
         service = GatewayService(cfg, registry=CollectorRegistry())
@@ -264,7 +266,7 @@ async def start_gateway(cluster: Cluster) -> AsyncIterator[Callable[..., Awaitab
         stops.append((stop, task))
         ctx = await asyncio.wait_for(bound, 5)
         await wait_for_serving(ctx.address, 5)
-        return Gateway(service, f"http://127.0.0.1:{ctx.extra_ports['http_port']}", ctx.address)
+        return Gateway(service, f"http://127.0.0.1:{ctx.extra_ports['http_port']}", ctx.address, stop, task)
 
     try:
         yield start
@@ -351,6 +353,9 @@ async def test_openai_client_completion_length_and_params(cluster: Cluster, star
     finally:
         await client.close()
     assert done.choices[0].finish_reason == "length"
+    metrics = await _get_text(gw.http + "/metrics")
+    assert 'blitzmesh_gateway_requests_total{api="http",outcome="length"} 1.0' in metrics
+    assert 'blitzmesh_gateway_tokens_total{kind="completion"} 5.0' in metrics
     assert done.choices[0].text == cluster.tokenizer.decode(cluster.reply_ids[:5])
     assert done.usage is not None
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(cluster.tokenizer.encode("Hello")), 5)
@@ -417,6 +422,8 @@ async def test_retry_on_another_instance_before_first_token(cluster: Cluster, st
     assert [list(s.exclude_instance_ids) for s in cluster.gm.schedules] == [[], ["w-bad"]]
     metrics = await _get_text(gw.http + "/metrics")
     assert 'blitzmesh_gateway_retries_total{code="UNAVAILABLE"} 1.0' in metrics
+    assert 'blitzmesh_gateway_requests_total{api="http",outcome="stop"} 1.0' in metrics
+    assert "blitzmesh_gateway_ttft_seconds_count 1.0" in metrics
 
 
 async def test_all_instances_fail_before_first_token_is_503(cluster: Cluster, start_gateway) -> None:
@@ -708,3 +715,21 @@ async def test_many_cancelled_requests_leak_nothing(cluster: Cluster, start_gate
             break
         await asyncio.sleep(0.02)
     assert (backend.admission.in_flight, backend.admission.waiting, len(worker.aborts)) == (0, 0, 4)
+    metrics = await _get_text(gw.http + "/metrics")
+    assert 'blitzmesh_gateway_requests_total{api="http",outcome="cancelled"} 4.0' in metrics
+
+
+async def test_shutdown_lets_inflight_streams_finish(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.delay_s = 0.01
+    gw = await start_gateway(shutdown_grace_s=5)
+    async with grpc.aio.insecure_channel(gw.grpc_address) as ch:
+        call = inference_pb2_grpc.InferenceStub(ch).Generate(inference_pb2.GenerateRequest(model=MODEL, prompt="Hi"))
+        first = await call.read()
+        gw.stop.set()  # SIGTERM while the stream runs
+        rest = []
+        while (reply := await call.read()) is not grpc.aio.EOF:
+            rest.append(reply)
+    assert first.text + "".join(r.text for r in rest) == REPLY
+    assert rest[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    await asyncio.wait_for(gw.task, 5)
