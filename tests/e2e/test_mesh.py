@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import aiohttp
 import grpc
 import openai
 import pytest
+import pytest_asyncio
 
 import blitzmesh
 from blitzmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -20,17 +22,20 @@ pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
 MODEL = "tiny"
 
 
-def oai(mesh: Mesh) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{mesh.gateway_http}/v1", api_key="unused", max_retries=0, timeout=60)
+@pytest_asyncio.fixture(loop_scope="session")
+async def client(mesh: Mesh) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=f"{mesh.gateway_http}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as c:
+        yield c
 
 
-async def test_models_listed(mesh: Mesh) -> None:
-    models = await oai(mesh).models.list()
+async def test_models_listed(client: openai.AsyncOpenAI) -> None:
+    models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
 
 
-async def test_streamed_chat_completion_through_openai_client(mesh: Mesh) -> None:
-    client = oai(mesh)
+async def test_streamed_chat_completion_through_openai_client(client: openai.AsyncOpenAI) -> None:
     stream = await client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Tell me a story"}],
@@ -59,8 +64,7 @@ async def test_streamed_chat_completion_through_openai_client(mesh: Mesh) -> Non
     assert full.usage.completion_tokens == usage.completion_tokens
 
 
-async def test_completion_seed_is_reproducible(mesh: Mesh) -> None:
-    client = oai(mesh)
+async def test_completion_seed_is_reproducible(client: openai.AsyncOpenAI) -> None:
 
     async def sample(seed: int) -> str:
         r = await client.completions.create(
