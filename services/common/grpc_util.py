@@ -9,6 +9,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # gRPC's default reconnect backoff grows to 120 s: a manager or worker that restarts at the
+    # same address would be refused for minutes. Cap it so peers see the comeback in seconds.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 

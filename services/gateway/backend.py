@@ -29,7 +29,7 @@ from blitzmesh.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.grpc_util import CHANNEL_OPTIONS
+from services.common.grpc_util import channel
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ErrorKind, GatewayError, invalid, quote
@@ -54,13 +54,6 @@ log = structlog.get_logger(__name__)
 _THREAD_TOKENIZE_CHARS = 16_384
 _ABORT_TIMEOUT_S = 2.0
 _HEALTH_TIMEOUT_S = 2.0
-# gRPC's default reconnect backoff grows to 120 s: a manager or worker that restarts at the same
-# address would be refused for minutes. Cap it so the gateway notices the comeback within seconds.
-_UPSTREAM_OPTIONS = [
-    *CHANNEL_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
 # Worker failures that another instance may not have; everything else is final.
 _RETRYABLE = frozenset(
     {
@@ -490,7 +483,7 @@ class Backend:
 
 
 def _channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=_UPSTREAM_OPTIONS)
+    return channel(address)
 
 
 def _count(n: int, noun: str) -> str:
