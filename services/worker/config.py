@@ -12,6 +12,9 @@ from services.common.config import ServiceConfig
 class WorkerConfig(ServiceConfig):
     instance_id: str = Field("", description="unique instance id; empty = worker-<pid>")
     topology_host: str = Field("host-0", description="host (topology node) this worker runs on")
+    advertise_host: str = Field(
+        "", description="host name peers use to reach this worker (e.g. its container name); empty = --host"
+    )
     role: str = Field("colocated", pattern="^(colocated|prefill|decode)$", description="serving role")
     global_manager: str = Field("", description="global manager address; empty runs standalone")
     param_manager: str = Field("", description="parameter manager address (weights come only from it)")

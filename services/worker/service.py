@@ -313,7 +313,7 @@ class WorkerService:
         return [self.name]
 
     async def start(self, ctx: ServeContext) -> None:
-        self.servicer.address = ctx.address
+        self.servicer.address = f"{self.cfg.advertise_host or self.cfg.host}:{ctx.grpc_port}"
         if self.cfg.preload_model:
             async for _ in self.servicer.load(self.cfg.preload_model, self.cfg.param_manager):
                 pass
