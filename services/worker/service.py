@@ -16,7 +16,14 @@ from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc
 from services.common.grpc_util import channel
 from services.common.server import ServeContext
 from services.worker.config import WorkerConfig
-from services.worker.engine.engine import Engine, EngineConfig, PacingProfile, RequestTooLarge
+from services.worker.engine.engine import (
+    Engine,
+    EngineConfig,
+    EngineDeadError,
+    EngineStoppedError,
+    PacingProfile,
+    RequestTooLarge,
+)
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.sampling import SamplingParams
 from services.worker.loader import config_of, fetch_layout, stream_groups
@@ -156,6 +163,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except RequestTooLarge as e:
             outcome = "rejected"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (EngineDeadError, EngineStoppedError) as e:
+            # The gateway retries UNAVAILABLE on another instance if no token was sent yet.
+            outcome = "engine_down"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"instance {self.instance_id}: {e}")
         except ValueError as e:
             outcome = "rejected"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -88,7 +88,7 @@ class EngineConfig(BaseModel):
         None, description="emulated accelerator step time; off by default"
     )
     num_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads, set at start(); None leaves torch's default"
+        None, ge=1, description="torch intra-op threads of the compute thread; None = torch's default"
     )
     stats_window_s: float = Field(10.0, gt=0, description="window of the rates and latency percentiles")
 
@@ -173,10 +173,13 @@ class _Seq:
         return self.num_tokens - self.num_computed
 
     def tokens(self, start: int, n: int) -> list[int]:
+        """Tokens [start, start + n) of prompt + output, without concatenating the two."""
         p = len(self.prompt)
         if start + n <= p:
             return self.prompt[start : start + n]
-        return (self.prompt + self.output)[start : start + n]
+        if start >= p:
+            return self.output[start - p : start - p + n]
+        return self.prompt[start:] + self.output[: start + n - p]
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,9 @@ class Engine:
         model: LlamaForCausalLM,
         tokenizer_eos_id: int,
         config: EngineConfig | None = None,
-        **kwargs: object,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        step_history: int = 64,
     ) -> Engine:
         """Build the KV cache from the config (num_kv_blocks, else kv_cache_bytes, else enough for
         max_batch_size full-length sequences capped at 1 GiB) and the engine around it."""
@@ -300,7 +305,7 @@ class Engine:
         kv = KVCache.for_model(
             mcfg, num_blocks=blocks, block_size=config.block_size, dtype=model.dtype, device=model.device
         )
-        return cls(model, kv, tokenizer_eos_id, config, **kwargs)  # type: ignore[arg-type]
+        return cls(model, kv, tokenizer_eos_id, config, clock=clock, step_history=step_history)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -316,9 +321,15 @@ class Engine:
             return
         if not self.model.is_complete:
             raise RuntimeError(f"model is not complete: loaded groups {self.model.loaded_groups!r}")
-        if self.config.num_threads is not None:
-            torch.set_num_threads(self.config.num_threads)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-compute")
+        threads = self.config.num_threads
+        # With torch's OpenMP backend the thread count is per calling thread, so setting it in the
+        # compute thread's initializer leaves the rest of the process alone.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="engine-compute",
+            initializer=None if threads is None else torch.set_num_threads,
+            initargs=() if threads is None else (threads,),
+        )
         self._started_s = self._clock()
         self._task = asyncio.create_task(self._run(), name="engine-loop")
         log.info(
@@ -337,7 +348,7 @@ class Engine:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._fail_all(EngineStoppedError("engine stopped"))
+        self._fail_all(lambda: EngineStoppedError("engine stopped"))
         if self._executor is not None:
             # A step still computing finishes in its thread; its result is dropped.
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -433,7 +444,7 @@ class Engine:
         if seq is not None and not seq.finished:
             self._finish(seq, "abort")
 
-    def _finish(self, seq: _Seq, reason: FinishReason, notify: bool = True, token: int | None = None) -> None:
+    def _finish(self, seq: _Seq, reason: FinishReason, notify: bool = True) -> None:
         seq.finished = True
         self._by_id.pop(seq.request_id, None)
         if seq in self._running:
@@ -446,11 +457,13 @@ class Engine:
             seq.queue.put_nowait(TokenEvent(None, "abort", len(seq.prompt), len(seq.output)))
         self._wake.set()
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail_all(self, make_error: Callable[[], BaseException]) -> None:
+        # One exception object per consumer: raising a shared one from several tasks would mix
+        # their tracebacks.
         for seq in [*self._running, *self._waiting]:
             seq.finished = True
             self.kv_cache.free(seq.request_id)
-            seq.queue.put_nowait(exc)
+            seq.queue.put_nowait(make_error())
         self._running.clear()
         self._waiting.clear()
         self._by_id.clear()
@@ -471,8 +484,12 @@ class Engine:
             # Supervision: every waiting consumer gets the error instead of hanging.
             log.exception("engine_loop_crashed", running=len(self._running), waiting=len(self._waiting))
             self._dead = exc
-            dead = EngineDeadError(f"engine loop crashed: {exc!r}")
-            dead.__cause__ = exc
+
+            def dead() -> BaseException:
+                error = EngineDeadError(f"engine loop crashed: {exc!r}")
+                error.__cause__ = exc
+                return error
+
             self._fail_all(dead)
 
     def _available_blocks(self) -> int:

@@ -139,7 +139,8 @@ class KVCache:
         i = layer - self.first_layer
         if not 0 <= i < self.num_layers:
             raise IndexError(
-                f"layer {layer} is not cached here (layers {self.first_layer}..{self.first_layer + self.num_layers - 1})"
+                f"layer {layer} is not cached here "
+                f"(layers {self.first_layer}..{self.first_layer + self.num_layers - 1})"
             )
         return self._k[i], self._v[i]
 

@@ -46,7 +46,9 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {token!r}")
         object.__setattr__(self, "stop_token_ids", stop)
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not _SEED_MIN <= self.seed <= _SEED_MAX
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not _SEED_MIN <= self.seed <= _SEED_MAX
         ):
             raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -65,21 +67,44 @@ class SamplingParams:
         return gen
 
 
-def _filter_row(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to one row of float32 logits."""
-    x = logits / params.temperature
-    vocab = x.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # Drop a token when the mass before it already reaches top_p; the top token always stays.
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return x
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the probability of the last token of the nucleus: the smallest set of most likely
+    tokens whose mass reaches `top_p`. Keeping `probs >= threshold` keeps ties at the cut-off too."""
+    sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+    # Number of tokens whose preceding mass is still below top_p, i.e. the nucleus size (>= 1).
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    size = (before < top_p.unsqueeze(1)).sum(dim=-1).clamp_(min=1)
+    return sorted_probs.gather(1, (size - 1).unsqueeze(1)).squeeze(1)
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int]:
+    """Sample one token per row (all rows non-greedy) with temperature, top-k and top-p."""
+    vocab = logits.shape[-1]
+    x = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values
+        kth = torch.stack(
+            [top[i, k - 1] if k else x.new_tensor(float("-inf")) for i, k in enumerate(ks)]
+        )
+        # Ties with the k-th value stay in: which of equal logits to drop would be arbitrary.
+        x = x.masked_fill(x < kth.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+        threshold = _top_p_threshold(probs, top_p)
+        # Rows with top_p == 1 keep everything (threshold 0).
+        threshold = torch.where(top_p < 1.0, threshold, 0.0)
+        probs = torch.where(probs >= threshold.unsqueeze(1), probs, 0.0)
+    # Inverse-CDF draw: one uniform number per row from the request's own generator, so a row's
+    # token depends only on its logits and its generator.
+    cdf = probs.cumsum(dim=-1)
+    u = torch.stack([torch.rand((), generator=g) for g in generators]).to(cdf.dtype)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+    return picked.tolist()
 
 
 def sample(
@@ -96,13 +121,14 @@ def sample(
         raise ValueError(
             f"sample: logits {tuple(logits.shape)} for {len(params)} params and {len(generators)} generators"
         )
-    logits = logits.float()
+    # Sampling is a few [R, vocab] ops: done on the CPU, where the per-request generators live.
+    logits = logits.detach().float().cpu()
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            continue
-        probs = torch.softmax(_filter_row(logits[row], p), dim=-1)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        picked = _sample_rows(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+        for i, token in zip(rows, picked, strict=True):
+            tokens[i] = token
     chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1)
     return tokens, chosen.tolist()

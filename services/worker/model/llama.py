@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from services.worker.model.checkpoint import Checkpoint
 from services.worker.model.attention import ForwardBatch, PagedKV, attention
+from services.worker.model.checkpoint import Checkpoint
 from services.worker.model.config import LlamaConfig
 from services.worker.model.groups import (
     EMBED,
@@ -283,7 +284,7 @@ class LlamaForCausalLM:
 
 
 def load_model(
-    path: str,
+    path: str | Path,
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",

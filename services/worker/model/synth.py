@@ -240,7 +240,8 @@ def synthesize(
             return out
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(
-            f"{str(out)!r} is not empty and does not hold preset={preset!r} seed={seed}; pass --force to replace it"
+            f"{str(out)!r} is not empty and does not hold preset={preset!r} seed={seed}; "
+            "pass --force to replace it"
         )
     out.mkdir(parents=True, exist_ok=True)
     # Build next to the target and move files in at the end: an interrupted run never leaves a

@@ -114,7 +114,9 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         return bytes(_CHAR_TO_BYTE[c] for c in piece)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         """Render `[{"role": ..., "content": ...}]` as `<|role|>\\ncontent\\n` blocks, then `<|assistant|>\\n`."""
         if not messages:
             raise ValueError("apply_chat_template needs at least one message, got []")
