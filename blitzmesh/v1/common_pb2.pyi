@@ -414,21 +414,66 @@ class GroupLocation(_message.Message):
 
     GROUP_FIELD_NUMBER: _builtins.int
     HOLDERS_FIELD_NUMBER: _builtins.int
+    HOLDER_INFO_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     @_builtins.property
     def holders(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """instance ids or host-cache ids"""
+
+    @_builtins.property
+    def holder_info(self) -> _containers.RepeatedCompositeFieldContainer[Global___Holder]:
+        """the same holders, with how to reach them"""
 
     def __init__(
         self,
         *,
         group: _builtins.str = ...,
         holders: _abc.Iterable[_builtins.str] | None = ...,
+        holder_info: _abc.Iterable[Global___Holder] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "holders", b"holders"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "holder_info", b"holder_info", "holders", b"holders"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GroupLocation: _TypeAlias = GroupLocation  # noqa: Y015
+
+@_typing.final
+class Holder(_message.Message):
+    """A node that holds parameter groups: a host-cache process or a live instance."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDER_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    GRPC_ADDRESS_FIELD_NUMBER: _builtins.int
+    DATAPLANE_ADDRESS_FIELD_NUMBER: _builtins.int
+    DATAPLANE_KIND_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    holder_id: _builtins.str
+    kind: _builtins.str
+    """"host_cache" or "instance" """
+    grpc_address: _builtins.str
+    dataplane_address: _builtins.bytes
+    dataplane_kind: _builtins.str
+    """"ucx" or "tcp" """
+    host: _builtins.str
+    """topology host"""
+    def __init__(
+        self,
+        *,
+        holder_id: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        grpc_address: _builtins.str = ...,
+        dataplane_address: _builtins.bytes = ...,
+        dataplane_kind: _builtins.str = ...,
+        host: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataplane_address", b"dataplane_address", "dataplane_kind", b"dataplane_kind", "grpc_address", b"grpc_address", "holder_id", b"holder_id", "host", b"host", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Holder: _TypeAlias = Holder  # noqa: Y015

@@ -26,7 +26,7 @@ from blitzmesh.v1 import admin_pb2 as blitzmesh_dot_v1_dot_admin__pb2
 from blitzmesh.v1 import common_pb2 as blitzmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n blitzmesh/v1/param_manager.proto\x12\x0c\x62litzmesh.v1\x1a\x18\x62litzmesh/v1/admin.proto\x1a\x19\x62litzmesh/v1/common.proto\"#\n\x0fGetModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"t\n\x0bModelLayout\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.blitzmesh.v1.ModelInfo\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\x0c\x12)\n\x06groups\x18\x03 \x03(\x0b\x32\x19.blitzmesh.v1.GroupLayout\"n\n\nModelFiles\x12\x32\n\x05\x66iles\x18\x01 \x03(\x0b\x32#.blitzmesh.v1.ModelFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"K\n\x12\x46\x65tchGroupsRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x03\"Z\n\x0eParameterChunk\x12\r\n\x05group\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x15\n\rlast_of_group\x18\x04 \x01(\x08\"1\n\rLocateRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x03(\t\"@\n\x0eLocateResponse\x12.\n\tlocations\x18\x01 \x03(\x0b\x32\x1b.blitzmesh.v1.GroupLocation\"r\n\x15UpdateLocationRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x0e\n\x06groups\x18\x03 \x03(\t\x12\x0f\n\x07present\x18\x04 \x01(\x08\x12\x16\n\x0eholder_address\x18\x05 \x01(\t\"\x18\n\x16UpdateLocationResponse\"~\n\x18RegisterHostCacheRequest\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x19\n\x11\x64\x61taplane_address\x18\x04 \x01(\x0c\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x03\"4\n\x19RegisterHostCacheResponse\x12\x17\n\x0f\x61ssigned_groups\x18\x01 \x03(\t2\xc8\x04\n\x0cParamManager\x12O\n\nListModels\x12\x1f.blitzmesh.v1.ListModelsRequest\x1a .blitzmesh.v1.ListModelsResponse\x12\x44\n\x08GetModel\x12\x1d.blitzmesh.v1.GetModelRequest\x1a\x19.blitzmesh.v1.ModelLayout\x12H\n\rGetModelFiles\x12\x1d.blitzmesh.v1.GetModelRequest\x1a\x18.blitzmesh.v1.ModelFiles\x12O\n\x0b\x46\x65tchGroups\x12 .blitzmesh.v1.FetchGroupsRequest\x1a\x1c.blitzmesh.v1.ParameterChunk0\x01\x12\x43\n\x06Locate\x12\x1b.blitzmesh.v1.LocateRequest\x1a\x1c.blitzmesh.v1.LocateResponse\x12[\n\x0eUpdateLocation\x12#.blitzmesh.v1.UpdateLocationRequest\x1a$.blitzmesh.v1.UpdateLocationResponse\x12\x64\n\x11RegisterHostCache\x12&.blitzmesh.v1.RegisterHostCacheRequest\x1a\'.blitzmesh.v1.RegisterHostCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n blitzmesh/v1/param_manager.proto\x12\x0c\x62litzmesh.v1\x1a\x18\x62litzmesh/v1/admin.proto\x1a\x19\x62litzmesh/v1/common.proto\"#\n\x0fGetModelRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"\x86\x01\n\x0bModelLayout\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.blitzmesh.v1.ModelInfo\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\x0c\x12)\n\x06groups\x18\x03 \x03(\x0b\x32\x19.blitzmesh.v1.GroupLayout\x12\x10\n\x08manifest\x18\x04 \x01(\x0c\"n\n\nModelFiles\x12\x32\n\x05\x66iles\x18\x01 \x03(\x0b\x32#.blitzmesh.v1.ModelFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"K\n\x12\x46\x65tchGroupsRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x03\"Z\n\x0eParameterChunk\x12\r\n\x05group\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x15\n\rlast_of_group\x18\x04 \x01(\x08\"1\n\rLocateRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x03(\t\"@\n\x0eLocateResponse\x12.\n\tlocations\x18\x01 \x03(\x0b\x32\x1b.blitzmesh.v1.GroupLocation\"\xb3\x01\n\x15UpdateLocationRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x0e\n\x06groups\x18\x03 \x03(\t\x12\x0f\n\x07present\x18\x04 \x01(\x08\x12\x16\n\x0eholder_address\x18\x05 \x01(\t\x12\x19\n\x11\x64\x61taplane_address\x18\x06 \x01(\x0c\x12\x16\n\x0e\x64\x61taplane_kind\x18\x07 \x01(\t\x12\x0c\n\x04host\x18\x08 \x01(\t\"\x18\n\x16UpdateLocationResponse\"\xce\x01\n\x18RegisterHostCacheRequest\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x19\n\x11\x64\x61taplane_address\x18\x04 \x01(\x0c\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04slot\x18\x06 \x01(\x05\x12(\n\x06shards\x18\x07 \x03(\x0b\x32\x18.blitzmesh.v1.ModelShard\x12\x16\n\x0e\x64\x61taplane_kind\x18\x08 \x01(\t\"B\n\nModelShard\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x03(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"N\n\x19RegisterHostCacheResponse\x12\x13\n\x0b\x63\x61\x63he_slots\x18\x01 \x01(\x05\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x32\xc8\x04\n\x0cParamManager\x12O\n\nListModels\x12\x1f.blitzmesh.v1.ListModelsRequest\x1a .blitzmesh.v1.ListModelsResponse\x12\x44\n\x08GetModel\x12\x1d.blitzmesh.v1.GetModelRequest\x1a\x19.blitzmesh.v1.ModelLayout\x12H\n\rGetModelFiles\x12\x1d.blitzmesh.v1.GetModelRequest\x1a\x18.blitzmesh.v1.ModelFiles\x12O\n\x0b\x46\x65tchGroups\x12 .blitzmesh.v1.FetchGroupsRequest\x1a\x1c.blitzmesh.v1.ParameterChunk0\x01\x12\x43\n\x06Locate\x12\x1b.blitzmesh.v1.LocateRequest\x1a\x1c.blitzmesh.v1.LocateResponse\x12[\n\x0eUpdateLocation\x12#.blitzmesh.v1.UpdateLocationRequest\x1a$.blitzmesh.v1.UpdateLocationResponse\x12\x64\n\x11RegisterHostCache\x12&.blitzmesh.v1.RegisterHostCacheRequest\x1a\'.blitzmesh.v1.RegisterHostCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,28 +37,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELFILES_FILESENTRY']._serialized_options = b'8\001'
   _globals['_GETMODELREQUEST']._serialized_start=103
   _globals['_GETMODELREQUEST']._serialized_end=138
-  _globals['_MODELLAYOUT']._serialized_start=140
-  _globals['_MODELLAYOUT']._serialized_end=256
-  _globals['_MODELFILES']._serialized_start=258
-  _globals['_MODELFILES']._serialized_end=368
-  _globals['_MODELFILES_FILESENTRY']._serialized_start=324
-  _globals['_MODELFILES_FILESENTRY']._serialized_end=368
-  _globals['_FETCHGROUPSREQUEST']._serialized_start=370
-  _globals['_FETCHGROUPSREQUEST']._serialized_end=445
-  _globals['_PARAMETERCHUNK']._serialized_start=447
-  _globals['_PARAMETERCHUNK']._serialized_end=537
-  _globals['_LOCATEREQUEST']._serialized_start=539
-  _globals['_LOCATEREQUEST']._serialized_end=588
-  _globals['_LOCATERESPONSE']._serialized_start=590
-  _globals['_LOCATERESPONSE']._serialized_end=654
-  _globals['_UPDATELOCATIONREQUEST']._serialized_start=656
-  _globals['_UPDATELOCATIONREQUEST']._serialized_end=770
-  _globals['_UPDATELOCATIONRESPONSE']._serialized_start=772
-  _globals['_UPDATELOCATIONRESPONSE']._serialized_end=796
-  _globals['_REGISTERHOSTCACHEREQUEST']._serialized_start=798
-  _globals['_REGISTERHOSTCACHEREQUEST']._serialized_end=924
-  _globals['_REGISTERHOSTCACHERESPONSE']._serialized_start=926
-  _globals['_REGISTERHOSTCACHERESPONSE']._serialized_end=978
-  _globals['_PARAMMANAGER']._serialized_start=981
-  _globals['_PARAMMANAGER']._serialized_end=1565
+  _globals['_MODELLAYOUT']._serialized_start=141
+  _globals['_MODELLAYOUT']._serialized_end=275
+  _globals['_MODELFILES']._serialized_start=277
+  _globals['_MODELFILES']._serialized_end=387
+  _globals['_MODELFILES_FILESENTRY']._serialized_start=343
+  _globals['_MODELFILES_FILESENTRY']._serialized_end=387
+  _globals['_FETCHGROUPSREQUEST']._serialized_start=389
+  _globals['_FETCHGROUPSREQUEST']._serialized_end=464
+  _globals['_PARAMETERCHUNK']._serialized_start=466
+  _globals['_PARAMETERCHUNK']._serialized_end=556
+  _globals['_LOCATEREQUEST']._serialized_start=558
+  _globals['_LOCATEREQUEST']._serialized_end=607
+  _globals['_LOCATERESPONSE']._serialized_start=609
+  _globals['_LOCATERESPONSE']._serialized_end=673
+  _globals['_UPDATELOCATIONREQUEST']._serialized_start=676
+  _globals['_UPDATELOCATIONREQUEST']._serialized_end=855
+  _globals['_UPDATELOCATIONRESPONSE']._serialized_start=857
+  _globals['_UPDATELOCATIONRESPONSE']._serialized_end=881
+  _globals['_REGISTERHOSTCACHEREQUEST']._serialized_start=884
+  _globals['_REGISTERHOSTCACHEREQUEST']._serialized_end=1090
+  _globals['_MODELSHARD']._serialized_start=1092
+  _globals['_MODELSHARD']._serialized_end=1158
+  _globals['_REGISTERHOSTCACHERESPONSE']._serialized_start=1160
+  _globals['_REGISTERHOSTCACHERESPONSE']._serialized_end=1238
+  _globals['_PARAMMANAGER']._serialized_start=1241
+  _globals['_PARAMMANAGER']._serialized_end=1825
 # @@protoc_insertion_point(module_scope)

@@ -50,7 +50,10 @@ class ModelLayout(_message.Message):
     INFO_FIELD_NUMBER: _builtins.int
     CONFIG_JSON_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
     config_json: _builtins.bytes
+    manifest: _builtins.bytes
+    """the data plane's manifest (JSON): what receivers verify against"""
     @_builtins.property
     def info(self) -> _common_pb2.ModelInfo: ...
     @_builtins.property
@@ -63,10 +66,11 @@ class ModelLayout(_message.Message):
         info: _common_pb2.ModelInfo | None = ...,
         config_json: _builtins.bytes = ...,
         groups: _abc.Iterable[_common_pb2.GroupLayout] | None = ...,
+        manifest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_json", b"config_json", "groups", b"groups", "info", b"info"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_json", b"config_json", "groups", b"groups", "info", b"info", "manifest", b"manifest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -224,12 +228,18 @@ class UpdateLocationRequest(_message.Message):
     GROUPS_FIELD_NUMBER: _builtins.int
     PRESENT_FIELD_NUMBER: _builtins.int
     HOLDER_ADDRESS_FIELD_NUMBER: _builtins.int
+    DATAPLANE_ADDRESS_FIELD_NUMBER: _builtins.int
+    DATAPLANE_KIND_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     holder: _builtins.str
     """instance id or host-cache id"""
     present: _builtins.bool
     """false removes the holder"""
     holder_address: _builtins.str
+    dataplane_address: _builtins.bytes
+    dataplane_kind: _builtins.str
+    host: _builtins.str
     @_builtins.property
     def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -240,10 +250,13 @@ class UpdateLocationRequest(_message.Message):
         groups: _abc.Iterable[_builtins.str] | None = ...,
         present: _builtins.bool = ...,
         holder_address: _builtins.str = ...,
+        dataplane_address: _builtins.bytes = ...,
+        dataplane_kind: _builtins.str = ...,
+        host: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "holder", b"holder", "holder_address", b"holder_address", "model_id", b"model_id", "present", b"present"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataplane_address", b"dataplane_address", "dataplane_kind", b"dataplane_kind", "groups", b"groups", "holder", b"holder", "holder_address", b"holder_address", "host", b"host", "model_id", b"model_id", "present", b"present"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -266,6 +279,10 @@ Global___UpdateLocationResponse: _TypeAlias = UpdateLocationResponse  # noqa: Y0
 
 @_typing.final
 class RegisterHostCacheRequest(_message.Message):
+    """A host-cache process announces itself and the shard it holds (at start, after a restart of
+    either side, and periodically as a heartbeat).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     CACHE_ID_FIELD_NUMBER: _builtins.int
@@ -273,11 +290,21 @@ class RegisterHostCacheRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     DATAPLANE_ADDRESS_FIELD_NUMBER: _builtins.int
     CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    SLOT_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    DATAPLANE_KIND_FIELD_NUMBER: _builtins.int
     cache_id: _builtins.str
     host: _builtins.str
     address: _builtins.str
     dataplane_address: _builtins.bytes
     capacity_bytes: _builtins.int
+    slot: _builtins.int
+    """which of the index's cache slots this process fills"""
+    dataplane_kind: _builtins.str
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelShard]:
+        """what it holds now"""
+
     def __init__(
         self,
         *,
@@ -286,30 +313,61 @@ class RegisterHostCacheRequest(_message.Message):
         address: _builtins.str = ...,
         dataplane_address: _builtins.bytes = ...,
         capacity_bytes: _builtins.int = ...,
+        slot: _builtins.int = ...,
+        shards: _abc.Iterable[Global___ModelShard] | None = ...,
+        dataplane_kind: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cache_id", b"cache_id", "capacity_bytes", b"capacity_bytes", "dataplane_address", b"dataplane_address", "host", b"host"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cache_id", b"cache_id", "capacity_bytes", b"capacity_bytes", "dataplane_address", b"dataplane_address", "dataplane_kind", b"dataplane_kind", "host", b"host", "shards", b"shards", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterHostCacheRequest: _TypeAlias = RegisterHostCacheRequest  # noqa: Y015
 
 @_typing.final
-class RegisterHostCacheResponse(_message.Message):
+class ModelShard(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    ASSIGNED_GROUPS_FIELD_NUMBER: _builtins.int
+    MODEL_ID_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    model_id: _builtins.str
+    size_bytes: _builtins.int
     @_builtins.property
-    def assigned_groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
-        assigned_groups: _abc.Iterable[_builtins.str] | None = ...,
+        model_id: _builtins.str = ...,
+        groups: _abc.Iterable[_builtins.str] | None = ...,
+        size_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigned_groups", b"assigned_groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "model_id", b"model_id", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelShard: _TypeAlias = ModelShard  # noqa: Y015
+
+@_typing.final
+class RegisterHostCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHE_SLOTS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    cache_slots: _builtins.int
+    heartbeat_interval_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        cache_slots: _builtins.int = ...,
+        heartbeat_interval_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_slots", b"cache_slots", "heartbeat_interval_s", b"heartbeat_interval_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

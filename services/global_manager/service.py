@@ -3,17 +3,34 @@ actuator that turns scaling decisions into worker and parameter-manager calls.
 
 The decisions themselves come from the pure core (services/global_manager/core); this module
 only adapts protobuf, owns the clock and performs the I/O.
+
+Autoscaling: every control tick the policy decides on a snapshot of the load monitor. Each
+decision carries its reason; changes are always reported, "no change" only when its reason
+changes or every `decision_repeat_s` (`core.decisions.DecisionThrottle`). Reported decisions go
+to the log as `time,action,target,status,reason` lines, to `Admin.WatchEvents` with the same
+columns (action=autoscaling_decision, target=scale_out/scale_in/no_change, status=the count
+change), and to Prometheus. In advisory mode nothing is acted on.
+
+Actuator guarantees: a scale-out load that fails is retried on another IDLE worker
+(`load_retries`), else rolled back (the instance IDLE again) and reported; a scale-in drains the
+least-loaded SERVING instance (the worker refuses new requests, in-flight ones finish), removes
+it from the parameter manager's locations, unloads it and returns it to IDLE. Action tasks never
+raise into the task group: a failure is an event, not a crashed manager.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
+import json
 import time
+from typing import Any
 
 import grpc
 import structlog
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from blitzmesh.v1 import (
     admin_pb2,
@@ -27,8 +44,9 @@ from blitzmesh.v1 import (
 from services.common.grpc_util import channel
 from services.common.server import ServeContext
 from services.global_manager.config import GlobalManagerConfig
+from services.global_manager.core.decisions import DecisionThrottle, bounded_delta
 from services.global_manager.core.load_monitor import LoadMonitor
-from services.global_manager.core.policies import make_policy
+from services.global_manager.core.policies import Policy, make_policy
 from services.global_manager.core.router import choose_instance, pick_scale_in_victim
 from services.global_manager.core.types import InstanceState, Role, ScaleDecision
 from services.global_manager.registry import ROLE_FROM_PROTO, STATE_FROM_PROTO, InstanceTable, sample_from_proto
@@ -38,7 +56,33 @@ log = structlog.get_logger(__name__)
 S = InstanceState
 INSTANCES = Gauge("blitzmesh_gm_instances", "Instances by state", ["state"])
 SCHEDULED = Counter("blitzmesh_gm_schedule_total", "Schedule calls by outcome", ["outcome"])
-DECISIONS = Counter("blitzmesh_gm_decisions_total", "Autoscaling decisions by action", ["action"])
+DECISIONS = Counter("blitzmesh_gm_decisions_total", "Autoscaling decisions by policy and action", ["policy", "action"])
+DESIRED = Gauge("blitzmesh_gm_desired_instances", "Instances the policy wants, per pool", ["model", "role"])
+CURRENT = Gauge("blitzmesh_gm_current_instances", "Instances counted as capacity (LOADING + SERVING)", ["model", "role"])
+SIGNALS = Gauge("blitzmesh_gm_policy_signal", "Numbers behind the latest decision (ratio, need, tps)", ["model", "signal"])
+DECIDE_SECONDS = Histogram(
+    "blitzmesh_gm_decide_seconds", "Load snapshot + policy decision, per control tick",
+    buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1),
+)
+ACTIONS = Counter("blitzmesh_gm_scale_actions_total", "Actuator outcomes", ["kind", "outcome"])
+ADVISORY = Gauge("blitzmesh_gm_advisory", "1 while the policy only advises")
+LOCATION_RETRIES = 3
+UNLOAD_WAIT_S = 10.0
+
+
+def _param_from_proto(value: str) -> Any:
+    """Policy parameters travel as strings; lists and objects (a periodic schedule) as JSON."""
+    text = value.strip()
+    if text[:1] in ("[", "{"):
+        try:
+            return json.loads(text)
+        except ValueError:
+            return value
+    return value
+
+
+def _param_to_proto(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 class EventBus:
@@ -68,20 +112,39 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.monitor = LoadMonitor(window_s=cfg.window_s, lost_after_s=cfg.lost_after_s)
         self.policy_name = cfg.policy
         self.policy_params = dict(cfg.policy_params)
-        self.policy = make_policy(cfg.policy, cfg.policy_params)
+        self.policy = self._make_policy(cfg.policy, cfg.policy_params)
+        self.policy_name = self.policy.name
         self.advisory = cfg.advisory
+        ADVISORY.set(1 if self.advisory else 0)
+        self.throttle = DecisionThrottle(repeat_s=cfg.decision_repeat_s)
+        # The reported decisions as `time,action,target,status,reason` lines (newest last).
+        self.decision_log: collections.deque[str] = collections.deque(maxlen=10_000)
+        self.last_decision: ScaleDecision | None = None
         self.events = EventBus()
         self.ctx: ServeContext | None = None
         self._actions: dict[str, asyncio.Task[None]] = {}  # instance id -> load/drain in progress
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
 
+    def _make_policy(self, name: str, params: dict[str, Any]) -> Policy:
+        """The manager's own bounds are the policy's defaults, so the policy does not ask for
+        instances the manager will refuse (and say so every tick)."""
+        bounded = {
+            "min_instances": max(1, self.cfg.min_instances),
+            "max_instances": self.cfg.max_instances,
+            **params,
+        }
+        return make_policy(name, bounded)
+
     def now_s(self) -> float:
         return time.monotonic() - self._t0
 
-    def emit(self, action: str, target: str, status: str, reason: str, instance_id: str = "") -> None:
+    def emit(
+        self, action: str, target: str, status: str, reason: str, instance_id: str = "", time_s: float | None = None
+    ) -> None:
         ev = admin_pb2.ClusterEvent(
-            time_s=self.now_s(), action=action, target=target, status=status, reason=reason, instance_id=instance_id
+            time_s=self.now_s() if time_s is None else time_s,
+            action=action, target=target, status=status, reason=reason, instance_id=instance_id,
         )
         log.info("cluster_event", action=action, target=target, status=status, reason=reason, instance_id=instance_id)
         self.events.publish(ev)
@@ -97,6 +160,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         view = self.table.upsert(info, self.now_s())
         self.monitor.mark_seen(info.instance_id, self.now_s())
         self.emit("instance_registered", view.model or "-", view.state.value, f"address={info.address}", view.instance_id)
+        if view.state is S.SERVING and view.model and self.ctx is not None:
+            # Re-registration after a manager restart (or a LOST comeback): the parameter
+            # manager must list what the instance holds again.
+            self.ctx.tasks.spawn(self._update_location(view.model, view.instance_id, present=True), name="location")
         self._wake_reconcile()
         return global_manager_pb2.RegisterInstanceResponse(heartbeat_interval_s=self.cfg.heartbeat_interval_s)
 
@@ -193,17 +260,31 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         return admin_pb2.ScaleResponse(instance_ids=chosen, reason=f"{len(chosen)} instance(s) {'loading' if request.delta > 0 else 'draining'}")
 
     async def SetPolicy(self, request, context):  # noqa: N802
+        """Switch or retune the policy. The given params replace the current ones (none given
+        with no policy named keeps them, e.g. to toggle advisory mode only). Cooldown timers
+        carry over: they protect the cluster, whichever rule is in force."""
         name = request.policy or self.policy_name
-        params = dict(request.params) if request.params or request.policy else self.policy_params
+        if request.params or request.policy:
+            params = {k: _param_from_proto(v) for k, v in request.params.items()}
+        else:
+            params = dict(self.policy_params)
         try:
-            policy = make_policy(name, params)
+            policy = self._make_policy(name, params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.policy, self.policy_name, self.policy_params = policy, name, params
+        policy.cooldown = self.policy.cooldown
+        self.policy, self.policy_name, self.policy_params = policy, policy.name, params
         if request.HasField("advisory"):
             self.advisory = request.advisory
-        self.emit("policy", name, "set", f"params={params} advisory={self.advisory}")
-        return admin_pb2.SetPolicyResponse(policy=name, params=params, advisory=self.advisory)
+            ADVISORY.set(1 if self.advisory else 0)
+        self.throttle.reset()
+        self.emit("policy", self.policy_name, "set", f"params={json.dumps(params, sort_keys=True)} advisory={self.advisory}")
+        self._wake_reconcile()
+        return admin_pb2.SetPolicyResponse(
+            policy=self.policy_name,
+            params={k: _param_to_proto(v) for k, v in params.items()},
+            advisory=self.advisory,
+        )
 
     async def WatchEvents(self, request, context):  # noqa: N802
         q = self.events.subscribe()
@@ -229,27 +310,50 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         assert self.ctx is not None
         task = self.ctx.tasks.spawn(coro, name=f"action-{iid}")
         self._actions[iid] = task
-        task.add_done_callback(lambda _t, iid=iid: self._actions.pop(iid, None))
 
-    def scale_out(self, model_id: str, n: int, role: Role, reason: str) -> list[str]:
+        def done(t: asyncio.Task[None], iid: str = iid) -> None:
+            if self._actions.get(iid) is t:
+                del self._actions[iid]
+
+        task.add_done_callback(done)
+
+    def live(self, model_id: str, role: Role | None = None) -> list[str]:
+        """Instances of `model_id` that count as capacity: LOADING + SERVING."""
+        return [
+            v.instance_id for v in self.table.registry.views(model=model_id, role=role)
+            if v.state in (S.LOADING, S.SERVING)
+        ]
+
+    def scale_out(
+        self, model_id: str, n: int, role: Role, reason: str, *, exclude: frozenset[str] = frozenset(), attempt: int = 0
+    ) -> list[str]:
         """Assign up to n IDLE workers to `model_id`; each loads in the background."""
-        live = [v for v in self.table.registry.views(model=model_id) if v.state in (S.LOADING, S.SERVING)]
-        room = max(0, self.cfg.max_instances - len(live))
+        room = max(0, self.cfg.max_instances - len(self.live(model_id)))
         idle = sorted(
-            (v for v in self.table.registry.views(state=S.IDLE) if v.instance_id not in self._actions),
+            (
+                v for v in self.table.registry.views(state=S.IDLE)
+                if v.instance_id not in self._actions and v.instance_id not in exclude
+            ),
             key=lambda v: v.instance_id,
         )[: min(n, room)]
         for v in idle:
             self.table.registry.transition(v.instance_id, S.LOADING, model=model_id, role=role)
             self.emit("scale_out", model_id, "loading", reason, v.instance_id)
-            self._spawn(v.instance_id, self._load(v.instance_id, model_id, role))
+            self._spawn(v.instance_id, self._load(v.instance_id, model_id, role, exclude | {v.instance_id}, attempt))
         return [v.instance_id for v in idle]
 
-    def scale_in(self, model_id: str, n: int, reason: str) -> list[str]:
+    def scale_in(
+        self, model_id: str, n: int, reason: str, role: Role | None = None, *, keep_serving: int = 0
+    ) -> list[str]:
+        """Drain the n least-loaded SERVING instances of `model_id` (of `role` if given), leaving
+        at least `keep_serving` SERVING: capacity still loading cannot take requests yet."""
         chosen: list[str] = []
         for _ in range(n):
             views = [v for v in self.table.registry.views(model=model_id) if v.instance_id not in self._actions]
-            victim = pick_scale_in_victim(views, model=model_id)
+            serving = [v for v in views if v.state is S.SERVING and (role is None or v.role is role)]
+            if len(serving) <= keep_serving:
+                break
+            victim = pick_scale_in_victim(views, model=model_id, role=role)
             if victim is None:
                 break
             self.table.registry.transition(victim.instance_id, S.DRAINING)
@@ -258,10 +362,12 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             chosen.append(victim.instance_id)
         return chosen
 
-    async def _load(self, iid: str, model_id: str, role: Role) -> None:
+    async def _load(self, iid: str, model_id: str, role: Role, tried: frozenset[str], attempt: int) -> None:
         address = self.table.addresses[iid]
         started = time.perf_counter()
+        error = ""
         try:
+            done = False
             async with channel(address) as ch:
                 stub = worker_pb2_grpc.WorkerStub(ch)
                 call = stub.LoadParameters(
@@ -269,36 +375,94 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                     timeout=self.cfg.load_timeout_s,
                 )
                 async for p in call:
+                    done = done or p.done
                     if iid in self.table.registry and self.table.registry.get(iid).state is S.LOADING:
+                        view = self.table.registry.get(iid)
                         with contextlib.suppress(ValueError):
-                            self.table.registry.set_layers_loaded(iid, min(p.layers_loaded, self.table.registry.get(iid).num_layers))
-            view = self.table.registry.get(iid)
-            if view.state is S.LOADING:
-                self.table.registry.transition(iid, S.SERVING)
-            self.emit("load_result", model_id, "ok", f"load_s={time.perf_counter() - started:.3f}", iid)
-            await self._update_location(model_id, iid, present=True)
-        except grpc.aio.AioRpcError as e:
-            # Roll back: the worker returns itself to IDLE on failure; mirror that here.
-            self.emit("load_result", model_id, "failed", f"{e.code().name}: {e.details()}", iid)
-            self._reset_idle(iid)
+                            self.table.registry.set_layers_loaded(iid, min(p.layers_loaded, view.num_layers))
+            if not done:
+                error = "LoadParameters ended before the load was done"
         except asyncio.CancelledError:
             raise
+        except grpc.aio.AioRpcError as e:
+            error = f"{e.code().name}: {e.details()}"
+        except Exception as e:  # noqa: BLE001 (a failed action is reported, never crashes the manager)
+            error = repr(e)
+        if not error:
+            state = self.table.registry.get(iid).state if iid in self.table.registry else None
+            if state is S.LOADING:
+                self.table.registry.transition(iid, S.SERVING)
+            elif state is not S.SERVING:
+                error = f"instance became {state.value if state else 'unregistered'} while loading"
+        if not error:
+            load_s = time.perf_counter() - started
+            await self._update_location(model_id, iid, present=True)
+            ACTIONS.labels("load", "ok").inc()
+            self.emit("load_result", model_id, "ok", f"load_s={load_s:.3f}", iid)
+            return
+        # Roll back this instance: the worker returns itself to IDLE on failure; mirror that.
+        ACTIONS.labels("load", "failed").inc()
+        self.emit("load_result", model_id, "failed", error, iid)
+        self._reset_idle(iid)
+        if attempt < self.cfg.load_retries:
+            # Another worker, not this one: whatever broke its load may break it again.
+            retry = self.scale_out(
+                model_id, 1, role, f"retry {attempt + 1}/{self.cfg.load_retries} after {iid} failed: {error}",
+                exclude=tried, attempt=attempt + 1,
+            )
+            if retry:
+                ACTIONS.labels("load", "retried").inc()
+                return
+        ACTIONS.labels("load", "rolled_back").inc()
+        self.emit(
+            "scale_out", model_id, "rolled_back",
+            f"load on {iid} failed ({error}); it is IDLE again and no other IDLE worker is left to retry on"
+            if attempt < self.cfg.load_retries else
+            f"load on {iid} failed ({error}); it is IDLE again after {attempt} retries",
+            iid,
+        )
 
     async def _drain(self, iid: str, model_id: str) -> None:
         address = self.table.addresses[iid]
+        error = ""
+        resp = worker_pb2.DrainResponse()
         try:
             async with channel(address) as ch:
                 stub = worker_pb2_grpc.WorkerStub(ch)
                 resp = await stub.Drain(
                     worker_pb2.DrainRequest(timeout_s=self.cfg.drain_timeout_s), timeout=self.cfg.drain_timeout_s + 10
                 )
-                await stub.Unload(worker_pb2.UnloadRequest(), timeout=30)
-            await self._update_location(model_id, iid, present=False)
-            if iid in self.table.registry and self.table.registry.get(iid).state is S.DRAINING:
-                self.table.registry.transition(iid, S.IDLE)
-            self.emit("drain_result", model_id, "idle", f"finished={resp.finished} aborted={resp.aborted}", iid)
+                # Out of the location index before its weights go, so no transfer picks it as a source.
+                await self._update_location(model_id, iid, present=False)
+                await self._unload(stub)
+        except asyncio.CancelledError:
+            raise
         except grpc.aio.AioRpcError as e:
-            self.emit("drain_result", model_id, "failed", f"{e.code().name}: {e.details()}", iid)
+            error = f"{e.code().name}: {e.details()}"
+        except Exception as e:  # noqa: BLE001
+            error = repr(e)
+        if error:
+            # From here the worker's own heartbeats decide where it is (SERVING again, or LOST).
+            ACTIONS.labels("drain", "failed").inc()
+            self.emit("drain_result", model_id, "failed", f"{error}; following the worker's reports", iid)
+            return
+        if iid in self.table.registry and self.table.registry.get(iid).state is S.DRAINING:
+            self.table.registry.transition(iid, S.IDLE)
+        ACTIONS.labels("drain", "ok").inc()
+        self.emit("drain_result", model_id, "idle", f"finished={resp.finished} aborted={resp.aborted}", iid)
+        self._wake_reconcile()
+
+    async def _unload(self, stub: worker_pb2_grpc.WorkerStub) -> None:
+        # Requests aborted at the drain deadline take a moment to unwind; Unload refuses until then.
+        deadline = asyncio.get_running_loop().time() + UNLOAD_WAIT_S
+        while True:
+            try:
+                await stub.Unload(worker_pb2.UnloadRequest(), timeout=30)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or asyncio.get_running_loop().time() > deadline:
+                    raise
+            await asyncio.sleep(0.1)
 
     def _reset_idle(self, iid: str) -> None:
         if iid not in self.table.registry:
@@ -309,16 +473,26 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     async def _update_location(self, model_id: str, iid: str, present: bool) -> None:
         if not self.cfg.param_manager:
             return
-        try:
-            async with channel(self.cfg.param_manager) as ch:
-                await param_manager_pb2_grpc.ParamManagerStub(ch).UpdateLocation(
-                    param_manager_pb2.UpdateLocationRequest(
-                        model_id=model_id, holder=iid, present=present, holder_address=self.table.addresses.get(iid, "")
-                    ),
-                    timeout=5,
-                )
-        except grpc.aio.AioRpcError as e:
-            log.warning("location_update_failed", model=model_id, instance_id=iid, code=e.code().name)
+        dp_address, dp_kind = self.table.dataplane.get(iid, (b"", ""))
+        host = self.table.registry.get(iid).host if iid in self.table.registry else ""
+        request = param_manager_pb2.UpdateLocationRequest(
+            model_id=model_id, holder=iid, present=present, holder_address=self.table.addresses.get(iid, ""),
+            dataplane_address=dp_address, dataplane_kind=dp_kind, host=host,
+        )
+        for attempt in range(LOCATION_RETRIES):
+            try:
+                async with channel(self.cfg.param_manager) as ch:
+                    await param_manager_pb2_grpc.ParamManagerStub(ch).UpdateLocation(request, timeout=5)
+                return
+            except grpc.aio.AioRpcError as e:
+                if attempt + 1 == LOCATION_RETRIES or e.code() not in (
+                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED
+                ):
+                    ACTIONS.labels("location", "failed").inc()
+                    log.warning("location_update_failed", model=model_id, instance_id=iid, code=e.code().name)
+                    self.emit("location", model_id, "failed", f"present={present}: {e.code().name}: {e.details()}", iid)
+                    return
+            await asyncio.sleep(0.2 * 2**attempt)
 
     # ---- control loop -------------------------------------------------------------------
     def _wake_reconcile(self) -> None:
@@ -336,35 +510,73 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         now = self.now_s()
         for iid in self.monitor.lost(now):
             if iid in self.table.registry and self.table.registry.get(iid).state is not S.LOST:
+                model = self.table.registry.get(iid).model
                 self.table.registry.mark_lost(iid)
                 self.emit("instance_lost", "-", "LOST", f"no heartbeat for {self.cfg.lost_after_s}s", iid)
+                if model and self.ctx is not None:
+                    self.ctx.tasks.spawn(self._update_location(model, iid, present=False), name="location")
         for state in S:
             INSTANCES.labels(state.value).set(len(self.table.registry.views(state=state)))
         model = self.cfg.default_model
         if model and self.cfg.min_instances:
-            live = [v for v in self.table.registry.views(model=model) if v.state in (S.LOADING, S.SERVING)]
-            missing = self.cfg.min_instances - len(live)
+            missing = self.cfg.min_instances - len(self.live(model))
             if missing > 0 and self.table.registry.views(state=S.IDLE):
                 self.scale_out(model, missing, Role.COLOCATED, reason=f"min_instances={self.cfg.min_instances}")
         if self.cfg.autoscale and model:
             self.autoscale(now, model)
 
-    def autoscale(self, now: float, model: str) -> None:
-        views = self.table.registry.views(model=model)
-        decision: ScaleDecision = self.policy.decide(now, self.monitor.snapshot(now, views, model=model))
-        DECISIONS.labels(decision.action).inc()
-        if decision.action == "no_change":
-            return
-        status = "advisory" if self.advisory else "acting"
-        log.info("autoscaling_decision", line=decision.to_log_line(), status=status)
-        self.emit("autoscaling_decision", decision.target_str(), status, decision.reason)
-        if self.advisory or decision.instances_to is None or decision.instances_from is None:
-            return
-        delta = decision.instances_to - decision.instances_from
+    def autoscale(self, now: float, model: str) -> ScaleDecision:
+        """One policy decision for `model`: reported (see the module docstring) and acted on."""
+        started = time.perf_counter()
+        snapshot = self.monitor.snapshot(now, self.table.registry.views(model=model), model=model)
+        decision: ScaleDecision = self.policy.decide(now, snapshot)
+        DECIDE_SECONDS.observe(time.perf_counter() - started)
+        self.last_decision = decision
+        DECISIONS.labels(decision.policy, decision.action).inc()
+        roles = (Role.PREFILL, Role.DECODE) if not decision.is_colocated else (Role.COLOCATED,)
+        for role in roles:
+            before = decision.instances_from if role is Role.COLOCATED else (
+                decision.prefill_from if role is Role.PREFILL else decision.decode_from)
+            CURRENT.labels(model, role.value).set(before or 0)
+            DESIRED.labels(model, role.value).set((before or 0) + decision.delta(role))
+        for name, value in decision.extra.items():
+            SIGNALS.labels(model, name).set(value)
+        if self.throttle.should_report(decision):
+            if self.advisory and decision.action != "no_change":
+                decision = dataclasses.replace(decision, reason=f"{decision.reason}; ADVISORY: not acted on")
+            line = decision.to_log_line()
+            self.decision_log.append(line)
+            log.info("autoscaling_decision", line=line, model=model, advisory=self.advisory)
+            self.emit("autoscaling_decision", decision.action, decision.target_str(), decision.reason, time_s=now)
+        if self.advisory or decision.action == "no_change":
+            return decision
+        for role in roles:
+            self._act(model, role, decision)
+        return decision
+
+    def _act(self, model: str, role: Role, decision: ScaleDecision) -> None:
+        current = len(self.live(model, role))
+        low = self.cfg.min_instances if role is Role.COLOCATED and model == self.cfg.default_model else 0
+        delta, note = bounded_delta(current, current + decision.delta(role), low=low, high=self.cfg.max_instances)
+        wanted = current + delta
+        if note:
+            self.emit("autoscaling_bound", model, role.value, note)
         if delta > 0:
-            self.scale_out(model, delta, Role.COLOCATED, reason=decision.reason)
+            chosen = self.scale_out(model, delta, role, reason=decision.reason)
+            if len(chosen) < delta:
+                ACTIONS.labels("load", "short").inc()
+                self.emit(
+                    "scale_out", model, "partial",
+                    f"wanted {delta} more {role.value} instances, assigned {len(chosen)}: no more IDLE workers",
+                )
         elif delta < 0:
-            self.scale_in(model, -delta, reason=decision.reason)
+            chosen = self.scale_in(model, -delta, reason=decision.reason, role=role, keep_serving=1 if wanted > 0 else 0)
+            if len(chosen) < -delta:
+                self.emit(
+                    "scale_in", model, "partial",
+                    f"wanted {-delta} fewer {role.value} instances, draining {len(chosen)}: "
+                    "the rest are loading or busy with another action",
+                )
 
 
 class GlobalManagerService:

@@ -1,22 +1,34 @@
-"""Parameter manager (first form): holds each registered model once in host memory, reports
-its layout, streams its parameter groups to workers and indexes where every group lives."""
+"""Parameter manager: the global parameter pool, as one or more host-cache processes.
+
+The *index* process (no `--index` given) reads each checkpoint once to build its manifest,
+holds cache slot 0's shard, and keeps the location index: for every group of every model,
+which host caches and live instances hold it. Other processes (`--index ADDRESS
+--cache-slot k`) hold slot k's shard, announce it with RegisterHostCache and keep announcing
+it (so a restarted index relearns them). Every process serves its shard over the data plane.
+Host memory for M models on H hosts is one copy per model, not H.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import structlog
-from pydantic import Field
 from prometheus_client import Gauge
+from pydantic import Field, model_validator
 
 from blitzmesh.v1 import admin_pb2, common_pb2, param_manager_pb2, param_manager_pb2_grpc
 from services.common.config import ServiceConfig
+from services.common.grpc_util import channel
 from services.common.server import ServeContext
+from services.dataplane.chain import GroupServer
+from services.dataplane.manifest import Manifest
+from services.dataplane.transport import Transport, make_transport
 from services.param_manager.convert import layout_to_proto, model_info
-from services.param_manager.store import HostModel, discover_models, load_host_model
+from services.param_manager.store import HostModel, discover_models, index_model, load_shard, partition
 
 log = structlog.get_logger(__name__)
 
@@ -26,44 +38,91 @@ MODELS = Gauge("blitzmesh_param_models", "Models registered in the parameter poo
 
 class ParamManagerConfig(ServiceConfig):
     model_dir: Path = Field(Path("models"), description="directory whose sub-directories are HF checkpoints")
-    chunk_bytes: int = Field(4 * 1024 * 1024, gt=0, le=32 * 1024 * 1024, description="chunk size for FetchGroups")
+    chunk_bytes: int = Field(4 * 1024 * 1024, gt=0, le=64 * 1024 * 1024, description="data-plane chunk size")
+    index: str = Field("", description="address of the index process; empty = this process is the index")
+    cache_slots: int = Field(1, ge=1, description="host-cache processes sharing the pool (index only)")
+    cache_slot: int = Field(0, ge=0, description="which shard this process holds (0 is the index's)")
+    topology_host: str = Field("host-0", description="host (topology node) this process runs on")
+    advertise_host: str = Field("", description="host name peers use to reach this process; empty = --host")
+    dataplane: str = Field("auto", pattern="^(auto|ucx|tcp)$", description="data-plane transport")
+    announce_interval_s: float = Field(2.0, gt=0, description="how often a host cache re-announces its shard")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ParamManagerConfig":
+        if not self.index and self.cache_slot != 0:
+            raise ValueError(f"the index process holds cache slot 0, got cache_slot={self.cache_slot}")
+        if self.index and self.cache_slot == 0:
+            raise ValueError(f"cache slot 0 belongs to the index; a host cache needs cache_slot >= 1, got 0")
+        return self
+
+
+@dataclass
+class CacheRecord:
+    cache_id: str
+    slot: int
+    holder: common_pb2.Holder
 
 
 class LocationIndex:
-    """model -> group -> holders. Lookups are a dict access, O(1) in the number of hosts."""
+    """model -> group -> holder id -> Holder. A lookup is two dict accesses: O(1) in hosts."""
 
     def __init__(self) -> None:
-        self._index: dict[str, dict[str, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+        self._index: dict[str, dict[str, dict[str, common_pb2.Holder]]] = {}
 
-    def add(self, model_id: str, holder: str, groups: list[str], address: str = "") -> None:
+    def set(self, model_id: str, holder: common_pb2.Holder, groups: list[str]) -> None:
+        """Replace what `holder` is known to hold of `model_id` with `groups`."""
+        self.remove(model_id, holder.holder_id)
+        by_group = self._index.setdefault(model_id, {})
         for g in groups:
-            self._index[model_id][g][holder] = address
+            by_group.setdefault(g, {})[holder.holder_id] = holder
 
-    def remove(self, model_id: str, holder: str, groups: list[str] | None = None) -> None:
-        for g, holders in self._index[model_id].items():
-            if groups is None or g in groups:
-                holders.pop(holder, None)
+    def remove(self, model_id: str, holder_id: str) -> None:
+        for holders in self._index.get(model_id, {}).values():
+            holders.pop(holder_id, None)
 
-    def holders(self, model_id: str, group: str) -> list[str]:
-        return sorted(self._index[model_id][group])
+    def holders(self, model_id: str, group: str) -> list[common_pb2.Holder]:
+        return [h for _, h in sorted(self._index.get(model_id, {}).get(group, {}).items())]
 
 
 class ParamManagerServicer(param_manager_pb2_grpc.ParamManagerServicer):
     def __init__(self, config: ParamManagerConfig) -> None:
         self.config = config
         self.models: dict[str, HostModel] = {}
+        self.manifests: dict[str, Manifest] = {}
         self.locations = LocationIndex()
-        self.cache_id = "host-cache-0"
+        self.caches: dict[int, CacheRecord] = {}
+        self.cache_id = f"host-cache-{config.cache_slot}"
+        self.holder = common_pb2.Holder(holder_id=self.cache_id, kind="host_cache", host=config.topology_host)
 
-    def load_models(self) -> None:
+    @property
+    def is_index(self) -> bool:
+        return not self.config.index
+
+    def index_models(self) -> None:
+        """Index process: manifest of every model, and slot 0's shard."""
         for model_id, path in discover_models(self.config.model_dir).items():
-            model = load_host_model(model_id, path)
+            model = index_model(model_id, path, self.config.cache_slots, 0, self.config.chunk_bytes)
             self.models[model_id] = model
-            self.locations.add(model_id, self.cache_id, [g.name for g in model.groups])
-        HOST_BYTES.set(sum(m.size_bytes for m in self.models.values()))
-        MODELS.set(len(self.models))
+            self.manifests[model_id] = model.manifest
+            self.locations.set(model_id, self.holder, model.held_groups)
+        self._update_gauges()
         if not self.models:
             log.warning("no_models", model_dir=str(self.config.model_dir))
+
+    def load_shards(self, layouts: list[param_manager_pb2.ModelLayout], slots: int) -> None:
+        """Host cache: pack this slot's shard of every model the index lists."""
+        for layout in layouts:
+            model_id = layout.info.model_id
+            manifest = Manifest.from_bytes(layout.manifest)
+            path = self.config.model_dir / model_id
+            groups = partition(manifest, slots)[self.config.cache_slot] if self.config.cache_slot < slots else []
+            self.models[model_id] = load_shard(model_id, path, manifest, groups)
+            self.manifests[model_id] = manifest
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        HOST_BYTES.set(sum(m.held_bytes for m in self.models.values()))
+        MODELS.set(len(self.models))
 
     async def _model(self, model_id: str, context: grpc.aio.ServicerContext) -> HostModel:
         model = self.models.get(model_id)
@@ -85,61 +144,180 @@ class ParamManagerServicer(param_manager_pb2_grpc.ParamManagerServicer):
         return param_manager_pb2.ModelFiles(files=model.files)
 
     async def FetchGroups(self, request, context):  # noqa: N802
+        """gRPC fallback of the data plane (and the baseline it is measured against)."""
         model = await self._model(request.model_id, context)
-        names = list(request.groups) or [g.name for g in model.groups]
+        names = list(request.groups) or model.held_groups
         chunk = request.chunk_bytes or self.config.chunk_bytes
         for name in names:
             try:
-                group = model.group(name)
-            except KeyError as e:
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
-            data = group.buffer.numpy()
-            size = group.size_bytes
+                gi = model.manifest.group_index(name)
+            except (KeyError, ValueError):
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"model {model.model_id!r} has no group {name!r}")
+            buf = model.buffers[gi]
+            if buf is None:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"{self.cache_id} does not hold group {name!r} of {model.model_id!r}; ask Locate who does",
+                )
+            assert buf is not None
+            size = int(buf.nbytes)
             for offset in range(0, max(size, 1), chunk):
                 end = min(offset + chunk, size)
                 yield param_manager_pb2.ParameterChunk(
-                    group=name, offset_bytes=offset, data=data[offset:end].tobytes(), last_of_group=end >= size
+                    group=name, offset_bytes=offset, data=buf[offset:end].tobytes(), last_of_group=end >= size
                 )
 
     async def Locate(self, request, context):  # noqa: N802
-        model = await self._model(request.model_id, context)
-        names = list(request.groups) or [g.name for g in model.groups]
-        return param_manager_pb2.LocateResponse(
-            locations=[
-                common_pb2.GroupLocation(group=n, holders=self.locations.holders(model.model_id, n)) for n in names
-            ]
-        )
+        model_id = request.model_id
+        manifest = self.manifests.get(model_id)
+        if manifest is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {model_id!r}; registered: {sorted(self.manifests)}")
+        assert manifest is not None
+        names = list(request.groups) or manifest.group_names
+        out = []
+        for n in names:
+            holders = self.locations.holders(model_id, n)
+            out.append(
+                common_pb2.GroupLocation(group=n, holders=[h.holder_id for h in holders], holder_info=holders)
+            )
+        return param_manager_pb2.LocateResponse(locations=out)
 
     async def UpdateLocation(self, request, context):  # noqa: N802
-        model = await self._model(request.model_id, context)
-        groups = list(request.groups) or [g.name for g in model.groups]
+        manifest = self.manifests.get(request.model_id)
+        if manifest is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_id!r}")
+        assert manifest is not None
+        holder = common_pb2.Holder(
+            holder_id=request.holder,
+            kind="instance",
+            grpc_address=request.holder_address,
+            dataplane_address=request.dataplane_address,
+            dataplane_kind=request.dataplane_kind,
+            host=request.host,
+        )
         if request.present:
-            self.locations.add(model.model_id, request.holder, groups, request.holder_address)
+            self.locations.set(request.model_id, holder, list(request.groups) or manifest.group_names)
         else:
-            self.locations.remove(model.model_id, request.holder, list(request.groups) or None)
-        log.info("location_update", model=model.model_id, holder=request.holder, present=request.present)
+            self.locations.remove(request.model_id, request.holder)
+        log.info("location_update", model=request.model_id, holder=request.holder, present=request.present)
         return param_manager_pb2.UpdateLocationResponse()
 
     async def RegisterHostCache(self, request, context):  # noqa: N802
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "multi-process host caches arrive with the data-plane issue"
+        if not self.is_index:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.cache_id} is not the index; ask {self.config.index}")
+        slots = self.config.cache_slots
+        if not 1 <= request.slot < slots:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cache slot {request.slot} of {request.cache_id!r} is outside [1, {slots}) (slot 0 is the index)",
+            )
+        holder = common_pb2.Holder(
+            holder_id=request.cache_id,
+            kind="host_cache",
+            grpc_address=request.address,
+            dataplane_address=request.dataplane_address,
+            dataplane_kind=request.dataplane_kind,
+            host=request.host,
         )
+        known = self.caches.get(request.slot)
+        if known is None or known.holder != holder:
+            log.info("host_cache_registered", cache_id=request.cache_id, slot=request.slot, shards=len(request.shards))
+        self.caches[request.slot] = CacheRecord(request.cache_id, request.slot, holder)
+        for shard in request.shards:
+            if shard.model_id in self.manifests:
+                self.locations.set(shard.model_id, holder, list(shard.groups))
+        return param_manager_pb2.RegisterHostCacheResponse(cache_slots=slots, heartbeat_interval_s=self.config.announce_interval_s)
 
 
 class ParamManagerService:
     name = "blitzmesh.v1.ParamManager"
 
     def __init__(self, config: ParamManagerConfig) -> None:
+        self.config = config
         self.servicer = ParamManagerServicer(config)
+        self.transport: Transport | None = None
+        self.group_server: GroupServer | None = None
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         param_manager_pb2_grpc.add_ParamManagerServicer_to_server(self.servicer, server)
         return [self.name]
 
     async def start(self, ctx: ServeContext) -> None:
-        # Reading checkpoints is blocking file I/O: keep the event loop (health checks) alive.
-        await asyncio.to_thread(self.servicer.load_models)
+        cfg = self.config
+        s = self.servicer
+        self.transport = make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None)
+        await self.transport.start()
+        self.group_server = GroupServer(self.transport)
+        await self.group_server.start()
+        s.holder.grpc_address = f"{cfg.advertise_host or cfg.host}:{ctx.grpc_port}"
+        s.holder.dataplane_address = self.transport.address()
+        s.holder.dataplane_kind = self.transport.kind
+        if s.is_index:
+            # Reading checkpoints is blocking file I/O: keep the event loop (health checks) alive.
+            await asyncio.to_thread(s.index_models)
+            for model_id in s.models:
+                s.locations.set(model_id, s.holder, s.models[model_id].held_groups)
+        else:
+            layouts, slots = await self._fetch_index_layouts()
+            await asyncio.to_thread(s.load_shards, layouts, slots)
+            await self._announce()
+            ctx.tasks.spawn(self._announce_loop(), name="announce")
+        for model in s.models.values():
+            self.group_server.publish(model.store())
         await ctx.set_serving()
 
+    async def _fetch_index_layouts(self) -> tuple[list[param_manager_pb2.ModelLayout], int]:
+        """Ask the index (retrying until it serves) for the slot count and every model's layout."""
+        cfg = self.config
+        async with channel(cfg.index) as ch:
+            stub = param_manager_pb2_grpc.ParamManagerStub(ch)
+            while True:
+                try:
+                    resp = await stub.RegisterHostCache(self._announcement(shards=False), timeout=5)
+                    models = await stub.ListModels(admin_pb2.ListModelsRequest(), timeout=5)
+                    layouts = [
+                        await stub.GetModel(param_manager_pb2.GetModelRequest(model_id=m.model_id), timeout=30)
+                        for m in models.models
+                    ]
+                    return layouts, resp.cache_slots
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    log.info("waiting_for_index", index=cfg.index, details=e.details())
+                    await asyncio.sleep(0.5)
+
+    def _announcement(self, shards: bool = True) -> param_manager_pb2.RegisterHostCacheRequest:
+        s = self.servicer
+        return param_manager_pb2.RegisterHostCacheRequest(
+            cache_id=s.cache_id,
+            host=self.config.topology_host,
+            address=s.holder.grpc_address,
+            dataplane_address=s.holder.dataplane_address,
+            dataplane_kind=s.holder.dataplane_kind,
+            slot=self.config.cache_slot,
+            shards=[
+                param_manager_pb2.ModelShard(model_id=m.model_id, groups=m.held_groups, size_bytes=m.held_bytes)
+                for m in s.models.values()
+            ]
+            if shards
+            else [],
+        )
+
+    async def _announce(self) -> None:
+        async with channel(self.config.index) as ch:
+            await param_manager_pb2_grpc.ParamManagerStub(ch).RegisterHostCache(self._announcement(), timeout=5)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.announce_interval_s)
+            try:
+                await self._announce()
+            except grpc.aio.AioRpcError as e:
+                log.warning("announce_failed", index=self.config.index, code=e.code().name)
+
     async def stop(self) -> None:
-        return None
+        if self.group_server is not None:
+            await self.group_server.close()
+        if self.transport is not None:
+            with contextlib.suppress(Exception):
+                await self.transport.close()

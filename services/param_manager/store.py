@@ -1,131 +1,145 @@
-"""Host-memory parameter store: each registered model is held once, packed group by group.
+"""Host-memory parameter store: the shard of each model that this host-cache process holds.
 
-A group (`embed`, `layers.i`, `head`) is one contiguous uint8 buffer with its tensors laid out
-back to back, so it can be streamed, checksummed and received into final memory in one piece.
+The pool keeps exactly one copy of every model across all host-cache processes (O(1) host
+caching): the manifest's groups are split into `cache_slots` contiguous shards of about equal
+bytes, and each process packs only its own shard's groups. Buffers use the data plane's layout
+(`services.dataplane.manifest`), so they are served as they are, never copied again.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import structlog
-import torch
 
+from services.dataplane.chain import GroupStore
+from services.dataplane.checksum import checksum_algo_of, group_checksum
+from services.dataplane.errors import ChecksumMismatch
+from services.dataplane.manifest import Manifest, pack_group, pack_groups
 from services.worker.model.checkpoint import iter_groups
 from services.worker.model.config import LlamaConfig
 
 log = structlog.get_logger(__name__)
 
 # Files besides the weights that clients (gateway tokenizers, workers) need.
-TENSOR_ALIGN_BYTES = 64
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-@dataclass(frozen=True)
-class TensorSlot:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset_bytes: int
-    size_bytes: int
+def partition(manifest: Manifest, slots: int) -> list[list[str]]:
+    """Contiguous shards of about equal bytes, one per slot, in layer order.
 
-
-@dataclass
-class PackedGroup:
-    name: str
-    buffer: torch.Tensor  # uint8, contiguous
-    tensors: list[TensorSlot]
-    checksum: str
-
-    @property
-    def size_bytes(self) -> int:
-        return int(self.buffer.numel())
-
-
-def group_checksum(buffer: torch.Tensor | memoryview | bytes) -> str:
-    """crc32 of the group's bytes, as 8 hex digits (zlib releases the GIL and runs at GB/s)."""
-    view = buffer.numpy() if isinstance(buffer, torch.Tensor) else buffer
-    return f"{zlib.crc32(view) & 0xFFFFFFFF:08x}"
-
-
-def pack_group(name: str, tensors: dict[str, torch.Tensor]) -> PackedGroup:
-    """Copy a group's tensors into one contiguous buffer (sorted by name for a stable layout)."""
-    slots: list[TensorSlot] = []
-    offset = 0
-    for tname in sorted(tensors):
-        t = tensors[tname]
-        size = t.numel() * t.element_size()
-        # Aligned offsets let a receiver view each tensor in place, whatever its dtype.
-        offset = -(-offset // TENSOR_ALIGN_BYTES) * TENSOR_ALIGN_BYTES
-        slots.append(TensorSlot(tname, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, size))
-        offset += size
-    buffer = torch.zeros(offset, dtype=torch.uint8)  # zeroed padding keeps checksums stable
-    for slot in slots:
-        src = tensors[slot.name].contiguous().reshape(-1).view(torch.uint8)
-        buffer[slot.offset_bytes : slot.offset_bytes + slot.size_bytes].copy_(src)
-    return PackedGroup(name, buffer, slots, group_checksum(buffer))
-
-
-def unpack_group(buffer: torch.Tensor, slots: list[TensorSlot]) -> dict[str, torch.Tensor]:
-    """Tensors as views into `buffer` (no copy): the buffer is their final memory."""
-    out: dict[str, torch.Tensor] = {}
-    for slot in slots:
-        dtype = getattr(torch, slot.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"tensor {slot.name!r} has unknown dtype {slot.dtype!r}")
-        raw = buffer[slot.offset_bytes : slot.offset_bytes + slot.size_bytes]
-        out[slot.name] = raw.view(dtype).view(slot.shape)
-    return out
+    Contiguous keeps each shard's groups in layer order for streaming; the cut points are where
+    the running byte count crosses k/slots of the total.
+    """
+    if slots < 1:
+        raise ValueError(f"cache slots must be >= 1, got {slots}")
+    shards: list[list[str]] = [[] for _ in range(slots)]
+    total = max(manifest.total_bytes, 1)
+    running = 0
+    for g in manifest.groups:
+        # Place a group by the byte position of its middle, so big groups land evenly.
+        slot = min(slots - 1, int((running + g.size_bytes / 2) * slots / total))
+        shards[slot].append(g.name)
+        running += g.size_bytes
+    return shards
 
 
 @dataclass
 class HostModel:
+    """One model's manifest, and the buffers of the groups this process holds (None elsewhere)."""
+
     model_id: str
     path: Path
     config: LlamaConfig
     config_json: bytes
-    groups: list[PackedGroup]
+    manifest: Manifest
+    buffers: list[np.ndarray | None]
     files: dict[str, bytes]
     created_unix_s: int = field(default_factory=lambda: int(time.time()))
 
     @property
-    def size_bytes(self) -> int:
-        return sum(g.size_bytes for g in self.groups)
+    def held_groups(self) -> list[str]:
+        return [g.name for g, b in zip(self.manifest.groups, self.buffers, strict=True) if b is not None]
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(int(b.nbytes) for b in self.buffers if b is not None)
 
     @property
     def num_parameters(self) -> int:
-        return sum(
-            int(torch.Size(s.shape).numel()) for g in self.groups for s in g.tensors
-        )
+        return self.config.num_parameters()
 
-    def group(self, name: str) -> PackedGroup:
-        for g in self.groups:
-            if g.name == name:
-                return g
-        raise KeyError(f"model {self.model_id!r} has no parameter group {name!r}")
+    def store(self) -> GroupStore:
+        """A data-plane store offering the held groups (zero-copy) to receivers."""
+        store = GroupStore(self.manifest)
+        held = [i for i, b in enumerate(self.buffers) if b is not None]
+        store.expect(held)
+        for i in held:
+            buf = self.buffers[i]
+            assert buf is not None
+            store.set_buffer(i, buf)
+            store.mark_landed(i, int(buf.nbytes))
+            store.mark_ready(i)
+        return store
 
 
-def load_host_model(model_id: str, path: Path) -> HostModel:
-    """Read a Hugging Face layout checkpoint one group at a time into packed host buffers."""
+def _side_files(model_id: str, path: Path) -> tuple[LlamaConfig, bytes, dict[str, bytes]]:
     config_json = (path / "config.json").read_bytes()
     config = LlamaConfig.from_hf_dict(json.loads(config_json))
-    started = time.perf_counter()
-    groups = [pack_group(name, tensors) for name, tensors in iter_groups(path)]
     files = {f: (path / f).read_bytes() for f in SIDE_FILES if (path / f).exists()}
     if "tokenizer.json" not in files:
         raise FileNotFoundError(f"model {model_id!r} at {str(path)!r} has no tokenizer.json")
-    model = HostModel(model_id, path, config, config_json, groups, files)
-    log.info(
-        "model_registered",
-        model=model_id,
-        groups=len(groups),
-        size_bytes=model.size_bytes,
-        load_s=round(time.perf_counter() - started, 3),
+    return config, config_json, files
+
+
+def index_model(model_id: str, path: Path, slots: int, my_slot: int, chunk_bytes: int) -> HostModel:
+    """Read a checkpoint once, group by group: build the manifest of all groups (checksums
+    included) and keep only the groups of `my_slot`'s shard (the rest is dropped as it goes)."""
+    started = time.perf_counter()
+    config, config_json, files = _side_files(model_id, path)
+    entries = []
+    kept: list[np.ndarray | None] = []
+    for name, tensors in iter_groups(path):
+        one, (buf,) = pack_groups(model_id, [(name, tensors)], chunk_bytes)
+        entries.append(one.groups[0])
+        kept.append(buf)
+    manifest = Manifest(
+        model_id=model_id, groups=tuple(entries), total_bytes=sum(e.size_bytes for e in entries), chunk_bytes=chunk_bytes
     )
+    mine = set(partition(manifest, slots)[my_slot])
+    buffers = [b if g.name in mine else None for g, b in zip(manifest.groups, kept, strict=True)]
+    model = HostModel(model_id, path, config, config_json, manifest, buffers, files)
+    log.info(
+        "model_indexed", model=model_id, groups=len(entries), total_bytes=manifest.total_bytes,
+        held_bytes=model.held_bytes, slot=my_slot, slots=slots, load_s=round(time.perf_counter() - started, 3),
+    )
+    return model
+
+
+def load_shard(model_id: str, path: Path, manifest: Manifest, groups: list[str]) -> HostModel:
+    """Pack `groups` of a checkpoint per an existing manifest, verifying each checksum."""
+    started = time.perf_counter()
+    config, config_json, files = _side_files(model_id, path)
+    buffers: list[np.ndarray | None] = [None] * len(manifest.groups)
+    for name, tensors in iter_groups(path, groups):
+        gi = manifest.group_index(name)
+        entry = manifest.groups[gi]
+        buf = pack_group(entry, tensors)
+        actual = group_checksum(buf, checksum_algo_of(entry.checksum))
+        if actual != entry.checksum:
+            raise ChecksumMismatch(
+                f"group {name!r} of {model_id!r} at {str(path)!r}: checksum {actual} != "
+                f"index {entry.checksum} (the checkpoint changed?)",
+                group=name, expected=entry.checksum, actual=actual,
+            )
+        buffers[gi] = buf
+    model = HostModel(model_id, path, config, config_json, manifest, buffers, files)
+    log.info("shard_loaded", model=model_id, groups=len(groups), held_bytes=model.held_bytes,
+             load_s=round(time.perf_counter() - started, 3))
     return model
 
 
@@ -133,5 +147,4 @@ def discover_models(model_dir: Path) -> dict[str, Path]:
     """Every sub-directory holding a config.json is a model; its name is the model id."""
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
-    found = {p.name: p for p in sorted(model_dir.iterdir()) if (p / "config.json").is_file()}
-    return found
+    return {p.name: p for p in sorted(model_dir.iterdir()) if (p / "config.json").is_file()}

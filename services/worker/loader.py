@@ -1,89 +1,88 @@
-"""Fill a model with parameter groups from the parameter manager over a gRPC stream.
+"""Fill a model with parameter groups over the data plane.
 
-This is the data plane's fallback path (and the only path until the UCX data plane is wired
-in): chunks land straight in each group's preallocated buffer, the group's checksum is
-verified, and the model takes tensors that are views of that buffer (no second copy).
+A load is a set of data-plane pulls, received straight into each group's final buffer:
+- with a chain plan from the global manager: for every chain this instance is a hop of, pull
+  the chain's groups from the hop before it (the chain's source for the first hop); our own
+  GroupServer forwards each landed chunk to the hop after us;
+- without a plan: one pull per host-cache shard (sharded transfer from the global pool).
+Each pull from an upstream falls back, shard by shard, to a host cache that holds those
+groups, so a hop that dies mid-transfer costs a pause, not the load.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Iterable
 
-import numpy as np
-import torch
-
-from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc
+from blitzmesh.v1 import common_pb2, param_manager_pb2, param_manager_pb2_grpc, worker_pb2
 from services.common.grpc_util import channel
-from services.param_manager.convert import slot_from_proto
-from services.param_manager.store import group_checksum, unpack_group
-from services.worker.model.config import LlamaConfig
+from services.dataplane.chain import Pull
+from services.dataplane.manifest import Manifest
 
 
-class ChecksumMismatch(ValueError):
-    pass
-
-
-@dataclass
-class Progress:
-    groups_loaded: int
-    groups_total: int
-    bytes_loaded: int
-    elapsed_s: float
-
-
-async def fetch_layout(pm_address: str, model_id: str, timeout_s: float) -> param_manager_pb2.ModelLayout:
+async def fetch_layout_and_locations(
+    pm_address: str, model_id: str, timeout_s: float
+) -> tuple[param_manager_pb2.ModelLayout, param_manager_pb2.LocateResponse]:
     async with channel(pm_address) as ch:
         stub = param_manager_pb2_grpc.ParamManagerStub(ch)
-        return await stub.GetModel(param_manager_pb2.GetModelRequest(model_id=model_id), timeout=timeout_s)
+        layout = await stub.GetModel(param_manager_pb2.GetModelRequest(model_id=model_id), timeout=timeout_s)
+        where = await stub.Locate(param_manager_pb2.LocateRequest(model_id=model_id), timeout=timeout_s)
+    return layout, where
 
 
-def config_of(layout: param_manager_pb2.ModelLayout) -> LlamaConfig:
-    return LlamaConfig.from_hf_dict(json.loads(layout.config_json))
+def host_shards(where: param_manager_pb2.LocateResponse) -> dict[bytes, list[str]]:
+    """Host-cache dataplane address -> the groups it holds (the first cache listed per group)."""
+    shards: dict[bytes, list[str]] = defaultdict(list)
+    for loc in where.locations:
+        caches = [h for h in loc.holder_info if h.kind == "host_cache" and h.dataplane_address]
+        if caches:
+            shards[caches[0].dataplane_address].append(loc.group)
+    return dict(shards)
 
 
-async def stream_groups(
-    pm_address: str,
-    layout: param_manager_pb2.ModelLayout,
-    on_group: Callable[[str, dict[str, torch.Tensor]], None],
-    timeout_s: float,
-) -> AsyncIterator[Progress]:
-    """Receive every group in layer order; call on_group(name, tensors) once each verifies."""
-    started = time.perf_counter()
-    groups = {g.name: g for g in layout.groups}
-    buffers = {g.name: torch.empty(g.size_bytes, dtype=torch.uint8) for g in layout.groups}
-    loaded = 0
-    loaded_bytes = 0
-    async with channel(pm_address) as ch:
-        stub = param_manager_pb2_grpc.ParamManagerStub(ch)
-        call = stub.FetchGroups(
-            param_manager_pb2.FetchGroupsRequest(model_id=layout.info.model_id), timeout=timeout_s
-        )
-        async for chunk in call:
-            spec = groups.get(chunk.group)
-            if spec is None:
-                raise ValueError(f"parameter manager sent group {chunk.group!r} that the layout does not list")
-            end = chunk.offset_bytes + len(chunk.data)
-            if end > spec.size_bytes:
-                raise ValueError(
-                    f"chunk of {chunk.group!r} ends at byte {end}, past the group's {spec.size_bytes} bytes"
-                )
-            view = buffers[chunk.group].numpy()
-            view[chunk.offset_bytes : end] = np.frombuffer(chunk.data, dtype=np.uint8)
-            loaded_bytes += len(chunk.data)
-            if not chunk.last_of_group:
-                continue
-            buf = buffers.pop(chunk.group)
-            actual = await asyncio.to_thread(group_checksum, buf)
-            if actual != spec.checksum:
-                raise ChecksumMismatch(
-                    f"group {chunk.group!r} of {layout.info.model_id!r}: checksum {actual} != expected {spec.checksum}"
-                )
-            on_group(chunk.group, unpack_group(buf, [slot_from_proto(s) for s in spec.tensors]))
-            loaded += 1
-            yield Progress(loaded, len(groups), loaded_bytes, time.perf_counter() - started)
-    if buffers:
-        raise ValueError(f"parameter stream ended before groups {sorted(buffers)} arrived")
+def _split_by_shard(
+    upstream: bytes, groups: Iterable[str], shards: dict[bytes, list[str]]
+) -> list[Pull]:
+    """One pull per host shard: the shard holding exactly those groups is the fallback."""
+    wanted = list(groups)
+    owner = {g: addr for addr, gs in shards.items() for g in gs}
+    by_owner: dict[bytes | None, list[str]] = defaultdict(list)
+    for g in wanted:
+        by_owner[owner.get(g)].append(g)
+    return [
+        Pull(upstream, tuple(gs), () if addr is None or addr == upstream else (addr,))
+        for addr, gs in by_owner.items()
+    ]
+
+
+def plan_pulls(
+    instance_id: str,
+    manifest: Manifest,
+    plan: worker_pb2.TransferPlan | None,
+    where: param_manager_pb2.LocateResponse,
+) -> list[Pull]:
+    """The pulls this instance runs for `plan` (or the default sharded pull from the pool)."""
+    shards = host_shards(where)
+    missing = [g for g in manifest.group_names if not any(g in gs for gs in shards.values())]
+    if plan is None or not plan.chains:
+        if missing:
+            raise ValueError(f"no host cache holds groups {missing} of {manifest.model_id!r}")
+        return [Pull(addr, tuple(gs)) for addr, gs in shards.items()]
+    pulls: list[Pull] = []
+    covered: set[str] = set()
+    for chain in plan.chains:
+        ids = [h.id for h in chain.hops]
+        if instance_id not in ids:
+            continue
+        j = ids.index(instance_id)
+        upstream = chain.source if j == 0 else chain.hops[j - 1]
+        groups = list(chain.groups) or manifest.group_names
+        overlap = covered.intersection(groups)
+        if overlap:
+            raise ValueError(f"plan {plan.plan_id!r} sends groups {sorted(overlap)} to {instance_id} twice")
+        covered.update(groups)
+        pulls.extend(_split_by_shard(upstream.dataplane_address, groups, shards))
+    absent = [g for g in manifest.group_names if g not in covered]
+    if absent:
+        raise ValueError(f"plan {plan.plan_id!r} leaves groups {absent} of {manifest.model_id!r} to nobody for {instance_id}")
+    return pulls

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
 import grpc
@@ -14,6 +15,10 @@ from prometheus_client import Counter, Gauge
 
 from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
+from services.dataplane.chain import GroupServer, GroupStore, TransferResult, receive_groups
+from services.dataplane.errors import DataPlaneError, InsufficientMemory
+from services.dataplane.manifest import Manifest
+from services.dataplane.transport import Transport, make_transport
 from services.common.server import ServeContext
 from services.worker.config import WorkerConfig
 from services.worker.engine.engine import (
@@ -26,7 +31,8 @@ from services.worker.engine.engine import (
 )
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.sampling import SamplingParams
-from services.worker.loader import config_of, fetch_layout, stream_groups
+from services.worker.loader import fetch_layout_and_locations, plan_pulls
+from services.worker.model.config import LlamaConfig
 from services.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -63,9 +69,10 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int) -
 class Instance:
     """What the worker holds for its current model; replaced as a whole on load/unload."""
 
-    def __init__(self, model_id: str, model: LlamaForCausalLM) -> None:
+    def __init__(self, model_id: str, model: LlamaForCausalLM, store: GroupStore) -> None:
         self.model_id = model_id
         self.model = model
+        self.store = store  # the received groups; published so later targets can pull from us
         self.engine: Engine | None = None
 
 
@@ -81,6 +88,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self.heartbeat_now = asyncio.Event()
+        self.transport: Transport | None = None
+        self.group_server: GroupServer | None = None
 
     # ---- status -------------------------------------------------------------------------
     def info(self) -> common_pb2.InstanceInfo:
@@ -95,6 +104,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             layers_loaded=inst.model.num_layers_loaded if inst else 0,
             num_layers=inst.model.config.num_hidden_layers if inst else 0,
             load=self.load_report(),
+            dataplane_address=self.transport.address() if self.transport else b"",
+            dataplane_kind=self.transport.kind if self.transport else "",
         )
 
     def load_report(self) -> common_pb2.LoadReport:
@@ -199,52 +210,94 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"instance {self.instance_id} is {STATE.Name(self.state)}; LoadParameters needs IDLE",
                 )
-            if request.HasField("plan") and request.plan.chains:
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "chain plans arrive with the data-plane issue")
             pm = request.param_manager_address or self.cfg.param_manager
             if not pm:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no parameter manager address given")
             try:
-                async for progress in self.load(request.model_id, pm):
+                plan = request.plan if request.HasField("plan") else None
+                async for progress in self.load(request.model_id, pm, plan):
                     yield progress
             except grpc.aio.AioRpcError as e:
                 await context.abort(e.code(), f"loading {request.model_id!r} from {pm}: {e.details()}")
-            except (ValueError, MemoryError, TimeoutError) as e:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"loading {request.model_id!r}: {e}")
+            except InsufficientMemory as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"loading {request.model_id!r}: {e}")
+            except (DataPlaneError, ValueError, MemoryError, TimeoutError) as e:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"loading {request.model_id!r}: {type(e).__name__}: {e}"
+                )
 
-    async def load(self, model_id: str, pm_address: str):
-        """Fetch layout, then groups; SERVING once every group verified. IDLE again on failure."""
+    async def load(self, model_id: str, pm_address: str, plan: worker_pb2.TransferPlan | None = None):
+        """Pull every group over the data plane (per `plan`, or sharded from the host caches);
+        SERVING once every group verified. IDLE again on any failure, nothing half-loaded."""
+        assert self.transport is not None and self.group_server is not None
         self.state = STATE.INSTANCE_STATE_LOADING
         self.heartbeat_now.set()
         started = time.perf_counter()
+        timeout_s = (plan.timeout_s if plan is not None and plan.timeout_s > 0 else None) or self.cfg.load_timeout_s
+        recv: asyncio.Task[TransferResult] | None = None
         try:
-            async with asyncio.timeout(self.cfg.load_timeout_s):
-                layout = await fetch_layout(pm_address, model_id, self.cfg.load_timeout_s)
-                model = LlamaForCausalLM(config_of(layout))
-                self.instance = Instance(model_id, model)
-                total = len(layout.groups)
-                async for p in stream_groups(pm_address, layout, model.load_group, self.cfg.load_timeout_s):
+            async with asyncio.timeout(timeout_s):
+                layout, where = await fetch_layout_and_locations(pm_address, model_id, timeout_s)
+                manifest = Manifest.from_bytes(layout.manifest)
+                model = LlamaForCausalLM(LlamaConfig.from_hf_dict(json.loads(layout.config_json)))
+                store = GroupStore(manifest)
+                self.instance = Instance(model_id, model, store)
+                pulls = plan_pulls(self.instance_id, manifest, plan, where)
+                ready: asyncio.Queue[str] = asyncio.Queue()
+
+                def on_ready(name: str) -> None:
+                    # Zero-copy views of the received buffer become the model's weights.
+                    model.load_group(name, store.tensors(name))
+                    ready.put_nowait(name)
+
+                recv = asyncio.create_task(
+                    receive_groups(
+                        self.transport, store, pulls, server=self.group_server, on_group_ready=on_ready,
+                        budget_bytes=self.cfg.memory_budget_bytes or None, stall_timeout_s=self.cfg.stall_timeout_s,
+                    ),
+                    name=f"receive-{model_id}",
+                )
+                total = len(manifest.groups)
+                loaded = 0
+                while loaded < total:
+                    get = asyncio.ensure_future(ready.get())
+                    await asyncio.wait({get, recv}, return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        get.cancel()
+                        recv.result()  # raises the transfer's error
+                        if ready.empty():
+                            raise ValueError(f"transfer of {model_id!r} ended with {loaded} of {total} groups")
+                        continue
+                    loaded += 1
                     LAYERS_LOADED.set(model.num_layers_loaded)
                     yield worker_pb2.LoadProgress(
-                        groups_loaded=p.groups_loaded,
+                        groups_loaded=loaded,
                         groups_total=total,
                         layers_loaded=model.num_layers_loaded,
-                        bytes_loaded=p.bytes_loaded,
-                        elapsed_s=p.elapsed_s,
+                        bytes_loaded=sum(manifest.group(n).size_bytes for n in store.ready_groups()),
+                        elapsed_s=time.perf_counter() - started,
                     )
+                result = await recv
             if not model.is_complete:
                 raise ValueError(f"model {model_id!r} incomplete after load: {model.num_layers_loaded} layers")
             self.instance.engine = self._make_engine(model)
             await self.instance.engine.start()
             self.state = STATE.INSTANCE_STATE_SERVING
             elapsed = time.perf_counter() - started
-            log.info("model_loaded", model=model_id, layers=model.num_layers_loaded, load_s=round(elapsed, 3))
+            log.info(
+                "model_loaded", model=model_id, layers=model.num_layers_loaded, load_s=round(elapsed, 3),
+                gbps=round(result.gbps, 3), sources=sorted(result.bytes_by_source), resourced=result.resourced_groups,
+            )
             self.heartbeat_now.set()
             yield worker_pb2.LoadProgress(
-                groups_loaded=total, groups_total=total, layers_loaded=model.num_layers_loaded, done=True, elapsed_s=elapsed
+                groups_loaded=total, groups_total=total, layers_loaded=model.num_layers_loaded,
+                bytes_loaded=result.bytes_received, done=True, elapsed_s=elapsed,
             )
-        except BaseException:
-            log.warning("model_load_failed", model=model_id)
+        except BaseException as e:
+            log.warning("model_load_failed", model=model_id, error=repr(e))
+            if recv is not None and not recv.done():
+                recv.cancel()
+                await asyncio.gather(recv, return_exceptions=True)
             await self._drop_instance()
             raise
 
@@ -271,6 +324,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _drop_instance(self) -> None:
         inst, self.instance = self.instance, None
+        if inst is not None and self.group_server is not None:
+            self.group_server.unpublish(inst.model_id)
         if inst is not None and inst.engine is not None:
             await inst.engine.stop()
         self.state = STATE.INSTANCE_STATE_IDLE
@@ -324,7 +379,13 @@ class WorkerService:
         return [self.name]
 
     async def start(self, ctx: ServeContext) -> None:
-        self.servicer.address = f"{self.cfg.advertise_host or self.cfg.host}:{ctx.grpc_port}"
+        cfg = self.cfg
+        self.servicer.address = f"{cfg.advertise_host or cfg.host}:{ctx.grpc_port}"
+        transport = make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None)
+        await transport.start()
+        self.servicer.transport = transport
+        self.servicer.group_server = GroupServer(transport)
+        await self.servicer.group_server.start()
         if self.cfg.preload_model:
             async for _ in self.servicer.load(self.cfg.preload_model, self.cfg.param_manager):
                 pass
@@ -379,3 +440,8 @@ class WorkerService:
                         global_manager_pb2.DeregisterInstanceRequest(instance_id=self.servicer.instance_id), timeout=2
                     )
         await self.servicer._drop_instance()
+        if self.servicer.group_server is not None:
+            await self.servicer.group_server.close()
+        if self.servicer.transport is not None:
+            with contextlib.suppress(Exception):
+                await self.servicer.transport.close()

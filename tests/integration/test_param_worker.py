@@ -25,11 +25,15 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def pm_config(model_dir: Path) -> ParamManagerConfig:
-    return ParamManagerConfig(port=0, model_dir=model_dir, chunk_bytes=64 * 1024)
+    # Both services run in this one process, and ucxx allows one worker per process: TCP here;
+    # UCX between real processes is covered by the data-plane and e2e tests.
+    return ParamManagerConfig(port=0, model_dir=model_dir, chunk_bytes=64 * 1024, dataplane="tcp")
 
 
 def worker_config(pm_address: str, **kw: object) -> WorkerConfig:
-    return WorkerConfig(port=0, param_manager=pm_address, instance_id="w0", kv_cache_tokens=4096, **kw)  # type: ignore[arg-type]
+    return WorkerConfig(
+        port=0, param_manager=pm_address, instance_id="w0", kv_cache_tokens=4096, dataplane="tcp", **kw  # type: ignore[arg-type]
+    )
 
 
 async def _load(worker_address: str, model_id: str) -> list[worker_pb2.LoadProgress]:
@@ -108,8 +112,10 @@ async def test_checksum_mismatch_fails_load_and_worker_returns_idle(
     pm = ParamManagerService(pm_config(tiny_models))
     async with serve_in_process(pm, pm.servicer.config) as pm_ctx:
         # Flip one byte of a layer in the pool after its checksum was taken.
-        group = pm.servicer.models["tiny"].group("layers.1")
-        group.buffer[123] ^= 0xFF
+        model = pm.servicer.models["tiny"]
+        buf = model.buffers[model.manifest.group_index("layers.1")]
+        assert buf is not None
+        buf[123] ^= 0xFF
         wk = WorkerService(worker_config(pm_ctx.address))
         async with serve_in_process(wk, wk.cfg) as w_ctx:
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -124,7 +130,7 @@ async def test_checksum_mismatch_fails_load_and_worker_returns_idle(
 
 
 async def test_generate_on_idle_worker_is_unavailable(tiny_models: Path, serve_in_process: ServeFactory) -> None:
-    wk = WorkerService(WorkerConfig(port=0, instance_id="w-idle"))
+    wk = WorkerService(WorkerConfig(port=0, instance_id="w-idle", dataplane="tcp"))
     async with serve_in_process(wk, wk.cfg) as w_ctx, channel(w_ctx.address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
         with pytest.raises(grpc.aio.AioRpcError) as e:

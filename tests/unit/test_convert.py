@@ -1,4 +1,5 @@
-"""Converters at the process boundary: parameter layouts and the manager's registry adapter."""
+"""Converters at the process boundary (parameter layouts, the manager's registry adapter) and the
+pool's sharding."""
 
 from __future__ import annotations
 
@@ -7,36 +8,33 @@ import torch
 from blitzmesh.v1 import common_pb2
 from services.global_manager.core.types import InstanceState, Role
 from services.global_manager.registry import InstanceTable, sample_from_proto
-from services.param_manager.convert import group_to_proto, slot_from_proto, slot_to_proto
-from services.param_manager.store import group_checksum, pack_group, unpack_group
+from services.dataplane.manifest import pack_groups
+from services.param_manager.convert import group_to_proto
+from services.param_manager.store import partition
 
 
-def test_pack_unpack_round_trip_is_exact_and_zero_copy() -> None:
+def test_layout_proto_matches_manifest() -> None:
     g = torch.Generator().manual_seed(0)
-    tensors = {
-        "b": torch.randn(3, 5, generator=g),
-        "a": torch.randn(7, generator=g).to(torch.bfloat16),
-        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
-    }
-    packed = pack_group("layers.0", tensors)
-    assert [s.name for s in packed.tensors] == ["a", "b", "c"]
-    assert all(s.offset_bytes % 64 == 0 for s in packed.tensors)
-    assert packed.size_bytes == packed.tensors[-1].offset_bytes + packed.tensors[-1].size_bytes
-    out = unpack_group(packed.buffer, packed.tensors)
-    for name, t in tensors.items():
-        assert torch.equal(out[name], t) and out[name].dtype == t.dtype
-    # Views of the buffer: writing through the buffer shows in the tensor.
-    packed.buffer[: out["a"].element_size()] = 0
-    assert out["a"][0].item() == 0
-    assert packed.checksum == group_checksum(pack_group("layers.0", tensors).buffer) != group_checksum(packed.buffer)
+    manifest, _ = pack_groups("m", [("embed", {"w": torch.randn(4, 2, generator=g)}), ("head", {"n": torch.ones(3)})])
+    protos = [group_to_proto(e) for e in manifest.groups]
+    assert [p.name for p in protos] == ["embed", "head"]
+    for p, e in zip(protos, manifest.groups, strict=True):
+        assert p.size_bytes == e.size_bytes and p.checksum == e.checksum
+        assert [(t.name, t.dtype, tuple(t.shape), t.offset_bytes, t.size_bytes) for t in p.tensors] == [
+            (t.name, t.dtype, t.shape, t.offset_bytes, t.size_bytes) for t in e.tensors
+        ]
 
 
-def test_layout_proto_round_trip() -> None:
-    packed = pack_group("embed", {"w": torch.ones(4, 2)})
-    proto = group_to_proto(packed)
-    assert proto.name == "embed" and proto.size_bytes == 32 and proto.checksum == packed.checksum
-    assert [slot_from_proto(s) for s in proto.tensors] == packed.tensors
-    assert slot_from_proto(slot_to_proto(packed.tensors[0])) == packed.tensors[0]
+def test_partition_is_one_copy_balanced_and_in_layer_order() -> None:
+    groups = [(f"layers.{i}", {"w": torch.zeros(100 + 10 * i)}) for i in range(10)]
+    manifest, _ = pack_groups("m", groups)
+    for slots in (1, 2, 3, 4):
+        shards = partition(manifest, slots)
+        flat = [g for shard in shards for g in shard]
+        assert flat == manifest.group_names  # every group exactly once, in layer order
+        sizes = [sum(manifest.group(g).size_bytes for g in shard) for shard in shards]
+        biggest = max(e.size_bytes for e in manifest.groups)
+        assert max(sizes) - min(sizes) <= 2 * biggest, sizes
 
 
 def test_registry_adapter_round_trip_and_resync() -> None:
