@@ -41,8 +41,9 @@ connect to us.
 
 Wire protocol (per endpoint, tags from `transport.Endpoint`): the receiver sends a JSON request
 on CONTROL_TAG; the server answers a JSON response on CONTROL_TAG, then sends chunk i of the
-requested plan with tag DATA_TAG_BASE + i; the receiver ends with a JSON "done". The server may
-send {"abort": reason} on CONTROL_TAG at any time instead of more chunks.
+requested plan with tag DATA_TAG_BASE + i; the receiver sends "done" and the server answers
+"bye" (so no receive is left posted). The server may send {"abort": reason} on CONTROL_TAG at
+any time instead of more chunks.
 """
 
 from __future__ import annotations
@@ -376,8 +377,10 @@ class GroupServer:
                 return
             await ep.send_msg(_encode({"ok": True}), CONTROL_TAG, timeout_s=self._request_timeout_s)
             sent = await self._stream(ep, store, todo)
-            # Wait for "done" so the last chunks are not cut off by closing the endpoint.
+            # Wait for "done" so the last chunks are not cut off by closing the endpoint, and
+            # answer it so the receiver's posted control receive completes instead of leaking.
             await ep.recv_msg(CONTROL_TAG, timeout_s=self._send_timeout_s, max_bytes=1 << 16)
+            await ep.send_msg(_encode({"bye": True}), CONTROL_TAG, timeout_s=self._request_timeout_s)
             self.streams_served += 1
             log.info("dataplane_stream_served", peer=ep.peer, model=model_id, bytes=sent,
                      elapsed_s=round(time.monotonic() - started, 4))
@@ -616,6 +619,12 @@ class _ReceiveSession:
                     raise TransferTimeout(f"no chunk from {label} for {self._stall_timeout_s}s "
                                           f"(group {self.manifest.groups[chunk.group_index].name!r} at byte {chunk.offset_bytes})")
             await ep.send_msg(_encode({"done": True}), CONTROL_TAG, timeout_s=self._stall_timeout_s)
+            try:
+                bye = _decode(await asyncio.wait_for(control, self._stall_timeout_s), "bye", label)
+            except TimeoutError:
+                raise TransferTimeout(f"{label} did not acknowledge the end of the stream") from None
+            if "abort" in bye:
+                raise UpstreamAborted(f"{label} aborted the stream: {bye['abort']}")
             ok = True
         finally:
             if ok:

@@ -49,13 +49,22 @@ class ModelSpec:
     checksum_algo: str = "blocksum64"
 
 
+_PATTERN_BLOCK_WORDS = 1 << 15  # 256 KiB of words, reused with a different mask per block
+
+
 def _pattern(n_bytes: int, seed: int) -> np.ndarray:
-    """Deterministic, cheap (GB/s), non-repeating bytes: a multiplicative hash of word indices."""
-    words = np.arange(-(-n_bytes // 8), dtype=np.uint64)
-    words *= np.uint64(0x9E3779B97F4A7C15)
-    words ^= np.uint64((seed * 0x2545F4914F6CDD1D + 1) & 0xFFFFFFFFFFFFFFFF)
-    words ^= words >> np.uint64(29)
-    return words.view(np.uint8)[:n_bytes]
+    """Deterministic, non-repeating bytes at memory speed: one hashed 256 KiB block of words,
+    XORed with a distinct hashed mask per block (so blocks never repeat)."""
+    n_words = -(-n_bytes // 8)
+    n_blocks = -(-n_words // _PATTERN_BLOCK_WORDS)
+    mix = np.uint64(0x9E3779B97F4A7C15)
+    base = np.arange(_PATTERN_BLOCK_WORDS, dtype=np.uint64) * mix
+    base ^= base >> np.uint64(29)
+    masks = (np.arange(n_blocks, dtype=np.uint64) + np.uint64(seed * 7919 + 1)) * np.uint64(0xD6E8FEB86659FD93)
+    masks ^= masks >> np.uint64(32)
+    out = np.empty((n_blocks, _PATTERN_BLOCK_WORDS), dtype=np.uint64)
+    np.bitwise_xor(base[None, :], masks[:, None], out=out)
+    return out.reshape(-1).view(np.uint8)[:n_bytes]
 
 
 def synthetic_groups(spec: ModelSpec) -> list[tuple[str, dict[str, np.ndarray]]]:
@@ -95,11 +104,9 @@ def buffer_digest(buf: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class NodeSpec:
-    """What a node process runs: its transport, and a model to serve if it is a source."""
+    """How a node process runs: its transport and server settings, extra environment."""
 
     transport: str = "tcp"
-    source: ModelSpec | None = None
-    corrupt_group: str | None = None  # flip one byte of this group after checksumming (tests)
     window_chunks: int = 4
     send_timeout_s: float = 10.0
     env: dict[str, str] = field(default_factory=dict)
@@ -120,30 +127,32 @@ async def _next_command(conn: multiprocessing.connection.Connection) -> Any:
     return conn.recv()
 
 
+async def _serve_synthetic(server: GroupServer, spec: ModelSpec, corrupt_group: str | None) -> tuple:
+    manifest, bufs = synthetic_model(spec)
+    digests = {entry.name: buffer_digest(buf) for entry, buf in zip(manifest.groups, bufs, strict=True)}
+    if corrupt_group is not None:
+        # The fault under test: bytes that no longer match the manifest's checksum.
+        buf = bufs[manifest.group_index(corrupt_group)]
+        buf[buf.size // 2] ^= 0xFF
+    await serve_groups(server.transport, manifest, bufs, server=server)
+    return ("served", manifest.to_bytes(), digests)
+
+
 async def _node(spec: NodeSpec, conn: multiprocessing.connection.Connection) -> None:
     transport = make_transport(spec.transport)  # type: ignore[arg-type]
     await transport.start()
     server = GroupServer(transport, window_chunks=spec.window_chunks, send_timeout_s=spec.send_timeout_s)
     await server.start()
-    manifest_bytes = None
-    source_digests: dict[str, str] = {}
-    if spec.source is not None:
-        manifest, bufs = synthetic_model(spec.source)
-        for entry, buf in zip(manifest.groups, bufs, strict=True):
-            source_digests[entry.name] = buffer_digest(buf)
-        if spec.corrupt_group is not None:
-            buf = bufs[manifest.group_index(spec.corrupt_group)]
-            buf[buf.size // 2] ^= 0xFF
-        await serve_groups(transport, manifest, bufs, server=server)
-        manifest_bytes = manifest.to_bytes()
-    conn.send(("ready", transport.address(), manifest_bytes, source_digests))
+    conn.send(("ready", transport.address()))
     cache: dict[str, np.ndarray] = {}
     try:
         while True:
             cmd = await _next_command(conn)
             if cmd[0] == "stop":
                 break
-            if cmd[0] == "receive":
+            if cmd[0] == "serve":
+                conn.send(await _serve_synthetic(server, *cmd[1:]))
+            elif cmd[0] == "receive":
                 conn.send(await _receive(transport, server, cache, *cmd[1:]))
     finally:
         await server.close()
@@ -177,7 +186,7 @@ async def _receive(transport: Any, server: GroupServer, cache: dict[str, np.ndar
             transport, manifest, [Pull(a, None if g is None else tuple(g), tuple(f)) for a, g, f in pulls],
             server=server, allocate=allocate, on_group_ready=on_ready,
             budget_bytes=options.get("budget_bytes"), stall_timeout_s=options.get("stall_timeout_s", 10.0),
-            window_chunks=options.get("window_chunks", 4))
+            connect_timeout_s=options.get("connect_timeout_s", 10.0), window_chunks=options.get("window_chunks", 4))
     except DataPlaneError as exc:
         return ("error", type(exc).__name__, str(exc), ready_order)
     t_done = time.monotonic()
@@ -210,15 +219,22 @@ class NodeProcess:
         self.spec = spec
         self._start_timeout_s = start_timeout_s
         self.address: bytes = b""
-        self.manifest_bytes: bytes | None = None
-        self.source_digests: dict[str, str] = {}
 
     def wait_ready(self) -> NodeProcess:
         msg = self.expect(self._start_timeout_s)
         if msg[0] != "ready":
             raise RuntimeError(f"node sent {msg!r} instead of ready")
-        _, self.address, self.manifest_bytes, self.source_digests = msg
+        self.address = msg[1]
         return self
+
+    def serve(self, model: ModelSpec, *, corrupt_group: str | None = None,
+              timeout_s: float = 60.0) -> tuple[bytes, dict[str, str]]:
+        """Make the node a source of `model`; returns (manifest bytes, blake2b digest per group)."""
+        self._conn.send(("serve", model, corrupt_group))
+        msg = self.expect(timeout_s)
+        if msg[0] != "served":
+            raise RuntimeError(f"node sent {msg!r} instead of served")
+        return msg[1], msg[2]
 
     def expect(self, timeout_s: float) -> Any:
         """The next message from the node; TimeoutError/RuntimeError if none comes or it died."""

@@ -9,6 +9,8 @@ How it is driven, and why (measured here, see DESIGN.md):
   timed-out endpoint is aborted, which cancels its requests (no late write into a buffer).
 - Progress mode "blocking" (epoll fd on the asyncio loop): the fastest mode that leaves the
   CPU idle when nothing moves; "thread" wants a CUDA context.
+- UCX_TLS defaults to "^cma" (see SAFE_TLS): with error handling off, cma turns the death of
+  a sender into the death of its receiver.
 - Worker-address endpoints are one-way and carry no tags of their own, so a connection is a
   handshake: the connector sends (connection id, its own worker address) on a well-known tag;
   the acceptor opens an endpoint back and answers, then sends a warm-up message so the first
@@ -45,13 +47,22 @@ _ADDRESS_PREFIX: Final = b"UCX1"
 _ACCEPT_TAG: Final = 0x42_4D_44_50  # connection id 0 is never handed out, so this cannot collide
 _HELLO = struct.Struct("<4sHIH")  # magic, protocol version, connection id, address length
 _HELLO_MAGIC: Final = b"BMHI"
-_HELLO_BYTES: Final = 8192  # fixed receive size; worker addresses are ~200-2000 bytes
+_BYE_MAGIC: Final = b"BMBY"  # sent to ourselves on close, to complete the posted hello receive
+_HELLO_BYTES: Final = 4096  # fixed receive size (eager); worker addresses are ~200-2000 bytes
 _PROTOCOL_VERSION: Final = 1
 _ACK_TAG: Final = 0
 _WARMUP_TAG: Final = 1
 # User tags handed to us are shifted up so the handshake tags above stay private.
 _USER_TAG_BASE: Final = 2
 _ABORT_PERIOD_NS: Final = 100_000_000  # how long abort may wait on UCX internals (0.1 s)
+
+# Every transport but cma. With cma, a large message is pulled by the *receiver* with
+# process_vm_readv; if the sender dies mid-message that call fails and, with error handling
+# off, UCX aborts the receiving process (SIGABRT, seen when a chain hop was SIGKILLed). The
+# shared-memory copy-in/copy-out path (sysv/posix) only stalls, which our timeouts handle.
+# Measured one hop on loopback: cma ~11 GB/s, shared memory ~7.5-8 GB/s; across hosts cma
+# is never used anyway. Pass tls=None to let UCX use everything (cma included).
+SAFE_TLS: Final = "^cma"
 
 _active_transport: UcxTransport | None = None
 
@@ -60,37 +71,70 @@ def ucx_version() -> str:
     return "ucxx %s / UCX %s" % (ucxx.__version__, ".".join(map(str, ucxx.get_ucx_version())))
 
 
-def _ensure_ucxx(progress_mode: str) -> None:
+def _ensure_ucxx(progress_mode: str, tls: str | None) -> None:
+    options = {} if tls is None else {"TLS": tls}
     try:
-        ucxx.init(progress_mode=progress_mode)
+        # An operator's UCX_TLS in the environment wins over our default.
+        ucxx.init(options=options, env_takes_precedence=True, progress_mode=progress_mode)
     except RuntimeError:
         pass  # already initialised by someone else in this process: use it as it is
     ucxx.continuous_ucx_progress()  # bind progress to the running loop (no-op if already bound)
 
 
+class _Peer:
+    """The one UCX endpoint this process keeps to one remote worker, shared by connections.
+
+    UCX pairs the endpoints two workers open to each other, and a rendezvous sent on one may
+    be answered through its pair; closing any endpoint to a peer while other connections to it
+    are in flight cancelled their requests ("Request canceled", seen in the all-gather test).
+    So there is one endpoint per peer, kept until a connection to it fails, and then aborted
+    for all of them: a peer that stalled or died is a failed peer.
+    """
+
+    def __init__(self, ep: Any, key: bytes, transport: UcxTransport) -> None:
+        self.ep = ep
+        self.key = key
+        self.transport = transport
+        self.connections: set[_UcxEndpoint] = set()
+        self.broken = False
+
+    def abort(self) -> None:
+        if self.broken:
+            return
+        self.broken = True
+        self.transport._forget_peer(self)
+        for conn in list(self.connections):
+            conn._closed = True
+        self.connections.clear()
+        try:
+            self.ep.abort(period=_ABORT_PERIOD_NS, max_attempts=1)  # cancels every pending request
+        except Exception as exc:  # noqa: BLE001 - an abort must not raise; log and move on
+            log.warning("dataplane_ucx_abort_failed", error=repr(exc))
+
+
 class _UcxEndpoint(Endpoint):
-    def __init__(self, ep: Any, conn_id: int, *, is_client: bool, peer: str, transport: UcxTransport) -> None:
-        self._ep = ep
+    def __init__(self, peer: _Peer, conn_id: int, *, is_client: bool) -> None:
+        self._peer = peer
         self._conn_id = conn_id
-        self.peer = peer
-        self._transport = transport
+        self.peer = f"ucx:{conn_id:08x}"
         # Client sends with direction bit 0 and receives with 1; the acceptor the other way.
         self._send_dir = 0 if is_client else 1
         self._closed = False
+        peer.connections.add(self)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._closed or self._peer.broken
 
     def _full_tag(self, tag: int, direction: int) -> int:
         return (self._conn_id << 32) | (direction << 31) | tag
 
     async def _send_raw(self, arr: np.ndarray, tag: int, timeout_s: float | None) -> None:
-        if self._closed:
+        if self.closed:
             raise PeerClosed(f"endpoint to {self.peer} is closed")
         full = self._full_tag(tag, self._send_dir)
         try:
-            await asyncio.wait_for(self._ep.send(arr, tag=full, force_tag=True), timeout_s)
+            await asyncio.wait_for(self._peer.ep.send(arr, tag=full, force_tag=True), timeout_s)
         except TimeoutError:
             self.abort()
             raise TransferTimeout(
@@ -104,11 +148,11 @@ class _UcxEndpoint(Endpoint):
             raise PeerClosed(f"send to {self.peer} failed: {exc}") from exc
 
     async def _recv_raw(self, arr: np.ndarray, tag: int, timeout_s: float | None) -> None:
-        if self._closed:
+        if self.closed:
             raise PeerClosed(f"endpoint to {self.peer} is closed")
         full = self._full_tag(tag, 1 - self._send_dir)
         try:
-            await asyncio.wait_for(self._ep.recv(arr, tag=full, force_tag=True), timeout_s)
+            await asyncio.wait_for(self._peer.ep.recv(arr, tag=full, force_tag=True), timeout_s)
         except TimeoutError:
             self.abort()  # cancels the posted receive: nothing lands in `arr` after this
             raise TransferTimeout(
@@ -135,21 +179,16 @@ class _UcxEndpoint(Endpoint):
         await self._recv_raw(arr, check_tag(tag) + _USER_TAG_BASE, timeout_s)
 
     def abort(self) -> None:
-        if self._closed:
-            return
+        """Abort the shared endpoint to this peer: the only way to cancel a posted request."""
         self._closed = True
-        try:
-            self._ep.abort(period=_ABORT_PERIOD_NS, max_attempts=1)
-        except Exception as exc:  # noqa: BLE001 - an abort must not raise; log and move on
-            log.warning("dataplane_ucx_abort_failed", peer=self.peer, error=repr(exc))
-        self._transport._forget(self)
+        self._peer.abort()
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        # Let completions already queued run before the endpoint goes away.
-        await asyncio.sleep(0)
-        self.abort()
+        # Graceful: the peer endpoint stays for other and later connections. Every message
+        # of this connection has completed (the protocol ends with a reply), so no request
+        # of ours is left posted.
+        self._closed = True
+        self._peer.connections.discard(self)
 
 
 class UcxTransport(Transport):
@@ -157,16 +196,19 @@ class UcxTransport(Transport):
 
     kind = "ucx"
 
-    def __init__(self, *, progress_mode: str = "blocking", warmup_bytes: int = 1 << 20) -> None:
+    def __init__(self, *, progress_mode: str = "blocking", warmup_bytes: int = 1 << 20,
+                 tls: str | None = SAFE_TLS) -> None:
         if progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
             raise ValueError(f"unknown progress_mode {progress_mode!r}")
         self._progress_mode = progress_mode
+        self._tls = tls
         self._warmup_bytes = warmup_bytes
         self._address: bytes | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
         self._accepted: asyncio.Queue[_UcxEndpoint] = asyncio.Queue()
-        self._endpoints: set[_UcxEndpoint] = set()
+        self._peers: dict[bytes, _Peer] = {}
+        self._peer_locks: dict[bytes, asyncio.Lock] = {}
         # Reused across connections: the first transfer into a fresh buffer is slow.
         self._warmup_buf = np.zeros(max(warmup_bytes, 1), dtype=np.uint8)
         self._pending_hello: np.ndarray | None = None
@@ -177,11 +219,12 @@ class UcxTransport(Transport):
             return
         if _active_transport is not None and _active_transport is not self:
             raise TransportError("only one UcxTransport per process (ucxx has one worker per process)")
-        _ensure_ucxx(self._progress_mode)
+        _ensure_ucxx(self._progress_mode, self._tls)
         _active_transport = self
         self._address = _ADDRESS_PREFIX + ucxx.get_worker_address().tobytes()
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(), name="dataplane-ucx-accept")
         log.info("dataplane_ucx_started", progress_mode=self._progress_mode, version=ucx_version(),
+                 tls=os.environ.get("UCX_TLS", self._tls),
                  address_bytes=len(self._address), pid=os.getpid())
 
     def address(self) -> bytes:
@@ -197,9 +240,29 @@ class UcxTransport(Transport):
             # must never write a late hello into freed memory.
             self._pending_hello = hello
             await ucxx.recv(hello, _ACCEPT_TAG)
+            if hello[:4].tobytes() == _BYE_MAGIC:
+                return
             task = loop.create_task(self._handshake(hello.tobytes()))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
+
+    async def _peer_for(self, worker_address: bytes) -> _Peer:
+        peer = self._peers.get(worker_address)
+        if peer is not None:
+            return peer
+        # One creation at a time per peer, or two racing connections would open two endpoints.
+        lock = self._peer_locks.setdefault(worker_address, asyncio.Lock())
+        async with lock:
+            peer = self._peers.get(worker_address)
+            if peer is None:
+                ep = await ucxx.create_endpoint_from_worker_address(
+                    ucxx.get_ucx_address_from_buffer(worker_address), endpoint_error_handling=False)
+                peer = self._peers[worker_address] = _Peer(ep, worker_address, self)
+        return peer
+
+    def _forget_peer(self, peer: _Peer) -> None:
+        if self._peers.get(peer.key) is peer:
+            del self._peers[peer.key]
 
     async def _handshake(self, hello: bytes) -> None:
         magic, version, conn_id, addr_len = _HELLO.unpack_from(hello)
@@ -207,21 +270,18 @@ class UcxTransport(Transport):
             log.warning("dataplane_ucx_bad_hello", magic=magic, version=version, addr_len=addr_len)
             return
         peer_addr = hello[_HELLO.size : _HELLO.size + addr_len]
-        peer = f"ucx:{conn_id:08x}"
         try:
-            ep = await ucxx.create_endpoint_from_worker_address(
-                ucxx.get_ucx_address_from_buffer(peer_addr), endpoint_error_handling=False)
+            peer = await self._peer_for(peer_addr)
         except Exception as exc:  # noqa: BLE001 - a bad peer must not kill the accept loop
-            log.warning("dataplane_ucx_accept_failed", peer=peer, error=repr(exc))
+            log.warning("dataplane_ucx_accept_failed", conn=f"{conn_id:08x}", error=repr(exc))
             return
-        endpoint = _UcxEndpoint(ep, conn_id, is_client=False, peer=peer, transport=self)
-        self._endpoints.add(endpoint)
+        endpoint = _UcxEndpoint(peer, conn_id, is_client=False)
         try:
             await endpoint._send_raw(np.frombuffer(struct.pack("<Q", self._warmup_bytes), np.uint8), _ACK_TAG, 10.0)
             if self._warmup_bytes:
                 await endpoint._send_raw(self._warmup_buf[: self._warmup_bytes], _WARMUP_TAG, 10.0)
         except TransportError as exc:
-            log.warning("dataplane_ucx_handshake_failed", peer=peer, error=repr(exc))
+            log.warning("dataplane_ucx_handshake_failed", peer=endpoint.peer, error=repr(exc))
             return
         await self._accepted.put(endpoint)
 
@@ -233,17 +293,14 @@ class UcxTransport(Transport):
         raw = bytes(address[len(_ADDRESS_PREFIX):])
         me = self._address[len(_ADDRESS_PREFIX):]
         conn_id = secrets.randbits(32) or 1
-        peer = f"ucx:{conn_id:08x}"
-        ep = await ucxx.create_endpoint_from_worker_address(
-            ucxx.get_ucx_address_from_buffer(raw), endpoint_error_handling=False)
-        endpoint = _UcxEndpoint(ep, conn_id, is_client=True, peer=peer, transport=self)
-        self._endpoints.add(endpoint)
+        peer = await self._peer_for(raw)
+        endpoint = _UcxEndpoint(peer, conn_id, is_client=True)
         hello = np.zeros(_HELLO_BYTES, dtype=np.uint8)
         packed = _HELLO.pack(_HELLO_MAGIC, _PROTOCOL_VERSION, conn_id, len(me)) + me
         hello[: len(packed)] = np.frombuffer(packed, np.uint8)
         try:
             # The hello goes to the peer's worker, not to a connection: raw tag, no conn id.
-            await asyncio.wait_for(ep.send(hello, tag=_ACCEPT_TAG, force_tag=True), timeout_s)
+            await asyncio.wait_for(peer.ep.send(hello, tag=_ACCEPT_TAG, force_tag=True), timeout_s)
             ack = np.zeros(8, dtype=np.uint8)
             await endpoint._recv_raw(ack, _ACK_TAG, timeout_s)
             (warmup_bytes,) = struct.unpack("<Q", ack.tobytes())
@@ -264,19 +321,35 @@ class UcxTransport(Transport):
         except TimeoutError:
             raise TransferTimeout(f"no incoming connection within {timeout_s}s") from None
 
-    def _forget(self, ep: _UcxEndpoint) -> None:
-        self._endpoints.discard(ep)
+    async def _stop_accepting(self) -> None:
+        """Complete our own posted hello receive with a "bye" to ourselves.
+
+        A worker-level receive cannot be cancelled from Python; left posted, it would swallow
+        the first hello sent to the next transport of this process (same worker, same tag).
+        """
+        task = self._accept_task
+        if task is None or task.done() or self._address is None:
+            return
+        try:
+            me = await self._peer_for(self._address[len(_ADDRESS_PREFIX):])
+            bye = np.zeros(_HELLO_BYTES, dtype=np.uint8)
+            bye[:4] = np.frombuffer(_BYE_MAGIC, np.uint8)
+            await asyncio.wait_for(me.ep.send(bye, tag=_ACCEPT_TAG, force_tag=True), 2.0)
+            await asyncio.wait_for(asyncio.shield(task), 2.0)
+        except (TimeoutError, ucxx.exceptions.UCXError) as exc:
+            log.warning("dataplane_ucx_stop_accepting_failed", error=repr(exc))
 
     async def close(self) -> None:
         global _active_transport
+        await self._stop_accepting()
         tasks = [t for t in (self._accept_task, *self._handshakes) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for ep in list(self._endpoints):
-            ep.abort()
+        for peer in list(self._peers.values()):
+            peer.abort()
         while not self._accepted.empty():
-            self._accepted.get_nowait().abort()
+            self._accepted.get_nowait()._closed = True
         if _active_transport is self:
             _active_transport = None
         self._address = None

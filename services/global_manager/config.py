@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
+from services.global_manager.core.policies import make_policy
 
 
 class GlobalManagerConfig(ServiceConfig):
     param_manager: str = Field("", description="parameter manager address (model catalogue, locations)")
-    default_model: str = Field("", description="model kept at min_instances from the idle pool")
+    default_model: str = Field("", description="model kept at min_instances from the idle pool (and autoscaled)")
     min_instances: int = Field(0, ge=0, description="instances of default_model kept loaded")
     max_instances: int = Field(100, ge=1, description="upper bound for any scale-out")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="period workers are told to heartbeat at")
@@ -17,8 +20,28 @@ class GlobalManagerConfig(ServiceConfig):
     window_s: float = Field(10.0, gt=0, description="load monitor window")
     tick_s: float = Field(0.5, gt=0, description="period of the control loop")
     load_timeout_s: float = Field(300.0, gt=0, description="a parameter load that takes longer fails")
+    load_retries: int = Field(
+        1, ge=0, description="a failed scale-out load is retried on this many other IDLE workers, then rolled back"
+    )
     drain_timeout_s: float = Field(60.0, gt=0, description="in-flight requests get this long on scale-in")
     policy: str = Field("heteroscale", description="autoscaling policy name")
-    policy_params: dict[str, str] = Field(default_factory=dict, description="policy parameters (JSON object)")
+    policy_params: dict[str, Any] = Field(
+        default_factory=dict, description='policy parameters as a JSON object, e.g. \'{"scale_in_cooldown_s": 60}\''
+    )
     autoscale: bool = Field(False, description="run the autoscaling policy in the control loop")
     advisory: bool = Field(False, description="decide and log, but do not act")
+    decision_repeat_s: float = Field(
+        30.0, gt=0, description="a 'no change' decision is reported when its reason changes, or this often"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GlobalManagerConfig:
+        # Fail at start-up, quoting the bad parameter, rather than at the first tick.
+        make_policy(self.policy, self.policy_params)
+        if self.autoscale and not self.default_model:
+            raise ValueError("autoscale=True needs default_model (the model the policy scales)")
+        if self.min_instances > self.max_instances:
+            raise ValueError(
+                f"min_instances={self.min_instances!r} must be <= max_instances={self.max_instances!r}"
+            )
+        return self
