@@ -20,6 +20,7 @@ from services.mesh.launcher import Mesh, MeshConfig
 def parse_args(argv: list[str] | None) -> MeshConfig:
     p = argparse.ArgumentParser(prog="python -m services.mesh", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2, help="worker processes (one per accelerator)")
+    p.add_argument("--host-caches", type=int, default=1, help="parameter-pool processes sharing one copy of each model")
     p.add_argument("--model", default="small", help="model id served at start (a preset name synthesizes it)")
     p.add_argument("--model-dir", type=Path, default=Path("models"), help="directory of HF checkpoints")
     p.add_argument("--run-dir", type=Path, default=Path("run"), help="port files and logs go here")
@@ -32,6 +33,7 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
     a = p.parse_args(argv)
     return MeshConfig(
         workers=a.workers,
+        host_caches=a.host_caches,
         model=a.model,
         model_dir=a.model_dir,
         run_dir=a.run_dir,

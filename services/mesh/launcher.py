@@ -20,6 +20,7 @@ from services.common.server import wait_for_serving
 @dataclass
 class MeshConfig:
     workers: int = 2
+    host_caches: int = 1
     model: str = "small"
     model_dir: Path = Path("models")
     run_dir: Path = Path("run")
@@ -125,8 +126,24 @@ class Mesh:
     async def start(self) -> None:
         cfg = self.cfg
         await asyncio.to_thread(ensure_model, cfg.model_dir, cfg.model)
-        pm = await self.spawn("param_manager", "services.param_manager", ["--model-dir", str(cfg.model_dir)])
+        pm = await self.spawn(
+            "param_manager",
+            "services.param_manager",
+            ["--model-dir", str(cfg.model_dir), "--cache-slots", str(cfg.host_caches), "--topology-host", "cache-host-0"],
+        )
         await self.wait_ready(pm, cfg.ready_timeout_s)
+        caches = [
+            await self.spawn(
+                f"host_cache-{k}",
+                "services.param_manager",
+                [
+                    "--model-dir", str(cfg.model_dir), "--index", pm.grpc_address,
+                    "--cache-slot", str(k), "--topology-host", f"cache-host-{k}",
+                ],
+            )
+            for k in range(1, cfg.host_caches)
+        ]
+        await asyncio.gather(*(self.wait_ready(c, cfg.ready_timeout_s) for c in caches))
         gm = await self.spawn(
             "global_manager",
             "services.global_manager",
@@ -144,6 +161,8 @@ class Mesh:
                 "services.worker",
                 [
                     "--instance-id", f"worker-{i}",
+                    # One accelerator per worker: each is its own topology host.
+                    "--topology-host", f"host-{i}",
                     "--global-manager", gm.grpc_address,
                     "--param-manager", pm.grpc_address,
                     "--num-threads", str(cfg.worker_threads),
@@ -189,7 +208,13 @@ class Mesh:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers."""
-        order = ["gateway", *[n for n in self.procs if n.startswith("worker")], "global_manager", "param_manager"]
+        order = [
+            "gateway",
+            *[n for n in self.procs if n.startswith("worker")],
+            "global_manager",
+            *[n for n in self.procs if n.startswith("host_cache")],
+            "param_manager",
+        ]
         for name in order:
             proc = self.procs.get(name)
             if proc is not None and proc.process.returncode is None:
