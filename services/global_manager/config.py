@@ -24,6 +24,11 @@ class GlobalManagerConfig(ServiceConfig):
         1, ge=0, description="a failed scale-out load is retried on this many other IDLE workers, then rolled back"
     )
     drain_timeout_s: float = Field(60.0, gt=0, description="in-flight requests get this long on scale-in")
+    topology: dict[str, Any] | None = Field(
+        None,
+        description='hosts and links for the multicast planner, e.g. {"hosts": {"h0": {"leaf": "l0", "bw_gbps": 100}}, '
+        '"fast_groups": [["h0", "h1"]]}; hosts it does not name share one leaf',
+    )
     policy: str = Field("heteroscale", description="autoscaling policy name")
     policy_params: dict[str, Any] = Field(
         default_factory=dict, description='policy parameters as a JSON object, e.g. \'{"scale_in_cooldown_s": 60}\''

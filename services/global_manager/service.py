@@ -49,6 +49,7 @@ from services.global_manager.core.load_monitor import LoadMonitor
 from services.global_manager.core.policies import Policy, make_policy
 from services.global_manager.core.router import choose_instance, pick_scale_in_victim
 from services.global_manager.core.types import InstanceState, Role, ScaleDecision
+from services.global_manager.transfer import Node, build_plan
 from services.global_manager.registry import ROLE_FROM_PROTO, STATE_FROM_PROTO, InstanceTable, sample_from_proto
 
 log = structlog.get_logger(__name__)
@@ -339,8 +340,38 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         for v in idle:
             self.table.registry.transition(v.instance_id, S.LOADING, model=model_id, role=role)
             self.emit("scale_out", model_id, "loading", reason, v.instance_id)
-            self._spawn(v.instance_id, self._load(v.instance_id, model_id, role, exclude | {v.instance_id}, attempt))
+        # One multicast plan for the whole batch: chains make n targets cost about one.
+        plan = asyncio.ensure_future(self._plan(model_id, [v.instance_id for v in idle])) if idle else None
+        for v in idle:
+            assert plan is not None
+            self._spawn(
+                v.instance_id, self._load(v.instance_id, model_id, role, exclude | {v.instance_id}, attempt, plan)
+            )
         return [v.instance_id for v in idle]
+
+    async def _plan(self, model_id: str, targets: list[str]) -> worker_pb2.TransferPlan | None:
+        """The chain plan for `targets`; None (each target pulls from the pool) if it cannot be made."""
+        if not self.cfg.param_manager:
+            return None
+        try:
+            async with channel(self.cfg.param_manager) as ch:
+                where = await param_manager_pb2_grpc.ParamManagerStub(ch).Locate(
+                    param_manager_pb2.LocateRequest(model_id=model_id), timeout=10
+                )
+            nodes = []
+            for iid in targets:
+                dp_address, dp_kind = self.table.dataplane.get(iid, (b"", ""))
+                host = self.table.registry.get(iid).host or iid
+                nodes.append(Node(iid, host, self.table.addresses[iid], dp_address, dp_kind))
+            plan, planned = build_plan(
+                nodes, where, [loc.group for loc in where.locations], self.cfg.topology, self.cfg.load_timeout_s
+            )
+        except (grpc.aio.AioRpcError, ValueError, KeyError) as e:
+            log.warning("transfer_plan_failed", model=model_id, targets=targets, error=repr(e))
+            return None
+        chains = "; ".join(f"{c.source}->{'->'.join(c.hops)} ({len(c.groups)} groups)" for c in planned.chains)
+        self.emit("transfer_plan", model_id, plan.plan_id, f"chains: {chains}")
+        return plan
 
     def scale_in(
         self, model_id: str, n: int, reason: str, role: Role | None = None, *, keep_serving: int = 0
@@ -362,18 +393,27 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             chosen.append(victim.instance_id)
         return chosen
 
-    async def _load(self, iid: str, model_id: str, role: Role, tried: frozenset[str], attempt: int) -> None:
+    async def _load(
+        self,
+        iid: str,
+        model_id: str,
+        role: Role,
+        tried: frozenset[str],
+        attempt: int,
+        plan: asyncio.Future[worker_pb2.TransferPlan | None],
+    ) -> None:
         address = self.table.addresses[iid]
         started = time.perf_counter()
         error = ""
         try:
             done = False
+            request = worker_pb2.LoadParametersRequest(model_id=model_id, param_manager_address=self.cfg.param_manager)
+            transfer_plan = await plan
+            if transfer_plan is not None:
+                request.plan.CopyFrom(transfer_plan)
             async with channel(address) as ch:
                 stub = worker_pb2_grpc.WorkerStub(ch)
-                call = stub.LoadParameters(
-                    worker_pb2.LoadParametersRequest(model_id=model_id, param_manager_address=self.cfg.param_manager),
-                    timeout=self.cfg.load_timeout_s,
-                )
+                call = stub.LoadParameters(request, timeout=self.cfg.load_timeout_s)
                 async for p in call:
                     done = done or p.done
                     if iid in self.table.registry and self.table.registry.get(iid).state is S.LOADING:
@@ -541,7 +581,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             DESIRED.labels(model, role.value).set((before or 0) + decision.delta(role))
         for name, value in decision.extra.items():
             SIGNALS.labels(model, name).set(value)
-        if self.throttle.should_report(decision):
+        reported = self.throttle.should_report(decision)
+        if reported:
             if self.advisory and decision.action != "no_change":
                 decision = dataclasses.replace(decision, reason=f"{decision.reason}; ADVISORY: not acted on")
             line = decision.to_log_line()
@@ -551,19 +592,21 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         if self.advisory or decision.action == "no_change":
             return decision
         for role in roles:
-            self._act(model, role, decision)
+            self._act(model, role, decision, reported)
         return decision
 
-    def _act(self, model: str, role: Role, decision: ScaleDecision) -> None:
+    def _act(self, model: str, role: Role, decision: ScaleDecision, reported: bool) -> None:
+        """Carry out one pool's part of a decision. Shortfalls (a manager bound, no IDLE worker)
+        are told when the decision is, so a change that cannot happen is not told every tick."""
         current = len(self.live(model, role))
         low = self.cfg.min_instances if role is Role.COLOCATED and model == self.cfg.default_model else 0
         delta, note = bounded_delta(current, current + decision.delta(role), low=low, high=self.cfg.max_instances)
         wanted = current + delta
-        if note:
+        if note and reported:
             self.emit("autoscaling_bound", model, role.value, note)
         if delta > 0:
             chosen = self.scale_out(model, delta, role, reason=decision.reason)
-            if len(chosen) < delta:
+            if len(chosen) < delta and reported:
                 ACTIONS.labels("load", "short").inc()
                 self.emit(
                     "scale_out", model, "partial",
@@ -571,7 +614,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 )
         elif delta < 0:
             chosen = self.scale_in(model, -delta, reason=decision.reason, role=role, keep_serving=1 if wanted > 0 else 0)
-            if len(chosen) < -delta:
+            if len(chosen) < -delta and reported:
                 self.emit(
                     "scale_in", model, "partial",
                     f"wanted {-delta} fewer {role.value} instances, draining {len(chosen)}: "
