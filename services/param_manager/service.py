@@ -26,6 +26,7 @@ from services.common.grpc_util import channel
 from services.common.server import ServeContext
 from services.dataplane.chain import GroupServer
 from services.dataplane.manifest import Manifest
+from services.dataplane.shaped import maybe_shaped
 from services.dataplane.transport import Transport, make_transport
 from services.param_manager.convert import layout_to_proto, model_info
 from services.param_manager.store import HostModel, discover_models, index_model, load_shard, partition
@@ -45,6 +46,9 @@ class ParamManagerConfig(ServiceConfig):
     topology_host: str = Field("host-0", description="host (topology node) this process runs on")
     advertise_host: str = Field("", description="host name peers use to reach this process; empty = --host")
     dataplane: str = Field("auto", pattern="^(auto|ucx|tcp)$", description="data-plane transport")
+    dataplane_link_gbps: float = Field(
+        0.0, ge=0, description="emulate an egress link of this many Gbit/s on one machine (0 = off; benchmarks, tests)"
+    )
     announce_interval_s: float = Field(2.0, gt=0, description="how often a host cache re-announces its shard")
 
     @model_validator(mode="after")
@@ -245,7 +249,10 @@ class ParamManagerService:
     async def start(self, ctx: ServeContext) -> None:
         cfg = self.config
         s = self.servicer
-        self.transport = make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None)
+        self.transport = maybe_shaped(
+            make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None),
+            cfg.dataplane_link_gbps,
+        )
         await self.transport.start()
         self.group_server = GroupServer(self.transport)
         await self.group_server.start()

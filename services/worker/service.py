@@ -18,6 +18,7 @@ from services.common.grpc_util import channel
 from services.dataplane.chain import GroupServer, GroupStore, TransferResult, receive_groups
 from services.dataplane.errors import DataPlaneError, InsufficientMemory
 from services.dataplane.manifest import Manifest
+from services.dataplane.shaped import maybe_shaped
 from services.dataplane.transport import Transport, make_transport
 from services.common.server import ServeContext
 from services.worker.config import WorkerConfig
@@ -381,7 +382,10 @@ class WorkerService:
     async def start(self, ctx: ServeContext) -> None:
         cfg = self.cfg
         self.servicer.address = f"{cfg.advertise_host or cfg.host}:{ctx.grpc_port}"
-        transport = make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None)
+        transport = maybe_shaped(
+            make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None),
+            cfg.dataplane_link_gbps,
+        )
         await transport.start()
         self.servicer.transport = transport
         self.servicer.group_server = GroupServer(transport)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 import pytest_asyncio
 
 import blitzmesh
-from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc
+from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
 from services.mesh.launcher import Mesh, MeshConfig
 
@@ -25,8 +26,11 @@ MODEL = "tiny"
 async def scale_mesh(
     make_mesh_config: Callable[..., MeshConfig], tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Mesh]:
-    cfg = make_mesh_config(tmp_path_factory.mktemp("run-scale"), workers=4, host_caches=2)
+    cfg = make_mesh_config(tmp_path_factory.mktemp("run-scale"), workers=6, host_caches=2)
     cfg.initial_instances = 1
+    # Emulated 50 Mbit/s worker links: a 3.5 MB copy takes ~0.6 s, long enough to kill a hop
+    # mid-transfer; a receiver re-sources from a host shard after 2 s of silence.
+    cfg.worker_args = [*cfg.worker_args, "--dataplane-link-gbps", "0.05", "--stall-timeout-s", "2"]
     m = Mesh(cfg)
     try:
         await m.start()
@@ -83,3 +87,55 @@ async def test_scale_out_while_serving(scale_mesh: Mesh) -> None:
     for loc in where.locations:
         assert set(result.instance_ids) <= set(loc.holders), (loc.group, list(loc.holders))
         assert any(h.startswith("host-cache") for h in loc.holders)
+
+
+async def test_middle_hop_killed_mid_transfer_tail_finishes_from_host_shard(scale_mesh: Mesh) -> None:
+    async with blitzmesh.AsyncClient(scale_mesh.gateway_grpc, timeout_s=120) as client:
+        events: list[blitzmesh.ClusterEvent] = []
+        plan_seen = asyncio.Event()
+
+        async def watch() -> None:
+            async for ev in client.watch_events():
+                events.append(ev)
+                if ev.action == "transfer_plan":
+                    plan_seen.set()
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0)
+        result = await client.scale(MODEL, 3, timeout_s=30)
+        assert len(result.instance_ids) == 3
+        async with asyncio.timeout(30):
+            await plan_seen.wait()
+        plan = next(e for e in events if e.action == "transfer_plan")
+        # "chains: a->b->c (4 groups); d->e (2 groups)"
+        chains = [c.split(" (")[0].split("->") for c in plan.reason.removeprefix("chains: ").split("; ")]
+        chain = max(chains, key=len)
+        assert len(chain) == 4, plan.reason  # source -> 3 targets
+        _, first, middle, tail = chain
+
+        # SIGKILL the middle hop once it has some layers but not all.
+        async with channel(scale_mesh.procs[middle].grpc_address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            async with asyncio.timeout(30):
+                while (await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5)).layers_loaded < 1:
+                    await asyncio.sleep(0.01)
+        scale_mesh.procs[middle].process.send_signal(signal.SIGKILL)
+
+        async with asyncio.timeout(90):
+            while not {first, tail} <= {e.instance_id for e in events if e.action == "load_result"}:
+                await asyncio.sleep(0.1)
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        outcome = {e.instance_id: e.status for e in events if e.action == "load_result"}
+        assert outcome[first] == "ok" and outcome[tail] == "ok", outcome
+        cluster = await client.cluster()
+        states = {i.instance_id: i.state for i in cluster.instances}
+        assert states[tail] == "serving" and states[first] == "serving"
+        done = await client.complete("after the fault", model=MODEL, max_tokens=4)
+        assert done.finish_reason in ("stop", "length")
+
+    # The tail's own record of the load: groups re-sourced from a host shard.
+    log_text = (scale_mesh.cfg.run_dir / f"{tail}.log").read_text()
+    loaded = [line for line in log_text.splitlines() if "event='model_loaded'" in line]
+    assert loaded and "resourced=[]" not in loaded[-1], loaded
