@@ -57,7 +57,7 @@ def as_uint8_array(buffer: Any, *, writable: bool) -> np.ndarray:
 
 def as_byte_view(buffer: Any, *, writable: bool) -> memoryview:
     """Return a flat zero-copy `memoryview` (format 'B') of `buffer`."""
-    return memoryview(as_uint8_array(buffer, writable=writable))
+    return as_uint8_array(buffer, writable=writable).data
 
 
 def host_buffer(size_bytes: int, *, prefault: bool = True) -> np.ndarray:

@@ -150,9 +150,13 @@ class GroupStore:
                 digests.add(0, arr)
                 actual = digests.checksum()
                 if actual != entry.checksum:
-                    raise ChecksumMismatch(f"group {entry.name!r} of {manifest.model_id!r}: checksum {actual} != "
-                                           f"manifest {entry.checksum}", group=entry.name,
-                                           expected=entry.checksum, actual=actual)
+                    raise ChecksumMismatch(
+                        f"group {entry.name!r} of {manifest.model_id!r}: checksum {actual} != "
+                        f"manifest {entry.checksum}",
+                        group=entry.name,
+                        expected=entry.checksum,
+                        actual=actual,
+                    )
             store._buffers[gi] = arr
             store._landed[gi] = entry.size_bytes
             store._ready[gi] = True
@@ -252,7 +256,8 @@ class GroupStore:
             if remaining is not None and remaining <= 0:
                 raise TransferTimeout(
                     f"group {self.manifest.groups[gi].name!r} of {self.model_id!r} did not reach {end_bytes} bytes "
-                    f"within {timeout_s}s (has {self._landed[gi]})")
+                    f"within {timeout_s}s (has {self._landed[gi]})"
+                )
             fut: asyncio.Future[None] = loop.create_future()
             self._waiters.append(fut)
             try:
@@ -291,8 +296,16 @@ class GroupServer:
     `send_timeout_s` ends that stream (the receiver is gone).
     """
 
-    def __init__(self, transport: Transport, *, window_chunks: int = 4, send_timeout_s: float = 30.0,
-                 publish_wait_s: float = 30.0, land_timeout_s: float = 300.0, request_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        window_chunks: int = 4,
+        send_timeout_s: float = 30.0,
+        publish_wait_s: float = 30.0,
+        land_timeout_s: float = 300.0,
+        request_timeout_s: float = 10.0,
+    ) -> None:
         if window_chunks < 1:
             raise ValueError(f"window_chunks must be >= 1, got {window_chunks}")
         self.transport = transport
@@ -309,7 +322,9 @@ class GroupServer:
 
     async def start(self) -> None:
         if self._accept_task is None:
-            self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(), name="dataplane-group-server")
+            self._accept_task = asyncio.get_running_loop().create_task(
+                self._accept_loop(), name="dataplane-group-server"
+            )
 
     def publish(self, store: GroupStore) -> None:
         """Offer `store` (complete or filling) to receivers; replaces a store of the same model."""
@@ -349,31 +364,58 @@ class GroupServer:
     async def _serve(self, ep: Endpoint) -> None:
         started = time.monotonic()
         try:
-            req = _decode(await ep.recv_msg(CONTROL_TAG, timeout_s=self._request_timeout_s, max_bytes=1 << 20),
-                          "request", ep.peer)
+            req = _decode(
+                await ep.recv_msg(CONTROL_TAG, timeout_s=self._request_timeout_s, max_bytes=1 << 20), "request", ep.peer
+            )
             model_id = str(req.get("model_id"))
             store = await self._store_for(model_id)
             if store is None:
-                await ep.send_msg(_encode({"ok": False, "kind": "unknown_model", "error":
-                                           f"model {model_id!r} is not served here (serves {sorted(self._stores)})"}),
-                                  CONTROL_TAG, timeout_s=self._request_timeout_s)
+                await ep.send_msg(
+                    _encode(
+                        {
+                            "ok": False,
+                            "kind": "unknown_model",
+                            "error": f"model {model_id!r} is not served here (serves {sorted(self._stores)})",
+                        }
+                    ),
+                    CONTROL_TAG,
+                    timeout_s=self._request_timeout_s,
+                )
                 return
             if req.get("op") == "manifest":
-                await ep.send_msg(_encode({"ok": True, "manifest": store.manifest.to_dict()}), CONTROL_TAG,
-                                  timeout_s=self._request_timeout_s)
+                await ep.send_msg(
+                    _encode({"ok": True, "manifest": store.manifest.to_dict()}),
+                    CONTROL_TAG,
+                    timeout_s=self._request_timeout_s,
+                )
                 return
             if req.get("manifest_digest") != store.manifest.digest():
-                await ep.send_msg(_encode({"ok": False, "kind": "manifest_mismatch", "manifest": store.manifest.to_dict(),
-                                           "error": f"manifest of {model_id!r} differs"}),
-                                  CONTROL_TAG, timeout_s=self._request_timeout_s)
+                await ep.send_msg(
+                    _encode(
+                        {
+                            "ok": False,
+                            "kind": "manifest_mismatch",
+                            "manifest": store.manifest.to_dict(),
+                            "error": f"manifest of {model_id!r} differs",
+                        }
+                    ),
+                    CONTROL_TAG,
+                    timeout_s=self._request_timeout_s,
+                )
                 return
             todo = [(int(g), int(s)) for g, s in req.get("groups", [])]
             bad = [g for g, _ in todo if not 0 <= g < len(store.manifest.groups) or not store.holds(g)]
             if store.failure is not None or bad:
-                reason = (f"store failed: {store.failure!r}" if store.failure is not None
-                          else f"groups {bad} are not held here")
-                await ep.send_msg(_encode({"ok": False, "kind": "unavailable", "error": reason}), CONTROL_TAG,
-                                  timeout_s=self._request_timeout_s)
+                reason = (
+                    f"store failed: {store.failure!r}"
+                    if store.failure is not None
+                    else f"groups {bad} are not held here"
+                )
+                await ep.send_msg(
+                    _encode({"ok": False, "kind": "unavailable", "error": reason}),
+                    CONTROL_TAG,
+                    timeout_s=self._request_timeout_s,
+                )
                 return
             await ep.send_msg(_encode({"ok": True}), CONTROL_TAG, timeout_s=self._request_timeout_s)
             sent = await self._stream(ep, store, todo)
@@ -382,8 +424,13 @@ class GroupServer:
             await ep.recv_msg(CONTROL_TAG, timeout_s=self._send_timeout_s, max_bytes=1 << 16)
             await ep.send_msg(_encode({"bye": True}), CONTROL_TAG, timeout_s=self._request_timeout_s)
             self.streams_served += 1
-            log.info("dataplane_stream_served", peer=ep.peer, model=model_id, bytes=sent,
-                     elapsed_s=round(time.monotonic() - started, 4))
+            log.info(
+                "dataplane_stream_served",
+                peer=ep.peer,
+                model=model_id,
+                bytes=sent,
+                elapsed_s=round(time.monotonic() - started, 4),
+            )
         except UpstreamAborted as exc:
             log.warning("dataplane_stream_aborted", peer=ep.peer, reason=str(exc))
             try:
@@ -403,10 +450,12 @@ class GroupServer:
             for seq, chunk in enumerate(chunks(store.manifest, todo)):
                 if DATA_TAG_BASE + seq > MAX_TAG:
                     raise ProtocolError(f"stream of {store.model_id!r} exceeds {MAX_TAG - DATA_TAG_BASE} chunks")
-                await store.wait_landed(chunk.group_index, chunk.offset_bytes + chunk.length_bytes,
-                                        timeout_s=self._land_timeout_s)
-                inflight.append(loop.create_task(
-                    ep.send(store.view(chunk), DATA_TAG_BASE + seq, timeout_s=self._send_timeout_s)))
+                await store.wait_landed(
+                    chunk.group_index, chunk.offset_bytes + chunk.length_bytes, timeout_s=self._land_timeout_s
+                )
+                inflight.append(
+                    loop.create_task(ep.send(store.view(chunk), DATA_TAG_BASE + seq, timeout_s=self._send_timeout_s))
+                )
                 sent += chunk.length_bytes
                 while len(inflight) >= self._window or (inflight and inflight[0].done()):
                     await inflight.popleft()
@@ -420,8 +469,14 @@ class GroupServer:
         return sent
 
 
-async def serve_groups(transport: Transport, manifest: Manifest, buffers: Sequence[Any], *,
-                       server: GroupServer | None = None, verify: bool = False) -> GroupServer:
+async def serve_groups(
+    transport: Transport,
+    manifest: Manifest,
+    buffers: Sequence[Any],
+    *,
+    server: GroupServer | None = None,
+    verify: bool = False,
+) -> GroupServer:
     """Publish a complete model (one buffer per group, manifest order) on `server` (created and
     started if None) and return the server. The buffers are served in place, never copied."""
     if server is None:
@@ -462,9 +517,17 @@ class TransferResult:
 
 
 class _ReceiveSession:
-    def __init__(self, transport: Transport, store: GroupStore, *, allocate: Allocate,
-                 on_group_ready: OnGroupReady | None, stall_timeout_s: float, connect_timeout_s: float,
-                 window_chunks: int) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        store: GroupStore,
+        *,
+        allocate: Allocate,
+        on_group_ready: OnGroupReady | None,
+        stall_timeout_s: float,
+        connect_timeout_s: float,
+        window_chunks: int,
+    ) -> None:
         self.transport = transport
         self.store = store
         self.manifest = store.manifest
@@ -489,7 +552,9 @@ class _ReceiveSession:
             # In a thread: prefaulting a big group takes ~0.1 s/GiB and must not stall the loop.
             buf = await asyncio.get_running_loop().run_in_executor(None, self._allocate, entry)
         except MemoryError as exc:
-            raise InsufficientMemory(f"allocating {entry.size_bytes} bytes for group {entry.name!r} failed: {exc}") from exc
+            raise InsufficientMemory(
+                f"allocating {entry.size_bytes} bytes for group {entry.name!r} failed: {exc}"
+            ) from exc
         self.store.set_buffer(gi, buf)
 
     def _alloc_task(self, gi: int) -> asyncio.Task[None]:
@@ -528,7 +593,11 @@ class _ReceiveSession:
         if actual != entry.checksum:
             raise ChecksumMismatch(
                 f"group {entry.name!r} of {self.manifest.model_id!r}: received bytes have checksum {actual}, "
-                f"manifest says {entry.checksum}", group=entry.name, expected=entry.checksum, actual=actual)
+                f"manifest says {entry.checksum}",
+                group=entry.name,
+                expected=entry.checksum,
+                actual=actual,
+            )
         self.store.mark_ready(gi)
         if self._on_group_ready is not None:
             self._on_group_ready(entry.name)
@@ -549,22 +618,34 @@ class _ReceiveSession:
             label = address_label(address)
             try:
                 if attempt:
-                    missing = [gi for gi in indices if self.store.landed_bytes(gi) < self.manifest.groups[gi].size_bytes]
+                    missing = [
+                        gi for gi in indices if self.store.landed_bytes(gi) < self.manifest.groups[gi].size_bytes
+                    ]
                     self.resourced.update(missing)
-                    log.warning("dataplane_resourcing", model=self.manifest.model_id, source=label,
-                                groups=[self.manifest.groups[gi].name for gi in missing], previous_error=errors[-1])
+                    log.warning(
+                        "dataplane_resourcing",
+                        model=self.manifest.model_id,
+                        source=label,
+                        groups=[self.manifest.groups[gi].name for gi in missing],
+                        previous_error=errors[-1],
+                    )
                 await self._pull_once(address, label, indices)
                 return
             except _RETRYABLE as exc:
                 errors.append(f"{label}: {type(exc).__name__}: {exc}")
                 last = exc
         if isinstance(last, DataPlaneError):
-            raise type(last)(f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)) from last
+            raise type(last)(
+                f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)
+            ) from last
         raise PeerClosed(f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)) from last
 
     async def _pull_once(self, address: bytes, label: str, indices: list[int]) -> None:
-        todo = [(gi, self.store.landed_bytes(gi)) for gi in indices
-                if self.store.landed_bytes(gi) < self.manifest.groups[gi].size_bytes]
+        todo = [
+            (gi, self.store.landed_bytes(gi))
+            for gi in indices
+            if self.store.landed_bytes(gi) < self.manifest.groups[gi].size_bytes
+        ]
         if not todo:
             return
         ep = await self.transport.connect(address, timeout_s=self._connect_timeout_s)
@@ -573,9 +654,19 @@ class _ReceiveSession:
         ok = False
         loop = asyncio.get_running_loop()
         try:
-            await ep.send_msg(_encode({"v": _PROTOCOL_VERSION, "op": "pull", "model_id": self.manifest.model_id,
-                                       "manifest_digest": self.manifest.digest(), "groups": todo}),
-                              CONTROL_TAG, timeout_s=self._stall_timeout_s)
+            await ep.send_msg(
+                _encode(
+                    {
+                        "v": _PROTOCOL_VERSION,
+                        "op": "pull",
+                        "model_id": self.manifest.model_id,
+                        "manifest_digest": self.manifest.digest(),
+                        "groups": todo,
+                    }
+                ),
+                CONTROL_TAG,
+                timeout_s=self._stall_timeout_s,
+            )
             # The server may wait for the model to be published upstream first: allow for it.
             resp = _decode(await ep.recv_msg(CONTROL_TAG, timeout_s=self._stall_timeout_s * 4), "response", label)
             self._check_response(resp, label)
@@ -602,8 +693,9 @@ class _ReceiveSession:
                 await post_next()
             while posted:
                 chunk, task = posted[0]
-                done, _ = await asyncio.wait((task, control), timeout=self._stall_timeout_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    (task, control), timeout=self._stall_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                )
                 if task in done:
                     task.result()
                     posted.popleft()
@@ -616,8 +708,10 @@ class _ReceiveSession:
                     msg = _decode(control.result(), "control message", label)
                     raise UpstreamAborted(f"{label} aborted the stream: {msg.get('abort', msg)}")
                 else:
-                    raise TransferTimeout(f"no chunk from {label} for {self._stall_timeout_s}s "
-                                          f"(group {self.manifest.groups[chunk.group_index].name!r} at byte {chunk.offset_bytes})")
+                    raise TransferTimeout(
+                        f"no chunk from {label} for {self._stall_timeout_s}s "
+                        f"(group {self.manifest.groups[chunk.group_index].name!r} at byte {chunk.offset_bytes})"
+                    )
             await ep.send_msg(_encode({"done": True}), CONTROL_TAG, timeout_s=self._stall_timeout_s)
             try:
                 bye = _decode(await asyncio.wait_for(control, self._stall_timeout_s), "bye", label)
@@ -649,8 +743,9 @@ class _ReceiveSession:
                 detail = self.manifest.diff(Manifest.from_dict(resp["manifest"]))
             except (DataPlaneError, KeyError, TypeError):
                 pass
-            raise ManifestMismatch(f"{label} serves a different manifest for {self.manifest.model_id!r}: "
-                                   f"{detail or error}")
+            raise ManifestMismatch(
+                f"{label} serves a different manifest for {self.manifest.model_id!r}: {detail or error}"
+            )
         if kind == "unavailable":
             raise SourceUnavailable(f"{label}: {error}")
         raise ProtocolError(f"unexpected response from {label}: {resp!r:.200}")
@@ -689,30 +784,46 @@ async def receive_groups(
         indices = sorted(manifest.group_index(n) for n in names)
         for gi in indices:
             if gi in claimed:
-                raise ValueError(f"group {manifest.groups[gi].name!r} is requested from both "
-                                 f"{claimed[gi]} and {address_label(pull.address)}")
+                raise ValueError(
+                    f"group {manifest.groups[gi].name!r} is requested from both "
+                    f"{claimed[gi]} and {address_label(pull.address)}"
+                )
             claimed[gi] = address_label(pull.address)
         plan.append((pull, indices))
     wanted = sorted(claimed)
     needed_bytes = sum(manifest.groups[gi].size_bytes for gi in wanted if store._buffers[gi] is None)
     if budget_bytes is not None and needed_bytes > budget_bytes:
-        raise InsufficientMemory(f"model {manifest.model_id!r}: receiving {len(wanted)} groups needs {needed_bytes} "
-                                 f"bytes, budget is {budget_bytes}")
+        raise InsufficientMemory(
+            f"model {manifest.model_id!r}: receiving {len(wanted)} groups needs {needed_bytes} "
+            f"bytes, budget is {budget_bytes}"
+        )
     store.expect(wanted)
     store._failure = None  # a new attempt on a store that failed before
     if server is not None:
         server.publish(store)
-    session = _ReceiveSession(transport, store, allocate=allocate, on_group_ready=on_group_ready,
-                              stall_timeout_s=stall_timeout_s, connect_timeout_s=connect_timeout_s,
-                              window_chunks=window_chunks)
+    session = _ReceiveSession(
+        transport,
+        store,
+        allocate=allocate,
+        on_group_ready=on_group_ready,
+        stall_timeout_s=stall_timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        window_chunks=window_chunks,
+    )
     for gi in wanted:
         if manifest.groups[gi].size_bytes == 0 and not store.is_ready(gi):
             # No chunk will ever land for an empty group: verify and publish it right away.
             store.set_buffer(gi, np.empty(0, dtype=np.uint8))
             session._landed(Chunk(gi, 0, 0), "local")
     started = time.monotonic()
-    log.info("dataplane_receive_started", model=manifest.model_id, groups=len(wanted), bytes=needed_bytes,
-             sources=[address_label(p.address) for p, _ in plan], transport=transport.kind)
+    log.info(
+        "dataplane_receive_started",
+        model=manifest.model_id,
+        groups=len(wanted),
+        bytes=needed_bytes,
+        sources=[address_label(p.address) for p, _ in plan],
+        transport=transport.kind,
+    )
     try:
         async with asyncio.TaskGroup() as tg:
             for pull, indices in plan:
@@ -724,18 +835,34 @@ async def receive_groups(
             t.cancel()
         await asyncio.gather(*session._verify_tasks, *session._alloc_tasks.values(), return_exceptions=True)
         store.fail(error)
-        log.warning("dataplane_receive_failed", model=manifest.model_id, error=repr(error),
-                    ready=len(store.ready_groups()), elapsed_s=round(time.monotonic() - started, 4))
+        log.warning(
+            "dataplane_receive_failed",
+            model=manifest.model_id,
+            error=repr(error),
+            ready=len(store.ready_groups()),
+            elapsed_s=round(time.monotonic() - started, 4),
+        )
         if error is exc:
             raise
         raise error from None
     elapsed = time.monotonic() - started
     result = TransferResult(
-        model_id=manifest.model_id, store=store, groups_received=[manifest.groups[gi].name for gi in wanted],
-        bytes_received=session.bytes_received, elapsed_s=elapsed, bytes_by_source=session.bytes_by_source,
-        resourced_groups=[manifest.groups[gi].name for gi in sorted(session.resourced)])
-    log.info("dataplane_receive_done", model=manifest.model_id, bytes=result.bytes_received,
-             elapsed_s=round(elapsed, 4), gbps=round(result.gbps, 3), resourced=len(result.resourced_groups))
+        model_id=manifest.model_id,
+        store=store,
+        groups_received=[manifest.groups[gi].name for gi in wanted],
+        bytes_received=session.bytes_received,
+        elapsed_s=elapsed,
+        bytes_by_source=session.bytes_by_source,
+        resourced_groups=[manifest.groups[gi].name for gi in sorted(session.resourced)],
+    )
+    log.info(
+        "dataplane_receive_done",
+        model=manifest.model_id,
+        bytes=result.bytes_received,
+        elapsed_s=round(elapsed, 4),
+        gbps=round(result.gbps, 3),
+        resourced=len(result.resourced_groups),
+    )
     return result
 
 
@@ -779,9 +906,17 @@ async def receive_chain(
     to `fallback_addresses` in turn, while `server` forwards every landed chunk to whoever pulls
     from us. See `receive_groups` for the arguments and errors."""
     return await receive_groups(
-        transport, target, [Pull(upstream_address, None if groups is None else tuple(groups), tuple(fallback_addresses))],
-        server=server, allocate=allocate, on_group_ready=on_group_ready, budget_bytes=budget_bytes,
-        stall_timeout_s=stall_timeout_s, connect_timeout_s=connect_timeout_s, window_chunks=window_chunks)
+        transport,
+        target,
+        [Pull(upstream_address, None if groups is None else tuple(groups), tuple(fallback_addresses))],
+        server=server,
+        allocate=allocate,
+        on_group_ready=on_group_ready,
+        budget_bytes=budget_bytes,
+        stall_timeout_s=stall_timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        window_chunks=window_chunks,
+    )
 
 
 async def fetch_manifest(transport: Transport, address: bytes, model_id: str, *, timeout_s: float = 10.0) -> Manifest:
@@ -789,8 +924,9 @@ async def fetch_manifest(transport: Transport, address: bytes, model_id: str, *,
     ep = await transport.connect(address, timeout_s=timeout_s)
     label = address_label(address)
     try:
-        await ep.send_msg(_encode({"v": _PROTOCOL_VERSION, "op": "manifest", "model_id": model_id}), CONTROL_TAG,
-                          timeout_s=timeout_s)
+        await ep.send_msg(
+            _encode({"v": _PROTOCOL_VERSION, "op": "manifest", "model_id": model_id}), CONTROL_TAG, timeout_s=timeout_s
+        )
         resp = _decode(await ep.recv_msg(CONTROL_TAG, timeout_s=timeout_s), "response", label)
     except BaseException:
         ep.abort()

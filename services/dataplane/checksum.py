@@ -60,7 +60,7 @@ def _blocksum64(data: np.ndarray) -> np.ndarray:
 
 
 def _crc32_blocks(data: np.ndarray) -> np.ndarray:
-    mv = memoryview(data)
+    mv = data.data  # a memoryview, without a copy
     return np.fromiter(
         (zlib.crc32(mv[i : i + BLOCK_BYTES]) for i in range(0, data.size, BLOCK_BYTES)),
         dtype=np.uint64,
@@ -93,8 +93,7 @@ def checksum_algo_of(checksum: str) -> str:
     """The algo named in a `"<algo>:<hex>"` checksum; ValueError quoting it if malformed."""
     algo, sep, hexpart = checksum.partition(":")
     if not sep or algo not in CHECKSUM_ALGOS or len(hexpart) != 32:
-        raise ValueError(f"malformed checksum {checksum!r}, want '<algo>:<32 hex>' with algo in "
-                         f"{list(CHECKSUM_ALGOS)}")
+        raise ValueError(f"malformed checksum {checksum!r}, want '<algo>:<32 hex>' with algo in {list(CHECKSUM_ALGOS)}")
     try:
         int(hexpart, 16)
     except ValueError:

@@ -62,49 +62,62 @@ class _TcpEndpoint(Endpoint):
 
     # -- receiving ----------------------------------------------------------------------------
 
-    async def _read_exact(self, view: memoryview) -> bool:
-        """Fill `view` from the socket; False on EOF before the first byte."""
+    async def _read_exact(self, view: memoryview, *, eof_ok: bool = False) -> bool:
+        """Fill `view` from the socket. EOF before the first byte returns False if `eof_ok`
+        (between frames), anywhere else it raises PeerClosed."""
         got = 0
         n = len(view)
         while got < n:
             k = await self._loop.sock_recv_into(self._sock, view[got:])
             if k == 0:
-                if got == 0:
+                if got == 0 and eof_ok:
                     return False
                 raise PeerClosed(f"{self.peer} closed the connection mid-message ({got} of {n} bytes)")
             got += k
         return True
+
+    def _take_waiter(self, tag: int, length: int) -> _PendingRecv | None:
+        """The oldest posted receive for `tag`, checked against the message size."""
+        waiters = self._pending.get(tag)
+        if not waiters:
+            return None
+        pending = waiters.popleft()
+        if not waiters:
+            del self._pending[tag]
+        if len(pending.view) != length:
+            exc = ProtocolError(
+                f"message with tag {tag} from {self.peer} has {length} bytes, receive buffer has {len(pending.view)}"
+            )
+            if not pending.future.done():
+                pending.future.set_exception(exc)
+            raise exc
+        return pending
 
     async def _read_loop(self) -> None:
         header = bytearray(_HEADER.size)
         hv = memoryview(header)
         try:
             while True:
-                if not await self._read_exact(hv):
+                if not await self._read_exact(hv, eof_ok=True):
                     raise PeerClosed(f"{self.peer} closed the connection")
                 magic, tag, length = _HEADER.unpack(header)
                 if magic != _MAGIC:
                     raise ProtocolError(f"bad frame magic {magic!r} from {self.peer}")
-                waiters = self._pending.get(tag)
-                if waiters:
-                    pending = waiters.popleft()
-                    if not waiters:
-                        del self._pending[tag]
-                    if len(pending.view) != length:
-                        exc = ProtocolError(
-                            f"message with tag {tag} from {self.peer} has {length} bytes, "
-                            f"receive buffer has {len(pending.view)}")
-                        if not pending.future.done():
-                            pending.future.set_exception(exc)
-                        raise exc
-                    await self._read_exact(pending.view)
-                    if not pending.future.done():
-                        pending.future.set_result(None)
+                pending = self._take_waiter(tag, length)
+                if pending is not None:
+                    await self._read_exact(pending.view)  # straight into the caller's buffer
                 else:
                     data = bytearray(length)
                     if length:
                         await self._read_exact(memoryview(data))
-                    self._unexpected.setdefault(tag, deque()).append(data)
+                    # A receive for this tag may have been posted while we were reading.
+                    pending = self._take_waiter(tag, length)
+                    if pending is None:
+                        self._unexpected.setdefault(tag, deque()).append(data)
+                        continue
+                    pending.view[:] = data
+                if not pending.future.done():
+                    pending.future.set_result(None)
         except asyncio.CancelledError:
             self._fail(PeerClosed(f"endpoint to {self.peer} was closed locally"))
             raise
@@ -133,7 +146,8 @@ class _TcpEndpoint(Endpoint):
             if len(data) != len(view):
                 self.abort()
                 raise ProtocolError(
-                    f"message with tag {tag} from {self.peer} has {len(data)} bytes, receive buffer has {len(view)}")
+                    f"message with tag {tag} from {self.peer} has {len(data)} bytes, receive buffer has {len(view)}"
+                )
             view[:] = data
             return
         if self._error is not None:
@@ -184,7 +198,9 @@ class _TcpEndpoint(Endpoint):
             await asyncio.wait_for(self._send_frame(tag, view), timeout_s)
         except TimeoutError:
             self.abort()
-            raise TransferTimeout(f"send of {len(view)} bytes (tag {tag}) to {self.peer} not taken within {timeout_s}s") from None
+            raise TransferTimeout(
+                f"send of {len(view)} bytes (tag {tag}) to {self.peer} not taken within {timeout_s}s"
+            ) from None
 
     # -- closing ------------------------------------------------------------------------------
 
@@ -231,8 +247,14 @@ class TcpTransport(Transport):
 
     kind = "tcp"
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 socket_buffer_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        socket_buffer_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
         self._host = host
         self._port = port
         self._advertise_host = advertise_host or host
@@ -317,7 +339,7 @@ class TcpTransport(Transport):
         if address_kind(address) != "tcp":
             raise TransportError(f"TcpTransport cannot connect to a {address_kind(address)} address")
         try:
-            target = json.loads(address[len(_ADDRESS_PREFIX):])
+            target = json.loads(address[len(_ADDRESS_PREFIX) :])
             host, port = str(target["host"]), int(target["port"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"malformed TCP address {bytes(address)!r}") from exc

@@ -83,11 +83,16 @@ def synthetic_groups(spec: ModelSpec) -> list[tuple[str, dict[str, np.ndarray]]]
     groups.append(("embed", {"model.embed_tokens.weight": tensor(lb // 2, "float16", 64)}))
     for i in range(spec.num_layers):
         p = f"model.layers.{i}"
-        groups.append((f"layers.{i}", {
-            f"{p}.self_attn.qkv_proj.weight": tensor(lb // 3, "float16", 64),
-            f"{p}.mlp.up_proj.weight": tensor(lb - lb // 3 - 4096, "float16", 64),
-            f"{p}.input_layernorm.weight": tensor(4096, "float32", 1024)[0],
-        }))
+        groups.append(
+            (
+                f"layers.{i}",
+                {
+                    f"{p}.self_attn.qkv_proj.weight": tensor(lb // 3, "float16", 64),
+                    f"{p}.mlp.up_proj.weight": tensor(lb - lb // 3 - 4096, "float16", 64),
+                    f"{p}.input_layernorm.weight": tensor(4096, "float32", 1024)[0],
+                },
+            )
+        )
     groups.append(("head", {"lm_head.weight": tensor(lb // 2, "float16", 64)}))
     return groups
 
@@ -99,7 +104,7 @@ def synthetic_model(spec: ModelSpec) -> tuple[Manifest, list[np.ndarray]]:
 
 def buffer_digest(buf: Any) -> str:
     """Strong hash of all bytes of a buffer: equal digests mean bit-identical contents."""
-    return hashlib.blake2b(memoryview(np.ascontiguousarray(buf)).cast("B"), digest_size=16).hexdigest()
+    return hashlib.blake2b(np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data, digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +124,12 @@ async def _next_command(conn: multiprocessing.connection.Connection) -> Any:
     loop = asyncio.get_running_loop()
     ready: asyncio.Future[None] = loop.create_future()
     fd = conn.fileno()
-    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+
+    def readable() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, readable)
     try:
         await ready
     finally:
@@ -138,7 +148,18 @@ async def _serve_synthetic(server: GroupServer, spec: ModelSpec, corrupt_group: 
     return ("served", manifest.to_bytes(), digests)
 
 
+def _dump_tasks() -> None:
+    """SIGUSR1: print every task's stack to stderr, to see where a stuck node waits."""
+    import sys
+
+    print(f"=== tasks of node pid={os.getpid()}", file=sys.stderr)
+    for task in asyncio.all_tasks():
+        task.print_stack(limit=6, file=sys.stderr)
+    sys.stderr.flush()
+
+
 async def _node(spec: NodeSpec, conn: multiprocessing.connection.Connection) -> None:
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _dump_tasks)
     transport = make_transport(spec.transport)  # type: ignore[arg-type]
     await transport.start()
     server = GroupServer(transport, window_chunks=spec.window_chunks, send_timeout_s=spec.send_timeout_s)
@@ -159,14 +180,23 @@ async def _node(spec: NodeSpec, conn: multiprocessing.connection.Connection) -> 
         await transport.close()
 
 
-async def _receive(transport: Any, server: GroupServer, cache: dict[str, np.ndarray], manifest_bytes: bytes,
-                   pulls: Sequence[tuple[bytes, Sequence[str] | None, Sequence[bytes]]], options: dict[str, Any]) -> tuple:
+async def _receive(
+    transport: Any,
+    server: GroupServer,
+    cache: dict[str, np.ndarray],
+    manifest_bytes: bytes,
+    pulls: Sequence[tuple[bytes, Sequence[str] | None, Sequence[bytes]]],
+    options: dict[str, Any],
+) -> tuple:
     manifest = Manifest.from_bytes(manifest_bytes)
     ready_order: list[str] = []
     die_after = options.get("die_after_groups")
 
+    ready_at_s: list[float] = []
+
     def on_ready(name: str) -> None:
         ready_order.append(name)
+        ready_at_s.append(round(time.monotonic() - t_start, 4))
         if die_after is not None and len(ready_order) >= die_after:
             os.kill(os.getpid(), signal.SIGKILL)  # the fault under test: die mid-transfer
 
@@ -183,19 +213,39 @@ async def _receive(transport: Any, server: GroupServer, cache: dict[str, np.ndar
     t_start = time.monotonic()
     try:
         result = await receive_groups(
-            transport, manifest, [Pull(a, None if g is None else tuple(g), tuple(f)) for a, g, f in pulls],
-            server=server, allocate=allocate, on_group_ready=on_ready,
-            budget_bytes=options.get("budget_bytes"), stall_timeout_s=options.get("stall_timeout_s", 10.0),
-            connect_timeout_s=options.get("connect_timeout_s", 10.0), window_chunks=options.get("window_chunks", 4))
+            transport,
+            manifest,
+            [Pull(a, None if g is None else tuple(g), tuple(f)) for a, g, f in pulls],
+            server=server,
+            allocate=allocate,
+            on_group_ready=on_ready,
+            budget_bytes=options.get("budget_bytes"),
+            stall_timeout_s=options.get("stall_timeout_s", 10.0),
+            connect_timeout_s=options.get("connect_timeout_s", 10.0),
+            window_chunks=options.get("window_chunks", 4),
+        )
     except DataPlaneError as exc:
         return ("error", type(exc).__name__, str(exc), ready_order)
     t_done = time.monotonic()
-    digests = {g: buffer_digest(result.store.buffer(g)) for g in result.groups_received} if options.get("digests", True) else {}
-    return ("done", {
-        "t_start": t_start, "t_done": t_done, "elapsed_s": result.elapsed_s, "bytes": result.bytes_received,
-        "digests": digests, "ready_order": ready_order, "resourced": result.resourced_groups,
-        "bytes_by_source": result.bytes_by_source,
-    })
+    digests = (
+        {g: buffer_digest(result.store.buffer(g)) for g in result.groups_received}
+        if options.get("digests", True)
+        else {}
+    )
+    return (
+        "done",
+        {
+            "t_start": t_start,
+            "t_done": t_done,
+            "elapsed_s": result.elapsed_s,
+            "bytes": result.bytes_received,
+            "digests": digests,
+            "ready_order": ready_order,
+            "ready_at_s": ready_at_s,
+            "resourced": result.resourced_groups,
+            "bytes_by_source": result.bytes_by_source,
+        },
+    )
 
 
 def node_main(spec: NodeSpec, conn: multiprocessing.connection.Connection) -> None:
@@ -227,8 +277,9 @@ class NodeProcess:
         self.address = msg[1]
         return self
 
-    def serve(self, model: ModelSpec, *, corrupt_group: str | None = None,
-              timeout_s: float = 60.0) -> tuple[bytes, dict[str, str]]:
+    def serve(
+        self, model: ModelSpec, *, corrupt_group: str | None = None, timeout_s: float = 60.0
+    ) -> tuple[bytes, dict[str, str]]:
         """Make the node a source of `model`; returns (manifest bytes, blake2b digest per group)."""
         self._conn.send(("serve", model, corrupt_group))
         msg = self.expect(timeout_s)
@@ -250,13 +301,17 @@ class NodeProcess:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"node {self.proc.pid} sent nothing within {timeout_s}s")
 
-    def receive(self, manifest_bytes: bytes, pulls: Sequence[tuple[bytes, Sequence[str] | None, Sequence[bytes]]],
-                **options: Any) -> None:
+    def receive(
+        self,
+        manifest_bytes: bytes,
+        pulls: Sequence[tuple[bytes, Sequence[str] | None, Sequence[bytes]]],
+        **options: Any,
+    ) -> None:
         """Start a receive in the node; collect its outcome with `expect`."""
         self._conn.send(("receive", manifest_bytes, [(a, g, tuple(f)) for a, g, f in pulls], options))
 
     def kill(self) -> None:
-        if self.proc.is_alive():
+        if self.proc.is_alive() and self.proc.pid is not None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(5)
 

@@ -1,16 +1,19 @@
-"""UCX transport through `ucxx`: the fast path of the data plane (cma/posix shared memory on a host).
+"""UCX transport through `ucxx`: the default data plane path (shared memory on a host, tcp/rdma across).
 
 How it is driven, and why (measured here, see DESIGN.md):
 - Endpoints come from exchanged *worker addresses* (`get_worker_address()` /
   `create_endpoint_from_worker_address`), never from the listener API, which always ends up on
   tcp (1.5-1.8 GB/s). The address goes to peers over gRPC as opaque bytes.
-- Endpoint error handling is off: with it on, transfers fell from ~10 to ~1 GB/s. The price is
-  that UCX never notices a dead peer, so every send and receive here has a timeout, and a
-  timed-out endpoint is aborted, which cancels its requests (no late write into a buffer).
+- Endpoint error handling is off: with it on, UCX moves everything over tcp/lo (0.4-0.5 GB/s
+  here, against 7-11 GB/s over shared memory). The price is that UCX never notices a dead
+  peer, so every send and receive here has a timeout, and a timed-out endpoint is aborted,
+  which cancels its requests (no late write into a buffer).
 - Progress mode "blocking" (epoll fd on the asyncio loop): the fastest mode that leaves the
   CPU idle when nothing moves; "thread" wants a CUDA context.
 - UCX_TLS defaults to "^cma" (see SAFE_TLS): with error handling off, cma turns the death of
-  a sender into the death of its receiver.
+  a sender into the death of its receiver. The shared-memory path that remains needs both
+  processes scheduled for every fragment, so it slows to a crawl (0.1-0.3 GB/s measured) when
+  the CPU is oversubscribed; cma (tls=None) and TCP degrade far less.
 - Worker-address endpoints are one-way and carry no tags of their own, so a connection is a
   handshake: the connector sends (connection id, its own worker address) on a well-known tag;
   the acceptor opens an endpoint back and answers, then sends a warm-up message so the first
@@ -68,7 +71,7 @@ _active_transport: UcxTransport | None = None
 
 
 def ucx_version() -> str:
-    return "ucxx %s / UCX %s" % (ucxx.__version__, ".".join(map(str, ucxx.get_ucx_version())))
+    return f"ucxx {ucxx.__version__} / UCX {'.'.join(map(str, ucxx.get_ucx_version()))}"
 
 
 def _ensure_ucxx(progress_mode: str, tls: str | None) -> None:
@@ -138,8 +141,8 @@ class _UcxEndpoint(Endpoint):
         except TimeoutError:
             self.abort()
             raise TransferTimeout(
-                f"send of {arr.nbytes} bytes (tag {tag - _USER_TAG_BASE}) to {self.peer} not taken "
-                f"within {timeout_s}s") from None
+                f"send of {arr.nbytes} bytes (tag {tag - _USER_TAG_BASE}) to {self.peer} not taken within {timeout_s}s"
+            ) from None
         except asyncio.CancelledError:
             self.abort()
             raise
@@ -156,14 +159,16 @@ class _UcxEndpoint(Endpoint):
         except TimeoutError:
             self.abort()  # cancels the posted receive: nothing lands in `arr` after this
             raise TransferTimeout(
-                f"no message with tag {tag - _USER_TAG_BASE} from {self.peer} within {timeout_s}s") from None
+                f"no message with tag {tag - _USER_TAG_BASE} from {self.peer} within {timeout_s}s"
+            ) from None
         except asyncio.CancelledError:
             self.abort()
             raise
         except ucxx.exceptions.UCXMessageTruncatedError as exc:
             self.abort()
-            raise ProtocolError(f"message with tag {tag - _USER_TAG_BASE} from {self.peer} is larger than "
-                                f"the {arr.nbytes}-byte buffer") from exc
+            raise ProtocolError(
+                f"message with tag {tag - _USER_TAG_BASE} from {self.peer} is larger than the {arr.nbytes}-byte buffer"
+            ) from exc
         except ucxx.exceptions.UCXError as exc:
             self.abort()
             raise PeerClosed(f"receive from {self.peer} failed: {exc}") from exc
@@ -196,8 +201,9 @@ class UcxTransport(Transport):
 
     kind = "ucx"
 
-    def __init__(self, *, progress_mode: str = "blocking", warmup_bytes: int = 1 << 20,
-                 tls: str | None = SAFE_TLS) -> None:
+    def __init__(
+        self, *, progress_mode: str = "blocking", warmup_bytes: int = 1 << 20, tls: str | None = SAFE_TLS
+    ) -> None:
         if progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
             raise ValueError(f"unknown progress_mode {progress_mode!r}")
         self._progress_mode = progress_mode
@@ -223,9 +229,14 @@ class UcxTransport(Transport):
         _active_transport = self
         self._address = _ADDRESS_PREFIX + ucxx.get_worker_address().tobytes()
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(), name="dataplane-ucx-accept")
-        log.info("dataplane_ucx_started", progress_mode=self._progress_mode, version=ucx_version(),
-                 tls=os.environ.get("UCX_TLS", self._tls),
-                 address_bytes=len(self._address), pid=os.getpid())
+        log.info(
+            "dataplane_ucx_started",
+            progress_mode=self._progress_mode,
+            version=ucx_version(),
+            tls=os.environ.get("UCX_TLS", self._tls),
+            address_bytes=len(self._address),
+            pid=os.getpid(),
+        )
 
     def address(self) -> bytes:
         if self._address is None:
@@ -256,7 +267,8 @@ class UcxTransport(Transport):
             peer = self._peers.get(worker_address)
             if peer is None:
                 ep = await ucxx.create_endpoint_from_worker_address(
-                    ucxx.get_ucx_address_from_buffer(worker_address), endpoint_error_handling=False)
+                    ucxx.get_ucx_address_from_buffer(worker_address), endpoint_error_handling=False
+                )
                 peer = self._peers[worker_address] = _Peer(ep, worker_address, self)
         return peer
 
@@ -290,8 +302,8 @@ class UcxTransport(Transport):
             raise TransportError("UcxTransport.connect() called before start()")
         if address_kind(address) != "ucx":
             raise TransportError(f"UcxTransport cannot connect to a {address_kind(address)} address")
-        raw = bytes(address[len(_ADDRESS_PREFIX):])
-        me = self._address[len(_ADDRESS_PREFIX):]
+        raw = bytes(address[len(_ADDRESS_PREFIX) :])
+        me = self._address[len(_ADDRESS_PREFIX) :]
         conn_id = secrets.randbits(32) or 1
         peer = await self._peer_for(raw)
         endpoint = _UcxEndpoint(peer, conn_id, is_client=True)
@@ -305,7 +317,9 @@ class UcxTransport(Transport):
             await endpoint._recv_raw(ack, _ACK_TAG, timeout_s)
             (warmup_bytes,) = struct.unpack("<Q", ack.tobytes())
             if warmup_bytes:
-                scratch = self._warmup_buf if warmup_bytes <= self._warmup_buf.size else np.zeros(warmup_bytes, np.uint8)
+                scratch = (
+                    self._warmup_buf if warmup_bytes <= self._warmup_buf.size else np.zeros(warmup_bytes, np.uint8)
+                )
                 await endpoint._recv_raw(scratch[:warmup_bytes], _WARMUP_TAG, timeout_s)
         except TimeoutError:
             endpoint.abort()
@@ -331,7 +345,7 @@ class UcxTransport(Transport):
         if task is None or task.done() or self._address is None:
             return
         try:
-            me = await self._peer_for(self._address[len(_ADDRESS_PREFIX):])
+            me = await self._peer_for(self._address[len(_ADDRESS_PREFIX) :])
             bye = np.zeros(_HELLO_BYTES, dtype=np.uint8)
             bye[:4] = np.frombuffer(_BYE_MAGIC, np.uint8)
             await asyncio.wait_for(me.ep.send(bye, tag=_ACCEPT_TAG, force_tag=True), 2.0)

@@ -1,0 +1,404 @@
+"""Transports and chains in one process with real sockets / UCX: the fault paths, fast.
+
+UCX allows one transport per process, so UCX cases connect a transport to itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import torch
+
+from services.dataplane import (
+    ChecksumMismatch,
+    GroupServer,
+    GroupStore,
+    InsufficientMemory,
+    ManifestMismatch,
+    PeerClosed,
+    ProtocolError,
+    Pull,
+    TransferTimeout,
+    Transport,
+    address_label,
+    fetch_manifest,
+    make_transport,
+    receive_chain,
+    receive_groups,
+    serve_groups,
+)
+from services.dataplane import (
+    transport as transport_mod,
+)
+from services.dataplane.checksum import BLOCK_BYTES
+from services.dataplane.manifest import Manifest
+from services.dataplane.tcp import TcpTransport
+from services.dataplane.testing import ModelSpec, synthetic_model
+
+pytestmark = pytest.mark.timeout(60)
+
+UCX_OK, UCX_REASON = transport_mod.ucx_available()
+KINDS = [
+    "tcp",
+    pytest.param(
+        "ucx", marks=[pytest.mark.ucx, pytest.mark.skipif(not UCX_OK, reason=f"ucxx does not import: {UCX_REASON}")]
+    ),
+]
+SPEC = ModelSpec(model_id="inproc", num_layers=4, layer_bytes=512 * 1024, chunk_bytes=BLOCK_BYTES * 2)
+
+
+@pytest.fixture
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Transport, Transport]]:
+    kind = getattr(request, "param", "tcp")
+    a = make_transport(kind)
+    await a.start()
+    b = a if kind == "ucx" else make_transport(kind)
+    if b is not a:
+        await b.start()
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        if b is not a:
+            await b.close()
+
+
+async def _connected(a: Transport, b: Transport):  # type: ignore[no-untyped-def]
+    client = await a.connect(b.address(), timeout_s=5)
+    server = await b.accept(timeout_s=5)
+    return client, server
+
+
+# -- transports -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pair", KINDS, indirect=True)
+async def test_tagged_messages_land_in_caller_buffers(pair: tuple[Transport, Transport]) -> None:
+    client, server = await _connected(*pair)
+    payloads = {7: np.arange(300_000, dtype=np.uint8), 8: np.full(1000, 3, np.uint8), 9: np.ones(5, np.uint8)}
+    # Sent before the receives are posted, in another order: matched by tag, not by arrival.
+    # (A large UCX send completes only once received, so the sends run as tasks.)
+    sends = [asyncio.ensure_future(client.send(payloads[tag], tag, timeout_s=5)) for tag in (9, 7, 8)]
+    await asyncio.sleep(0.05)
+    as_numpy = np.zeros(300_000, np.uint8)
+    as_tensor = torch.zeros(1000, dtype=torch.uint8)
+    as_bytearray = bytearray(5)
+    await server.recv_into(as_tensor, 8, timeout_s=5)
+    await server.recv_into(as_numpy, 7, timeout_s=5)
+    await server.recv_into(as_bytearray, 9, timeout_s=5)
+    await asyncio.gather(*sends)
+    assert np.array_equal(as_numpy, payloads[7])
+    assert np.array_equal(as_tensor.numpy(), payloads[8])
+    assert bytes(as_bytearray) == payloads[9].tobytes()
+    await server.send_msg(b"reply", 1, timeout_s=5)
+    assert await client.recv_msg(1, timeout_s=5) == b"reply"
+    await client.close()
+    await server.close()
+
+
+@pytest.mark.parametrize("pair", KINDS, indirect=True)
+async def test_receive_times_out_and_aborts_instead_of_hanging(pair: tuple[Transport, Transport]) -> None:
+    client, _server = await _connected(*pair)
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout, match="within 0.2s"):
+        await client.recv_into(np.zeros(16, np.uint8), 3, timeout_s=0.2)
+    assert time.monotonic() - started < 2.0
+    assert client.closed  # the pending receive was cancelled with the endpoint
+    with pytest.raises(PeerClosed):
+        await client.recv_into(np.zeros(16, np.uint8), 3, timeout_s=0.2)
+
+
+async def test_tcp_peer_close_fails_pending_receive(pair: tuple[Transport, Transport]) -> None:
+    client, server = await _connected(*pair)
+    pending = asyncio.ensure_future(client.recv_into(np.zeros(16, np.uint8), 1, timeout_s=10))
+    await asyncio.sleep(0.05)
+    await server.close()
+    with pytest.raises(PeerClosed):
+        await asyncio.wait_for(pending, 5)
+
+
+async def test_tcp_size_mismatch_is_a_protocol_error(pair: tuple[Transport, Transport]) -> None:
+    client, server = await _connected(*pair)
+    await client.send(np.zeros(10, np.uint8), 1, timeout_s=5)
+    with pytest.raises(ProtocolError, match="has 10 bytes, receive buffer has 16"):
+        await server.recv_into(np.zeros(16, np.uint8), 1, timeout_s=5)
+
+
+async def test_connect_to_nothing_fails_fast() -> None:
+    t = make_transport("tcp")
+    await t.start()
+    dead = TcpTransport()
+    await dead.start()
+    address = dead.address()
+    await dead.close()
+    try:
+        with pytest.raises(PeerClosed, match="cannot connect"):
+            await t.connect(address, timeout_s=2)
+    finally:
+        await t.close()
+
+
+def test_make_transport_kinds_and_options(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    assert isinstance(make_transport("tcp"), TcpTransport)
+    with pytest.raises(ValueError, match="unknown transport kind 'rdma'"):
+        make_transport("rdma")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"unknown transport options \['hots'\]"):
+        make_transport("tcp", hots="x")
+    monkeypatch.setattr(transport_mod, "ucx_available", lambda: (False, "ImportError: no ucxx"))
+    monkeypatch.setattr(transport_mod, "_fallback_logged", False)
+    with pytest.raises(transport_mod.TransportUnavailable, match="no ucxx"):
+        make_transport("ucx")
+    assert isinstance(make_transport("auto"), TcpTransport)
+    assert isinstance(make_transport("auto"), TcpTransport)
+    assert transport_mod._fallback_logged
+
+
+# -- chains ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def source() -> AsyncIterator[tuple[Transport, GroupServer, Manifest, list[np.ndarray]]]:
+    manifest, bufs = synthetic_model(SPEC)
+    t = make_transport("tcp")
+    await t.start()
+    server = await serve_groups(t, manifest, bufs)
+    try:
+        yield t, server, manifest, bufs
+    finally:
+        await server.close()
+        await t.close()
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[tuple[Transport, GroupServer]]:
+    t = make_transport("tcp")
+    await t.start()
+    server = GroupServer(t, publish_wait_s=0.3)
+    await server.start()
+    try:
+        yield t, server
+    finally:
+        await server.close()
+        await t.close()
+
+
+async def test_ready_groups_are_zero_copy_tensors_in_layer_order(source, receiver) -> None:  # type: ignore[no-untyped-def]
+    src_t, _, manifest, bufs = source
+    rt, rserver = receiver
+    ready: list[str] = []
+    result = await receive_chain(
+        rt, src_t.address(), manifest, server=rserver, on_group_ready=ready.append, stall_timeout_s=5
+    )
+    assert ready == manifest.group_names
+    assert result.store.ready_prefix() == len(manifest.groups)
+    assert result.bytes_received == manifest.total_bytes
+    for gi, entry in enumerate(manifest.groups):
+        assert np.array_equal(result.store.buffer(entry.name), bufs[gi])
+        tensors = result.store.tensors(entry.name)
+        first = entry.tensors[0]
+        assert tensors[first.name].data_ptr() == result.store.buffer(entry.name).ctypes.data + first.offset_bytes
+
+
+async def test_manifest_mismatch_is_named_and_nothing_usable(source, receiver) -> None:  # type: ignore[no-untyped-def]
+    src_t, _, _, _ = source
+    rt, _ = receiver
+    other, _ = synthetic_model(
+        ModelSpec(model_id=SPEC.model_id, num_layers=4, layer_bytes=512 * 1024, chunk_bytes=BLOCK_BYTES * 2, seed=99)
+    )
+    store = GroupStore(other)
+    with pytest.raises(ManifestMismatch, match="group 'embed' checksum"):
+        await receive_chain(rt, src_t.address(), store, stall_timeout_s=5)
+    assert store.ready_groups() == []
+
+
+async def test_wrong_model_is_a_manifest_mismatch(source, receiver) -> None:  # type: ignore[no-untyped-def]
+    src_t, src_server, _, _ = source
+    rt, _ = receiver
+    src_server._publish_wait_s = 0.2
+    wrong, _ = synthetic_model(ModelSpec(model_id="not-here", num_layers=1, layer_bytes=BLOCK_BYTES))
+    with pytest.raises(ManifestMismatch, match="'not-here' is not served here"):
+        await receive_chain(rt, src_t.address(), wrong, stall_timeout_s=5)
+    with pytest.raises(ManifestMismatch, match="not served here"):
+        await fetch_manifest(rt, src_t.address(), "not-here", timeout_s=5)
+    assert await fetch_manifest(rt, src_t.address(), SPEC.model_id, timeout_s=5) == (await _manifest())
+
+
+async def _manifest() -> Manifest:
+    return synthetic_model(SPEC)[0]
+
+
+async def test_budget_and_allocation_failures_are_insufficient_memory(source, receiver) -> None:  # type: ignore[no-untyped-def]
+    src_t, _, manifest, _ = source
+    rt, _ = receiver
+    calls: list[str] = []
+    with pytest.raises(InsufficientMemory, match=f"needs {manifest.total_bytes} bytes, budget is 1000"):
+        await receive_chain(rt, src_t.address(), manifest, budget_bytes=1000, allocate=lambda e: calls.append(e.name))  # type: ignore[func-returns-value]
+    assert calls == []  # refused before anything was allocated or moved
+
+    def no_memory(entry):  # type: ignore[no-untyped-def]
+        raise MemoryError("simulated")
+
+    with pytest.raises(InsufficientMemory, match="simulated"):
+        await receive_chain(rt, src_t.address(), manifest, allocate=no_memory, stall_timeout_s=5)
+
+
+async def test_checksum_mismatch_leaves_only_verified_groups_usable(receiver) -> None:  # type: ignore[no-untyped-def]
+    manifest, bufs = synthetic_model(SPEC)
+    bufs[2][123] ^= 0x01  # corrupt layers.1 after the manifest was made
+    t = make_transport("tcp")
+    await t.start()
+    server = await serve_groups(t, manifest, bufs)
+    rt, _ = receiver
+    store = GroupStore(manifest)
+    try:
+        with pytest.raises(ChecksumMismatch, match="group 'layers.1'") as info:
+            await receive_chain(rt, t.address(), store, stall_timeout_s=5)
+        assert info.value.group == "layers.1"
+        assert not store.is_ready("layers.1")
+        assert store.ready_prefix() <= 2
+        with pytest.raises(KeyError, match="not usable"):
+            store.tensors("layers.1")
+    finally:
+        await server.close()
+        await t.close()
+
+
+async def test_stalled_upstream_is_resourced_from_fallback_exactly(source, receiver) -> None:  # type: ignore[no-untyped-def]
+    src_t, _, manifest, bufs = source
+    rt, _ = receiver
+    # A "hop" that got embed and half of layers.0 and then went silent (as a dead UCX peer is).
+    hop_t = make_transport("tcp")
+    await hop_t.start()
+    hop_server = GroupServer(hop_t)
+    await hop_server.start()
+    stuck = GroupStore(manifest)
+    stuck.expect(range(len(manifest.groups)))  # type: ignore[arg-type]
+    for gi, buf in enumerate(bufs):
+        stuck.set_buffer(gi, buf.copy())
+    stuck.mark_landed(0, manifest.groups[0].size_bytes)
+    stuck.mark_landed(1, manifest.chunk_bytes)
+    hop_server.publish(stuck)
+    try:
+        started = time.monotonic()
+        result = await receive_chain(
+            rt, hop_t.address(), manifest, fallback_addresses=[src_t.address()], stall_timeout_s=0.5
+        )
+        assert time.monotonic() - started < 5
+        assert result.resourced_groups == manifest.group_names[1:]
+        by_source = result.bytes_by_source
+        assert sum(by_source.values()) == manifest.total_bytes  # every byte exactly once
+        assert by_source[address_label(hop_t.address())] == manifest.groups[0].size_bytes + manifest.chunk_bytes
+        for gi, entry in enumerate(manifest.groups):
+            assert np.array_equal(result.store.buffer(entry.name), bufs[gi])
+    finally:
+        await hop_server.close()
+        await hop_t.close()
+
+
+async def test_failed_hop_tells_downstream_which_falls_back(source, receiver) -> None:  # type: ignore[no-untyped-def]
+    src_t, _, manifest, bufs = source
+    rt, _ = receiver
+    hop_t = make_transport("tcp")
+    await hop_t.start()
+    hop_server = GroupServer(hop_t)
+    await hop_server.start()
+    failing = GroupStore(manifest)
+    failing.expect(range(len(manifest.groups)))  # type: ignore[arg-type]
+    hop_server.publish(failing)
+    try:
+        task = asyncio.ensure_future(
+            receive_chain(rt, hop_t.address(), manifest, fallback_addresses=[src_t.address()], stall_timeout_s=30)
+        )
+        await asyncio.sleep(0.2)
+        failing.fail(RuntimeError("upstream of the hop died"))
+        result = await asyncio.wait_for(task, 10)  # far below the 30 s stall timeout
+        assert result.resourced_groups == manifest.group_names
+    finally:
+        await hop_server.close()
+        await hop_t.close()
+
+
+async def test_sharded_sources_with_all_gather_between_targets(source) -> None:  # type: ignore[no-untyped-def]
+    src_t, _, manifest, bufs = source
+    second = make_transport("tcp")
+    await second.start()
+    second_server = await serve_groups(second, manifest, bufs)
+    targets = [make_transport("tcp") for _ in range(2)]
+    servers = []
+    for t in targets:
+        await t.start()
+        servers.append(GroupServer(t))
+        await servers[-1].start()
+    names = manifest.group_names
+    first_half, second_half = tuple(names[: len(names) // 2]), tuple(names[len(names) // 2 :])
+    try:
+        results = await asyncio.gather(
+            receive_groups(
+                targets[0],
+                manifest,
+                [Pull(src_t.address(), first_half), Pull(targets[1].address(), second_half)],
+                server=servers[0],
+                stall_timeout_s=5,
+            ),
+            receive_groups(
+                targets[1],
+                manifest,
+                [Pull(second.address(), second_half), Pull(targets[0].address(), first_half)],
+                server=servers[1],
+                stall_timeout_s=5,
+            ),
+        )
+        for r in results:
+            assert r.store.ready_prefix() == len(names)
+            for gi, entry in enumerate(manifest.groups):
+                assert np.array_equal(r.store.buffer(entry.name), bufs[gi])
+        with pytest.raises(ValueError, match="requested from both"):
+            await receive_groups(targets[0], manifest, [Pull(src_t.address()), Pull(second.address(), first_half)])
+    finally:
+        for s in (*servers, second_server):
+            await s.close()
+        for t in (*targets, second):
+            await t.close()
+
+
+async def test_source_that_never_answers_times_out(receiver) -> None:  # type: ignore[no-untyped-def]
+    rt, _ = receiver
+    # A listener that accepts connections and never says a word.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    port = silent.getsockname()[1]
+    address = b'TCP1{"host": "127.0.0.1", "port": %d}' % port
+    manifest, _ = synthetic_model(SPEC)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            await receive_chain(rt, address, manifest, stall_timeout_s=0.3)
+        assert time.monotonic() - started < 5
+    finally:
+        silent.close()
+
+
+async def test_empty_group_is_ready_without_bytes(receiver) -> None:  # type: ignore[no-untyped-def]
+    from services.dataplane.manifest import pack_groups
+
+    manifest, bufs = pack_groups(
+        "empty",
+        [("embed", {"w": np.ones(10, np.float32)}), ("layers.0", {}), ("head", {"w": np.zeros(0, np.float16)})],
+        chunk_bytes=BLOCK_BYTES,
+    )
+    t = make_transport("tcp")
+    await t.start()
+    server = await serve_groups(t, manifest, bufs)
+    rt, _ = receiver
+    try:
+        result = await receive_chain(rt, t.address(), manifest, stall_timeout_s=5)
+        assert result.store.ready_groups() == ["embed", "layers.0", "head"]
+    finally:
+        await server.close()
+        await t.close()
