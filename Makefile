@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[services,test,dev]'
+	$(PIP) install -e '.[services,test,dev,bench]'
 	touch $@
 
 up: setup

@@ -416,6 +416,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 call = stub.LoadParameters(request, timeout=self.cfg.load_timeout_s)
                 async for p in call:
                     done = done or p.done
+                    self.monitor.mark_seen(iid, self.now_s())  # progress proves it is alive
                     if iid in self.table.registry and self.table.registry.get(iid).state is S.LOADING:
                         view = self.table.registry.get(iid)
                         with contextlib.suppress(ValueError):
@@ -428,12 +429,18 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             error = f"{e.code().name}: {e.details()}"
         except Exception as e:  # noqa: BLE001 (a failed action is reported, never crashes the manager)
             error = repr(e)
+        self.monitor.mark_seen(iid, self.now_s())  # its silence clock restarts after the action
         if not error:
             state = self.table.registry.get(iid).state if iid in self.table.registry else None
             if state is S.LOADING:
                 self.table.registry.transition(iid, S.SERVING)
             elif state is not S.SERVING:
-                error = f"instance became {state.value if state else 'unregistered'} while loading"
+                # Written off (deregistered) meanwhile: the worker re-registers in the state it
+                # reports, so there is nothing to roll back here.
+                self.emit("load_result", model_id, "orphaned",
+                          f"loaded, but the instance is {state.value if state else 'unregistered'} here; "
+                          "it re-registers in the state it reports", iid)
+                return
         if not error:
             load_s = time.perf_counter() - started
             await self._update_location(model_id, iid, present=True)
@@ -481,6 +488,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             error = f"{e.code().name}: {e.details()}"
         except Exception as e:  # noqa: BLE001
             error = repr(e)
+        self.monitor.mark_seen(iid, self.now_s())
         if error:
             # From here the worker's own heartbeats decide where it is (SERVING again, or LOST).
             ACTIONS.labels("drain", "failed").inc()
@@ -549,6 +557,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     def tick(self) -> None:
         now = self.now_s()
         for iid in self.monitor.lost(now):
+            if iid in self._actions:
+                # A load or drain RPC is in flight: its own deadline judges the worker (a busy
+                # worker may miss heartbeats while it unpacks parameters).
+                continue
             if iid in self.table.registry and self.table.registry.get(iid).state is not S.LOST:
                 model = self.table.registry.get(iid).model
                 self.table.registry.mark_lost(iid)

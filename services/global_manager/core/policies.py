@@ -261,6 +261,11 @@ class HeteroScaleConfig(_BaseConfig):
     latency_panic_scale_factor: float = Field(
         1.2, ge=1, description="panic grows each pool to max(cur + 1, ceil(cur * this))"
     )
+    hold_scale_in_on_panic: bool = Field(
+        False,
+        description="while TBT is above the panic line, a scale-in is held (no change) instead of falling "
+        "through; off by default, as ALGORITHMS.md 1 step 3 specifies the fall-through",
+    )
     rounding: Literal["ceil", "floor", "round"] = Field(
         "ceil",
         description="ceil/floor: prefill = f(P_exp), decode = prefill * round(1/pd_ratio) (seed formula); "
@@ -294,7 +299,8 @@ class HeteroScalePolicy(_PolicyBase):
 
         # Step 1: latency panic. Blocked by the scale-out cooldown, it falls through to step 2.
         note = ""
-        if cfg.enable_latency_trigger and tbt_s is not None and tbt_s > panic_line_s:
+        panicking = cfg.enable_latency_trigger and tbt_s is not None and tbt_s > panic_line_s
+        if panicking:
             panic_reason = f"LATENCY_PANIC: tbt={_g(tbt_s)}s > {_g(panic_line_s)}s"
             if out_ok:
                 factor = cfg.latency_panic_scale_factor
@@ -328,6 +334,10 @@ class HeteroScalePolicy(_PolicyBase):
 
         if not allowed:
             reason = f"{reason}; COOLDOWN: {action} held until t={_g(until_s)}"
+            return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
+        if action == "scale_in" and panicking and cfg.hold_scale_in_on_panic:
+            # Low decode TPS under high TBT means requests are stuck, not that load is gone.
+            reason = f"{reason}; HELD: no scale-in while TBT is above the panic line"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
         after = self._targets(need, snapshot.disaggregated)
         if after == before:

@@ -1,0 +1,272 @@
+"""Autoscaling on the local mesh against a compressed replay of the Azure code trace.
+
+Usage:
+    python -m bench.autoscale [--quick] [--trace ../shared/traces/azure_llm_2023_code.csv]
+        [--policy heteroscale] [--policy-params '{"scale_in_cooldown_s": 20}']
+        [--step-time-a-s 0.05 --step-time-b-s 0.002] [--runs autoscaled,fixed_average,fixed_peak]
+        [--out bench/results/autoscale.json] [--plot bench/results/autoscale.png]
+
+One mesh of `small`-model workers with the emulated accelerator on (every engine step paced to
+a + b * batch tokens; the profile is in the result) replays the same open-loop schedule for each
+run: `autoscaled` (one instance at first, the policy acting, HeteroScale by default, the other
+workers IDLE), `autoscaled_bounds` (the same with the BlitzScale-bounds policy, which reads
+waiting prefill tokens), `fixed_average` (a fixed pool sized for the mean request rate) and
+`fixed_peak` (sized for the busiest 5 s). Between runs the policy is put in advisory mode and the pool is resized through the
+Admin API (Scale, which drains or loads instances), then the load windows are let empty.
+Writes the JSON result (requests_sent, completed, errored, lost, slo_attainment,
+instance_seconds per run), a PNG of instances / request rate / TTFT p99 over time, and the
+autoscaled runs' decision logs (`time,action,target,status,reason`) beside the PNG.
+`--quick` replays 8 trace minutes in 40 s (under 5 minutes in all); the default 30 minutes in
+300 s. The two CPU cores do not add compute with more workers: the pacing is what scales, and
+the machine's other load shows up in the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.autoscale.sizing import Profile, size_pools
+from bench.replay import (
+    Slo,
+    TokenScaling,
+    TraceWindow,
+    describe,
+    from_trace,
+    read_azure_trace,
+    replay,
+    summarize,
+    timeline,
+)
+import blitzmesh
+from services.mesh.launcher import Mesh, MeshConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+SCALE_EVENTS = ("autoscaling_decision", "autoscaling_bound", "scale_out", "scale_in", "load_result", "drain_result")
+
+# Replay windows of the code trace (trace seconds) and how hard they are squeezed.
+QUICK = {"start_s": 480.0, "span_s": 480.0, "compress": 12.0, "thin": 24}
+FULL = {"start_s": 0.0, "span_s": 1800.0, "compress": 6.0, "thin": 12}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.autoscale", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="8 trace minutes in 40 s per run")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--model", default="small")
+    p.add_argument("--model-dir", type=Path, default=REPO_ROOT / "models")
+    p.add_argument("--vocab-size", type=int, default=8000, help="prompt ids are drawn below this")
+    p.add_argument("--step-time-a-s", type=float, default=0.05, help="emulated accelerator: fixed step time")
+    p.add_argument("--step-time-b-s", type=float, default=0.002, help="emulated accelerator: per batch token")
+    p.add_argument("--target-utilization", type=float, default=0.7, help="what the fixed pools are sized for")
+    p.add_argument("--autoscale-utilization", type=float, default=0.5,
+                   help="what the policy's decode-TPS target is set at: lower than the fixed pools' because a "
+                        "reactive policy needs headroom for its lag (the TPS window, the load time)")
+    p.add_argument("--policy", default="heteroscale")
+    p.add_argument("--policy-params", default="{}", help="JSON object overriding the derived parameters")
+    p.add_argument("--ttft-slo-s", type=float, default=1.5)
+    p.add_argument("--tbt-slo-s", type=float, default=0.2, help="SLO on each request's mean time between tokens")
+    p.add_argument("--runs", default="autoscaled,autoscaled_bounds,fixed_average,fixed_peak",
+                   help="comma-separated subset; autoscaled_bounds runs the BlitzScale-bounds policy (waiting "
+                        "prefill tokens) as a second autoscaler")
+    p.add_argument("--dataplane", choices=("tcp", "ucx", "auto"), default="tcp",
+                   help="workers' and parameter manager's transport; UCX's progress loop costs ~17%% of a core per "
+                        "idle process here, which two cores shared by every process cannot spare")
+    p.add_argument("--bin-s", type=float, default=2.5, help="plot and timeline bin")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "autoscale.json")
+    p.add_argument("--plot", type=Path, default=None, help="default: the --out path with .png")
+    p.add_argument("--run-dir", type=Path, default=REPO_ROOT / "run" / "bench-autoscale")
+    return p.parse_args(argv)
+
+
+async def _settle(admin: blitzmesh.AsyncClient, model: str, serving: int, timeout_s: float) -> None:
+    """Until exactly `serving` instances serve, none loads or drains, and the load reports are
+    quiet (so the next run's policy does not see the last run's tail)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        cluster = await admin.cluster()
+        mine = [i for i in cluster.instances if i.model_id == model and i.state in ("loading", "serving", "draining")]
+        states = [i.state for i in mine]
+        busy = sum(i.load.running + i.load.waiting for i in mine)
+        tps = sum(i.load.decode_tps for i in mine)
+        if states.count("serving") == serving and len(states) == serving and busy == 0 and tps < 0.5:
+            return
+        if loop.time() > deadline:
+            raise TimeoutError(f"cluster did not settle at {serving} serving in {timeout_s}s: states={states} "
+                               f"running+waiting={busy} decode_tps={tps:.2f}")
+        await asyncio.sleep(0.5)
+
+
+async def _resize(admin: blitzmesh.AsyncClient, model: str, n: int) -> None:
+    cluster = await admin.cluster()
+    live = [i for i in cluster.instances if i.model_id == model and i.state in ("loading", "serving")]
+    if len(live) != n:
+        await admin.scale(model, n - len(live), wait=True, timeout_s=180)
+
+
+async def run_all(
+    names: list[str], mesh_cfg: MeshConfig, pools: dict[str, int], arrivals: list[Any], args: argparse.Namespace,
+    policies: dict[str, tuple[str, dict[str, Any]]], drain_timeout_s: float,
+) -> dict[str, dict[str, Any]]:
+    mesh = Mesh(mesh_cfg)
+    started = time.perf_counter()
+    runs: dict[str, dict[str, Any]] = {}
+    slo = Slo(ttft_s=args.ttft_slo_s, tbt_s=args.tbt_slo_s)
+    try:
+        await mesh.start()
+        print(f"mesh up in {time.perf_counter() - started:.1f}s ({mesh_cfg.workers} workers)", flush=True)
+        async with blitzmesh.AsyncClient(mesh.gateway_grpc, timeout_s=30) as admin:
+            for name in names:
+                policy, params = policies.get(name, policies["autoscaled"])
+                await admin.set_policy(policy, params, advisory=True)  # hold still while resizing
+                await _resize(admin, args.model, pools[name])
+                await _settle(admin, args.model, pools[name], timeout_s=90)
+                if name in policies:
+                    await admin.set_policy(policy, params, advisory=False)
+                print(f"[{name}] {pools[name]} serving; replaying {len(arrivals)} requests", flush=True)
+                result = await replay(
+                    arrivals, http_url=mesh.gateway_http, model=args.model, admin_target=mesh.gateway_grpc,
+                    request_timeout_s=60.0, drain_timeout_s=drain_timeout_s, vocab_size=args.vocab_size,
+                )
+                summary = summarize(result.records, result.instances, result.duration_s, slo)
+                summary.update({"initial_instances": pools[name], "notes": result.notes})
+                print(f"[{name}] " + json.dumps({k: summary[k] for k in (
+                    "requests_sent", "completed", "errored", "lost", "slo_attainment", "instance_seconds",
+                    "ttft_s")}), flush=True)
+                runs[name] = {
+                    "summary": summary,
+                    "timeline": timeline(result.records, result.instances, args.bin_s, result.duration_s),
+                    "samples": [(round(s.t_s, 2), s.held) for s in result.instances],
+                    "events": [e for e in result.events if e["action"] in SCALE_EVENTS],
+                }
+    finally:
+        await mesh.stop()
+    return runs
+
+
+def decision_log(events: list[dict[str, Any]]) -> list[str]:
+    """`time,action,target,status,reason` lines, time in seconds since the replay started."""
+    lines = ["time,action,target,status,reason"]
+    for e in events:
+        reason = e["reason"].replace(",", ";").replace("\n", " ")
+        who = f" [{e['instance_id']}]" if e.get("instance_id") else ""
+        lines.append(f"{e['t_s']:.3f},{e['action']},{e['target']},{e['status']},{reason}{who}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    window_kw = QUICK if args.quick else FULL
+    window = TraceWindow(**window_kw)
+    scaling = TokenScaling(prompt_scale=1 / 16, max_prompt_tokens=512, max_output_tokens=128, context_tokens=2048)
+    arrivals = from_trace(read_azure_trace(args.trace), window, scaling, max_requests=5000,
+                          max_duration_s=window.span_s / window.compress if window.span_s else None)
+    workload = describe(arrivals, peak_bin_s=5.0)
+    profile = Profile(args.step_time_a_s, args.step_time_b_s)
+    sizing = size_pools(profile, mean_rps=workload["mean_rps"], peak_rps=workload["peak_rps"],
+                        mean_prompt_tokens=workload["mean_prompt_tokens"],
+                        mean_output_tokens=workload["mean_output_tokens"],
+                        target_utilization=args.target_utilization)
+    target_tps = sizing.capacity_rps * args.autoscale_utilization * workload["mean_output_tokens"]
+    policy_params: dict[str, Any] = {
+        "target_decode_tps_per_instance": round(target_tps, 2),
+        "scale_out_cooldown_s": 2.0,
+        "scale_in_cooldown_s": 10.0 if args.quick else 20.0,
+        "tbt_slo_s": args.tbt_slo_s,
+    }
+    if args.policy == "heteroscale":
+        policy_params["hold_scale_in_on_panic"] = True
+    else:
+        policy_params = {}
+    policy_params.update(json.loads(args.policy_params))
+    pool_max = sizing.fixed_peak
+    print(f"workload: {json.dumps({k: round(v, 2) for k, v in workload.items()})}")
+    print(f"profile a={profile.a_s}s b={profile.b_s}s/token; sizing: {json.dumps(sizing.to_json())}")
+    print(f"policy {args.policy} {json.dumps(policy_params)}", flush=True)
+
+    manager_args = [
+        "--autoscale", "--advisory", "--policy", args.policy, "--policy-params", json.dumps(policy_params),
+        "--max-instances", str(pool_max), "--window-s", "2", "--tick-s", "0.5", "--decision-repeat-s", "10",
+    ]
+    mesh_cfg = MeshConfig(
+        workers=pool_max, initial_instances=1, model=args.model, model_dir=args.model_dir, run_dir=args.run_dir,
+        http_port=0, grpc_port=0, ready_timeout_s=180.0, worker_args=profile.worker_args(),
+        manager_args=manager_args,
+    )
+    # The launcher's children inherit the environment, which the services' config layer reads.
+    os.environ["BLITZMESH_WORKER_DATAPLANE"] = args.dataplane
+    os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE"] = args.dataplane
+    pools = {"fixed_peak": sizing.fixed_peak, "fixed_average": sizing.fixed_average, "autoscaled": 1,
+             "autoscaled_bounds": 1}
+    bounds_params = {"prefill_tps_per_replica": round(1 / profile.b_s, 1), "scale_out_cooldown_s": 2.0,
+                     "scale_in_cooldown_s": policy_params.get("scale_in_cooldown_s", 10.0)}
+    policies = {"autoscaled": (args.policy, policy_params), "autoscaled_bounds": ("blitzscale_bounds", bounds_params)}
+    wanted = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = set(wanted) - set(pools)
+    if unknown:
+        raise SystemExit(f"unknown runs {sorted(unknown)}; choose from {sorted(pools)}")
+    drain_timeout_s = 15.0 if args.quick else 40.0
+    runs = asyncio.run(run_all(wanted, mesh_cfg, pools, arrivals, args, policies, drain_timeout_s))
+
+    plot_path = args.plot or args.out.with_suffix(".png")
+    log_path = plot_path.with_name(plot_path.stem + "_decisions.csv")
+    auto_events = runs.get("autoscaled", {}).get("events", [])
+    result: dict[str, Any] = {name: run["summary"] for name, run in runs.items()}
+    result["setup"] = {
+        "quick": args.quick,
+        "trace": args.trace.name,
+        "trace_window": window_kw,
+        "token_scaling": {"prompt_scale": scaling.prompt_scale, "max_prompt_tokens": scaling.max_prompt_tokens,
+                          "max_output_tokens": scaling.max_output_tokens},
+        "workload": {k: round(v, 3) for k, v in workload.items()},
+        "model": args.model,
+        "accelerator_profile": {"step_time_a_s": profile.a_s, "step_time_b_s": profile.b_s,
+                                "meaning": "each engine iteration lasts at least a + b * batch_tokens; "
+                                           "the real model still computes every token"},
+        "mesh": {"workers": pool_max, "pools": pools, "manager_args": manager_args, "dataplane": args.dataplane,
+                 "note": "one mesh for every run; pools resized through Admin.Scale between runs"},
+        "sizing": {**sizing.to_json(), "target_utilization": args.target_utilization,
+                   "autoscale_utilization": args.autoscale_utilization,
+                   "rule": "pool = ceil(rate / (capacity_rps * target_utilization)); peak = busiest 5 s"},
+        "policy": args.policy,
+        "policy_params": policy_params,
+        "autoscaled_bounds_policy": {"policy": "blitzscale_bounds", "params": bounds_params},
+        "slo": {"ttft_s": args.ttft_slo_s, "tbt_mean_s": args.tbt_slo_s},
+        "machine": {"cpus": 2, "python": sys.version.split()[0], "platform": platform.platform()},
+        "decision_log": log_path.name,
+        "plot": plot_path.name,
+    }
+    result["timelines"] = {name: run["timeline"] for name, run in runs.items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    log_path.write_text("\n".join(decision_log(auto_events)) + "\n")
+    if "autoscaled_bounds" in runs:
+        bounds_log = log_path.with_name(log_path.stem + "_bounds.csv")
+        bounds_log.write_text("\n".join(decision_log(runs["autoscaled_bounds"]["events"])) + "\n")
+    from bench.autoscale.plot import plot
+
+    decisions = [e for e in auto_events if e["action"] == "autoscaling_decision" and e["target"] != "no_change"]
+    title = (f"code trace, {window_kw['span_s'] / 60:.0f} trace min in {window_kw['span_s'] / window_kw['compress']:.0f} s "
+             f"(1/{window_kw['thin']} of requests), model {args.model}, "
+             f"step = {profile.a_s} s + {profile.b_s} s/token, policy {args.policy}")
+    plot(runs, decisions, args.ttft_slo_s, title, plot_path)
+    print(f"\n{'run':<14} {'sent':>5} {'ok':>5} {'err':>4} {'lost':>4} {'SLO':>6} {'inst-s':>8} {'TTFT p99':>9}")
+    for name, run in runs.items():
+        s = run["summary"]
+        print(f"{name:<14} {s['requests_sent']:>5} {s['completed']:>5} {s['errored']:>4} {s['lost']:>4} "
+              f"{s['slo_attainment']:>6} {s['instance_seconds']:>8} {s['ttft_s']['p99']!s:>9}")
+    print(f"wrote {args.out}, {plot_path}, {log_path}")
+    return 0 if all(run["summary"]["lost"] == 0 for run in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

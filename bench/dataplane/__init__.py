@@ -1,0 +1,1 @@
+"""Data plane benchmark: `python -m bench.dataplane` (see __main__.py)."""

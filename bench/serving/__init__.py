@@ -1,0 +1,1 @@
+"""Serving benchmark: gateway vs in-process engine vs HF transformers on one trace-drawn workload."""

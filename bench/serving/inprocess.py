@@ -1,0 +1,81 @@
+"""System (b): the worker's engine in this process, on the same checkpoint and EngineConfig."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from types import TracebackType
+
+from bench.serving.results import RequestTiming, SystemResult
+from bench.serving.workload import Request
+from services.worker.config import WorkerConfig
+from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.sampling import SamplingParams
+from services.worker.model.llama import load_model
+
+
+def worker_engine_config(worker: WorkerConfig) -> EngineConfig:
+    """The EngineConfig a worker with these options builds (see WorkerServicer._make_engine)."""
+    return EngineConfig(
+        max_batch_size=worker.max_batch_size,
+        max_num_tokens=worker.max_num_tokens,
+        block_size=worker.block_size,
+        num_kv_blocks=worker.kv_cache_tokens // worker.block_size,
+    )
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+class EngineSystem:
+    """A started Engine on the checkpoint; `serve()` submits a closed batch and times the streams."""
+
+    name = "engine"
+
+    def __init__(self, model_path: Path, config: EngineConfig) -> None:
+        self.model_path = model_path
+        self.config = config
+        self._engine: Engine | None = None
+        self._rounds = 0
+
+    async def __aenter__(self) -> EngineSystem:
+        model = await asyncio.to_thread(load_model, str(self.model_path))
+        self._engine = Engine.create(model, model.config.eos_token_id, self.config)
+        await self._engine.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._engine is not None:
+            await self._engine.stop()
+
+    async def serve(self, requests: list[Request]) -> SystemResult:
+        engine = self._engine
+        assert engine is not None, "use `async with EngineSystem(...)`"
+        self._rounds += 1
+        tag = f"round{self._rounds}"
+
+        async def one(req: Request, t0: float) -> RequestTiming:
+            timing = RequestTiming(req.index, req.output_tokens)
+            async for ev in engine.generate(f"{tag}-{req.index}", req.prompt_ids, greedy(req.output_tokens)):
+                if ev.token_id is not None:
+                    timing.token_times_s.append(time.perf_counter() - t0)
+            if len(timing.token_times_s) != req.output_tokens:
+                raise RuntimeError(
+                    f"engine request {req.index} produced {len(timing.token_times_s)} tokens, "
+                    f"asked {req.output_tokens}"
+                )
+            return timing
+
+        t0 = time.perf_counter()
+        timings = await asyncio.gather(*(one(r, t0) for r in requests))
+        wall_s = time.perf_counter() - t0
+        return SystemResult(
+            name=self.name,
+            wall_s=wall_s,
+            useful_tokens=sum(r.output_tokens for r in requests),
+            requests=list(timings),
+        )

@@ -1,0 +1,360 @@
+"""The live autoscaler against fake workers and a fake parameter manager (real gRPC servers).
+
+The fakes keep their own state the way real workers do (LoadParameters: IDLE -> LOADING ->
+SERVING, Drain: DRAINING, Unload: IDLE) and a background task heartbeats it with a load the
+test sets, so the manager's control loop sees what it would see in a mesh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from blitzmesh.v1 import (
+    admin_pb2,
+    common_pb2,
+    global_manager_pb2,
+    global_manager_pb2_grpc,
+    param_manager_pb2,
+    param_manager_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.common.grpc_util import channel
+from services.global_manager.config import GlobalManagerConfig
+from services.global_manager.service import GlobalManagerService
+
+pytestmark = pytest.mark.timeout(60)
+
+ST = common_pb2.InstanceState
+MODEL = "m"
+HEARTBEAT_S = 0.05
+
+
+class FakeParamManager(param_manager_pb2_grpc.ParamManagerServicer):
+    def __init__(self) -> None:
+        self.holders: set[str] = set()
+        self.updates: list[tuple[str, bool]] = []
+
+    async def ListModels(self, request, context):  # noqa: N802
+        return admin_pb2.ListModelsResponse(models=[common_pb2.ModelInfo(model_id=MODEL)])
+
+    async def UpdateLocation(self, request, context):  # noqa: N802
+        self.updates.append((request.holder, request.present))
+        (self.holders.add if request.present else self.holders.discard)(request.holder)
+        return param_manager_pb2.UpdateLocationResponse()
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, iid: str) -> None:
+        self.iid = iid
+        self.address = ""
+        self.state = ST.INSTANCE_STATE_IDLE
+        self.load = common_pb2.LoadReport()
+        self.fail_load = False
+        self.fail_drain = False
+        self.load_s = 0.05
+        self.mute = False  # no heartbeats (a worker busy unpacking parameters)
+        self.drains = 0
+
+    async def LoadParameters(self, request, context):  # noqa: N802
+        self.state = ST.INSTANCE_STATE_LOADING
+        yield worker_pb2.LoadProgress(layers_loaded=1, groups_total=4, groups_loaded=2)
+        await asyncio.sleep(self.load_s)
+        if self.fail_load:
+            self.state = ST.INSTANCE_STATE_IDLE  # the real worker drops the half-loaded model
+            await context.abort(grpc.StatusCode.DATA_LOSS, f"{self.iid}: crc mismatch in layers.1")
+        self.state = ST.INSTANCE_STATE_SERVING
+        yield worker_pb2.LoadProgress(layers_loaded=2, groups_total=4, groups_loaded=4, done=True)
+
+    async def Drain(self, request, context):  # noqa: N802
+        if self.fail_drain:
+            await context.abort(grpc.StatusCode.INTERNAL, f"{self.iid}: drain broke")
+        self.state = ST.INSTANCE_STATE_DRAINING
+        self.drains += 1
+        return worker_pb2.DrainResponse(finished=int(self.load.running))
+
+    async def Unload(self, request, context):  # noqa: N802
+        self.state = ST.INSTANCE_STATE_IDLE
+        self.load = common_pb2.LoadReport()
+        return worker_pb2.UnloadResponse()
+
+    def info(self) -> common_pb2.InstanceInfo:
+        serving = self.state in (ST.INSTANCE_STATE_SERVING, ST.INSTANCE_STATE_DRAINING)
+        return common_pb2.InstanceInfo(
+            instance_id=self.iid, address=self.address, host="h0", state=self.state,
+            model_id=MODEL if self.state != ST.INSTANCE_STATE_IDLE else "",
+            role=common_pb2.INSTANCE_ROLE_COLOCATED,
+            layers_loaded=2 if serving else 0, num_layers=2 if self.state != ST.INSTANCE_STATE_IDLE else 0,
+        )
+
+
+@contextlib.asynccontextmanager
+async def grpc_server(add: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+@dataclass
+class Cluster:
+    gm: GlobalManagerService
+    stub: global_manager_pb2_grpc.GlobalManagerStub
+    pm: FakeParamManager
+    workers: dict[str, FakeWorker]
+    events: list[admin_pb2.ClusterEvent] = field(default_factory=list)
+    _new_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def state(self, iid: str) -> str:
+        return self.gm.servicer.table.registry.get(iid).state.value
+
+    async def wait_event(self, pred: Callable[[admin_pb2.ClusterEvent], bool], timeout_s: float = 10.0,
+                         count: int = 1) -> list[admin_pb2.ClusterEvent]:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                hits = [e for e in self.events if pred(e)]
+                if len(hits) >= count:
+                    return hits
+                self._new_event.clear()
+                await self._new_event.wait()
+
+    def set_load(self, **load: float) -> None:
+        for w in self.workers.values():
+            if w.state == ST.INSTANCE_STATE_SERVING:
+                w.load = common_pb2.LoadReport(**load)
+
+
+async def _heartbeats(stub: global_manager_pb2_grpc.GlobalManagerStub, workers: dict[str, FakeWorker]) -> None:
+    registered: set[str] = set()
+    while True:
+        for w in workers.values():
+            if w.mute:
+                continue
+            if w.iid not in registered:
+                await stub.RegisterInstance(global_manager_pb2.RegisterInstanceRequest(instance=w.info()), timeout=5)
+                registered.add(w.iid)
+            info = w.info()
+            resp = await stub.Heartbeat(
+                global_manager_pb2.HeartbeatRequest(
+                    instance_id=w.iid, state=info.state, model_id=info.model_id, layers_loaded=info.layers_loaded,
+                    num_layers=info.num_layers, load=w.load,
+                ),
+                timeout=5,
+            )
+            if resp.reregister:
+                registered.discard(w.iid)
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+async def _watch(cluster: Cluster, address: str) -> None:
+    async with channel(address) as ch:
+        async for ev in global_manager_pb2_grpc.GlobalManagerStub(ch).WatchEvents(admin_pb2.WatchEventsRequest()):
+            cluster.events.append(ev)
+            cluster._new_event.set()
+
+
+@contextlib.asynccontextmanager
+async def cluster(serve_in_process: Any, n_workers: int = 3, **cfg: Any) -> AsyncIterator[Cluster]:
+    pm = FakeParamManager()
+    workers = {f"w{i}": FakeWorker(f"w{i}") for i in range(n_workers)}
+    async with contextlib.AsyncExitStack() as stack:
+        pm_address = await stack.enter_async_context(
+            grpc_server(param_manager_pb2_grpc.add_ParamManagerServicer_to_server, pm))
+        for w in workers.values():
+            w.address = await stack.enter_async_context(grpc_server(worker_pb2_grpc.add_WorkerServicer_to_server, w))
+        params = {"target_decode_tps_per_instance": 10, "scale_out_cooldown_s": 0, "scale_in_cooldown_s": 0,
+                  "enable_latency_trigger": False, **cfg.pop("policy_params", {})}
+        settings = {"port": 0, "param_manager": pm_address, "default_model": MODEL, "min_instances": 1,
+                    "max_instances": 3, "autoscale": True, "tick_s": 0.05, "window_s": 0.5, "lost_after_s": 30,
+                    "policy_params": params, **cfg}
+        config = GlobalManagerConfig(**settings)
+        gm = GlobalManagerService(config)
+        ctx = await stack.enter_async_context(serve_in_process(gm, config))
+        ch = await stack.enter_async_context(channel(ctx.address))
+        c = Cluster(gm, global_manager_pb2_grpc.GlobalManagerStub(ch), pm, workers)
+        tasks = [asyncio.create_task(_watch(c, ctx.address)), asyncio.create_task(_heartbeats(c.stub, workers))]
+        try:
+            await asyncio.sleep(0.1)  # let the watch subscribe before anything happens
+            yield c
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def is_decision(action: str) -> Callable[[admin_pb2.ClusterEvent], bool]:
+    return lambda e: e.action == "autoscaling_decision" and e.target == action
+
+
+async def test_scale_out_then_in_moves_instances_and_locations(serve_in_process: Any) -> None:
+    async with cluster(serve_in_process) as c:
+        # min_instances brings one instance up from the idle pool.
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
+        assert c.pm.holders == {"w0"}
+
+        # Load: 50 decode tokens/s against a target of 10 per instance -> wants 5; the manager's
+        # max_instances=3 is the policy's default bound, so it asks for 3 at most.
+        c.set_load(decode_tps=50, running=4)
+        outs = await c.wait_event(is_decision("scale_out"))
+        assert outs[0].reason.startswith("SCALE_OUT: ratio=") and outs[0].status.startswith("instances:1->")
+        loaded = await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=3)
+        assert {e.instance_id for e in loaded} == {"w0", "w1", "w2"}
+        assert c.pm.holders == {"w0", "w1", "w2"}
+        assert all(c.state(i) == "SERVING" for i in c.workers)
+        await asyncio.sleep(0.6)  # a full window of 50 tokens/s: need=5, held at 3
+        assert REGISTRY.get_sample_value("blitzmesh_gm_desired_instances", {"model": MODEL, "role": "COLOCATED"}) == 3
+        assert REGISTRY.get_sample_value("blitzmesh_gm_policy_signal", {"model": MODEL, "signal": "need"}) == 5
+        assert not [e for e in c.events if e.action == "scale_out" and e.status == "partial"]
+
+        # The burst ends; w0 still has a request running, so the idle ones are drained.
+        c.set_load(decode_tps=0, running=0)
+        c.workers["w0"].load = common_pb2.LoadReport(running=1)
+        ins = await c.wait_event(is_decision("scale_in"))
+        assert ins[0].status.startswith("instances:3->") and "SCALE_IN" in ins[0].reason
+        drained = await c.wait_event(lambda e: e.action == "drain_result" and e.status == "idle", count=2)
+        assert {e.instance_id for e in drained} == {"w1", "w2"}
+        assert c.pm.holders == {"w0"} and ("w1", False) in c.pm.updates
+        assert [c.state(i) for i in ("w0", "w1", "w2")] == ["SERVING", "IDLE", "IDLE"]
+        assert c.workers["w0"].drains == 0
+
+        # Every reported decision is also a `time,action,target,status,reason` log line.
+        lines = list(c.gm.servicer.decision_log)
+        assert any(",autoscaling_decision,scale_out,instances:1->" in line and ",SCALE_OUT: ratio=" in line
+                   for line in lines)
+        assert all(len(line.split(",", 4)) == 5 for line in lines)
+
+
+async def test_steady_load_reports_no_change_once(serve_in_process: Any) -> None:
+    async with cluster(serve_in_process, policy_params={"min_instances": 1}) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
+        c.set_load(decode_tps=10, running=1)  # ratio 1: in band
+        await c.wait_event(lambda e: is_decision("no_change")(e) and "IN_BAND" in e.reason)
+        await asyncio.sleep(1.0)  # ~20 ticks
+        in_band = [e for e in c.events if is_decision("no_change")(e) and "IN_BAND" in e.reason]
+        assert len(in_band) == 1, [e.reason for e in in_band]
+        counts = REGISTRY.get_sample_value("blitzmesh_gm_decisions_total", {"policy": "heteroscale", "action": "no_change"})
+        assert counts is not None and counts >= 10
+
+
+async def test_failed_load_is_retried_on_another_worker(serve_in_process: Any) -> None:
+    async with cluster(serve_in_process) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
+        c.workers["w1"].fail_load = True
+        c.set_load(decode_tps=15, running=2)  # wants 2
+        (failed,) = await c.wait_event(lambda e: e.action == "load_result" and e.status == "failed")
+        assert failed.instance_id == "w1" and "DATA_LOSS" in failed.reason and "crc" in failed.reason
+        retry = await c.wait_event(lambda e: e.action == "scale_out" and e.reason.startswith("retry 1/1"))
+        assert retry[0].instance_id == "w2"
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok" and e.instance_id == "w2")
+        assert c.state("w1") == "IDLE" and c.state("w2") == "SERVING"
+        assert "w1" not in c.pm.holders
+
+
+async def test_failed_load_without_spare_is_rolled_back(serve_in_process: Any) -> None:
+    async with cluster(serve_in_process, n_workers=2, load_retries=1,
+                       policy_params={"scale_out_cooldown_s": 600}) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
+        c.workers["w1"].fail_load = True
+        c.set_load(decode_tps=15, running=2)
+        (rolled,) = await c.wait_event(lambda e: e.action == "scale_out" and e.status == "rolled_back")
+        assert rolled.instance_id == "w1" and "IDLE again" in rolled.reason
+        await asyncio.sleep(0.3)
+        assert c.state("w1") == "IDLE" and c.workers["w1"].state == ST.INSTANCE_STATE_IDLE
+        assert c.pm.holders == {"w0"}
+
+
+async def test_advisory_mode_decides_without_acting(serve_in_process: Any) -> None:
+    async with cluster(serve_in_process, advisory=True) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")  # min_instances still holds
+        c.set_load(decode_tps=50, running=4)
+        (out,) = await c.wait_event(is_decision("scale_out"))
+        assert out.reason.endswith("ADVISORY: not acted on")
+        await asyncio.sleep(0.3)
+        assert [c.state(i) for i in ("w1", "w2")] == ["IDLE", "IDLE"]
+        assert [e.reason for e in c.events if e.action == "scale_out"] == ["min_instances=1"]
+
+        # Switching advisory off through SetPolicy (same policy, same params) acts on the next tick.
+        resp = await c.stub.SetPolicy(admin_pb2.SetPolicyRequest(advisory=False), timeout=5)
+        assert not resp.advisory and resp.params["target_decode_tps_per_instance"] == "10"
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=3)
+
+
+async def test_set_policy_tunes_and_keeps_cooldowns(serve_in_process: Any) -> None:
+    async with cluster(serve_in_process, policy_params={"scale_out_cooldown_s": 600}) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
+        c.set_load(decode_tps=15, running=2)
+        await c.wait_event(is_decision("scale_out"))
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=2)
+        # A retune (lower target) wants more, but the scale-out cooldown carries over.
+        await c.stub.SetPolicy(
+            admin_pb2.SetPolicyRequest(policy="heteroscale", params={
+                "target_decode_tps_per_instance": "2", "scale_out_cooldown_s": "600", "scale_in_cooldown_s": "600",
+                "enable_latency_trigger": "false",
+            }),
+            timeout=5,
+        )
+        (held,) = await c.wait_event(lambda e: is_decision("no_change")(e) and "COOLDOWN" in e.reason)
+        assert "scale_out held until" in held.reason
+        # A periodic schedule travels as a JSON string.
+        resp = await c.stub.SetPolicy(
+            admin_pb2.SetPolicyRequest(policy="periodic", params={"schedule": '[{"at_s": 0, "instances": 1}]'}),
+            timeout=5,
+        )
+        assert resp.policy == "periodic" and resp.params["schedule"] == '[{"at_s": 0, "instances": 1}]'
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await c.stub.SetPolicy(
+                admin_pb2.SetPolicyRequest(policy="heteroscale", params={"pd_ratio": "7"}), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pd_ratio" in (e.value.details() or "")
+
+
+async def test_failed_drain_follows_the_worker(serve_in_process: Any) -> None:
+    async with cluster(serve_in_process, policy_params={"scale_out_cooldown_s": 600, "scale_in_cooldown_s": 600}) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
+        c.set_load(decode_tps=15, running=2)
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=2)
+        for w in c.workers.values():
+            w.fail_drain = True
+        await c.stub.SetPolicy(admin_pb2.SetPolicyRequest(advisory=True), timeout=5)
+        resp = await c.stub.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=-1, wait=True), timeout=10)
+        (victim,) = resp.instance_ids
+        (failed,) = await c.wait_event(lambda e: e.action == "drain_result" and e.status == "failed")
+        assert failed.instance_id == victim and "drain broke" in failed.reason
+        # The worker still reports SERVING: the registry follows it back instead of staying DRAINING.
+        async with asyncio.timeout(5):
+            while c.state(victim) != "SERVING":
+                await asyncio.sleep(0.05)
+        assert victim in c.pm.holders
+
+
+async def test_busy_loading_worker_is_not_written_off(serve_in_process: Any) -> None:
+    async with cluster(serve_in_process, lost_after_s=0.5) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
+        slow = c.workers["w1"]
+        slow.load_s, slow.mute = 1.5, True  # silent for 3x lost_after_s while it loads
+        c.set_load(decode_tps=15, running=2)
+        (done,) = await c.wait_event(lambda e: e.action == "load_result" and e.instance_id == "w1", timeout_s=10)
+        assert done.status == "ok"
+        slow.mute = False
+        assert not [e for e in c.events if e.action == "instance_lost" and e.instance_id == "w1"]
+        assert c.state("w1") == "SERVING"
+
+
+def test_config_rejects_bad_policy_params() -> None:
+    with pytest.raises(ValueError, match="target_decode_tps_per_instance"):
+        GlobalManagerConfig(policy_params={"target_decode_tps_per_instance": -1})
+    with pytest.raises(ValueError, match="default_model"):
+        GlobalManagerConfig(autoscale=True)
+    cfg = GlobalManagerConfig(policy="utilization", policy_params={"target_utilization": 0.5})
+    assert cfg.policy_params == {"target_utilization": 0.5}
