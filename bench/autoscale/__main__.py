@@ -184,7 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         "tbt_slo_s": args.tbt_slo_s,
     }
     if args.policy == "heteroscale":
-        policy_params["hold_scale_in_on_panic"] = True
+        # The HeteroScale extensions (see HeteroScaleConfig): a burst breaks TTFT first, and a
+        # scale-in right after a panic scale-out would read the lagging TPS window, not the load.
+        policy_params.update({
+            "hold_scale_in_on_panic": True,
+            "ttft_slo_s": args.ttft_slo_s,
+            "scale_in_stabilization_s": policy_params["scale_in_cooldown_s"],
+        })
     else:
         policy_params = {}
     policy_params.update(json.loads(args.policy_params))

@@ -349,16 +349,7 @@ class Backend:
                 f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}",
             )
         try:
-            route = await self._gm().Schedule(
-                global_manager_pb2.ScheduleRequest(
-                    request_id=req.request_id,
-                    model_id=req.model,
-                    prompt_tokens=prompt_tokens,
-                    max_tokens=max_tokens,
-                    exclude_instance_ids=excluded,
-                ),
-                timeout=min(self.config.rpc_timeout_s, remaining_s),
-            )
+            route = await self._schedule_rpc(req, prompt_tokens, max_tokens, excluded, deadline_s)
         except grpc.aio.AioRpcError as e:
             code, detail = e.code(), e.details() or ""
             if code == grpc.StatusCode.NOT_FOUND:
@@ -387,6 +378,42 @@ class Backend:
         # A ZigZag route lists the partial (new) instance first; it forwards to the rest itself.
         hop: global_manager_pb2.RouteHop = route.hops[0]
         return hop
+
+    async def _schedule_rpc(
+        self, req: InferenceRequest, prompt_tokens: int, max_tokens: int, excluded: list[str], deadline_s: float
+    ) -> global_manager_pb2.Route:
+        """Schedule, retried on UNAVAILABLE (manager restarting, no SERVING instance yet) with
+        capped backoff for up to `schedule_wait_s`, never past the request's deadline. A re-route
+        after a worker failure (`excluded` not empty) does not wait: its client hears at once."""
+        request = global_manager_pb2.ScheduleRequest(
+            request_id=req.request_id,
+            model_id=req.model,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            exclude_instance_ids=excluded,
+        )
+        wait_s = 0.0 if excluded else self.config.schedule_wait_s
+        give_up_s = min(deadline_s, time.monotonic() + wait_s)
+        backoff_s = 0.05
+        waited = 0
+        while True:
+            remaining_s = deadline_s - time.monotonic()
+            try:
+                route: global_manager_pb2.Route = await self._gm().Schedule(
+                    request, timeout=max(0.001, min(self.config.rpc_timeout_s, remaining_s))
+                )
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + backoff_s >= give_up_s:
+                    raise
+                waited += 1
+                if waited == 1:
+                    log.info("schedule_waiting", request_id=req.request_id, model=req.model, detail=e.details())
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(1.0, backoff_s * 2)
+                continue
+            if waited:
+                log.info("schedule_waited", request_id=req.request_id, model=req.model, retries=waited)
+            return route
 
     async def _stream(
         self,

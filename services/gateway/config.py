@@ -30,6 +30,12 @@ class GatewayConfig(ServiceConfig):
         2, ge=0, le=10, description="re-routes to another instance when one fails before the first token"
     )
     rpc_timeout_s: float = Field(10.0, gt=0, description="deadline of control RPCs (Schedule, GetModelFiles)")
+    schedule_wait_s: float = Field(
+        15.0, ge=0,
+        description="how long a request waits for a route while the global manager is unreachable (a restart) "
+        "or has no SERVING instance yet (a scale-out filling), retrying with backoff within the request's "
+        "deadline; 0 = fail at once",
+    )
     ready_timeout_s: float = Field(
         0.0, ge=0, description="give up (exit) if the managers are not reachable by then; 0 = wait forever"
     )

@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 import blitzmesh
+from bench.replay import replay, step_pattern
 from blitzmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
 from services.mesh.launcher import Mesh
@@ -98,12 +99,22 @@ async def test_requests_still_served_after_kills(fault_mesh: Mesh) -> None:
     assert all(r.finish_reason in ("stop", "length") for r in results)
 
 
-async def test_global_manager_restart_rebuilds_registry(fault_mesh: Mesh) -> None:
+async def test_global_manager_restart_mid_run_loses_no_instance_and_no_request(fault_mesh: Mesh) -> None:
+    """Requests keep arriving (open loop) while the manager is killed and restarted: the
+    registry is rebuilt from re-registration and every request completes (the gateway waits
+    for a route while the manager is away; streams already routed never touch it)."""
+    arrivals = step_pattern(base_rps=4.0, burst_rps=4.0, burst_start_s=0.0, burst_end_s=0.0, duration_s=6.0,
+                            prompt_tokens=(4, 12), output_tokens=24, seed=3, poisson=False)
     async with blitzmesh.AsyncClient(fault_mesh.gateway_grpc, timeout_s=60) as client:
         alive = {n for n, p in fault_mesh.procs.items() if p.process.returncode is None}
         # Workers killed by earlier tests may still be listed until their heartbeats time out.
         before = {i.instance_id for i in (await client.cluster()).instances if i.state == "serving"} & alive
         assert before
+        traffic = asyncio.create_task(replay(
+            arrivals, http_url=fault_mesh.gateway_http, model=MODEL, request_timeout_s=40, drain_timeout_s=40,
+            vocab_size=2048,
+        ))
+        await asyncio.sleep(1.0)  # requests are in flight on the workers
         await fault_mesh.restart("global_manager")
         # Workers hear `reregister` on their next heartbeat (1 s period); wait on the registry.
         async with asyncio.timeout(30):
@@ -116,5 +127,9 @@ async def test_global_manager_restart_rebuilds_registry(fault_mesh: Mesh) -> Non
                 if after == before:
                     break
                 await asyncio.sleep(0.2)
+        result = await traffic
+        outcomes = [r.outcome for r in result.records]
+        assert len(outcomes) == len(arrivals) == 24
+        assert outcomes.count("ok") == len(outcomes), [(r.outcome, r.error) for r in result.records if r.error]
         done = await client.complete("after restart", model=MODEL, max_tokens=4)
         assert done.usage.completion_tokens >= 1

@@ -349,3 +349,56 @@ def test_blitzscale_colocated_uses_both_rules() -> None:
     # KV wants fewer, queue is in band: no shrink.
     mixed = colo(4, kv_blocks_used=1000, waiting_prefill_tokens=26000)
     assert policy.decide(1.0, mixed).action == "no_change"
+
+
+# -- HeteroScale extensions (off by default) ------------------------------------------------
+
+
+def test_heteroscale_stabilization_holds_scale_in_after_a_panic() -> None:
+    policy = make_policy("heteroscale", {
+        "target_decode_tps_per_instance": 10, "scale_out_cooldown_s": 0, "scale_in_cooldown_s": 0,
+        "scale_in_stabilization_s": 20,
+    })
+    out = policy.decide(0.0, colo(2, tps=20, tbt=0.5))  # panic: 2 -> 3
+    assert out.action == "scale_out" and out.instances_to == 3
+    # Right after, the TPS window still shows the old load (need 1): held at the wanted 3.
+    held = policy.decide(5.0, colo(3, tps=10, tbt=0.05))
+    assert held.action == "no_change" and held.instances_to == 3
+    assert "STABILIZED: wanted up to colocated=3 in the last 20s" in held.reason
+    # Once the panic's wish has left the window, the low wishes rule: 3 -> 1.
+    later = policy.decide(21.0, colo(3, tps=10, tbt=0.05))
+    assert later.action == "scale_in" and later.instances_to == 1
+
+
+def test_heteroscale_stabilization_shrinks_to_the_window_maximum() -> None:
+    policy = make_policy("heteroscale", {
+        "target_decode_tps_per_instance": 10, "scale_in_cooldown_s": 0, "scale_in_stabilization_s": 30,
+    })
+    assert policy.decide(0.0, colo(6, tps=40)).instances_to == 4  # ratio 0.67: in to 4
+    d = policy.decide(10.0, colo(4, tps=10))  # wants 1, but 4 was wanted 10 s ago
+    assert d.action == "no_change" and d.instances_to == 4
+    policy2 = make_policy("heteroscale", {
+        "target_decode_tps_per_instance": 10, "scale_in_cooldown_s": 0, "scale_in_stabilization_s": 30,
+    })
+    policy2.decide(0.0, colo(6, tps=30))  # wants 3
+    d2 = policy2.decide(10.0, colo(6, tps=10))  # wants 1: shrinks only to 3
+    assert d2.action == "scale_in" and d2.instances_to == 3
+
+
+def test_heteroscale_stabilization_off_by_default_keeps_the_vectors() -> None:
+    policy = HeteroScalePolicy()
+    policy.decide(0.0, split(10, 30, tps=3000, tbt=0.15))  # panic to (12, 36)
+    assert counts(policy.decide(10.0, split(12, 36, tps=2500))) == (7, 21)
+
+
+def test_heteroscale_ttft_trigger() -> None:
+    off = HeteroScalePolicy().decide(0.0, colo(2, tps=200, ttft_p99_s=5.0))
+    assert off.action == "no_change"
+    policy = make_policy("heteroscale", {"ttft_slo_s": 1.5})
+    d = policy.decide(0.0, colo(2, tps=200, ttft_p99_s=5.0))
+    assert d.action == "scale_out" and d.instances_to == 3
+    assert d.reason == "LATENCY_PANIC: ttft_p99=5s > 1.8s"
+    calm = make_policy("heteroscale", {"ttft_slo_s": 1.5}).decide(0.0, colo(2, tps=200, ttft_p99_s=1.0))
+    assert calm.action == "no_change"
+    with pytest.raises(ValueError, match="ttft_slo_s"):
+        make_policy("heteroscale", {"ttft_slo_s": -1})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -271,6 +272,20 @@ class HeteroScaleConfig(_BaseConfig):
         description="ceil/floor: prefill = f(P_exp), decode = prefill * round(1/pd_ratio) (seed formula); "
         "round: each pool rounded half-up on its own (reference simulator)",
     )
+    ttft_slo_s: float | None = Field(
+        None, gt=0,
+        description="TTFT objective, seconds; when set, TTFT above ttft_slo_s * latency_panic_threshold "
+        "(at ttft_percentile) also triggers the latency panic. A burst shows in TTFT before it shows in "
+        "decode TPS, whose window lags the arrivals. Off (None) by default, as in ALGORITHMS.md 1",
+    )
+    ttft_percentile: Percentile = Field("p99", description="which window TTFT percentile the trigger reads")
+    scale_in_stabilization_s: float = Field(
+        0.0, ge=0,
+        description="a scale-in goes only down to the largest pool size this policy wanted in the last this "
+        "many seconds (Kubernetes HPA's downscale stabilization window): a lull inside a burst, or the "
+        "lagging decode-TPS window right after a panic scale-out, does not undo the scale-out. 0 = off, "
+        "as in ALGORITHMS.md 1",
+    )
 
 
 class HeteroScalePolicy(_PolicyBase):
@@ -280,6 +295,11 @@ class HeteroScalePolicy(_PolicyBase):
     need = tps / target; ratio = need / N; scale out if ratio > 1 + theta_out, in if
     ratio < 1 - theta_in; desired = rounding(need) (ceil by default), clamped to [min, max].
     The latency panic grows N to max(N + 1, ceil(N * factor)). Cooldowns as in the split case.
+
+    Two extensions, both off by default so the ALGORITHMS.md vectors hold as written: a TTFT
+    trigger beside the TBT one (`ttft_slo_s`), and a scale-in stabilization window
+    (`scale_in_stabilization_s`), for which the policy remembers the pool sizes it wanted
+    (its only state besides the cooldown timers).
     """
 
     name = "heteroscale"
@@ -287,11 +307,51 @@ class HeteroScalePolicy(_PolicyBase):
 
     def __init__(self, config: HeteroScaleConfig | None = None) -> None:
         super().__init__(config or HeteroScaleConfig())
+        # (now_s, wanted pool sizes) of recent decisions, oldest first, for the stabilization window.
+        self._wanted: deque[tuple[float, dict[Role, int]]] = deque()
+        self._wish: dict[Role, int] | None = None  # what the rule wanted before cooldowns and the window
+
+    def decide(self, now_s: float, snapshot: ClusterSnapshot) -> ScaleDecision:
+        self._wish = None
+        decision = super().decide(now_s, snapshot)
+        window_s = self.config.scale_in_stabilization_s
+        if window_s > 0:
+            self._wanted.append((now_s, self._wish if self._wish is not None else _targets_of(decision)))
+            while self._wanted and self._wanted[0][0] < now_s - window_s:
+                self._wanted.popleft()
+        return decision
+
+    def _stabilized(self, now_s: float, before: Mapping[Role, int], after: dict[Role, int]) -> dict[Role, int]:
+        """`after` with each shrinking pool raised to the largest size wanted within the window."""
+        window_s = self.config.scale_in_stabilization_s
+        out = dict(after)
+        for t_s, wanted in self._wanted:
+            if t_s >= now_s - window_s:
+                for role, n in wanted.items():
+                    if role in out and out[role] < before[role]:
+                        out[role] = min(before[role], max(out[role], n))
+        return out
+
+    def _latency_panic(self, snapshot: ClusterSnapshot) -> str | None:
+        """Why the latency trigger fires now, or None."""
+        cfg = self.config
+        if not cfg.enable_latency_trigger:
+            return None
+        pool = snapshot.token_pool
+        tbt_s = pool.tbt_s(cfg.tbt_percentile)
+        tbt_line_s = cfg.tbt_slo_s * cfg.latency_panic_threshold
+        if tbt_s is not None and tbt_s > tbt_line_s:
+            return f"LATENCY_PANIC: tbt={_g(tbt_s)}s > {_g(tbt_line_s)}s"
+        if cfg.ttft_slo_s is not None:
+            ttft_s = pool.ttft_p99_s if cfg.ttft_percentile == "p99" else pool.ttft_p50_s
+            ttft_line_s = cfg.ttft_slo_s * cfg.latency_panic_threshold
+            if ttft_s is not None and ttft_s > ttft_line_s:
+                return f"LATENCY_PANIC: ttft_{cfg.ttft_percentile}={_g(ttft_s)}s > {_g(ttft_line_s)}s"
+        return None
 
     def _rule(self, now_s: float, snapshot: ClusterSnapshot, before: dict[Role, int]) -> ScaleDecision:
         cfg = self.config
         tbt_s = snapshot.token_pool.tbt_s(cfg.tbt_percentile)
-        panic_line_s = cfg.tbt_slo_s * cfg.latency_panic_threshold
         out_ok = self.cooldown.out_ready(now_s, cfg.scale_out_cooldown_s)
         in_ok = self.cooldown.in_ready(now_s, cfg.scale_in_cooldown_s)
         out_until_s = self.cooldown.last_scale_out_s + cfg.scale_out_cooldown_s
@@ -299,15 +359,15 @@ class HeteroScalePolicy(_PolicyBase):
 
         # Step 1: latency panic. Blocked by the scale-out cooldown, it falls through to step 2.
         note = ""
-        panicking = cfg.enable_latency_trigger and tbt_s is not None and tbt_s > panic_line_s
-        if panicking:
-            panic_reason = f"LATENCY_PANIC: tbt={_g(tbt_s)}s > {_g(panic_line_s)}s"
+        panic_reason = self._latency_panic(snapshot)
+        panicking = panic_reason is not None
+        if panic_reason is not None:
             if out_ok:
                 factor = cfg.latency_panic_scale_factor
                 after = {r: cfg.clamp(r, max(n + 1, ceil_eps(n * factor))) for r, n in before.items()}
                 if after != before:
                     return _make_decision(self.name, now_s, "scale_out", panic_reason, before, after,
-                                          {"tbt_s": tbt_s})
+                                          {"tbt_s": tbt_s} if tbt_s is not None else {})
                 note = f"{panic_reason} but every pool is at max_instances={cfg.max_instances}; "
             else:
                 note = f"{panic_reason} held by scale_out cooldown until t={_g(out_until_s)}; "
@@ -333,16 +393,26 @@ class HeteroScalePolicy(_PolicyBase):
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
 
         if not allowed:
+            self._wish = self._targets(need, snapshot.disaggregated)
             reason = f"{reason}; COOLDOWN: {action} held until t={_g(until_s)}"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
         if action == "scale_in" and panicking and cfg.hold_scale_in_on_panic:
             # Low decode TPS under high TBT means requests are stuck, not that load is gone.
-            reason = f"{reason}; HELD: no scale-in while TBT is above the panic line"
+            reason = f"{reason}; HELD: no scale-in while latency is above the panic line"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
         after = self._targets(need, snapshot.disaggregated)
+        self._wish = after
         if after == before:
             reason = f"{reason}; AT_BOUNDS: pools already at the clamped target"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
+        if action == "scale_in" and cfg.scale_in_stabilization_s > 0:
+            held_at = self._stabilized(now_s, before, after)
+            if held_at != after:
+                window = f"STABILIZED: wanted up to {_sizes(held_at)} in the last {_g(cfg.scale_in_stabilization_s)}s"
+                reason = f"{reason}; {window}"
+                after = held_at
+                if after == before:
+                    return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
         return _make_decision(self.name, now_s, action, reason, before, after, extra)
 
     def _targets(self, need: float, disaggregated: bool) -> dict[Role, int]:
@@ -360,6 +430,17 @@ class HeteroScalePolicy(_PolicyBase):
             # pd_ratio <= 1 is validated, so the multiplier is at least 1.
             decode = prefill * round_half_up(1 / cfg.pd_ratio)
         return {Role.PREFILL: cfg.clamp(Role.PREFILL, prefill), Role.DECODE: cfg.clamp(Role.DECODE, decode)}
+
+
+def _targets_of(decision: ScaleDecision) -> dict[Role, int]:
+    """The pool sizes a decision asks for (its current sizes for no_change)."""
+    if decision.is_colocated:
+        return {Role.COLOCATED: decision.instances_to or 0}
+    return {Role.PREFILL: decision.prefill_to or 0, Role.DECODE: decision.decode_to or 0}
+
+
+def _sizes(pools: Mapping[Role, int]) -> str:
+    return "/".join(f"{role.value.lower()}={n}" for role, n in pools.items())
 
 
 # ------------------------------------------------------------------------------------------
