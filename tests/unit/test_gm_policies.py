@@ -402,3 +402,10 @@ def test_heteroscale_ttft_trigger() -> None:
     assert calm.action == "no_change"
     with pytest.raises(ValueError, match="ttft_slo_s"):
         make_policy("heteroscale", {"ttft_slo_s": -1})
+
+
+def test_heteroscale_no_change_when_the_rounded_target_is_current() -> None:
+    d = HeteroScalePolicy(HeteroScaleConfig(target_decode_tps_per_instance=10, scale_in_cooldown_s=0)).decide(
+        0.0, colo(4, tps=31))  # ratio 0.775 < 0.9 but ceil(3.1) = 4
+    assert d.action == "no_change"
+    assert d.reason.endswith("AT_TARGET: the rounded, clamped target colocated=4 is the current size")

@@ -403,7 +403,8 @@ class HeteroScalePolicy(_PolicyBase):
         after = self._targets(need, snapshot.disaggregated)
         self._wish = after
         if after == before:
-            reason = f"{reason}; AT_BOUNDS: pools already at the clamped target"
+            # Rounding (ceil of need) or the [min, max] clamp lands on the current sizes.
+            reason = f"{reason}; AT_TARGET: the rounded, clamped target {_sizes(after)} is the current size"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
         if action == "scale_in" and cfg.scale_in_stabilization_s > 0:
             held_at = self._stabilized(now_s, before, after)
