@@ -184,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         "tbt_slo_s": args.tbt_slo_s,
     }
     if args.policy == "heteroscale":
-        # The HeteroScale extensions (see HeteroScaleConfig): a burst breaks TTFT first, and a
-        # scale-in right after a panic scale-out would read the lagging TPS window, not the load.
+        # The HeteroScale extensions (see HeteroScaleConfig): a burst queues requests and breaks
+        # TTFT before decode TPS moves, and a scale-in right after a scale-out would read the
+        # lagging TPS window, not the load.
         policy_params.update({
             "hold_scale_in_on_panic": True,
             "ttft_slo_s": args.ttft_slo_s,
             "scale_in_stabilization_s": policy_params["scale_in_cooldown_s"],
+            "target_requests_per_instance": round(sizing.requests_per_instance(args.autoscale_utilization), 2),
         })
     else:
         policy_params = {}

@@ -39,6 +39,11 @@ class Sizing:
     target_decode_tps_per_instance: float
     fixed_average: int
     fixed_peak: int
+    latency_s: float = 0.0  # one request's time in the system at the typical batch
+
+    def requests_per_instance(self, utilization: float) -> float:
+        """Little's law: requests in flight on one instance serving `utilization` of its capacity."""
+        return self.capacity_rps * utilization * self.latency_s
 
     def to_json(self) -> dict[str, Any]:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -74,4 +79,7 @@ def size_pools(
         target_decode_tps_per_instance=usable_rps * mean_output_tokens,
         fixed_average=pool(mean_rps),
         fixed_peak=pool(peak_rps),
+        # One prefill step, then one decode step per output token alongside typical_batch others.
+        latency_s=(profile.a_s + profile.b_s * mean_prompt_tokens)
+        + mean_output_tokens * (profile.a_s + profile.b_s * typical_batch),
     )

@@ -409,3 +409,16 @@ def test_heteroscale_no_change_when_the_rounded_target_is_current() -> None:
         0.0, colo(4, tps=31))  # ratio 0.775 < 0.9 but ceil(3.1) = 4
     assert d.action == "no_change"
     assert d.reason.endswith("AT_TARGET: the rounded, clamped target colocated=4 is the current size")
+
+
+def test_heteroscale_concurrency_signal_leads_decode_tps() -> None:
+    # A burst has just queued 9 requests on one instance; decode TPS has not moved yet.
+    burst = colo(1, tps=5, running=3, waiting=6)
+    assert HeteroScalePolicy(HeteroScaleConfig(target_decode_tps_per_instance=10)).decide(0.0, burst).action == "no_change"
+    d = make_policy("heteroscale", {"target_decode_tps_per_instance": 10, "target_requests_per_instance": 2})
+    out = d.decide(0.0, burst)
+    assert out.action == "scale_out" and out.instances_to == 5  # ceil(9 / 2)
+    assert out.reason == "SCALE_OUT: ratio=4.5 > 1.1 need=4.5 decode_tps=5 requests=9"
+    # When TPS asks for more than concurrency does, TPS wins (need is the max of the two).
+    busy = make_policy("heteroscale", {"target_decode_tps_per_instance": 10, "target_requests_per_instance": 2})
+    assert busy.decide(0.0, colo(1, tps=60, running=2)).instances_to == 6

@@ -17,6 +17,10 @@ def test_size_pools_from_profile() -> None:
     assert (s.fixed_average, s.fixed_peak) == (1, 4)
     assert s.target_decode_tps_per_instance == pytest.approx(0.7 / 0.44 * 20)
     assert Profile(0.05, 0.002).worker_args() == ["--step-time-a-s", "0.05", "--step-time-b-s", "0.002"]
+    # latency = (0.05 + 0.002 * 100) + 20 * (0.05 + 0.002 * 5) = 0.25 + 1.2 = 1.45 s; Little's law
+    # at half the capacity: 1.45 s * 2.27 req/s * 0.5 = 1.65 requests in flight.
+    assert s.latency_s == pytest.approx(1.45)
+    assert s.requests_per_instance(0.5) == pytest.approx(1.45 / 0.44 * 0.5)
 
 
 def test_size_pools_rejects_bad_inputs() -> None:

@@ -279,6 +279,13 @@ class HeteroScaleConfig(_BaseConfig):
         "decode TPS, whose window lags the arrivals. Off (None) by default, as in ALGORITHMS.md 1",
     )
     ttft_percentile: Percentile = Field("p99", description="which window TTFT percentile the trigger reads")
+    target_requests_per_instance: float | None = Field(
+        None, gt=0,
+        description="when set, step 2 also reads concurrency (running + waiting requests, the Knative KPA "
+        "signal) and takes need = max(decode_tps / target_decode_tps_per_instance, requests / this): "
+        "arrivals queue on the workers at once, while decode TPS rises only as they are served. "
+        "Off (None) by default, as in ALGORITHMS.md 1",
+    )
     scale_in_stabilization_s: float = Field(
         0.0, ge=0,
         description="a scale-in goes only down to the largest pool size this policy wanted in the last this "
@@ -296,8 +303,9 @@ class HeteroScalePolicy(_PolicyBase):
     ratio < 1 - theta_in; desired = rounding(need) (ceil by default), clamped to [min, max].
     The latency panic grows N to max(N + 1, ceil(N * factor)). Cooldowns as in the split case.
 
-    Two extensions, both off by default so the ALGORITHMS.md vectors hold as written: a TTFT
-    trigger beside the TBT one (`ttft_slo_s`), and a scale-in stabilization window
+    Three extensions, all off by default so the ALGORITHMS.md vectors hold as written: a TTFT
+    trigger beside the TBT one (`ttft_slo_s`), concurrency beside decode TPS in step 2
+    (`target_requests_per_instance`), and a scale-in stabilization window
     (`scale_in_stabilization_s`), for which the policy remembers the pool sizes it wanted
     (its only state besides the cooldown timers).
     """
@@ -372,13 +380,23 @@ class HeteroScalePolicy(_PolicyBase):
             else:
                 note = f"{panic_reason} held by scale_out cooldown until t={_g(out_until_s)}; "
 
-        # Step 2: proportional control on decode TPS.
+        # Step 2: proportional control on decode TPS (and, optionally, on concurrency).
         tps = snapshot.decode_tps
         need = tps / cfg.target_decode_tps_per_instance
         current = sum(before.values())
+        extra = {"decode_tps": tps}
+        facts = f"decode_tps={_g(tps)}"
+        if cfg.target_requests_per_instance is not None:
+            pool = snapshot.token_pool
+            requests = pool.running + pool.waiting
+            if snapshot.disaggregated:
+                requests += snapshot.prefill.waiting  # queued prompts are demand for both pools
+            need = max(need, requests / cfg.target_requests_per_instance)
+            extra["requests"] = requests
+            facts = f"{facts} requests={_g(requests)}"
         ratio = need / current if current > 0 else math.inf
-        extra = {"decode_tps": tps, "need": need, "ratio": ratio}
-        facts = f"need={_g(need)} decode_tps={_g(tps)}"
+        extra.update({"need": need, "ratio": ratio})
+        facts = f"need={_g(need)} {facts}"
         hi_line, lo_line = 1 + cfg.scale_out_threshold, 1 - cfg.scale_in_threshold
         if ratio > hi_line:
             action: ScaleAction = "scale_out"
