@@ -9,6 +9,7 @@ real processes and real sockets / UCX, as a worker would.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import multiprocessing
 import multiprocessing.connection
@@ -31,6 +32,7 @@ __all__ = [
     "NodeProcess",
     "NodeSpec",
     "buffer_digest",
+    "enter_netns",
     "start_nodes",
     "synthetic_groups",
     "synthetic_model",
@@ -115,6 +117,11 @@ class NodeSpec:
     window_chunks: int = 4
     send_timeout_s: float = 10.0
     env: dict[str, str] = field(default_factory=dict)
+    # Options for `make_transport` (e.g. {"host": "10.77.0.2"} for TCP inside a namespace).
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    # A network namespace (name under /var/run/netns) the node enters before it opens any
+    # socket: an emulated host (see bench/dataplane/netns.py). Needs root.
+    netns: str | None = None
 
 
 # -- inside the node process ----------------------------------------------------------------------
@@ -160,7 +167,7 @@ def _dump_tasks() -> None:
 
 async def _node(spec: NodeSpec, conn: multiprocessing.connection.Connection) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _dump_tasks)
-    transport = make_transport(spec.transport)  # type: ignore[arg-type]
+    transport = make_transport(spec.transport, **spec.transport_options)  # type: ignore[arg-type]
     await transport.start()
     server = GroupServer(transport, window_chunks=spec.window_chunks, send_timeout_s=spec.send_timeout_s)
     await server.start()
@@ -248,8 +255,44 @@ async def _receive(
     )
 
 
+CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+MS_REC = 0x4000
+MS_SLAVE = 0x80000
+MNT_DETACH = 0x2
+
+
+def enter_netns(name: str) -> None:
+    """Move this process (its calling thread, and every thread and socket made after) into the
+    network namespace `name` made by `ip netns add`, as `ip netns exec` does: setns, then a
+    private mount namespace with /sys remounted, so that /sys/class/net lists the namespace's
+    devices (UCX finds its network devices there). Python 3.11 has no os.setns: libc's."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what} (network namespace {name!r}): {os.strerror(err)}")
+
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        check(libc.setns(fd, CLONE_NEWNET), "setns")
+    finally:
+        os.close(fd)
+    before = os.readlink("/proc/self/ns/mnt")
+    check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    if os.readlink("/proc/self/ns/mnt") == before:  # never touch the mounts of the caller's namespace
+        raise OSError(f"unshare did not give a new mount namespace (network namespace {name!r})")
+    # Nothing done below may propagate back to the parent's mount namespace.
+    check(libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
+    check(libc.umount2(b"/sys", MNT_DETACH), "umount /sys")
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs on /sys")
+
+
 def node_main(spec: NodeSpec, conn: multiprocessing.connection.Connection) -> None:
     """Entry point of a node process."""
+    if spec.netns is not None:
+        enter_netns(spec.netns)  # before any socket or thread of ours exists
     os.environ.update(spec.env)
     asyncio.run(_node(spec, conn))
 

@@ -1,0 +1,82 @@
+"""Pure helpers of the data-plane benchmark: namespace topology plan, shard split, parsers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench.dataplane.hostmem import proc_status_kib, reported_host_bytes
+from bench.dataplane.links import split_groups
+from bench.dataplane.netns import plan
+
+
+def test_plan_names_addresses_and_shaping() -> None:
+    p = plan(3, prefix="bmdp-test", rate_mbit=800)
+    assert [h.netns for h in p.hosts] == ["bmdp-test-h0", "bmdp-test-h1", "bmdp-test-h2"]
+    assert [h.address for h in p.hosts] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
+    assert p.switch == "bmdp-test-sw"
+    assert p.link_bytes_per_s == 100e6
+    cmds = [" ".join(c) for c in p.setup_commands()]
+    # Every host gets its own namespace, a veth whose peer sits on the bridge, and a tbf uplink.
+    for h in p.hosts:
+        assert f"ip netns add {h.netns}" in cmds
+        assert any(c.startswith(f"tc -n {h.netns} qdisc add dev bm0 root tbf rate 800mbit") for c in cmds)
+        assert any(f"ip -n {h.netns} link add bm0 type veth peer name p{h.index} netns bmdp-test-sw" == c for c in cmds)
+        assert f"ip -n bmdp-test-sw link set p{h.index} master br0" in cmds
+    # The switch namespace exists before any veth is pointed at it.
+    assert cmds.index("ip netns add bmdp-test-sw") < min(i for i, c in enumerate(cmds) if "type veth" in c)
+    # Teardown deletes exactly what setup made.
+    assert sorted(c[-1] for c in p.teardown_commands()) == sorted([p.switch, *(h.netns for h in p.hosts)])
+
+
+def test_plan_default_prefix_is_unique_per_process() -> None:
+    assert plan(1).hosts[0].netns == f"bmdp-{os.getpid()}-h0"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n_hosts": 0}, "n_hosts"),
+        ({"n_hosts": 2, "rate_mbit": 0}, "rate_mbit"),
+        ({"n_hosts": 2, "subnet": "10.77"}, "subnet"),
+        ({"n_hosts": 2, "prefix": "bad name"}, "prefix"),
+    ],
+)
+def test_plan_rejects_bad_input(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan(**kwargs)
+
+
+def test_split_groups_is_disjoint_balanced_and_ordered() -> None:
+    sizes = [("embed", 50)] + [(f"layers.{i}", 100) for i in range(32)] + [("head", 50)]
+    for g in (1, 2, 3, 4):
+        shards = split_groups(sizes, g)
+        names = [n for s in shards for n in s]
+        assert sorted(names) == sorted(n for n, _ in sizes)  # every group once
+        order = [n for n, _ in sizes]
+        for s in shards:
+            assert s == sorted(s, key=order.index)  # layer order kept inside a shard
+        loads = [sum(dict(sizes)[n] for n in s) for s in shards]
+        assert max(loads) - min(loads) <= 100  # within one group of each other
+    with pytest.raises(ValueError):
+        split_groups(sizes[:2], 3)
+    with pytest.raises(ValueError):
+        split_groups(sizes, 0)
+
+
+def test_reported_host_bytes_parses_the_gauge() -> None:
+    text = (
+        "# HELP blitzmesh_param_host_bytes Bytes of parameters\n"
+        "# TYPE blitzmesh_param_host_bytes gauge\n"
+        "blitzmesh_param_host_bytes 4.02729984e+08\n"
+        "blitzmesh_param_models 1.0\n"
+    )
+    assert reported_host_bytes(text) == 402729984
+    with pytest.raises(ValueError):
+        reported_host_bytes("blitzmesh_param_models 1.0\n")
+
+
+def test_proc_status_of_this_process() -> None:
+    st = proc_status_kib(os.getpid())
+    assert st["VmRSS"] > 0 and st["RssAnon"] > 0 and st["VmHWM"] >= st["VmRSS"]
