@@ -21,10 +21,13 @@ requests or batches; TBT is every gap between consecutive tokens of a request, p
 
 Every system is warmed up first and torch runs with the same thread count everywhere. The box is
 shared, so each round records the CPU share that processes outside the benchmark took
-(`foreign_cpu_share`); a round is clean when it is at most --max-foreign-share. (a) and (b) run in
-alternating rounds (the mesh idles while the engine runs) until each has --rounds clean ones (at
-most --max-rounds); HF likewise. Each system reports its fastest clean round: interference only
-ever slows a round. Every round's figure is kept in the JSON.
+(`foreign_cpu_share`); a round is clean when it is at most --max-foreign-share. (a), (b) and the
+HF static batches (c2) run in alternating rounds, in one rotation (ABBA order; the idle systems
+cost nothing: the mesh is checked, the others are only memory), until each has --rounds clean
+ones (at most --max-rounds): every system the ratios compare gets the same number of chances
+under the same drift of the shared machine. HF sequential (c1), far slower, runs afterwards for
+--hf-rounds clean rounds. Each system reports its fastest clean round: interference only ever
+slows a round. Every round's figure is kept in the JSON.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from bench.serving.results import SystemResult, best_round, is_clean
 from bench.serving.workload import Request, WorkloadSpec, build, describe
 from services.mesh.launcher import ensure_model
 from services.worker.config import WorkerConfig
+from services.worker.model import native
 from services.worker.model.checkpoint import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -83,10 +87,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-output-tokens", type=int, help="...then clamped to [min, max]")
     p.add_argument("--max-output-tokens", type=int)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads in every system")
-    p.add_argument("--rounds", type=int, help="clean rounds wanted of (a) and (b), alternating; the fastest counts")
-    p.add_argument("--max-rounds", type=int, help="give up on more clean rounds of (a), (b) after this many")
-    p.add_argument("--hf-rounds", type=int, help="clean rounds wanted of each HF variant")
-    p.add_argument("--hf-max-rounds", type=int, help="give up on more clean HF rounds after this many")
+    p.add_argument(
+        "--rounds", type=int, help="clean rounds wanted of (a), (b) and HF static batches, alternating; the fastest counts"
+    )
+    p.add_argument("--max-rounds", type=int, help="give up on more clean rounds of (a), (b), HF static after this many")
+    p.add_argument("--hf-rounds", type=int, help="clean rounds wanted of HF sequential (static batches: --rounds)")
+    p.add_argument("--hf-max-rounds", type=int, help="give up on more clean HF sequential rounds after this many")
     p.add_argument(
         "--max-foreign-share", type=float, default=0.1,
         help="a round is clean when processes outside the benchmark used at most this share of the CPUs",
@@ -101,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path, default=Path("run/bench-serving"), help="where the mesh logs go")
     p.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
     return p
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _log(msg: str) -> None:
@@ -131,6 +144,23 @@ class RoundPlan:
         return sum(is_clean(r, self.max_foreign_share) for r in rounds) < self.wanted
 
 
+class _HFInThread:
+    """An HF system in the served rotation: `generate` runs in a worker thread (the event loop and
+    the idle engine and mesh stay responsive), with the benchmark's torch thread count."""
+
+    def __init__(self, system: hf.HFSystem, threads: int) -> None:
+        self.system = system
+        self.name = system.name
+        self.threads = threads
+
+    def _serve(self, requests: list[Request]) -> SystemResult:
+        torch.set_num_threads(self.threads)
+        return self.system.serve(requests)
+
+    async def serve(self, requests: list[Request]) -> SystemResult:
+        return await asyncio.to_thread(self._serve, requests)
+
+
 async def _served_systems(
     args: argparse.Namespace,
     selected: set[str],
@@ -141,12 +171,14 @@ async def _served_systems(
     warmup: list[Request],
     plan: RoundPlan,
     idle: list[dict[str, float]],
+    hf_static: list[hf.HFSystem],
 ) -> tuple[dict[str, list[SystemResult]], float | None]:
-    """(a) and (b), both up at once (the idle one should cost nothing; checked), alternating rounds."""
+    """(a), (b) and the HF static batches, all up at once (the idle ones should cost nothing; the
+    mesh is checked), in alternating rounds."""
     results: dict[str, list[SystemResult]] = {}
     mesh_start_s = None
     async with contextlib.AsyncExitStack() as stack:
-        systems: list[GatewaySystem | EngineSystem] = []
+        systems: list[GatewaySystem | EngineSystem | _HFInThread] = []
         own_pids = {"bench": os.getpid()}
         if "gateway" in selected:
             _log("starting the mesh (1 worker)")
@@ -157,6 +189,7 @@ async def _served_systems(
             systems.append(gw)
         if "engine" in selected:
             systems.append(await stack.enter_async_context(EngineSystem(model_path, worker_engine_config(worker))))
+        systems.extend(_HFInThread(system, args.threads) for system in hf_static)
         for system in systems:
             await system.serve(warmup)
         if "gateway" in selected:
@@ -180,13 +213,11 @@ async def _served_systems(
     return results, mesh_start_s
 
 
-def _hf_systems(
-    model_path: Path, batch_sizes: list[int], requests: list[Request], warmup: list[Request], plan: RoundPlan
-) -> tuple[dict[str, list[SystemResult]], int]:
-    model = hf.load(model_path)
-    num_params = sum(p.numel() for p in model.parameters())
+def _hf_sequential(
+    model: hf.LlamaForCausalLM, requests: list[Request], warmup: list[Request], plan: RoundPlan
+) -> dict[str, list[SystemResult]]:
     results: dict[str, list[SystemResult]] = {}
-    for b in [1, *batch_sizes]:
+    for b in [1]:
         system = hf.HFSystem(model, b)
         system.serve(warmup)
         rounds = results.setdefault(system.name, [])
@@ -195,7 +226,7 @@ def _hf_systems(
                 break
             meter = CpuMeter({"bench": os.getpid()})
             rounds.append(_report_round(system.serve(requests), meter, f"{system.name} round {attempt + 1}"))
-    return results, num_params
+    return results
 
 
 def _table(results: list[SystemResult]) -> str:
@@ -216,6 +247,7 @@ def _table(results: list[SystemResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    load_start = _loadavg()
     base = QUICK if args.quick else FULL
 
     def opt(name: str) -> Any:
@@ -254,13 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
 
     idle: list[dict[str, float]] = []
+    hf_model = hf.load(model_path) if "hf" in selected else None
+    hf_static = [hf.HFSystem(hf_model, b) for b in batch_sizes] if hf_model is not None else []
     by_system, mesh_start_s = asyncio.run(
-        _served_systems(args, selected, model_path, preset, worker, requests, warmup, plan, idle)
+        _served_systems(args, selected, model_path, preset, worker, requests, warmup, plan, idle, hf_static)
     )
     num_params = None
-    if "hf" in selected:
-        hf_results, num_params = _hf_systems(model_path, batch_sizes, requests, warmup, hf_plan)
-        by_system.update(hf_results)
+    if hf_model is not None:
+        num_params = sum(p.numel() for p in hf_model.parameters())
+        by_system.update(_hf_sequential(hf_model, requests, warmup, hf_plan))
     results = [best_round(rounds_of, args.max_foreign_share) for rounds_of in by_system.values()]
 
     by_name = {r.name: r for r in results}
@@ -303,12 +337,16 @@ def main(argv: list[str] | None = None) -> int:
             "vocab_size": mcfg.vocab_size,
         },
         "engine_config": engine_cfg.model_dump(mode="json"),
+        # "native": decode attention by the compiled paged kernel; "torch": SDPA over a gather.
+        "engine_decode_attention": "native" if native.paged_decode() is not None else "torch",
         "setup": {
             "quick": args.quick,
             "torch_threads": args.threads,
             "rounds": {
-                "gateway_engine": {"clean_wanted": plan.wanted, "max": plan.attempts},
-                "hf": {"clean_wanted": hf_plan.wanted, "max": hf_plan.attempts},
+                "gateway_engine_hf_static": {"clean_wanted": plan.wanted, "max": plan.attempts},
+                "hf_sequential": {"clean_wanted": hf_plan.wanted, "max": hf_plan.attempts},
+                "order": "(a), (b) and HF static batches interleaved in one rotation (ABBA); "
+                "HF sequential after them",
                 "clean": f"foreign_cpu_share <= {args.max_foreign_share}",
                 "reported": "the fastest clean round per system (the fastest of all, flagged contended, if none)",
             },
@@ -325,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
             "foreign_cpu_share": "CPU used by processes outside the benchmark during the round / capacity",
         },
         "machine": {
+            # 1/5/15-minute load averages when the run started and ended (2 cores: the benchmark
+            # itself adds about 2 while it runs).
+            "loadavg_start": load_start,
+            "loadavg_end": _loadavg(),
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),

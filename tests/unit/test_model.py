@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from services.worker.engine.kv_cache import KVCache
 from services.worker.model import synth
-from services.worker.model.attention import ForwardBatch
+from services.worker.model import native
+from services.worker.model.attention import ForwardBatch, _bucket_by_length
 from services.worker.model.checkpoint import Checkpoint, CheckpointError, iter_groups, load_config
 from services.worker.model.config import LlamaConfig
 from services.worker.model.groups import group_of, group_tensor_shapes, param_groups
@@ -281,7 +282,19 @@ def test_export_group_returns_checkpoint_tensors(ckpts: dict[str, Path]) -> None
             assert torch.equal(exported[tname], t), tname
 
 
-def test_paged_prefill_and_decode_match_reference(ckpts: dict[str, Path]) -> None:
+@pytest.fixture(params=["native", "torch"])
+def decode_attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the native decode-attention kernel and with the torch path (SDPA over a
+    padded gather, decodes bucketed by length)."""
+    if request.param == "native":
+        if native.paged_decode() is None:
+            pytest.skip("native paged attention cannot be built here")
+    else:
+        monkeypatch.setattr(native, "paged_decode", lambda: None)
+    return str(request.param)
+
+
+def test_paged_prefill_and_decode_match_reference(ckpts: dict[str, Path], decode_attention: str) -> None:
     """Chunked prefill and batched decode through the paged cache give the no-cache logits."""
     model = load_model(str(ckpts["untied-gqa"]))
     kv = KVCache.for_model(model.config, num_blocks=32, block_size=4)
@@ -307,6 +320,84 @@ def test_paged_prefill_and_decode_match_reference(ckpts: dict[str, Path]) -> Non
         for row, n in enumerate(names):
             end = step[n][1]
             torch.testing.assert_close(logits[row], ref[n][end - 1], atol=1e-5, rtol=0)
+
+
+def test_batched_decode_of_mixed_lengths_matches_reference(
+    ckpts: dict[str, Path], decode_attention: str
+) -> None:
+    """Prompts of very different lengths prefilled together (no padding between them), then
+    decoded together for a few steps: every step's logits equal the no-cache forward's."""
+    model = load_model(str(ckpts["untied-gqa"]))
+    kv = KVCache.for_model(model.config, num_blocks=128, block_size=4)
+    lengths = [1, 3, 17, 40, 5, 64, 2, 33]
+    seqs = [_ids(n + 4, seed=20 + i)[0] for i, n in enumerate(lengths)]
+    names = [f"s{i}" for i in range(len(seqs))]
+    for name in names:
+        kv.allocate(name, 0)
+    done = [0] * len(seqs)
+    for step in range(5):
+        q_lens = [lengths[i] if step == 0 else 1 for i in range(len(seqs))]
+        for i, name in enumerate(names):
+            kv.extend(name, done[i] + q_lens[i])
+        batch = ForwardBatch.build(q_lens, done, [kv.block_table(n) for n in names], kv.block_size)
+        ids = torch.cat([seqs[i][done[i] : done[i] + q_lens[i]] for i in range(len(seqs))])
+        logits = model.forward_batch(ids, batch, kv)
+        for i in range(len(seqs)):
+            done[i] += q_lens[i]
+            expected = model(seqs[i][: done[i]])[-1]
+            torch.testing.assert_close(logits[i], expected, atol=1e-5, rtol=0)
+
+
+def test_decode_buckets_partition_by_length() -> None:
+    ctx = (3, 500, 7, 480, 10, 20, 490)
+    buckets = _bucket_by_length(list(range(len(ctx))), ctx, 16)
+    assert sorted(b for bucket in buckets for b in bucket) == list(range(len(ctx)))
+    # The long contexts are not padded together with the short ones.
+    assert {1, 3, 6} in [set(bucket) for bucket in buckets]
+    assert _bucket_by_length([0, 1], (5, 6), 16) == [[0, 1]]  # splitting would save nothing
+
+
+def test_native_paged_decode_matches_sdpa() -> None:
+    kernel = native.paged_decode()
+    if kernel is None:
+        pytest.skip("native paged attention cannot be built here")
+    g = torch.Generator().manual_seed(3)
+    for heads, kv_heads, d in ((12, 4, 64), (6, 6, 36)):
+        blocks, bs = 80, 16
+        k = torch.randn(blocks, bs, kv_heads, d, generator=g)
+        v = torch.randn(blocks, bs, kv_heads, d, generator=g)
+        lens = torch.tensor([1, 15, 16, 17, 200])
+        tables = torch.randperm(blocks, generator=g)[: 5 * 13].view(5, 13)
+        q = torch.randn(5, heads, d, generator=g)
+        got = kernel(q, k, v, tables, lens, 200)
+        for s in range(5):
+            n = int(lens[s])
+            keys = k[tables[s]].reshape(-1, kv_heads, d)[:n].transpose(0, 1)
+            values = v[tables[s]].reshape(-1, kv_heads, d)[:n].transpose(0, 1)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[s].unsqueeze(1), keys, values, enable_gqa=True
+            ).squeeze(1)
+            torch.testing.assert_close(got[s], want, atol=1e-5, rtol=1e-5)
+        bad = tables.clone()
+        bad[0, 0] = blocks
+        with pytest.raises(ValueError, match="block ids"):
+            kernel(q, k, v, bad, lens, 200)
+
+
+@pytest.mark.parametrize("pack_weights", [True, False])
+def test_long_batch_matches_transformers(ckpts: dict[str, Path], pack_weights: bool) -> None:
+    """Enough tokens in one batch that the large-batch GEMM path runs, with and without packed
+    weights."""
+    transformers = pytest.importorskip("transformers")
+    path = ckpts["untied-gqa"]
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ckpt = Checkpoint(path)
+    ours = LlamaForCausalLM(ckpt.config, pack_weights=pack_weights)
+    ours.load_groups(ckpt.iter_groups())
+    ids = _ids(300, batch=2, seed=4)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(ours(ids), expected, atol=HF_ATOL, rtol=0)
 
 
 def test_bfloat16_is_honoured_and_close(ckpts: dict[str, Path]) -> None:

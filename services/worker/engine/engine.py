@@ -30,6 +30,7 @@ from services.worker.engine.scheduler import (
     WaitingSeq,
     schedule,
 )
+from services.worker.model import native
 from services.worker.model.attention import ForwardBatch
 from services.worker.model.llama import LlamaForCausalLM
 
@@ -330,6 +331,9 @@ class Engine:
             initializer=None if threads is None else torch.set_num_threads,
             initargs=() if threads is None else (threads,),
         )
+        # Build (or load from the cache) the native decode-attention kernel on the compute thread
+        # now, not in the first step; the torch path is used if it cannot be built.
+        self._executor.submit(native.paged_decode)
         self._started_s = self._clock()
         self._task = asyncio.create_task(self._run(), name="engine-loop")
         log.info(

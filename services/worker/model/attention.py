@@ -1,20 +1,30 @@
 """Batch metadata and attention over a paged KV cache for a flat batch of tokens from many sequences.
 
 A step's tokens are laid out flat (`[num_tokens, ...]`) so the projections and MLP run as one
-matmul with no padding; only attention pads, per sequence, to `[batch, max_len, ...]` and uses
-`scaled_dot_product_attention` with a mask that encodes both causality and each sequence's
-length. Everything derived from the layout is built once per step and shared by all layers.
+matmul with no padding. Attention runs per kind of sequence:
+
+- no cached context (a whole prompt): causal `scaled_dot_product_attention` over the sequence's
+  own new tokens, one call per sequence (or one batched call when all have the same length), so
+  prompts of mixed lengths cost no padding and no mask;
+- cached context (decodes, later chunks of a prompt): the context is gathered from the paged cache
+  into `[batch, max_len, ...]` and attended with a mask that encodes causality and each length.
+  Decodes are bucketed by context length so a short sequence is not padded to the longest one.
+
+Everything derived from the layout is built once per step and shared by all layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from services.worker.model import native
 
 
 class PagedKV(Protocol):
@@ -34,13 +44,18 @@ class PagedKV(Protocol):
         """
         ...
 
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole K and V storage of layer `layer`, each `[num_blocks, block_size, kv_heads, head_dim]`."""
+        ...
+
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Sequences whose attention runs as one padded SDPA call.
+    """Sequences with cached context whose attention runs as one padded SDPA call.
 
     Decodes (one new token each) and prefills are separate groups, so a long prompt in the same
-    step does not pad every decode's query to the prompt's length.
+    step does not pad every decode's query to the prompt's length; decodes are further split by
+    context length.
     """
 
     seqs: tuple[int, ...]  # sequence indices in the ForwardBatch
@@ -49,11 +64,12 @@ class AttentionGroup:
     # Scatter index of the group's tokens into the padded [b * max_query_len] query layout; None
     # when every sequence of the group has max_query_len new tokens.
     query_pad_index: torch.Tensor | None
-    # [b, max_blocks] blocks to gather the whole context from; None = attend over new tokens only.
-    block_tables: torch.Tensor | None
-    # [b, 1, max_query_len, kv_len] bool, True = may attend; None = plain causal attention over a
-    # single sequence without cached context.
-    attn_mask: torch.Tensor | None
+    # [b, max_blocks] blocks to gather the whole context from.
+    block_tables: torch.Tensor
+    # [b, 1, max_query_len, kv_len] bool, True = may attend.
+    attn_mask: torch.Tensor
+    seq_lens: torch.Tensor  # [b] long: context + new tokens of each member (its keys)
+    max_seq_len: int
 
     @property
     def num_seqs(self) -> int:
@@ -67,9 +83,24 @@ class AttentionGroup:
             self,
             token_index=move(self.token_index),
             query_pad_index=move(self.query_pad_index),
-            block_tables=move(self.block_tables),
-            attn_mask=move(self.attn_mask),
+            block_tables=self.block_tables.to(device),
+            attn_mask=self.attn_mask.to(device),
+            seq_lens=self.seq_lens.to(device),
         )
+
+
+@dataclass(frozen=True)
+class CausalSpans:
+    """Sequences without cached context: each attends causally over its own new tokens only.
+
+    `starts[i], lengths[i]` are sequence i's rows in the flat batch. When `uniform`, the spans are
+    back to back from row `starts[0]` with one length, so one batched call covers them all.
+    """
+
+    seqs: tuple[int, ...]
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    uniform: bool
 
 
 @dataclass(frozen=True)
@@ -83,7 +114,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [R] long: rows of the flat batch whose logits are wanted
     # Flat cache slot each new token's K/V goes to; None when no cache is used.
     slot_mapping: torch.Tensor | None
-    groups: tuple[AttentionGroup, ...]
+    groups: tuple[AttentionGroup, ...]  # sequences with cached context
+    causal: CausalSpans | None = None  # sequences without
 
     @property
     def num_seqs(self) -> int:
@@ -143,37 +175,87 @@ class ForwardBatch:
         for n in q_lens:
             starts.append(acc)
             acc += n
-        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx_lens, q_lens, strict=True)])
+        positions: list[int] = []
+        for c, n in zip(ctx_lens, q_lens, strict=True):
+            positions.extend(range(c, c + n))
         rows = range(len(q_lens)) if logits_rows is None else logits_rows
-        logits_indices = torch.tensor([starts[b] + q_lens[b] - 1 for b in rows], dtype=torch.long)
+        logits_indices = [starts[b] + q_lens[b] - 1 for b in rows]
 
         slot_mapping = None
         if paged:
             assert block_tables is not None and block_size is not None
             # Token i of sequence b sits in block table[b][(ctx_b + i) // block_size].
-            slots = []
+            slots: list[int] = []
             for b, table in enumerate(block_tables):
-                pos = torch.arange(ctx_lens[b], ctx_lens[b] + q_lens[b])
-                blocks = torch.tensor(list(table), dtype=torch.long)[pos // block_size]
-                slots.append(blocks * block_size + pos % block_size)
-            slot_mapping = torch.cat(slots)
+                c, n = ctx_lens[b], q_lens[b]
+                slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(c, c + n))
+            slot_mapping = torch.tensor(slots, dtype=torch.long)
 
         decode = [b for b, n in enumerate(q_lens) if n == 1 and ctx_lens[b] > 0]
-        prefill = [b for b, n in enumerate(q_lens) if not (n == 1 and ctx_lens[b] > 0)]
-        groups = tuple(
-            _build_group(members, q_lens, ctx_lens, starts, block_tables, block_size)
-            for members in (decode, prefill)
-            if members
-        )
+        chunked = [b for b, n in enumerate(q_lens) if n > 1 and ctx_lens[b] > 0]
+        fresh = [b for b, c in enumerate(ctx_lens) if c == 0]
         dev = torch.device(device)
+        member_sets: list[list[int]] = []
+        if decode:
+            assert block_size is not None
+            if dev.type == "cpu" and native.paged_decode() is not None:
+                # The native kernel reads each context in place, unpadded: one group.
+                member_sets.append(decode)
+            else:
+                member_sets.extend(_bucket_by_length(decode, ctx_lens, block_size))
+        if chunked:
+            member_sets.append(chunked)
+        groups = tuple(
+            _build_group(members, q_lens, ctx_lens, starts, block_tables, block_size)  # type: ignore[arg-type]
+            for members in member_sets
+        )
+        causal = None
+        if fresh:
+            lengths = tuple(q_lens[b] for b in fresh)
+            spans_starts = tuple(starts[b] for b in fresh)
+            uniform = len(set(lengths)) == 1 and all(
+                spans_starts[i] == spans_starts[0] + i * lengths[0] for i in range(len(fresh))
+            )
+            causal = CausalSpans(tuple(fresh), spans_starts, lengths, uniform)
         return cls(
             query_lens=q_lens,
             context_lens=ctx_lens,
-            positions=positions.to(dev),
-            logits_indices=logits_indices.to(dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             slot_mapping=None if slot_mapping is None else slot_mapping.to(dev),
             groups=tuple(g.to(dev) for g in groups),
+            causal=causal,
         )
+
+
+# Fixed cost of one more decode group (a gather, a mask, an SDPA call per layer), in units of one
+# sequence-block of padded attention: splitting pays when it saves more padding than this.
+_GROUP_COST_BLOCKS = 16
+
+
+def _bucket_by_length(members: list[int], ctx_lens: tuple[int, ...], block_size: int) -> list[list[int]]:
+    """Split decodes into groups of similar context length, minimising padded blocks + group cost.
+
+    A padded group costs (members x its longest table); an exact partition of the sorted lengths
+    by dynamic programming (at most a few hundred decodes: O(n^2) is nothing).
+    """
+    order = sorted(members, key=lambda b: ctx_lens[b])
+    blocks = [-(-(ctx_lens[b] + 1) // block_size) for b in order]
+    n = len(order)
+    best = [0.0] + [math.inf] * n  # best[j]: cost of the first j sequences
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # last group is order[i:j]; its longest is blocks[j - 1]
+            cost = best[i] + (j - i) * blocks[j - 1] + _GROUP_COST_BLOCKS
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    out: list[list[int]] = []
+    j = n
+    while j > 0:
+        i = cut[j]
+        out.append(sorted(order[i:j]))
+        j = i
+    return out[::-1]
 
 
 def _build_group(
@@ -181,8 +263,8 @@ def _build_group(
     q_lens: tuple[int, ...],
     ctx_lens: tuple[int, ...],
     starts: list[int],
-    block_tables: Sequence[Sequence[int]] | None,
-    block_size: int | None,
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
 ) -> AttentionGroup:
     q = [q_lens[b] for b in members]
     ctx = [ctx_lens[b] for b in members]
@@ -190,30 +272,29 @@ def _build_group(
     # A group holding every sequence holds every token, in flat order: no gather/scatter needed.
     token_rows = None
     if len(members) != len(q_lens):
-        token_rows = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in members])
+        rows: list[int] = []
+        for b in members:
+            rows.extend(range(starts[b], starts[b] + q_lens[b]))
+        token_rows = torch.tensor(rows, dtype=torch.long)
     query_pad_index = None
     if any(n != max_q for n in q):
         query_pad_index = torch.cat([torch.arange(n) + i * max_q for i, n in enumerate(q)])
-    use_context = block_tables is not None and any(ctx)
-    tables = None
-    if use_context:
-        assert block_tables is not None and block_size is not None
-        max_blocks = max(-(-(c + n) // block_size) for c, n in zip(ctx, q, strict=True))
-        tables = torch.zeros((len(members), max_blocks), dtype=torch.long)
-        for i, b in enumerate(members):
-            need = -(-(ctx_lens[b] + q_lens[b]) // block_size)
-            tables[i, :need] = torch.tensor(list(block_tables[b][:need]), dtype=torch.long)
-    attn_mask = None
-    if use_context or len(members) > 1:
-        assert not use_context or (tables is not None and block_size is not None)
-        kv_len = tables.shape[1] * block_size if use_context else max_q  # type: ignore[union-attr,operator]
-        ctx_t = torch.tensor(ctx)
-        key_pos = torch.arange(kv_len).view(1, 1, kv_len)
-        # Query i of a sequence sits at position ctx + i and sees keys 0..ctx + i. Padded query rows
-        # (i >= q_len) still see key 0, so no softmax row is empty (NaN); their outputs are dropped.
-        q_pos = ctx_t.view(-1, 1, 1) + torch.arange(max_q).view(1, max_q, 1)
-        seq_len = (ctx_t + torch.tensor(q)).view(-1, 1, 1)
-        attn_mask = ((key_pos <= q_pos) & (key_pos < seq_len)).unsqueeze(1)
+    needs = [-(-(c + n) // block_size) for c, n in zip(ctx, q, strict=True)]
+    max_blocks = max(needs)
+    # Padding entries point at block 0: gathered, then masked out.
+    tables = torch.tensor(
+        [list(block_tables[b][:need]) + [0] * (max_blocks - need) for b, need in zip(members, needs, strict=True)],
+        dtype=torch.long,
+    )
+    kv_len = max_blocks * block_size
+    ctx_t = torch.tensor(ctx)
+    key_pos = torch.arange(kv_len).view(1, 1, kv_len)
+    # Query i of a sequence sits at position ctx + i and sees keys 0..ctx + i. Padded query rows
+    # (i >= q_len) still see key 0, so no softmax row is empty (NaN); their outputs are dropped.
+    q_pos = ctx_t.view(-1, 1, 1) + torch.arange(max_q).view(1, max_q, 1)
+    seq_len = (ctx_t + torch.tensor(q)).view(-1, 1, 1)
+    attn_mask = ((key_pos <= q_pos) & (key_pos < seq_len)).unsqueeze(1)
+    lens = [c + n for c, n in zip(ctx, q, strict=True)]
     return AttentionGroup(
         seqs=tuple(members),
         token_index=token_rows,
@@ -221,6 +302,8 @@ def _build_group(
         query_pad_index=query_pad_index,
         block_tables=tables,
         attn_mask=attn_mask,
+        seq_lens=torch.tensor(lens, dtype=torch.long),
+        max_seq_len=max(lens),
     )
 
 
@@ -228,7 +311,7 @@ def _pad(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
     """The group's flat `[t, heads, d]` -> padded `[b, max_query_len, heads, d]`."""
     b, q = g.num_seqs, g.max_query_len
     if g.query_pad_index is None:
-        return x.view(b, q, *x.shape[1:])
+        return x.reshape(b, q, *x.shape[1:])
     out = x.new_zeros((b * q, *x.shape[1:]))
     out.index_copy_(0, g.query_pad_index, x)
     return out.view(b, q, *x.shape[1:])
@@ -240,27 +323,43 @@ def _unpad(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
     return flat if g.query_pad_index is None else flat.index_select(0, g.query_pad_index)
 
 
-def _group_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: AttentionGroup, kv: PagedKV | None, layer: int
-) -> torch.Tensor:
+def _group_attention(q: torch.Tensor, g: AttentionGroup, kv: PagedKV, layer: int) -> torch.Tensor:
+    """Attention of the group's queries `[t, H, d]` over their whole context, from the cache."""
+    if g.max_query_len == 1 and q.dtype == torch.float32 and q.device.type == "cpu":
+        kernel = native.paged_decode()
+        if kernel is not None:
+            k_cache, v_cache = kv.layer_cache(layer)
+            return kernel(q, k_cache, v_cache, g.block_tables, g.seq_lens, g.max_seq_len)
     qp = _pad(q, g).transpose(1, 2)  # [b, H, Q, d]
-    if g.block_tables is not None:
-        assert kv is not None
-        b, max_blocks = g.block_tables.shape
-        # Each sequence's whole context, copied block by block into one padded [b, S, KVH, d].
-        k_blocks, v_blocks = kv.gather(layer, g.block_tables.view(-1))
-        s = max_blocks * k_blocks.shape[1]
-        keys = k_blocks.view(b, s, *k_blocks.shape[2:]).transpose(1, 2)
-        values = v_blocks.view(b, s, *v_blocks.shape[2:]).transpose(1, 2)
-    else:
-        keys = _pad(k, g).transpose(1, 2)
-        values = _pad(v, g).transpose(1, 2)
+    b, max_blocks = g.block_tables.shape
+    # Each sequence's whole context, copied block by block into one padded [b, S, KVH, d].
+    k_blocks, v_blocks = kv.gather(layer, g.block_tables.view(-1))
+    s = max_blocks * k_blocks.shape[1]
+    keys = k_blocks.view(b, s, *k_blocks.shape[2:]).transpose(1, 2)
+    values = v_blocks.view(b, s, *v_blocks.shape[2:]).transpose(1, 2)
     gqa = qp.shape[1] != keys.shape[1]
-    if g.attn_mask is None:
-        out = F.scaled_dot_product_attention(qp, keys, values, is_causal=True, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=g.attn_mask, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=g.attn_mask, enable_gqa=gqa)
     return _unpad(out.transpose(1, 2), g)
+
+
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: CausalSpans, out: torch.Tensor
+) -> None:
+    """Causal attention of each span over its own tokens, written into `out`'s rows."""
+    gqa = q.shape[1] != k.shape[1]
+    if spans.uniform:
+        n, first = spans.lengths[0], spans.starts[0]
+        rows = slice(first, first + n * len(spans.lengths))
+        b = len(spans.lengths)
+        qs, ks, vs = (x[rows].reshape(b, n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        out[rows] = o.transpose(1, 2).reshape(b * n, *out.shape[1:])
+        return
+    for start, n in zip(spans.starts, spans.lengths, strict=True):
+        rows = slice(start, start + n)
+        qs, ks, vs = (x[rows].unsqueeze(0).transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        out[rows] = o[0].transpose(0, 1)
 
 
 def attention(
@@ -273,22 +372,25 @@ def attention(
 ) -> torch.Tensor:
     """Attention for flat `q [T, H, d]`, `k, v [T, KVH, d]` (RoPE applied); returns `[T, H, d]`.
 
-    With a cache, the new K/V are first written to their slots, then each sequence attends over
-    its whole context gathered through its block table.
+    With a cache, the new K/V are first written to their slots; sequences with cached context then
+    attend over their whole context gathered through their block tables, the others over their
+    own new tokens.
     """
     if batch.uses_cache:
         if kv is None:
             raise ValueError("ForwardBatch was built with block tables but no KV cache was given")
         assert batch.slot_mapping is not None
         kv.write(layer, batch.slot_mapping, k, v)
+    if batch.groups and kv is None:
+        raise ValueError("ForwardBatch has cached context but no KV cache was given")
     if len(batch.groups) == 1 and batch.groups[0].token_index is None:
-        return _group_attention(q, k, v, batch.groups[0], kv, layer)
-    out = torch.empty_like(q)
+        assert kv is not None
+        return _group_attention(q, batch.groups[0], kv, layer)  # every token has cached context
+    out = q.new_empty(q.shape)
+    if batch.causal is not None:
+        _causal_attention(q, k, v, batch.causal, out)
     for g in batch.groups:
-        assert g.token_index is not None
-        rows = g.token_index
-        part = _group_attention(
-            q.index_select(0, rows), k.index_select(0, rows), v.index_select(0, rows), g, kv, layer
-        )
-        out.index_copy_(0, rows, part)
+        assert kv is not None and g.token_index is not None
+        part = _group_attention(q.index_select(0, g.token_index), g, kv, layer)
+        out.index_copy_(0, g.token_index, part)
     return out

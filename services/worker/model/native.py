@@ -1,0 +1,432 @@
+"""A native (C, OpenMP) kernel for decode attention over the paged KV cache, built on first use.
+
+Decode attention in plain torch has to gather every sequence's blocks into a padded copy before
+`scaled_dot_product_attention` can run, and SDPA's CPU kernel is slow with one query row: per layer
+and step the cache is read twice, written once, and padded to the longest sequence. This kernel
+reads each sequence's blocks in place through its block table, once, with no padding (AVX2/FMA
+code where the CPU has it, portable C otherwise): for a 30-sequence decode step of the `bench`
+model it takes a quarter to a fifth of the time of the gather + SDPA it replaces.
+
+The source is compiled with the system C compiler (`$CC`, else `gcc`/`cc`) into a per-user cache
+(`$BLITZMESH_CACHE_DIR`, else `$XDG_CACHE_HOME/blitzmesh`, else `~/.cache/blitzmesh`), keyed by a
+hash of the source and flags, and loaded with ctypes; it links the OpenMP runtime torch already
+loaded, so it shares torch's threads. Where it cannot be built or fails its self-check, or with
+`BLITZMESH_NATIVE_ATTENTION=0`, `paged_decode()` returns None and callers use the torch path.
+Float32 CPU tensors only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PA_AVX2 1
+#endif
+
+#ifdef PA_AVX2
+/* 8 dot-product accumulators -> one vector of their 8 horizontal sums. */
+static inline __m256 hsum8(const __m256* a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* exp(x) for x <= 0 in 8 lanes: Cephes range reduction + degree-5 polynomial (about 1 ulp). */
+static inline __m256 exp8_nonpos(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* One sequence, D % 8 == 0. sc: scratch [L, Hp] (Hp = H rounded up to 8), token-major. */
+static void seq_avx2(const float* qs, const float* k_cache, const float* v_cache, const int64_t* tab,
+                     int64_t L, int64_t H, int64_t Hp, int64_t G, int64_t KVH, int64_t D, int64_t bs,
+                     float scale, float* sc, float* acc, float* out) {
+    const int64_t row = KVH * D, blk_stride = bs * row;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    /* scores */
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const float* kb = k_cache + tab[t0 / bs] * blk_stride;
+        const int64_t tn = L - t0 < bs ? L - t0 : bs;
+        for (int64_t t = 0; t < tn; ++t) {
+            const float* k = kb + t * row;
+            float* st = sc + (t0 + t) * Hp;
+            for (int64_t h0 = 0; h0 < Hp; h0 += 8) {
+                __m256 a[8];
+                for (int j = 0; j < 8; ++j) {
+                    const int64_t h = h0 + j;
+                    if (h >= H) { a[j] = _mm256_setzero_ps(); continue; }
+                    const float* qq = qs + h * D;
+                    const float* kk = k + (h / G) * D;
+                    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qq), _mm256_loadu_ps(kk));
+                    for (int64_t i = 8; i < D; i += 8)
+                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qq + i), _mm256_loadu_ps(kk + i), s);
+                    a[j] = s;
+                }
+                _mm256_storeu_ps(st + h0, _mm256_mul_ps(hsum8(a), vscale));
+            }
+        }
+    }
+    /* softmax numerators, per head across tokens (8 heads per vector) */
+    float sums[Hp];
+    for (int64_t h0 = 0; h0 < Hp; h0 += 8) {
+        __m256 m = _mm256_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < L; ++t) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + t * Hp + h0));
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < L; ++t) {
+            __m256 e = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + t * Hp + h0), m));
+            _mm256_storeu_ps(sc + t * Hp + h0, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(sums + h0, sum);
+    }
+    /* weighted values: per block, per head, 8 lanes of D at a time, accumulators in acc [H, D] */
+    memset(acc, 0, sizeof(float) * H * D);
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const float* vb = v_cache + tab[t0 / bs] * blk_stride;
+        const int64_t tn = L - t0 < bs ? L - t0 : bs;
+        for (int64_t h = 0; h < H; ++h) {
+            const float* vh = vb + (h / G) * D;
+            const float* ph = sc + t0 * Hp + h;
+            float* ah = acc + h * D;
+            int64_t i = 0;
+            for (; i + 32 <= D; i += 32) {
+                __m256 a0 = _mm256_loadu_ps(ah + i), a1 = _mm256_loadu_ps(ah + i + 8);
+                __m256 a2 = _mm256_loadu_ps(ah + i + 16), a3 = _mm256_loadu_ps(ah + i + 24);
+                for (int64_t t = 0; t < tn; ++t) {
+                    const __m256 p = _mm256_broadcast_ss(ph + t * Hp);
+                    const float* v = vh + t * row + i;
+                    a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+                    a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+                    a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+                    a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+                }
+                _mm256_storeu_ps(ah + i, a0); _mm256_storeu_ps(ah + i + 8, a1);
+                _mm256_storeu_ps(ah + i + 16, a2); _mm256_storeu_ps(ah + i + 24, a3);
+            }
+            for (; i < D; i += 8) {
+                __m256 a0 = _mm256_loadu_ps(ah + i);
+                for (int64_t t = 0; t < tn; ++t)
+                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + t * Hp), _mm256_loadu_ps(vh + t * row + i), a0);
+                _mm256_storeu_ps(ah + i, a0);
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        const __m256 inv = _mm256_set1_ps(1.0f / sums[h]);
+        for (int64_t i = 0; i < D; i += 8)
+            _mm256_storeu_ps(out + h * D + i, _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + i), inv));
+    }
+}
+#endif
+
+static inline float dot(const float* a, const float* b, int64_t d) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+    float tail = 0.f;
+    for (; i < d; ++i) tail += a[i] * b[i];
+    return (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) + tail;
+}
+
+/* Portable version: any D. sc: scratch [H, L]. */
+static void seq_generic(const float* qs, const float* k_cache, const float* v_cache, const int64_t* tab,
+                        int64_t L, int64_t H, int64_t G, int64_t KVH, int64_t D, int64_t bs,
+                        float scale, float* sc, float* acc, float* out) {
+    const int64_t row = KVH * D, blk_stride = bs * row;
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const float* kb = k_cache + tab[t0 / bs] * blk_stride;
+        const int64_t tn = L - t0 < bs ? L - t0 : bs;
+        for (int64_t t = 0; t < tn; ++t) {
+            const float* k = kb + t * row;
+            for (int64_t h = 0; h < H; ++h)
+                sc[h * L + t0 + t] = dot(qs + h * D, k + (h / G) * D, D) * scale;
+        }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        float* s = sc + h * L;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) { s[t] = expf(s[t] - m); sum += s[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * H * D);
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const float* vb = v_cache + tab[t0 / bs] * blk_stride;
+        const int64_t tn = L - t0 < bs ? L - t0 : bs;
+        for (int64_t t = 0; t < tn; ++t) {
+            const float* v = vb + t * row;
+            for (int64_t h = 0; h < H; ++h) {
+                const float p = sc[h * L + t0 + t];
+                const float* vv = v + (h / G) * D;
+                float* a = acc + h * D;
+                for (int64_t i = 0; i < D; ++i) a[i] += p * vv[i];
+            }
+        }
+    }
+    memcpy(out, acc, sizeof(float) * H * D);
+}
+
+/* Decode attention, float32. q [n, H, D]; k_cache, v_cache [num_blocks, bs, KVH, D];
+   tables [n, max_blocks] (token t of sequence s sits in block tables[s][t / bs]);
+   lens [n] keys per sequence (>= 1); out [n, H, D]. Query head h reads KV head h / (H / KVH).
+   One task per sequence: scores of all its heads over its keys, softmax, weighted values; each
+   K and V row is read once, in place. Returns -1 if scratch memory could not be allocated. */
+int paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
+                     const int64_t* tables, int64_t max_blocks, const int64_t* lens,
+                     int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
+                     float scale, float* out, int64_t max_len, int64_t num_threads) {
+    const int64_t G = H / KVH;
+    const int64_t Hp = (H + 7) / 8 * 8;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads > 0 ? (int)num_threads : 1)
+    {
+        float* sc = (float*)malloc(sizeof(float) * Hp * (max_len > 0 ? max_len : 1));
+        float* acc = (float*)malloc(sizeof(float) * H * D);
+        if (sc == NULL || acc == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < n; ++s) {
+            if (sc == NULL || acc == NULL) continue;
+            const float* qs = q + s * H * D;
+            const int64_t* tab = tables + s * max_blocks;
+#ifdef PA_AVX2
+            if (D % 8 == 0) {
+                seq_avx2(qs, k_cache, v_cache, tab, lens[s], H, Hp, G, KVH, D, bs, scale, sc, acc, out + s * H * D);
+                continue;
+            }
+#endif
+            seq_generic(qs, k_cache, v_cache, tab, lens[s], H, G, KVH, D, bs, scale, sc, acc, out + s * H * D);
+        }
+        free(sc);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
+"""
+
+_ENV_SWITCH = "BLITZMESH_NATIVE_ATTENTION"
+
+
+class PagedDecode(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_len: int,
+    ) -> torch.Tensor: ...
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("BLITZMESH_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg) / "blitzmesh"
+    try:
+        return Path.home() / ".cache" / "blitzmesh"
+    except (RuntimeError, KeyError):  # no home directory
+        return Path(tempfile.gettempdir()) / f"blitzmesh-{os.getuid()}"
+
+
+def _compile() -> Path:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags():
+        flags += ["-mavx2", "-mfma"]
+    key = hashlib.sha256("\0".join([_SOURCE, cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
+    name = f"paged_attention-{key}.so"
+    for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"blitzmesh-{os.getuid()}"):
+        target = root / "kernels" / name
+        if target.exists():
+            return target
+        src = target.with_name(f".{name}.{os.getpid()}.{threading.get_ident()}.c")
+        tmp = src.with_suffix(".so")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            src.write_text(_SOURCE)
+        except OSError:
+            continue  # not writable: try the next directory
+        try:
+            done = subprocess.run(
+                [cc, *flags, "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True, timeout=120
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)  # atomic: concurrent builders each install a whole file
+            return target
+        finally:
+            for leftover in (src, tmp):
+                leftover.unlink(missing_ok=True)
+    raise RuntimeError("no writable cache directory for the compiled kernel")
+
+
+def _load() -> PagedDecode:
+    path = _compile()
+    lib = ctypes.CDLL(str(path))
+    fn = lib.paged_decode_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64]
+    fn.restype = ctypes.c_int
+
+    def paged_decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_len: int,
+    ) -> torch.Tensor:
+        """Attention of one query per sequence over its paged context.
+
+        q `[n, H, D]`; k_cache, v_cache `[num_blocks, block_size, KVH, D]`; block_tables
+        `[n, max_blocks]` int64; seq_lens `[n]` int64 (keys per sequence, 1..max_len, covered by
+        the tables); returns `[n, H, D]`. All float32 on the CPU.
+        """
+        n, heads, d = q.shape
+        num_blocks, bs, kv_heads, d_k = k_cache.shape
+        if (
+            d_k != d
+            or v_cache.shape != k_cache.shape
+            or heads % kv_heads
+            or block_tables.shape[0] != n
+            or seq_lens.shape != (n,)
+            or any(t.dtype != torch.float32 for t in (q, k_cache, v_cache))
+            or block_tables.dtype != torch.int64
+            or seq_lens.dtype != torch.int64
+        ):
+            raise ValueError(
+                f"paged_decode: q {tuple(q.shape)} {q.dtype}, cache {tuple(k_cache.shape)} {k_cache.dtype}, "
+                f"tables {tuple(block_tables.shape)}, lens {tuple(seq_lens.shape)}"
+            )
+        if n and (
+            int(block_tables.min()) < 0
+            or int(block_tables.max()) >= num_blocks
+            or int(seq_lens.min()) < 1
+            or int(seq_lens.max()) > min(max_len, block_tables.shape[1] * bs)
+        ):
+            # The kernel trusts these: out-of-range ids or lengths would read outside the cache.
+            raise ValueError(
+                f"paged_decode: block ids outside [0, {num_blocks}) or lengths outside "
+                f"[1, {min(max_len, block_tables.shape[1] * bs)}]"
+            )
+        q = q.contiguous()
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+        block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+        out = torch.empty_like(q)
+        if n == 0:
+            return out
+        rc = fn(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], seq_lens.data_ptr(), n, heads, kv_heads, d, bs,
+            d ** -0.5, out.data_ptr(), max_len, torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("paged_decode: scratch allocation failed")
+        return out
+
+    return paged_decode
+
+
+def _self_check(kernel: PagedDecode) -> None:
+    """Compare with SDPA over an explicit gather on small random cases (GQA, ragged lengths; a
+    head size the vector path takes and one only the portable path does)."""
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads, d in ((12, 4, 32), (4, 2, 20)):
+        n, bs, blocks = 3, 4, 16
+        k = torch.randn(blocks, bs, kv_heads, d, generator=g)
+        v = torch.randn(blocks, bs, kv_heads, d, generator=g)
+        q = torch.randn(n, heads, d, generator=g)
+        tables = torch.randperm(blocks, generator=g)[: n * 4].view(n, 4)
+        lens = torch.tensor([1, 9, 16])
+        got = kernel(q, k, v, tables, lens, 16)
+        for s in range(n):
+            length = int(lens[s])
+            keys = k[tables[s]].reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+            values = v[tables[s]].reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[s].unsqueeze(1), keys, values, enable_gqa=True
+            ).squeeze(1)
+            if not torch.allclose(got[s], want, atol=1e-5, rtol=1e-5):
+                raise RuntimeError(
+                    f"self-check failed (H={heads}, KVH={kv_heads}, D={d}): max error "
+                    f"{(got[s] - want).abs().max().item():.3g}"
+                )
+
+
+_lock = threading.Lock()
+_kernel: PagedDecode | None = None
+_tried = False
+
+
+def paged_decode() -> PagedDecode | None:
+    """The decode-attention kernel, built and checked on first call; None where unavailable."""
+    global _kernel, _tried
+    if os.environ.get(_ENV_SWITCH, "1") == "0":
+        return None
+    if _tried:
+        return _kernel
+    with _lock:
+        if not _tried:
+            try:
+                kernel = _load()
+                _self_check(kernel)
+                _kernel = kernel
+                log.info("native_paged_attention_ready")
+            except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
+                log.warning("native_paged_attention_unavailable", error=f"{type(e).__name__}: {e}")
+                _kernel = None
+            _tried = True
+    return _kernel
