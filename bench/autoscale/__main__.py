@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         policy_params = {}
     policy_params.update(json.loads(args.policy_params))
+    policy_params = {k: v for k, v in policy_params.items() if v is not None}  # null = leave at the default
     pool_max = sizing.fixed_peak
     print(f"workload: {json.dumps({k: round(v, 2) for k, v in workload.items()})}")
     print(f"profile a={profile.a_s}s b={profile.b_s}s/token; sizing: {json.dumps(sizing.to_json())}")
