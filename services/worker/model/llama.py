@@ -68,10 +68,6 @@ class Linear:
             except RuntimeError:
                 self._packed = None
 
-    @property
-    def packed(self) -> bool:
-        return self._packed is not None
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None and x.dim() == 2 and x.shape[0] < _PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
