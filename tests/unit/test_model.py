@@ -371,12 +371,7 @@ def test_native_paged_decode_matches_sdpa() -> None:
         q = torch.randn(5, heads, d, generator=g)
         got = kernel(q, k, v, tables, lens, 200)
         for s in range(5):
-            n = int(lens[s])
-            keys = k[tables[s]].reshape(-1, kv_heads, d)[:n].transpose(0, 1)
-            values = v[tables[s]].reshape(-1, kv_heads, d)[:n].transpose(0, 1)
-            want = torch.nn.functional.scaled_dot_product_attention(
-                q[s].unsqueeze(1), keys, values, enable_gqa=True
-            ).squeeze(1)
+            want = native.reference_decode(q[s], k, v, tables[s], int(lens[s]))
             torch.testing.assert_close(got[s], want, atol=1e-5, rtol=1e-5)
         bad = tables.clone()
         bad[0, 0] = blocks

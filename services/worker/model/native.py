@@ -380,6 +380,20 @@ def _load() -> PagedDecode:
     return paged_decode
 
 
+def reference_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int
+) -> torch.Tensor:
+    """One sequence's decode attention the slow, obvious way: gather its `length` keys and values
+    through its block table, then SDPA. q `[H, D]` -> `[H, D]`. What the kernel is checked against."""
+    kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache[table].reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+    values = v_cache[table].reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+    out: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(1), keys, values, enable_gqa=True
+    ).squeeze(1)
+    return out
+
+
 def _self_check(kernel: PagedDecode) -> None:
     """Compare with SDPA over an explicit gather on small random cases (GQA, ragged lengths; a
     head size the vector path takes and one only the portable path does)."""
@@ -393,12 +407,7 @@ def _self_check(kernel: PagedDecode) -> None:
         lens = torch.tensor([1, 9, 16])
         got = kernel(q, k, v, tables, lens, 16)
         for s in range(n):
-            length = int(lens[s])
-            keys = k[tables[s]].reshape(-1, kv_heads, d)[:length].transpose(0, 1)
-            values = v[tables[s]].reshape(-1, kv_heads, d)[:length].transpose(0, 1)
-            want = torch.nn.functional.scaled_dot_product_attention(
-                q[s].unsqueeze(1), keys, values, enable_gqa=True
-            ).squeeze(1)
+            want = reference_decode(q[s], k, v, tables[s], int(lens[s]))
             if not torch.allclose(got[s], want, atol=1e-5, rtol=1e-5):
                 raise RuntimeError(
                     f"self-check failed (H={heads}, KVH={kv_heads}, D={d}): max error "
