@@ -8,8 +8,14 @@ How it is driven, and why (measured here, see DESIGN.md):
   here, against 7-11 GB/s over shared memory). The price is that UCX never notices a dead
   peer, so every send and receive here has a timeout, and a timed-out endpoint is aborted,
   which cancels its requests (no late write into a buffer).
-- Progress mode "blocking" (epoll fd on the asyncio loop): the fastest mode that leaves the
-  CPU idle when nothing moves; "thread" wants a CUDA context.
+- Progress mode "blocking" (the worker's epoll fd on the asyncio loop), with our own driver
+  (`_ArmedProgress`) instead of ucxx's, which kept every process at 100% of a core, idle or
+  not, in two ways (ucxx 0.52): its `BlockingMode` arms the worker once and never again, so
+  the level-triggered fd stays readable after the first message; and a request's `wait()`
+  polls with `asyncio.sleep(0)` until done, so the accept loop's standing receive alone spins
+  forever. The driver re-arms after every burst of events and completes requests itself,
+  right after the `progress()` that finished them: an idle process sleeps (0% CPU measured),
+  and one hop still runs at `ucx_perftest` speed (9-10 GB/s, 16 MiB messages, no checksums).
 - UCX_TLS defaults to "^cma" (see SAFE_TLS): with error handling off, cma turns the death of
   a sender into the death of its receiver. The shared-memory path that remains needs both
   processes scheduled for every fragment, so it slows to a crawl (0.1-0.3 GB/s measured) when
@@ -28,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import socket
 import struct
+from collections.abc import Awaitable
 from typing import Any, Final
 
 # UCX reads these when its context is created (first use); set them before importing ucxx.
@@ -37,6 +45,9 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # silences warnings abou
 import numpy as np  # noqa: E402
 import structlog  # noqa: E402
 import ucxx  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
+from ucxx._lib_async import application_context as _ucxx_app  # noqa: E402 - see _ensure_ucxx
+from ucxx.types import Tag, TagMaskFull  # noqa: E402
 
 from .buffers import as_uint8_array  # noqa: E402
 from .errors import PeerClosed, ProtocolError, TransferTimeout, TransportError  # noqa: E402
@@ -74,14 +85,122 @@ def ucx_version() -> str:
     return f"ucxx {ucxx.__version__} / UCX {'.'.join(map(str, ucxx.get_ucx_version()))}"
 
 
-def _ensure_ucxx(progress_mode: str, tls: str | None) -> None:
+class _ArmedProgress:
+    """Blocking progress and request completion for one UCX worker on one asyncio loop.
+
+    On an event (the worker's epoll fd is readable) the worker is progressed, and a driver
+    task progresses it again, lets the loop run every callback that is ready (they may post
+    new requests), and arms the worker with `arm()`; if UCX says it is busy, it goes round
+    again. Once armed, the fd stays quiet until something arrives: an idle process sleeps. A
+    timer re-runs the driver every `period_s` as a guard against a lost wake-up. Polling
+    while a transfer runs (spin, then block) was tried: no faster over shared memory here
+    (9-10 GB/s either way, 16 MiB messages), and it takes a core from whatever else runs.
+
+    Requests are completed here too: `wait(request)` gives a future that is resolved right
+    after the `progress()` call that finished the request. ucxx's own `request.wait()` (with
+    python futures off, the only choice outside its thread modes) polls with `sleep(0)`
+    until done, so one posted receive, such as the accept loop's, kept a core busy forever.
+    """
+
+    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop, *, period_s: float = 0.1) -> None:
+        self._worker = worker
+        self._loop = loop
+        self._period_s = period_s
+        worker.init_blocking_progress_mode()  # idempotent: the same epoll fd on a second call
+        self._fd = int(worker.epoll_file_descriptor)
+        # A socket whose peer is closed: reading it completes on the loop's next I/O poll,
+        # that is after every callback that is ready now has run (ucx-py's trick).
+        self._rsock, wsock = socket.socketpair()
+        self._rsock.setblocking(False)
+        wsock.close()
+        self._driver: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        # Posted requests and their futures. A request stays here until UCX finishes it, even
+        # if its future was cancelled: it keeps the request (and so its buffer) alive.
+        self._pending: list[tuple[Any, asyncio.Future[None]]] = []
+        self.arms = 0  # how often the worker was armed (tests read it)
+        loop.add_reader(self._fd, self._on_event)
+        self.kick()
+        self._timer = loop.call_later(period_s, self._on_timer)
+
+    def wait(self, request: Any) -> asyncio.Future[None]:
+        """A future resolved when `request` completes (its UCX error, if any, raised)."""
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._pending.append((request, fut))
+        self._reap()
+        self.kick()  # a new request may need progress before any event comes
+        return fut
+
+    def _reap(self) -> None:
+        if not self._pending:
+            return
+        still: list[tuple[Any, asyncio.Future[None]]] = []
+        for request, fut in self._pending:
+            if not request.completed:
+                still.append((request, fut))
+            elif not fut.done():
+                try:
+                    request.check_error()
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter as is
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(None)
+        self._pending = still
+
+    def _progress(self) -> None:
+        self._worker.progress()
+        self._reap()
+
+    def _on_event(self) -> None:
+        self._progress()
+        self.kick()
+
+    def _on_timer(self) -> None:
+        self.kick()
+        self._timer = self._loop.call_later(self._period_s, self._on_timer)
+
+    def kick(self) -> None:
+        if self._driver is None or self._driver.done():
+            self._driver = self._loop.create_task(self._drive(), name="dataplane-ucx-progress")
+
+    async def _drive(self) -> None:
+        while True:
+            self._progress()
+            await self._loop.sock_recv(self._rsock, 1)
+            if self._worker.arm():
+                self.arms += 1
+                return
+
+
+def _ensure_ucxx(progress_mode: str, tls: str | None) -> _ArmedProgress | None:
+    """Initialise ucxx once per process and bind progress to the running loop; returns our
+    driver in "blocking" mode (None in ucxx's own modes)."""
     options = {} if tls is None else {"TLS": tls}
+    loop = asyncio.get_running_loop()
+    tasks = _ucxx_app.ProgressTasks  # ucxx's registry: event loop -> the object progressing it
+    if progress_mode == "blocking":
+        existing = tasks.get(loop)
+        if isinstance(existing, _ArmedProgress):
+            return existing
+        # A placeholder for this loop keeps ucxx (init, endpoint creation) from binding its own
+        # BlockingMode to it; ours replaces the placeholder below.
+        tasks[loop] = None
     try:
         # An operator's UCX_TLS in the environment wins over our default.
         ucxx.init(options=options, env_takes_precedence=True, progress_mode=progress_mode)
     except RuntimeError:
         pass  # already initialised by someone else in this process: use it as it is
+    if progress_mode == "blocking":
+        driver = tasks[loop] = _ArmedProgress(ucxx.core._get_ctx().worker, loop)
+        return driver
     ucxx.continuous_ucx_progress()  # bind progress to the running loop (no-op if already bound)
+    return None
+
+
+def _progress_driver() -> _ArmedProgress | None:
+    """The blocking-progress driver of the running loop, if ours (for tests and diagnostics)."""
+    driver = _ucxx_app.ProgressTasks.get(asyncio.get_running_loop())
+    return driver if isinstance(driver, _ArmedProgress) else None
 
 
 class _Peer:
@@ -137,7 +256,7 @@ class _UcxEndpoint(Endpoint):
             raise PeerClosed(f"endpoint to {self.peer} is closed")
         full = self._full_tag(tag, self._send_dir)
         try:
-            await asyncio.wait_for(self._peer.ep.send(arr, tag=full, force_tag=True), timeout_s)
+            await asyncio.wait_for(self._peer.transport._send(self._peer.ep, arr, full), timeout_s)
         except TimeoutError:
             self.abort()
             raise TransferTimeout(
@@ -155,7 +274,7 @@ class _UcxEndpoint(Endpoint):
             raise PeerClosed(f"endpoint to {self.peer} is closed")
         full = self._full_tag(tag, 1 - self._send_dir)
         try:
-            await asyncio.wait_for(self._peer.ep.recv(arr, tag=full, force_tag=True), timeout_s)
+            await asyncio.wait_for(self._peer.transport._recv(self._peer.ep, arr, full), timeout_s)
         except TimeoutError:
             self.abort()  # cancels the posted receive: nothing lands in `arr` after this
             raise TransferTimeout(
@@ -218,6 +337,28 @@ class UcxTransport(Transport):
         # Reused across connections: the first transfer into a fresh buffer is slow.
         self._warmup_buf = np.zeros(max(warmup_bytes, 1), dtype=np.uint8)
         self._pending_hello: np.ndarray | None = None
+        self._driver: _ArmedProgress | None = None
+
+    # Requests go through our progress driver in "blocking" mode, through ucxx's (polling)
+    # awaitables otherwise. `ep` is a ucxx Endpoint; tags are used as they are (no hashing).
+
+    def _send(self, ep: Any, arr: np.ndarray, tag: int) -> Awaitable[Any]:
+        if self._driver is None:
+            return ep.send(arr, tag=tag, force_tag=True)
+        ep._ep.raise_on_error()
+        return self._driver.wait(ep._ep.tag_send(Array(arr), Tag(tag)))
+
+    def _recv(self, ep: Any, arr: np.ndarray, tag: int) -> Awaitable[Any]:
+        if self._driver is None:
+            return ep.recv(arr, tag=tag, force_tag=True)
+        ep._ep.raise_on_error()
+        return self._driver.wait(ep._ep.tag_recv(Array(arr), Tag(tag), TagMaskFull))
+
+    def _worker_recv(self, arr: np.ndarray, tag: int) -> Awaitable[Any]:
+        """A receive on the worker itself (from any peer), as `ucxx.recv`."""
+        if self._driver is None:
+            return ucxx.recv(arr, tag)
+        return self._driver.wait(ucxx.core._get_ctx().worker.tag_recv(Array(arr), Tag(tag)))
 
     async def start(self) -> None:
         global _active_transport
@@ -225,7 +366,7 @@ class UcxTransport(Transport):
             return
         if _active_transport is not None and _active_transport is not self:
             raise TransportError("only one UcxTransport per process (ucxx has one worker per process)")
-        _ensure_ucxx(self._progress_mode, self._tls)
+        self._driver = _ensure_ucxx(self._progress_mode, self._tls)
         _active_transport = self
         self._address = _ADDRESS_PREFIX + ucxx.get_worker_address().tobytes()
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(), name="dataplane-ucx-accept")
@@ -250,7 +391,7 @@ class UcxTransport(Transport):
             # Kept on self: a receive posted on the worker outlives a cancelled task, and UCX
             # must never write a late hello into freed memory.
             self._pending_hello = hello
-            await ucxx.recv(hello, _ACCEPT_TAG)
+            await self._worker_recv(hello, _ACCEPT_TAG)
             if hello[:4].tobytes() == _BYE_MAGIC:
                 return
             task = loop.create_task(self._handshake(hello.tobytes()))
@@ -312,7 +453,7 @@ class UcxTransport(Transport):
         hello[: len(packed)] = np.frombuffer(packed, np.uint8)
         try:
             # The hello goes to the peer's worker, not to a connection: raw tag, no conn id.
-            await asyncio.wait_for(peer.ep.send(hello, tag=_ACCEPT_TAG, force_tag=True), timeout_s)
+            await asyncio.wait_for(self._send(peer.ep, hello, _ACCEPT_TAG), timeout_s)
             ack = np.zeros(8, dtype=np.uint8)
             await endpoint._recv_raw(ack, _ACK_TAG, timeout_s)
             (warmup_bytes,) = struct.unpack("<Q", ack.tobytes())
@@ -348,7 +489,7 @@ class UcxTransport(Transport):
             me = await self._peer_for(self._address[len(_ADDRESS_PREFIX) :])
             bye = np.zeros(_HELLO_BYTES, dtype=np.uint8)
             bye[:4] = np.frombuffer(_BYE_MAGIC, np.uint8)
-            await asyncio.wait_for(me.ep.send(bye, tag=_ACCEPT_TAG, force_tag=True), 2.0)
+            await asyncio.wait_for(self._send(me.ep, bye, _ACCEPT_TAG), 2.0)
             await asyncio.wait_for(asyncio.shield(task), 2.0)
         except (TimeoutError, ucxx.exceptions.UCXError) as exc:
             log.warning("dataplane_ucx_stop_accepting_failed", error=repr(exc))

@@ -102,6 +102,33 @@ async def test_tagged_messages_land_in_caller_buffers(pair: tuple[Transport, Tra
 
 
 @pytest.mark.parametrize("pair", KINDS, indirect=True)
+async def test_idle_transport_sleeps(pair: tuple[Transport, Transport]) -> None:
+    """Once a transfer is over, a started transport must not use the CPU while it waits.
+
+    ucxx's own blocking progress kept every process at a full core after the first message
+    (the worker was never re-armed, and waiting requests poll with sleep(0)); the accept
+    loop's standing receive and a receive posted for a message not yet sent are both here.
+    """
+    client, server = await _connected(*pair)
+    payload = np.arange(4 << 20, dtype=np.uint8)
+    landed = np.zeros_like(payload)
+    await asyncio.gather(client.send(payload, 7, timeout_s=5), server.recv_into(landed, 7, timeout_s=5))
+    assert np.array_equal(landed, payload)
+    late = np.zeros(16, np.uint8)
+    pending = asyncio.ensure_future(server.recv_into(late, 8, timeout_s=10))
+    cpu_before, wall_before = time.process_time(), time.monotonic()
+    await asyncio.sleep(1.0)
+    cpu_s, wall_s = time.process_time() - cpu_before, time.monotonic() - wall_before
+    assert cpu_s < 0.25 * wall_s, f"idle transport used {cpu_s:.2f} s of CPU in {wall_s:.2f} s"
+    # The receive that waited through the idle second still completes when the message comes.
+    await client.send(np.full(16, 5, np.uint8), 8, timeout_s=5)
+    await pending
+    assert late.tolist() == [5] * 16
+    await client.close()
+    await server.close()
+
+
+@pytest.mark.parametrize("pair", KINDS, indirect=True)
 async def test_receive_times_out_and_aborts_instead_of_hanging(pair: tuple[Transport, Transport]) -> None:
     client, _server = await _connected(*pair)
     started = time.monotonic()
