@@ -11,11 +11,15 @@ Four parts, measured in one run, every transfer between separate real processes
    - memcpy_gbps: np.copyto of the payload in one process (warm, best of 5): the ceiling.
    - ucx_perftest_gbps: `ucx_perftest -t tag_bw` from the libucx wheel with the UCX_TLS our
      transport uses ("^cma", see services/dataplane/ucx.py); ucx_perftest_all_tls_gbps with
-     UCX's default (cma included); best of one run before and one after our transports
+     UCX's default (cma included); best of the runs before, between and after our transports
      (ucx_perftest_runs_gbps). Null when the binary is not installed.
-   - one_hop_gbps[kind]: a receiver pulls the whole model from a source; best warm run (receive
-     buffers reused, as a worker reuses its memory); one_hop_cold_gbps[kind]: the first run.
+   - one_hop_gbps[kind]: a receiver pulls the whole model from a source (manifest, chunks, a
+     checksum over every received byte); best warm run (receive buffers reused, as a worker
+     reuses its memory); one_hop_cold_gbps[kind]: the first run.
      kinds: "ucx" (our default UCX_TLS=^cma), "ucx-cma" (UCX_TLS=all), "tcp" (asyncio sockets).
+   - one_hop_transport_gbps[kind]: the same bytes through the transport alone between two fresh
+     nodes (tagged messages of chunk_bytes, 4 in flight, no checksums): like for like with
+     ucx_perftest; best warm round (all rounds in one_hop_transport_runs_gbps, the first cold).
    - local_chain_fill_s[kind][n] / local_unicast_fill_s[kind][n]: the same-host chain (all
      started at once; seconds until the last receiver holds every byte) and sequential unicast,
      n = 1..3, best of 2 rounds. On 2 cores these are CPU-bound, so they do not show the
@@ -58,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +231,24 @@ def _node_spec(kind: str) -> NodeSpec:
     return NodeSpec(transport=kind)
 
 
+def transport_one_hop_gbps(kind: str, payload_bytes: int, chunk_bytes: int, window: int, rounds: int) -> list[float]:
+    """The transport alone between two fresh nodes: `payload_bytes` as tagged messages of
+    `chunk_bytes`, `window` in flight, into one reused buffer; GB/s of each round (the first
+    is cold). What ucx_perftest measures, through our Python transport."""
+    spec = replace(_node_spec(kind), group_server=False)
+    sender, receiver = start_nodes([spec, spec], timeout_s=120)
+    try:
+        sender.stream("send", None, payload_bytes, chunk_bytes, window, rounds)
+        receiver.stream("receive", sender.address, payload_bytes, chunk_bytes, window, rounds)
+        got, sent = receiver.expect(300), sender.expect(300)
+        if got[0] != "streamed" or sent[0] != "streamed":
+            raise RuntimeError(f"transport stream failed: receiver {got!r}, sender {sent!r}")
+        return [payload_bytes / t / 1e9 for t in got[1]]
+    finally:
+        sender.stop()
+        receiver.stop()
+
+
 def bench_transport(kind: str, payload_bytes: int, chunk_bytes: int, max_n: int, runs: int) -> dict[str, Any]:
     nodes = start_nodes([_node_spec(kind) for _ in range(max_n + 1)], timeout_s=120)
     source, receivers = nodes[0], nodes[1:]
@@ -239,18 +262,22 @@ def bench_transport(kind: str, payload_bytes: int, chunk_bytes: int, max_n: int,
         for n in range(1, max_n + 1):
             chain[str(n)] = [_chain_fill_s(source, receivers[:n], manifest) for _ in range(runs)]
             unicast[str(n)] = [_unicast_fill_s(source, receivers[:n], manifest) for _ in range(runs)]
-        return {
-            "one_hop_cold_gbps": round(cold, 3),
-            "one_hop_gbps": round(max(warm), 3),
-            "one_hop_runs_gbps": [round(x, 3) for x in warm],
-            "chain_fill_s": {n: round(min(v), 4) for n, v in chain.items()},
-            "chain_fill_median_s": {n: round(statistics.median(v), 4) for n, v in chain.items()},
-            "unicast_fill_s": {n: round(min(v), 4) for n, v in unicast.items()},
-            "unicast_fill_median_s": {n: round(statistics.median(v), 4) for n, v in unicast.items()},
-        }
     finally:
         for node in nodes:
             node.stop()
+    # After the protocol's nodes are gone: the same bytes through the transport alone.
+    raw = transport_one_hop_gbps(kind, payload_bytes, chunk_bytes, 4, runs + 2)
+    return {
+        "one_hop_transport_gbps": round(max(raw[1:]), 3),
+        "one_hop_transport_runs_gbps": [round(x, 3) for x in raw],
+        "one_hop_cold_gbps": round(cold, 3),
+        "one_hop_gbps": round(max(warm), 3),
+        "one_hop_runs_gbps": [round(x, 3) for x in warm],
+        "chain_fill_s": {n: round(min(v), 4) for n, v in chain.items()},
+        "chain_fill_median_s": {n: round(statistics.median(v), 4) for n, v in chain.items()},
+        "unicast_fill_s": {n: round(min(v), 4) for n, v in unicast.items()},
+        "unicast_fill_median_s": {n: round(statistics.median(v), 4) for n, v in unicast.items()},
+    }
 
 
 # -- parts 2-3: shaped links between namespaces ---------------------------------------------------
@@ -348,8 +375,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def targets(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     one_hop = results.get("one_hop_gbps") or {}
-    r = _ratio(one_hop.get("ucx"), results.get("ucx_perftest_gbps"))
-    out["ucx_over_ucx_perftest"] = {"value": r, "target": ">= 0.70", "met": None if r is None else r >= 0.70}
+    transport = results.get("one_hop_transport_gbps") or {}
+    pt, pt_default = results.get("ucx_perftest_gbps"), results.get("ucx_perftest_all_tls_gbps")
+    # The issue's target, like for like: our UCX transport moving the bytes as tagged messages
+    # against ucx_perftest tag_bw with the same UCX_TLS.
+    r = _ratio(transport.get("ucx"), pt)
+    out["ucx_transport_over_ucx_perftest"] = {"value": r, "target": ">= 0.70", "met": None if r is None else r >= 0.70}
+    # The whole pull (manifest, chunks, a checksum over every received byte), which does more
+    # than ucx_perftest: against the same-TLS figure and against its default (all TLS) run.
+    r = _ratio(one_hop.get("ucx"), pt)
+    out["ucx_pull_over_ucx_perftest"] = {"value": r, "target": ">= 0.70", "met": None if r is None else r >= 0.70}
+    r = _ratio(one_hop.get("ucx"), pt_default)
+    out["ucx_pull_over_ucx_perftest_default"] = {
+        "value": r,
+        "target": ">= 0.70",
+        "met": None if r is None else r >= 0.70,
+    }
     chain, uni, sh = results.get("chain_fill_s"), results.get("unicast_fill_s"), results.get("sharded_s")
     if chain:
         n = str(max(int(k) for k in chain))
@@ -424,8 +465,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"part 1: one hop and same-host chains, {payload // MIB} MiB, {kinds}", file=sys.stderr)
         results["memcpy_gbps"] = round(memcpy_gbps(payload), 3)
         perftest_iters = 8
-        # ucx_perftest before and after our transports, best of the two: like our figures, a
-        # best of runs on a machine whose load changes under us.
+        # ucx_perftest before, between and after our transports, best of the runs: like our
+        # figures, a best of runs on a machine whose load changes under us.
         pt_runs: dict[str, list[float]] = {"^cma": [], "all": []}
 
         def perftest_round() -> None:
@@ -437,19 +478,28 @@ def main(argv: list[str] | None = None) -> None:
                     pt_runs[tls].append(round(v, 3))
 
         perftest_round()
-        per_kind = {k: bench_transport(k, payload, args.chunk_mib * MIB, args.max_n, runs) for k in kinds}
-        perftest_round()
+        per_kind = {}
+        for k in kinds:
+            per_kind[k] = bench_transport(k, payload, args.chunk_mib * MIB, args.max_n, runs)
+            perftest_round()  # between kinds and after the last: side by side with every kind
         pt_safe = max(pt_runs["^cma"], default=None)
         pt_all = max(pt_runs["all"], default=None)
         results["ucx_perftest_gbps"] = pt_safe
         results["ucx_perftest_all_tls_gbps"] = pt_all
         results["ucx_perftest_runs_gbps"] = pt_runs
-        for key in ("one_hop_gbps", "one_hop_cold_gbps", "one_hop_runs_gbps"):
+        for key in (
+            "one_hop_gbps",
+            "one_hop_cold_gbps",
+            "one_hop_runs_gbps",
+            "one_hop_transport_gbps",
+            "one_hop_transport_runs_gbps",
+        ):
             results[key] = {k: v[key] for k, v in per_kind.items()}
         for key in ("chain_fill_s", "chain_fill_median_s", "unicast_fill_s", "unicast_fill_median_s"):
             results["local_" + key] = {k: v[key] for k, v in per_kind.items()}
         if "ucx" in per_kind and pt_safe:
             results["ucx_over_perftest"] = round(per_kind["ucx"]["one_hop_gbps"] / pt_safe, 3)
+            results["ucx_transport_over_perftest"] = round(per_kind["ucx"]["one_hop_transport_gbps"] / pt_safe, 3)
         if "ucx-cma" in per_kind and pt_all:
             results["ucx_cma_over_perftest_all_tls"] = round(per_kind["ucx-cma"]["one_hop_gbps"] / pt_all, 3)
         results["elapsed_s"]["part1"] = round(time.monotonic() - t0, 1)
@@ -501,11 +551,14 @@ NOTES = {
     ),
     "ucx_on_one_host": (
         "With UCX_TLS=^cma, UCX moves a large message between two processes of one host as 'rendezvous "
-        "fragmented copy-in copy-out' over sysv shared memory in 8 KiB fragments (UCX_PROTO_INFO=y); with "
-        "blocking progress each fragment needs the peer scheduled, so it collapses when the 2 cores are "
-        "oversubscribed (0.1-0.5 GB/s), and ucx_perftest on the same path (busy-polling) collapses too, less "
-        "predictably (0.4-5.4 GB/s seen). ucx/ucx_perftest therefore depends on the load of the moment; "
-        "ucx-cma (UCX_TLS=all) shows what the same transport does with cma."
+        "fragmented copy-in copy-out' over sysv shared memory in 8 KiB fragments (UCX_PROTO_INFO=y): the sender "
+        "copies in, the receiver copies out, a core each on this 2-core machine. one_hop_transport_gbps is that "
+        "path through our transport (tagged messages of chunk_bytes, 4 in flight, no checksums): what "
+        "ucx_perftest measures. one_hop_gbps is the whole pull, which also computes a checksum over every "
+        "received byte (blocksum64): a second pass over memory that has no core of its own here, so it costs "
+        "about half the rate (measured by hand with the checksum step disabled: 7.3-8.5 GB/s, as the transport). "
+        "Before ucxx's progress was replaced (services/dataplane/ucx.py, _ArmedProgress) every idle node "
+        "process spun a core, and these figures were 5-10x lower."
     ),
     "contention": "shared 2-core machine: best of runs is reported, medians and all runs are kept alongside.",
 }

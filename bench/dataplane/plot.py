@@ -27,10 +27,15 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     for label, key in (("ucx_perftest\n(^cma)", "ucx_perftest_gbps"), ("ucx_perftest\n(all tls)", "ucx_perftest_all_tls_gbps")):
         if results.get(key):
             bars.append((label, results[key]))
+    colors = ["#999999"] + ["#bbbbbb"] * (len(bars) - 1)
+    # Per kind: the transport alone (like ucx_perftest), then the whole pull with checksums.
+    transport = results.get("one_hop_transport_gbps") or {}
     for kind, v in (results.get("one_hop_gbps") or {}).items():
-        bars.append((kind, v))
-    colors = ["#999999"] + ["#bbbbbb"] * (len(bars) - 1 - len(results.get("one_hop_gbps") or {}))
-    colors += ["#1f77b4"] * len(results.get("one_hop_gbps") or {})
+        if kind in transport:
+            bars.append((f"{kind}\ntransport", transport[kind]))
+            colors.append("#9ecae1")
+        bars.append((f"{kind}\npull", v))
+        colors.append("#1f77b4")
     ax.bar([b[0] for b in bars], [b[1] for b in bars], color=colors)
     for i, (_, v) in enumerate(bars):
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)

@@ -122,6 +122,9 @@ class NodeSpec:
     # A network namespace (name under /var/run/netns) the node enters before it opens any
     # socket: an emulated host (see bench/dataplane/netns.py). Needs root.
     netns: str | None = None
+    # Without a GroupServer the node's transport is free for `stream_bytes` (the transport
+    # alone: no manifest, no checksums), which needs the incoming connection for itself.
+    group_server: bool = True
 
 
 # -- inside the node process ----------------------------------------------------------------------
@@ -169,8 +172,10 @@ async def _node(spec: NodeSpec, conn: multiprocessing.connection.Connection) -> 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _dump_tasks)
     transport = make_transport(spec.transport, **spec.transport_options)  # type: ignore[arg-type]
     await transport.start()
-    server = GroupServer(transport, window_chunks=spec.window_chunks, send_timeout_s=spec.send_timeout_s)
-    await server.start()
+    server = None
+    if spec.group_server:
+        server = GroupServer(transport, window_chunks=spec.window_chunks, send_timeout_s=spec.send_timeout_s)
+        await server.start()
     conn.send(("ready", transport.address()))
     cache: dict[str, np.ndarray] = {}
     try:
@@ -178,13 +183,71 @@ async def _node(spec: NodeSpec, conn: multiprocessing.connection.Connection) -> 
             cmd = await _next_command(conn)
             if cmd[0] == "stop":
                 break
-            if cmd[0] == "serve":
+            if cmd[0] == "stream":
+                try:
+                    conn.send(await _stream_bytes(transport, *cmd[1:]))
+                except DataPlaneError as exc:
+                    conn.send(("error", type(exc).__name__, str(exc)))
+            elif server is None:
+                conn.send(("error", "NoGroupServer", f"command {cmd[0]!r} needs a node with a GroupServer"))
+            elif cmd[0] == "serve":
                 conn.send(await _serve_synthetic(server, *cmd[1:]))
             elif cmd[0] == "receive":
                 conn.send(await _receive(transport, server, cache, *cmd[1:]))
     finally:
-        await server.close()
+        if server is not None:
+            await server.close()
         await transport.close()
+
+
+async def _stream_bytes(
+    transport: Any, role: str, address: bytes | None, total_bytes: int, chunk_bytes: int, window: int, rounds: int
+) -> tuple:
+    """Move `total_bytes` from the "send" node to the "receive" node as tagged messages of
+    `chunk_bytes`, `window` in flight, `rounds` times, through the transport alone (no
+    manifest, no checksums, the same buffer every round). The receiver connects to
+    `address`, the sender accepts. Returns ("streamed", [seconds per round]); the receiver
+    compares its bytes with the sender's once, after the last round."""
+    if role == "receive":
+        if address is None:
+            raise ValueError("the receiving node needs the sender's address")
+        ep = await transport.connect(address, timeout_s=30)
+    else:
+        ep = await transport.accept(timeout_s=30)
+    # Faulted in before the clock starts; the receiver checks the pattern after the last round.
+    pattern = (np.arange(total_bytes, dtype=np.uint64) % 251).astype(np.uint8)
+    buf = pattern.copy() if role == "send" else np.zeros(total_bytes, np.uint8)
+    go = np.zeros(8, np.uint8)
+    times: list[float] = []
+    try:
+        for r in range(rounds):
+            # The receiver says "go" once its first receives are about to be posted.
+            if role == "receive":
+                await ep.send(go, 1 + 2 * r, timeout_s=30)
+            else:
+                await ep.recv_into(go, 1 + 2 * r, timeout_s=30)
+            started = time.monotonic()
+            inflight: list[asyncio.Future[None]] = []
+            tag = 1_000
+            for offset in range(0, total_bytes, chunk_bytes):
+                view = buf[offset : offset + chunk_bytes]
+                op = ep.recv_into(view, tag, timeout_s=30) if role == "receive" else ep.send(view, tag, timeout_s=30)
+                inflight.append(asyncio.ensure_future(op))
+                tag += 1
+                if len(inflight) >= window:
+                    await inflight.pop(0)
+            await asyncio.gather(*inflight)
+            times.append(time.monotonic() - started)
+            # Round trip before the next round, so rounds do not overlap.
+            if role == "receive":
+                await ep.send(go, 2 + 2 * r, timeout_s=30)
+            else:
+                await ep.recv_into(go, 2 + 2 * r, timeout_s=30)
+    finally:
+        await ep.close()
+    if role == "receive" and not np.array_equal(buf, pattern):
+        return ("error", "ProtocolError", "streamed bytes differ from the sender's")
+    return ("streamed", times)
 
 
 async def _receive(
@@ -352,6 +415,10 @@ class NodeProcess:
     ) -> None:
         """Start a receive in the node; collect its outcome with `expect`."""
         self._conn.send(("receive", manifest_bytes, [(a, g, tuple(f)) for a, g, f in pulls], options))
+
+    def stream(self, role: str, address: bytes | None, total_bytes: int, chunk_bytes: int, window: int, rounds: int) -> None:
+        """Start `_stream_bytes` in the node (it must have no GroupServer); collect with `expect`."""
+        self._conn.send(("stream", role, address, total_bytes, chunk_bytes, window, rounds))
 
     def kill(self) -> None:
         if self.proc.is_alive() and self.proc.pid is not None:

@@ -108,3 +108,25 @@ def test_checksum_mismatch_is_reported_and_group_not_usable(cluster: tuple[str, 
     assert msg[0] == "error" and msg[1] == "ChecksumMismatch", msg
     assert "layers.1" in msg[2]
     assert "layers.1" not in msg[3]  # never announced usable
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_transport_stream_between_nodes_without_group_server(kind: str) -> None:
+    """The benchmark's like-for-like with ucx_perftest: bytes through the transport alone."""
+    sender, receiver = start_nodes([NodeSpec(transport=kind, group_server=False) for _ in range(2)])
+    try:
+        total, chunk = 6 * 1024 * 1024 + 12345, 1024 * 1024  # a short last message too
+        sender.stream("send", None, total, chunk, 3, 2)
+        receiver.stream("receive", sender.address, total, chunk, 3, 2)
+        got, sent = receiver.expect(WAIT_S), sender.expect(WAIT_S)
+        # The receiver checked every byte against the sender's pattern before answering.
+        assert got[0] == "streamed", got
+        assert sent[0] == "streamed", sent
+        assert len(got[1]) == 2 and all(t > 0 for t in got[1])
+        # A node without a GroupServer refuses the commands that need one, and stays up.
+        sender.receive(b"{}", [])
+        refused = sender.expect(WAIT_S)
+        assert refused[0] == "error" and "GroupServer" in refused[2]
+    finally:
+        sender.stop()
+        receiver.stop()

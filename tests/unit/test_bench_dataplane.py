@@ -80,3 +80,25 @@ def test_reported_host_bytes_parses_the_gauge() -> None:
 def test_proc_status_of_this_process() -> None:
     st = proc_status_kib(os.getpid())
     assert st["VmRSS"] > 0 and st["RssAnon"] > 0 and st["VmHWM"] >= st["VmRSS"]
+
+
+def test_targets_compare_like_for_like_and_report_the_stricter_ratios() -> None:
+    from bench.dataplane.__main__ import targets
+
+    results = {
+        "ucx_perftest_gbps": 10.0,
+        "ucx_perftest_all_tls_gbps": 5.0,
+        "one_hop_transport_gbps": {"ucx": 9.0},
+        "one_hop_gbps": {"ucx": 4.0},
+        "chain_fill_s": {"1": 6.0, "4": 7.0},
+        "host_bytes_o1": {"1": 100, "4": 100},
+        "host_bytes_per_host": {"1": 100, "4": 400},
+    }
+    t = targets(results)
+    assert t["ucx_transport_over_ucx_perftest"] == {"value": 0.9, "target": ">= 0.70", "met": True}
+    assert t["ucx_pull_over_ucx_perftest"]["value"] == 0.4 and t["ucx_pull_over_ucx_perftest"]["met"] is False
+    assert t["ucx_pull_over_ucx_perftest_default"]["value"] == 0.8
+    assert t["chain_n4_over_n1"]["met"] is True  # 7/6 = 1.17 <= 1.3
+    assert t["host_bytes_o1_over_per_host_H4"]["value"] == 0.25
+    # Without a ucx_perftest figure there is no verdict, not a failed one.
+    assert targets({"one_hop_gbps": {"ucx": 4.0}})["ucx_transport_over_ucx_perftest"]["met"] is None
