@@ -215,7 +215,7 @@ async def _stream_bytes(
     else:
         ep = await transport.accept(timeout_s=30)
     # Faulted in before the clock starts; the receiver checks the pattern after the last round.
-    pattern = (np.arange(total_bytes, dtype=np.uint64) % 251).astype(np.uint8)
+    pattern = np.resize(np.arange(251, dtype=np.uint8), total_bytes)  # 0..250 repeated
     buf = pattern.copy() if role == "send" else np.zeros(total_bytes, np.uint8)
     go = np.zeros(8, np.uint8)
     times: list[float] = []
