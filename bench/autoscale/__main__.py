@@ -78,8 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated subset; autoscaled_bounds runs the BlitzScale-bounds policy (waiting "
                         "prefill tokens) as a second autoscaler")
     p.add_argument("--dataplane", choices=("tcp", "ucx", "auto"), default="tcp",
-                   help="workers' and parameter manager's transport; UCX's progress loop costs ~17%% of a core per "
-                        "idle process here, which two cores shared by every process cannot spare")
+                   help="workers' and parameter manager's transport; tcp by default, as in the recorded runs, which "
+                        "predate services/dataplane/ucx.py's own progress loop (ucxx's kept an idle UCX process at a "
+                        "full core; now ucx idles at 0%% too)")
     p.add_argument("--bin-s", type=float, default=2.5, help="plot and timeline bin")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "autoscale.json")
     p.add_argument("--plot", type=Path, default=None, help="default: the --out path with .png")
