@@ -37,6 +37,7 @@ __all__ = [
     "TensorEntry",
     "build_manifest",
     "chunks",
+    "group_layout",
     "group_tensors",
     "pack_group",
     "pack_groups",
@@ -317,7 +318,9 @@ def _tensor_bytes(t: TensorLike) -> np.ndarray:
     return as_uint8_array(t.detach().cpu().contiguous(), writable=False)
 
 
-def _layout(group_name: str, tensors: Mapping[str, TensorLike]) -> tuple[tuple[TensorEntry, ...], int]:
+def group_layout(group_name: str, tensors: Mapping[str, TensorLike]) -> tuple[tuple[TensorEntry, ...], int]:
+    """Where each tensor of a group goes (64-byte aligned, in the given order), and the group's
+    size. Only dtypes and shapes are read, so meta tensors do."""
     entries: list[TensorEntry] = []
     offset = 0
     for name, t in tensors.items():
@@ -365,7 +368,7 @@ def pack_groups(
     entries: list[GroupEntry] = []
     buffers: list[np.ndarray] = []
     for name, tensors in groups:
-        layout, size = _layout(name, tensors)
+        layout, size = group_layout(name, tensors)
         entry = GroupEntry(name=name, tensors=layout, size_bytes=size, checksum=f"{checksum_algo}:{'0' * 32}")
         buf = pack_group(entry, tensors)
         entries.append(

@@ -8,6 +8,7 @@ bytes, and each process packs only its own shard's groups. Buffers use the data 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import time
 from dataclasses import dataclass, field
@@ -19,8 +20,9 @@ import structlog
 from services.dataplane.chain import GroupStore
 from services.dataplane.checksum import checksum_algo_of, group_checksum
 from services.dataplane.errors import ChecksumMismatch
-from services.dataplane.manifest import Manifest, pack_group, pack_groups
-from services.worker.model.checkpoint import iter_groups
+from services.dataplane.manifest import Manifest, group_layout, pack_group, pack_groups
+from services.worker.model.checkpoint import Checkpoint, CheckpointError, iter_groups
+from services.worker.model.groups import param_groups
 from services.worker.model.config import LlamaConfig
 
 log = structlog.get_logger(__name__)
@@ -30,7 +32,12 @@ SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generat
 
 
 def partition(manifest: Manifest, slots: int) -> list[list[str]]:
-    """Contiguous shards of about equal bytes, one per slot, in layer order.
+    """Contiguous shards of about equal bytes, one per slot, in layer order."""
+    return partition_sizes([(g.name, g.size_bytes) for g in manifest.groups], slots)
+
+
+def partition_sizes(sizes: list[tuple[str, int]], slots: int) -> list[list[str]]:
+    """`partition` from (group name, size in bytes) in layer order.
 
     Contiguous keeps each shard's groups in layer order for streaming; the cut points are where
     the running byte count crosses k/slots of the total.
@@ -38,13 +45,13 @@ def partition(manifest: Manifest, slots: int) -> list[list[str]]:
     if slots < 1:
         raise ValueError(f"cache slots must be >= 1, got {slots}")
     shards: list[list[str]] = [[] for _ in range(slots)]
-    total = max(manifest.total_bytes, 1)
+    total = max(sum(size for _, size in sizes), 1)
     running = 0
-    for g in manifest.groups:
+    for name, size in sizes:
         # Place a group by the byte position of its middle, so big groups land evenly.
-        slot = min(slots - 1, int((running + g.size_bytes / 2) * slots / total))
-        shards[slot].append(g.name)
-        running += g.size_bytes
+        slot = min(slots - 1, int((running + size / 2) * slots / total))
+        shards[slot].append(name)
+        running += size
     return shards
 
 
@@ -96,22 +103,53 @@ def _side_files(model_id: str, path: Path) -> tuple[LlamaConfig, bytes, dict[str
     return config, config_json, files
 
 
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def _big_buffers_from_mmap() -> None:
+    """Have glibc serve every allocation of 1 MiB or more with its own mmap (a no-op elsewhere).
+
+    By default, once a big mmap'd buffer is freed glibc raises its mmap threshold to that
+    size (up to 32 MiB) and serves later buffers below it from the heap, where freed groups of
+    other shards stayed in the RSS: the index process kept ~25 MB more than its shard on the
+    `bench` model. A fixed threshold also turns that adjustment off.
+    """
+    try:
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
 def index_model(model_id: str, path: Path, slots: int, my_slot: int, chunk_bytes: int) -> HostModel:
     """Read a checkpoint once, group by group: build the manifest of all groups (checksums
-    included) and keep only the groups of `my_slot`'s shard (the rest is dropped as it goes)."""
+    included) and keep only the groups of `my_slot`'s shard.
+
+    The shards are cut from the groups' sizes, laid out from the file headers before any data
+    is read, so a group of another shard is dropped as soon as its checksum is taken: the
+    process never holds more than its shard plus one group.
+    """
     started = time.perf_counter()
+    _big_buffers_from_mmap()
     config, config_json, files = _side_files(model_id, path)
+    checkpoint = Checkpoint(path)
+    names = param_groups(config)
+    sizes = [(name, group_layout(name, checkpoint.group_meta(name))[1]) for name in names]
+    mine = set(partition_sizes(sizes, slots)[my_slot])
     entries = []
-    kept: list[np.ndarray | None] = []
-    for name, tensors in iter_groups(path):
+    buffers: list[np.ndarray | None] = []
+    for (name, tensors), (_, expected_size) in zip(checkpoint.iter_groups(names), sizes, strict=True):
         one, (buf,) = pack_groups(model_id, [(name, tensors)], chunk_bytes)
+        if one.groups[0].size_bytes != expected_size:
+            raise CheckpointError(
+                f"group {name!r} of {model_id!r}: {one.groups[0].size_bytes} bytes as read, {expected_size} "
+                "from the file headers"
+            )
         entries.append(one.groups[0])
-        kept.append(buf)
+        buffers.append(buf if name in mine else None)
+        del tensors, buf
     manifest = Manifest(
         model_id=model_id, groups=tuple(entries), total_bytes=sum(e.size_bytes for e in entries), chunk_bytes=chunk_bytes
     )
-    mine = set(partition(manifest, slots)[my_slot])
-    buffers = [b if g.name in mine else None for g, b in zip(manifest.groups, kept, strict=True)]
     model = HostModel(model_id, path, config, config_json, manifest, buffers, files)
     log.info(
         "model_indexed", model=model_id, groups=len(entries), total_bytes=manifest.total_bytes,

@@ -29,6 +29,21 @@ TOKENIZER_FILE = "tokenizer.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+# safetensors header dtype -> torch dtype (the ones a checkpoint of ours can hold).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 class CheckpointError(ValueError):
     """A checkpoint directory is incomplete or does not match its config."""
 
@@ -124,6 +139,29 @@ class Checkpoint:
                     tensors[name] = tensor if dtype is None else tensor.to(dtype)
         # Return in the group's canonical order, whatever the shard order was.
         return {name: tensors[name] for name in expected}
+
+    def group_meta(self, group: str) -> dict[str, torch.Tensor]:
+        """One group's tensors as meta tensors (dtype and shape from the file headers, no data
+        read), in the group's canonical order: enough to lay a group out before reading it."""
+        expected = group_tensor_shapes(self.config, group)
+        out: dict[str, torch.Tensor] = {}
+        for name, shape in expected.items():
+            file = self._locations.get(name)
+            if file is None:
+                raise CheckpointError(
+                    f"tensor {name!r} of group {group!r} is missing from checkpoint {str(self.path)!r}"
+                )
+            with safe_open(str(file), framework="pt") as f:
+                sl = f.get_slice(name)
+                stored = _SAFETENSORS_DTYPES.get(sl.get_dtype())
+                if stored is None:
+                    raise CheckpointError(f"tensor {name!r} in {str(file)!r} has unsupported dtype {sl.get_dtype()!r}")
+                if tuple(sl.get_shape()) != shape:
+                    raise CheckpointError(
+                        f"tensor {name!r} in {str(file)!r} has shape {tuple(sl.get_shape())}, config says {shape}"
+                    )
+            out[name] = torch.empty(shape, dtype=stored, device="meta")
+        return out
 
     def iter_groups(
         self, groups: Sequence[str] | None = None, dtype: torch.dtype | None = None
