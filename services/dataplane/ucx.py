@@ -18,8 +18,9 @@ How it is driven, and why (measured here, see DESIGN.md):
   and one hop still runs at `ucx_perftest` speed (9-10 GB/s, 16 MiB messages, no checksums).
 - UCX_TLS defaults to "^cma" (see SAFE_TLS): with error handling off, cma turns the death of
   a sender into the death of its receiver. The shared-memory path that remains needs both
-  processes scheduled for every fragment, so it slows to a crawl (0.1-0.3 GB/s measured) when
-  the CPU is oversubscribed; cma (tls=None) and TCP degrade far less.
+  processes scheduled for every fragment, so it slows down more than cma (tls=None) or TCP
+  when the CPU is oversubscribed (0.1-0.3 GB/s was measured while ucxx's progress loop had
+  every idle process spinning).
 - Worker-address endpoints are one-way and carry no tags of their own, so a connection is a
   handshake: the connector sends (connection id, its own worker address) on a well-known tag;
   the acceptor opens an endpoint back and answers, then sends a warm-up message so the first
@@ -118,7 +119,6 @@ class _ArmedProgress:
         # Posted requests and their futures. A request stays here until UCX finishes it, even
         # if its future was cancelled: it keeps the request (and so its buffer) alive.
         self._pending: list[tuple[Any, asyncio.Future[None]]] = []
-        self.arms = 0  # how often the worker was armed (tests read it)
         loop.add_reader(self._fd, self._on_event)
         self.kick()
         self._timer = loop.call_later(period_s, self._on_timer)
@@ -168,7 +168,6 @@ class _ArmedProgress:
             self._progress()
             await self._loop.sock_recv(self._rsock, 1)
             if self._worker.arm():
-                self.arms += 1
                 return
 
 
@@ -195,12 +194,6 @@ def _ensure_ucxx(progress_mode: str, tls: str | None) -> _ArmedProgress | None:
         return driver
     ucxx.continuous_ucx_progress()  # bind progress to the running loop (no-op if already bound)
     return None
-
-
-def _progress_driver() -> _ArmedProgress | None:
-    """The blocking-progress driver of the running loop, if ours (for tests and diagnostics)."""
-    driver = _ucxx_app.ProgressTasks.get(asyncio.get_running_loop())
-    return driver if isinstance(driver, _ArmedProgress) else None
 
 
 class _Peer:
@@ -340,7 +333,8 @@ class UcxTransport(Transport):
         self._driver: _ArmedProgress | None = None
 
     # Requests go through our progress driver in "blocking" mode, through ucxx's (polling)
-    # awaitables otherwise. `ep` is a ucxx Endpoint; tags are used as they are (no hashing).
+    # awaitables otherwise. `ep` is a ucxx Endpoint; in blocking mode its Cython endpoint
+    # (`ep._ep`) posts the request, as ucxx's own send/recv do. Tags are used as they are.
 
     def _send(self, ep: Any, arr: np.ndarray, tag: int) -> Awaitable[Any]:
         if self._driver is None:
