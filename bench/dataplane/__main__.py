@@ -372,6 +372,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else round(a / b, 3)
 
 
+def _at_least(value: float | None, target: float) -> dict[str, Any]:
+    return {"value": value, "target": f">= {target:.2f}", "met": None if value is None else value >= target}
+
+
 def targets(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     one_hop = results.get("one_hop_gbps") or {}
@@ -379,18 +383,11 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
     pt, pt_default = results.get("ucx_perftest_gbps"), results.get("ucx_perftest_all_tls_gbps")
     # The target, like for like: our UCX transport moving the bytes as tagged messages
     # against ucx_perftest tag_bw with the same UCX_TLS.
-    r = _ratio(transport.get("ucx"), pt)
-    out["ucx_transport_over_ucx_perftest"] = {"value": r, "target": ">= 0.70", "met": None if r is None else r >= 0.70}
+    out["ucx_transport_over_ucx_perftest"] = _at_least(_ratio(transport.get("ucx"), pt), 0.70)
     # The whole pull (manifest, chunks, a checksum over every received byte), which does more
     # than ucx_perftest: against the same-TLS figure and against its default (all TLS) run.
-    r = _ratio(one_hop.get("ucx"), pt)
-    out["ucx_pull_over_ucx_perftest"] = {"value": r, "target": ">= 0.70", "met": None if r is None else r >= 0.70}
-    r = _ratio(one_hop.get("ucx"), pt_default)
-    out["ucx_pull_over_ucx_perftest_default"] = {
-        "value": r,
-        "target": ">= 0.70",
-        "met": None if r is None else r >= 0.70,
-    }
+    out["ucx_pull_over_ucx_perftest"] = _at_least(_ratio(one_hop.get("ucx"), pt), 0.70)
+    out["ucx_pull_over_ucx_perftest_default"] = _at_least(_ratio(one_hop.get("ucx"), pt_default), 0.70)
     chain, uni, sh = results.get("chain_fill_s"), results.get("unicast_fill_s"), results.get("sharded_s")
     if chain:
         n = str(max(int(k) for k in chain))

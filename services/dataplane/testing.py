@@ -218,31 +218,30 @@ async def _stream_bytes(
     pattern = np.resize(np.arange(251, dtype=np.uint8), total_bytes)  # 0..250 repeated
     buf = pattern.copy() if role == "send" else np.zeros(total_bytes, np.uint8)
     go = np.zeros(8, np.uint8)
+
+    async def sync(tag: int) -> None:
+        """The receiver tells the sender, so both sides start (or end) a round together."""
+        if role == "receive":
+            await ep.send(go, tag, timeout_s=30)
+        else:
+            await ep.recv_into(go, tag, timeout_s=30)
+
     times: list[float] = []
     try:
         for r in range(rounds):
-            # The receiver says "go" once its first receives are about to be posted.
-            if role == "receive":
-                await ep.send(go, 1 + 2 * r, timeout_s=30)
-            else:
-                await ep.recv_into(go, 1 + 2 * r, timeout_s=30)
+            await sync(1 + 2 * r)  # the receiver is about to post its first receives
             started = time.monotonic()
             inflight: list[asyncio.Future[None]] = []
-            tag = 1_000
-            for offset in range(0, total_bytes, chunk_bytes):
+            for i, offset in enumerate(range(0, total_bytes, chunk_bytes)):
                 view = buf[offset : offset + chunk_bytes]
+                tag = 1_000 + i
                 op = ep.recv_into(view, tag, timeout_s=30) if role == "receive" else ep.send(view, tag, timeout_s=30)
                 inflight.append(asyncio.ensure_future(op))
-                tag += 1
                 if len(inflight) >= window:
                     await inflight.pop(0)
             await asyncio.gather(*inflight)
             times.append(time.monotonic() - started)
-            # Round trip before the next round, so rounds do not overlap.
-            if role == "receive":
-                await ep.send(go, 2 + 2 * r, timeout_s=30)
-            else:
-                await ep.recv_into(go, 2 + 2 * r, timeout_s=30)
+            await sync(2 + 2 * r)  # a round trip, so rounds do not overlap
     finally:
         await ep.close()
     if role == "receive" and not np.array_equal(buf, pattern):

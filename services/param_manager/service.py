@@ -29,7 +29,14 @@ from services.dataplane.manifest import Manifest
 from services.dataplane.shaped import maybe_shaped
 from services.dataplane.transport import Transport, make_transport
 from services.param_manager.convert import layout_to_proto, model_info
-from services.param_manager.store import HostModel, discover_models, index_model, load_shard, partition
+from services.param_manager.store import (
+    HostModel,
+    big_buffers_from_mmap,
+    discover_models,
+    index_model,
+    load_shard,
+    partition,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -259,6 +266,7 @@ class ParamManagerService:
         s.holder.grpc_address = f"{cfg.advertise_host or cfg.host}:{ctx.grpc_port}"
         s.holder.dataplane_address = self.transport.address()
         s.holder.dataplane_kind = self.transport.kind
+        big_buffers_from_mmap()
         if s.is_index:
             # Reading checkpoints is blocking file I/O: keep the event loop (health checks) alive.
             await asyncio.to_thread(s.index_models)

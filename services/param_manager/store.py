@@ -21,7 +21,7 @@ from services.dataplane.chain import GroupStore
 from services.dataplane.checksum import checksum_algo_of, group_checksum
 from services.dataplane.errors import ChecksumMismatch
 from services.dataplane.manifest import Manifest, group_layout, pack_group, pack_groups
-from services.worker.model.checkpoint import Checkpoint, CheckpointError, iter_groups
+from services.worker.model.checkpoint import Checkpoint, iter_groups
 from services.worker.model.groups import param_groups
 from services.worker.model.config import LlamaConfig
 
@@ -106,13 +106,14 @@ def _side_files(model_id: str, path: Path) -> tuple[LlamaConfig, bytes, dict[str
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
-def _big_buffers_from_mmap() -> None:
+def big_buffers_from_mmap() -> None:
     """Have glibc serve every allocation of 1 MiB or more with its own mmap (a no-op elsewhere).
 
     By default, once a big mmap'd buffer is freed glibc raises its mmap threshold to that
     size (up to 32 MiB) and serves later buffers below it from the heap, where freed groups of
     other shards stayed in the RSS: the index process kept ~25 MB more than its shard on the
-    `bench` model. A fixed threshold also turns that adjustment off.
+    `bench` model. A fixed threshold also turns that adjustment off. Process-wide: called once
+    when a parameter-manager process starts, before it packs anything.
     """
     try:
         ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
@@ -129,7 +130,6 @@ def index_model(model_id: str, path: Path, slots: int, my_slot: int, chunk_bytes
     process never holds more than its shard plus one group.
     """
     started = time.perf_counter()
-    _big_buffers_from_mmap()
     config, config_json, files = _side_files(model_id, path)
     checkpoint = Checkpoint(path)
     names = param_groups(config)
@@ -137,13 +137,8 @@ def index_model(model_id: str, path: Path, slots: int, my_slot: int, chunk_bytes
     mine = set(partition_sizes(sizes, slots)[my_slot])
     entries = []
     buffers: list[np.ndarray | None] = []
-    for (name, tensors), (_, expected_size) in zip(checkpoint.iter_groups(names), sizes, strict=True):
+    for name, tensors in checkpoint.iter_groups(names):
         one, (buf,) = pack_groups(model_id, [(name, tensors)], chunk_bytes)
-        if one.groups[0].size_bytes != expected_size:
-            raise CheckpointError(
-                f"group {name!r} of {model_id!r}: {one.groups[0].size_bytes} bytes as read, {expected_size} "
-                "from the file headers"
-            )
         entries.append(one.groups[0])
         buffers.append(buf if name in mine else None)
         del tensors, buf

@@ -115,8 +115,8 @@ class Checkpoint:
         """Names of all tensors the checkpoint holds (after dropping ignored ones)."""
         return sorted(self._locations)
 
-    def read_group(self, group: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Read one group's tensors, checking names and shapes against the config."""
+    def _files_of(self, group: str) -> tuple[dict[str, tuple[int, ...]], dict[Path, list[str]]]:
+        """The group's expected tensor shapes (canonical order), and its tensor names by file."""
         expected = group_tensor_shapes(self.config, group)
         by_file: dict[Path, list[str]] = {}
         for name in expected:
@@ -126,16 +126,22 @@ class Checkpoint:
                     f"tensor {name!r} of group {group!r} is missing from checkpoint {str(self.path)!r}"
                 )
             by_file.setdefault(file, []).append(name)
+        return expected, by_file
+
+    @staticmethod
+    def _check_shape(name: str, file: Path, shape: Sequence[int], expected: tuple[int, ...]) -> None:
+        if tuple(shape) != expected:
+            raise CheckpointError(f"tensor {name!r} in {str(file)!r} has shape {tuple(shape)}, config says {expected}")
+
+    def read_group(self, group: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Read one group's tensors, checking names and shapes against the config."""
+        expected, by_file = self._files_of(group)
         tensors: dict[str, torch.Tensor] = {}
         for file, names in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for name in names:
                     tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != expected[name]:
-                        raise CheckpointError(
-                            f"tensor {name!r} in {str(file)!r} has shape {tuple(tensor.shape)}, "
-                            f"config says {expected[name]}"
-                        )
+                    self._check_shape(name, file, tensor.shape, expected[name])
                     tensors[name] = tensor if dtype is None else tensor.to(dtype)
         # Return in the group's canonical order, whatever the shard order was.
         return {name: tensors[name] for name in expected}
@@ -143,25 +149,20 @@ class Checkpoint:
     def group_meta(self, group: str) -> dict[str, torch.Tensor]:
         """One group's tensors as meta tensors (dtype and shape from the file headers, no data
         read), in the group's canonical order: enough to lay a group out before reading it."""
-        expected = group_tensor_shapes(self.config, group)
-        out: dict[str, torch.Tensor] = {}
-        for name, shape in expected.items():
-            file = self._locations.get(name)
-            if file is None:
-                raise CheckpointError(
-                    f"tensor {name!r} of group {group!r} is missing from checkpoint {str(self.path)!r}"
-                )
+        expected, by_file = self._files_of(group)
+        tensors: dict[str, torch.Tensor] = {}
+        for file, names in by_file.items():
             with safe_open(str(file), framework="pt") as f:
-                sl = f.get_slice(name)
-                stored = _SAFETENSORS_DTYPES.get(sl.get_dtype())
-                if stored is None:
-                    raise CheckpointError(f"tensor {name!r} in {str(file)!r} has unsupported dtype {sl.get_dtype()!r}")
-                if tuple(sl.get_shape()) != shape:
-                    raise CheckpointError(
-                        f"tensor {name!r} in {str(file)!r} has shape {tuple(sl.get_shape())}, config says {shape}"
-                    )
-            out[name] = torch.empty(shape, dtype=stored, device="meta")
-        return out
+                for name in names:
+                    header = f.get_slice(name)
+                    stored = _SAFETENSORS_DTYPES.get(header.get_dtype())
+                    if stored is None:
+                        raise CheckpointError(
+                            f"tensor {name!r} in {str(file)!r} has unsupported dtype {header.get_dtype()!r}"
+                        )
+                    self._check_shape(name, file, header.get_shape(), expected[name])
+                    tensors[name] = torch.empty(expected[name], dtype=stored, device="meta")
+        return {name: tensors[name] for name in expected}
 
     def iter_groups(
         self, groups: Sequence[str] | None = None, dtype: torch.dtype | None = None
