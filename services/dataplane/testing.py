@@ -209,8 +209,6 @@ async def _stream_bytes(
     `address`, the sender accepts. Returns ("streamed", [seconds per round]); the receiver
     compares its bytes with the sender's once, after the last round."""
     if role == "receive":
-        if address is None:
-            raise ValueError("the receiving node needs the sender's address")
         ep = await transport.connect(address, timeout_s=30)
     else:
         ep = await transport.accept(timeout_s=30)
@@ -417,6 +415,14 @@ class NodeProcess:
 
     def stream(self, role: str, address: bytes | None, total_bytes: int, chunk_bytes: int, window: int, rounds: int) -> None:
         """Start `_stream_bytes` in the node (it must have no GroupServer); collect with `expect`."""
+        if role not in ("send", "receive"):
+            raise ValueError(f"role must be 'send' or 'receive', got {role!r}")
+        if role == "receive" and not address:
+            raise ValueError("the receiving node needs the sender's address, got none")
+        sizes = {"total_bytes": total_bytes, "chunk_bytes": chunk_bytes, "window": window, "rounds": rounds}
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
         self._conn.send(("stream", role, address, total_bytes, chunk_bytes, window, rounds))
 
     def kill(self) -> None:

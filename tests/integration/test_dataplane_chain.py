@@ -123,6 +123,11 @@ def test_transport_stream_between_nodes_without_group_server(kind: str) -> None:
         assert got[0] == "streamed", got
         assert sent[0] == "streamed", sent
         assert len(got[1]) == 2 and all(t > 0 for t in got[1])
+        # Bad arguments are refused before anything is sent to a node, naming the value.
+        with pytest.raises(ValueError, match="'recieve'"):
+            receiver.stream("recieve", sender.address, total, chunk, 3, 1)
+        with pytest.raises(ValueError, match="chunk_bytes must be >= 1, got 0"):
+            receiver.stream("receive", sender.address, total, 0, 3, 1)
         # A node without a GroupServer refuses the commands that need one, and stays up.
         sender.receive(b"{}", [])
         refused = sender.expect(WAIT_S)
