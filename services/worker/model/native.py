@@ -25,8 +25,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import structlog
 import torch
@@ -244,16 +244,8 @@ int paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
 _ENV_SWITCH = "BLITZMESH_NATIVE_ATTENTION"
 
 
-class PagedDecode(Protocol):
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        max_len: int,
-    ) -> torch.Tensor: ...
+# (q, k_cache, v_cache, block_tables, seq_lens, max_len) -> out; see `paged_decode` in `_load`.
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def _cpu_flags() -> set[str]:
