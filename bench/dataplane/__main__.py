@@ -351,7 +351,7 @@ def run_shaped(args: argparse.Namespace, results: dict[str, Any], ucx_ok: bool) 
 
 
 def run_host_memory(args: argparse.Namespace, results: dict[str, Any]) -> None:
-    from services.worker.model.synth import synthesize
+    from services.model_format.synth import synthesize
 
     preset = args.hostmem_preset
     model_dir = Path(args.model_root) / f"dataplane-{preset}"

@@ -56,7 +56,7 @@ from bench.serving.workload import Request, WorkloadSpec, build, describe
 from services.mesh.launcher import ensure_model
 from services.worker.config import WorkerConfig
 from services.worker.model import native
-from services.worker.model.checkpoint import load_config
+from services.model_format.checkpoint import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"

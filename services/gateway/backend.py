@@ -46,7 +46,7 @@ from services.gateway.schema import (
     validate_request,
 )
 from services.gateway.tokenization import ModelAssets, ModelCache
-from services.worker.model.tokenizer import StopStringMatcher
+from services.model_format.tokenizer import StopStringMatcher
 
 log = structlog.get_logger(__name__)
 

@@ -19,7 +19,7 @@ import structlog
 
 from services.gateway.errors import ErrorKind, GatewayError, quote
 from services.gateway.schema import ChatMessage
-from services.worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.model_format.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = structlog.get_logger(__name__)
 

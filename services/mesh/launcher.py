@@ -261,7 +261,7 @@ def child_env() -> dict[str, str]:
 
 def ensure_model(model_dir: Path, model: str) -> Path:
     """Synthesize the model when `model` names a preset and its directory is missing."""
-    from services.worker.model.synth import PRESETS, synthesize
+    from services.model_format.synth import PRESETS, synthesize
 
     path = model_dir / model
     if (path / "config.json").exists():

@@ -21,9 +21,9 @@ from services.dataplane.chain import GroupStore
 from services.dataplane.checksum import checksum_algo_of, group_checksum
 from services.dataplane.errors import ChecksumMismatch
 from services.dataplane.manifest import Manifest, group_layout, pack_group, pack_groups
-from services.worker.model.checkpoint import Checkpoint, iter_groups
-from services.worker.model.groups import param_groups
-from services.worker.model.config import LlamaConfig
+from services.model_format.checkpoint import Checkpoint, iter_groups
+from services.model_format.groups import param_groups
+from services.model_format.config import LlamaConfig
 
 log = structlog.get_logger(__name__)
 

@@ -33,7 +33,7 @@ from services.worker.engine.engine import (
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.sampling import SamplingParams
 from services.worker.loader import fetch_layout_and_locations, plan_pulls
-from services.worker.model.config import LlamaConfig
+from services.model_format.config import LlamaConfig
 from services.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from services.mesh.launcher import Mesh, MeshConfig
-from services.worker.model.synth import synthesize
+from services.model_format.synth import synthesize
 
 
 @pytest.fixture(scope="session")

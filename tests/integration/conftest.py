@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from services.common.server import ServeContext, serve
-from services.worker.model.synth import synthesize
+from services.model_format.synth import synthesize
 
 
 @pytest.fixture(scope="session")

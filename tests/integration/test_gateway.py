@@ -41,7 +41,7 @@ from blitzmesh.v1 import (
 from services.common.server import ServeContext, serve, wait_for_serving
 from services.gateway.config import GatewayConfig
 from services.gateway.service import GatewayService
-from services.worker.model.tokenizer import Tokenizer
+from services.model_format.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.timeout(20), pytest.mark.filterwarnings("error")]
 

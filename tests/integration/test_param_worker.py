@@ -13,7 +13,7 @@ from services.common.grpc_util import channel
 from services.param_manager.service import ParamManagerConfig, ParamManagerService
 from services.worker.config import WorkerConfig
 from services.worker.engine.sampling import SamplingParams
-from services.worker.model.checkpoint import iter_groups
+from services.model_format.checkpoint import iter_groups
 from services.worker.model.llama import load_model
 from services.worker.service import WorkerService
 

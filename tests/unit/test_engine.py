@@ -21,7 +21,7 @@ from services.worker.engine.engine import (
 from services.worker.engine.kv_cache import KVCache, OutOfBlocks
 from services.worker.engine.sampling import SamplingParams
 from services.worker.engine.scheduler import RunningSeq, SchedulerLimits, WaitingSeq, schedule
-from services.worker.model import synth
+from services.model_format import synth
 from services.worker.model.llama import LlamaForCausalLM, load_model
 
 EOS = 2

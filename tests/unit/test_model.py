@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.worker.engine.kv_cache import KVCache
-from services.worker.model import synth
+from services.model_format import synth
 from services.worker.model import native
 from services.worker.model.attention import ForwardBatch, _bucket_by_length
-from services.worker.model.checkpoint import Checkpoint, CheckpointError, iter_groups, load_config
-from services.worker.model.config import LlamaConfig
-from services.worker.model.groups import group_of, group_tensor_shapes, param_groups
+from services.model_format.checkpoint import Checkpoint, CheckpointError, iter_groups, load_config
+from services.model_format.config import LlamaConfig
+from services.model_format.groups import group_of, group_tensor_shapes, param_groups
 from services.worker.model.llama import LlamaForCausalLM, load_model
 
 # Float32 on both sides; the two implementations differ only in summation order.

@@ -10,8 +10,8 @@ import pytest
 
 from services.dataplane.manifest import pack_groups
 from services.param_manager.store import index_model, load_shard, partition
-from services.worker.model.checkpoint import CheckpointError, iter_groups
-from services.worker.model.synth import synthesize
+from services.model_format.checkpoint import CheckpointError, iter_groups
+from services.model_format.synth import synthesize
 
 CHUNK = 256 * 1024
 

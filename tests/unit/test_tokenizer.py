@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.model import synth
-from services.worker.model.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, find_stop
+from services.model_format import synth
+from services.model_format.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer, find_stop
 
 TEXTS = [
     "Hello world, the model serves tokens.",

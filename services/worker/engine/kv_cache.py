@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.worker.model.config import LlamaConfig
+from services.model_format.config import LlamaConfig
 
 
 class OutOfBlocks(RuntimeError):

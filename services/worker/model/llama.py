@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.model.attention import ForwardBatch, PagedKV, attention
-from services.worker.model.checkpoint import Checkpoint
-from services.worker.model.config import LlamaConfig
-from services.worker.model.groups import (
+from services.model_format.checkpoint import Checkpoint
+from services.model_format.config import LlamaConfig
+from services.model_format.groups import (
     EMBED,
     EMBED_WEIGHT,
     HEAD,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from services.worker.model.config import LlamaConfig
+from services.model_format.config import LlamaConfig
 
 EMBED = "embed"
 HEAD = "head"

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.worker.model.config import LlamaConfig
-from services.worker.model.groups import (
+from services.model_format.config import LlamaConfig
+from services.model_format.groups import (
     LM_HEAD_WEIGHT,
     group_of,
     group_tensor_shapes,

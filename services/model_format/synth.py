@@ -5,7 +5,7 @@ with a real byte-level BPE tokenizer trained on generated English-like text. The
 seed always give byte-identical files.
 
 Usage:
-    python -m services.worker.model.synth --out DIR --preset {tiny,small,bench} [--seed N] [--force]
+    python -m services.model_format.synth --out DIR --preset {tiny,small,bench} [--seed N] [--force]
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from services.worker.model.config import LlamaConfig
-from services.worker.model.groups import group_tensor_shapes, param_groups
-from services.worker.model.tokenizer import CHAT_TEMPLATE_JINJA
+from services.model_format.config import LlamaConfig
+from services.model_format.groups import group_tensor_shapes, param_groups
+from services.model_format.tokenizer import CHAT_TEMPLATE_JINJA
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 MARKER_FILE = "blitzmesh_synth.json"
@@ -283,7 +283,7 @@ def synthesize(
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m services.worker.model.synth", description="Write a synthetic Llama checkpoint."
+        prog="python -m services.model_format.synth", description="Write a synthetic Llama checkpoint."
     )
     parser.add_argument("--out", required=True, type=Path, help="target directory")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small", help="model size")
