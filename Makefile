@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: up test setup protos protos-check bench-serving clean
+.PHONY: up test setup lint protos protos-check bench-serving clean
 
 setup: $(VENV)/.installed
 
@@ -20,8 +20,13 @@ $(VENV)/.installed: pyproject.toml
 up: setup
 	$(PY) -m services.mesh $(ARGS)
 
-test: setup protos-check
+test: setup protos-check lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff lint and format check on all hand-written code (generated protos are excluded in pyproject).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 protos:
 	$(PY) scripts/gen_protos.py

@@ -73,12 +73,7 @@ def _short(value: object) -> str:
 def _check_timeout(name: str, value: float | None) -> None:
     if value is None:
         return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or math.isnan(value)
-        or value <= 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
         raise ValueError(f"{name} must be a number > 0 (math.inf: no deadline), got {value!r}")
 
 
@@ -94,8 +89,7 @@ def _chat_message(value: object) -> ChatMessage:
         message = ChatMessage(role=value["role"], content=value["content"])
     else:
         raise ValueError(
-            "messages must hold ChatMessage objects or mappings with exactly 'role' and "
-            f"'content', got {_short(value)}"
+            f"messages must hold ChatMessage objects or mappings with exactly 'role' and 'content', got {_short(value)}"
         )
     if not isinstance(message.role, str) or not message.role:
         raise ValueError(f"a message role must be a non-empty string, got {_short(value)}")
@@ -126,9 +120,7 @@ def _generate_request(
     }
     if len(given) != 1:
         quoted = ", ".join(f"{k}={_short(v)}" for k, v in given.items()) or "none"
-        raise ValueError(
-            f"pass exactly one of prompt, messages, prompt_token_ids; got {quoted}"
-        )
+        raise ValueError(f"pass exactly one of prompt, messages, prompt_token_ids; got {quoted}")
     _check_name("model", model)
     chat: list[ChatMessage] | None = None
     if prompt is not None:
@@ -140,14 +132,11 @@ def _generate_request(
         chat = [_chat_message(m) for m in messages]
     if prompt_token_ids is not None:
         if isinstance(prompt_token_ids, (str, bytes)) or not prompt_token_ids:
-            raise ValueError(
-                f"prompt_token_ids must be a non-empty list of ints, got {_short(prompt_token_ids)}"
-            )
+            raise ValueError(f"prompt_token_ids must be a non-empty list of ints, got {_short(prompt_token_ids)}")
         for tid in prompt_token_ids:
             if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid <= _INT32_MAX:
                 raise ValueError(
-                    f"prompt_token_ids must hold ints >= 0, got {_short(tid)} in "
-                    f"{_short(prompt_token_ids)}"
+                    f"prompt_token_ids must hold ints >= 0, got {_short(tid)} in {_short(prompt_token_ids)}"
                 )
     if request_id is None:
         # Made here rather than by the gateway so that every retry of a request carries the
@@ -181,9 +170,7 @@ def _parse(to_sdk: Callable[[_Msg], _T], msg: _Msg, request_id: str | None = Non
     try:
         return to_sdk(msg)
     except ValueError as e:
-        raise InternalError(
-            f"malformed reply from the gateway: {e}", code="INTERNAL", request_id=request_id
-        ) from e
+        raise InternalError(f"malformed reply from the gateway: {e}", code="INTERNAL", request_id=request_id) from e
 
 
 # --- async client -----------------------------------------------------------------------------
@@ -228,20 +215,14 @@ class AsyncClient:
             or not isinstance(retry_backoff_s, (int, float))
             or not 0 <= retry_backoff_s < math.inf
         ):
-            raise ValueError(
-                f"retry_backoff_s must be a finite number >= 0, got {retry_backoff_s!r}"
-            )
-        if api_key is not None and (
-            not isinstance(api_key, str) or not api_key or api_key != api_key.strip()
-        ):
+            raise ValueError(f"retry_backoff_s must be a finite number >= 0, got {retry_backoff_s!r}")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key or api_key != api_key.strip()):
             # Never quote a secret: describe it instead.
             if isinstance(api_key, str):
                 shape = f"a str of length {len(api_key)}"
             else:
                 shape = f"a {type(api_key).__name__}"
-            raise ValueError(
-                f"api_key must be a non-empty string without surrounding whitespace, got {shape}"
-            )
+            raise ValueError(f"api_key must be a non-empty string without surrounding whitespace, got {shape}")
         self._target = target
         self._timeout_s = timeout_s
         self._max_retries = max_retries
@@ -454,9 +435,7 @@ class AsyncClient:
             role=convert.instance_role_to_proto(role or "unspecified"),
             wait=wait,
         )
-        reply = await self._unary(
-            self._stubs()[1].Scale, request, self._timeout(timeout_s), retry=False
-        )
+        reply = await self._unary(self._stubs()[1].Scale, request, self._timeout(timeout_s), retry=False)
         return _parse(convert.scale_result_from_proto, reply)
 
     async def set_policy(
@@ -475,14 +454,10 @@ class AsyncClient:
         _check_name("name", name)
         if advisory is not None and not isinstance(advisory, bool):
             raise ValueError(f"advisory must be a bool or None, got {advisory!r}")
-        request = admin_pb2.SetPolicyRequest(
-            policy=name, params=convert.policy_params_to_proto(params or {})
-        )
+        request = admin_pb2.SetPolicyRequest(policy=name, params=convert.policy_params_to_proto(params or {}))
         if advisory is not None:
             request.advisory = advisory
-        reply = await self._unary(
-            self._stubs()[1].SetPolicy, request, self._timeout(timeout_s), retry=True
-        )
+        reply = await self._unary(self._stubs()[1].SetPolicy, request, self._timeout(timeout_s), retry=True)
         return _parse(convert.policy_state_from_proto, reply)
 
     def watch_events(self, *, timeout_s: float | None = None) -> AsyncIterator[ClusterEvent]:
@@ -498,9 +473,7 @@ class AsyncClient:
         return self._watch_events(None if timeout_s is None or math.isinf(timeout_s) else timeout_s)
 
     async def _watch_events(self, timeout_s: float | None) -> AsyncIterator[ClusterEvent]:
-        stream = self._stream(
-            self._stubs()[1].WatchEvents, admin_pb2.WatchEventsRequest(), timeout_s, None
-        )
+        stream = self._stream(self._stubs()[1].WatchEvents, admin_pb2.WatchEventsRequest(), timeout_s, None)
         async with contextlib.aclosing(stream):
             async for msg in stream:
                 yield _parse(convert.cluster_event_from_proto, msg)
@@ -515,9 +488,7 @@ class AsyncClient:
             # not to whatever loop (if any) was current when the client was constructed.
             options = [("grpc.primary_user_agent", f"blitzmesh-python/{__version__}")]
             if self._credentials is not None:
-                self._channel = grpc.aio.secure_channel(
-                    self._target, self._credentials, options=options
-                )
+                self._channel = grpc.aio.secure_channel(self._target, self._credentials, options=options)
             else:
                 self._channel = grpc.aio.insecure_channel(self._target, options=options)
             self._inference = inference_pb2_grpc.InferenceStub(self._channel)
@@ -530,9 +501,7 @@ class AsyncClient:
         value = self._timeout_s if timeout_s is None else timeout_s
         return None if value is None or math.isinf(value) else float(value)
 
-    async def _retry_after(
-        self, error: grpc.aio.AioRpcError, attempt: int, deadline: float | None
-    ) -> bool:
+    async def _retry_after(self, error: grpc.aio.AioRpcError, attempt: int, deadline: float | None) -> bool:
         """Sleep before retry number `attempt + 1` and return True, or return False when the
         error must be raised: not UNAVAILABLE, retries used up, or no time left to wait."""
         if error.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._max_retries:
@@ -563,9 +532,7 @@ class AsyncClient:
         attempt = 0
         while True:
             try:
-                return await method(
-                    request, timeout=self._remaining(deadline), metadata=self._metadata
-                )
+                return await method(request, timeout=self._remaining(deadline), metadata=self._metadata)
             except grpc.aio.AioRpcError as e:
                 if retry and await self._retry_after(e, attempt, deadline):
                     attempt += 1
@@ -668,9 +635,7 @@ class Client:
         self._close_lock = threading.Lock()
         self._closed = False
         # A daemon thread, so that a program which forgets close() can still exit.
-        self._thread = threading.Thread(
-            target=self._run_loop, name=f"blitzmesh-client-{target}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run_loop, name=f"blitzmesh-client-{target}", daemon=True)
         self._thread.start()
 
     @property

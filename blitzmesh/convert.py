@@ -64,9 +64,7 @@ def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReas
     try:
         return _FINISH_TO_PROTO[reason]
     except KeyError:
-        raise ValueError(
-            f"finish_reason must be one of {sorted(_FINISH_TO_PROTO)}, got {reason!r}"
-        ) from None
+        raise ValueError(f"finish_reason must be one of {sorted(_FINISH_TO_PROTO)}, got {reason!r}") from None
 
 
 def finish_reason_from_proto(value: int) -> FinishReason | None:
@@ -207,9 +205,7 @@ def token_chunk_from_proto(msg: inference_pb2.GenerateResponse) -> TokenChunk:
     return TokenChunk(
         text=msg.text,
         token_ids=tuple(msg.token_ids),
-        finish_reason=(
-            finish_reason_from_proto(msg.finish_reason) if msg.HasField("finish_reason") else None
-        ),
+        finish_reason=(finish_reason_from_proto(msg.finish_reason) if msg.HasField("finish_reason") else None),
         usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
         request_id=msg.request_id,
         instance_id=msg.instance_id,
@@ -402,16 +398,12 @@ def policy_params_to_proto(params: Mapping[str, str | int | float | bool]) -> di
         elif isinstance(value, (str, int, float)):
             out[key] = str(value)
         else:
-            raise ValueError(
-                f"policy parameter {key!r} must be a str, int, float or bool, got {value!r}"
-            )
+            raise ValueError(f"policy parameter {key!r} must be a str, int, float or bool, got {value!r}")
     return out
 
 
 def policy_state_to_proto(state: PolicyState) -> admin_pb2.SetPolicyResponse:
-    return admin_pb2.SetPolicyResponse(
-        policy=state.policy, params=dict(state.params), advisory=state.advisory
-    )
+    return admin_pb2.SetPolicyResponse(policy=state.policy, params=dict(state.params), advisory=state.advisory)
 
 
 def policy_state_from_proto(msg: admin_pb2.SetPolicyResponse) -> PolicyState:

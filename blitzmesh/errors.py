@@ -47,10 +47,7 @@ class BlitzmeshError(Exception):
         return f"{self.code}: {self.details}{suffix}"
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(details={self.details!r}, code={self.code!r}, "
-            f"request_id={self.request_id!r})"
-        )
+        return f"{type(self).__name__}(details={self.details!r}, code={self.code!r}, request_id={self.request_id!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The keyword-only fields would be lost by Exception's default pickling, which replays
@@ -58,9 +55,7 @@ class BlitzmeshError(Exception):
         return (_rebuild, (type(self), self.details, self.code, self.request_id))
 
 
-def _rebuild(
-    cls: type[BlitzmeshError], details: str, code: str, request_id: str | None
-) -> BlitzmeshError:
+def _rebuild(cls: type[BlitzmeshError], details: str, code: str, request_id: str | None) -> BlitzmeshError:
     return cls(details, code=code, request_id=request_id)
 
 

@@ -75,14 +75,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         t = self.temperature
-        if t is not None and (
-            isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0
-        ):
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         p = self.top_p
-        if p is not None and (
-            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1
-        ):
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         k = self.top_k
         if k is not None and (not _is_int(k) or not -1 <= k <= _INT32_MAX):
@@ -98,9 +94,7 @@ class SamplingParams:
                 raise ValueError(f"stop sequences must be non-empty strings, got {self.stop!r}")
         for tid in self.stop_token_ids:
             if not _is_int(tid) or not 0 <= tid <= _INT32_MAX:
-                raise ValueError(
-                    f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}"
-                )
+                raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 

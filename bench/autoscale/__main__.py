@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import blitzmesh
 from bench.autoscale.sizing import Profile, size_pools
 from bench.replay import (
     Slo,
@@ -45,7 +46,6 @@ from bench.replay import (
     summarize,
     timeline,
 )
-import blitzmesh
 from services.mesh.launcher import Mesh, MeshConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -67,20 +67,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-time-a-s", type=float, default=0.05, help="emulated accelerator: fixed step time")
     p.add_argument("--step-time-b-s", type=float, default=0.002, help="emulated accelerator: per batch token")
     p.add_argument("--target-utilization", type=float, default=0.7, help="what the fixed pools are sized for")
-    p.add_argument("--autoscale-utilization", type=float, default=0.5,
-                   help="what the policy's decode-TPS target is set at: lower than the fixed pools' because a "
-                        "reactive policy needs headroom for its lag (the TPS window, the load time)")
+    p.add_argument(
+        "--autoscale-utilization",
+        type=float,
+        default=0.5,
+        help="what the policy's decode-TPS target is set at: lower than the fixed pools' because a "
+        "reactive policy needs headroom for its lag (the TPS window, the load time)",
+    )
     p.add_argument("--policy", default="heteroscale")
     p.add_argument("--policy-params", default="{}", help="JSON object overriding the derived parameters")
     p.add_argument("--ttft-slo-s", type=float, default=1.5)
     p.add_argument("--tbt-slo-s", type=float, default=0.2, help="SLO on each request's mean time between tokens")
-    p.add_argument("--runs", default="autoscaled,autoscaled_bounds,fixed_average,fixed_peak",
-                   help="comma-separated subset; autoscaled_bounds runs the BlitzScale-bounds policy (waiting "
-                        "prefill tokens) as a second autoscaler")
-    p.add_argument("--dataplane", choices=("tcp", "ucx", "auto"), default="tcp",
-                   help="workers' and parameter manager's transport; tcp by default, as in the recorded runs, which "
-                        "predate services/dataplane/ucx.py's own progress loop (ucxx's kept an idle UCX process at a "
-                        "full core; now ucx idles at 0%% too)")
+    p.add_argument(
+        "--runs",
+        default="autoscaled,autoscaled_bounds,fixed_average,fixed_peak",
+        help="comma-separated subset; autoscaled_bounds runs the BlitzScale-bounds policy (waiting "
+        "prefill tokens) as a second autoscaler",
+    )
+    p.add_argument(
+        "--dataplane",
+        choices=("tcp", "ucx", "auto"),
+        default="tcp",
+        help="workers' and parameter manager's transport; tcp by default, as in the recorded runs, which "
+        "predate services/dataplane/ucx.py's own progress loop (ucxx's kept an idle UCX process at a "
+        "full core; now ucx idles at 0%% too)",
+    )
     p.add_argument("--bin-s", type=float, default=2.5, help="plot and timeline bin")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "autoscale.json")
     p.add_argument("--plot", type=Path, default=None, help="default: the --out path with .png")
@@ -102,8 +113,10 @@ async def _settle(admin: blitzmesh.AsyncClient, model: str, serving: int, timeou
         if states.count("serving") == serving and len(states) == serving and busy == 0 and tps < 0.5:
             return
         if loop.time() > deadline:
-            raise TimeoutError(f"cluster did not settle at {serving} serving in {timeout_s}s: states={states} "
-                               f"running+waiting={busy} decode_tps={tps:.2f}")
+            raise TimeoutError(
+                f"cluster did not settle at {serving} serving in {timeout_s}s: states={states} "
+                f"running+waiting={busy} decode_tps={tps:.2f}"
+            )
         await asyncio.sleep(0.5)
 
 
@@ -115,8 +128,13 @@ async def _resize(admin: blitzmesh.AsyncClient, model: str, n: int) -> None:
 
 
 async def run_all(
-    names: list[str], mesh_cfg: MeshConfig, pools: dict[str, int], arrivals: list[Any], args: argparse.Namespace,
-    policies: dict[str, tuple[str, dict[str, Any]]], drain_timeout_s: float,
+    names: list[str],
+    mesh_cfg: MeshConfig,
+    pools: dict[str, int],
+    arrivals: list[Any],
+    args: argparse.Namespace,
+    policies: dict[str, tuple[str, dict[str, Any]]],
+    drain_timeout_s: float,
 ) -> dict[str, dict[str, Any]]:
     mesh = Mesh(mesh_cfg)
     started = time.perf_counter()
@@ -135,14 +153,34 @@ async def run_all(
                     await admin.set_policy(policy, params, advisory=False)
                 print(f"[{name}] {pools[name]} serving; replaying {len(arrivals)} requests", flush=True)
                 result = await replay(
-                    arrivals, http_url=mesh.gateway_http, model=args.model, admin_target=mesh.gateway_grpc,
-                    request_timeout_s=60.0, drain_timeout_s=drain_timeout_s, vocab_size=args.vocab_size,
+                    arrivals,
+                    http_url=mesh.gateway_http,
+                    model=args.model,
+                    admin_target=mesh.gateway_grpc,
+                    request_timeout_s=60.0,
+                    drain_timeout_s=drain_timeout_s,
+                    vocab_size=args.vocab_size,
                 )
                 summary = summarize(result.records, result.instances, result.duration_s, slo)
                 summary.update({"initial_instances": pools[name], "notes": result.notes})
-                print(f"[{name}] " + json.dumps({k: summary[k] for k in (
-                    "requests_sent", "completed", "errored", "lost", "slo_attainment", "instance_seconds",
-                    "ttft_s")}), flush=True)
+                print(
+                    f"[{name}] "
+                    + json.dumps(
+                        {
+                            k: summary[k]
+                            for k in (
+                                "requests_sent",
+                                "completed",
+                                "errored",
+                                "lost",
+                                "slo_attainment",
+                                "instance_seconds",
+                                "ttft_s",
+                            )
+                        }
+                    ),
+                    flush=True,
+                )
                 runs[name] = {
                     "summary": summary,
                     "timeline": timeline(result.records, result.instances, args.bin_s, result.duration_s),
@@ -169,14 +207,23 @@ def main(argv: list[str] | None = None) -> int:
     window_kw = QUICK if args.quick else FULL
     window = TraceWindow(**window_kw)
     scaling = TokenScaling(prompt_scale=1 / 16, max_prompt_tokens=512, max_output_tokens=128, context_tokens=2048)
-    arrivals = from_trace(read_azure_trace(args.trace), window, scaling, max_requests=5000,
-                          max_duration_s=window.span_s / window.compress if window.span_s else None)
+    arrivals = from_trace(
+        read_azure_trace(args.trace),
+        window,
+        scaling,
+        max_requests=5000,
+        max_duration_s=window.span_s / window.compress if window.span_s else None,
+    )
     workload = describe(arrivals, peak_bin_s=5.0)
     profile = Profile(args.step_time_a_s, args.step_time_b_s)
-    sizing = size_pools(profile, mean_rps=workload["mean_rps"], peak_rps=workload["peak_rps"],
-                        mean_prompt_tokens=workload["mean_prompt_tokens"],
-                        mean_output_tokens=workload["mean_output_tokens"],
-                        target_utilization=args.target_utilization)
+    sizing = size_pools(
+        profile,
+        mean_rps=workload["mean_rps"],
+        peak_rps=workload["peak_rps"],
+        mean_prompt_tokens=workload["mean_prompt_tokens"],
+        mean_output_tokens=workload["mean_output_tokens"],
+        target_utilization=args.target_utilization,
+    )
     target_tps = sizing.capacity_rps * args.autoscale_utilization * workload["mean_output_tokens"]
     policy_params: dict[str, Any] = {
         "target_decode_tps_per_instance": round(target_tps, 2),
@@ -188,12 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         # The HeteroScale extensions (see HeteroScaleConfig): a burst queues requests and breaks
         # TTFT before decode TPS moves, and a scale-in right after a scale-out would read the
         # lagging TPS window, not the load.
-        policy_params.update({
-            "hold_scale_in_on_panic": True,
-            "ttft_slo_s": args.ttft_slo_s,
-            "scale_in_stabilization_s": policy_params["scale_in_cooldown_s"],
-            "target_requests_per_instance": round(sizing.requests_per_instance(args.autoscale_utilization), 2),
-        })
+        policy_params.update(
+            {
+                "hold_scale_in_on_panic": True,
+                "ttft_slo_s": args.ttft_slo_s,
+                "scale_in_stabilization_s": policy_params["scale_in_cooldown_s"],
+                "target_requests_per_instance": round(sizing.requests_per_instance(args.autoscale_utilization), 2),
+            }
+        )
     else:
         policy_params = {}
     policy_params.update(json.loads(args.policy_params))
@@ -204,21 +253,47 @@ def main(argv: list[str] | None = None) -> int:
     print(f"policy {args.policy} {json.dumps(policy_params)}", flush=True)
 
     manager_args = [
-        "--autoscale", "--advisory", "--policy", args.policy, "--policy-params", json.dumps(policy_params),
-        "--max-instances", str(pool_max), "--window-s", "2", "--tick-s", "0.5", "--decision-repeat-s", "10",
+        "--autoscale",
+        "--advisory",
+        "--policy",
+        args.policy,
+        "--policy-params",
+        json.dumps(policy_params),
+        "--max-instances",
+        str(pool_max),
+        "--window-s",
+        "2",
+        "--tick-s",
+        "0.5",
+        "--decision-repeat-s",
+        "10",
     ]
     mesh_cfg = MeshConfig(
-        workers=pool_max, initial_instances=1, model=args.model, model_dir=args.model_dir, run_dir=args.run_dir,
-        http_port=0, grpc_port=0, ready_timeout_s=180.0, worker_args=profile.worker_args(),
+        workers=pool_max,
+        initial_instances=1,
+        model=args.model,
+        model_dir=args.model_dir,
+        run_dir=args.run_dir,
+        http_port=0,
+        grpc_port=0,
+        ready_timeout_s=180.0,
+        worker_args=profile.worker_args(),
         manager_args=manager_args,
     )
     # The launcher's children inherit the environment, which the services' config layer reads.
     os.environ["BLITZMESH_WORKER_DATAPLANE"] = args.dataplane
     os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE"] = args.dataplane
-    pools = {"fixed_peak": sizing.fixed_peak, "fixed_average": sizing.fixed_average, "autoscaled": 1,
-             "autoscaled_bounds": 1}
-    bounds_params = {"prefill_tps_per_replica": round(1 / profile.b_s, 1), "scale_out_cooldown_s": 2.0,
-                     "scale_in_cooldown_s": policy_params.get("scale_in_cooldown_s", 10.0)}
+    pools = {
+        "fixed_peak": sizing.fixed_peak,
+        "fixed_average": sizing.fixed_average,
+        "autoscaled": 1,
+        "autoscaled_bounds": 1,
+    }
+    bounds_params = {
+        "prefill_tps_per_replica": round(1 / profile.b_s, 1),
+        "scale_out_cooldown_s": 2.0,
+        "scale_in_cooldown_s": policy_params.get("scale_in_cooldown_s", 10.0),
+    }
     policies = {"autoscaled": (args.policy, policy_params), "autoscaled_bounds": ("blitzscale_bounds", bounds_params)}
     wanted = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = set(wanted) - set(pools)
@@ -235,18 +310,32 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "trace": args.trace.name,
         "trace_window": window_kw,
-        "token_scaling": {"prompt_scale": scaling.prompt_scale, "max_prompt_tokens": scaling.max_prompt_tokens,
-                          "max_output_tokens": scaling.max_output_tokens},
+        "token_scaling": {
+            "prompt_scale": scaling.prompt_scale,
+            "max_prompt_tokens": scaling.max_prompt_tokens,
+            "max_output_tokens": scaling.max_output_tokens,
+        },
         "workload": {k: round(v, 3) for k, v in workload.items()},
         "model": args.model,
-        "accelerator_profile": {"step_time_a_s": profile.a_s, "step_time_b_s": profile.b_s,
-                                "meaning": "each engine iteration lasts at least a + b * batch_tokens; "
-                                           "the real model still computes every token"},
-        "mesh": {"workers": pool_max, "pools": pools, "manager_args": manager_args, "dataplane": args.dataplane,
-                 "note": "one mesh for every run; pools resized through Admin.Scale between runs"},
-        "sizing": {**sizing.to_json(), "target_utilization": args.target_utilization,
-                   "autoscale_utilization": args.autoscale_utilization,
-                   "rule": "pool = ceil(rate / (capacity_rps * target_utilization)); peak = busiest 5 s"},
+        "accelerator_profile": {
+            "step_time_a_s": profile.a_s,
+            "step_time_b_s": profile.b_s,
+            "meaning": "each engine iteration lasts at least a + b * batch_tokens; "
+            "the real model still computes every token",
+        },
+        "mesh": {
+            "workers": pool_max,
+            "pools": pools,
+            "manager_args": manager_args,
+            "dataplane": args.dataplane,
+            "note": "one mesh for every run; pools resized through Admin.Scale between runs",
+        },
+        "sizing": {
+            **sizing.to_json(),
+            "target_utilization": args.target_utilization,
+            "autoscale_utilization": args.autoscale_utilization,
+            "rule": "pool = ceil(rate / (capacity_rps * target_utilization)); peak = busiest 5 s",
+        },
         "policy": args.policy,
         "policy_params": policy_params,
         "autoscaled_bounds_policy": {"policy": "blitzscale_bounds", "params": bounds_params},
@@ -265,15 +354,19 @@ def main(argv: list[str] | None = None) -> int:
     from bench.autoscale.plot import plot
 
     decisions = [e for e in auto_events if e["action"] == "autoscaling_decision" and e["target"] != "no_change"]
-    title = (f"code trace, {window_kw['span_s'] / 60:.0f} trace min in {window_kw['span_s'] / window_kw['compress']:.0f} s "
-             f"(1/{window_kw['thin']} of requests), model {args.model}, "
-             f"step = {profile.a_s} s + {profile.b_s} s/token, policy {args.policy}")
+    title = (
+        f"code trace, {window_kw['span_s'] / 60:.0f} trace min in {window_kw['span_s'] / window_kw['compress']:.0f} s "
+        f"(1/{window_kw['thin']} of requests), model {args.model}, "
+        f"step = {profile.a_s} s + {profile.b_s} s/token, policy {args.policy}"
+    )
     plot(runs, decisions, args.ttft_slo_s, title, plot_path)
     print(f"\n{'run':<14} {'sent':>5} {'ok':>5} {'err':>4} {'lost':>4} {'SLO':>6} {'inst-s':>8} {'TTFT p99':>9}")
     for name, run in runs.items():
         s = run["summary"]
-        print(f"{name:<14} {s['requests_sent']:>5} {s['completed']:>5} {s['errored']:>4} {s['lost']:>4} "
-              f"{s['slo_attainment']:>6} {s['instance_seconds']:>8} {s['ttft_s']['p99']!s:>9}")
+        print(
+            f"{name:<14} {s['requests_sent']:>5} {s['completed']:>5} {s['errored']:>4} {s['lost']:>4} "
+            f"{s['slo_attainment']:>6} {s['instance_seconds']:>8} {s['ttft_s']['p99']!s:>9}"
+        )
     print(f"wrote {args.out}, {plot_path}, {log_path}")
     return 0 if all(run["summary"]["lost"] == 0 for run in runs.values()) else 1
 

@@ -8,27 +8,35 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on the benchmark machines
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-COLORS = {"autoscaled": "tab:blue", "autoscaled_bounds": "tab:cyan", "fixed_average": "tab:orange",
-          "fixed_peak": "tab:green"}
+COLORS = {
+    "autoscaled": "tab:blue",
+    "autoscaled_bounds": "tab:cyan",
+    "fixed_average": "tab:orange",
+    "fixed_peak": "tab:green",
+}
 
 
 def _points(xs: list[float], ys: list[Any]) -> tuple[list[float], list[float]]:
-    pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot(runs: dict[str, dict[str, Any]], decisions: list[dict[str, Any]], ttft_slo_s: float, title: str,
-         out: Path) -> None:
+def plot(
+    runs: dict[str, dict[str, Any]], decisions: list[dict[str, Any]], ttft_slo_s: float, title: str, out: Path
+) -> None:
     """`runs[name]` holds `timeline` (from bench.replay.timeline) and `samples` ([(t_s, held)]);
     `decisions` are the autoscaled run's scale decisions (t_s, target)."""
-    fig, (ax_n, ax_r, ax_t) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True,
-                                           gridspec_kw={"height_ratios": [1.2, 1, 1.2]})
+    fig, (ax_n, ax_r, ax_t) = plt.subplots(
+        3, 1, figsize=(11, 8.5), sharex=True, gridspec_kw={"height_ratios": [1.2, 1, 1.2]}
+    )
     for name, run in runs.items():
         xs = [t for t, _ in run["samples"]]
         ys = [n for _, n in run["samples"]]
-        ax_n.step(xs, ys, where="post", color=COLORS.get(name), label=name, linewidth=1.8 if name == "autoscaled" else 1.2)
+        ax_n.step(
+            xs, ys, where="post", color=COLORS.get(name), label=name, linewidth=1.8 if name == "autoscaled" else 1.2
+        )
         tl = run["timeline"]
         x, y = _points(tl["t_s"], tl["ttft_p99_s"])
         ax_t.plot(x, y, marker=".", color=COLORS.get(name), label=name, linewidth=1.0)

@@ -58,8 +58,9 @@ TARGET_SCHEDULE_P99_MS = 2.0
 SCHEDULE_SIZES = (10, 100, 1000)
 SCHEDULE_DEFAULT_N = 100
 POLICY_PARAMS: dict[str, dict[str, Any]] = {
-    "periodic": {"schedule": [{"at": "00:00", "prefill": 4, "decode": 12},
-                              {"at": "08:00", "prefill": 8, "decode": 24}]},
+    "periodic": {
+        "schedule": [{"at": "00:00", "prefill": 4, "decode": 12}, {"at": "08:00", "prefill": 8, "decode": 24}]
+    },
 }
 
 
@@ -85,8 +86,15 @@ class _Cluster:
         n_prefill = max(1, n // 4)
         for i in range(n):
             role = Role.PREFILL if i < n_prefill else Role.DECODE
-            self.registry.register(f"i{i}", model="m", role=role, host=f"h{i // PER_HOST}",
-                                   num_layers=NUM_LAYERS, now_s=0.0, state=InstanceState.SERVING)
+            self.registry.register(
+                f"i{i}",
+                model="m",
+                role=role,
+                host=f"h{i // PER_HOST}",
+                num_layers=NUM_LAYERS,
+                now_s=0.0,
+                state=InstanceState.SERVING,
+            )
         self.now_s = 0.0
         for _ in range(int(WINDOW_S / HEARTBEAT_S)):
             self.heartbeats()
@@ -97,13 +105,19 @@ class _Cluster:
         for view in self.registry.views():
             used = rng.randrange(0, 1000)
             sample = LoadSample(
-                instance_id=view.instance_id, now_s=self.now_s,
+                instance_id=view.instance_id,
+                now_s=self.now_s,
                 decode_tps=rng.uniform(50, 150) if view.role is Role.DECODE else 0.0,
                 prefill_tps=rng.uniform(5000, 15000) if view.role is Role.PREFILL else 0.0,
-                ttft_p50_s=rng.uniform(0.1, 0.3), ttft_p99_s=rng.uniform(0.3, 1.0),
-                tbt_p50_s=rng.uniform(0.03, 0.08), tbt_p99_s=rng.uniform(0.08, 0.2),
-                running=rng.randrange(0, 32), waiting=rng.randrange(0, 8),
-                waiting_prefill_tokens=rng.randrange(0, 20000), kv_blocks_used=used, kv_blocks_total=1000,
+                ttft_p50_s=rng.uniform(0.1, 0.3),
+                ttft_p99_s=rng.uniform(0.3, 1.0),
+                tbt_p50_s=rng.uniform(0.03, 0.08),
+                tbt_p99_s=rng.uniform(0.08, 0.2),
+                running=rng.randrange(0, 32),
+                waiting=rng.randrange(0, 8),
+                waiting_prefill_tokens=rng.randrange(0, 20000),
+                kv_blocks_used=used,
+                kv_blocks_total=1000,
             )
             self.monitor.observe(sample)
             self.registry.heartbeat(sample)
@@ -115,9 +129,14 @@ def _multicast_case(n: int) -> tuple[list[Target], list[Source], Topology, dict[
     live_hosts = -(-n // PER_HOST)  # ceil: every live instance has a host of its own set
     new_hosts = max(1, (n // 4) // PER_HOST)
     hosts = [f"h{i}" for i in range(live_hosts + new_hosts)]
-    topology = Topology.from_dict({"hosts": {
-        h: {"leaf": f"leaf{i // HOSTS_PER_LEAF}", "bw_gbps": (200.0 if i % 3 else 100.0)} for i, h in enumerate(hosts)
-    }})
+    topology = Topology.from_dict(
+        {
+            "hosts": {
+                h: {"leaf": f"leaf{i // HOSTS_PER_LEAF}", "bw_gbps": (200.0 if i % 3 else 100.0)}
+                for i, h in enumerate(hosts)
+            }
+        }
+    )
     groups = [f"layer.{i}" for i in range(NUM_LAYERS)]
     n_prefill = max(1, n // 4)
     sources = [Source(f"i{i}", f"h{i // PER_HOST}") for i in range(n)]
@@ -125,11 +144,14 @@ def _multicast_case(n: int) -> tuple[list[Target], list[Source], Topology, dict[
     shards = min(live_hosts, NUM_LAYERS)
     per = -(-NUM_LAYERS // shards)
     for s in range(shards):
-        held = frozenset(groups[s * per:(s + 1) * per])
+        held = frozenset(groups[s * per : (s + 1) * per])
         if held:
             sources.append(Source(f"cache{s}", f"h{s}", SourceKind.HOST_CACHE, held))
-    targets = [Target(f"new{j}", hosts[live_hosts + j // PER_HOST])
-               for j in range(max(1, n // 4)) if live_hosts + j // PER_HOST < len(hosts)]
+    targets = [
+        Target(f"new{j}", hosts[live_hosts + j // PER_HOST])
+        for j in range(max(1, n // 4))
+        if live_hosts + j // PER_HOST < len(hosts)
+    ]
     return targets, sources, topology, traffic_from_roles(roles), groups
 
 
@@ -145,9 +167,15 @@ def run(quick: bool) -> dict[str, Any]:
         "multicast_chains": {},
         "schedule_rpc_ms": {},
         "setup": {
-            "window_s": WINDOW_S, "heartbeat_s": HEARTBEAT_S, "instances_per_host": PER_HOST,
-            "hosts_per_leaf": HOSTS_PER_LEAF, "layers": NUM_LAYERS, "repeats": repeats,
-            "statistic": "median", "python": sys.version.split()[0], "machine": platform.machine(),
+            "window_s": WINDOW_S,
+            "heartbeat_s": HEARTBEAT_S,
+            "instances_per_host": PER_HOST,
+            "hosts_per_leaf": HOSTS_PER_LEAF,
+            "layers": NUM_LAYERS,
+            "repeats": repeats,
+            "statistic": "median",
+            "python": sys.version.split()[0],
+            "machine": platform.machine(),
             "decide_ms": "LoadMonitor.snapshot(registry views) + policy.decide, one tick",
         },
     }
@@ -158,13 +186,14 @@ def run(quick: bool) -> dict[str, Any]:
         "instances": SCHEDULE_DEFAULT_N,
         "by_instances": by_n,
         "setup": "global manager in its own process; N SERVING fake instances; sequential unary calls on one "
-                 "grpc.aio channel from this process; after 200 warm-up calls",
+        "grpc.aio channel from this process; after 200 warm-up calls",
     }
     for n in SIZES:
         cluster = _Cluster(n)
         views = cluster.registry.views()
         result["snapshot_ms"][n] = _median_ms(
-            lambda: cluster.monitor.snapshot(cluster.now_s, cluster.registry.views()), repeats, cluster.heartbeats)
+            lambda: cluster.monitor.snapshot(cluster.now_s, cluster.registry.views()), repeats, cluster.heartbeats
+        )
         snapshot = cluster.monitor.snapshot(cluster.now_s, views)
         for name in policy_names():
             policy = make_policy(name, POLICY_PARAMS.get(name, {}))
@@ -179,19 +208,27 @@ def run(quick: bool) -> dict[str, Any]:
 
         targets, sources, topology, traffic, groups = _multicast_case(n)
         result["multicast_plan_ms"][n] = _median_ms(
-            lambda: plan_multicast(targets, sources, topology, traffic, groups=groups), repeats)
+            lambda: plan_multicast(targets, sources, topology, traffic, groups=groups), repeats
+        )
         plan = plan_multicast(targets, sources, topology, traffic, groups=groups)
         result["multicast_validate_ms"][n] = _median_ms(lambda: validate_plan(plan, targets, sources, groups), repeats)
-        result["multicast_chains"][n] = {"chains": len(plan.chains), "lanes": plan.num_lanes,
-                                         "targets": len(targets), "sources": len(sources)}
+        result["multicast_chains"][n] = {
+            "chains": len(plan.chains),
+            "lanes": plan.num_lanes,
+            "targets": len(targets),
+            "sources": len(sources),
+        }
     return result
 
 
 def _table(result: dict[str, Any]) -> str:
     rows = [("decide_ms " + name, result["decide_ms"][name]) for name in policy_names()]
-    rows += [("snapshot_ms", result["snapshot_ms"]), ("choose_instance_ms", result["choose_instance_ms"]),
-             ("multicast_plan_ms", result["multicast_plan_ms"]),
-             ("multicast_validate_ms", result["multicast_validate_ms"])]
+    rows += [
+        ("snapshot_ms", result["snapshot_ms"]),
+        ("choose_instance_ms", result["choose_instance_ms"]),
+        ("multicast_plan_ms", result["multicast_plan_ms"]),
+        ("multicast_validate_ms", result["multicast_validate_ms"]),
+    ]
     width = max(len(r[0]) for r in rows)
     lines = [f"{'metric (median ms)':<{width}} " + " ".join(f"{n:>9}" for n in SIZES)]
     for label, by_n in rows:
@@ -210,10 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "meets" if worst < TARGET_MS_AT_1000 else "MISSES"
     print(f"\nslowest at 1000 instances: {worst:.3f} ms ({verdict} the {TARGET_MS_AT_1000:.0f} ms target)")
     rpc = result["schedule_rpc_ms"]
-    print("schedule_rpc_ms: " + ", ".join(f"{n} instances p50 {v['p50']:.3f} p99 {v['p99']:.3f}"
-                                          for n, v in rpc["by_instances"].items())
-          + f" ({'meets' if rpc['p99'] < TARGET_SCHEDULE_P99_MS else 'MISSES'} the p99 < "
-          f"{TARGET_SCHEDULE_P99_MS:.0f} ms target at {rpc['instances']})")
+    print(
+        "schedule_rpc_ms: "
+        + ", ".join(f"{n} instances p50 {v['p50']:.3f} p99 {v['p99']:.3f}" for n, v in rpc["by_instances"].items())
+        + f" ({'meets' if rpc['p99'] < TARGET_SCHEDULE_P99_MS else 'MISSES'} the p99 < "
+        f"{TARGET_SCHEDULE_P99_MS:.0f} ms target at {rpc['instances']})"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(f"wrote {args.out}")

@@ -35,10 +35,21 @@ async def manager_process() -> AsyncIterator[str]:
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "gm.ports.json"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.global_manager", "--port", "0", "--port-file", str(port_file),
+            sys.executable,
+            "-m",
+            "services.global_manager",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
             # Fake instances heartbeat once; they must not be written off mid-measurement.
-            "--lost-after-s", "3600", "--log-level", "warning",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=child_env(),
+            "--lost-after-s",
+            "3600",
+            "--log-level",
+            "warning",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            env=child_env(),
         )
         try:
             async with asyncio.timeout(60):
@@ -58,17 +69,38 @@ async def manager_process() -> AsyncIterator[str]:
 async def _register(stub: global_manager_pb2_grpc.GlobalManagerStub, n: int, rng: random.Random) -> None:
     for i in range(n):
         iid = f"i{i}"
-        await stub.RegisterInstance(global_manager_pb2.RegisterInstanceRequest(instance=common_pb2.InstanceInfo(
-            instance_id=iid, address=f"10.0.{i // 250}.{i % 250}:50051", host=f"h{i // 8}", model_id=MODEL,
-            state=common_pb2.INSTANCE_STATE_SERVING, role=common_pb2.INSTANCE_ROLE_COLOCATED,
-            layers_loaded=NUM_LAYERS, num_layers=NUM_LAYERS,
-        )), timeout=10)
-        load = common_pb2.LoadReport(running=rng.randrange(0, 32), waiting=rng.randrange(0, 4),
-                                     kv_blocks_used=rng.randrange(0, 1000), kv_blocks_total=1000)
-        await stub.Heartbeat(global_manager_pb2.HeartbeatRequest(
-            instance_id=iid, state=common_pb2.INSTANCE_STATE_SERVING, model_id=MODEL,
-            layers_loaded=NUM_LAYERS, num_layers=NUM_LAYERS, load=load,
-        ), timeout=10)
+        await stub.RegisterInstance(
+            global_manager_pb2.RegisterInstanceRequest(
+                instance=common_pb2.InstanceInfo(
+                    instance_id=iid,
+                    address=f"10.0.{i // 250}.{i % 250}:50051",
+                    host=f"h{i // 8}",
+                    model_id=MODEL,
+                    state=common_pb2.INSTANCE_STATE_SERVING,
+                    role=common_pb2.INSTANCE_ROLE_COLOCATED,
+                    layers_loaded=NUM_LAYERS,
+                    num_layers=NUM_LAYERS,
+                )
+            ),
+            timeout=10,
+        )
+        load = common_pb2.LoadReport(
+            running=rng.randrange(0, 32),
+            waiting=rng.randrange(0, 4),
+            kv_blocks_used=rng.randrange(0, 1000),
+            kv_blocks_total=1000,
+        )
+        await stub.Heartbeat(
+            global_manager_pb2.HeartbeatRequest(
+                instance_id=iid,
+                state=common_pb2.INSTANCE_STATE_SERVING,
+                model_id=MODEL,
+                layers_loaded=NUM_LAYERS,
+                num_layers=NUM_LAYERS,
+                load=load,
+            ),
+            timeout=10,
+        )
 
 
 def _pct(sorted_ms: list[float], q: float) -> float:
@@ -83,7 +115,9 @@ async def measure(n_instances: int, calls: int, warmup: int = 200, seed: int = 0
         await _register(stub, n_instances, rng)
         samples: list[float] = []
         for k in range(warmup + calls):
-            req = global_manager_pb2.ScheduleRequest(request_id=f"r{k}", model_id=MODEL, prompt_tokens=rng.randrange(8, 512))
+            req = global_manager_pb2.ScheduleRequest(
+                request_id=f"r{k}", model_id=MODEL, prompt_tokens=rng.randrange(8, 512)
+            )
             start = time.perf_counter()
             route = await stub.Schedule(req, timeout=5)
             elapsed_ms = (time.perf_counter() - start) * 1e3

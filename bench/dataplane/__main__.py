@@ -68,11 +68,10 @@ from typing import Any
 
 import numpy as np
 
-from services.dataplane.testing import ModelSpec, NodeProcess, NodeSpec, start_nodes
-from services.dataplane.transport import ucx_available
-
 from bench.dataplane import hostmem, links, netns
 from bench.dataplane.plot import plot
+from services.dataplane.testing import ModelSpec, NodeProcess, NodeSpec, start_nodes
+from services.dataplane.transport import ucx_available
 
 MIB = 1 << 20
 NUM_LAYERS = 8  # plus embed and head, half a layer each: 9 layer-sizes in all
@@ -409,7 +408,11 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
     if o1 and ph:
         h = str(max(int(k) for k in o1))
         r = _ratio(o1[h], ph[h])
-        out[f"host_bytes_o1_over_per_host_H{h}"] = {"value": r, "target": f"about 1/{h}", "met": r is not None and r <= 1.1 / int(h)}
+        out[f"host_bytes_o1_over_per_host_H{h}"] = {
+            "value": r,
+            "target": f"about 1/{h}",
+            "met": r is not None and r <= 1.1 / int(h),
+        }
     return out
 
 
@@ -419,12 +422,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--transports", default="ucx,ucx-cma,tcp", help="part 1 kinds: ucx, ucx-cma, tcp")
     parser.add_argument("--chunk-mib", type=int, default=16, help="part 1 chunk size in MiB")
     parser.add_argument("--max-n", type=int, default=3, help="part 1: longest same-host chain")
-    parser.add_argument("--shaped-transports", default="ucx,tcp", help="parts 2-3 kinds (first that completes is reported at top level)")
+    parser.add_argument(
+        "--shaped-transports", default="ucx,tcp", help="parts 2-3 kinds (first that completes is reported at top level)"
+    )
     parser.add_argument("--link-mbit", type=float, default=800, help="parts 2-3: tbf rate of every host's uplink")
     parser.add_argument("--shaped-mib", type=int, help="parts 2-3 payload in MiB (default 512, --quick 128)")
     parser.add_argument("--shaped-chunk-mib", type=int, default=4, help="parts 2-3 chunk size in MiB")
     parser.add_argument("--shaped-runs", type=int, default=2, help="parts 2-3 rounds (best is reported)")
-    parser.add_argument("--max-targets", type=int, default=4, help="parts 2-4: chain length n, sources g, hosts H up to this")
+    parser.add_argument(
+        "--max-targets", type=int, default=4, help="parts 2-4: chain length n, sources g, hosts H up to this"
+    )
     parser.add_argument("--hostmem-preset", help="part 4 synthetic model preset (default bench, --quick small)")
     parser.add_argument("--model-root", default="models", help="part 4: where the synthetic checkpoint is kept")
     parser.add_argument("--parts", default="1,2,4", help="which parts to run: 1, 2 (parts 2 and 3), 4")
@@ -560,7 +567,6 @@ NOTES = {
     ),
     "contention": "shared 2-core machine: best of runs is reported, medians and all runs are kept alongside.",
 }
-
 
 
 if __name__ == "__main__":

@@ -85,7 +85,15 @@ async def _o1_pool(mesh: Mesh, model_dir: Path, h: int, timeout_s: float) -> lis
         await mesh.spawn(
             f"o1-H{h}-cache{k}",
             MODULE,
-            [*_common(model_dir), "--index", index.grpc_address, "--cache-slot", str(k), "--topology-host", f"host-{k}"],
+            [
+                *_common(model_dir),
+                "--index",
+                index.grpc_address,
+                "--cache-slot",
+                str(k),
+                "--topology-host",
+                f"host-{k}",
+            ],
         )
         for k in range(1, h)
     ]

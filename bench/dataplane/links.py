@@ -80,7 +80,10 @@ def _sharded(
     shards = split_groups([(e.name, e.size_bytes) for e in manifest.groups], len(sources))
     t0 = time.monotonic()
     target.receive(
-        raw, [(s.address, shard, ()) for s, shard in zip(sources, shards, strict=True)], reuse_buffers=True, digests=False
+        raw,
+        [(s.address, shard, ()) for s, shard in zip(sources, shards, strict=True)],
+        reuse_buffers=True,
+        digests=False,
     )
     out = _done(target, timeout_s)
     return out["t_done"] - t0, out["bytes_by_source"]
@@ -107,7 +110,9 @@ def bench_shaped(
     source, receivers = nodes[0], nodes[1:]
     try:
         layer_bytes = payload_bytes // (SHAPED_LAYERS + 1)
-        spec = ModelSpec(model_id=f"shaped-{kind}", num_layers=SHAPED_LAYERS, layer_bytes=layer_bytes, chunk_bytes=chunk_bytes)
+        spec = ModelSpec(
+            model_id=f"shaped-{kind}", num_layers=SHAPED_LAYERS, layer_bytes=layer_bytes, chunk_bytes=chunk_bytes
+        )
         raw, _ = source.serve(spec, timeout_s=300)
         manifest = Manifest.from_bytes(raw)
         chain: dict[str, list[float]] = {str(n): [] for n in range(1, max_n + 1)}
@@ -121,7 +126,10 @@ def bench_shaped(
                 chain[str(n)].append(_chain(source, receivers[:n], raw, timeout_s))
                 if r == 0 and n == 1:
                     # What left the source's shaped uplink during the one-hop transfer.
-                    wire = {"payload_bytes": manifest.total_bytes, "source_uplink_tx_bytes": network.tx_bytes(hosts[0]) - tx0}
+                    wire = {
+                        "payload_bytes": manifest.total_bytes,
+                        "source_uplink_tx_bytes": network.tx_bytes(hosts[0]) - tx0,
+                    }
             for n, t in enumerate(_unicast(source, receivers[:max_n], raw, timeout_s), start=1):
                 unicast[str(n)].append(t)
             target = receivers[max_n - 1]

@@ -24,7 +24,10 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     # 1. One hop on one host, GB/s.
     ax = axes[0][0]
     bars: list[tuple[str, float]] = [("memcpy", results.get("memcpy_gbps") or 0.0)]
-    for label, key in (("ucx_perftest\n(^cma)", "ucx_perftest_gbps"), ("ucx_perftest\n(all tls)", "ucx_perftest_all_tls_gbps")):
+    for label, key in (
+        ("ucx_perftest\n(^cma)", "ucx_perftest_gbps"),
+        ("ucx_perftest\n(all tls)", "ucx_perftest_all_tls_gbps"),
+    ):
         if results.get(key):
             bars.append((label, results[key]))
     colors = ["#999999"] + ["#bbbbbb"] * (len(bars) - 1)
@@ -60,7 +63,11 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
             ax.plot([int(n) for n in ns], [res["chain_fill_s"][n] for n in ns], "o-", color=c, label=f"chain ({kind})")
             ns = sorted(res["unicast_fill_s"], key=int)
             ax.plot(
-                [int(n) for n in ns], [res["unicast_fill_s"][n] for n in ns], "s--", color=c, label=f"sequential unicast ({kind})"
+                [int(n) for n in ns],
+                [res["unicast_fill_s"][n] for n in ns],
+                "s--",
+                color=c,
+                label=f"sequential unicast ({kind})",
             )
             ideal = res.get("ideal_hop_s")
         if ideal:
@@ -86,7 +93,9 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
             gs_all.update(int(g) for g in gs)
             ax.plot([int(g) for g in gs], [res["sharded_s"][g] for g in gs], "o-", color=c, label=f"measured ({kind})")
             t1 = res["sharded_s"][gs[0]] * int(gs[0])
-            ax.plot([int(g) for g in gs], [t1 / int(g) for g in gs], ":", color=c, alpha=0.6, label=f"t(g=1) / g ({kind})")
+            ax.plot(
+                [int(g) for g in gs], [t1 / int(g) for g in gs], ":", color=c, alpha=0.6, label=f"t(g=1) / g ({kind})"
+            )
         ax.set_xlabel("sources g")
         ax.set_xticks(sorted(gs_all))
         ax.set_ylabel("seconds until the target holds the model")
@@ -101,17 +110,41 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
         hs = sorted(results["host_bytes_o1"], key=int)
         x = [int(h) for h in hs]
         gib = float(GIB)
-        ax.plot(x, [results["host_bytes_per_host"][h] / gib for h in hs], "s-", color="#d62728", label="per-host cache: reported bytes")
-        ax.plot(x, [results["host_bytes_o1"][h] / gib for h in hs], "o-", color="#2ca02c", label="O(1) pool: reported bytes")
+        ax.plot(
+            x,
+            [results["host_bytes_per_host"][h] / gib for h in hs],
+            "s-",
+            color="#d62728",
+            label="per-host cache: reported bytes",
+        )
+        ax.plot(
+            x, [results["host_bytes_o1"][h] / gib for h in hs], "o-", color="#2ca02c", label="O(1) pool: reported bytes"
+        )
         if hm.get("host_rss_growth_per_host"):
-            ax.plot(x, [hm["host_rss_growth_per_host"][h] / gib for h in hs], "s:", color="#d62728", alpha=0.6, label="per-host: RSS growth")
-            ax.plot(x, [hm["host_rss_growth_o1"][h] / gib for h in hs], "o:", color="#2ca02c", alpha=0.6, label="O(1): RSS growth")
+            ax.plot(
+                x,
+                [hm["host_rss_growth_per_host"][h] / gib for h in hs],
+                "s:",
+                color="#d62728",
+                alpha=0.6,
+                label="per-host: RSS growth",
+            )
+            ax.plot(
+                x,
+                [hm["host_rss_growth_o1"][h] / gib for h in hs],
+                "o:",
+                color="#2ca02c",
+                alpha=0.6,
+                label="O(1): RSS growth",
+            )
         ax.set_xlabel("hosts H")
         ax.set_xticks(x)
         ax.set_ylabel("GiB of host memory, all hosts")
         ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)
-    ax.set_title(f"4. host memory, model of {hm.get('model_bytes', 0) / (1 << 20):.0f} MiB (real processes)", fontsize=10)
+    ax.set_title(
+        f"4. host memory, model of {hm.get('model_bytes', 0) / (1 << 20):.0f} MiB (real processes)", fontsize=10
+    )
 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

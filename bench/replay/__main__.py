@@ -64,27 +64,58 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.pattern == "trace":
-        scaling = TokenScaling(prompt_scale=args.prompt_scale, max_prompt_tokens=args.max_prompt_tokens,
-                               max_output_tokens=args.max_output_tokens, context_tokens=args.context_tokens)
+        scaling = TokenScaling(
+            prompt_scale=args.prompt_scale,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens,
+            context_tokens=args.context_tokens,
+        )
         window = TraceWindow(start_s=args.start_s, span_s=args.span_s, compress=args.compress, thin=args.thin)
-        arrivals = from_trace(read_azure_trace(args.trace), window, scaling,
-                              max_requests=args.max_requests, max_duration_s=args.max_duration_s)
+        arrivals = from_trace(
+            read_azure_trace(args.trace),
+            window,
+            scaling,
+            max_requests=args.max_requests,
+            max_duration_s=args.max_duration_s,
+        )
     else:
-        common = dict(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, seed=args.seed,
-                      max_requests=args.max_requests)
+        common = dict(
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            seed=args.seed,
+            max_requests=args.max_requests,
+        )
         if args.pattern == "step":
-            arrivals = step_pattern(base_rps=args.base_rps, burst_rps=args.burst_rps, burst_start_s=args.burst_start_s,
-                                    burst_end_s=args.burst_end_s, duration_s=args.duration_s, **common)
+            arrivals = step_pattern(
+                base_rps=args.base_rps,
+                burst_rps=args.burst_rps,
+                burst_start_s=args.burst_start_s,
+                burst_end_s=args.burst_end_s,
+                duration_s=args.duration_s,
+                **common,
+            )
         else:
-            arrivals = spike_pattern(base_rps=args.base_rps, spike_rps=args.burst_rps, spike_at_s=args.burst_start_s,
-                                     spike_len_s=args.burst_end_s - args.burst_start_s, duration_s=args.duration_s,
-                                     **common)
+            arrivals = spike_pattern(
+                base_rps=args.base_rps,
+                spike_rps=args.burst_rps,
+                spike_at_s=args.burst_start_s,
+                spike_len_s=args.burst_end_s - args.burst_start_s,
+                duration_s=args.duration_s,
+                **common,
+            )
     print(f"replaying {len(arrivals)} requests: {describe(arrivals)}")
-    result = asyncio.run(replay(
-        arrivals, http_url=args.gateway, model=args.model, admin_target=args.admin or None,
-        request_timeout_s=args.request_timeout_s, drain_timeout_s=args.drain_timeout_s,
-        vocab_size=args.vocab_size, seed=args.seed,
-    ))
+    result = asyncio.run(
+        replay(
+            arrivals,
+            http_url=args.gateway,
+            model=args.model,
+            admin_target=args.admin or None,
+            request_timeout_s=args.request_timeout_s,
+            drain_timeout_s=args.drain_timeout_s,
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+        )
+    )
     summary = summarize(result.records, result.instances, result.duration_s, Slo(args.ttft_slo_s, args.tbt_slo_s))
     out = {
         "schedule": {"pattern": args.pattern, **describe(arrivals)},

@@ -55,7 +55,7 @@ class StreamState:
         line = line.strip()
         if not line.startswith("data:"):
             return False
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             return True
         try:
@@ -125,12 +125,23 @@ class _Clock:
 
 
 async def _send(
-    session: aiohttp.ClientSession, url: str, model: str, arrival: Arrival, record: RequestRecord,
-    ids: list[int], clock: _Clock, timeout_s: float,
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    arrival: Arrival,
+    record: RequestRecord,
+    ids: list[int],
+    clock: _Clock,
+    timeout_s: float,
 ) -> None:
     body = {
-        "model": model, "prompt": ids, "max_tokens": arrival.output_tokens, "stream": True,
-        "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True},
+        "model": model,
+        "prompt": ids,
+        "max_tokens": arrival.output_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True},
     }
     state = StreamState(record)
     record.sent_s = clock.now()
@@ -158,7 +169,11 @@ async def _send(
 
 
 async def _sample_instances(
-    admin: blitzmesh.AsyncClient, model: str, clock: _Clock, out: list[InstanceSample], period_s: float,
+    admin: blitzmesh.AsyncClient,
+    model: str,
+    clock: _Clock,
+    out: list[InstanceSample],
+    period_s: float,
     notes: list[str],
 ) -> None:
     failures = 0
@@ -180,9 +195,17 @@ async def _sample_instances(
 async def _watch(admin: blitzmesh.AsyncClient, clock: _Clock, out: list[dict[str, Any]]) -> None:
     with contextlib.suppress(blitzmesh.BlitzmeshError):
         async for ev in admin.watch_events():
-            out.append({"t_s": round(clock.now(), 3), "manager_time_s": ev.time_s, "action": ev.action,
-                        "target": ev.target, "status": ev.status, "reason": ev.reason,
-                        "instance_id": ev.instance_id})
+            out.append(
+                {
+                    "t_s": round(clock.now(), 3),
+                    "manager_time_s": ev.time_s,
+                    "action": ev.action,
+                    "target": ev.target,
+                    "status": ev.status,
+                    "reason": ev.reason,
+                    "instance_id": ev.instance_id,
+                }
+            )
 
 
 async def replay(
@@ -214,11 +237,12 @@ async def replay(
     try:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             if admin is not None:
-                background.append(asyncio.create_task(
-                    _sample_instances(admin, model, clock, samples, sample_period_s, notes)))
+                background.append(
+                    asyncio.create_task(_sample_instances(admin, model, clock, samples, sample_period_s, notes))
+                )
                 background.append(asyncio.create_task(_watch(admin, clock, events)))
             inflight: set[asyncio.Task[None]] = set()
-            for arrival, record, ids in zip(arrivals, records, prompts):
+            for arrival, record, ids in zip(arrivals, records, prompts, strict=True):
                 delay = arrival.t_s - clock.now()
                 if delay > 0:
                     await asyncio.sleep(delay)

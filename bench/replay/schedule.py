@@ -50,18 +50,25 @@ class TokenScaling:
 
     def __post_init__(self) -> None:
         if not (self.prompt_scale > 0 and self.output_scale > 0):
-            raise ValueError(f"scales must be > 0, got prompt_scale={self.prompt_scale!r} "
-                             f"output_scale={self.output_scale!r}")
+            raise ValueError(
+                f"scales must be > 0, got prompt_scale={self.prompt_scale!r} output_scale={self.output_scale!r}"
+            )
         if not 1 <= self.min_prompt_tokens <= self.max_prompt_tokens:
-            raise ValueError(f"need 1 <= min_prompt_tokens={self.min_prompt_tokens!r} <= "
-                             f"max_prompt_tokens={self.max_prompt_tokens!r}")
+            raise ValueError(
+                f"need 1 <= min_prompt_tokens={self.min_prompt_tokens!r} <= "
+                f"max_prompt_tokens={self.max_prompt_tokens!r}"
+            )
         if not 1 <= self.min_output_tokens <= self.max_output_tokens:
-            raise ValueError(f"need 1 <= min_output_tokens={self.min_output_tokens!r} <= "
-                             f"max_output_tokens={self.max_output_tokens!r}")
+            raise ValueError(
+                f"need 1 <= min_output_tokens={self.min_output_tokens!r} <= "
+                f"max_output_tokens={self.max_output_tokens!r}"
+            )
         if self.min_prompt_tokens + self.max_output_tokens > self.context_tokens:
-            raise ValueError(f"min_prompt_tokens + max_output_tokens = "
-                             f"{self.min_prompt_tokens + self.max_output_tokens} exceeds "
-                             f"context_tokens={self.context_tokens!r}")
+            raise ValueError(
+                f"min_prompt_tokens + max_output_tokens = "
+                f"{self.min_prompt_tokens + self.max_output_tokens} exceeds "
+                f"context_tokens={self.context_tokens!r}"
+            )
 
     def apply(self, prompt_tokens: int, output_tokens: int) -> tuple[int, int]:
         output = _clamp(round(output_tokens * self.output_scale), self.min_output_tokens, self.max_output_tokens)
@@ -162,25 +169,45 @@ def piecewise_pattern(
 
 
 def step_pattern(
-    *, base_rps: float, burst_rps: float, burst_start_s: float, burst_end_s: float, duration_s: float,
+    *,
+    base_rps: float,
+    burst_rps: float,
+    burst_start_s: float,
+    burst_end_s: float,
+    duration_s: float,
     **kw: object,
 ) -> list[Arrival]:
     """`base_rps`, then `burst_rps` in [burst_start_s, burst_end_s), then `base_rps` again."""
     if not 0 <= burst_start_s <= burst_end_s <= duration_s:
-        raise ValueError(f"need 0 <= burst_start_s={burst_start_s!r} <= burst_end_s={burst_end_s!r} "
-                         f"<= duration_s={duration_s!r}")
-    segments = [(0.0, burst_start_s, base_rps), (burst_start_s, burst_end_s, burst_rps),
-                (burst_end_s, duration_s, base_rps)]
+        raise ValueError(
+            f"need 0 <= burst_start_s={burst_start_s!r} <= burst_end_s={burst_end_s!r} <= duration_s={duration_s!r}"
+        )
+    segments = [
+        (0.0, burst_start_s, base_rps),
+        (burst_start_s, burst_end_s, burst_rps),
+        (burst_end_s, duration_s, base_rps),
+    ]
     return piecewise_pattern(segments, **kw)  # type: ignore[arg-type]
 
 
 def spike_pattern(
-    *, base_rps: float, spike_rps: float, spike_at_s: float, spike_len_s: float, duration_s: float,
+    *,
+    base_rps: float,
+    spike_rps: float,
+    spike_at_s: float,
+    spike_len_s: float,
+    duration_s: float,
     **kw: object,
 ) -> list[Arrival]:
     """A short spike on a base rate: a step whose burst lasts `spike_len_s`."""
-    return step_pattern(base_rps=base_rps, burst_rps=spike_rps, burst_start_s=spike_at_s,
-                        burst_end_s=min(duration_s, spike_at_s + spike_len_s), duration_s=duration_s, **kw)
+    return step_pattern(
+        base_rps=base_rps,
+        burst_rps=spike_rps,
+        burst_start_s=spike_at_s,
+        burst_end_s=min(duration_s, spike_at_s + spike_len_s),
+        duration_s=duration_s,
+        **kw,
+    )
 
 
 def rate_per_bin(arrivals: Sequence[Arrival], bin_s: float, duration_s: float | None = None) -> list[float]:
@@ -200,8 +227,15 @@ def describe(arrivals: Sequence[Arrival], peak_bin_s: float = 10.0) -> dict[str,
     """Count, span, mean and peak (busiest `peak_bin_s`) rates, mean token counts."""
     n = len(arrivals)
     if n == 0:
-        return {"requests": 0, "duration_s": 0.0, "mean_rps": 0.0, "peak_rps": 0.0,
-                "mean_prompt_tokens": 0.0, "mean_output_tokens": 0.0, "peak_bin_s": peak_bin_s}
+        return {
+            "requests": 0,
+            "duration_s": 0.0,
+            "mean_rps": 0.0,
+            "peak_rps": 0.0,
+            "mean_prompt_tokens": 0.0,
+            "mean_output_tokens": 0.0,
+            "peak_bin_s": peak_bin_s,
+        }
     duration_s = max(a.t_s for a in arrivals)
     span_s = max(duration_s, peak_bin_s)
     return {

@@ -130,8 +130,11 @@ def summarize(
         "instance_seconds": round(instance_seconds(samples, end_s), 2),
         "instances_mean": _r(instance_seconds(samples, end_s) / end_s if end_s > 0 else None, 3),
         "instances_max": max(held, default=0),
-        "ttft_s": {"p50": _r(percentile(ttfts, 0.5)), "p90": _r(percentile(ttfts, 0.9)),
-                   "p99": _r(percentile(ttfts, 0.99))},
+        "ttft_s": {
+            "p50": _r(percentile(ttfts, 0.5)),
+            "p90": _r(percentile(ttfts, 0.9)),
+            "p99": _r(percentile(ttfts, 0.99)),
+        },
         "tbt_mean_s": {"p50": _r(percentile(tbts, 0.5)), "p99": _r(percentile(tbts, 0.99))},
         "output_tokens": sum(r.completion_tokens for r in ok),
         "duration_s": round(end_s, 2),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 __all__ = ["TraceRow", "parse_timestamp", "parse_timestamp_ns", "read_azure_trace"]
@@ -30,7 +30,7 @@ def parse_timestamp_ns(text: str) -> int:
     (a float of POSIX seconds would round them to about 0.2 us)."""
     whole, _, frac = text.strip().partition(".")
     try:
-        base = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+        base = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
     except ValueError as e:
         raise ValueError(f"timestamp {text!r} is not 'YYYY-MM-DD HH:MM:SS[.fraction]'") from e
     if frac and not (frac.isdigit() and len(frac) <= 9):

@@ -54,9 +54,9 @@ from bench.serving.inprocess import EngineSystem, worker_engine_config
 from bench.serving.results import SystemResult, best_round, is_clean
 from bench.serving.workload import Request, WorkloadSpec, build, describe
 from services.mesh.launcher import ensure_model
+from services.model_format.checkpoint import load_config
 from services.worker.config import WorkerConfig
 from services.worker.model import native
-from services.model_format.checkpoint import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
@@ -88,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output-tokens", type=int)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads in every system")
     p.add_argument(
-        "--rounds", type=int, help="clean rounds wanted of (a), (b) and HF static batches, alternating; the fastest counts"
+        "--rounds",
+        type=int,
+        help="clean rounds wanted of (a), (b) and HF static batches, alternating; the fastest counts",
     )
     p.add_argument("--max-rounds", type=int, help="give up on more clean rounds of (a), (b), HF static after this many")
     p.add_argument("--hf-rounds", type=int, help="clean rounds wanted of HF sequential (static batches: --rounds)")
@@ -346,8 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": {
                 "gateway_engine_hf_static": {"clean_wanted": plan.wanted, "max": plan.attempts},
                 "hf_sequential": {"clean_wanted": hf_plan.wanted, "max": hf_plan.attempts},
-                "order": "(a), (b) and HF static batches interleaved in one rotation (ABBA); "
-                "HF sequential after them",
+                "order": "(a), (b) and HF static batches interleaved in one rotation (ABBA); HF sequential after them",
                 "clean": f"foreign_cpu_share <= {args.max_foreign_share}",
                 "reported": "the fastest clean round per system (the fastest of all, flagged contended, if none)",
             },
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
     print(_table(results))

@@ -42,6 +42,7 @@ def mesh_config(
         ],
     )  # fmt: skip
 
+
 _PM_DATAPLANE_ENV = "BLITZMESH_PARAM_MANAGER_DATAPLANE"
 
 

@@ -63,7 +63,9 @@ def _generate(model: LlamaForCausalLM, batch: list[Request], t0: float) -> tuple
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, streamer=clock)
     if out.shape[1] - width != steps or len(clock.step_times_s) != steps:
-        raise RuntimeError(f"HF generated {out.shape[1] - width} tokens in {len(clock.step_times_s)} steps, asked {steps}")
+        raise RuntimeError(
+            f"HF generated {out.shape[1] - width} tokens in {len(clock.step_times_s)} steps, asked {steps}"
+        )
     # A request's tokens are the first `output_tokens` steps; later steps are padding work.
     timings = [RequestTiming(r.index, r.output_tokens, clock.step_times_s[: r.output_tokens]) for r in batch]
     return timings, steps * len(batch)

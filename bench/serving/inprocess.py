@@ -65,8 +65,7 @@ class EngineSystem:
                     timing.token_times_s.append(time.perf_counter() - t0)
             if len(timing.token_times_s) != req.output_tokens:
                 raise RuntimeError(
-                    f"engine request {req.index} produced {len(timing.token_times_s)} tokens, "
-                    f"asked {req.output_tokens}"
+                    f"engine request {req.index} produced {len(timing.token_times_s)} tokens, asked {req.output_tokens}"
                 )
             return timing
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ class RequestTiming:
     @property
     def tbt_s(self) -> list[float]:
         t = self.token_times_s
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in itertools.pairwise(t)]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -78,9 +78,17 @@ def describe(requests: list[Request], spec: WorkloadSpec, trace_path: Path) -> d
         "prompt_scaling": f"x{spec.max_prompt_tokens / max(r.trace_prompt_tokens for r in requests):.4f} "
         f"(longest sampled prompt -> {spec.max_prompt_tokens} tokens)",
         "output_scaling": f"x{spec.output_scale} then clamped to [{spec.min_output_tokens}, {spec.max_output_tokens}]",
-        "prompt_tokens": {"total": sum(prompts), "min": min(prompts), "max": max(prompts),
-                          "mean": round(sum(prompts) / len(prompts), 1)},
-        "output_tokens": {"total": sum(outputs), "min": min(outputs), "max": max(outputs),
-                          "mean": round(sum(outputs) / len(outputs), 1)},
+        "prompt_tokens": {
+            "total": sum(prompts),
+            "min": min(prompts),
+            "max": max(prompts),
+            "mean": round(sum(prompts) / len(prompts), 1),
+        },
+        "output_tokens": {
+            "total": sum(outputs),
+            "min": min(outputs),
+            "max": max(outputs),
+            "mean": round(sum(outputs) / len(outputs), 1),
+        },
         "arrival": "closed batch: all requests submitted at t=0; TTFT counts from t=0",
     }

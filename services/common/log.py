@@ -13,9 +13,9 @@ def configure_logging(service: str, level: str = "info", json: bool = False) -> 
     log_level = getattr(logging, level.upper())
     logging.basicConfig(stream=sys.stderr, level=log_level, format="%(message)s")
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if json else structlog.processors.KeyValueRenderer(
-            key_order=["ts", "level", "service", "event"], drop_missing=True
-        )
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.processors.KeyValueRenderer(key_order=["ts", "level", "service", "event"], drop_missing=True)
     )
     structlog.configure(
         processors=[

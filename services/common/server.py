@@ -69,7 +69,7 @@ class Service(Protocol):
     def register(self, server: grpc.aio.Server) -> list[str]:
         """Add servicers; return the full names of the services added (for reflection)."""
 
-    async def start(self, ctx: "ServeContext") -> None:
+    async def start(self, ctx: ServeContext) -> None:
         """Start background work; call ctx.set_serving() when ready (may be later)."""
 
     async def stop(self) -> None:

@@ -43,7 +43,9 @@ class _ShapedEndpoint(Endpoint):
         self.peer = inner.peer
 
     async def send(self, buffer: Any, tag: int, *, timeout_s: float | None = None) -> None:
-        nbytes = len(buffer) if isinstance(buffer, (bytes, bytearray)) else int(as_uint8_array(buffer, writable=False).size)
+        nbytes = (
+            len(buffer) if isinstance(buffer, (bytes, bytearray)) else int(as_uint8_array(buffer, writable=False).size)
+        )
         await self._shaper.take(nbytes)
         await self._inner.send(buffer, tag, timeout_s=timeout_s)
 

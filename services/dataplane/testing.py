@@ -413,7 +413,9 @@ class NodeProcess:
         """Start a receive in the node; collect its outcome with `expect`."""
         self._conn.send(("receive", manifest_bytes, [(a, g, tuple(f)) for a, g, f in pulls], options))
 
-    def stream(self, role: str, address: bytes | None, total_bytes: int, chunk_bytes: int, window: int, rounds: int) -> None:
+    def stream(
+        self, role: str, address: bytes | None, total_bytes: int, chunk_bytes: int, window: int, rounds: int
+    ) -> None:
         """Start `_stream_bytes` in the node (it must have no GroupServer); collect with `expect`."""
         if role not in ("send", "receive"):
             raise ValueError(f"role must be 'send' or 'receive', got {role!r}")

@@ -31,7 +31,8 @@ class GatewayConfig(ServiceConfig):
     )
     rpc_timeout_s: float = Field(10.0, gt=0, description="deadline of control RPCs (Schedule, GetModelFiles)")
     schedule_wait_s: float = Field(
-        15.0, ge=0,
+        15.0,
+        ge=0,
         description="how long a request waits for a route while the global manager is unreachable (a restart) "
         "or has no SERVING instance yet (a scale-out filling), retrying with backoff within the request's "
         "deadline; 0 = fail at once",

@@ -31,7 +31,7 @@ class GlobalManagerConfig(ServiceConfig):
     )
     policy: str = Field("heteroscale", description="autoscaling policy name")
     policy_params: dict[str, Any] = Field(
-        default_factory=dict, description='policy parameters as a JSON object, e.g. \'{"scale_in_cooldown_s": 60}\''
+        default_factory=dict, description="policy parameters as a JSON object, e.g. '{\"scale_in_cooldown_s\": 60}'"
     )
     autoscale: bool = Field(False, description="run the autoscaling policy in the control loop")
     advisory: bool = Field(False, description="decide and log, but do not act")
@@ -46,7 +46,5 @@ class GlobalManagerConfig(ServiceConfig):
         if self.autoscale and not self.default_model:
             raise ValueError("autoscale=True needs default_model (the model the policy scales)")
         if self.min_instances > self.max_instances:
-            raise ValueError(
-                f"min_instances={self.min_instances!r} must be <= max_instances={self.max_instances!r}"
-            )
+            raise ValueError(f"min_instances={self.min_instances!r} must be <= max_instances={self.max_instances!r}")
         return self

@@ -87,9 +87,7 @@ class InstanceTable:
         self.dataplane[iid] = (info.dataplane_address, info.dataplane_kind)
         return view
 
-    def follow(
-        self, iid: str, state: InstanceState, model: str, layers_loaded: int, num_layers: int
-    ) -> InstanceView:
+    def follow(self, iid: str, state: InstanceState, model: str, layers_loaded: int, num_layers: int) -> InstanceView:
         """Bring the registry to the state a worker reports, via legal transitions."""
         view = self.registry.get(iid)
         if view.state is state:
@@ -107,8 +105,14 @@ class InstanceTable:
         self.registry.mark_lost(iid)
         self.registry.remove(iid)
         return self.registry.register(
-            iid, model=model, role=view.role, host=view.host, num_layers=max(num_layers, 1),
-            now_s=view.last_heartbeat_s, state=state, layers_loaded=min(layers_loaded, max(num_layers, 1)),
+            iid,
+            model=model,
+            role=view.role,
+            host=view.host,
+            num_layers=max(num_layers, 1),
+            now_s=view.last_heartbeat_s,
+            state=state,
+            layers_loaded=min(layers_loaded, max(num_layers, 1)),
         )
 
     def to_proto(self, view: InstanceView, now_s: float) -> common_pb2.InstanceInfo:

@@ -49,8 +49,8 @@ from services.global_manager.core.load_monitor import LoadMonitor
 from services.global_manager.core.policies import Policy, make_policy
 from services.global_manager.core.router import choose_instance, pick_scale_in_victim
 from services.global_manager.core.types import InstanceState, Role, ScaleDecision
-from services.global_manager.transfer import Node, build_plan
 from services.global_manager.registry import ROLE_FROM_PROTO, STATE_FROM_PROTO, InstanceTable, sample_from_proto
+from services.global_manager.transfer import Node, build_plan
 
 log = structlog.get_logger(__name__)
 
@@ -59,10 +59,15 @@ INSTANCES = Gauge("blitzmesh_gm_instances", "Instances by state", ["state"])
 SCHEDULED = Counter("blitzmesh_gm_schedule_total", "Schedule calls by outcome", ["outcome"])
 DECISIONS = Counter("blitzmesh_gm_decisions_total", "Autoscaling decisions by policy and action", ["policy", "action"])
 DESIRED = Gauge("blitzmesh_gm_desired_instances", "Instances the policy wants, per pool", ["model", "role"])
-CURRENT = Gauge("blitzmesh_gm_current_instances", "Instances counted as capacity (LOADING + SERVING)", ["model", "role"])
-SIGNALS = Gauge("blitzmesh_gm_policy_signal", "Numbers behind the latest decision (ratio, need, tps)", ["model", "signal"])
+CURRENT = Gauge(
+    "blitzmesh_gm_current_instances", "Instances counted as capacity (LOADING + SERVING)", ["model", "role"]
+)
+SIGNALS = Gauge(
+    "blitzmesh_gm_policy_signal", "Numbers behind the latest decision (ratio, need, tps)", ["model", "signal"]
+)
 DECIDE_SECONDS = Histogram(
-    "blitzmesh_gm_decide_seconds", "Load snapshot + policy decision, per control tick",
+    "blitzmesh_gm_decide_seconds",
+    "Load snapshot + policy decision, per control tick",
     buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1),
 )
 ACTIONS = Counter("blitzmesh_gm_scale_actions_total", "Actuator outcomes", ["kind", "outcome"])
@@ -145,13 +150,17 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     ) -> None:
         ev = admin_pb2.ClusterEvent(
             time_s=self.now_s() if time_s is None else time_s,
-            action=action, target=target, status=status, reason=reason, instance_id=instance_id,
+            action=action,
+            target=target,
+            status=status,
+            reason=reason,
+            instance_id=instance_id,
         )
         log.info("cluster_event", action=action, target=target, status=status, reason=reason, instance_id=instance_id)
         self.events.publish(ev)
 
     # ---- registry -----------------------------------------------------------------------
-    async def RegisterInstance(self, request, context):  # noqa: N802 (gRPC names)
+    async def RegisterInstance(self, request, context):
         info = request.instance
         if not info.instance_id or not info.address:
             await context.abort(
@@ -160,7 +169,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             )
         view = self.table.upsert(info, self.now_s())
         self.monitor.mark_seen(info.instance_id, self.now_s())
-        self.emit("instance_registered", view.model or "-", view.state.value, f"address={info.address}", view.instance_id)
+        self.emit(
+            "instance_registered", view.model or "-", view.state.value, f"address={info.address}", view.instance_id
+        )
         if view.state is S.SERVING and view.model and self.ctx is not None:
             # Re-registration after a manager restart (or a LOST comeback): the parameter
             # manager must list what the instance holds again.
@@ -168,7 +179,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self._wake_reconcile()
         return global_manager_pb2.RegisterInstanceResponse(heartbeat_interval_s=self.cfg.heartbeat_interval_s)
 
-    async def Heartbeat(self, request, context):  # noqa: N802
+    async def Heartbeat(self, request, context):
         iid = request.instance_id
         if iid not in self.table.registry or self.table.registry.get(iid).state is S.LOST:
             return global_manager_pb2.HeartbeatResponse(reregister=True)
@@ -187,7 +198,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             self._wake_reconcile()
         return global_manager_pb2.HeartbeatResponse()
 
-    async def DeregisterInstance(self, request, context):  # noqa: N802
+    async def DeregisterInstance(self, request, context):
         iid = request.instance_id
         if iid in self.table.registry:
             self.table.registry.mark_lost(iid)
@@ -198,7 +209,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         return global_manager_pb2.DeregisterInstanceResponse()
 
     # ---- execution scheduler ------------------------------------------------------------
-    async def Schedule(self, request, context):  # noqa: N802
+    async def Schedule(self, request, context):
         views = self.table.registry.views(model=request.model_id)
         chosen = choose_instance(views, exclude_ids=set(request.exclude_instance_ids), model=request.model_id)
         if chosen is None:
@@ -224,7 +235,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         )
 
     # ---- admin --------------------------------------------------------------------------
-    async def GetCluster(self, request, context):  # noqa: N802
+    async def GetCluster(self, request, context):
         now = self.now_s()
         return admin_pb2.ClusterState(
             instances=[self.table.to_proto(v, now) for v in sorted(self.table.registry, key=lambda v: v.instance_id)],
@@ -232,7 +243,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             advisory=self.advisory,
         )
 
-    async def Scale(self, request, context):  # noqa: N802
+    async def Scale(self, request, context):
         if not request.model_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id is required")
         if request.delta == 0:
@@ -258,9 +269,11 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 )
         if request.wait:
             await asyncio.gather(*(self._actions[i] for i in chosen if i in self._actions), return_exceptions=True)
-        return admin_pb2.ScaleResponse(instance_ids=chosen, reason=f"{len(chosen)} instance(s) {'loading' if request.delta > 0 else 'draining'}")
+        return admin_pb2.ScaleResponse(
+            instance_ids=chosen, reason=f"{len(chosen)} instance(s) {'loading' if request.delta > 0 else 'draining'}"
+        )
 
-    async def SetPolicy(self, request, context):  # noqa: N802
+    async def SetPolicy(self, request, context):
         """Switch or retune the policy. The given params replace the current ones (none given
         with no policy named keeps them, e.g. to toggle advisory mode only). Cooldown timers
         carry over: they protect the cluster, whichever rule is in force."""
@@ -279,7 +292,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             self.advisory = request.advisory
             ADVISORY.set(1 if self.advisory else 0)
         self.throttle.reset()
-        self.emit("policy", self.policy_name, "set", f"params={json.dumps(params, sort_keys=True)} advisory={self.advisory}")
+        self.emit(
+            "policy", self.policy_name, "set", f"params={json.dumps(params, sort_keys=True)} advisory={self.advisory}"
+        )
         self._wake_reconcile()
         return admin_pb2.SetPolicyResponse(
             policy=self.policy_name,
@@ -287,7 +302,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             advisory=self.advisory,
         )
 
-    async def WatchEvents(self, request, context):  # noqa: N802
+    async def WatchEvents(self, request, context):
         q = self.events.subscribe()
         try:
             while True:
@@ -321,7 +336,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     def live(self, model_id: str, role: Role | None = None) -> list[str]:
         """Instances of `model_id` that count as capacity: LOADING + SERVING."""
         return [
-            v.instance_id for v in self.table.registry.views(model=model_id, role=role)
+            v.instance_id
+            for v in self.table.registry.views(model=model_id, role=role)
             if v.state in (S.LOADING, S.SERVING)
         ]
 
@@ -332,7 +348,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         room = max(0, self.cfg.max_instances - len(self.live(model_id)))
         idle = sorted(
             (
-                v for v in self.table.registry.views(state=S.IDLE)
+                v
+                for v in self.table.registry.views(state=S.IDLE)
                 if v.instance_id not in self._actions and v.instance_id not in exclude
             ),
             key=lambda v: v.instance_id,
@@ -427,7 +444,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             raise
         except grpc.aio.AioRpcError as e:
             error = f"{e.code().name}: {e.details()}"
-        except Exception as e:  # noqa: BLE001 (a failed action is reported, never crashes the manager)
+        except Exception as e:
             error = repr(e)
         self.monitor.mark_seen(iid, self.now_s())  # its silence clock restarts after the action
         if not error:
@@ -437,9 +454,14 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             elif state is not S.SERVING:
                 # Written off (deregistered) meanwhile: the worker re-registers in the state it
                 # reports, so there is nothing to roll back here.
-                self.emit("load_result", model_id, "orphaned",
-                          f"loaded, but the instance is {state.value if state else 'unregistered'} here; "
-                          "it re-registers in the state it reports", iid)
+                self.emit(
+                    "load_result",
+                    model_id,
+                    "orphaned",
+                    f"loaded, but the instance is {state.value if state else 'unregistered'} here; "
+                    "it re-registers in the state it reports",
+                    iid,
+                )
                 return
         if not error:
             load_s = time.perf_counter() - started
@@ -454,18 +476,24 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         if attempt < self.cfg.load_retries:
             # Another worker, not this one: whatever broke its load may break it again.
             retry = self.scale_out(
-                model_id, 1, role, f"retry {attempt + 1}/{self.cfg.load_retries} after {iid} failed: {error}",
-                exclude=tried, attempt=attempt + 1,
+                model_id,
+                1,
+                role,
+                f"retry {attempt + 1}/{self.cfg.load_retries} after {iid} failed: {error}",
+                exclude=tried,
+                attempt=attempt + 1,
             )
             if retry:
                 ACTIONS.labels("load", "retried").inc()
                 return
         ACTIONS.labels("load", "rolled_back").inc()
         self.emit(
-            "scale_out", model_id, "rolled_back",
+            "scale_out",
+            model_id,
+            "rolled_back",
             f"load on {iid} failed ({error}); it is IDLE again and no other IDLE worker is left to retry on"
-            if attempt < self.cfg.load_retries else
-            f"load on {iid} failed ({error}); it is IDLE again after {attempt} retries",
+            if attempt < self.cfg.load_retries
+            else f"load on {iid} failed ({error}); it is IDLE again after {attempt} retries",
             iid,
         )
 
@@ -486,7 +514,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             raise
         except grpc.aio.AioRpcError as e:
             error = f"{e.code().name}: {e.details()}"
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             error = repr(e)
         self.monitor.mark_seen(iid, self.now_s())
         if error:
@@ -524,8 +552,13 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         dp_address, dp_kind = self.table.dataplane.get(iid, (b"", ""))
         host = self.table.registry.get(iid).host if iid in self.table.registry else ""
         request = param_manager_pb2.UpdateLocationRequest(
-            model_id=model_id, holder=iid, present=present, holder_address=self.table.addresses.get(iid, ""),
-            dataplane_address=dp_address, dataplane_kind=dp_kind, host=host,
+            model_id=model_id,
+            holder=iid,
+            present=present,
+            holder_address=self.table.addresses.get(iid, ""),
+            dataplane_address=dp_address,
+            dataplane_kind=dp_kind,
+            host=host,
         )
         for attempt in range(LOCATION_RETRIES):
             try:
@@ -534,7 +567,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 return
             except grpc.aio.AioRpcError as e:
                 if attempt + 1 == LOCATION_RETRIES or e.code() not in (
-                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
                 ):
                     ACTIONS.labels("location", "failed").inc()
                     log.warning("location_update_failed", model=model_id, instance_id=iid, code=e.code().name)
@@ -587,8 +621,11 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         DECISIONS.labels(decision.policy, decision.action).inc()
         roles = (Role.PREFILL, Role.DECODE) if not decision.is_colocated else (Role.COLOCATED,)
         for role in roles:
-            before = decision.instances_from if role is Role.COLOCATED else (
-                decision.prefill_from if role is Role.PREFILL else decision.decode_from)
+            before = (
+                decision.instances_from
+                if role is Role.COLOCATED
+                else (decision.prefill_from if role is Role.PREFILL else decision.decode_from)
+            )
             CURRENT.labels(model, role.value).set(before or 0)
             DESIRED.labels(model, role.value).set((before or 0) + decision.delta(role))
         for name, value in decision.extra.items():
@@ -621,14 +658,20 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             if len(chosen) < delta and reported:
                 ACTIONS.labels("load", "short").inc()
                 self.emit(
-                    "scale_out", model, "partial",
+                    "scale_out",
+                    model,
+                    "partial",
                     f"wanted {delta} more {role.value} instances, assigned {len(chosen)}: no more IDLE workers",
                 )
         elif delta < 0:
-            chosen = self.scale_in(model, -delta, reason=decision.reason, role=role, keep_serving=1 if wanted > 0 else 0)
+            chosen = self.scale_in(
+                model, -delta, reason=decision.reason, role=role, keep_serving=1 if wanted > 0 else 0
+            )
             if len(chosen) < -delta and reported:
                 self.emit(
-                    "scale_in", model, "partial",
+                    "scale_in",
+                    model,
+                    "partial",
                     f"wanted {-delta} fewer {role.value} instances, draining {len(chosen)}: "
                     "the rest are loading or busy with another action",
                 )

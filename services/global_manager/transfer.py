@@ -73,7 +73,9 @@ def sources_from_locations(
             if h.holder_id in exclude or not h.dataplane_address:
                 continue
             held.setdefault(h.holder_id, set()).add(loc.group)
-            nodes[h.holder_id] = Node(h.holder_id, h.host or h.holder_id, h.grpc_address, h.dataplane_address, h.dataplane_kind)
+            nodes[h.holder_id] = Node(
+                h.holder_id, h.host or h.holder_id, h.grpc_address, h.dataplane_address, h.dataplane_kind
+            )
             kinds[h.holder_id] = SourceKind.HOST_CACHE if h.kind == "host_cache" else SourceKind.INSTANCE
     sources = []
     for node_id in sorted(held):
@@ -103,7 +105,9 @@ def to_proto(plan: MulticastPlan, nodes: Mapping[str, Node], timeout_s: float) -
                 if other != member and ag.received.get(other):
                     chains.append(
                         worker_pb2.ChainSpec(
-                            source=nodes[other].endpoint(), hops=[nodes[member].endpoint()], groups=list(ag.received[other])
+                            source=nodes[other].endpoint(),
+                            hops=[nodes[member].endpoint()],
+                            groups=list(ag.received[other]),
                         )
                     )
     return worker_pb2.TransferPlan(plan_id=uuid.uuid4().hex[:12], chains=chains, timeout_s=timeout_s)
@@ -121,8 +125,6 @@ def build_plan(
     sources, nodes = sources_from_locations(where, exclude=target_ids)
     nodes.update({t.node_id: t for t in targets})
     topo = complete_topology(topology, [n.host for n in nodes.values()])
-    planned = plan_multicast(
-        [Target(t.node_id, t.host) for t in targets], sources, topo, groups=list(groups)
-    )
+    planned = plan_multicast([Target(t.node_id, t.host) for t in targets], sources, topo, groups=list(groups))
     validate_plan(planned, [Target(t.node_id, t.host) for t in targets], sources, list(groups))
     return to_proto(planned, nodes, timeout_s), planned

@@ -27,7 +27,9 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--initial-instances", type=int, default=None, help="instances loaded at start (default: all workers)")
+    p.add_argument(
+        "--initial-instances", type=int, default=None, help="instances loaded at start (default: all workers)"
+    )
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
     a = p.parse_args(argv)

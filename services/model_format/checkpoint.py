@@ -107,8 +107,7 @@ class Checkpoint:
         return {
             name: file
             for name, file in locations.items()
-            if not name.endswith(_IGNORED_SUFFIXES)
-            and not (name == LM_HEAD_WEIGHT and self.config.tie_word_embeddings)
+            if not name.endswith(_IGNORED_SUFFIXES) and not (name == LM_HEAD_WEIGHT and self.config.tie_word_embeddings)
         }
 
     def tensor_names(self) -> list[str]:
@@ -170,9 +169,7 @@ class Checkpoint:
         """Yield `(group, tensors)` in group order (or the order given), one group in memory at once."""
         unknown = [name for name in self._locations if not _known(name)]
         if unknown:
-            raise CheckpointError(
-                f"checkpoint {str(self.path)!r} holds tensors no group owns: {unknown[:5]!r}"
-            )
+            raise CheckpointError(f"checkpoint {str(self.path)!r} holds tensors no group owns: {unknown[:5]!r}")
         for group in groups if groups is not None else param_groups(self.config):
             yield group, self.read_group(group, dtype)
 

@@ -72,13 +72,9 @@ class LlamaConfig:
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value < self.vocab_size:
-                raise ValueError(
-                    f"LlamaConfig.{name} must be in [0, vocab_size={self.vocab_size}), got {value!r}"
-                )
+                raise ValueError(f"LlamaConfig.{name} must be in [0, vocab_size={self.vocab_size}), got {value!r}")
         if self.torch_dtype not in _DTYPES:
-            raise ValueError(
-                f"LlamaConfig.torch_dtype must be one of {sorted(_DTYPES)}, got {self.torch_dtype!r}"
-            )
+            raise ValueError(f"LlamaConfig.torch_dtype must be one of {sorted(_DTYPES)}, got {self.torch_dtype!r}")
 
     # ---- derived quantities -------------------------------------------------------------------
 

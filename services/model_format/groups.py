@@ -78,8 +78,7 @@ def group_tensor_shapes(cfg: LlamaConfig, group: str) -> dict[str, tuple[int, ..
     index = layer_index(group)
     if index is None or index >= cfg.num_hidden_layers:
         raise ValueError(
-            f"group {group!r} is not one of {EMBED!r}, 'layers.0'..'layers.{cfg.num_hidden_layers - 1}', "
-            f"{HEAD!r}"
+            f"group {group!r} is not one of {EMBED!r}, 'layers.0'..'layers.{cfg.num_hidden_layers - 1}', {HEAD!r}"
         )
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim

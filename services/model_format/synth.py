@@ -95,8 +95,7 @@ _WORDS = (
 # A few non-ASCII words so multi-byte characters get their own merges (and split across tokens).
 _NON_ASCII = ("café", "naïve", "über", "Straße", "façade", "東京", "日本語", "数据", "😀", "→", "€", "Ω")
 _SYLLABLES = (
-    "ka lo mi ten ra su vel or an is tho bri en qu ze dor fa ne pi wu ly st ch ing er ed al ous ter "
-    "mon gra sil par vin"
+    "ka lo mi ten ra su vel or an is tho bri en qu ze dor fa ne pi wu ly st ch ing er ed al ous ter mon gra sil par vin"
 ).split()
 
 
@@ -141,9 +140,7 @@ def build_tokenizer(vocab_size: int, sentences: int, seed: int) -> Tokenizer:
         # The corpus ran out of merges: pad with reserved specials so ids match the embedding rows.
         tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)])
     if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
-        raise RuntimeError(
-            f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, wanted {vocab_size}"
-        )
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, wanted {vocab_size}")
     return tok
 
 
@@ -172,9 +169,7 @@ def _write_weights(cfg: LlamaConfig, tmp: Path, seed: int) -> list[str]:
     gen = torch.Generator().manual_seed(seed)
     groups = param_groups(cfg)
     elem = torch.empty((), dtype=cfg.dtype).element_size()
-    sizes = [
-        sum(int(torch.Size(s).numel()) for s in group_tensor_shapes(cfg, g).values()) * elem for g in groups
-    ]
+    sizes = [sum(int(torch.Size(s).numel()) for s in group_tensor_shapes(cfg, g).values()) * elem for g in groups]
     # Whole groups per shard, so a group is read from a single file.
     shards: list[list[str]] = [[]]
     acc = 0
@@ -240,8 +235,7 @@ def synthesize(
             return out
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(
-            f"{str(out)!r} is not empty and does not hold preset={preset!r} seed={seed}; "
-            "pass --force to replace it"
+            f"{str(out)!r} is not empty and does not hold preset={preset!r} seed={seed}; pass --force to replace it"
         )
     out.mkdir(parents=True, exist_ok=True)
     # Build next to the target and move files in at the end: an interrupted run never leaves a

@@ -114,9 +114,7 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         return bytes(_CHAR_TO_BYTE[c] for c in piece)
 
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render `[{"role": ..., "content": ...}]` as `<|role|>\\ncontent\\n` blocks, then `<|assistant|>\\n`."""
         if not messages:
             raise ValueError("apply_chat_template needs at least one message, got []")
@@ -164,9 +162,7 @@ class IncrementalDetokenizer:
     short window and emitting what it adds, waiting while it ends in U+FFFD.
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, skip_special_tokens: bool = True, byte_level: bool | None = None
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, byte_level: bool | None = None) -> None:
         """`byte_level` picks the algorithm; None means whichever fits `tokenizer`."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens

@@ -59,11 +59,11 @@ class ParamManagerConfig(ServiceConfig):
     announce_interval_s: float = Field(2.0, gt=0, description="how often a host cache re-announces its shard")
 
     @model_validator(mode="after")
-    def _check(self) -> "ParamManagerConfig":
+    def _check(self) -> ParamManagerConfig:
         if not self.index and self.cache_slot != 0:
             raise ValueError(f"the index process holds cache slot 0, got cache_slot={self.cache_slot}")
         if self.index and self.cache_slot == 0:
-            raise ValueError(f"cache slot 0 belongs to the index; a host cache needs cache_slot >= 1, got 0")
+            raise ValueError("cache slot 0 belongs to the index; a host cache needs cache_slot >= 1, got 0")
         return self
 
 
@@ -144,17 +144,17 @@ class ParamManagerServicer(param_manager_pb2_grpc.ParamManagerServicer):
         assert model is not None
         return model
 
-    async def ListModels(self, request, context):  # noqa: N802 (gRPC names)
+    async def ListModels(self, request, context):
         return admin_pb2.ListModelsResponse(models=[model_info(m) for m in self.models.values()])
 
-    async def GetModel(self, request, context):  # noqa: N802
+    async def GetModel(self, request, context):
         return layout_to_proto(await self._model(request.model_id, context))
 
-    async def GetModelFiles(self, request, context):  # noqa: N802
+    async def GetModelFiles(self, request, context):
         model = await self._model(request.model_id, context)
         return param_manager_pb2.ModelFiles(files=model.files)
 
-    async def FetchGroups(self, request, context):  # noqa: N802
+    async def FetchGroups(self, request, context):
         """gRPC fallback of the data plane (and the baseline it is measured against)."""
         model = await self._model(request.model_id, context)
         names = list(request.groups) or model.held_groups
@@ -178,22 +178,22 @@ class ParamManagerServicer(param_manager_pb2_grpc.ParamManagerServicer):
                     group=name, offset_bytes=offset, data=buf[offset:end].tobytes(), last_of_group=end >= size
                 )
 
-    async def Locate(self, request, context):  # noqa: N802
+    async def Locate(self, request, context):
         model_id = request.model_id
         manifest = self.manifests.get(model_id)
         if manifest is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {model_id!r}; registered: {sorted(self.manifests)}")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown model {model_id!r}; registered: {sorted(self.manifests)}"
+            )
         assert manifest is not None
         names = list(request.groups) or manifest.group_names
         out = []
         for n in names:
             holders = self.locations.holders(model_id, n)
-            out.append(
-                common_pb2.GroupLocation(group=n, holders=[h.holder_id for h in holders], holder_info=holders)
-            )
+            out.append(common_pb2.GroupLocation(group=n, holders=[h.holder_id for h in holders], holder_info=holders))
         return param_manager_pb2.LocateResponse(locations=out)
 
-    async def UpdateLocation(self, request, context):  # noqa: N802
+    async def UpdateLocation(self, request, context):
         manifest = self.manifests.get(request.model_id)
         if manifest is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_id!r}")
@@ -213,9 +213,11 @@ class ParamManagerServicer(param_manager_pb2_grpc.ParamManagerServicer):
         log.info("location_update", model=request.model_id, holder=request.holder, present=request.present)
         return param_manager_pb2.UpdateLocationResponse()
 
-    async def RegisterHostCache(self, request, context):  # noqa: N802
+    async def RegisterHostCache(self, request, context):
         if not self.is_index:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.cache_id} is not the index; ask {self.config.index}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{self.cache_id} is not the index; ask {self.config.index}"
+            )
         slots = self.config.cache_slots
         if not 1 <= request.slot < slots:
             await context.abort(
@@ -237,7 +239,9 @@ class ParamManagerServicer(param_manager_pb2_grpc.ParamManagerServicer):
         for shard in request.shards:
             if shard.model_id in self.manifests:
                 self.locations.set(shard.model_id, holder, list(shard.groups))
-        return param_manager_pb2.RegisterHostCacheResponse(cache_slots=slots, heartbeat_interval_s=self.config.announce_interval_s)
+        return param_manager_pb2.RegisterHostCacheResponse(
+            cache_slots=slots, heartbeat_interval_s=self.config.announce_interval_s
+        )
 
 
 class ParamManagerService:

@@ -22,8 +22,8 @@ from services.dataplane.checksum import checksum_algo_of, group_checksum
 from services.dataplane.errors import ChecksumMismatch
 from services.dataplane.manifest import Manifest, group_layout, pack_group, pack_groups
 from services.model_format.checkpoint import Checkpoint, iter_groups
-from services.model_format.groups import param_groups
 from services.model_format.config import LlamaConfig
+from services.model_format.groups import param_groups
 
 log = structlog.get_logger(__name__)
 
@@ -143,12 +143,21 @@ def index_model(model_id: str, path: Path, slots: int, my_slot: int, chunk_bytes
         buffers.append(buf if name in mine else None)
         del tensors, buf
     manifest = Manifest(
-        model_id=model_id, groups=tuple(entries), total_bytes=sum(e.size_bytes for e in entries), chunk_bytes=chunk_bytes
+        model_id=model_id,
+        groups=tuple(entries),
+        total_bytes=sum(e.size_bytes for e in entries),
+        chunk_bytes=chunk_bytes,
     )
     model = HostModel(model_id, path, config, config_json, manifest, buffers, files)
     log.info(
-        "model_indexed", model=model_id, groups=len(entries), total_bytes=manifest.total_bytes,
-        held_bytes=model.held_bytes, slot=my_slot, slots=slots, load_s=round(time.perf_counter() - started, 3),
+        "model_indexed",
+        model=model_id,
+        groups=len(entries),
+        total_bytes=manifest.total_bytes,
+        held_bytes=model.held_bytes,
+        slot=my_slot,
+        slots=slots,
+        load_s=round(time.perf_counter() - started, 3),
     )
     return model
 
@@ -167,12 +176,19 @@ def load_shard(model_id: str, path: Path, manifest: Manifest, groups: list[str])
             raise ChecksumMismatch(
                 f"group {name!r} of {model_id!r} at {str(path)!r}: checksum {actual} != "
                 f"index {entry.checksum} (the checkpoint changed?)",
-                group=name, expected=entry.checksum, actual=actual,
+                group=name,
+                expected=entry.checksum,
+                actual=actual,
             )
         buffers[gi] = buf
     model = HostModel(model_id, path, config, config_json, manifest, buffers, files)
-    log.info("shard_loaded", model=model_id, groups=len(groups), held_bytes=model.held_bytes,
-             load_s=round(time.perf_counter() - started, 3))
+    log.info(
+        "shard_loaded",
+        model=model_id,
+        groups=len(groups),
+        held_bytes=model.held_bytes,
+        load_s=round(time.perf_counter() - started, 3),
+    )
     return model
 
 

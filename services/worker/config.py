@@ -28,15 +28,19 @@ class WorkerConfig(ServiceConfig):
     step_time_a_s: float | None = Field(None, ge=0, description="emulated accelerator: fixed step time")
     step_time_b_s: float | None = Field(None, ge=0, description="emulated accelerator: step time per batch token")
     load_timeout_s: float = Field(300.0, gt=0, description="give up a parameter load after this long")
-    dataplane: str = Field("auto", pattern="^(auto|ucx|tcp)$", description="data-plane transport (auto: UCX if ucxx imports)")
+    dataplane: str = Field(
+        "auto", pattern="^(auto|ucx|tcp)$", description="data-plane transport (auto: UCX if ucxx imports)"
+    )
     dataplane_link_gbps: float = Field(
         0.0, ge=0, description="emulate an egress link of this many Gbit/s on one machine (0 = off; benchmarks, tests)"
     )
     memory_budget_bytes: int = Field(0, ge=0, description="most bytes of parameters this worker accepts; 0 = no limit")
-    stall_timeout_s: float = Field(10.0, gt=0, description="an upstream silent this long is dead: re-source from a fallback")
+    stall_timeout_s: float = Field(
+        10.0, gt=0, description="an upstream silent this long is dead: re-source from a fallback"
+    )
 
     @model_validator(mode="after")
-    def _check(self) -> "WorkerConfig":
+    def _check(self) -> WorkerConfig:
         if self.kv_cache_tokens < self.block_size:
             raise ValueError(
                 f"kv_cache_tokens={self.kv_cache_tokens} is smaller than one block (block_size={self.block_size})"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from blitzmesh.v1 import common_pb2, param_manager_pb2, param_manager_pb2_grpc, worker_pb2
+from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc, worker_pb2
 from services.common.grpc_util import channel
 from services.dataplane.chain import Pull
 from services.dataplane.manifest import Manifest
@@ -40,9 +40,7 @@ def host_shards(where: param_manager_pb2.LocateResponse) -> dict[bytes, list[str
     return dict(shards)
 
 
-def _split_by_shard(
-    upstream: bytes, groups: Iterable[str], shards: dict[bytes, list[str]]
-) -> list[Pull]:
+def _split_by_shard(upstream: bytes, groups: Iterable[str], shards: dict[bytes, list[str]]) -> list[Pull]:
     """One pull per host shard: the shard holding exactly those groups is the fallback."""
     wanted = list(groups)
     owner = {g: addr for addr, gs in shards.items() for g in gs}
@@ -50,8 +48,7 @@ def _split_by_shard(
     for g in wanted:
         by_owner[owner.get(g)].append(g)
     return [
-        Pull(upstream, tuple(gs), () if addr is None or addr == upstream else (addr,))
-        for addr, gs in by_owner.items()
+        Pull(upstream, tuple(gs), () if addr is None or addr == upstream else (addr,)) for addr, gs in by_owner.items()
     ]
 
 
@@ -84,5 +81,7 @@ def plan_pulls(
         pulls.extend(_split_by_shard(upstream.dataplane_address, groups, shards))
     absent = [g for g in manifest.group_names if g not in covered]
     if absent:
-        raise ValueError(f"plan {plan.plan_id!r} leaves groups {absent} of {manifest.model_id!r} to nobody for {instance_id}")
+        raise ValueError(
+            f"plan {plan.plan_id!r} leaves groups {absent} of {manifest.model_id!r} to nobody for {instance_id}"
+        )
     return pulls

@@ -15,12 +15,13 @@ from prometheus_client import Counter, Gauge
 
 from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
+from services.common.server import ServeContext
 from services.dataplane.chain import GroupServer, GroupStore, TransferResult, receive_groups
 from services.dataplane.errors import DataPlaneError, InsufficientMemory
 from services.dataplane.manifest import Manifest
 from services.dataplane.shaped import maybe_shaped
 from services.dataplane.transport import Transport, make_transport
-from services.common.server import ServeContext
+from services.model_format.config import LlamaConfig
 from services.worker.config import WorkerConfig
 from services.worker.engine.engine import (
     Engine,
@@ -33,7 +34,6 @@ from services.worker.engine.engine import (
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.sampling import SamplingParams
 from services.worker.loader import fetch_layout_and_locations, plan_pulls
-from services.model_format.config import LlamaConfig
 from services.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -129,11 +129,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tokens_generated_total=s.total_generated_tokens,
         )
 
-    async def GetStatus(self, request, context):  # noqa: N802 (gRPC names)
+    async def GetStatus(self, request, context):
         return self.info()
 
     # ---- generation ---------------------------------------------------------------------
-    async def Generate(self, request, context):  # noqa: N802
+    async def Generate(self, request, context):
         inst = self.instance
         if self.state != STATE.INSTANCE_STATE_SERVING or inst is None or inst.engine is None:
             await context.abort(
@@ -194,7 +194,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not self._inflight:
                 self._idle.set()
 
-    async def Abort(self, request, context):  # noqa: N802
+    async def Abort(self, request, context):
         inst = self.instance
         found = request.request_id in self._inflight
         if found and inst is not None and inst.engine is not None:
@@ -202,7 +202,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortResponse(found=found)
 
     # ---- lifecycle ----------------------------------------------------------------------
-    async def LoadParameters(self, request, context):  # noqa: N802
+    async def LoadParameters(self, request, context):
         if self._load_lock.locked():
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"instance {self.instance_id} is already loading")
         async with self._load_lock:
@@ -253,8 +253,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
                 recv = asyncio.create_task(
                     receive_groups(
-                        self.transport, store, pulls, server=self.group_server, on_group_ready=on_ready,
-                        budget_bytes=self.cfg.memory_budget_bytes or None, stall_timeout_s=self.cfg.stall_timeout_s,
+                        self.transport,
+                        store,
+                        pulls,
+                        server=self.group_server,
+                        on_group_ready=on_ready,
+                        budget_bytes=self.cfg.memory_budget_bytes or None,
+                        stall_timeout_s=self.cfg.stall_timeout_s,
                     ),
                     name=f"receive-{model_id}",
                 )
@@ -286,13 +291,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.state = STATE.INSTANCE_STATE_SERVING
             elapsed = time.perf_counter() - started
             log.info(
-                "model_loaded", model=model_id, layers=model.num_layers_loaded, load_s=round(elapsed, 3),
-                gbps=round(result.gbps, 3), sources=sorted(result.bytes_by_source), resourced=result.resourced_groups,
+                "model_loaded",
+                model=model_id,
+                layers=model.num_layers_loaded,
+                load_s=round(elapsed, 3),
+                gbps=round(result.gbps, 3),
+                sources=sorted(result.bytes_by_source),
+                resourced=result.resourced_groups,
             )
             self.heartbeat_now.set()
             yield worker_pb2.LoadProgress(
-                groups_loaded=total, groups_total=total, layers_loaded=model.num_layers_loaded,
-                bytes_loaded=result.bytes_received, done=True, elapsed_s=elapsed,
+                groups_loaded=total,
+                groups_total=total,
+                layers_loaded=model.num_layers_loaded,
+                bytes_loaded=result.bytes_received,
+                done=True,
+                elapsed_s=elapsed,
             )
         except BaseException as e:
             log.warning("model_load_failed", model=model_id, error=repr(e))
@@ -333,7 +347,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         LAYERS_LOADED.set(0)
         self.heartbeat_now.set()
 
-    async def Drain(self, request, context):  # noqa: N802
+    async def Drain(self, request, context):
         if self.state not in (STATE.INSTANCE_STATE_SERVING, STATE.INSTANCE_STATE_DRAINING):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"instance {self.instance_id} is {STATE.Name(self.state)}"
@@ -345,7 +359,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         aborted = 0
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             inst = self.instance
             for rid in list(self._inflight):
                 if inst and inst.engine:
@@ -353,7 +367,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     aborted += 1
         return worker_pb2.DrainResponse(finished=before - aborted, aborted=aborted)
 
-    async def Unload(self, request, context):  # noqa: N802
+    async def Unload(self, request, context):
         if self._inflight:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -362,7 +376,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._drop_instance()
         return worker_pb2.UnloadResponse()
 
-    async def ExecuteLayers(self, request_iterator, context):  # noqa: N802
+    async def ExecuteLayers(self, request_iterator, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ZigZag layer execution arrives with live scaling")
 
 
@@ -407,7 +421,7 @@ class WorkerService:
             while True:
                 try:
                     if not registered:
-                        resp = await stub.RegisterInstance(
+                        await stub.RegisterInstance(
                             global_manager_pb2.RegisterInstanceRequest(instance=s.info()), timeout=5
                         )
                         registered = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -19,9 +20,9 @@ import pytest
 import pytest_asyncio
 
 import blitzmesh
+from bench.replay import replay, step_pattern
 from blitzmesh.types import ClusterEvent
 from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc
-from bench.replay import replay, step_pattern
 from services.common.grpc_util import channel
 from services.mesh.launcher import Mesh, MeshConfig
 
@@ -50,8 +51,19 @@ async def autoscale_mesh(
         initial_instances=1,
         worker_args=["--step-time-a-s", "0.02", "--step-time-b-s", "0.0005"],
         manager_args=[
-            "--autoscale", "--policy", "heteroscale", "--policy-params", json.dumps(POLICY),
-            "--max-instances", str(WORKERS), "--window-s", "2", "--tick-s", "0.25", "--decision-repeat-s", "5",
+            "--autoscale",
+            "--policy",
+            "heteroscale",
+            "--policy-params",
+            json.dumps(POLICY),
+            "--max-instances",
+            str(WORKERS),
+            "--window-s",
+            "2",
+            "--tick-s",
+            "0.25",
+            "--decision-repeat-s",
+            "5",
         ],
     )
     m = Mesh(cfg)
@@ -102,13 +114,28 @@ async def test_step_burst_scales_out_then_in(autoscale_mesh: Mesh) -> None:
             assert await _holders(mesh) == first
 
             # A 12 s step burst, open loop, then quiet.
-            arrivals = step_pattern(base_rps=0.0, burst_rps=4.0, burst_start_s=0.5, burst_end_s=12.5,
-                                    duration_s=12.5, prompt_tokens=(8, 24), output_tokens=48, seed=7,
-                                    poisson=False)
-            burst = asyncio.create_task(replay(
-                arrivals, http_url=mesh.gateway_http, model=MODEL, admin_target=mesh.gateway_grpc,
-                request_timeout_s=40, drain_timeout_s=30, vocab_size=2048,
-            ))
+            arrivals = step_pattern(
+                base_rps=0.0,
+                burst_rps=4.0,
+                burst_start_s=0.5,
+                burst_end_s=12.5,
+                duration_s=12.5,
+                prompt_tokens=(8, 24),
+                output_tokens=48,
+                seed=7,
+                poisson=False,
+            )
+            burst = asyncio.create_task(
+                replay(
+                    arrivals,
+                    http_url=mesh.gateway_http,
+                    model=MODEL,
+                    admin_target=mesh.gateway_grpc,
+                    request_timeout_s=40,
+                    drain_timeout_s=30,
+                    vocab_size=2048,
+                )
+            )
 
             # Scale-out: a decision with its reason, then parameters move to a new instance.
             out = await _wait_for(events, lambda e: e.action == "autoscaling_decision" and e.target == "scale_out", 25)
@@ -118,8 +145,9 @@ async def test_step_burst_scales_out_then_in(autoscale_mesh: Mesh) -> None:
             )
             new = loaded.instance_id
             assert new in await _holders(mesh)  # the parameter manager lists the new holder
-            went_loading = [e for e in events if e.action == "scale_out" and e.status == "loading"
-                            and e.instance_id == new]
+            went_loading = [
+                e for e in events if e.action == "scale_out" and e.status == "loading" and e.instance_id == new
+            ]
             assert went_loading, "the new instance was never LOADING"
 
             result = await burst
@@ -142,7 +170,7 @@ async def test_step_burst_scales_out_then_in(autoscale_mesh: Mesh) -> None:
                     await asyncio.sleep(0.25)
             ins = [e for e in events if e.action == "autoscaling_decision" and e.target == "scale_in"]
             assert ins and all("SCALE_IN" in e.reason for e in ins)
-            for a, b in zip(ins, ins[1:]):
+            for a, b in itertools.pairwise(ins):
                 assert b.time_s - a.time_s >= SCALE_IN_COOLDOWN_S - 1e-6  # cooldowns respected
             assert sorted(e.status for e in events if e.action == "drain_result") == ["idle"] * len(
                 [e for e in events if e.action == "drain_result"]

@@ -19,9 +19,7 @@ import blitzmesh
 from bench.replay import replay, step_pattern
 from blitzmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
-from services.mesh.launcher import Mesh
-
-from services.mesh.launcher import MeshConfig
+from services.mesh.launcher import Mesh, MeshConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -68,7 +66,9 @@ async def test_worker_killed_mid_stream_sdk_gets_clear_error(fault_mesh: Mesh) -
 
 
 async def test_worker_killed_mid_stream_http_gets_error_event(fault_mesh: Mesh) -> None:
-    cluster_workers = [n for n, p in fault_mesh.procs.items() if n.startswith("worker") and p.process.returncode is None]
+    cluster_workers = [
+        n for n, p in fault_mesh.procs.items() if n.startswith("worker") and p.process.returncode is None
+    ]
     body = {"model": MODEL, "prompt": "Count forever", "max_tokens": 400, "stream": True, "ignore_eos": True}
     events: list[str] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
@@ -93,9 +93,7 @@ async def test_worker_killed_mid_stream_http_gets_error_event(fault_mesh: Mesh) 
 
 async def test_requests_still_served_after_kills(fault_mesh: Mesh) -> None:
     async with blitzmesh.AsyncClient(fault_mesh.gateway_grpc, timeout_s=60) as client:
-        results = await asyncio.gather(
-            *(client.complete(f"prompt {i}", model=MODEL, max_tokens=4) for i in range(6))
-        )
+        results = await asyncio.gather(*(client.complete(f"prompt {i}", model=MODEL, max_tokens=4) for i in range(6)))
     assert all(r.finish_reason in ("stop", "length") for r in results)
 
 
@@ -103,17 +101,32 @@ async def test_global_manager_restart_mid_run_loses_no_instance_and_no_request(f
     """Requests keep arriving (open loop) while the manager is killed and restarted: the
     registry is rebuilt from re-registration and every request completes (the gateway waits
     for a route while the manager is away; streams already routed never touch it)."""
-    arrivals = step_pattern(base_rps=4.0, burst_rps=4.0, burst_start_s=0.0, burst_end_s=0.0, duration_s=6.0,
-                            prompt_tokens=(4, 12), output_tokens=24, seed=3, poisson=False)
+    arrivals = step_pattern(
+        base_rps=4.0,
+        burst_rps=4.0,
+        burst_start_s=0.0,
+        burst_end_s=0.0,
+        duration_s=6.0,
+        prompt_tokens=(4, 12),
+        output_tokens=24,
+        seed=3,
+        poisson=False,
+    )
     async with blitzmesh.AsyncClient(fault_mesh.gateway_grpc, timeout_s=60) as client:
         alive = {n for n, p in fault_mesh.procs.items() if p.process.returncode is None}
         # Workers killed by earlier tests may still be listed until their heartbeats time out.
         before = {i.instance_id for i in (await client.cluster()).instances if i.state == "serving"} & alive
         assert before
-        traffic = asyncio.create_task(replay(
-            arrivals, http_url=fault_mesh.gateway_http, model=MODEL, request_timeout_s=40, drain_timeout_s=40,
-            vocab_size=2048,
-        ))
+        traffic = asyncio.create_task(
+            replay(
+                arrivals,
+                http_url=fault_mesh.gateway_http,
+                model=MODEL,
+                request_timeout_s=40,
+                drain_timeout_s=40,
+                vocab_size=2048,
+            )
+        )
         await asyncio.sleep(1.0)  # requests are in flight on the workers
         await fault_mesh.restart("global_manager")
         # Workers hear `reregister` on their next heartbeat (1 s period); wait on the registry.

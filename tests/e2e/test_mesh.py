@@ -7,13 +7,12 @@ import json
 from collections.abc import AsyncIterator
 
 import aiohttp
-import grpc
 import openai
 import pytest
 import pytest_asyncio
 
 import blitzmesh
-from blitzmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from blitzmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
 from services.mesh.launcher import Mesh
 
@@ -24,9 +23,7 @@ MODEL = "tiny"
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def client(mesh: Mesh) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=f"{mesh.gateway_http}/v1", api_key="unused", max_retries=0, timeout=60
-    ) as c:
+    async with openai.AsyncOpenAI(base_url=f"{mesh.gateway_http}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
 
 
@@ -68,7 +65,12 @@ async def test_completion_seed_is_reproducible(client: openai.AsyncOpenAI) -> No
 
     async def sample(seed: int) -> str:
         r = await client.completions.create(
-            model=MODEL, prompt="The weather today", max_tokens=16, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}
+            model=MODEL,
+            prompt="The weather today",
+            max_tokens=16,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"ignore_eos": True},
         )
         assert r.choices[0].finish_reason == "length"
         assert r.usage.completion_tokens == 16

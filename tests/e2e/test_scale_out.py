@@ -15,6 +15,7 @@ import pytest_asyncio
 import blitzmesh
 from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
+from services.common.waiting import wait_until
 from services.mesh.launcher import Mesh, MeshConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -116,14 +117,15 @@ async def test_middle_hop_killed_mid_transfer_tail_finishes_from_host_shard(scal
         # SIGKILL the middle hop once it has some layers but not all.
         async with channel(scale_mesh.procs[middle].grpc_address) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
-            async with asyncio.timeout(30):
-                while (await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5)).layers_loaded < 1:
-                    await asyncio.sleep(0.01)
+            await wait_until(lambda: _layers_loaded(stub), 30, what=f"{middle} to hold a layer")
         scale_mesh.procs[middle].process.send_signal(signal.SIGKILL)
 
-        async with asyncio.timeout(90):
-            while not {first, tail} <= {e.instance_id for e in events if e.action == "load_result"}:
-                await asyncio.sleep(0.1)
+        await wait_until(
+            lambda: {first, tail} <= {e.instance_id for e in events if e.action == "load_result"},
+            90,
+            interval_s=0.1,
+            what="both live targets to finish loading",
+        )
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
@@ -162,9 +164,12 @@ async def test_restarted_host_cache_reloads_and_reannounces_its_shard(scale_mesh
     assert shard and shard.isdisjoint(before["host-cache-0"][1])  # one copy, split over the caches
 
     await scale_mesh.restart("host_cache-1")
-    async with asyncio.timeout(30):
-        while (now := await _host_cache_holders(scale_mesh))["host-cache-1"][0] == old_address:
-            await asyncio.sleep(0.2)
+
+    async def moved() -> dict | None:
+        holders = await _host_cache_holders(scale_mesh)
+        return holders if holders["host-cache-1"][0] != old_address else None
+
+    now = await wait_until(moved, 30, interval_s=0.2, what="host-cache-1 at a new address")
     # The same shard, read again from the checkpoint, announced at the new process's address.
     assert now["host-cache-1"][1] == shard and now["host-cache-0"] == before["host-cache-0"]
     log_text = (scale_mesh.cfg.run_dir / "host_cache-1.log").read_text()
@@ -179,3 +184,7 @@ async def test_restarted_host_cache_reloads_and_reannounces_its_shard(scale_mesh
         assert len(result.instance_ids) == 1
         states = {i.instance_id: i.state for i in (await client.cluster()).instances}
         assert states[result.instance_ids[0]] == "serving"
+
+
+async def _layers_loaded(stub: worker_pb2_grpc.WorkerStub) -> bool:
+    return (await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5)).layers_loaded >= 1

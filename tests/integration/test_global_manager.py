@@ -50,8 +50,12 @@ async def test_register_heartbeat_schedule(serve_in_process: Any) -> None:
             )
             hb = await stub.Heartbeat(
                 global_manager_pb2.HeartbeatRequest(
-                    instance_id=iid, state=common_pb2.INSTANCE_STATE_SERVING, model_id="m",
-                    layers_loaded=4, num_layers=4, load=load,
+                    instance_id=iid,
+                    state=common_pb2.INSTANCE_STATE_SERVING,
+                    model_id="m",
+                    layers_loaded=4,
+                    num_layers=4,
+                    load=load,
                 ),
                 timeout=5,
             )

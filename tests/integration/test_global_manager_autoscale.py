@@ -28,6 +28,7 @@ from blitzmesh.v1 import (
     worker_pb2_grpc,
 )
 from services.common.grpc_util import channel
+from services.common.waiting import wait_until
 from services.global_manager.config import GlobalManagerConfig
 from services.global_manager.service import GlobalManagerService
 
@@ -43,10 +44,10 @@ class FakeParamManager(param_manager_pb2_grpc.ParamManagerServicer):
         self.holders: set[str] = set()
         self.updates: list[tuple[str, bool]] = []
 
-    async def ListModels(self, request, context):  # noqa: N802
+    async def ListModels(self, request, context):
         return admin_pb2.ListModelsResponse(models=[common_pb2.ModelInfo(model_id=MODEL)])
 
-    async def UpdateLocation(self, request, context):  # noqa: N802
+    async def UpdateLocation(self, request, context):
         self.updates.append((request.holder, request.present))
         (self.holders.add if request.present else self.holders.discard)(request.holder)
         return param_manager_pb2.UpdateLocationResponse()
@@ -64,7 +65,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.mute = False  # no heartbeats (a worker busy unpacking parameters)
         self.drains = 0
 
-    async def LoadParameters(self, request, context):  # noqa: N802
+    async def LoadParameters(self, request, context):
         self.state = ST.INSTANCE_STATE_LOADING
         yield worker_pb2.LoadProgress(layers_loaded=1, groups_total=4, groups_loaded=2)
         await asyncio.sleep(self.load_s)
@@ -74,14 +75,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.state = ST.INSTANCE_STATE_SERVING
         yield worker_pb2.LoadProgress(layers_loaded=2, groups_total=4, groups_loaded=4, done=True)
 
-    async def Drain(self, request, context):  # noqa: N802
+    async def Drain(self, request, context):
         if self.fail_drain:
             await context.abort(grpc.StatusCode.INTERNAL, f"{self.iid}: drain broke")
         self.state = ST.INSTANCE_STATE_DRAINING
         self.drains += 1
         return worker_pb2.DrainResponse(finished=int(self.load.running))
 
-    async def Unload(self, request, context):  # noqa: N802
+    async def Unload(self, request, context):
         self.state = ST.INSTANCE_STATE_IDLE
         self.load = common_pb2.LoadReport()
         return worker_pb2.UnloadResponse()
@@ -89,10 +90,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def info(self) -> common_pb2.InstanceInfo:
         serving = self.state in (ST.INSTANCE_STATE_SERVING, ST.INSTANCE_STATE_DRAINING)
         return common_pb2.InstanceInfo(
-            instance_id=self.iid, address=self.address, host="h0", state=self.state,
+            instance_id=self.iid,
+            address=self.address,
+            host="h0",
+            state=self.state,
             model_id=MODEL if self.state != ST.INSTANCE_STATE_IDLE else "",
             role=common_pb2.INSTANCE_ROLE_COLOCATED,
-            layers_loaded=2 if serving else 0, num_layers=2 if self.state != ST.INSTANCE_STATE_IDLE else 0,
+            layers_loaded=2 if serving else 0,
+            num_layers=2 if self.state != ST.INSTANCE_STATE_IDLE else 0,
         )
 
 
@@ -120,8 +125,9 @@ class Cluster:
     def state(self, iid: str) -> str:
         return self.gm.servicer.table.registry.get(iid).state.value
 
-    async def wait_event(self, pred: Callable[[admin_pb2.ClusterEvent], bool], timeout_s: float = 10.0,
-                         count: int = 1) -> list[admin_pb2.ClusterEvent]:
+    async def wait_event(
+        self, pred: Callable[[admin_pb2.ClusterEvent], bool], timeout_s: float = 10.0, count: int = 1
+    ) -> list[admin_pb2.ClusterEvent]:
         async with asyncio.timeout(timeout_s):
             while True:
                 hits = [e for e in self.events if pred(e)]
@@ -148,8 +154,12 @@ async def _heartbeats(stub: global_manager_pb2_grpc.GlobalManagerStub, workers: 
             info = w.info()
             resp = await stub.Heartbeat(
                 global_manager_pb2.HeartbeatRequest(
-                    instance_id=w.iid, state=info.state, model_id=info.model_id, layers_loaded=info.layers_loaded,
-                    num_layers=info.num_layers, load=w.load,
+                    instance_id=w.iid,
+                    state=info.state,
+                    model_id=info.model_id,
+                    layers_loaded=info.layers_loaded,
+                    num_layers=info.num_layers,
+                    load=w.load,
                 ),
                 timeout=5,
             )
@@ -171,14 +181,30 @@ async def cluster(serve_in_process: Any, n_workers: int = 3, **cfg: Any) -> Asyn
     workers = {f"w{i}": FakeWorker(f"w{i}") for i in range(n_workers)}
     async with contextlib.AsyncExitStack() as stack:
         pm_address = await stack.enter_async_context(
-            grpc_server(param_manager_pb2_grpc.add_ParamManagerServicer_to_server, pm))
+            grpc_server(param_manager_pb2_grpc.add_ParamManagerServicer_to_server, pm)
+        )
         for w in workers.values():
             w.address = await stack.enter_async_context(grpc_server(worker_pb2_grpc.add_WorkerServicer_to_server, w))
-        params = {"target_decode_tps_per_instance": 10, "scale_out_cooldown_s": 0, "scale_in_cooldown_s": 0,
-                  "enable_latency_trigger": False, **cfg.pop("policy_params", {})}
-        settings = {"port": 0, "param_manager": pm_address, "default_model": MODEL, "min_instances": 1,
-                    "max_instances": 3, "autoscale": True, "tick_s": 0.05, "window_s": 0.5, "lost_after_s": 30,
-                    "policy_params": params, **cfg}
+        params = {
+            "target_decode_tps_per_instance": 10,
+            "scale_out_cooldown_s": 0,
+            "scale_in_cooldown_s": 0,
+            "enable_latency_trigger": False,
+            **cfg.pop("policy_params", {}),
+        }
+        settings = {
+            "port": 0,
+            "param_manager": pm_address,
+            "default_model": MODEL,
+            "min_instances": 1,
+            "max_instances": 3,
+            "autoscale": True,
+            "tick_s": 0.05,
+            "window_s": 0.5,
+            "lost_after_s": 30,
+            "policy_params": params,
+            **cfg,
+        }
         config = GlobalManagerConfig(**settings)
         gm = GlobalManagerService(config)
         ctx = await stack.enter_async_context(serve_in_process(gm, config))
@@ -231,8 +257,9 @@ async def test_scale_out_then_in_moves_instances_and_locations(serve_in_process:
 
         # Every reported decision is also a `time,action,target,status,reason` log line.
         lines = list(c.gm.servicer.decision_log)
-        assert any(",autoscaling_decision,scale_out,instances:1->" in line and ",SCALE_OUT: ratio=" in line
-                   for line in lines)
+        assert any(
+            ",autoscaling_decision,scale_out,instances:1->" in line and ",SCALE_OUT: ratio=" in line for line in lines
+        )
         assert all(len(line.split(",", 4)) == 5 for line in lines)
 
 
@@ -244,7 +271,9 @@ async def test_steady_load_reports_no_change_once(serve_in_process: Any) -> None
         await asyncio.sleep(1.0)  # ~20 ticks
         in_band = [e for e in c.events if is_decision("no_change")(e) and "IN_BAND" in e.reason]
         assert len(in_band) == 1, [e.reason for e in in_band]
-        counts = REGISTRY.get_sample_value("blitzmesh_gm_decisions_total", {"policy": "heteroscale", "action": "no_change"})
+        counts = REGISTRY.get_sample_value(
+            "blitzmesh_gm_decisions_total", {"policy": "heteroscale", "action": "no_change"}
+        )
         assert counts is not None and counts >= 10
 
 
@@ -263,8 +292,7 @@ async def test_failed_load_is_retried_on_another_worker(serve_in_process: Any) -
 
 
 async def test_failed_load_without_spare_is_rolled_back(serve_in_process: Any) -> None:
-    async with cluster(serve_in_process, n_workers=2, load_retries=1,
-                       policy_params={"scale_out_cooldown_s": 600}) as c:
+    async with cluster(serve_in_process, n_workers=2, load_retries=1, policy_params={"scale_out_cooldown_s": 600}) as c:
         await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
         c.workers["w1"].fail_load = True
         c.set_load(decode_tps=15, running=2)
@@ -299,10 +327,15 @@ async def test_set_policy_tunes_and_keeps_cooldowns(serve_in_process: Any) -> No
         await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=2)
         # A retune (lower target) wants more, but the scale-out cooldown carries over.
         await c.stub.SetPolicy(
-            admin_pb2.SetPolicyRequest(policy="heteroscale", params={
-                "target_decode_tps_per_instance": "2", "scale_out_cooldown_s": "600", "scale_in_cooldown_s": "600",
-                "enable_latency_trigger": "false",
-            }),
+            admin_pb2.SetPolicyRequest(
+                policy="heteroscale",
+                params={
+                    "target_decode_tps_per_instance": "2",
+                    "scale_out_cooldown_s": "600",
+                    "scale_in_cooldown_s": "600",
+                    "enable_latency_trigger": "false",
+                },
+            ),
             timeout=5,
         )
         (held,) = await c.wait_event(lambda e: is_decision("no_change")(e) and "COOLDOWN" in e.reason)
@@ -315,7 +348,8 @@ async def test_set_policy_tunes_and_keeps_cooldowns(serve_in_process: Any) -> No
         assert resp.policy == "periodic" and resp.params["schedule"] == '[{"at_s": 0, "instances": 1}]'
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await c.stub.SetPolicy(
-                admin_pb2.SetPolicyRequest(policy="heteroscale", params={"pd_ratio": "7"}), timeout=5)
+                admin_pb2.SetPolicyRequest(policy="heteroscale", params={"pd_ratio": "7"}), timeout=5
+            )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pd_ratio" in (e.value.details() or "")
 
 
@@ -332,9 +366,7 @@ async def test_failed_drain_follows_the_worker(serve_in_process: Any) -> None:
         (failed,) = await c.wait_event(lambda e: e.action == "drain_result" and e.status == "failed")
         assert failed.instance_id == victim and "drain broke" in failed.reason
         # The worker still reports SERVING: the registry follows it back instead of staying DRAINING.
-        async with asyncio.timeout(5):
-            while c.state(victim) != "SERVING":
-                await asyncio.sleep(0.05)
+        await wait_until(lambda: c.state(victim) == "SERVING", 5, what=f"{victim} back to SERVING")
         assert victim in c.pm.holders
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -10,14 +11,12 @@ import torch
 
 from blitzmesh.v1 import common_pb2, param_manager_pb2, param_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
+from services.model_format.checkpoint import iter_groups
 from services.param_manager.service import ParamManagerConfig, ParamManagerService
 from services.worker.config import WorkerConfig
 from services.worker.engine.sampling import SamplingParams
-from services.model_format.checkpoint import iter_groups
 from services.worker.model.llama import load_model
 from services.worker.service import WorkerService
-
-from typing import Any
 
 ServeFactory = Any  # tests/integration/conftest.py: serve_in_process
 
@@ -32,7 +31,12 @@ def pm_config(model_dir: Path) -> ParamManagerConfig:
 
 def worker_config(pm_address: str, **kw: object) -> WorkerConfig:
     return WorkerConfig(
-        port=0, param_manager=pm_address, instance_id="w0", kv_cache_tokens=4096, dataplane="tcp", **kw  # type: ignore[arg-type]
+        port=0,
+        param_manager=pm_address,
+        instance_id="w0",
+        kv_cache_tokens=4096,
+        dataplane="tcp",
+        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -56,7 +60,9 @@ async def test_layout_lists_every_group_once(tiny_models: Path, serve_in_process
         assert names == ["embed", *(f"layers.{i}" for i in range(layout.info.num_layers)), "head"]
         assert layout.info.size_bytes == sum(g.size_bytes for g in layout.groups)
         # One host copy: the pool holds the checkpoint's bytes once (plus < 64 B alignment per tensor).
-        ckpt_bytes = sum(t.numel() * t.element_size() for _, ts in iter_groups(tiny_models / "tiny") for t in ts.values())
+        ckpt_bytes = sum(
+            t.numel() * t.element_size() for _, ts in iter_groups(tiny_models / "tiny") for t in ts.values()
+        )
         n_tensors = sum(len(g.tensors) for g in layout.groups)
         assert ckpt_bytes <= layout.info.size_bytes < ckpt_bytes + 64 * n_tensors
         with pytest.raises(grpc.aio.AioRpcError) as e:

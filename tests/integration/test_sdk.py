@@ -77,9 +77,7 @@ class FakeGateway(inference_pb2_grpc.InferenceServicer, admin_pb2_grpc.AdminServ
                 )
                 if last and self.send_finish:
                     msg.finish_reason = common_pb2.FINISH_REASON_STOP
-                    msg.usage.CopyFrom(
-                        common_pb2.Usage(prompt_tokens=4, completion_tokens=3, total_tokens=7)
-                    )
+                    msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=4, completion_tokens=3, total_tokens=7))
                 yield msg
                 if self.abort_after_first is not None:
                     await context.abort(self.abort_after_first, "worker w-1 died mid-stream")
@@ -141,16 +139,12 @@ class FakeGateway(inference_pb2_grpc.InferenceServicer, admin_pb2_grpc.AdminServ
     async def SetPolicy(self, request, context):
         await self._enter(request, context)
         advisory = request.advisory if request.HasField("advisory") else False
-        return admin_pb2.SetPolicyResponse(
-            policy=request.policy, params=request.params, advisory=advisory
-        )
+        return admin_pb2.SetPolicyResponse(policy=request.policy, params=request.params, advisory=advisory)
 
     async def WatchEvents(self, request, context):
         await self._enter(request, context)
         for i in range(3):
-            yield admin_pb2.ClusterEvent(
-                time_s=float(i), action="instance_state", target="w-1", status=f"s{i}"
-            )
+            yield admin_pb2.ClusterEvent(time_s=float(i), action="instance_state", target="w-1", status=f"s{i}")
         if self.events_then_hang:
             try:
                 await asyncio.Event().wait()
@@ -406,9 +400,7 @@ async def test_admin_calls(gateway, client):
     assert scale_request.role == common_pb2.INSTANCE_ROLE_DECODE
 
     policy = await client.set_policy("latency", {"ttft_slo_s": 0.5, "dry": True}, advisory=True)
-    assert policy == blitzmesh.PolicyState(
-        "latency", {"ttft_slo_s": "0.5", "dry": "true"}, advisory=True
-    )
+    assert policy == blitzmesh.PolicyState("latency", {"ttft_slo_s": "0.5", "dry": "true"}, advisory=True)
     await client.set_policy("latency")
     assert not gateway.requests[-1].HasField("advisory")  # None keeps the current mode
 
@@ -502,7 +494,7 @@ async def test_closing_a_sync_client_ends_calls_other_threads_wait_on(gateway):
         try:
             for _ in client.generate("x", model=MODEL):
                 started.set()
-        except BaseException as e:  # noqa: BLE001 - the test inspects whatever ended it
+        except BaseException as e:
             outcome.append(e)
 
     thread = threading.Thread(target=reader)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from blitzmesh.v1 import common_pb2
+from services.dataplane.manifest import pack_groups
 from services.global_manager.core.types import InstanceState, Role
 from services.global_manager.registry import InstanceTable, sample_from_proto
-from services.dataplane.manifest import pack_groups
 from services.param_manager.convert import group_to_proto
 from services.param_manager.store import partition
 
@@ -40,8 +40,14 @@ def test_partition_is_one_copy_balanced_and_in_layer_order() -> None:
 def test_registry_adapter_round_trip_and_resync() -> None:
     table = InstanceTable()
     info = common_pb2.InstanceInfo(
-        instance_id="w1", address="a:1", host="h", model_id="m", state=common_pb2.INSTANCE_STATE_SERVING,
-        role=common_pb2.INSTANCE_ROLE_DECODE, layers_loaded=8, num_layers=8,
+        instance_id="w1",
+        address="a:1",
+        host="h",
+        model_id="m",
+        state=common_pb2.INSTANCE_STATE_SERVING,
+        role=common_pb2.INSTANCE_ROLE_DECODE,
+        layers_loaded=8,
+        num_layers=8,
     )
     view = table.upsert(info, now_s=1.0)
     assert view.state is InstanceState.SERVING and view.role is Role.DECODE

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from services.common.waiting import wait_until
+from services.model_format import synth
 from services.worker.engine.engine import (
     Engine,
     EngineConfig,
@@ -21,7 +23,6 @@ from services.worker.engine.engine import (
 from services.worker.engine.kv_cache import KVCache, OutOfBlocks
 from services.worker.engine.sampling import SamplingParams
 from services.worker.engine.scheduler import RunningSeq, SchedulerLimits, WaitingSeq, schedule
-from services.model_format import synth
 from services.worker.model.llama import LlamaForCausalLM, load_model
 
 EOS = 2
@@ -145,7 +146,12 @@ async def test_capacity_vector_in_the_engine(model: LlamaForCausalLM) -> None:
     async with engine:
         tasks = [
             asyncio.create_task(
-                collect(engine, f"r{i}", prompt_of(5, i), SamplingParams(temperature=0, max_tokens=2 if i == 1 else 6, ignore_eos=True))
+                collect(
+                    engine,
+                    f"r{i}",
+                    prompt_of(5, i),
+                    SamplingParams(temperature=0, max_tokens=2 if i == 1 else 6, ignore_eos=True),
+                )
             )
             for i in range(1, 6)
         ]
@@ -166,9 +172,7 @@ async def test_capacity_vector_in_the_engine(model: LlamaForCausalLM) -> None:
 async def test_greedy_engine_matches_uncached_model(model: LlamaForCausalLM, chunked: bool) -> None:
     """Requests of different lengths join at different times; tokens equal the no-cache model's."""
     # block_size 4 puts sequences across many blocks; with chunking, a 7-token budget splits prompts.
-    engine = make_engine(
-        model, block_size=4, max_num_tokens=7 if chunked else 64, enable_chunked_prefill=chunked
-    )
+    engine = make_engine(model, block_size=4, max_num_tokens=7 if chunked else 64, enable_chunked_prefill=chunked)
     prompts = {"a": prompt_of(11, 1), "b": prompt_of(3, 2), "c": prompt_of(19, 3), "d": prompt_of(6, 4)}
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs: dict[str, list[int]] = {}
@@ -205,7 +209,9 @@ async def test_same_seed_same_output_regardless_of_batch(model: LlamaForCausalLM
             collect(engine, "seeded", prompt, seeded),
             collect(engine, "y", prompt_of(4, 2), SamplingParams(temperature=1.0, max_tokens=20, seed=1)),
         )
-        other = await collect(engine, "other", prompt, SamplingParams(temperature=1.0, max_tokens=12, seed=43, ignore_eos=True))
+        other = await collect(
+            engine, "other", prompt, SamplingParams(temperature=1.0, max_tokens=12, seed=43, ignore_eos=True)
+        )
     assert [e.token_id for e in crowd[1]] == alone
     assert [e.token_id for e in other] != alone
 
@@ -215,7 +221,9 @@ async def test_same_seed_same_output_regardless_of_batch(model: LlamaForCausalLM
 
 async def test_max_tokens_gives_length(model: LlamaForCausalLM) -> None:
     async with make_engine(model) as engine:
-        events = await collect(engine, "r", prompt_of(5, 0), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        events = await collect(
+            engine, "r", prompt_of(5, 0), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        )
     assert [e.finish_reason for e in events] == [None, None, None, "length"]
     assert [e.completion_tokens for e in events] == [1, 2, 3, 4]
     assert all(e.prompt_tokens == 5 and e.logprob is not None and e.logprob <= 0 for e in events)
@@ -231,7 +239,10 @@ async def test_eos_and_stop_token_give_stop(model: LlamaForCausalLM) -> None:
         ignoring = await collect(engine, "ignore", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         stop_id = expected[4]
         stopped = await collect(
-            engine, "stopid", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=(stop_id,))
+            engine,
+            "stopid",
+            prompt,
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=(stop_id,)),
         )
     assert [e.token_id for e in events] == expected[: first + 1]
     assert events[-1].finish_reason == "stop" and events[-1].completion_tokens == first + 1
@@ -288,7 +299,10 @@ async def test_cancelling_many_consumers_leaks_nothing(model: LlamaForCausalLM) 
 
 async def test_requests_that_can_never_fit_fail_at_once(model: LlamaForCausalLM) -> None:
     async with make_engine(model, num_kv_blocks=8, max_num_tokens=64) as engine:  # 128 tokens of KV
-        with pytest.raises(RequestTooLarge, match=r"\(100 tokens\) \+ max_tokens \(50\) = 150 tokens need 10 KV blocks, the cache has 8"):
+        with pytest.raises(
+            RequestTooLarge,
+            match=r"\(100 tokens\) \+ max_tokens \(50\) = 150 tokens need 10 KV blocks, the cache has 8",
+        ):
             await collect(engine, "kv", prompt_of(100, 0), SamplingParams(max_tokens=50))
         with pytest.raises(RequestTooLarge, match="= 600 exceeds max_position_embeddings 512"):
             await collect(engine, "pos", prompt_of(100, 0), SamplingParams(max_tokens=500))
@@ -300,7 +314,9 @@ async def test_requests_that_can_never_fit_fail_at_once(model: LlamaForCausalLM)
             await collect(engine, "empty", [], GREEDY)
         # Nothing was left behind, and a fitting request still runs.
         assert engine.stats().waiting == 0
-        assert (await collect(engine, "ok", prompt_of(50, 0), SamplingParams(temperature=0, max_tokens=20)))[-1].finish_reason
+        assert (await collect(engine, "ok", prompt_of(50, 0), SamplingParams(temperature=0, max_tokens=20)))[
+            -1
+        ].finish_reason
 
 
 async def test_duplicate_request_id_is_refused(model: LlamaForCausalLM) -> None:
@@ -333,8 +349,7 @@ async def test_stop_fails_in_flight_requests(model: LlamaForCausalLM) -> None:
     engine = make_engine(model)
     await engine.start()
     task = asyncio.create_task(collect(engine, "r", prompt_of(5, 0), SamplingParams(max_tokens=400, ignore_eos=True)))
-    while engine.stats().total_generated_tokens == 0:
-        await asyncio.sleep(0.001)
+    await wait_until(lambda: engine.stats().total_generated_tokens > 0, 30, interval_s=0.001, what="a first token")
     await engine.stop()
     with pytest.raises(EngineStoppedError):
         await asyncio.wait_for(task, timeout=5)
@@ -381,10 +396,12 @@ async def test_stats_report_load_and_latency(model: LlamaForCausalLM) -> None:
 
 async def test_waiting_prefill_tokens_counts_queued_prompts(model: LlamaForCausalLM) -> None:
     async with make_engine(model, max_batch_size=1, max_num_tokens=64) as engine:
-        long = asyncio.create_task(collect(engine, "first", prompt_of(5, 0), SamplingParams(max_tokens=50, ignore_eos=True)))
+        long = asyncio.create_task(
+            collect(engine, "first", prompt_of(5, 0), SamplingParams(max_tokens=50, ignore_eos=True))
+        )
         queued = asyncio.create_task(collect(engine, "second", prompt_of(9, 1), GREEDY))
-        while engine.stats().total_generated_tokens == 0:  # "first" is prefilled and decoding
-            await asyncio.sleep(0.001)
+        # "first" is prefilled and decoding
+        await wait_until(lambda: engine.stats().total_generated_tokens > 0, 30, interval_s=0.001, what="a first token")
         stats = engine.stats()
         assert (stats.running, stats.waiting, stats.waiting_prefill_tokens) == (1, 1, 9)
         await asyncio.gather(long, queued)
@@ -399,5 +416,3 @@ def test_engine_needs_a_complete_model(model: LlamaForCausalLM) -> None:
 
     with pytest.raises(RuntimeError, match="not complete"):
         asyncio.run(start())
-
-

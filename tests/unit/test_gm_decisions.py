@@ -10,8 +10,14 @@ from services.global_manager.core.types import ScaleDecision
 
 def decision(now_s: float, reason: str, frm: int = 2, to: int = 2) -> ScaleDecision:
     action = "no_change" if frm == to else ("scale_out" if to > frm else "scale_in")
-    return ScaleDecision(action=action, reason=reason, policy="heteroscale", now_s=now_s,  # type: ignore[arg-type]
-                         instances_from=frm, instances_to=to)
+    return ScaleDecision(
+        action=action,
+        reason=reason,
+        policy="heteroscale",
+        now_s=now_s,  # type: ignore[arg-type]
+        instances_from=frm,
+        instances_to=to,
+    )
 
 
 def test_reason_key_masks_numbers_only() -> None:
@@ -27,12 +33,12 @@ def test_reason_key_masks_numbers_only() -> None:
 def test_throttle_reports_each_new_kind_and_repeats_at_a_reduced_rate() -> None:
     t = DecisionThrottle(repeat_s=30.0)
     told = [
-        t.should_report(decision(0.0, "IN_BAND: ratio=1")),          # first: told
-        t.should_report(decision(0.5, "IN_BAND: ratio=1.05")),       # same kind: quiet
+        t.should_report(decision(0.0, "IN_BAND: ratio=1")),  # first: told
+        t.should_report(decision(0.5, "IN_BAND: ratio=1.05")),  # same kind: quiet
         t.should_report(decision(1.0, "SCALE_OUT: ratio=2", 2, 4)),  # a change: told
         t.should_report(decision(1.5, "SCALE_OUT: ratio=2", 2, 4)),  # the same change again (not carried out): quiet
         t.should_report(decision(2.0, "SCALE_OUT: ratio=2", 3, 4)),  # the pool moved: told
-        t.should_report(decision(2.5, "IN_BAND: ratio=1", 4, 4)),    # new kind (and size): told
+        t.should_report(decision(2.5, "IN_BAND: ratio=1", 4, 4)),  # new kind (and size): told
         t.should_report(decision(20.0, "IN_BAND: ratio=0.99", 4, 4)),  # quiet
         t.should_report(decision(32.6, "IN_BAND: ratio=0.98", 4, 4)),  # repeat_s passed: told
     ]

@@ -45,8 +45,13 @@ def test_pool_sums_per_instance_means_and_counts_states() -> None:
     mon.observe(sample("idle", 2.0, decode_tps=999.0))
     mon.observe(sample("p1", 2.0, prefill_tps=5000.0, waiting_prefill_tokens=700, waiting=3))
     instances = [
-        view("d1"), view("d2"), view("drain", state=S.DRAINING), view("idle", state=S.IDLE),
-        view("lost", state=S.LOST), view("new", state=S.LOADING), view("p1", role=Role.PREFILL),
+        view("d1"),
+        view("d2"),
+        view("drain", state=S.DRAINING),
+        view("idle", state=S.IDLE),
+        view("lost", state=S.LOST),
+        view("new", state=S.LOADING),
+        view("p1", role=Role.PREFILL),
     ]
     snap = mon.snapshot(5.0, instances)
     assert snap.disaggregated
@@ -178,17 +183,23 @@ def test_matches_brute_force_through_growth_compaction_and_forget() -> None:
     rng = random.Random(3)
     mon = LoadMonitor(window_s=7.0, lost_after_s=5.0)
     roles = [Role.PREFILL, Role.DECODE, Role.COLOCATED]
-    views = [view(f"i{k}", role=roles[k % 3], state=[S.SERVING, S.LOADING, S.DRAINING, S.IDLE][k % 4])
-             for k in range(60)]
+    views = [
+        view(f"i{k}", role=roles[k % 3], state=[S.SERVING, S.LOADING, S.DRAINING, S.IDLE][k % 4]) for k in range(60)
+    ]
     samples: list[LoadSample] = []
     for step in range(1, 80):  # 60 instances x 79 steps: well past the initial table size
         for v in views:
             if rng.random() < 0.8:
-                s = sample(v.instance_id, float(step), decode_tps=rng.uniform(0, 100),
-                           kv_blocks_used=rng.randrange(10), kv_blocks_total=10,
-                           waiting_prefill_tokens=rng.randrange(1000),
-                           tbt_p50_s=rng.random() if rng.random() < 0.7 else None,
-                           ttft_p99_s=rng.random() if rng.random() < 0.5 else None)
+                s = sample(
+                    v.instance_id,
+                    float(step),
+                    decode_tps=rng.uniform(0, 100),
+                    kv_blocks_used=rng.randrange(10),
+                    kv_blocks_total=10,
+                    waiting_prefill_tokens=rng.randrange(1000),
+                    tbt_p50_s=rng.random() if rng.random() < 0.7 else None,
+                    ttft_p99_s=rng.random() if rng.random() < 0.5 else None,
+                )
                 mon.observe(s)
                 samples.append(s)
         if step == 40:

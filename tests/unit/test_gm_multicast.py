@@ -48,8 +48,9 @@ def test_chain_orders_targets_by_decreasing_bandwidth() -> None:
 
 
 def test_one_chain_per_leaf_with_source_and_targets() -> None:
-    t = topo({"a0": ("A", 100), "a1": ("A", 100), "a2": ("A", 50),
-              "b0": ("B", 100), "b1": ("B", 100), "c0": ("C", 100)})
+    t = topo(
+        {"a0": ("A", 100), "a1": ("A", 100), "a2": ("A", 50), "b0": ("B", 100), "b1": ("B", 100), "c0": ("C", 100)}
+    )
     targets = [Target("ta1", "a1"), Target("ta2", "a2"), Target("tb1", "b1")]
     sources = [Source("sa", "a0"), Source("sb", "b0"), Source("sc", "c0")]
     plan = plan_ok(targets, sources, t)
@@ -71,8 +72,9 @@ def test_number_of_chains_is_min_of_sources_targets_needed() -> None:
 
 
 def test_orphan_targets_join_the_shortest_lane() -> None:
-    t = topo({"a0": ("A", 100), "a1": ("A", 100), "a2": ("A", 100), "b0": ("B", 100), "b1": ("B", 100),
-              "x": ("X", 100)})
+    t = topo(
+        {"a0": ("A", 100), "a1": ("A", 100), "a2": ("A", 100), "b0": ("B", 100), "b1": ("B", 100), "x": ("X", 100)}
+    )
     targets = [Target("ta1", "a1"), Target("ta2", "a2"), Target("tb1", "b1"), Target("tx", "x")]
     plan = plan_ok(targets, [Source("sa", "a0"), Source("sb", "b0")], t)
     assert {c.source: c.hops for c in plan.chains} == {"sa": ("ta1", "ta2"), "sb": ("tb1", "tx")}
@@ -90,8 +92,7 @@ def test_prunes_sources_whose_link_carries_serving_traffic_out() -> None:
 
 def test_busy_source_is_used_only_when_nothing_else_holds_a_group() -> None:
     t = topo({"p": ("L0", 100), "c": ("L0", 100), "t": ("L0", 100)})
-    sources = [Source("prefill0", "p"),
-               Source("cache0", "c", SourceKind.HOST_CACHE, frozenset(GROUPS[:4]))]
+    sources = [Source("prefill0", "p"), Source("cache0", "c", SourceKind.HOST_CACHE, frozenset(GROUPS[:4]))]
     plan = plan_ok([Target("t0", "t")], sources, t, traffic={"prefill0": TrafficDirection.BOTH})
     assert plan.busy_sources_used == ("prefill0",)
     carried = {c.source: c.groups for c in plan.chains}
@@ -100,8 +101,10 @@ def test_busy_source_is_used_only_when_nothing_else_holds_a_group() -> None:
 
 
 def test_sharded_transfer_into_fast_link_group_then_allgather() -> None:
-    t = topo({"s0": ("L0", 100), "s1": ("L0", 100), "s2": ("L0", 100), "g0": ("L0", 100), "g1": ("L0", 50)},
-             fast_groups=[["g0", "g1"]])
+    t = topo(
+        {"s0": ("L0", 100), "s1": ("L0", 100), "s2": ("L0", 100), "g0": ("L0", 100), "g1": ("L0", 50)},
+        fast_groups=[["g0", "g1"]],
+    )
     targets = [Target("gpu0", "g0"), Target("gpu1", "g0"), Target("gpu2", "g1"), Target("gpu3", "g1")]
     sources = [Source("a", "s0"), Source("b", "s1"), Source("c", "s2")]
     plan = plan_ok(targets, sources, t)
@@ -113,10 +116,17 @@ def test_sharded_transfer_into_fast_link_group_then_allgather() -> None:
         ("c", ("gpu2",), ("layer.2", "layer.5")),
     ]
     assert plan.num_lanes == 1
-    assert plan.allgather == (AllGather(
-        members=("gpu0", "gpu1", "gpu2", "gpu3"),
-        received={"gpu0": ("layer.0", "layer.3", "layer.6"), "gpu1": ("layer.1", "layer.4", "layer.7"),
-                  "gpu2": ("layer.2", "layer.5"), "gpu3": ()}),)
+    assert plan.allgather == (
+        AllGather(
+            members=("gpu0", "gpu1", "gpu2", "gpu3"),
+            received={
+                "gpu0": ("layer.0", "layer.3", "layer.6"),
+                "gpu1": ("layer.1", "layer.4", "layer.7"),
+                "gpu2": ("layer.2", "layer.5"),
+                "gpu3": (),
+            },
+        ),
+    )
 
 
 def test_shards_prefer_distinct_source_hosts() -> None:
@@ -128,8 +138,10 @@ def test_shards_prefer_distinct_source_hosts() -> None:
 
 def test_host_cache_shards_cover_layers_across_leaves() -> None:
     t = topo({"c0": ("A", 100), "c1": ("B", 100), "t0": ("A", 100), "t1": ("B", 100)})
-    sources = [Source("cache0", "c0", SourceKind.HOST_CACHE, frozenset(GROUPS[:5])),
-               Source("cache1", "c1", SourceKind.HOST_CACHE, frozenset(GROUPS[5:]))]
+    sources = [
+        Source("cache0", "c0", SourceKind.HOST_CACHE, frozenset(GROUPS[:5])),
+        Source("cache1", "c1", SourceKind.HOST_CACHE, frozenset(GROUPS[5:])),
+    ]
     targets = [Target("x", "t0"), Target("y", "t1")]
     plan = plan_ok(targets, sources, t)
     assert plan.num_lanes == 2
@@ -191,8 +203,10 @@ def test_validate_plan_catches_bad_plans() -> None:
     check(MulticastPlan((Chain("s", ("t0",), ()),), ()), "carries no parameter groups")
     check(MulticastPlan((Chain("s", ("t0", "tX"), g),), ()), "unknown target nodes \\['tX'\\]")
     check(MulticastPlan((Chain("s", ("t0", "t1", "t0"), g),), ()), "duplicate targets \\['t0'\\]")
-    check(MulticastPlan((Chain("s", ("t0", "t1"), g), Chain("s", ("t1",), g[:1])), ()),
-          "duplicate target 't1': group 'layer.0' arrives by chains 0 and 1")
+    check(
+        MulticastPlan((Chain("s", ("t0", "t1"), g), Chain("s", ("t1",), g[:1])), ()),
+        "duplicate target 't1': group 'layer.0' arrives by chains 0 and 1",
+    )
     check(MulticastPlan((Chain("half", ("t0", "t1"), g),), ()), "'half' does not hold groups")
     check(MulticastPlan((Chain("s", ("t0",), g),), ()), "layer coverage gap: target 't1'")
     check(MulticastPlan((Chain("s", ("t0", "t1"), g[:7]),), ()), "never receives groups \\['layer.7'\\]")
@@ -200,8 +214,10 @@ def test_validate_plan_catches_bad_plans() -> None:
     ok = MulticastPlan((Chain("s", ("t0",), g[:4]), Chain("half", ("t1",), g[4:])), ())
     with pytest.raises(ValueError, match="'half' does not hold"):
         validate_plan(ok, targets, sources, GROUPS)
-    ok2 = MulticastPlan((Chain("s", ("t0",), g[4:]), Chain("half", ("t1",), g[:4])),
-                        (AllGather(("t0", "t1"), {"t0": g[4:], "t1": g[:4]}),))
+    ok2 = MulticastPlan(
+        (Chain("s", ("t0",), g[4:]), Chain("half", ("t1",), g[:4])),
+        (AllGather(("t0", "t1"), {"t0": g[4:], "t1": g[:4]}),),
+    )
     validate_plan(ok2, targets, sources, GROUPS)
 
 
@@ -237,14 +253,17 @@ def test_random_plans_hold_the_invariants(seed: int) -> None:
     n_hosts = rng.randint(2, 30)
     hosts = {f"h{i}": (f"L{rng.randrange(4)}", rng.choice([25.0, 50.0, 100.0, 200.0])) for i in range(n_hosts)}
     names = sorted(hosts)
-    pairs = [names[i:i + 2] for i in range(0, n_hosts - 1, 5) if rng.random() < 0.5]
+    pairs = [names[i : i + 2] for i in range(0, n_hosts - 1, 5) if rng.random() < 0.5]
     t = topo(hosts, fast_groups=pairs)
     groups = [f"g{i}" for i in range(rng.randint(1, 12))]
     targets = [Target(f"t{i}", rng.choice(names)) for i in range(rng.randint(1, 25))]
     sources: list[Source] = [Source(f"s{i}", rng.choice(names)) for i in range(rng.randint(0, 6))]
     for i in range(rng.randint(0 if sources else 1, 4)):
-        sources.append(Source(f"c{i}", rng.choice(names), SourceKind.HOST_CACHE,
-                              frozenset(g for g in groups if rng.random() < 0.6)))
+        sources.append(
+            Source(
+                f"c{i}", rng.choice(names), SourceKind.HOST_CACHE, frozenset(g for g in groups if rng.random() < 0.6)
+            )
+        )
     # Make sure every group has at least one holder.
     sources.append(Source("c_all", rng.choice(names), SourceKind.HOST_CACHE, frozenset(groups)))
     traffic = {s.node_id: rng.choice(list(TrafficDirection)) for s in sources if rng.random() < 0.4}

@@ -28,7 +28,12 @@ from services.global_manager.core.types import (
 
 
 def split(
-    p: int, d: int, tps: float = 0.0, tbt: float | None = 0.05, *, prefill: dict[str, float] | None = None,
+    p: int,
+    d: int,
+    tps: float = 0.0,
+    tbt: float | None = 0.05,
+    *,
+    prefill: dict[str, float] | None = None,
     **decode: float,
 ) -> ClusterSnapshot:
     """A P/D snapshot with P prefill and D decode instances serving, all reporting."""
@@ -187,11 +192,20 @@ def test_heteroscale_config_validation_quotes_values_and_accepts_spec_names() ->
     cfg = HeteroScaleConfig.model_validate({"tbt_slo": 0.2, "scale_out_cooldown": 5, "scale_in_cooldown_s": 7})
     assert (cfg.tbt_slo_s, cfg.scale_out_cooldown_s, cfg.scale_in_cooldown_s) == (0.2, 5, 7)
     defaults = HeteroScaleConfig()
-    assert (defaults.target_decode_tps_per_instance, defaults.pd_ratio, defaults.scale_out_threshold,
-            defaults.scale_in_threshold, defaults.min_instances, defaults.max_instances,
-            defaults.enable_latency_trigger, defaults.tbt_slo_s, defaults.latency_panic_threshold,
-            defaults.latency_panic_scale_factor, defaults.scale_out_cooldown_s,
-            defaults.scale_in_cooldown_s) == (100, 0.33, 0.1, 0.1, 1, 100, True, 0.1, 1.2, 1.2, 180, 600)
+    assert (
+        defaults.target_decode_tps_per_instance,
+        defaults.pd_ratio,
+        defaults.scale_out_threshold,
+        defaults.scale_in_threshold,
+        defaults.min_instances,
+        defaults.max_instances,
+        defaults.enable_latency_trigger,
+        defaults.tbt_slo_s,
+        defaults.latency_panic_threshold,
+        defaults.latency_panic_scale_factor,
+        defaults.scale_out_cooldown_s,
+        defaults.scale_in_cooldown_s,
+    ) == (100, 0.33, 0.1, 0.1, 1, 100, True, 0.1, 1.2, 1.2, 180, 600)
 
 
 def test_registry_names_and_errors() -> None:
@@ -215,8 +229,14 @@ def test_decision_requires_one_shape() -> None:
     with pytest.raises(ValueError, match="action 'scale_in' disagrees"):
         ScaleDecision(action="scale_in", reason="r", policy="p", now_s=0, instances_from=2, instances_to=2)
     with pytest.raises(ValueError, match="action must be one of"):
-        ScaleDecision(action="grow", reason="r", policy="p", now_s=0,  # type: ignore[arg-type]
-                      instances_from=1, instances_to=2)
+        ScaleDecision(
+            action="grow",
+            reason="r",
+            policy="p",
+            now_s=0,  # type: ignore[arg-type]
+            instances_from=1,
+            instances_to=2,
+        )
 
 
 # -- Utilization ---------------------------------------------------------------------------
@@ -243,9 +263,15 @@ def test_utilization_scales_in_only_if_all_pools_are_cold() -> None:
 
 
 def test_utilization_does_not_reorder_capacity_that_is_loading() -> None:
-    snap = ClusterSnapshot(0.0, {
-        Role.COLOCATED: PoolSnapshot(Role.COLOCATED, serving=4, loading=2, instances_reporting=4,
-                                     kv_blocks_used=3600, kv_blocks_total=4000)}, disaggregated=False)
+    snap = ClusterSnapshot(
+        0.0,
+        {
+            Role.COLOCATED: PoolSnapshot(
+                Role.COLOCATED, serving=4, loading=2, instances_reporting=4, kv_blocks_used=3600, kv_blocks_total=4000
+            )
+        },
+        disaggregated=False,
+    )
     d = UtilizationPolicy().decide(0.0, snap)  # wants ceil(4 * 1.286) = 6, already has 6
     assert d.action == "no_change"
 
@@ -282,8 +308,10 @@ def test_latency_policy_cooldown() -> None:
 
 
 def test_periodic_schedule_by_time_of_day() -> None:
-    policy = make_policy("periodic", {"schedule": [
-        {"at": "20:00", "prefill": 1, "decode": 3}, {"at": "08:00", "prefill": 2, "decode": 6}]})
+    policy = make_policy(
+        "periodic",
+        {"schedule": [{"at": "20:00", "prefill": 1, "decode": 3}, {"at": "08:00", "prefill": 2, "decode": 6}]},
+    )
     assert isinstance(policy, PeriodicPolicy)
     morning = policy.decide(9 * 3600.0, split(1, 3))
     assert (morning.action, counts(morning)) == ("scale_out", (2, 6))
@@ -302,8 +330,9 @@ def test_periodic_mismatch_and_validation() -> None:
     with pytest.raises(ValueError, match="prefill and decode"):
         make_policy("periodic", {"schedule": [{"at": "01:00", "prefill": 1}]})
     with pytest.raises(ValueError, match="mixes"):
-        make_policy("periodic", {"schedule": [{"at": "01:00", "instances": 1},
-                                              {"at": "02:00", "prefill": 1, "decode": 1}]})
+        make_policy(
+            "periodic", {"schedule": [{"at": "01:00", "instances": 1}, {"at": "02:00", "prefill": 1, "decode": 1}]}
+        )
 
 
 # -- BlitzScale bounds ---------------------------------------------------------------------
@@ -320,8 +349,9 @@ def test_blitzscale_bounds_vector() -> None:
 def test_blitzscale_infers_blocks_per_replica_and_scales_down_one_step() -> None:
     policy = BlitzScaleBoundsPolicy()
     # 4 reporting replicas of 1000 blocks, 1000 used: 25% < 75% -> D - 1 (3 replicas: 33%, ok).
-    d = policy.decide(0.0, split(3, 4, kv_blocks_used=1000, kv_blocks_total=4000,
-                                 prefill={"waiting_prefill_tokens": 0}))
+    d = policy.decide(
+        0.0, split(3, 4, kv_blocks_used=1000, kv_blocks_total=4000, prefill={"waiting_prefill_tokens": 0})
+    )
     assert counts(d) == (2, 3) and d.action == "scale_in"
     # Never below one.
     one = policy.decide(1.0, split(1, 1, kv_blocks_used=0, kv_blocks_total=1000))
@@ -355,10 +385,15 @@ def test_blitzscale_colocated_uses_both_rules() -> None:
 
 
 def test_heteroscale_stabilization_holds_scale_in_after_a_panic() -> None:
-    policy = make_policy("heteroscale", {
-        "target_decode_tps_per_instance": 10, "scale_out_cooldown_s": 0, "scale_in_cooldown_s": 0,
-        "scale_in_stabilization_s": 20,
-    })
+    policy = make_policy(
+        "heteroscale",
+        {
+            "target_decode_tps_per_instance": 10,
+            "scale_out_cooldown_s": 0,
+            "scale_in_cooldown_s": 0,
+            "scale_in_stabilization_s": 20,
+        },
+    )
     out = policy.decide(0.0, colo(2, tps=20, tbt=0.5))  # panic: 2 -> 3
     assert out.action == "scale_out" and out.instances_to == 3
     # Right after, the TPS window still shows the old load (need 1): held at the wanted 3.
@@ -371,15 +406,25 @@ def test_heteroscale_stabilization_holds_scale_in_after_a_panic() -> None:
 
 
 def test_heteroscale_stabilization_shrinks_to_the_window_maximum() -> None:
-    policy = make_policy("heteroscale", {
-        "target_decode_tps_per_instance": 10, "scale_in_cooldown_s": 0, "scale_in_stabilization_s": 30,
-    })
+    policy = make_policy(
+        "heteroscale",
+        {
+            "target_decode_tps_per_instance": 10,
+            "scale_in_cooldown_s": 0,
+            "scale_in_stabilization_s": 30,
+        },
+    )
     assert policy.decide(0.0, colo(6, tps=40)).instances_to == 4  # ratio 0.67: in to 4
     d = policy.decide(10.0, colo(4, tps=10))  # wants 1, but 4 was wanted 10 s ago
     assert d.action == "no_change" and d.instances_to == 4
-    policy2 = make_policy("heteroscale", {
-        "target_decode_tps_per_instance": 10, "scale_in_cooldown_s": 0, "scale_in_stabilization_s": 30,
-    })
+    policy2 = make_policy(
+        "heteroscale",
+        {
+            "target_decode_tps_per_instance": 10,
+            "scale_in_cooldown_s": 0,
+            "scale_in_stabilization_s": 30,
+        },
+    )
     policy2.decide(0.0, colo(6, tps=30))  # wants 3
     d2 = policy2.decide(10.0, colo(6, tps=10))  # wants 1: shrinks only to 3
     assert d2.action == "scale_in" and d2.instances_to == 3
@@ -406,7 +451,8 @@ def test_heteroscale_ttft_trigger() -> None:
 
 def test_heteroscale_no_change_when_the_rounded_target_is_current() -> None:
     d = HeteroScalePolicy(HeteroScaleConfig(target_decode_tps_per_instance=10, scale_in_cooldown_s=0)).decide(
-        0.0, colo(4, tps=31))  # ratio 0.775 < 0.9 but ceil(3.1) = 4
+        0.0, colo(4, tps=31)
+    )  # ratio 0.775 < 0.9 but ceil(3.1) = 4
     assert d.action == "no_change"
     assert d.reason.endswith("AT_TARGET: the rounded, clamped target colocated=4 is the current size")
 
@@ -414,7 +460,9 @@ def test_heteroscale_no_change_when_the_rounded_target_is_current() -> None:
 def test_heteroscale_concurrency_signal_leads_decode_tps() -> None:
     # A burst has just queued 9 requests on one instance; decode TPS has not moved yet.
     burst = colo(1, tps=5, running=3, waiting=6)
-    assert HeteroScalePolicy(HeteroScaleConfig(target_decode_tps_per_instance=10)).decide(0.0, burst).action == "no_change"
+    assert (
+        HeteroScalePolicy(HeteroScaleConfig(target_decode_tps_per_instance=10)).decide(0.0, burst).action == "no_change"
+    )
     d = make_policy("heteroscale", {"target_decode_tps_per_instance": 10, "target_requests_per_instance": 2})
     out = d.decide(0.0, burst)
     assert out.action == "scale_out" and out.instances_to == 5  # ceil(9 / 2)

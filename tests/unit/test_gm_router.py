@@ -23,11 +23,21 @@ S = InstanceState
 
 
 def inst(
-    iid: str, state: InstanceState = S.SERVING, role: Role = Role.COLOCATED, running: int = 0, waiting: int = 0,
-    kv_used: int = 0, kv_total: int = 100, model: str = "m", loaded: bool = True,
+    iid: str,
+    state: InstanceState = S.SERVING,
+    role: Role = Role.COLOCATED,
+    running: int = 0,
+    waiting: int = 0,
+    kv_used: int = 0,
+    kv_total: int = 100,
+    model: str = "m",
+    loaded: bool = True,
 ) -> InstanceView:
-    load = LoadSample(iid, 0.0, running=running, waiting=waiting, kv_blocks_used=kv_used,
-                      kv_blocks_total=kv_total) if loaded else None
+    load = (
+        LoadSample(iid, 0.0, running=running, waiting=waiting, kv_blocks_used=kv_used, kv_blocks_total=kv_total)
+        if loaded
+        else None
+    )
     layers = 8 if state in (S.SERVING, S.DRAINING) else 0
     return InstanceView(iid, model, role, state, layers, 8, "h", 0.0, load)
 
@@ -53,8 +63,14 @@ def test_never_picks_non_serving_instances() -> None:
 
 
 def test_exclusions_roles_models_and_unreported_load() -> None:
-    pool = [inst("a", running=5), inst("b", running=0), inst("p", role=Role.PREFILL),
-            inst("d", role=Role.DECODE, running=2), inst("o", model="other"), inst("new", running=0, loaded=False)]
+    pool = [
+        inst("a", running=5),
+        inst("b", running=0),
+        inst("p", role=Role.PREFILL),
+        inst("d", role=Role.DECODE, running=2),
+        inst("o", model="other"),
+        inst("new", running=0, loaded=False),
+    ]
     assert choose_instance(pool, exclude_ids={"b", "new", "o", "p", "d"}).instance_id == "a"
     assert choose_instance(pool, role=Role.PREFILL).instance_id == "p"
     assert choose_instance(pool, model="other").instance_id == "o"
@@ -102,15 +118,25 @@ def test_registry_full_lifecycle() -> None:
     assert reg.remove("w0").instance_id == "w0" and len(reg) == 0
 
 
-@pytest.mark.parametrize(("src", "dst"), [
-    (S.IDLE, S.SERVING), (S.IDLE, S.DRAINING), (S.LOADING, S.DRAINING),
-    (S.SERVING, S.LOADING), (S.SERVING, S.IDLE), (S.DRAINING, S.SERVING), (S.LOST, S.SERVING),
-    (S.LOST, S.LOADING), (S.SERVING, S.SERVING),
-])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        (S.IDLE, S.SERVING),
+        (S.IDLE, S.DRAINING),
+        (S.LOADING, S.DRAINING),
+        (S.SERVING, S.LOADING),
+        (S.SERVING, S.IDLE),
+        (S.DRAINING, S.SERVING),
+        (S.LOST, S.SERVING),
+        (S.LOST, S.LOADING),
+        (S.SERVING, S.SERVING),
+    ],
+)
 def test_illegal_transitions_name_both_states(src: InstanceState, dst: InstanceState) -> None:
     reg = Registry()
-    reg.register("w0", model="m", role=Role.DECODE, host="h", num_layers=8, now_s=0.0,
-                 state=S.IDLE if src is S.LOST else src)
+    reg.register(
+        "w0", model="m", role=Role.DECODE, host="h", num_layers=8, now_s=0.0, state=S.IDLE if src is S.LOST else src
+    )
     if src is S.LOST:
         reg.mark_lost("w0")
     assert not is_legal_transition(src, dst)
@@ -156,8 +182,9 @@ def test_registry_rebuild_after_manager_restart() -> None:
     reg = Registry()
     v = reg.register("w9", model="m", role=Role.DECODE, host="h", num_layers=8, now_s=3.0, state=S.SERVING)
     assert (v.state, v.layers_loaded) == (S.SERVING, 8)
-    loading = reg.register("w8", model="m", role=Role.DECODE, host="h", num_layers=8, now_s=3.0,
-                           state=S.LOADING, layers_loaded=5)
+    loading = reg.register(
+        "w8", model="m", role=Role.DECODE, host="h", num_layers=8, now_s=3.0, state=S.LOADING, layers_loaded=5
+    )
     assert loading.layers_loaded == 5
     assert choose_instance(reg) is not None and choose_instance(reg).instance_id == "w9"  # type: ignore[union-attr]
 

@@ -20,7 +20,11 @@ def manifest() -> Manifest:
 
 def holder(hid: str, kind: str, host: str) -> common_pb2.Holder:
     return common_pb2.Holder(
-        holder_id=hid, kind=kind, host=host, grpc_address=f"{hid}:1", dataplane_address=f"TCP1{hid}".encode(),
+        holder_id=hid,
+        kind=kind,
+        host=host,
+        grpc_address=f"{hid}:1",
+        dataplane_address=f"TCP1{hid}".encode(),
         dataplane_kind="tcp",
     )
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.worker.engine.kv_cache import KVCache
 from services.model_format import synth
-from services.worker.model import native
-from services.worker.model.attention import ForwardBatch, _bucket_by_length
 from services.model_format.checkpoint import Checkpoint, CheckpointError, iter_groups, load_config
 from services.model_format.config import LlamaConfig
 from services.model_format.groups import group_of, group_tensor_shapes, param_groups
+from services.worker.engine.kv_cache import KVCache
+from services.worker.model import native
+from services.worker.model.attention import ForwardBatch, _bucket_by_length
 from services.worker.model.llama import LlamaForCausalLM, load_model
 
 # Float32 on both sides; the two implementations differ only in summation order.
@@ -36,8 +36,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
     return {
-        name: synth.synthesize(root / name, "tiny", seed=1, overrides=overrides)
-        for name, overrides in VARIANTS.items()
+        name: synth.synthesize(root / name, "tiny", seed=1, overrides=overrides) for name, overrides in VARIANTS.items()
     }
 
 
@@ -98,9 +97,7 @@ def test_config_rejects_bad_values_quoting_them(change: dict[str, Any], quoted: 
 
 def test_config_counts_parameters() -> None:
     cfg = synth.PRESETS["tiny"]
-    total = sum(
-        int(torch.Size(s).numel()) for g in param_groups(cfg) for s in group_tensor_shapes(cfg, g).values()
-    )
+    total = sum(int(torch.Size(s).numel()) for g in param_groups(cfg) for s in group_tensor_shapes(cfg, g).values())
     assert cfg.num_parameters() == total
     assert 500_000 < total < 2_000_000
     assert 10e6 < synth.PRESETS["small"].num_parameters() < 30e6
@@ -176,8 +173,10 @@ def test_sharded_checkpoint_reads_like_single_file(
     shard_files = sorted(set(index["weight_map"].values()))
     assert len(shard_files) > 1 and not (sharded / "model.safetensors").exists()
     # Whole groups per shard, so one group never spans files.
-    assert all(len({index["weight_map"][n] for n in group_tensor_shapes(synth.PRESETS["tiny"], g)}) == 1
-               for g in param_groups(synth.PRESETS["tiny"]))
+    assert all(
+        len({index["weight_map"][n] for n in group_tensor_shapes(synth.PRESETS["tiny"], g)}) == 1
+        for g in param_groups(synth.PRESETS["tiny"])
+    )
     single = dict(iter_groups(ckpts["untied-gqa"]))
     for name, tensors in iter_groups(sharded):
         for tname, t in tensors.items():
@@ -322,9 +321,7 @@ def test_paged_prefill_and_decode_match_reference(ckpts: dict[str, Path], decode
             torch.testing.assert_close(logits[row], ref[n][end - 1], atol=1e-5, rtol=0)
 
 
-def test_batched_decode_of_mixed_lengths_matches_reference(
-    ckpts: dict[str, Path], decode_attention: str
-) -> None:
+def test_batched_decode_of_mixed_lengths_matches_reference(ckpts: dict[str, Path], decode_attention: str) -> None:
     """Prompts of very different lengths prefilled together (no padding between them), then
     decoded together for a few steps: every step's logits equal the no-cache forward's."""
     model = load_model(str(ckpts["untied-gqa"]))

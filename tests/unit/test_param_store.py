@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from services.dataplane.manifest import pack_groups
-from services.param_manager.store import index_model, load_shard, partition
 from services.model_format.checkpoint import CheckpointError, iter_groups
 from services.model_format.synth import synthesize
+from services.param_manager.store import index_model, load_shard, partition
 
 CHUNK = 256 * 1024
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -57,8 +58,9 @@ def test_parse_timestamp_keeps_seven_digits(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'yesterday'"):
         parse_timestamp("yesterday")
     path = tmp_path / "fine.csv"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,1,1\n"
-                    "2023-11-16 18:17:03.9799601,1,1\n")
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,1,1\n2023-11-16 18:17:03.9799601,1,1\n"
+    )
     assert read_azure_trace(path)[1].t_s == pytest.approx(1e-7, rel=1e-6)
 
 
@@ -93,11 +95,17 @@ def test_real_code_trace_shape() -> None:
 
 
 def test_token_scaling() -> None:
-    s = TokenScaling(prompt_scale=0.1, min_prompt_tokens=4, max_prompt_tokens=100, min_output_tokens=2,
-                     max_output_tokens=50, context_tokens=120)
+    s = TokenScaling(
+        prompt_scale=0.1,
+        min_prompt_tokens=4,
+        max_prompt_tokens=100,
+        min_output_tokens=2,
+        max_output_tokens=50,
+        context_tokens=120,
+    )
     assert s.apply(500, 10) == (50, 10)
-    assert s.apply(10, 1) == (4, 2)          # clamped up
-    assert s.apply(5000, 500) == (70, 50)    # clamped, then prompt cut to fit the context
+    assert s.apply(10, 1) == (4, 2)  # clamped up
+    assert s.apply(5000, 500) == (70, 50)  # clamped, then prompt cut to fit the context
     with pytest.raises(ValueError, match="context_tokens"):
         TokenScaling(min_prompt_tokens=10, max_output_tokens=100, context_tokens=100)
     with pytest.raises(ValueError, match="prompt_scale"):
@@ -106,8 +114,7 @@ def test_token_scaling() -> None:
 
 def test_from_trace_window_compress_thin_bound() -> None:
     rows = [TraceRow(float(t), 160, 20) for t in range(100)]
-    a = from_trace(rows, TraceWindow(start_s=10, span_s=50, compress=10, thin=5),
-                   TokenScaling(prompt_scale=0.5))
+    a = from_trace(rows, TraceWindow(start_s=10, span_s=50, compress=10, thin=5), TokenScaling(prompt_scale=0.5))
     assert [x.t_s for x in a] == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5])
     assert [x.index for x in a] == list(range(10))
     assert {(x.prompt_tokens, x.output_tokens) for x in a} == {(80, 20)}
@@ -121,7 +128,7 @@ def test_step_pattern_rates_and_determinism() -> None:
     kw = dict(base_rps=2.0, burst_rps=20.0, burst_start_s=10.0, burst_end_s=20.0, duration_s=30.0)
     even = step_pattern(**kw, poisson=False)
     assert len(even) == 20 + 200 + 20
-    assert all(b.t_s >= a.t_s for a, b in zip(even, even[1:]))
+    assert all(b.t_s >= a.t_s for a, b in itertools.pairwise(even))
     rates = rate_per_bin(even, 10.0, 30.0)
     assert rates == pytest.approx([2.0, 20.0, 2.0])
     p1 = step_pattern(**kw, seed=3, prompt_tokens=(8, 16))
@@ -173,7 +180,7 @@ def test_stream_state_ok() -> None:
     assert st.feed("data: [DONE]", 1.9)
     assert rec.outcome == "ok" and rec.finish_reason == "length"
     assert rec.ttft_s == pytest.approx(0.5)
-    assert rec.tbt_mean_s == pytest.approx(0.4 / 3)   # 4 tokens, one gave no text of its own
+    assert rec.tbt_mean_s == pytest.approx(0.4 / 3)  # 4 tokens, one gave no text of its own
     assert rec.tbt_max_s == pytest.approx(0.3)
     assert rec.completion_tokens == 4
 
@@ -193,8 +200,11 @@ def test_percentile_and_instance_seconds() -> None:
     assert percentile([], 0.5) is None
     assert percentile([3, 1, 2], 0.5) == 2
     assert percentile(range(1, 101), 0.99) == 99
-    samples = [InstanceSample(0.0, {"serving": 1}), InstanceSample(10.0, {"serving": 2, "loading": 1, "idle": 3}),
-               InstanceSample(20.0, {"serving": 1, "draining": 1})]
+    samples = [
+        InstanceSample(0.0, {"serving": 1}),
+        InstanceSample(10.0, {"serving": 2, "loading": 1, "idle": 3}),
+        InstanceSample(20.0, {"serving": 1, "draining": 1}),
+    ]
     assert samples[1].held == 3
     assert instance_seconds(samples, 30.0) == pytest.approx(10 + 30 + 20)
     assert instance_seconds(samples, 15.0) == pytest.approx(10 + 15)

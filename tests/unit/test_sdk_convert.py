@@ -107,9 +107,7 @@ ROUND_TRIPS = [
     ),
     pytest.param(MODEL, convert.model_info_to_proto, convert.model_info_from_proto, id="model"),
     pytest.param(LOAD, convert.load_report_to_proto, convert.load_report_from_proto, id="load"),
-    pytest.param(
-        INSTANCE, convert.instance_info_to_proto, convert.instance_info_from_proto, id="instance"
-    ),
+    pytest.param(INSTANCE, convert.instance_info_to_proto, convert.instance_info_from_proto, id="instance"),
     pytest.param(
         ClusterState(
             instances=(INSTANCE, InstanceInfo("w-4", state="lost", role="prefill")),

@@ -34,9 +34,7 @@ EXPECTED = {
 
 
 def rpc_error(code: grpc.StatusCode, details: str | None) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(
-        code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details
-    )
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 def test_every_status_code_has_an_expected_class():

@@ -148,9 +148,7 @@ MESSAGES = [
 
 
 def test_chat_template(tok: Tokenizer) -> None:
-    assert tok.apply_chat_template(MESSAGES) == (
-        "<|system|>\nYou are terse.\n<|user|>\nSay hi.\n<|assistant|>\n"
-    )
+    assert tok.apply_chat_template(MESSAGES) == ("<|system|>\nYou are terse.\n<|user|>\nSay hi.\n<|assistant|>\n")
     assert tok.apply_chat_template(MESSAGES, add_generation_prompt=False).endswith("Say hi.\n")
     with pytest.raises(ValueError, match="'bad role'"):
         tok.apply_chat_template([{"role": "bad role", "content": "x"}])

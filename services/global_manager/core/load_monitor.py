@@ -31,8 +31,20 @@ from .types import ClusterSnapshot, InstanceState, InstanceView, LoadSample, Poo
 __all__ = ["LoadMonitor", "nearest_rank"]
 
 # Row layout of the sample table. Latency "no observation" (None) is stored as NaN.
-_COLUMNS = ("now_s", "decode_tps", "prefill_tps", "running", "waiting", "waiting_prefill_tokens",
-            "kv_blocks_used", "kv_blocks_total", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s")
+_COLUMNS = (
+    "now_s",
+    "decode_tps",
+    "prefill_tps",
+    "running",
+    "waiting",
+    "waiting_prefill_tokens",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tbt_p50_s",
+    "tbt_p99_s",
+)
 _T = 0
 _MEAN_COLS = range(1, 8)
 _LATENCY_COLS = ((8, 0.5), (9, 0.99), (10, 0.5), (11, 0.99))
@@ -98,8 +110,14 @@ class LoadMonitor:
             self._make_room()
         nan = math.nan
         self._rows[:, self._end] = (
-            sample.now_s, sample.decode_tps, sample.prefill_tps, sample.running, sample.waiting,
-            sample.waiting_prefill_tokens, sample.kv_blocks_used, sample.kv_blocks_total,
+            sample.now_s,
+            sample.decode_tps,
+            sample.prefill_tps,
+            sample.running,
+            sample.waiting,
+            sample.waiting_prefill_tokens,
+            sample.kv_blocks_used,
+            sample.kv_blocks_total,
             nan if sample.ttft_p50_s is None else sample.ttft_p50_s,
             nan if sample.ttft_p99_s is None else sample.ttft_p99_s,
             nan if sample.tbt_p50_s is None else sample.tbt_p50_s,
@@ -179,8 +197,9 @@ class LoadMonitor:
         pools = {}
         for role in Role:
             serving, loading, draining = state_counts[role]
-            pools[role] = PoolSnapshot(role=role, serving=serving, loading=loading, draining=draining,
-                                       **aggregates.get(role, {}))
+            pools[role] = PoolSnapshot(
+                role=role, serving=serving, loading=loading, draining=draining, **aggregates.get(role, {})
+            )
         return ClusterSnapshot(
             now_s=now_s,
             pools=pools,
@@ -217,8 +236,9 @@ class LoadMonitor:
         for col in _MEAN_COLS:
             sums = np.bincount(sel_owner, weights=rows[col][selected], minlength=self._next_index)
             # Mean per instance, then summed per pool.
-            means[_COLUMNS[col]] = np.bincount(reporting_pool, weights=sums[reporting] / reporting_count,
-                                               minlength=len(_ROLE_ORDER))
+            means[_COLUMNS[col]] = np.bincount(
+                reporting_pool, weights=sums[reporting] / reporting_count, minlength=len(_ROLE_ORDER)
+            )
         latency_cols = {col: rows[col][selected] for col, _ in _LATENCY_COLS}
         for code, role in enumerate(_ROLE_ORDER):
             if n_reporting[code] == 0:

@@ -51,15 +51,15 @@ __all__ = [
 
 
 class SourceKind(str, Enum):
-    INSTANCE = "instance"      # a live worker holding the whole model
+    INSTANCE = "instance"  # a live worker holding the whole model
     HOST_CACHE = "host_cache"  # a parameter-manager process holding some layers in host memory
 
 
 class TrafficDirection(str, Enum):
     """Serving traffic on a node's network link, seen from the node."""
 
-    OUT = "out"    # e.g. a prefill instance shipping KV to decode instances
-    IN = "in"      # e.g. a decode instance receiving that KV
+    OUT = "out"  # e.g. a prefill instance shipping KV to decode instances
+    IN = "in"  # e.g. a decode instance receiving that KV
     BOTH = "both"
 
 
@@ -93,8 +93,9 @@ class Topology:
                 raise ValueError(f"fast group {sorted(group)!r} names unknown hosts {unknown!r}")
             for host in group:
                 if host in self._group_of:
-                    raise ValueError(f"host {host!r} is in two fast groups: "
-                                     f"{sorted(self._group_of[host])!r} and {sorted(group)!r}")
+                    raise ValueError(
+                        f"host {host!r} is in two fast groups: {sorted(self._group_of[host])!r} and {sorted(group)!r}"
+                    )
                 self._group_of[host] = group
 
     @classmethod
@@ -217,7 +218,10 @@ class _Lane:
 
 
 def _check_inputs(
-    targets: Sequence[Target], sources: Sequence[Source], topology: Topology, groups: Sequence[str],
+    targets: Sequence[Target],
+    sources: Sequence[Source],
+    topology: Topology,
+    groups: Sequence[str],
     max_chains: int | None,
 ) -> None:
     if not groups:
@@ -242,6 +246,7 @@ def _source_order(topology: Topology) -> Callable[[Source], tuple[bool, float, s
     # Live instances first (DESIGN.md: then host shards), then faster links, then name.
     def key(src: Source) -> tuple[bool, float, str]:
         return (src.kind is not SourceKind.INSTANCE, -topology.link(src.host).bw_gbps, src.node_id)
+
     return key
 
 
@@ -373,8 +378,9 @@ def plan_multicast(
         else:
             orphans.extend(units_by_leaf[leaf])
     if orphans:
-        spare = sorted((lf for lf in src_by_leaf if lf not in units_by_leaf),
-                       key=lambda lf: (order(src_by_leaf[lf][0]), lf))
+        spare = sorted(
+            (lf for lf in src_by_leaf if lf not in units_by_leaf), key=lambda lf: (order(src_by_leaf[lf][0]), lf)
+        )
         lanes.extend(_Lane(leaf=lf, sources=src_by_leaf[lf], units=[]) for lf in spare[: len(orphans)])
     if max_chains is not None and len(lanes) > max_chains:
         for lane in lanes[max_chains:]:
@@ -404,12 +410,15 @@ def plan_multicast(
             yield from lane.sources[shards:]
             yield from (s for s in kept if s.node_id not in lane_ids)
 
-        chains.extend(_lane_chains(lane.units, list(lane.sources[:shards]), backups, groups,
-                                   lane=lane_no, local=False))
+        chains.extend(_lane_chains(lane.units, list(lane.sources[:shards]), backups, groups, lane=lane_no, local=False))
         lane_no += 1
 
-    return MulticastPlan(chains=tuple(chains), allgather=_allgathers(units, chains),
-                         pruned_sources=tuple(pruned), busy_sources_used=tuple(used_busy))
+    return MulticastPlan(
+        chains=tuple(chains),
+        allgather=_allgathers(units, chains),
+        pruned_sources=tuple(pruned),
+        busy_sources_used=tuple(used_busy),
+    )
 
 
 def _spread_hosts(sources: list[Source]) -> list[Source]:
@@ -425,8 +434,13 @@ def _spread_hosts(sources: list[Source]) -> list[Source]:
 
 
 def _lane_chains(
-    units: list[_Unit], feeders: list[Source], backups: Callable[[], Iterable[Source]], groups: Sequence[str],
-    *, lane: int, local: bool,
+    units: list[_Unit],
+    feeders: list[Source],
+    backups: Callable[[], Iterable[Source]],
+    groups: Sequence[str],
+    *,
+    lane: int,
+    local: bool,
 ) -> list[Chain]:
     assigned = _assign(groups, feeders, backups)
     chains = []
@@ -499,8 +513,9 @@ def validate_plan(
         for hop in chain.hops:
             for group in chain.groups:
                 if (hop, group) in delivered:
-                    raise ValueError(f"duplicate target {hop!r}: group {group!r} arrives by chains "
-                                     f"{delivered[(hop, group)]} and {i}")
+                    raise ValueError(
+                        f"duplicate target {hop!r}: group {group!r} arrives by chains {delivered[(hop, group)]} and {i}"
+                    )
                 delivered[(hop, group)] = i
             received[hop].update(chain.groups)
     complete = {t: set(g) for t, g in received.items()}

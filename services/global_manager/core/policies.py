@@ -117,20 +117,22 @@ class _BaseConfig(BaseModel):
         False, description="let the prefill pool shrink to 0 (decode instances then prefill themselves)"
     )
     scale_out_cooldown_s: float = Field(
-        180.0, ge=0, validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
+        180.0,
+        ge=0,
+        validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
         description="seconds after a scale-out before the next scale-out may be decided",
     )
     scale_in_cooldown_s: float = Field(
-        600.0, ge=0, validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
+        600.0,
+        ge=0,
+        validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
         description="seconds after a scale-in before the next scale-in may be decided",
     )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> _BaseConfig:
         if self.min_instances > self.max_instances:
-            raise ValueError(
-                f"min_instances={self.min_instances!r} must be <= max_instances={self.max_instances!r}"
-            )
+            raise ValueError(f"min_instances={self.min_instances!r} must be <= max_instances={self.max_instances!r}")
         return self
 
     def bounds(self, role: Role) -> tuple[int, int]:
@@ -161,14 +163,23 @@ def _make_decision(
 ) -> ScaleDecision:
     if Role.COLOCATED in before:
         return ScaleDecision(
-            action=action, reason=reason, policy=policy, now_s=now_s,
-            instances_from=before[Role.COLOCATED], instances_to=after[Role.COLOCATED],
+            action=action,
+            reason=reason,
+            policy=policy,
+            now_s=now_s,
+            instances_from=before[Role.COLOCATED],
+            instances_to=after[Role.COLOCATED],
             extra=dict(extra or {}),
         )
     return ScaleDecision(
-        action=action, reason=reason, policy=policy, now_s=now_s,
-        prefill_from=before[Role.PREFILL], prefill_to=after[Role.PREFILL],
-        decode_from=before[Role.DECODE], decode_to=after[Role.DECODE],
+        action=action,
+        reason=reason,
+        policy=policy,
+        now_s=now_s,
+        prefill_from=before[Role.PREFILL],
+        prefill_to=after[Role.PREFILL],
+        decode_from=before[Role.DECODE],
+        decode_to=after[Role.DECODE],
         extra=dict(extra or {}),
     )
 
@@ -190,8 +201,7 @@ class _PolicyBase:
             grows = any(repaired[r] > before[r] for r in before)
             low, high = self.config.min_instances, self.config.max_instances
             reason = f"BOUNDS: pool sizes outside [{low}..{high}]"
-            decision = _make_decision(self.name, now_s, "scale_out" if grows else "scale_in",
-                                      reason, before, repaired)
+            decision = _make_decision(self.name, now_s, "scale_out" if grows else "scale_in", reason, before, repaired)
         else:
             decision = self._rule(now_s, snapshot, before)
         self.cooldown.record(decision)
@@ -201,7 +211,11 @@ class _PolicyBase:
         raise NotImplementedError
 
     def _apply_mixed(
-        self, now_s: float, before: Mapping[Role, int], wanted: Mapping[Role, int], reason: str,
+        self,
+        now_s: float,
+        before: Mapping[Role, int],
+        wanted: Mapping[Role, int],
+        reason: str,
         extra: Mapping[str, float] | None = None,
     ) -> ScaleDecision:
         """Turn per-pool wishes into a decision, holding back the directions in cooldown.
@@ -248,9 +262,7 @@ class HeteroScaleConfig(_BaseConfig):
     target_decode_tps_per_instance: float = Field(
         100.0, gt=0, description="decode tokens/s one decode (or colocated) instance should carry"
     )
-    pd_ratio: float = Field(
-        0.33, gt=0, le=1, description="prefill instances per decode instance (0.33 = 1:3)"
-    )
+    pd_ratio: float = Field(0.33, gt=0, le=1, description="prefill instances per decode instance (0.33 = 1:3)")
     scale_out_threshold: float = Field(0.1, ge=0, description="scale out when need/current > 1 + this")
     scale_in_threshold: float = Field(0.1, ge=0, lt=1, description="scale in when need/current < 1 - this")
     enable_latency_trigger: bool = Field(True, description="grow both pools when TBT breaks the panic line")
@@ -273,21 +285,24 @@ class HeteroScaleConfig(_BaseConfig):
         "round: each pool rounded half-up on its own (reference simulator)",
     )
     ttft_slo_s: float | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="TTFT objective, seconds; when set, TTFT above ttft_slo_s * latency_panic_threshold "
         "(at ttft_percentile) also triggers the latency panic. A burst shows in TTFT before it shows in "
         "decode TPS, whose window lags the arrivals. Off (None) by default, as in ALGORITHMS.md 1",
     )
     ttft_percentile: Percentile = Field("p99", description="which window TTFT percentile the trigger reads")
     target_requests_per_instance: float | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="when set, step 2 also reads concurrency (running + waiting requests, the Knative KPA "
         "signal) and takes need = max(decode_tps / target_decode_tps_per_instance, requests / this): "
         "arrivals queue on the workers at once, while decode TPS rises only as they are served. "
         "Off (None) by default, as in ALGORITHMS.md 1",
     )
     scale_in_stabilization_s: float = Field(
-        0.0, ge=0,
+        0.0,
+        ge=0,
         description="a scale-in goes only down to the largest pool size this policy wanted in the last this "
         "many seconds (Kubernetes HPA's downscale stabilization window): a lull inside a burst, or the "
         "lagging decode-TPS window right after a panic scale-out, does not undo the scale-out. 0 = off, "
@@ -374,8 +389,15 @@ class HeteroScalePolicy(_PolicyBase):
                 factor = cfg.latency_panic_scale_factor
                 after = {r: cfg.clamp(r, max(n + 1, ceil_eps(n * factor))) for r, n in before.items()}
                 if after != before:
-                    return _make_decision(self.name, now_s, "scale_out", panic_reason, before, after,
-                                          {"tbt_s": tbt_s} if tbt_s is not None else {})
+                    return _make_decision(
+                        self.name,
+                        now_s,
+                        "scale_out",
+                        panic_reason,
+                        before,
+                        after,
+                        {"tbt_s": tbt_s} if tbt_s is not None else {},
+                    )
                 note = f"{panic_reason} but every pool is at max_instances={cfg.max_instances}; "
             else:
                 note = f"{panic_reason} held by scale_out cooldown until t={_g(out_until_s)}; "
@@ -471,11 +493,15 @@ class UtilizationConfig(_BaseConfig):
     """HPA-style rule. Cooldown defaults are HPA's: scale up at once, 300 s before scaling down."""
 
     scale_out_cooldown_s: float = Field(
-        0.0, ge=0, validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
+        0.0,
+        ge=0,
+        validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
         description="seconds after a scale-out before the next scale-out may be decided",
     )
     scale_in_cooldown_s: float = Field(
-        300.0, ge=0, validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
+        300.0,
+        ge=0,
+        validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
         description="seconds after a scale-in before the next scale-in may be decided",
     )
     target_utilization: float = Field(0.7, gt=0, le=1, description="utilization each pool is sized for")
@@ -516,8 +542,11 @@ class UtilizationPolicy(_PolicyBase):
 
     def _utilization(self, pool: PoolSnapshot) -> tuple[float, int] | None:
         cfg = self.config
-        metric = {Role.PREFILL: cfg.prefill_metric, Role.DECODE: cfg.decode_metric,
-                  Role.COLOCATED: cfg.colocated_metric}[pool.role]
+        metric = {
+            Role.PREFILL: cfg.prefill_metric,
+            Role.DECODE: cfg.decode_metric,
+            Role.COLOCATED: cfg.colocated_metric,
+        }[pool.role]
         base = pool.instances_reporting
         if base == 0:
             return None
@@ -601,8 +630,11 @@ class LatencyPolicy(_PolicyBase):
         if tbt_s is not None and tbt_s < low_s:
             wanted = {role: n - cfg.step_in for role, n in before.items()}
             return self._apply_mixed(now_s, before, wanted, f"TBT_LOW: tbt={_g(tbt_s)}s < {_g(low_s)}s", extra)
-        reason = "NO_DATA: no TBT in window" if tbt_s is None else (
-            f"IN_BAND: tbt={_g(tbt_s)}s within {_g(low_s)}..{_g(high_s)}s")
+        reason = (
+            "NO_DATA: no TBT in window"
+            if tbt_s is None
+            else (f"IN_BAND: tbt={_g(tbt_s)}s within {_g(low_s)}..{_g(high_s)}s")
+        )
         return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
 
 
@@ -652,11 +684,15 @@ class PeriodicConfig(_BaseConfig):
     """A daily (or `period_s`) schedule; sizes still pass through [min, max] and cooldowns."""
 
     scale_out_cooldown_s: float = Field(
-        0.0, ge=0, validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
+        0.0,
+        ge=0,
+        validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
         description="seconds after a scale-out before the next scale-out may be decided",
     )
     scale_in_cooldown_s: float = Field(
-        0.0, ge=0, validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
+        0.0,
+        ge=0,
+        validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
         description="seconds after a scale-in before the next scale-in may be decided",
     )
     schedule: tuple[ScheduleEntry, ...] = Field(min_length=1, description="entries, any order")
@@ -735,11 +771,15 @@ class BlitzScaleBoundsConfig(_BaseConfig):
     an absolute size (idempotent while instances load) and shrinking is one per step."""
 
     scale_out_cooldown_s: float = Field(
-        0.0, ge=0, validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
+        0.0,
+        ge=0,
+        validation_alias=AliasChoices("scale_out_cooldown_s", "scale_out_cooldown"),
         description="seconds after a scale-out before the next scale-out may be decided",
     )
     scale_in_cooldown_s: float = Field(
-        0.0, ge=0, validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
+        0.0,
+        ge=0,
+        validation_alias=AliasChoices("scale_in_cooldown_s", "scale_in_cooldown"),
         description="seconds after a scale-in before the next scale-in may be decided",
     )
     kv_low: float = Field(0.75, gt=0, lt=1, description="decode KV use below this removes one replica")

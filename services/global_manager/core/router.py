@@ -50,8 +50,9 @@ class RegistryError(ValueError):
 class IllegalTransitionError(RegistryError):
     def __init__(self, instance_id: str, src: InstanceState, dst: InstanceState, hint: str = "") -> None:
         allowed = ", ".join(sorted(s.value for s in _NEXT[src])) or "nothing"
-        message = (f"instance {instance_id!r}: illegal transition {src.value} -> {dst.value} "
-                   f"(from {src.value} only {allowed})")
+        message = (
+            f"instance {instance_id!r}: illegal transition {src.value} -> {dst.value} (from {src.value} only {allowed})"
+        )
         super().__init__(f"{message}; {hint}" if hint else message)
         self.instance_id, self.src, self.dst = instance_id, src, dst
 
@@ -131,8 +132,9 @@ def choose_pair(
     """
     pool = list(instances)
     prefill = choose_instance(pool, request_tokens, exclude_ids, role=Role.PREFILL, model=model)
-    decode = choose_instance(pool, request_tokens, exclude_ids, role=Role.DECODE, model=model,
-                             kv_block_size_tokens=kv_block_size_tokens)
+    decode = choose_instance(
+        pool, request_tokens, exclude_ids, role=Role.DECODE, model=model, kv_block_size_tokens=kv_block_size_tokens
+    )
     return None if prefill is None or decode is None else (prefill, decode)
 
 
@@ -178,8 +180,10 @@ class Registry:
         self, *, model: str | None = None, role: Role | None = None, state: InstanceState | None = None
     ) -> list[InstanceView]:
         return [
-            v for v in self._views.values()
-            if (model is None or v.model == model) and (role is None or v.role is role)
+            v
+            for v in self._views.values()
+            if (model is None or v.model == model)
+            and (role is None or v.role is role)
             and (state is None or v.state is state)
         ]
 
@@ -212,20 +216,27 @@ class Registry:
         if old is not None:
             if old.state is not S.LOST:
                 raise IllegalTransitionError(
-                    instance_id, old.state, state,
+                    instance_id,
+                    old.state,
+                    state,
                     hint="a registered instance re-registers only from LOST; mark it lost first",
                 )
             if state is not S.IDLE:
-                raise IllegalTransitionError(
-                    instance_id, old.state, state, hint="a LOST instance re-registers as IDLE"
-                )
+                raise IllegalTransitionError(instance_id, old.state, state, hint="a LOST instance re-registers as IDLE")
         if state is S.SERVING or state is S.DRAINING:
             layers_loaded = num_layers
         elif state is S.IDLE:
             layers_loaded = 0
         view = InstanceView(
-            instance_id=instance_id, model=model, role=role, state=state, layers_loaded=layers_loaded,
-            num_layers=num_layers, host=host, last_heartbeat_s=now_s, load=None,
+            instance_id=instance_id,
+            model=model,
+            role=role,
+            state=state,
+            layers_loaded=layers_loaded,
+            num_layers=num_layers,
+            host=host,
+            last_heartbeat_s=now_s,
+            load=None,
         )
         self._views[instance_id] = view
         return view
@@ -253,8 +264,9 @@ class Registry:
                 )
             if num_layers is not None and num_layers <= 0:
                 raise ValueError(f"instance {instance_id!r}: num_layers must be > 0, got {num_layers!r}")
-            changes.update({k: v for k, v in (("model", model), ("role", role), ("num_layers", num_layers))
-                            if v is not None})
+            changes.update(
+                {k: v for k, v in (("model", model), ("role", role), ("num_layers", num_layers)) if v is not None}
+            )
         if dst is S.LOADING or dst is S.IDLE:
             changes["layers_loaded"] = 0
         elif dst is S.SERVING:
@@ -274,9 +286,7 @@ class Registry:
         """Progress of a LOADING instance (k of L layers), which zigzag routing reads."""
         old = self.get(instance_id)
         if old.state is not S.LOADING:
-            raise RegistryError(
-                f"instance {instance_id!r}: layer progress applies to LOADING, it is {old.state.value}"
-            )
+            raise RegistryError(f"instance {instance_id!r}: layer progress applies to LOADING, it is {old.state.value}")
         if not old.layers_loaded <= layers_loaded <= old.num_layers:
             raise ValueError(
                 f"instance {instance_id!r}: layers_loaded={layers_loaded!r} must be in "

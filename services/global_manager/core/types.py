@@ -7,9 +7,9 @@ defensive copies; adapters convert protobuf messages to and from these at the pr
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from collections.abc import Mapping
 from typing import Literal
 
 __all__ = [
@@ -69,8 +69,15 @@ class LoadSample:
         # Cheap checks only: heartbeats arrive at (instances x Hz) and a bad one must be loud.
         if not self.instance_id:
             raise ValueError("LoadSample.instance_id must be non-empty")
-        for name in ("decode_tps", "prefill_tps", "running", "waiting", "waiting_prefill_tokens",
-                     "kv_blocks_used", "kv_blocks_total"):
+        for name in (
+            "decode_tps",
+            "prefill_tps",
+            "running",
+            "waiting",
+            "waiting_prefill_tokens",
+            "kv_blocks_used",
+            "kv_blocks_total",
+        ):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"LoadSample.{name} must be >= 0, got {value!r} (instance {self.instance_id!r})")
@@ -238,14 +245,15 @@ class ScaleDecision:
                 f"(split) or only instances_from/instances_to (colocated); got prefill={split[:2]!r} "
                 f"decode={split[2:]!r} instances={single!r}"
             )
-        for name, value in zip(("prefill_from", "prefill_to", "decode_from", "decode_to",
-                                "instances_from", "instances_to"), split + single):
+        for name, value in zip(
+            ("prefill_from", "prefill_to", "decode_from", "decode_to", "instances_from", "instances_to"),
+            split + single,
+            strict=True,
+        ):
             if value is not None and value < 0:
                 raise ValueError(f"ScaleDecision.{name} must be >= 0, got {value!r}")
         if (self.action == "no_change") == self.changes_anything:
-            raise ValueError(
-                f"ScaleDecision action {self.action!r} disagrees with its counts {self.target_str()!r}"
-            )
+            raise ValueError(f"ScaleDecision action {self.action!r} disagrees with its counts {self.target_str()!r}")
 
     @property
     def is_colocated(self) -> bool:

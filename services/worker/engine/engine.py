@@ -85,9 +85,7 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = Field(
         False, description="split prompts over iterations to fill max_num_tokens (else whole prompts)"
     )
-    pacing: PacingProfile | None = Field(
-        None, description="emulated accelerator step time; off by default"
-    )
+    pacing: PacingProfile | None = Field(None, description="emulated accelerator step time; off by default")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads of the compute thread; None = torch's default"
     )
@@ -489,18 +487,17 @@ class Engine:
             log.exception("engine_loop_crashed", running=len(self._running), waiting=len(self._waiting))
             self._dead = exc
 
-            def dead() -> BaseException:
-                error = EngineDeadError(f"engine loop crashed: {exc!r}")
-                error.__cause__ = exc
+            # `exc` is unbound once the except block ends; the closure may run later.
+            def dead(cause: BaseException = exc) -> BaseException:
+                error = EngineDeadError(f"engine loop crashed: {cause!r}")
+                error.__cause__ = cause
                 return error
 
             self._fail_all(dead)
 
     def _available_blocks(self) -> int:
         # Blocks promised to running requests but not yet allocated are not available.
-        outstanding = sum(
-            max(0, s.blocks_reserved - self.kv_cache.num_blocks_of(s.request_id)) for s in self._running
-        )
+        outstanding = sum(max(0, s.blocks_reserved - self.kv_cache.num_blocks_of(s.request_id)) for s in self._running)
         return self.kv_cache.free_blocks - outstanding
 
     async def _step(self) -> None:
@@ -630,4 +627,3 @@ class Engine:
             total_prompt_tokens=self._total_prompt,
             window_s=window,
         )
-

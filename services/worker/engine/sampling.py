@@ -46,9 +46,7 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {token!r}")
         object.__setattr__(self, "stop_token_ids", stop)
         if self.seed is not None and (
-            isinstance(self.seed, bool)
-            or not isinstance(self.seed, int)
-            or not _SEED_MIN <= self.seed <= _SEED_MAX
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not _SEED_MIN <= self.seed <= _SEED_MAX
         ):
             raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -86,9 +84,7 @@ def _sample_rows(
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values
-        kth = torch.stack(
-            [top[i, k - 1] if k else x.new_tensor(float("-inf")) for i, k in enumerate(ks)]
-        )
+        kth = torch.stack([top[i, k - 1] if k else x.new_tensor(float("-inf")) for i, k in enumerate(ks)])
         # Ties with the k-th value stay in: which of equal logits to drop would be arbitrary.
         x = x.masked_fill(x < kth.unsqueeze(1), float("-inf"))
     probs = torch.softmax(x, dim=-1)

@@ -148,8 +148,7 @@ class ForwardBatch:
         ctx_lens = tuple(int(n) for n in context_lens) if context_lens is not None else (0,) * len(q_lens)
         if not q_lens or len(ctx_lens) != len(q_lens):
             raise ValueError(
-                f"ForwardBatch needs one context length per sequence, got query_lens={q_lens} "
-                f"context_lens={ctx_lens}"
+                f"ForwardBatch needs one context length per sequence, got query_lens={q_lens} context_lens={ctx_lens}"
             )
         if min(q_lens) <= 0 or min(ctx_lens) < 0:
             raise ValueError(f"ForwardBatch query_lens must be > 0, got {q_lens}; contexts {ctx_lens}")
@@ -342,9 +341,7 @@ def _group_attention(q: torch.Tensor, g: AttentionGroup, kv: PagedKV, layer: int
     return _unpad(out.transpose(1, 2), g)
 
 
-def _causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: CausalSpans, out: torch.Tensor
-) -> None:
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: CausalSpans, out: torch.Tensor) -> None:
     """Causal attention of each span over its own tokens, written into `out`'s rows."""
     gqa = q.shape[1] != k.shape[1]
     if spans.uniform:

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.worker.model.attention import ForwardBatch, PagedKV, attention
 from services.model_format.checkpoint import Checkpoint
 from services.model_format.config import LlamaConfig
 from services.model_format.groups import (
@@ -29,6 +28,7 @@ from services.model_format.groups import (
     layer_index,
     param_groups,
 )
+from services.worker.model.attention import ForwardBatch, PagedKV, attention
 
 
 def _onednn_available() -> bool:
@@ -121,9 +121,7 @@ class LlamaForCausalLM:
         # RoPE tables in float32 for every position the model accepts (HF computes them in float32
         # too); small: max_position_embeddings x head_dim.
         half = config.head_dim // 2
-        inv_freq = 1.0 / (
-            config.rope_theta ** (torch.arange(0, half, dtype=torch.int64).float() * 2 / config.head_dim)
-        )
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.int64).float() * 2 / config.head_dim))
         freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)
         self._cos = angles.cos().to(self.device)
@@ -165,9 +163,7 @@ class LlamaForCausalLM:
             raise ValueError(f"group {name!r}: missing tensors {missing!r}, unexpected tensors {extra!r}")
         for n, shape in expected.items():
             if tuple(tensors[n].shape) != shape:
-                raise ValueError(
-                    f"group {name!r}: tensor {n!r} has shape {tuple(tensors[n].shape)}, expected {shape}"
-                )
+                raise ValueError(f"group {name!r}: tensor {n!r} has shape {tuple(tensors[n].shape)}, expected {shape}")
         if name == EMBED:
             self._embed = self._take(tensors, EMBED_WEIGHT)
             if self.config.tie_word_embeddings:
@@ -289,8 +285,7 @@ class LlamaForCausalLM:
             )
         if int(batch.positions.max()) >= cfg.max_position_embeddings:
             raise ValueError(
-                f"position {int(batch.positions.max())} >= max_position_embeddings "
-                f"{cfg.max_position_embeddings}"
+                f"position {int(batch.positions.max())} >= max_position_embeddings {cfg.max_position_embeddings}"
             )
         cos = self._cos[batch.positions].to(self.dtype).unsqueeze(1)
         sin_half = self._sin[batch.positions, : cfg.head_dim // 2].to(self.dtype).unsqueeze(1)
@@ -326,9 +321,7 @@ class LlamaForCausalLM:
         return self._head(self._rms_norm(hidden, self._norm)).float()
 
     @torch.inference_mode()
-    def forward_batch(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, kv: PagedKV | None = None
-    ) -> torch.Tensor:
+    def forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch, kv: PagedKV | None = None) -> torch.Tensor:
         """One engine step: flat token ids `[T]` -> logits of `batch.logits_indices` rows `[R, vocab]`."""
         hidden = self.run_layers(self.embed(input_ids), 0, self.config.num_hidden_layers, batch, kv)
         return self.head(hidden.index_select(0, batch.logits_indices))

@@ -426,7 +426,7 @@ def paged_decode() -> PagedDecode | None:
                 _self_check(kernel)
                 _kernel = kernel
                 log.info("native_paged_attention_ready")
-            except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
+            except Exception as e:
                 log.warning("native_paged_attention_unavailable", error=f"{type(e).__name__}: {e}")
                 _kernel = None
             _tried = True
