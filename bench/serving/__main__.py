@@ -1,8 +1,12 @@
 """Serving throughput and latency: the gateway vs the bare engine vs HF transformers, one workload.
 
 Usage:
-    python -m bench.serving [--quick] [--model-preset {tiny,small,bench}] [--trace PATH]
+    python -m bench.serving [--quick] [--model-preset {tiny,small,bench} | --model NAME] [--trace PATH]
                             [--model-dir models] [--threads 2] [--rounds N] [--out FILE]
+
+`--model smollm2-135m-instruct` runs the real default model (fetched and converted into
+--model-dir if missing) instead of a synthetic preset; results then go to
+bench/results/serving_<model>.json unless --out says otherwise.
 
 One run measures, side by side, the same model and the same 32 requests (lengths sampled with a
 fixed seed from the Azure conversation trace, prompts scaled so the longest fits the engine's
@@ -78,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"smaller run (under 3 minutes): {QUICK}")
     p.add_argument("--model-preset", help=f"synthetic model preset (default {FULL['preset']}; quick {QUICK['preset']})")
+    p.add_argument(
+        "--model",
+        help="a model directory name under --model-dir (the real default, smollm2-135m-instruct, is fetched if "
+        "missing) instead of a synthetic preset",
+    )
     p.add_argument("--model-dir", type=Path, default=Path("models"), help="where models live (synthesized if missing)")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Azure LLM conversation trace CSV")
     p.add_argument("--requests", type=int, default=32, help="requests in the closed batch")
@@ -108,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         "loop (ucxx's kept an idle UCX process at a full core; now it idles at 0%% with ucx too)",
     )  # fmt: skip
     p.add_argument("--run-dir", type=Path, default=Path("run/bench-serving"), help="where the mesh logs go")
-    p.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
+    p.add_argument("--out", type=Path, help="default bench/results/serving.json, or serving_<model>.json with --model")
     return p
 
 
@@ -257,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         return base[name] if value is None else value
 
-    preset = args.model_preset or base["preset"]
+    if args.model and args.model_preset:
+        raise SystemExit(f"give --model or --model-preset, not both (got {args.model!r} and {args.model_preset!r})")
+    preset = args.model or args.model_preset or base["preset"]
+    if args.out is None:
+        args.out = Path("bench/results") / (f"serving_{args.model}.json" if args.model else "serving.json")
     spec = WorkloadSpec(
         num_requests=args.requests,
         max_prompt_tokens=opt("max_prompt_tokens"),
@@ -331,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         "systems": summaries,
         "workload": describe(requests, spec, args.trace),
         "model": {
-            "preset": preset,
+            "preset": None if args.model else preset,
+            "name": preset,
             "path": str(model_path),
             "parameters": num_params,
             "dtype": "float32",
