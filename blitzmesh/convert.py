@@ -3,6 +3,9 @@
 This is the one module where `_pb2` types meet the public API. Each message has a `*_to_proto`
 and a `*_from_proto`; the unit tests pin that they round-trip. `*_from_proto` raises ValueError
 when a reply breaks the protocol (the client reports that as an InternalError).
+
+The services use the same converters for the wire enums (finish reason, instance state and role)
+and for LoadReport and InstanceInfo, so each of those mappings is written here and nowhere else.
 """
 
 from __future__ import annotations

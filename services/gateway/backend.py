@@ -19,6 +19,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from blitzmesh.convert import finish_reason_from_proto
 from blitzmesh.v1 import (
     admin_pb2,
     common_pb2,
@@ -455,8 +456,13 @@ class Backend:
                         received += len(ids)
                     text, matched = stops.feed(detok.add(ids))
                     finished = resp.HasField("finish_reason")
+                    try:
+                        worker_reason = finish_reason_from_proto(resp.finish_reason) if finished else None
+                    except ValueError as e:
+                        worker_done = True
+                        raise _WorkerFailedError(instance, grpc.StatusCode.INTERNAL, str(e), received) from None
                     if finished and not matched:
-                        if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                        if worker_reason == "abort":
                             worker_done = True
                             raise _WorkerFailedError(
                                 instance, grpc.StatusCode.ABORTED, "the instance aborted the request", received
@@ -469,11 +475,7 @@ class Backend:
                         yield TokenDelta(text, ids, instance)
                     if matched or finished:
                         worker_done = finished
-                        reason = (
-                            FINISH_STOP
-                            if matched or resp.finish_reason == common_pb2.FINISH_REASON_STOP
-                            else FINISH_LENGTH
-                        )
+                        reason = FINISH_STOP if matched or worker_reason == "stop" else FINISH_LENGTH
                         usage = Usage(
                             prompt_tokens=resp.prompt_tokens if finished and resp.prompt_tokens else len(prompt_ids),
                             completion_tokens=max(received, resp.completion_tokens if finished else 0),

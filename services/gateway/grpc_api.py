@@ -12,14 +12,13 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 import structlog
 
+from blitzmesh.convert import finish_reason_to_proto
 from blitzmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, inference_pb2, inference_pb2_grpc
 from services.gateway.auth import check_bearer
 from services.gateway.backend import Backend
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
 from services.gateway.schema import (
-    FINISH_LENGTH,
-    FINISH_STOP,
     ChatMessage,
     Finish,
     InferenceRequest,
@@ -32,8 +31,6 @@ from services.gateway.schema import (
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-_FINISH_TO_PROTO = {FINISH_STOP: common_pb2.FINISH_REASON_STOP, FINISH_LENGTH: common_pb2.FINISH_REASON_LENGTH}
 
 
 def request_from_proto(msg: inference_pb2.GenerateRequest) -> InferenceRequest:
@@ -115,7 +112,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     elif isinstance(event, Finish):
                         yield inference_pb2.GenerateResponse(
                             request_id=req.request_id,
-                            finish_reason=_FINISH_TO_PROTO[event.finish_reason],
+                            finish_reason=finish_reason_to_proto(event.finish_reason),
                             usage=usage_to_proto(event.usage),
                             instance_id=event.instance_id,
                         )
@@ -140,7 +137,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             request_id=req.request_id,
                             text="".join(text),
                             token_ids=ids if req.return_token_ids else (),
-                            finish_reason=_FINISH_TO_PROTO[event.finish_reason],
+                            finish_reason=finish_reason_to_proto(event.finish_reason),
                             usage=usage_to_proto(event.usage),
                             instance_id=event.instance_id,
                         )

@@ -8,34 +8,52 @@ from __future__ import annotations
 
 import structlog
 
+from blitzmesh import convert
+from blitzmesh.types import LoadReport
 from blitzmesh.v1 import common_pb2
 from services.global_manager.core.router import Registry, is_legal_transition
 from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
 
 log = structlog.get_logger(__name__)
 
-STATE_FROM_PROTO = {
-    common_pb2.INSTANCE_STATE_IDLE: InstanceState.IDLE,
-    common_pb2.INSTANCE_STATE_LOADING: InstanceState.LOADING,
-    common_pb2.INSTANCE_STATE_SERVING: InstanceState.SERVING,
-    common_pb2.INSTANCE_STATE_DRAINING: InstanceState.DRAINING,
-    common_pb2.INSTANCE_STATE_LOST: InstanceState.LOST,
-}
-STATE_TO_PROTO = {v: k for k, v in STATE_FROM_PROTO.items()}
-ROLE_FROM_PROTO = {
-    common_pb2.INSTANCE_ROLE_UNSPECIFIED: Role.COLOCATED,
-    common_pb2.INSTANCE_ROLE_COLOCATED: Role.COLOCATED,
-    common_pb2.INSTANCE_ROLE_PREFILL: Role.PREFILL,
-    common_pb2.INSTANCE_ROLE_DECODE: Role.DECODE,
-}
-ROLE_TO_PROTO = {
-    Role.COLOCATED: common_pb2.INSTANCE_ROLE_COLOCATED,
-    Role.PREFILL: common_pb2.INSTANCE_ROLE_PREFILL,
-    Role.DECODE: common_pb2.INSTANCE_ROLE_DECODE,
-}
+# The wire enums map through the SDK's one table each (`blitzmesh.convert`); the core's enums are
+# the SDK's names in upper case ("serving" <-> InstanceState.SERVING).
 
 
-def sample_from_proto(instance_id: str, now_s: float, load: common_pb2.LoadReport) -> LoadSample:
+def state_from_proto(value: int) -> InstanceState:
+    """UNSPECIFIED, and a value this build does not know, read as IDLE: a worker that says nothing
+    about its model holds none that the manager may route to."""
+    name = convert.instance_state_from_proto(value)
+    return InstanceState.IDLE if name == "unspecified" else InstanceState(name.upper())
+
+
+def state_to_proto(state: InstanceState) -> common_pb2.InstanceState.ValueType:
+    return convert.instance_state_to_proto(state.value.lower())
+
+
+def role_from_proto(value: int) -> Role:
+    """UNSPECIFIED reads as COLOCATED (the default deployment).
+
+    Raises:
+        ValueError: for a value this build does not know; guessing a role would misplace the
+            instance in the prefill/decode pools.
+    """
+    name = convert.instance_role_from_proto(value)
+    if name != "unspecified":
+        return Role(name.upper())
+    if value != common_pb2.INSTANCE_ROLE_UNSPECIFIED:
+        raise ValueError(f"unknown InstanceRole value {value!r}")
+    return Role.COLOCATED
+
+
+def role_to_proto(role: Role) -> common_pb2.InstanceRole.ValueType:
+    return convert.instance_role_to_proto(role.value.lower())
+
+
+def sample_from_proto(instance_id: str, now_s: float, msg: common_pb2.LoadReport) -> LoadSample:
+    """A worker's LoadReport as the core's LoadSample (tokens_generated_total is not kept)."""
+    load = convert.load_report_from_proto(msg)
+
     # A worker reports 0 latency when it observed none; the core wants None for "no observation".
     def opt(v: float) -> float | None:
         return v if v > 0 else None
@@ -57,6 +75,25 @@ def sample_from_proto(instance_id: str, now_s: float, load: common_pb2.LoadRepor
     )
 
 
+def sample_to_proto(sample: LoadSample) -> common_pb2.LoadReport:
+    """The inverse of `sample_from_proto`: "no observation" goes back on the wire as 0."""
+    return convert.load_report_to_proto(
+        LoadReport(
+            decode_tps=sample.decode_tps,
+            prefill_tps=sample.prefill_tps,
+            ttft_p50_s=sample.ttft_p50_s or 0.0,
+            ttft_p99_s=sample.ttft_p99_s or 0.0,
+            tbt_p50_s=sample.tbt_p50_s or 0.0,
+            tbt_p99_s=sample.tbt_p99_s or 0.0,
+            running=sample.running,
+            waiting=sample.waiting,
+            waiting_prefill_tokens=sample.waiting_prefill_tokens,
+            kv_blocks_used=sample.kv_blocks_used,
+            kv_blocks_total=sample.kv_blocks_total,
+        )
+    )
+
+
 class InstanceTable:
     """The registry plus what only the adapter needs: each instance's addresses."""
 
@@ -68,14 +105,14 @@ class InstanceTable:
     def upsert(self, info: common_pb2.InstanceInfo, now_s: float) -> InstanceView:
         """Register (or re-register) a worker in the state it reports."""
         iid = info.instance_id
-        state = STATE_FROM_PROTO.get(info.state, InstanceState.IDLE)
+        state = state_from_proto(info.state)
         if iid in self.registry:
             self.registry.mark_lost(iid)
             self.registry.remove(iid)
         view = self.registry.register(
             iid,
             model=info.model_id,
-            role=ROLE_FROM_PROTO[info.role],
+            role=role_from_proto(info.role),
             host=info.host,
             # An idle worker holds no model; the core counts layers against at least one.
             num_layers=max(info.num_layers, 1),
@@ -123,8 +160,8 @@ class InstanceTable:
             address=self.addresses.get(view.instance_id, ""),
             host=view.host,
             model_id=view.model,
-            state=STATE_TO_PROTO[view.state],
-            role=ROLE_TO_PROTO[view.role],
+            state=state_to_proto(view.state),
+            role=role_to_proto(view.role),
             layers_loaded=view.layers_loaded,
             num_layers=view.num_layers if view.model else 0,
             dataplane_address=dp_addr,
@@ -132,19 +169,5 @@ class InstanceTable:
             last_heartbeat_age_s=max(0.0, now_s - view.last_heartbeat_s),
         )
         if load is not None:
-            info.load.CopyFrom(
-                common_pb2.LoadReport(
-                    decode_tps=load.decode_tps,
-                    prefill_tps=load.prefill_tps,
-                    ttft_p50_s=load.ttft_p50_s or 0.0,
-                    ttft_p99_s=load.ttft_p99_s or 0.0,
-                    tbt_p50_s=load.tbt_p50_s or 0.0,
-                    tbt_p99_s=load.tbt_p99_s or 0.0,
-                    running=load.running,
-                    waiting=load.waiting,
-                    waiting_prefill_tokens=load.waiting_prefill_tokens,
-                    kv_blocks_used=load.kv_blocks_used,
-                    kv_blocks_total=load.kv_blocks_total,
-                )
-            )
+            info.load.CopyFrom(sample_to_proto(load))
         return info

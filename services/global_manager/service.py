@@ -49,7 +49,7 @@ from services.global_manager.core.load_monitor import LoadMonitor
 from services.global_manager.core.policies import Policy, make_policy
 from services.global_manager.core.router import choose_instance, pick_scale_in_victim
 from services.global_manager.core.types import InstanceState, Role, ScaleDecision
-from services.global_manager.registry import ROLE_FROM_PROTO, STATE_FROM_PROTO, InstanceTable, sample_from_proto
+from services.global_manager.registry import InstanceTable, role_from_proto, sample_from_proto, state_from_proto
 from services.global_manager.transfer import Node, build_plan
 
 log = structlog.get_logger(__name__)
@@ -184,7 +184,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         if iid not in self.table.registry or self.table.registry.get(iid).state is S.LOST:
             return global_manager_pb2.HeartbeatResponse(reregister=True)
         now = self.now_s()
-        state = STATE_FROM_PROTO.get(request.state, S.IDLE)
+        state = state_from_proto(request.state)
         before = self.table.registry.get(iid).state
         if iid not in self._actions:
             # While the actuator loads or drains an instance it owns the transitions; a
@@ -252,7 +252,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             await self._check_model(request.model_id)
         except LookupError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        role = ROLE_FROM_PROTO[request.role]
+        try:
+            role = role_from_proto(request.role)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.delta > 0:
             chosen = self.scale_out(request.model_id, request.delta, role, reason="Admin.Scale")
             if len(chosen) < request.delta and not chosen:

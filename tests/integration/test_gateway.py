@@ -426,6 +426,40 @@ async def test_retry_on_another_instance_before_first_token(cluster: Cluster, st
     assert "blitzmesh_gateway_ttft_seconds_count 1.0" in metrics
 
 
+class _FinishReasonWorker(FakeWorker):
+    """Ends its stream with the given finish_reason value instead of STOP or LENGTH."""
+
+    def __init__(self, instance_id: str, reply_ids: list[int], finish_reason: int) -> None:
+        super().__init__(instance_id, reply_ids)
+        self.finish_reason = finish_reason
+
+    async def Generate(self, request, context):
+        async for msg in super().Generate(request, context):
+            if msg.HasField("finish_reason"):
+                msg.finish_reason = self.finish_reason  # type: ignore[assignment]
+            yield msg
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "code"), [(common_pb2.FINISH_REASON_ABORT, "ABORTED"), (99, "INTERNAL")], ids=["abort", "unknown"]
+)
+async def test_worker_abort_or_unknown_finish_is_retried_elsewhere(
+    cluster: Cluster, start_gateway, finish_reason: int, code: str
+) -> None:
+    odd = _FinishReasonWorker("w-odd", cluster.reply_ids, finish_reason)
+    server, address = await start_server(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(odd, s))
+    cluster.worker_servers["w-odd"] = server
+    cluster.gm.instances.append(("w-odd", address))
+    await cluster.add_worker("w-good")
+    gw = await start_gateway()
+    # One token: the odd finish arrives with the first message, before anything reached the client.
+    status, body = await post(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert [list(s.exclude_instance_ids) for s in cluster.gm.schedules] == [[], ["w-odd"]]
+    assert f'blitzmesh_gateway_retries_total{{code="{code}"}} 1.0' in await _get_text(gw.http + "/metrics")
+
+
 async def test_all_instances_fail_before_first_token_is_503(cluster: Cluster, start_gateway) -> None:
     for name in ("w-1", "w-2"):
         (await cluster.add_worker(name)).fail_code = grpc.StatusCode.UNAVAILABLE

@@ -390,3 +390,10 @@ def test_config_rejects_bad_policy_params() -> None:
         GlobalManagerConfig(autoscale=True)
     cfg = GlobalManagerConfig(policy="utilization", policy_params={"target_utilization": 0.5})
     assert cfg.policy_params == {"target_utilization": 0.5}
+
+
+async def test_scale_with_an_unknown_role_is_invalid(serve_in_process: Any) -> None:
+    async with cluster(serve_in_process, n_workers=1) as c:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await c.stub.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=1, role=99), timeout=5)  # type: ignore[arg-type]
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "99" in (e.value.details() or "")
