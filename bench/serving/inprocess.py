@@ -9,6 +9,7 @@ from types import TracebackType
 
 from bench.serving.results import RequestTiming, SystemResult
 from bench.serving.workload import Request
+from services.model_format.generation import eos_token_ids_in
 from services.worker.config import WorkerConfig
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.sampling import SamplingParams
@@ -42,7 +43,8 @@ class EngineSystem:
 
     async def __aenter__(self) -> EngineSystem:
         model = await asyncio.to_thread(load_model, str(self.model_path))
-        self._engine = Engine.create(model, model.config.eos_token_id, self.config)
+        eos_ids = await asyncio.to_thread(eos_token_ids_in, self.model_path)
+        self._engine = Engine.create(model, eos_ids, self.config)
         await self._engine.start()
         return self
 

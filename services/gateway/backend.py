@@ -10,9 +10,8 @@ an error naming the instance. A client that goes away cancels the worker call an
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -51,8 +50,6 @@ from services.model_format.tokenizer import StopStringMatcher
 
 log = structlog.get_logger(__name__)
 
-# Prompts longer than this are tokenized in a thread so one huge body cannot stall the loop.
-_THREAD_TOKENIZE_CHARS = 16_384
 _ABORT_TIMEOUT_S = 2.0
 _HEALTH_TIMEOUT_S = 2.0
 # Worker failures that another instance may not have; everything else is final.
@@ -253,15 +250,12 @@ class Backend:
                         "prompt",
                     )
             return ids
-        work: Callable[[], list[int]]
-        if req.messages:
-            size = sum(len(m.content) for m in req.messages)
-            work = functools.partial(assets.encode_chat, req.messages)
-        else:
-            size = len(req.prompt or "")
-            work = functools.partial(assets.encode_prompt, req.prompt or "")
         try:
-            ids = await asyncio.to_thread(work) if size > _THREAD_TOKENIZE_CHARS else work()
+            # Off the event loop (the assets' thread pool), whatever the size.
+            if req.messages:
+                ids = await assets.encode_chat(req.messages)
+            else:
+                ids = await assets.encode_prompt(req.prompt or "")
         except GatewayError:
             raise
         except Exception as e:  # a template or tokenizer refusing this input is the client's problem

@@ -28,7 +28,14 @@ from services.model_format.groups import param_groups
 log = structlog.get_logger(__name__)
 
 # Files besides the weights that clients (gateway tokenizers, workers) need.
-SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 def partition(manifest: Manifest, slots: int) -> list[list[str]]:

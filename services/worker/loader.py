@@ -11,6 +11,7 @@ groups, so a hop that dies mid-transfer costs a pause, not the load.
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -18,6 +19,7 @@ from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc, worker_pb2
 from services.common.grpc_util import channel
 from services.dataplane.chain import Pull
 from services.dataplane.manifest import Manifest
+from services.model_format.generation import eos_token_ids
 
 
 async def fetch_layout_and_locations(
@@ -28,6 +30,15 @@ async def fetch_layout_and_locations(
         layout = await stub.GetModel(param_manager_pb2.GetModelRequest(model_id=model_id), timeout=timeout_s)
         where = await stub.Locate(param_manager_pb2.LocateRequest(model_id=model_id), timeout=timeout_s)
     return layout, where
+
+
+async def fetch_eos_token_ids(pm_address: str, model_id: str, timeout_s: float) -> frozenset[int]:
+    """Every EOS id the model declares (config, generation config, tokenizer), from its side files."""
+    async with channel(pm_address) as ch:
+        stub = param_manager_pb2_grpc.ParamManagerStub(ch)
+        resp = await stub.GetModelFiles(param_manager_pb2.GetModelRequest(model_id=model_id), timeout=timeout_s)
+    # Parsing tokenizer.json takes a while: off the event loop.
+    return await asyncio.to_thread(eos_token_ids, dict(resp.files))
 
 
 def host_shards(where: param_manager_pb2.LocateResponse) -> dict[bytes, list[str]]:

@@ -35,7 +35,7 @@ from services.worker.engine.engine import (
 )
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.sampling import SamplingParams
-from services.worker.loader import fetch_layout_and_locations, plan_pulls
+from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, plan_pulls
 from services.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -231,6 +231,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async with asyncio.timeout(timeout_s):
                 layout, where = await fetch_layout_and_locations(pm_address, model_id, timeout_s)
+                eos_ids = await fetch_eos_token_ids(pm_address, model_id, timeout_s)
+                log.info("eos_token_ids", model=model_id, ids=sorted(eos_ids))
                 manifest = Manifest.from_bytes(layout.manifest)
                 model = LlamaForCausalLM(LlamaConfig.from_hf_dict(json.loads(layout.config_json)))
                 store = GroupStore(manifest)
@@ -278,7 +280,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 result = await recv
             if not model.is_complete:
                 raise ValueError(f"model {model_id!r} incomplete after load: {model.num_layers_loaded} layers")
-            self.instance.engine = self._make_engine(model)
+            self.instance.engine = self._make_engine(model, eos_ids)
             await self.instance.engine.start()
             self.state = "serving"
             elapsed = time.perf_counter() - started
@@ -308,7 +310,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self._drop_instance()
             raise
 
-    def _make_engine(self, model: LlamaForCausalLM) -> Engine:
+    def _make_engine(self, model: LlamaForCausalLM, eos_token_ids: frozenset[int]) -> Engine:
         cfg = self.cfg
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
         kv = KVCache.for_model(
@@ -327,7 +329,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             pacing=pacing,
         )
         log.info("kv_cache", blocks=num_blocks, tokens=kv.capacity_tokens, bytes=kv.nbytes)
-        return Engine(model, kv, model.config.eos_token_id, engine_cfg)
+        return Engine(model, kv, eos_token_ids, engine_cfg)
 
     async def _drop_instance(self) -> None:
         inst, self.instance = self.instance, None

@@ -226,7 +226,7 @@ class Gateway:
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     files = write_model_files(tmp_path)
     tokenizer = Tokenizer(tmp_path)
-    reply_ids = tokenizer.encode(REPLY, add_bos=False)
+    reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
     gm, pm = FakeGlobalManager(), FakeParamManager(files)
     gm_server, gm_address = await start_server(
         lambda s: global_manager_pb2_grpc.add_GlobalManagerServicer_to_server(gm, s)
@@ -303,8 +303,7 @@ def chat_body(**extra: Any) -> dict[str, Any]:
 
 
 def chat_prompt_tokens(cluster: Cluster, content: str = "Say hi") -> int:
-    text = cluster.tokenizer.apply_chat_template([{"role": "user", "content": content}])
-    return len(cluster.tokenizer.encode(text))
+    return len(cluster.tokenizer.encode_chat([{"role": "user", "content": content}]))
 
 
 # ---- the OpenAI HTTP API -----------------------------------------------------------------------
@@ -637,6 +636,29 @@ async def test_tokenizer_fetched_once_for_concurrent_requests(cluster: Cluster, 
     results = await asyncio.gather(*(post(gw.http + "/v1/chat/completions", chat_body()) for _ in range(8)))
     assert all(status == 200 for status, _ in results)
     assert cluster.pm.file_requests == 1
+
+
+async def test_model_chat_template_is_used_and_its_refusal_is_400(cluster: Cluster, start_gateway) -> None:
+    # The parameter manager serves the model's chat_template.jinja: the gateway renders it, with the
+    # control tokens it writes as ids, and a template's raise_exception becomes a 400 quoting it.
+    cluster.pm.files["chat_template.jinja"] = (
+        b"{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('No system role, sorry') }}"
+        b"{% endif %}{{ bos_token + m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+    )
+    worker = await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    url = gw.http + "/v1/chat/completions"
+    status, _ = await post(url, {"model": MODEL, "messages": [{"role": "user", "content": "Say hi </s>"}]})
+    assert status == 200
+    tok = cluster.tokenizer
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    expected = [bos, *tok.encode("user: Say hi </s>", add_special_tokens=False), eos]
+    assert list(worker.requests[0].prompt_token_ids) == expected
+    system = {"role": "system", "content": "Be brief."}
+    status, body = await post(url, {"model": MODEL, "messages": [system, {"role": "user", "content": "hi"}]})
+    assert status == 400 and body["error"]["param"] == "messages"
+    message = body["error"]["message"]
+    assert "(chat_template.jinja) refused the conversation: No system role, sorry" in message and MODEL in message
 
 
 async def _get_text(url: str) -> str:

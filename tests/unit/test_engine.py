@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
     return load_model(str(path))
 
 
-def make_engine(model: LlamaForCausalLM, eos: int = EOS, **overrides: object) -> Engine:
+def make_engine(model: LlamaForCausalLM, eos: Collection[int] = (EOS,), **overrides: object) -> Engine:
     # One compute thread: the test machines are small and shared, and OpenMP spinning with more
     # threads than free cores makes steps 10x slower.
     fields: dict[str, object] = {
@@ -234,7 +234,7 @@ async def test_eos_and_stop_token_give_stop(model: LlamaForCausalLM) -> None:
     expected = reference_greedy(model, prompt, 8)
     eos = expected[2]
     first = expected.index(eos)  # the first time the model emits that token
-    async with make_engine(model, eos=eos) as engine:
+    async with make_engine(model, eos=(eos,)) as engine:
         events = await collect(engine, "eos", prompt, SamplingParams(temperature=0, max_tokens=8))
         ignoring = await collect(engine, "ignore", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         stop_id = expected[4]
@@ -357,6 +357,32 @@ async def test_stop_fails_in_flight_requests(model: LlamaForCausalLM) -> None:
         await collect(engine, "late", prompt_of(5, 0), GREEDY)
 
 
+async def test_every_eos_id_stops_and_ignore_eos_ignores_them_all(model: LlamaForCausalLM) -> None:
+    # A chat model has several EOS ids (SmolLM2: <|im_end|> ends a turn, <|endoftext|> a document).
+    prompt = prompt_of(6, 5)
+    expected = reference_greedy(model, prompt, 8)
+    never = next(t for t in range(3, 2048) if t not in expected)
+    for eos_id in (expected[2], expected[5]):
+        async with make_engine(model, eos=(never, eos_id)) as engine:
+            events = await collect(engine, f"eos-{eos_id}", prompt, SamplingParams(temperature=0, max_tokens=8))
+        assert [e.token_id for e in events] == expected[: expected.index(eos_id) + 1]
+        assert events[-1].finish_reason == "stop"
+    async with make_engine(model, eos=(expected[5], expected[2])) as engine:
+        both = await collect(engine, "both", prompt, SamplingParams(temperature=0, max_tokens=8))
+        ignoring = await collect(engine, "ignore", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    first = min(expected.index(expected[2]), expected.index(expected[5]))
+    assert [e.token_id for e in both] == expected[: first + 1] and both[-1].finish_reason == "stop"
+    assert [e.token_id for e in ignoring] == expected and ignoring[-1].finish_reason == "length"
+
+
+def test_engine_refuses_bad_eos_ids(model: LlamaForCausalLM) -> None:
+    kv = KVCache.for_model(model.config, num_blocks=4, block_size=16)
+    with pytest.raises(ValueError, match="collection of token ids, got 2"):
+        Engine(model, kv, 2, EngineConfig())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"eos_token_ids \[2048, 9999\] outside vocabulary \[0, 2048\)"):
+        Engine(model, kv, (2, 2048, 9999), EngineConfig())
+
+
 def test_engine_config_validation_quotes_values(model: LlamaForCausalLM) -> None:
     with pytest.raises(ValueError, match="max_num_tokens \\(4\\) must be >= max_batch_size \\(8\\)"):
         EngineConfig(max_batch_size=8, max_num_tokens=4)
@@ -364,7 +390,7 @@ def test_engine_config_validation_quotes_values(model: LlamaForCausalLM) -> None
         EngineConfig(max_batch_size=-1)
     kv = KVCache.for_model(model.config, num_blocks=4, block_size=8)
     with pytest.raises(ValueError, match="block_size 8 != EngineConfig.block_size 16"):
-        Engine(model, kv, EOS, EngineConfig())
+        Engine(model, kv, (EOS,), EngineConfig())
 
 
 # ---- pacing and stats --------------------------------------------------------------------------
@@ -409,7 +435,7 @@ async def test_waiting_prefill_tokens_counts_queued_prompts(model: LlamaForCausa
 
 def test_engine_needs_a_complete_model(model: LlamaForCausalLM) -> None:
     empty = LlamaForCausalLM(model.config)
-    engine = Engine.create(empty, EOS, EngineConfig(num_kv_blocks=4))
+    engine = Engine.create(empty, (EOS,), EngineConfig(num_kv_blocks=4))
 
     async def start() -> None:
         await engine.start()

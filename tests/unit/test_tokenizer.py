@@ -36,16 +36,16 @@ def test_round_trip(tok: Tokenizer, text: str) -> None:
     ids = tok.encode(text)
     assert ids[0] == tok.bos_token_id
     assert tok.decode(ids) == text
-    assert tok.encode(text, add_bos=False) == ids[1:]
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
 
 
 def test_bpe_actually_merges(tok: Tokenizer) -> None:
     text = "the people have the water"
-    assert len(tok.encode(text, add_bos=False)) < len(text) / 2
+    assert len(tok.encode(text, add_special_tokens=False)) < len(text) / 2
 
 
 def test_special_token_text_in_input_is_plain_text(tok: Tokenizer) -> None:
-    ids = tok.encode("stop here </s> <s>", add_bos=False)
+    ids = tok.encode("stop here </s> <s>", add_special_tokens=False)
     assert tok.eos_token_id not in ids and tok.bos_token_id not in ids
     assert tok.decode(ids) == "stop here </s> <s>"
 
@@ -58,7 +58,7 @@ def _stream(tok: Tokenizer, ids: list[int], byte_level: bool) -> list[str]:
 @pytest.mark.parametrize("byte_level", [True, False], ids=["byte-path", "window-path"])
 @pytest.mark.parametrize("text", TEXTS)
 def test_incremental_detokenizer_equals_full_decode(tok: Tokenizer, text: str, byte_level: bool) -> None:
-    ids = [tok.bos_token_id, *tok.encode(text, add_bos=False), tok.eos_token_id]
+    ids = [tok.bos_token_id, *tok.encode(text, add_special_tokens=False), tok.eos_token_id]
     deltas = _stream(tok, ids, byte_level)
     assert "".join(deltas) == tok.decode(ids) == text
     # Valid text never shows a half character, even where a token ends mid-character.
@@ -66,7 +66,7 @@ def test_incremental_detokenizer_equals_full_decode(tok: Tokenizer, text: str, b
 
 
 def test_characters_split_across_tokens_are_held_back(tok: Tokenizer) -> None:
-    ids = tok.encode("a𝄞b", add_bos=False)  # 𝄞 is 4 bytes the corpus never merged
+    ids = tok.encode("a𝄞b", add_special_tokens=False)  # 𝄞 is 4 bytes the corpus never merged
     assert len(ids) >= 4
     detok = tok.incremental_detokenizer()
     deltas = [detok.add(i) for i in ids]
@@ -75,7 +75,7 @@ def test_characters_split_across_tokens_are_held_back(tok: Tokenizer) -> None:
 
 
 def test_flush_emits_replacement_for_a_truncated_character(tok: Tokenizer) -> None:
-    ids = tok.encode("x𝄞", add_bos=False)[:-1]
+    ids = tok.encode("x𝄞", add_special_tokens=False)[:-1]
     detok = tok.incremental_detokenizer()
     text = "".join(detok.add(i) for i in ids) + detok.flush()
     assert text == tok.decode(ids) and text.startswith("x") and text.endswith("\ufffd")

@@ -12,7 +12,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -219,6 +219,12 @@ class _Window:
         return [values[max(0, math.ceil(q * len(values)) - 1)] for q in qs]
 
 
+def _eos_set(ids: Collection[int]) -> frozenset[int]:
+    if isinstance(ids, int) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_token_ids must be a collection of token ids, got {ids!r}")
+    return frozenset(ids)
+
+
 class Engine:
     """Continuous-batching engine for one complete model on one device."""
 
@@ -226,7 +232,7 @@ class Engine:
         self,
         model: LlamaForCausalLM,
         kv_cache: KVCache,
-        tokenizer_eos_id: int,
+        eos_token_ids: Collection[int],
         config: EngineConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -235,7 +241,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.model = model
         self.kv_cache = kv_cache
-        self.eos_token_id = tokenizer_eos_id
+        # Every id that ends a generation (a chat model may have several, e.g. <|im_end|> and <|endoftext|>).
+        self.eos_token_ids = _eos_set(eos_token_ids)
         if kv_cache.block_size != self.config.block_size:
             raise ValueError(
                 f"KV cache block_size {kv_cache.block_size} != EngineConfig.block_size {self.config.block_size}"
@@ -251,8 +258,9 @@ class Engine:
                 f"KV cache covers layers [{kv_cache.first_layer}, {kv_cache.first_layer + kv_cache.num_layers}), "
                 f"the engine runs all {cfg.num_hidden_layers}"
             )
-        if not 0 <= tokenizer_eos_id < cfg.vocab_size:
-            raise ValueError(f"tokenizer_eos_id {tokenizer_eos_id} outside vocabulary [0, {cfg.vocab_size})")
+        outside = sorted(i for i in self.eos_token_ids if not 0 <= i < cfg.vocab_size)
+        if outside:
+            raise ValueError(f"eos_token_ids {outside} outside vocabulary [0, {cfg.vocab_size})")
         self._clock = clock
         self._limits = SchedulerLimits(
             max_batch_size=self.config.max_batch_size,
@@ -282,7 +290,7 @@ class Engine:
     def create(
         cls,
         model: LlamaForCausalLM,
-        tokenizer_eos_id: int,
+        eos_token_ids: Collection[int],
         config: EngineConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -304,7 +312,7 @@ class Engine:
         kv = KVCache.for_model(
             mcfg, num_blocks=blocks, block_size=config.block_size, dtype=model.dtype, device=model.device
         )
-        return cls(model, kv, tokenizer_eos_id, config, clock=clock, step_history=step_history)
+        return cls(model, kv, eos_token_ids, config, clock=clock, step_history=step_history)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -404,7 +412,7 @@ class Engine:
         self.check_request(len(prompt), sampling)
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
-            stop_ids.add(self.eos_token_id)
+            stop_ids |= self.eos_token_ids
         seq = _Seq(
             request_id=request_id,
             prompt=prompt,
