@@ -1,10 +1,10 @@
 """Run the whole mesh as local processes: parameter manager, global manager, workers, gateway.
 
-Usage: python -m services.mesh [--workers 2] [--model small] [--http-port 8000] [--grpc-port 50051]
+Usage: python -m services.mesh [--workers 2] [--model smollm2-135m-instruct] [--http-port 8000] [--grpc-port 50051]
 
-Synthesizes the default model if it is missing, starts every service, waits until each
-reports SERVING on the gRPC health service and the model is served, prints the endpoints,
-and stops every process cleanly on Ctrl-C / SIGTERM.
+Fetches and converts the default model (SmolLM2-135M-Instruct, once) or synthesizes a preset if
+it is missing, starts every service, waits until each reports SERVING on the gRPC health service
+and the model is served, prints the endpoints, and stops every process cleanly on Ctrl-C / SIGTERM.
 """
 
 from __future__ import annotations
@@ -15,13 +15,18 @@ import sys
 from pathlib import Path
 
 from services.mesh.launcher import Mesh, MeshConfig
+from services.model_format.default_model import DEFAULT_MODEL_ID
 
 
 def parse_args(argv: list[str] | None) -> MeshConfig:
     p = argparse.ArgumentParser(prog="python -m services.mesh", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2, help="worker processes (one per accelerator)")
     p.add_argument("--host-caches", type=int, default=1, help="parameter-pool processes sharing one copy of each model")
-    p.add_argument("--model", default="small", help="model id served at start (a preset name synthesizes it)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL_ID,
+        help="model id served at start (the default is fetched once; a preset name synthesizes it)",
+    )
     p.add_argument("--model-dir", type=Path, default=Path("models"), help="directory of HF checkpoints")
     p.add_argument("--run-dir", type=Path, default=Path("run"), help="port files and logs go here")
     p.add_argument("--host", default="127.0.0.1")

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.server import wait_for_serving
+from services.model_format.default_model import DEFAULT_MODEL_ID
 
 
 @dataclass
 class MeshConfig:
     workers: int = 2
     host_caches: int = 1
-    model: str = "small"
+    model: str = DEFAULT_MODEL_ID
     model_dir: Path = Path("models")
     run_dir: Path = Path("run")
     host: str = "127.0.0.1"
@@ -294,14 +295,22 @@ def child_env() -> dict[str, str]:
 
 
 def ensure_model(model_dir: Path, model: str) -> Path:
-    """Synthesize the model when `model` names a preset and its directory is missing."""
+    """The checkpoint directory of `model`: fetched and converted for the default model (once),
+    synthesized for a preset name, else one that must already be in `model_dir`."""
+    from services.model_format.default_model import ensure_default_model
     from services.model_format.synth import PRESETS, synthesize
 
     path = model_dir / model
+    if model == DEFAULT_MODEL_ID:
+        print(f"blitzmesh: fetching model {model!r} into {path} (once; tens of seconds)", file=sys.stderr)
+        return ensure_default_model(model_dir)
     if (path / "config.json").exists():
         return path
     if model not in PRESETS:
-        raise SystemExit(f"model {model!r} not found in {str(model_dir)!r} and not a preset {sorted(PRESETS)}")
+        raise SystemExit(
+            f"model {model!r} not found in {str(model_dir)!r}; expected the default {DEFAULT_MODEL_ID!r}, "
+            f"a preset {sorted(PRESETS)} or a converted checkpoint (python -m services.model_format convert-gguf)"
+        )
     print(f"blitzmesh: synthesizing model {model!r} into {path}", file=sys.stderr)
     return synthesize(path, model)
 

@@ -11,6 +11,8 @@ import yaml
 from services.common.config import load_config
 from services.gateway.config import GatewayConfig
 from services.global_manager.config import GlobalManagerConfig
+from services.model_format.__main__ import build_parser
+from services.model_format.default_model import DEFAULT_MODEL_ID
 from services.param_manager.service import ParamManagerConfig
 from services.worker.config import WorkerConfig
 
@@ -46,3 +48,16 @@ def test_workers_advertise_their_container_name() -> None:
         if svc["command"][2] == "services.worker":
             cfg = load_config(WorkerConfig, "worker", svc["command"][3:], env={})
             assert cfg.advertise_host == name and cfg.instance_id == name
+
+
+def test_model_init_fetches_the_model_the_manager_serves() -> None:
+    services = compose_services()
+    python, dash_m, module, *args = services["model-init"]["command"]
+    assert (python, dash_m, module) == ("python", "-m", "services.model_format")
+    parsed = build_parser().parse_args(args)
+    assert parsed.command == "fetch-default"
+    # The volume model-init writes is the one the parameter manager reads.
+    pm = load_config(ParamManagerConfig, "param_manager", services["param_manager"]["command"][3:], env={})
+    assert parsed.model_dir == pm.model_dir
+    gm = load_config(GlobalManagerConfig, "global_manager", services["global_manager"]["command"][3:], env={})
+    assert gm.default_model == DEFAULT_MODEL_ID
