@@ -582,7 +582,12 @@ async def test_http_errors_have_openai_shape(cluster: Cluster, start_gateway) ->
 
     status, body = await post(url, {"model": MODEL, "prompt": "Hi", "temperature": 3})
     assert status == 400 and body["error"]["param"] == "temperature" and "3" in body["error"]["message"]
-    assert (await post(url, {"model": MODEL, "prompt": "Hi", "n": 2}))[0] == 400
+    status, body = await post(url, {"model": MODEL, "prompt": "Hi", "n": 17})
+    assert status == 400 and body["error"]["param"] == "n" and "max_n=16" in body["error"]["message"]
+    # logit_bias ids are checked against the model's vocabulary (320 here), the bad one quoted.
+    status, body = await post(url, {"model": MODEL, "prompt": "Hi", "logit_bias": {"5": 1, "320": -100}})
+    assert status == 400 and body["error"]["param"] == "logit_bias"
+    assert "logit_bias token id 320" in body["error"]["message"] and "vocab_size=320" in body["error"]["message"]
 
 
 async def test_no_instance_is_503_and_health(cluster: Cluster, start_gateway) -> None:
