@@ -554,22 +554,28 @@ class Backend:
                         last_s = now_s
                         received += len(ids)
                     logprobs: tuple[TokenLogprob, ...] = ()
-                    if want_logprobs and ids:
-                        offsets, piece = [], ""
-                        for token in ids:  # one at a time, for each token's text offset
-                            offsets.append(chars + len(piece))
-                            piece += detok.add(token)
-                        logprobs = lp.from_proto(tokenizer, resp.logprobs, offsets)
-                    else:
-                        piece = detok.add(ids)
+                    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+                    prefix = ""
+                    try:
+                        if want_logprobs and ids:
+                            offsets, piece = [], ""
+                            for token in ids:  # one at a time, for each token's text offset
+                                offsets.append(chars + len(piece))
+                                piece += detok.add(token)
+                            logprobs = lp.from_proto(tokenizer, resp.logprobs, offsets)
+                        else:
+                            piece = detok.add(ids)
+                        if first:
+                            first = False
+                            prefix = echo_text or ""
+                            if req.sampling.prompt_logprobs is not None:
+                                offsets = lp.text_offsets(tokenizer, prompt_ids)
+                                prompt_logprobs = lp.from_proto(tokenizer, resp.prompt_logprobs, offsets)
+                    except ValueError as e:  # e.g. a worker too old to know log-probs sends none
+                        raise _WorkerFailedError(
+                            instance, grpc.StatusCode.INTERNAL, f"malformed log-probs: {e}", received
+                        ) from None
                     chars += len(piece)
-                    prefix, prompt_logprobs = "", ()
-                    if first:
-                        first = False
-                        prefix = echo_text or ""
-                        if resp.prompt_logprobs:
-                            offsets = lp.text_offsets(tokenizer, prompt_ids)
-                            prompt_logprobs = lp.from_proto(tokenizer, resp.prompt_logprobs, offsets)
                     text, matched = stops.feed(piece)
                     finished = resp.HasField("finish_reason")
                     if finished and not matched:
