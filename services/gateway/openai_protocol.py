@@ -123,7 +123,7 @@ def parse_chat(body: dict[str, Any], request_id: str) -> OpenAIRequest:
             raise invalid(
                 f"top_logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}, got {quote(top)}", "top_logprobs"
             )
-        if not want:
+        if top and not want:  # 0 asks for nothing, so it is harmless without logprobs
             raise invalid(f"top_logprobs needs logprobs=true, got top_logprobs={quote(top)} without it", "top_logprobs")
     _unsupported(body, "tools", lambda v: v in (None, []), "tools (function calling) are not supported")
     _unsupported(body, "tool_choice", lambda v: v in (None, "none"), "tool_choice is not supported")

@@ -277,6 +277,7 @@ def test_openai_features_map_onto_the_request() -> None:
     assert (chat_lp.sampling.logprobs, chat_lp.sampling.prompt_logprobs, chat_lp.n) == (5, None, 2)
     assert parse_chat(chat(logprobs=True), "c").inference.sampling.logprobs == 0
     assert parse_chat(chat(logprobs=False, top_logprobs=None), "c").inference.sampling.logprobs is None
+    assert parse_chat(chat(top_logprobs=0), "c").inference.sampling.logprobs is None
 
 
 def test_chat_text_parts_and_max_completion_tokens() -> None:

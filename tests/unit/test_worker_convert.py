@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from blitzmesh import convert as public
+from blitzmesh import types
 from blitzmesh.v1 import common_pb2
 from services.worker.convert import (
     prompt_logprobs_from_proto,
@@ -77,3 +79,39 @@ def test_logprobs_round_trip() -> None:
     assert prompt_logprobs_from_proto(msgs) == entries
     one = token_logprob_to_proto(4, -0.25, ((4, -0.25),))
     assert (one.token_id, one.logprob, [(t.token_id, t.logprob) for t in one.top_logprobs]) == (4, -0.25, [(4, -0.25)])
+
+
+def test_a_public_request_reaches_the_engine_unchanged() -> None:
+    """The gateway writes the SDK type with the SDK's converter; the worker reads it with its own."""
+    sent = types.SamplingParams(
+        temperature=0.5,
+        top_p=0.75,
+        top_k=40,
+        max_tokens=33,
+        seed=-5,
+        stop_token_ids=(2, 9),
+        ignore_eos=True,
+        presence_penalty=-1.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.125,
+        logit_bias={5: -100.0, 6: 0.5},
+        logprobs=3,
+        prompt_logprobs=1,
+    )
+    got = sampling_from_proto(public.sampling_to_proto(sent), default_max_tokens=1)
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_tokens",
+        "seed",
+        "stop_token_ids",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "logprobs",
+        "prompt_logprobs",
+    ):
+        assert getattr(got, name) == getattr(sent, name), name
