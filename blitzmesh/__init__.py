@@ -21,6 +21,7 @@ from blitzmesh.errors import (
 )
 from blitzmesh.types import (
     ChatMessage,
+    Choice,
     ClusterEvent,
     ClusterState,
     Completion,
@@ -34,6 +35,8 @@ from blitzmesh.types import (
     SamplingParams,
     ScaleResult,
     TokenChunk,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
@@ -43,6 +46,7 @@ __all__ = [
     "AuthenticationError",
     "BlitzmeshError",
     "ChatMessage",
+    "Choice",
     "Client",
     "ClusterEvent",
     "ClusterState",
@@ -64,6 +68,8 @@ __all__ = [
     "SamplingParams",
     "ScaleResult",
     "TokenChunk",
+    "TokenLogprob",
+    "TopLogprob",
     "UnavailableError",
     "UnimplementedError",
     "Usage",

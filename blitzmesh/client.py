@@ -60,6 +60,8 @@ _T = TypeVar("_T")
 _Msg = TypeVar("_Msg")
 
 _INT32_MAX = 2**31 - 1
+MAX_N = 128
+"""Most choices one request may ask for (OpenAI's limit; a gateway may allow fewer)."""
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -107,6 +109,8 @@ def _generate_request(
     sampling: SamplingParams,
     request_id: str | None,
     return_token_ids: bool,
+    n: int = 1,
+    echo: bool = False,
 ) -> inference_pb2.GenerateRequest:
     """Validate the inputs of generate/complete and build the wire request."""
     given = {
@@ -145,6 +149,12 @@ def _generate_request(
     _check_name("request_id", request_id)
     if not isinstance(return_token_ids, bool):
         raise ValueError(f"return_token_ids must be a bool, got {return_token_ids!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be an int in [1, {MAX_N}], got {n!r}")
+    if not isinstance(echo, bool):
+        raise ValueError(f"echo must be a bool, got {echo!r}")
+    if echo and messages is not None:
+        raise ValueError("echo=True needs a prompt or prompt_token_ids; chat messages have no prompt text to echo")
     return convert.generate_request_to_proto(
         model=model,
         prompt=prompt,
@@ -153,6 +163,8 @@ def _generate_request(
         sampling=sampling,
         request_id=request_id,
         return_token_ids=return_token_ids,
+        n=n,
+        echo=echo,
     )
 
 
@@ -272,6 +284,14 @@ class AsyncClient:
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        n: int = 1,
+        echo: bool = False,
         return_token_ids: bool = False,
         request_id: str | None = None,
         timeout_s: float | None = None,
@@ -281,6 +301,15 @@ class AsyncClient:
         Give exactly one of `prompt`, `messages` (chat turns) or `prompt_token_ids`. Sampling
         arguments left as ``None`` take the gateway's defaults. The last chunk carries
         `finish_reason` and `usage`. Arguments are checked at once, before any network call.
+
+        `n` > 1 streams n independent choices, their chunks interleaved and told apart by
+        `TokenChunk.index`; each choice's last chunk has its finish_reason and usage. With a
+        `seed`, choice i samples with ``seed + i``, so it is reproducible (and choice 0 equals the
+        n=1 answer). `logprobs=k` adds each token's log-prob and the k most likely alternatives
+        (`TokenChunk.logprobs`), `prompt_logprobs=k` the same for the prompt (on each choice's
+        first chunk); `echo` prepends the prompt text to each choice. The penalties and
+        `logit_bias` follow OpenAI (presence/frequency over generated tokens, -2..2; bias
+        -100..100 per token id) and vLLM (`repetition_penalty` over prompt + output, > 0).
 
         Leaving the loop early cancels the request on the server; wrap the iterator in
         `contextlib.aclosing` to have that happen at once rather than when it is collected.
@@ -304,28 +333,38 @@ class AsyncClient:
                 seed=seed,
                 stop_token_ids=tuple(stop_token_ids),
                 ignore_eos=ignore_eos,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty,
+                logit_bias=logit_bias or (),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             ),
             request_id=request_id,
             return_token_ids=return_token_ids,
+            n=n,
+            echo=echo,
         )
         return self._generate(request, self._timeout(timeout_s))
 
     async def _generate(
         self, request: inference_pb2.GenerateRequest, timeout_s: float | None
     ) -> AsyncIterator[TokenChunk]:
-        finished = False
+        finished: set[int] = set()
         stream = self._stream(self._stubs()[0].Generate, request, timeout_s, request.request_id)
         # aclosing: if our consumer stops early, cancel the RPC now, not at garbage collection.
         async with contextlib.aclosing(stream):
             async for msg in stream:
                 chunk = _parse(convert.token_chunk_from_proto, msg, request.request_id)
-                finished = finished or chunk.finish_reason is not None
+                if chunk.finish_reason is not None:
+                    finished.add(chunk.index)
                 yield chunk
-        if not finished:
+        if len(finished) < max(request.n, 1):
             # The gateway promises that every accepted request ends in a finish or an error
             # status; a stream that just stops would hand the caller a silently cut text.
+            missing = sorted(set(range(max(request.n, 1))) - finished)
             raise InternalError(
-                "the Generate stream ended without a finish_reason",
+                f"the Generate stream ended without a finish_reason for choice(s) {missing}",
                 code="INTERNAL",
                 request_id=request.request_id,
             )
@@ -345,13 +384,23 @@ class AsyncClient:
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        n: int = 1,
+        echo: bool = False,
         return_token_ids: bool = False,
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> Completion:
         """Run a completion and return it whole (the gateway's unary ``Complete``).
 
-        Takes the same arguments as `generate`. Retried on UNAVAILABLE.
+        Takes the same arguments as `generate`. Retried on UNAVAILABLE. With `n` > 1 the
+        choices are in `Completion.choices` (the top-level text is choice 0's) and `usage` counts
+        the prompt once and the completion tokens of every choice.
 
         Raises:
             ValueError: for invalid arguments.
@@ -371,9 +420,17 @@ class AsyncClient:
                 seed=seed,
                 stop_token_ids=tuple(stop_token_ids),
                 ignore_eos=ignore_eos,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty,
+                logit_bias=logit_bias or (),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             ),
             request_id=request_id,
             return_token_ids=return_token_ids,
+            n=n,
+            echo=echo,
         )
         reply = await self._unary(
             self._stubs()[0].Complete,

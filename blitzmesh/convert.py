@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from blitzmesh.types import (
     ChatMessage,
+    Choice,
     ClusterEvent,
     ClusterState,
     Completion,
@@ -27,6 +28,8 @@ from blitzmesh.types import (
     SamplingParams,
     ScaleResult,
     TokenChunk,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from blitzmesh.v1 import admin_pb2, common_pb2, inference_pb2
@@ -111,36 +114,78 @@ def instance_role_from_proto(value: int) -> InstanceRole:
 # --- inference --------------------------------------------------------------------------------
 
 
+# The optional fields of SamplingParams whose ``None`` means "unset on the wire".
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "prompt_logprobs",
+)
+
+
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    """Unset (``None``) fields stay unset so the gateway applies its defaults."""
+    """Unset (``None``) fields stay unset so the gateway applies its defaults. The gateway uses
+    this converter too (the SDK type is its internal sampling type): one per wire type."""
     msg = common_pb2.SamplingParams(
-        stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        logit_bias=dict(params.logit_bias),
     )
-    if params.temperature is not None:
-        msg.temperature = params.temperature
-    if params.top_p is not None:
-        msg.top_p = params.top_p
-    if params.top_k is not None:
-        msg.top_k = params.top_k
-    if params.max_tokens is not None:
-        msg.max_tokens = params.max_tokens
-    if params.seed is not None:
-        msg.seed = params.seed
+    for name in _OPTIONAL_SAMPLING_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
     return msg
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Note that temperature and top_p travel as float32: 0.7 comes back as 0.699999988."""
+    """Note that temperature, top_p, the penalties and the biases travel as float32: 0.7 comes
+    back as 0.699999988.
+
+    Raises:
+        ValueError: for an out-of-range field, quoting it.
+    """
+    optional = {name: getattr(msg, name) if msg.HasField(name) else None for name in _OPTIONAL_SAMPLING_FIELDS}
     return SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else None,
-        top_p=msg.top_p if msg.HasField("top_p") else None,
-        top_k=msg.top_k if msg.HasField("top_k") else None,
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         stop=tuple(msg.stop),
-        seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logit_bias=dict(msg.logit_bias),
+        **optional,
     )
+
+
+def token_logprob_to_proto(entry: TokenLogprob) -> common_pb2.TokenLogprob:
+    msg = common_pb2.TokenLogprob(
+        token_id=entry.token_id,
+        top_logprobs=[common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in entry.top_logprobs],
+    )
+    if entry.logprob is not None:
+        msg.logprob = entry.logprob
+    return msg
+
+
+def token_logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        token_id=msg.token_id,
+        logprob=msg.logprob if msg.HasField("logprob") else None,
+        top_logprobs=tuple(TopLogprob(t.token_id, t.logprob) for t in msg.top_logprobs),
+    )
+
+
+def _logprobs_to_proto(entries: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [token_logprob_to_proto(e) for e in entries]
+
+
+def _logprobs_from_proto(msgs: Sequence[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(token_logprob_from_proto(m) for m in msgs)
 
 
 def chat_message_to_proto(message: ChatMessage) -> inference_pb2.ChatMessage:
@@ -160,6 +205,8 @@ def generate_request_to_proto(
     sampling: SamplingParams | None = None,
     request_id: str = "",
     return_token_ids: bool = False,
+    n: int = 1,
+    echo: bool = False,
 ) -> inference_pb2.GenerateRequest:
     """Build a GenerateRequest (also the request of Complete). The caller validates the
     exactly-one-of rule for prompt, messages and prompt_token_ids."""
@@ -171,6 +218,8 @@ def generate_request_to_proto(
         sampling=sampling_to_proto(sampling or SamplingParams()),
         request_id=request_id,
         return_token_ids=return_token_ids,
+        n=n,
+        echo=echo,
     )
 
 
@@ -196,6 +245,9 @@ def token_chunk_to_proto(chunk: TokenChunk) -> inference_pb2.GenerateResponse:
         text=chunk.text,
         token_ids=chunk.token_ids,
         instance_id=chunk.instance_id,
+        index=chunk.index,
+        logprobs=_logprobs_to_proto(chunk.logprobs),
+        prompt_logprobs=_logprobs_to_proto(chunk.prompt_logprobs),
     )
     if chunk.finish_reason is not None:
         msg.finish_reason = finish_reason_to_proto(chunk.finish_reason)
@@ -212,6 +264,31 @@ def token_chunk_from_proto(msg: inference_pb2.GenerateResponse) -> TokenChunk:
         usage=usage_from_proto(msg.usage) if msg.HasField("usage") else None,
         request_id=msg.request_id,
         instance_id=msg.instance_id,
+        index=msg.index,
+        logprobs=_logprobs_from_proto(msg.logprobs),
+        prompt_logprobs=_logprobs_from_proto(msg.prompt_logprobs),
+    )
+
+
+def choice_to_proto(choice: Choice) -> inference_pb2.Choice:
+    return inference_pb2.Choice(
+        index=choice.index,
+        text=choice.text,
+        token_ids=choice.token_ids,
+        finish_reason=finish_reason_to_proto(choice.finish_reason),
+        logprobs=_logprobs_to_proto(choice.logprobs),
+        instance_id=choice.instance_id,
+    )
+
+
+def choice_from_proto(msg: inference_pb2.Choice) -> Choice:
+    return Choice(
+        index=msg.index,
+        text=msg.text,
+        token_ids=tuple(msg.token_ids),
+        finish_reason=finish_reason_from_proto(msg.finish_reason),
+        logprobs=_logprobs_from_proto(msg.logprobs),
+        instance_id=msg.instance_id,
     )
 
 
@@ -223,14 +300,25 @@ def completion_to_proto(completion: Completion) -> inference_pb2.CompleteRespons
         finish_reason=finish_reason_to_proto(completion.finish_reason),
         usage=usage_to_proto(completion.usage),
         instance_id=completion.instance_id,
+        choices=[choice_to_proto(c) for c in completion.choices],
+        prompt_logprobs=_logprobs_to_proto(completion.prompt_logprobs),
     )
 
 
 def completion_from_proto(msg: inference_pb2.CompleteResponse) -> Completion:
-    """Raises ValueError when the reply has no finish_reason: a finished completion has one."""
+    """Raises ValueError when the reply has no finish_reason: a finished completion has one.
+    A reply without ``choices`` (a gateway from before ``n``) gets its one choice from the
+    top-level fields."""
     reason = finish_reason_from_proto(msg.finish_reason)
     if reason is None:
         raise ValueError(f"Complete reply for request {msg.request_id!r} has no finish_reason")
+    choices = tuple(choice_from_proto(c) for c in msg.choices)
+    for i, choice in enumerate(choices):
+        if choice.index != i or choice.finish_reason is None:
+            raise ValueError(
+                f"Complete reply for request {msg.request_id!r}: choice {i} has index {choice.index}"
+                f" and finish_reason {choice.finish_reason!r}"
+            )
     return Completion(
         text=msg.text,
         token_ids=tuple(msg.token_ids),
@@ -238,6 +326,8 @@ def completion_from_proto(msg: inference_pb2.CompleteResponse) -> Completion:
         usage=usage_from_proto(msg.usage),
         request_id=msg.request_id,
         instance_id=msg.instance_id,
+        choices=choices,
+        prompt_logprobs=_logprobs_from_proto(msg.prompt_logprobs),
     )
 
 

@@ -7,12 +7,13 @@ these dataclasses and the wire messages.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
     "ChatMessage",
+    "Choice",
     "ClusterEvent",
     "ClusterState",
     "Completion",
@@ -26,6 +27,8 @@ __all__ = [
     "SamplingParams",
     "ScaleResult",
     "TokenChunk",
+    "TokenLogprob",
+    "TopLogprob",
     "Usage",
 ]
 
@@ -40,11 +43,36 @@ InstanceRole = Literal["unspecified", "colocated", "prefill", "decode"]
 
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20
+"""Most alternatives per position that `logprobs` / `prompt_logprobs` may ask for."""
 
 
 def _is_int(value: object) -> bool:
     # bool is an int subclass; `top_k=True` is a caller mistake, not a 1.
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _logit_bias(value: Mapping[int, float] | Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"logit_bias must map token ids to biases, got {value!r}")
+    pairs = list(value.items()) if isinstance(value, Mapping) else list(value)
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got the entry {pair!r}")
+        token, bias = pair
+        if not _is_int(token) or not 0 <= token <= _INT32_MAX:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias for token {token} must be a number in [-100, 100], got {bias!r}")
+        if token in out:
+            raise ValueError(f"logit_bias names token {token} twice")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +97,22 @@ class SamplingParams:
     """Same seed, same output."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float | None = None
+    """In [-2, 2]: subtracted from the logit of every token generated so far (OpenAI's)."""
+    frequency_penalty: float | None = None
+    """In [-2, 2]: subtracted once per earlier occurrence in the generated tokens (OpenAI's)."""
+    repetition_penalty: float | None = None
+    """> 0, 1 = off: for tokens of the prompt or the output, positive logits are divided by it and
+    negative ones multiplied (HF/vLLM's)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """Token id -> bias in [-100, 100] added to its logit; a mapping is accepted and stored as
+    ``(id, bias)`` pairs sorted by id (``dict(params.logit_bias)`` gives it back)."""
+    logprobs: int | None = None
+    """``None``: no log-probs; k in [0, 20]: each token's log-prob and the k most likely tokens at
+    its position. Log-probs are of the model's raw distribution (before temperature, penalties
+    and logit_bias)."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token (the first has none)."""
 
     def __post_init__(self) -> None:
         # Callers naturally pass lists; store tuples so the object stays immutable and hashable.
@@ -97,6 +141,18 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or not -2 <= value <= 2):
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if r is not None and (not _is_number(r) or r <= 0):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {r!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +174,31 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenChunk:
-    """One message of a generation stream: the text produced since the previous chunk.
+class TopLogprob:
+    """One of the most likely tokens at a position."""
 
-    Only the last chunk has ``finish_reason`` and ``usage``; ``token_ids`` is filled only when
-    the request asked for ``return_token_ids``.
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability under the model, and the most likely tokens at its position
+    (most likely first). Always <= 0; ``None`` only for the first prompt token."""
+
+    token_id: int
+    logprob: float | None
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """One message of a generation stream: the text one choice produced since its previous chunk.
+
+    Each choice's last chunk has ``finish_reason`` and ``usage`` (that choice's); ``token_ids``
+    is filled only when the request asked for ``return_token_ids``, ``logprobs`` (one per token
+    of the chunk) when it asked for ``logprobs``, and a choice's first chunk carries
+    ``prompt_logprobs`` when asked for. With ``n > 1`` the choices' chunks interleave.
     """
 
     text: str
@@ -132,11 +208,29 @@ class TokenChunk:
     request_id: str = ""
     instance_id: str = ""
     """Which instance served the request."""
+    index: int = 0
+    """Which choice (0 .. n-1) this chunk belongs to."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One of the n choices of a completion."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    instance_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """A whole completion."""
+    """A whole completion. ``text``, ``token_ids``, ``finish_reason`` and ``instance_id`` are
+    choice 0's; ``choices`` holds all n (built from those when not given); ``usage`` counts the
+    prompt once and every choice's completion tokens."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -144,6 +238,18 @@ class Completion:
     usage: Usage
     request_id: str
     instance_id: str
+    choices: tuple[Choice, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.choices:
+            first = Choice(0, self.text, self.token_ids, self.finish_reason, instance_id=self.instance_id)
+            object.__setattr__(self, "choices", (first,))
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...]:
+        """Choice 0's log-probs (empty unless the request asked for ``logprobs``)."""
+        return self.choices[0].logprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,12 +57,18 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RETURN_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    ECHO_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     prompt: _builtins.str
     """Exactly one of prompt, messages, prompt_token_ids."""
     request_id: _builtins.str
     """optional; the gateway makes one if empty"""
     return_token_ids: _builtins.bool
+    n: _builtins.int
+    """Independent choices to generate (0 or 1 = one). Choice i of a seeded request uses seed + i."""
+    echo: _builtins.bool
+    """Prepend the prompt to each choice's text (prompt or prompt_token_ids only, not messages)."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]: ...
     @_builtins.property
@@ -79,10 +85,12 @@ class GenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         request_id: _builtins.str = ...,
         return_token_ids: _builtins.bool = ...,
+        n: _builtins.int = ...,
+        echo: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "model", b"model", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_token_ids", b"return_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["echo", b"echo", "messages", b"messages", "model", b"model", "n", b"n", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_token_ids", b"return_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -90,6 +98,8 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
+    """With n > 1 the choices' messages are interleaved; `index` says whose each one is."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -98,19 +108,32 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
-    """delta since the previous message"""
+    """delta since the previous message of this choice"""
     finish_reason: _common_pb2.FinishReason.ValueType
     instance_id: _builtins.str
     """which instance served it"""
+    index: _builtins.int
+    """choice index, 0..n-1"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """only when return_token_ids"""
 
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
-        """set on the last message"""
+        """set on the last message of each choice: that choice's usage"""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """one per token of this message, when sampling.logprobs is set"""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """on a choice's first message, when sampling.prompt_logprobs is set"""
 
     def __init__(
         self,
@@ -121,10 +144,13 @@ class GenerateResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType | None = ...,
         usage: _common_pb2.Usage | None = ...,
         instance_id: _builtins.str = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "finish_reason", b"finish_reason", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "finish_reason", b"finish_reason", "instance_id", b"instance_id", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "finish_reason", b"finish_reason", "index", b"index", "instance_id", b"instance_id", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__finish_reason: _TypeAlias = _typing.Literal["finish_reason"]  # noqa: Y015
     _WhichOneofArgType__finish_reason: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason"]  # noqa: Y015
@@ -134,6 +160,11 @@ Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
 @_typing.final
 class CompleteResponse(_message.Message):
+    """The top-level text, token_ids, finish_reason and instance_id are choice 0's (what clients
+    before `n` read); `choices` holds every choice. `usage` counts the prompt once and the
+    completion tokens of all choices.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -142,6 +173,8 @@ class CompleteResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -150,6 +183,12 @@ class CompleteResponse(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def usage(self) -> _common_pb2.Usage: ...
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Choice]: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """when sampling.prompt_logprobs is set"""
+
     def __init__(
         self,
         *,
@@ -159,11 +198,53 @@ class CompleteResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         instance_id: _builtins.str = ...,
+        choices: _abc.Iterable[Global___Choice] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "instance_id", b"instance_id", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "finish_reason", b"finish_reason", "instance_id", b"instance_id", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompleteResponse: _TypeAlias = CompleteResponse  # noqa: Y015
+
+@_typing.final
+class Choice(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    text: _builtins.str
+    finish_reason: _common_pb2.FinishReason.ValueType
+    instance_id: _builtins.str
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """only when return_token_ids"""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """when sampling.logprobs is set"""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        text: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        instance_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "instance_id", b"instance_id", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choice: _TypeAlias = Choice  # noqa: Y015

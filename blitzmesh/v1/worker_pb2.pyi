@@ -68,11 +68,21 @@ class WorkerGenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """one per token_ids entry, when sampling.logprobs is set"""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """first message only, when sampling.prompt_logprobs is set"""
+
     def __init__(
         self,
         *,
@@ -80,10 +90,12 @@ class WorkerGenerateResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType | None = ...,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "finish_reason", b"finish_reason"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "prompt_tokens", b"prompt_tokens", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__finish_reason: _TypeAlias = _typing.Literal["finish_reason"]  # noqa: Y015
     _WhichOneofArgType__finish_reason: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason"]  # noqa: Y015

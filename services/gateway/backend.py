@@ -5,23 +5,30 @@ concurrency + FIFO queue) -> Schedule a route on the global manager -> stream Wo
 -> detokenize incrementally -> stop strings -> usage. A worker that fails before the first
 token reaches the client is excluded and the request re-routed; after it, the stream ends with
 an error naming the instance. A client that goes away cancels the worker call and sends Abort.
+
+n > 1 fans out here: each choice is an ordinary request of its own (id `<request_id>-<i>`,
+seed + i), scheduled, retried before its first token, stop-string-checked and aborted on its
+own, and the choices' events interleave as they arrive. That is the simplest correct design:
+nothing new in the worker or the engine (an engine fork would need copy-on-write KV blocks,
+which the paged cache does not have), and it is how vLLM v1 runs n too (one child request per
+choice). The cost is n prefills of the prompt, and one admission slot covers all n choices.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from blitzmesh.convert import finish_reason_from_proto
+from blitzmesh.convert import finish_reason_from_proto, sampling_to_proto
 from blitzmesh.v1 import (
     admin_pb2,
-    common_pb2,
     global_manager_pb2,
     global_manager_pb2_grpc,
     param_manager_pb2,
@@ -30,6 +37,7 @@ from blitzmesh.v1 import (
     worker_pb2_grpc,
 )
 from services.common.grpc_util import channel
+from services.gateway import logprobs as lp
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ErrorKind, GatewayError, invalid, quote
@@ -37,11 +45,12 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.schema import (
     FINISH_LENGTH,
     FINISH_STOP,
+    INT64_MIN,
     Event,
     Finish,
     InferenceRequest,
-    Sampling,
     TokenDelta,
+    TokenLogprob,
     Usage,
     validate_request,
 )
@@ -202,24 +211,37 @@ class Backend:
         arrived_s = time.monotonic()
         outcome = "internal"
         sent_any = False
+        finished = 0
         bound = log.bind(request_id=req.request_id, model=req.model, api=req.api)
         try:
             validate_request(req)
+            if req.n > self.config.max_n:
+                raise invalid(f"n must be at most max_n={self.config.max_n} on this gateway, got {quote(req.n)}", "n")
             assets = await self._models.get(req.model)
+            _check_logit_bias(assets, req)
             prompt_ids = await self._tokenize(assets, req)
             max_tokens = _resolve_max_tokens(assets, req, len(prompt_ids), self.config.default_max_tokens)
+            echo_text = _echo_text(assets, req, prompt_ids)
             async with self.admission.slot():
                 self.metrics.queue_wait_s.observe(time.monotonic() - arrived_s)
                 deadline_s = time.monotonic() + self.config.request_timeout_s
-                async for event in self._attempts(req, assets, prompt_ids, max_tokens, deadline_s, bound):
-                    if not sent_any and isinstance(event, TokenDelta):
-                        self.metrics.ttft_s.observe(time.monotonic() - arrived_s)
-                    if isinstance(event, Finish):
-                        outcome = event.finish_reason
-                        self.metrics.tokens.labels("prompt").inc(event.usage.prompt_tokens)
-                        self.metrics.tokens.labels("completion").inc(event.usage.completion_tokens)
-                    sent_any = True
-                    yield event
+                if req.n == 1:
+                    events = self._attempts(req, assets, prompt_ids, max_tokens, deadline_s, bound, 0, echo_text)
+                else:
+                    events = self._fan_out(req, assets, prompt_ids, max_tokens, deadline_s, bound, echo_text)
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        if not sent_any and isinstance(event, TokenDelta):
+                            self.metrics.ttft_s.observe(time.monotonic() - arrived_s)
+                        if isinstance(event, Finish):
+                            finished += 1
+                            if finished == 1:  # the prompt is one prompt, however many choices
+                                self.metrics.tokens.labels("prompt").inc(event.usage.prompt_tokens)
+                            self.metrics.tokens.labels("completion").inc(event.usage.completion_tokens)
+                            if finished == req.n:
+                                outcome = event.finish_reason
+                        sent_any = True
+                        yield event
         except GatewayError as e:
             outcome = e.kind.metric_outcome
             server_side = e.kind in (ErrorKind.MID_STREAM, ErrorKind.INTERNAL, ErrorKind.TIMEOUT, ErrorKind.UNAVAILABLE)
@@ -265,6 +287,67 @@ class Backend:
             raise invalid("the prompt is empty (0 tokens after tokenization)", "prompt")
         return ids
 
+    async def _fan_out(
+        self,
+        req: InferenceRequest,
+        assets: ModelAssets,
+        prompt_ids: list[int],
+        max_tokens: int,
+        deadline_s: float,
+        bound: structlog.typing.FilteringBoundLogger,
+        echo_text: str | None,
+    ) -> AsyncGenerator[Event, None]:
+        """n > 1: one child request per choice, run as owned tasks; their events interleave.
+
+        A choice failing before anything reached the client fails the request with its error;
+        after that, the request ends with a MID_STREAM error naming the choice. Closing this
+        generator cancels every child (each aborts its worker call)."""
+        queue: asyncio.Queue[tuple[int, Event | Exception | None]] = asyncio.Queue(maxsize=4 * req.n)
+
+        async def run_choice(i: int) -> None:
+            child = replace(
+                req,
+                request_id=f"{req.request_id}-{i}",
+                n=1,
+                sampling=replace(req.sampling, seed=choice_seed(req.sampling.seed, i)),
+            )
+            events = self._attempts(child, assets, prompt_ids, max_tokens, deadline_s, bound, i, echo_text)
+            try:
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        await queue.put((i, event))
+            except Exception as e:  # handed to the consumer, which raises it
+                await queue.put((i, e))
+                return
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(run_choice(i), name=f"choice-{req.request_id}-{i}") for i in range(req.n)]
+        sent_any = False
+        try:
+            done = 0
+            while done < req.n:
+                i, item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, Exception):
+                    if sent_any and not (
+                        isinstance(item, GatewayError) and item.kind in (ErrorKind.MID_STREAM, ErrorKind.TIMEOUT)
+                    ):
+                        detail = item.message if isinstance(item, GatewayError) else f"{type(item).__name__}: {item}"
+                        raise GatewayError(
+                            ErrorKind.MID_STREAM,
+                            f"choice {i} of request {req.request_id} failed after others streamed: {detail}",
+                            code="choice_failed",
+                        ) from item
+                    raise item
+                else:
+                    sent_any = True
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _attempts(
         self,
         req: InferenceRequest,
@@ -273,6 +356,8 @@ class Backend:
         max_tokens: int,
         deadline_s: float,
         bound: structlog.typing.FilteringBoundLogger,
+        index: int = 0,
+        echo_text: str | None = None,
     ) -> AsyncGenerator[Event, None]:
         """Try instances until one streams; re-route only while nothing reached the client."""
         excluded: list[str] = []
@@ -283,7 +368,8 @@ class Backend:
             hop = await self._schedule(req, len(prompt_ids), max_tokens, excluded, failures, deadline_s)
             sent_any = False
             try:
-                async for event in self._stream(req, assets, hop, prompt_ids, max_tokens, deadline_s):
+                stream = self._stream(req, assets, hop, prompt_ids, max_tokens, deadline_s, index, echo_text)
+                async for event in stream:
                     sent_any = True
                     yield event
                 return
@@ -418,23 +504,35 @@ class Backend:
         prompt_ids: list[int],
         max_tokens: int,
         deadline_s: float,
+        index: int = 0,
+        echo_text: str | None = None,
     ) -> AsyncGenerator[Event, None]:
-        """One attempt on one instance; raises _WorkerFailedError on any worker-side failure."""
+        """One attempt on one instance; raises _WorkerFailedError on any worker-side failure.
+
+        The echoed prompt (and the prompt log-probs) go out with the first token, so a worker
+        failing before it still leaves the request free to be re-routed."""
         instance = hop.instance_id or hop.address
         stub = self._worker(hop.address)
+        # Stop strings are applied here, on text; the worker only sees token-level stops.
+        sampling = replace(req.sampling, max_tokens=max_tokens, stop=())
         call = stub.Generate(
             worker_pb2.WorkerGenerateRequest(
                 request_id=req.request_id,
                 model_id=req.model,
                 prompt_token_ids=prompt_ids,
-                sampling=_sampling_to_proto(req.sampling, max_tokens),
+                sampling=sampling_to_proto(sampling),
                 layer_start=0,
                 layer_end=0,
             ),
             timeout=max(deadline_s - time.monotonic(), 0.001),
         )
+        tokenizer = assets.tokenizer
         detok = assets.new_detokenizer()
         stops = StopStringMatcher(req.sampling.stop)
+        want_logprobs = req.sampling.logprobs is not None
+        # Where generated text starts in the choice's text, and how much the detokenizer gave so far.
+        chars = len(echo_text) if echo_text is not None else 0
+        first = True
         received = 0
         last_s: float | None = None
         worker_done = False
@@ -448,7 +546,30 @@ class Backend:
                             self.metrics.tbt_s.observe((now_s - last_s) / len(ids))
                         last_s = now_s
                         received += len(ids)
-                    text, matched = stops.feed(detok.add(ids))
+                    logprobs: tuple[TokenLogprob, ...] = ()
+                    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+                    prefix = ""
+                    try:
+                        if want_logprobs and ids:
+                            offsets, piece = [], ""
+                            for token in ids:  # one at a time, for each token's text offset
+                                offsets.append(chars + len(piece))
+                                piece += detok.add(token)
+                            logprobs = lp.from_proto(tokenizer, resp.logprobs, offsets)
+                        else:
+                            piece = detok.add(ids)
+                        if first:
+                            first = False
+                            prefix = echo_text or ""
+                            if req.sampling.prompt_logprobs is not None:
+                                offsets = lp.text_offsets(tokenizer, prompt_ids)
+                                prompt_logprobs = lp.from_proto(tokenizer, resp.prompt_logprobs, offsets)
+                    except ValueError as e:  # e.g. a worker too old to know log-probs sends none
+                        raise _WorkerFailedError(
+                            instance, grpc.StatusCode.INTERNAL, f"malformed log-probs: {e}", received
+                        ) from None
+                    chars += len(piece)
+                    text, matched = stops.feed(piece)
                     finished = resp.HasField("finish_reason")
                     try:
                         worker_reason = finish_reason_from_proto(resp.finish_reason) if finished else None
@@ -465,8 +586,9 @@ class Backend:
                         text += tail
                         if not matched:
                             text += stops.flush()
-                    if text or (req.return_token_ids and ids):
-                        yield TokenDelta(text, ids, instance)
+                    text = prefix + text
+                    if text or (req.return_token_ids and ids) or logprobs or prompt_logprobs:
+                        yield TokenDelta(text, ids, instance, index, logprobs, prompt_logprobs)
                     if matched or finished:
                         worker_done = finished
                         reason = FINISH_STOP if matched or worker_reason == "stop" else FINISH_LENGTH
@@ -474,7 +596,7 @@ class Backend:
                             prompt_tokens=resp.prompt_tokens if finished and resp.prompt_tokens else len(prompt_ids),
                             completion_tokens=max(received, resp.completion_tokens if finished else 0),
                         )
-                        yield Finish(reason, usage, instance)
+                        yield Finish(reason, usage, instance, index)
                         return
             except grpc.aio.AioRpcError as e:
                 worker_done = True
@@ -540,22 +662,31 @@ def _resolve_max_tokens(assets: ModelAssets, req: InferenceRequest, prompt_token
     return default_max_tokens
 
 
-def _sampling_to_proto(s: Sampling, max_tokens: int) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        max_tokens=max_tokens,
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-    )
-    # Stop strings are applied here, on text; the worker only sees token-level stops.
-    if s.temperature is not None:
-        msg.temperature = s.temperature
-    if s.top_p is not None:
-        msg.top_p = s.top_p
-    if s.top_k is not None:
-        msg.top_k = s.top_k
-    if s.seed is not None:
-        msg.seed = s.seed
-    return msg
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index`: seed + index, wrapped into 64 bits (vLLM derives its n child
+    requests' seeds the same way). Choice 0 is exactly the n=1 answer; unseeded stays unseeded."""
+    if seed is None:
+        return None
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def _check_logit_bias(assets: ModelAssets, req: InferenceRequest) -> None:
+    vocab = assets.vocab_size
+    if vocab is None:
+        return  # the worker checks against the model's own vocabulary
+    for token, _ in req.sampling.logit_bias:
+        if token >= vocab:
+            raise invalid(
+                f"logit_bias token id {token} is out of range for model {quote(req.model)} (vocab_size={vocab})",
+                "logit_bias",
+            )
+
+
+def _echo_text(assets: ModelAssets, req: InferenceRequest, prompt_ids: list[int]) -> str | None:
+    """The text `echo` prepends: the prompt as given, or the decoded prompt token ids."""
+    if not req.echo:
+        return None
+    return req.prompt if req.prompt is not None else assets.tokenizer.decode(prompt_ids)
 
 
 async def _probe(ch: grpc.aio.Channel) -> str:

@@ -21,6 +21,13 @@ class GatewayConfig(ServiceConfig):
     default_max_tokens: int = Field(
         256, ge=1, description="max_tokens when a request gives none (capped by the context left)"
     )
+    max_n: int = Field(
+        16,
+        ge=1,
+        le=128,
+        description="most choices one request may ask for (n); each choice is a request to a worker of its own, "
+        "all under the request's one admission slot",
+    )
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body; beyond it: 413")
     api_keys: list[str] = Field(
         default_factory=list, description="accepted bearer keys (JSON list on the CLI); empty = no auth"

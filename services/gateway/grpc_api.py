@@ -6,25 +6,28 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 import structlog
 
+from blitzmesh import convert
+from blitzmesh import types as sdk
 from blitzmesh.convert import finish_reason_to_proto
 from blitzmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, inference_pb2, inference_pb2_grpc
 from services.gateway.auth import check_bearer
 from services.gateway.backend import Backend
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import GatewayError
+from services.gateway.errors import GatewayError, invalid
 from services.gateway.schema import (
     ChatMessage,
     Finish,
     InferenceRequest,
-    Sampling,
     TokenDelta,
+    TokenLogprob,
     Usage,
+    total_usage,
     validate_request,
 )
 
@@ -35,17 +38,10 @@ T = TypeVar("T")
 
 def request_from_proto(msg: inference_pb2.GenerateRequest) -> InferenceRequest:
     """Proto -> internal request, validated; raises GatewayError(INVALID) quoting the value."""
-    s = msg.sampling
-    sampling = Sampling(
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_p=s.top_p if s.HasField("top_p") else None,
-        top_k=s.top_k if s.HasField("top_k") else None,
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
-        stop=tuple(s.stop),
-        seed=s.seed if s.HasField("seed") else None,
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-    )
+    try:
+        sampling = convert.sampling_from_proto(msg.sampling)  # the SDK's converter: one per wire type
+    except ValueError as e:
+        raise invalid(str(e)) from e
     req = InferenceRequest(
         model=msg.model,
         request_id=msg.request_id or "gen-" + uuid.uuid4().hex,
@@ -56,9 +52,21 @@ def request_from_proto(msg: inference_pb2.GenerateRequest) -> InferenceRequest:
         prompt_token_ids=tuple(msg.prompt_token_ids),
         return_token_ids=msg.return_token_ids,
         api="grpc",
+        n=msg.n or 1,  # proto3: 0 is "unset"
+        echo=msg.echo,
     )
     validate_request(req)
     return req
+
+
+def logprobs_to_proto(entries: Sequence[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    """The gateway's log-prob entries on the public wire: token ids and log-probs (no text)."""
+    return [
+        convert.token_logprob_to_proto(
+            sdk.TokenLogprob(e.token_id, e.logprob, tuple(sdk.TopLogprob(t.token_id, t.logprob) for t in e.top))
+        )
+        for e in entries
+    ]
 
 
 def usage_to_proto(usage: Usage) -> common_pb2.Usage:
@@ -108,6 +116,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             text=event.text,
                             token_ids=event.token_ids if req.return_token_ids else (),
                             instance_id=event.instance_id,
+                            index=event.index,
+                            logprobs=logprobs_to_proto(event.logprobs),
+                            prompt_logprobs=logprobs_to_proto(event.prompt_logprobs),
                         )
                     elif isinstance(event, Finish):
                         yield inference_pb2.GenerateResponse(
@@ -115,6 +126,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             finish_reason=finish_reason_to_proto(event.finish_reason),
                             usage=usage_to_proto(event.usage),
                             instance_id=event.instance_id,
+                            index=event.index,
                         )
             except GatewayError as e:
                 await _abort(context, e)
@@ -123,24 +135,37 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CompleteResponse:
         req = await self._admit(request, context)
-        text: list[str] = []
-        ids: list[int] = []
+        choices = [inference_pb2.Choice(index=i) for i in range(req.n)]
+        prompt_logprobs: list[common_pb2.TokenLogprob] = []
+        usages: list[Usage] = []
         events = self.backend.generate(req)
         async with contextlib.aclosing(events):
             try:
                 async for event in events:
+                    choice = choices[event.index]
                     if isinstance(event, TokenDelta):
-                        text.append(event.text)
-                        ids.extend(event.token_ids)
+                        choice.text += event.text
+                        if req.return_token_ids:
+                            choice.token_ids.extend(event.token_ids)
+                        choice.logprobs.extend(logprobs_to_proto(event.logprobs))
+                        if event.index == 0 and event.prompt_logprobs:
+                            prompt_logprobs = logprobs_to_proto(event.prompt_logprobs)
                     elif isinstance(event, Finish):
-                        return inference_pb2.CompleteResponse(
-                            request_id=req.request_id,
-                            text="".join(text),
-                            token_ids=ids if req.return_token_ids else (),
-                            finish_reason=finish_reason_to_proto(event.finish_reason),
-                            usage=usage_to_proto(event.usage),
-                            instance_id=event.instance_id,
-                        )
+                        choice.finish_reason = finish_reason_to_proto(event.finish_reason)
+                        choice.instance_id = event.instance_id
+                        usages.append(event.usage)
+                        if len(usages) == req.n:
+                            first = choices[0]
+                            return inference_pb2.CompleteResponse(
+                                request_id=req.request_id,
+                                text=first.text,
+                                token_ids=first.token_ids,
+                                finish_reason=first.finish_reason,
+                                usage=usage_to_proto(total_usage(usages)),
+                                instance_id=first.instance_id,
+                                choices=choices,
+                                prompt_logprobs=prompt_logprobs,
+                            )
             except GatewayError as e:
                 await _abort(context, e)
         await context.abort(grpc.StatusCode.INTERNAL, f"request {req.request_id} ended without a finish event")

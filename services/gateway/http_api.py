@@ -19,6 +19,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.errors import ErrorKind, GatewayError, quote
 from services.gateway.openai_protocol import (
     SSE_DONE,
+    ChoiceOutput,
     OpenAIRequest,
     full_response,
     parse_chat,
@@ -28,7 +29,7 @@ from services.gateway.openai_protocol import (
     stream_chunk,
     usage_chunk,
 )
-from services.gateway.schema import Event, Finish, TokenDelta
+from services.gateway.schema import Event, Finish, TokenDelta, TokenLogprob, Usage, total_usage
 
 log = structlog.get_logger(__name__)
 
@@ -179,22 +180,29 @@ class HttpApi:
     async def _collect(
         self, oreq: OpenAIRequest, events: AsyncIterator[Event], response_id: str, created_s: int
     ) -> web.Response:
-        parts: list[str] = []
+        n = oreq.inference.n
+        parts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        finishes: dict[int, Finish] = {}
         async for event in events:
             if isinstance(event, TokenDelta):
-                parts.append(event.text)
+                parts[event.index].append(event.text)
+                logprobs[event.index].extend(_chunk_logprobs(oreq, event) or ())
             elif isinstance(event, Finish):
-                body = full_response(
-                    oreq.kind,
-                    response_id,
-                    oreq.inference.model,
-                    created_s,
-                    "".join(parts),
-                    event.finish_reason,
-                    event.usage,
-                )
-                return web.json_response(body, headers={"X-Request-Id": response_id})
-        raise GatewayError(ErrorKind.INTERNAL, f"request {response_id} ended without a finish event")
+                finishes[event.index] = event
+                if len(finishes) == n:
+                    choices = [
+                        ChoiceOutput(
+                            i, "".join(parts[i]), finishes[i].finish_reason, logprobs[i] if oreq.logprobs else None
+                        )
+                        for i in range(n)
+                    ]
+                    usage = total_usage([f.usage for f in finishes.values()])
+                    body = full_response(oreq.kind, response_id, oreq.inference.model, created_s, choices, usage)
+                    return web.json_response(body, headers={"X-Request-Id": response_id})
+        raise GatewayError(
+            ErrorKind.INTERNAL, f"request {response_id} ended with {len(finishes)} of {n} choices finished"
+        )
 
     async def _stream(
         self,
@@ -218,9 +226,15 @@ class HttpApi:
             }
         )
         await resp.prepare(request)
-        model, kind, usage_on = oreq.inference.model, oreq.kind, oreq.include_usage
+        model, kind, usage_on, n = oreq.inference.model, oreq.kind, oreq.include_usage, oreq.inference.n
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> bytes:
+        def chunk(
+            index: int,
+            text: str | None,
+            finish: str | None = None,
+            role: bool = False,
+            logprobs: list[TokenLogprob] | None = None,
+        ) -> bytes:
             return sse_event(
                 stream_chunk(
                     kind,
@@ -231,23 +245,31 @@ class HttpApi:
                     finish_reason=finish,
                     include_usage=usage_on,
                     role=role,
+                    index=index,
+                    logprobs=logprobs,
                 )
             )
 
         try:
             try:
                 if kind == "chat":
-                    await resp.write(chunk("", role=True))
+                    for index in range(n):
+                        await resp.write(chunk(index, "", role=True))
+                usages: list[Usage] = []
                 event: Event | None = first
                 while event is not None:
                     if isinstance(event, TokenDelta):
-                        if event.text:
-                            await resp.write(chunk(event.text))
+                        logprobs = _chunk_logprobs(oreq, event)
+                        if event.text or logprobs:
+                            await resp.write(chunk(event.index, event.text, logprobs=logprobs))
                     else:
-                        await resp.write(chunk(None if kind == "chat" else "", finish=event.finish_reason))
-                        if usage_on:
-                            await resp.write(sse_event(usage_chunk(kind, response_id, model, created_s, event.usage)))
-                        break
+                        await resp.write(chunk(event.index, None if kind == "chat" else "", finish=event.finish_reason))
+                        usages.append(event.usage)
+                        if len(usages) == n:
+                            if usage_on:
+                                total = total_usage(usages)
+                                await resp.write(sse_event(usage_chunk(kind, response_id, model, created_s, total)))
+                            break
                     event = await anext(events, None)
             except GatewayError as e:
                 # Headers are out: the failure travels in-band, then the stream ends cleanly.
@@ -258,6 +280,16 @@ class HttpApi:
             # The client hung up between writes; leaving `aclosing` cancels the worker call.
             log.info("client_disconnected", request_id=response_id)
         return resp
+
+
+def _chunk_logprobs(oreq: OpenAIRequest, event: TokenDelta) -> list[TokenLogprob] | None:
+    """The log-prob entries a delta shows: its tokens' (completions with echo: the prompt's
+    first), or None when the request did not ask for log-probs."""
+    if not oreq.logprobs:
+        return None
+    if oreq.kind == "completion":
+        return [*event.prompt_logprobs, *event.logprobs]
+    return list(event.logprobs)
 
 
 def _too_large(detail: str, limit: int) -> GatewayError:

@@ -1,31 +1,51 @@
 """OpenAI wire format: request bodies -> InferenceRequest (every refusal quotes the value), and
-the response, chunk and error objects of /v1/completions and /v1/chat/completions. No I/O."""
+the response, chunk and error objects of /v1/completions and /v1/chat/completions. No I/O.
+
+Supported beyond the basics, as OpenAI (and vLLM, for its extensions) define them:
+- `n` (1..128, capped by the gateway's `max_n`): n independent choices, index 0..n-1, streamed
+  interleaved; usage counts the prompt once and every choice's completion tokens. With a `seed`,
+  choice i samples with seed + i.
+- log-probs, of the model's raw distribution (before temperature, penalties and logit_bias):
+  chat `logprobs: true` + `top_logprobs` 0..20 -> `choices[].logprobs.content[]`; completions
+  `logprobs` 0..5 -> `{tokens, token_logprobs, top_logprobs, text_offset}`, where each
+  top_logprobs dict also holds the chosen token (so up to logprobs + 1 entries, as OpenAI says).
+  A token that is not whole UTF-8 reads `bytes:\\xe2\\x98`, its `bytes` exact.
+- `presence_penalty`, `frequency_penalty` (-2..2, over generated tokens), `repetition_penalty`
+  (vLLM's, > 0, over prompt + generated tokens), `logit_bias` (token id -> -100..100).
+- completions `echo`: the prompt text starts each choice's text; with `logprobs`, the prompt
+  tokens' log-probs come first (the first token's is null), computed in the same prefill.
+Still refused with a 400: `best_of` other than n, `suffix`, tools, non-text response_format.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from services.gateway.errors import invalid, quote
 from services.gateway.schema import (
+    MAX_N,
+    MAX_TOP_LOGPROBS,
     ChatMessage,
     InferenceRequest,
-    Sampling,
+    TokenLogprob,
     Usage,
+    build_sampling,
     validate_request,
-    validate_sampling,
 )
 
 Kind = Literal["completion", "chat"]
 
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
+
 _COMMON_FIELDS = frozenset(
     {
         "model", "stream", "stream_options", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed",
-        "n", "presence_penalty", "frequency_penalty", "logit_bias", "user", "ignore_eos", "stop_token_ids",
-        "logprobs", "metadata", "store", "service_tier",
+        "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "user", "ignore_eos",
+        "stop_token_ids", "logprobs", "metadata", "store", "service_tier",
     }
 )  # fmt: skip
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix"}
@@ -43,6 +63,11 @@ class OpenAIRequest:
     inference: InferenceRequest
     stream: bool
     include_usage: bool
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the answer carries log-probs objects (else `"logprobs": null`)."""
+        return self.inference.sampling.logprobs is not None
 
 
 # ---- body -> request ---------------------------------------------------------------------
@@ -72,19 +97,34 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 def parse_completion(body: dict[str, Any], request_id: str) -> OpenAIRequest:
     """POST /v1/completions."""
     _check_fields(body, _COMPLETION_FIELDS)
-    _unsupported(body, "best_of", lambda v: v in (None, 1), "only best_of=1 is supported")
-    _unsupported(body, "echo", lambda v: v in (None, False), "echo=true is not supported")
+    n = _n(body)
+    _unsupported(body, "best_of", lambda v: v is None or v == n, f"best_of must equal n={n} (no server-side ranking)")
     _unsupported(body, "suffix", lambda v: v in (None, ""), "suffix is not supported")
-    _unsupported(body, "logprobs", lambda v: v is None, "logprobs are not supported")
+    echo = _bool(body, "echo") or False
+    logprobs = _int(body, "logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise invalid(
+            f"logprobs must be an integer between 0 and {MAX_COMPLETION_LOGPROBS}, got {quote(logprobs)}", "logprobs"
+        )
     prompt, prompt_ids = _parse_prompt(body.get("prompt"))
-    return _finish(body, "completion", request_id, "max_tokens", prompt=prompt, prompt_token_ids=prompt_ids)
+    extra = {"logprobs": logprobs, "prompt_logprobs": logprobs if echo else None}
+    return _finish(
+        body, "completion", request_id, "max_tokens", extra, n=n, echo=echo, prompt=prompt, prompt_token_ids=prompt_ids
+    )
 
 
 def parse_chat(body: dict[str, Any], request_id: str) -> OpenAIRequest:
     """POST /v1/chat/completions."""
     _check_fields(body, _CHAT_FIELDS)
-    _unsupported(body, "logprobs", lambda v: v in (None, False), "logprobs are not supported")
-    _unsupported(body, "top_logprobs", lambda v: v in (None, 0), "top_logprobs are not supported")
+    want = _bool(body, "logprobs") or False
+    top = _int(body, "top_logprobs")
+    if top is not None:
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise invalid(
+                f"top_logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}, got {quote(top)}", "top_logprobs"
+            )
+        if top and not want:  # 0 asks for nothing, so it is harmless without logprobs
+            raise invalid(f"top_logprobs needs logprobs=true, got top_logprobs={quote(top)} without it", "top_logprobs")
     _unsupported(body, "tools", lambda v: v in (None, []), "tools (function calling) are not supported")
     _unsupported(body, "tool_choice", lambda v: v in (None, "none"), "tool_choice is not supported")
     _unsupported(
@@ -98,23 +138,23 @@ def parse_chat(body: dict[str, Any], request_id: str) -> OpenAIRequest:
     if body.get("max_completion_tokens") is not None:
         # The newer name wins; max_tokens is its deprecated alias.
         param = "max_completion_tokens"
-    return _finish(body, "chat", request_id, param, messages=messages)
+    extra = {"logprobs": (top or 0) if want else None}
+    return _finish(body, "chat", request_id, param, extra, n=_n(body), messages=messages)
 
 
-def _finish(body: dict[str, Any], kind: Kind, request_id: str, max_tokens_param: str, **inputs: Any) -> OpenAIRequest:
+def _finish(
+    body: dict[str, Any],
+    kind: Kind,
+    request_id: str,
+    max_tokens_param: str,
+    sampling_extra: dict[str, Any],
+    **inputs: Any,
+) -> OpenAIRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid(
             f"model must be a non-empty string naming a model from GET /v1/models, got {quote(model)}", "model"
         )
-    n = _int(body, "n")
-    if n is not None and n != 1:
-        raise invalid(f"only n=1 is supported, got n={quote(n)}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _number(body, name)
-        if value is not None and value != 0:
-            raise invalid(f"{name} is not supported (only 0), got {quote(value)}", name)
-    _unsupported(body, "logit_bias", lambda v: v in (None, {}), "logit_bias is not supported")
     stream = _bool(body, "stream") or False
     include_usage = False
     options = body.get("stream_options")
@@ -124,20 +164,53 @@ def _finish(body: dict[str, Any], kind: Kind, request_id: str, max_tokens_param:
         if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
             raise invalid(f'stream_options must be {{"include_usage": bool}}, got {quote(options)}', "stream_options")
         include_usage = _bool(options, "include_usage", "stream_options.include_usage") or False
-    sampling = Sampling(
-        temperature=_number(body, "temperature"),
-        top_p=_number(body, "top_p"),
-        top_k=_int(body, "top_k"),
-        max_tokens=_int(body, max_tokens_param),
-        stop=_parse_stop(body.get("stop")),
-        seed=_int(body, "seed"),
-        stop_token_ids=_int_list(body, "stop_token_ids"),
-        ignore_eos=_bool(body, "ignore_eos") or False,
+    sampling = build_sampling(
+        {
+            "temperature": _number(body, "temperature"),
+            "top_p": _number(body, "top_p"),
+            "top_k": _int(body, "top_k"),
+            "max_tokens": _int(body, max_tokens_param),
+            "stop": _parse_stop(body.get("stop")),
+            "seed": _int(body, "seed"),
+            "stop_token_ids": _int_list(body, "stop_token_ids"),
+            "ignore_eos": _bool(body, "ignore_eos") or False,
+            "presence_penalty": _number(body, "presence_penalty"),
+            "frequency_penalty": _number(body, "frequency_penalty"),
+            "repetition_penalty": _number(body, "repetition_penalty"),
+            "logit_bias": _parse_logit_bias(body.get("logit_bias")),
+            **sampling_extra,
+        },
+        max_tokens_param=max_tokens_param,
     )
-    validate_sampling(sampling, max_tokens_param=max_tokens_param)
     req = InferenceRequest(model=model, request_id=request_id, sampling=sampling, api="http", **inputs)
     validate_request(req)
     return OpenAIRequest(kind, req, stream, include_usage)
+
+
+def _n(body: dict[str, Any]) -> int:
+    n = _int(body, "n")
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_N:
+        raise invalid(f"n must be an integer between 1 and {MAX_N}, got {quote(n)}", "n")
+    return n
+
+
+def _parse_logit_bias(value: Any) -> dict[int, float]:
+    """`{"token id as a string": bias}`, as JSON writes OpenAI's map; ranges are checked later."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid(f"logit_bias must be an object mapping token ids to numbers, got {quote(value)}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key.strip() if isinstance(key, str) else ""
+        if not (token.isdigit() and token.isascii()):
+            raise invalid(f"logit_bias keys must be token ids (non-negative integers), got {quote(key)}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise invalid(f"logit_bias values must be numbers, got {quote(bias)} for token {key}", "logit_bias")
+        out[int(token)] = float(bias)
+    return out
 
 
 def _check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -275,27 +348,71 @@ def usage_json(usage: Usage) -> dict[str, int]:
     }
 
 
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """One finished choice of a non-streamed answer."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: Sequence[TokenLogprob] | None = None  # None: not asked for
+
+
+def logprobs_json(kind: Kind, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The `logprobs` object of a choice (or of a chunk: the entries of its tokens)."""
+    if kind == "chat":
+        return {
+            "content": [
+                {
+                    "token": e.token,
+                    "logprob": e.logprob,
+                    "bytes": list(e.bytes),
+                    "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in e.top],
+                }
+                for e in entries
+            ],
+            "refusal": None,
+        }
+    top: list[dict[str, float] | None] = []
+    for e in entries:
+        if e.logprob is None:
+            top.append(None)  # the first prompt token: nothing to compare it with
+            continue
+        alternatives = {t.token: t.logprob for t in e.top}
+        alternatives.setdefault(e.token, e.logprob)  # OpenAI: the chosen token is always listed
+        top.append(alternatives)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top,
+        "text_offset": [e.text_offset for e in entries],
+    }
+
+
 def full_response(
-    kind: Kind, response_id: str, model: str, created_s: int, text: str, finish_reason: str, usage: Usage
+    kind: Kind, response_id: str, model: str, created_s: int, choices: Sequence[ChoiceOutput], usage: Usage
 ) -> dict[str, Any]:
     """The non-streaming answer."""
-    if kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        obj = "chat.completion"
+    out: list[dict[str, Any]] = []
+    for c in sorted(choices, key=lambda c: c.index):
+        logprobs = None if c.logprobs is None else logprobs_json(kind, c.logprobs)
+        if kind == "completion":
+            out.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+        else:
+            out.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+            )
     return {
         "id": response_id,
-        "object": obj,
+        "object": "text_completion" if kind == "completion" else "chat.completion",
         "created": created_s,
         "model": model,
-        "choices": [choice],
+        "choices": out,
         "usage": usage_json(usage),
     }
 
@@ -310,10 +427,14 @@ def stream_chunk(
     finish_reason: str | None,
     include_usage: bool,
     role: bool = False,
+    index: int = 0,
+    logprobs: Sequence[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
-    """One SSE chunk carrying a text delta and/or the finish reason."""
+    """One SSE chunk of choice `index` carrying a text delta (with its tokens' log-probs when
+    asked for) and/or the finish reason."""
+    lp = None if logprobs is None else logprobs_json(kind, logprobs)
     if kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {}
@@ -321,7 +442,7 @@ def stream_chunk(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     chunk: dict[str, Any] = {
         "id": response_id,

@@ -1,37 +1,32 @@
 """Internal request and event types of the gateway, and the checks both APIs share.
 
 The HTTP and gRPC front ends convert their wire formats into `InferenceRequest`; the backend
-turns it into a stream of `TokenDelta` events closed by one `Finish`. No protobuf in here.
+turns it into a stream of `TokenDelta` events, each choice closed by one `Finish`. No protobuf
+in here. The sampling type is the SDK's `SamplingParams` (None = "the worker's or gateway's
+default"), so one converter (`blitzmesh.convert`) serves both sides of the public wire.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from blitzmesh.types import SamplingParams as Sampling
 from services.gateway.errors import invalid, quote
+
+__all__ = ["Sampling"]  # re-exported: the gateway's name for the SDK's SamplingParams
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_SEQUENCES = 4
+MAX_N = 128  # OpenAI's limit on n; GatewayConfig.max_n may set a lower one
+MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 FINISH_STOP = "stop"  # eos, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context limit
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters; None means "the worker's (or gateway's) default"."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,6 +47,8 @@ class InferenceRequest:
     prompt_token_ids: tuple[int, ...] = ()
     return_token_ids: bool = False
     api: str = "http"  # which front end took it; a metrics label
+    n: int = 1  # independent choices; choice i of a seeded request samples with seed + i
+    echo: bool = False  # prepend the prompt text to each choice (prompts only, not messages)
 
 
 @dataclass(frozen=True)
@@ -64,54 +61,123 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+def total_usage(usages: Sequence[Usage]) -> Usage:
+    """The usage of a request with n choices: the prompt once, every choice's completion tokens."""
+    return Usage(max((u.prompt_tokens for u in usages), default=0), sum(u.completion_tokens for u in usages))
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at a position, with its text (`token`) and exact bytes."""
+
+    token_id: int
+    logprob: float
+    token: str
+    bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-prob under the model's raw distribution (None for the first prompt token),
+    its text and bytes, the most likely tokens at its position, and where its text starts in
+    the choice's text (characters; the prompt counts when it is echoed)."""
+
+    token_id: int
+    logprob: float | None
+    token: str
+    bytes: bytes
+    top: tuple[TopLogprob, ...]
+    text_offset: int
+
+
 @dataclass(frozen=True)
 class TokenDelta:
-    """New completion text (possibly empty when only token ids are asked for)."""
+    """New text of choice `index` (possibly empty when only token ids or log-probs are asked
+    for). `logprobs` has one entry per token of `token_ids` when the request asked for them;
+    a choice's first delta carries `prompt_logprobs` when asked for, and the echoed prompt at
+    the start of its `text`."""
 
     text: str
     token_ids: tuple[int, ...]
     instance_id: str
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class Finish:
-    """The last event of every successful stream."""
+    """The last event of each choice of a successful stream; `usage` is that choice's."""
 
     finish_reason: str
     usage: Usage
     instance_id: str
+    index: int = 0
 
 
 Event = TokenDelta | Finish
 
 
-def validate_sampling(s: Sampling, *, max_tokens_param: str = "max_tokens") -> None:
-    """Range checks shared by both APIs; raises GatewayError(INVALID) quoting the bad value."""
-    if s.temperature is not None and not (math.isfinite(s.temperature) and 0.0 <= s.temperature <= 2.0):
-        raise invalid(f"temperature must be between 0 and 2, got {quote(s.temperature)}", "temperature")
-    if s.top_p is not None and not (math.isfinite(s.top_p) and 0.0 < s.top_p <= 1.0):
-        raise invalid(f"top_p must be in (0, 1], got {quote(s.top_p)}", "top_p")
-    if s.top_k is not None and not (-1 <= s.top_k <= INT32_MAX):
-        raise invalid(f"top_k must be -1 or 0 (off) or a positive integer, got {quote(s.top_k)}", "top_k")
-    if s.max_tokens is not None:
-        if s.max_tokens <= 0:
-            raise invalid(f"{max_tokens_param} must be at least 1, got {quote(s.max_tokens)}", max_tokens_param)
-        if s.max_tokens > INT32_MAX:
-            raise invalid(
-                f"{max_tokens_param} must be at most {INT32_MAX}, got {quote(s.max_tokens)}", max_tokens_param
-            )
-    if len(s.stop) > MAX_STOP_SEQUENCES:
-        raise invalid(
-            f"stop holds at most {MAX_STOP_SEQUENCES} sequences, got {len(s.stop)}: {quote(list(s.stop))}", "stop"
-        )
-    for seq in s.stop:
+def _check_sampling(v: Mapping[str, Any], max_tokens_param: str) -> None:
+    temperature, top_p, top_k, max_tokens = v["temperature"], v["top_p"], v["top_k"], v["max_tokens"]
+    if temperature is not None and not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
+        raise invalid(f"temperature must be between 0 and 2, got {quote(temperature)}", "temperature")
+    if top_p is not None and not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise invalid(f"top_p must be in (0, 1], got {quote(top_p)}", "top_p")
+    if top_k is not None and not (-1 <= top_k <= INT32_MAX):
+        raise invalid(f"top_k must be -1 or 0 (off) or a positive integer, got {quote(top_k)}", "top_k")
+    if max_tokens is not None:
+        if max_tokens <= 0:
+            raise invalid(f"{max_tokens_param} must be at least 1, got {quote(max_tokens)}", max_tokens_param)
+        if max_tokens > INT32_MAX:
+            raise invalid(f"{max_tokens_param} must be at most {INT32_MAX}, got {quote(max_tokens)}", max_tokens_param)
+    stop = list(v["stop"])
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise invalid(f"stop holds at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}: {quote(stop)}", "stop")
+    for seq in stop:
         if not seq:
-            raise invalid(f"stop sequences must be non-empty strings, got {quote(list(s.stop))}", "stop")
-    if s.seed is not None and not (INT64_MIN <= s.seed <= INT64_MAX):
-        raise invalid(f"seed must fit in 64 bits, got {quote(s.seed)}", "seed")
-    for tid in s.stop_token_ids:
+            raise invalid(f"stop sequences must be non-empty strings, got {quote(stop)}", "stop")
+    seed = v["seed"]
+    if seed is not None and not (INT64_MIN <= seed <= INT64_MAX):
+        raise invalid(f"seed must fit in 64 bits, got {quote(seed)}", "seed")
+    for tid in v["stop_token_ids"]:
         if not (0 <= tid <= INT32_MAX):
             raise invalid(f"stop_token_ids must be non-negative token ids, got {quote(tid)}", "stop_token_ids")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = v[name]
+        if value is not None and not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise invalid(f"{name} must be between -2 and 2, got {quote(value)}", name)
+    rep = v["repetition_penalty"]
+    if rep is not None and not (math.isfinite(rep) and rep > 0):
+        raise invalid(f"repetition_penalty must be a number > 0 (1 = off), got {quote(rep)}", "repetition_penalty")
+    bias = v["logit_bias"]
+    for token, value in bias.items() if isinstance(bias, Mapping) else bias:
+        if not 0 <= token <= INT32_MAX:
+            raise invalid(f"logit_bias keys must be token ids >= 0, got {quote(token)}", "logit_bias")
+        if not (math.isfinite(value) and -100.0 <= value <= 100.0):
+            raise invalid(
+                f"logit_bias values must be between -100 and 100, got {quote(value)} for token {token}", "logit_bias"
+            )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = v[name]
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise invalid(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {quote(value)}", name)
+
+
+def build_sampling(values: Mapping[str, Any], *, max_tokens_param: str = "max_tokens") -> Sampling:
+    """A Sampling from already type-checked values; GatewayError(INVALID) naming the param when
+    a value is out of range (checked here first, so the SDK type's own checks never fire)."""
+    full = {f.name: values.get(f.name, f.default) for f in fields(Sampling)}
+    _check_sampling(full, max_tokens_param)
+    try:
+        return Sampling(**full)
+    except ValueError as e:  # a check the gateway's missed: still the client's value
+        raise invalid(str(e)) from e
+
+
+def validate_sampling(s: Sampling, *, max_tokens_param: str = "max_tokens") -> None:
+    """Range checks shared by both APIs; raises GatewayError(INVALID) quoting the bad value."""
+    _check_sampling({f.name: getattr(s, f.name) for f in fields(s)}, max_tokens_param)
 
 
 def validate_request(req: InferenceRequest) -> None:
@@ -137,4 +203,8 @@ def validate_request(req: InferenceRequest) -> None:
     for tid in req.prompt_token_ids:
         if tid < 0:
             raise invalid(f"prompt token ids must be non-negative, got {quote(tid)}", "prompt")
+    if not 1 <= req.n <= MAX_N:
+        raise invalid(f"n must be between 1 and {MAX_N}, got {quote(req.n)}", "n")
+    if req.echo and req.messages:
+        raise invalid("echo needs a prompt (or prompt_token_ids): chat messages have no prompt text to echo", "echo")
     validate_sampling(req.sampling)

@@ -39,6 +39,7 @@ from blitzmesh.v1 import (
     worker_pb2_grpc,
 )
 from services.common.server import ServeContext, serve, wait_for_serving
+from services.common.waiting import wait_until
 from services.gateway.config import GatewayConfig
 from services.gateway.service import GatewayService
 from services.model_format.tokenizer import Tokenizer
@@ -615,7 +616,12 @@ async def test_http_errors_have_openai_shape(cluster: Cluster, start_gateway) ->
 
     status, body = await post(url, {"model": MODEL, "prompt": "Hi", "temperature": 3})
     assert status == 400 and body["error"]["param"] == "temperature" and "3" in body["error"]["message"]
-    assert (await post(url, {"model": MODEL, "prompt": "Hi", "n": 2}))[0] == 400
+    status, body = await post(url, {"model": MODEL, "prompt": "Hi", "n": 17})
+    assert status == 400 and body["error"]["param"] == "n" and "max_n=16" in body["error"]["message"]
+    # logit_bias ids are checked against the model's vocabulary (320 here), the bad one quoted.
+    status, body = await post(url, {"model": MODEL, "prompt": "Hi", "logit_bias": {"5": 1, "320": -100}})
+    assert status == 400 and body["error"]["param"] == "logit_bias"
+    assert "logit_bias token id 320" in body["error"]["message"] and "vocab_size=320" in body["error"]["message"]
 
 
 async def test_no_instance_is_503_and_health(cluster: Cluster, start_gateway) -> None:
@@ -659,6 +665,94 @@ async def test_model_chat_template_is_used_and_its_refusal_is_400(cluster: Clust
     assert status == 400 and body["error"]["param"] == "messages"
     message = body["error"]["message"]
     assert "(chat_template.jinja) refused the conversation: No system role, sorry" in message and MODEL in message
+
+
+# ---- n > 1: one worker request per choice ------------------------------------------------------
+
+
+async def test_n_choices_fan_out_with_seed_plus_index(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    top = 2**63 - 1
+    body = {"model": MODEL, "prompt": "Hi", "n": 3, "seed": top - 1, "stop": ["zzz"]}
+    status, reply = await post(gw.http + "/v1/completions", body)
+    assert status == 200, reply
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    assert all(c["text"] == REPLY and c["finish_reason"] == "stop" for c in reply["choices"])
+    assert reply["usage"]["prompt_tokens"] == len(cluster.tokenizer.encode("Hi"))  # the prompt once
+    assert reply["usage"]["completion_tokens"] == 3 * len(cluster.reply_ids)
+    seeds = {r.request_id: r.sampling.seed for r in worker.requests}
+    # Choice i samples with seed + i, wrapped into 64 bits; stop strings stay in the gateway.
+    assert seeds == {f"{reply['id']}-0": top - 1, f"{reply['id']}-1": top, f"{reply['id']}-2": -(2**63)}
+    assert all(not r.sampling.stop for r in worker.requests)
+    metrics = await _get_text(gw.http + "/metrics")
+    assert 'blitzmesh_gateway_requests_total{api="http",outcome="stop"} 1.0' in metrics
+
+
+async def test_n_choices_stream_interleaved_with_one_usage(cluster: Cluster, start_gateway) -> None:
+    await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    events = await sse_events(
+        gw.http + "/v1/chat/completions", chat_body(n=2, stream=True, stream_options={"include_usage": True})
+    )
+    chunks = events[:-1]
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(c["delta"].get("content", "") for c in mine) == REPLY
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["stop"]
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 * len(cluster.reply_ids)
+    assert chunks[-1]["usage"]["prompt_tokens"] == chat_prompt_tokens(cluster)
+
+
+async def test_n_choices_each_rerouted_before_its_first_token(cluster: Cluster, start_gateway) -> None:
+    (await cluster.add_worker("w-bad")).fail_code = grpc.StatusCode.UNAVAILABLE
+    good = await cluster.add_worker("w-good")
+    gw = await start_gateway()
+    status, reply = await post(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "n": 2})
+    assert status == 200 and [c["text"] for c in reply["choices"]] == [REPLY, REPLY]
+    assert sorted(list(s.exclude_instance_ids) for s in cluster.gm.schedules) == [[], [], ["w-bad"], ["w-bad"]]
+    assert len(good.requests) == 2
+
+
+async def test_n_choices_dying_mid_stream_end_with_an_error(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.die_after = 3
+    gw = await start_gateway()
+    events = await sse_events(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "n": 2, "stream": True})
+    assert events[-1] == "[DONE]" and "died mid-stream" in events[-2]["error"]["message"]
+    backend = gw.service.backend
+    await wait_until(lambda: backend.admission.in_flight == 0, 5, what="the request's slot back")
+
+
+async def test_worker_without_logprobs_is_a_worker_failure(cluster: Cluster, start_gateway) -> None:
+    # The scripted worker knows nothing of log-probs, like a worker from before them.
+    worker = await cluster.add_worker("w-old")
+    gw = await start_gateway(retries_before_first_token=0)
+    status, body = await post(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "logprobs": 1})
+    assert status == 503 and "malformed log-probs: 0 log-prob entries for 1 tokens" in body["error"]["message"]
+    await wait_until(lambda: len(worker.aborts) == 1, 5, what="the abort of the old worker's call")
+
+
+async def test_n_choices_cancelled_together(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    worker.delay_s = 0.1
+    gw = await start_gateway()
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(
+            gw.http + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "n": 3, "stream": True}
+        )
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")
+        request_id = resp.headers["X-Request-Id"]
+        resp.close()  # hang up mid-stream: every choice's worker call must end
+    backend = gw.service.backend
+    await wait_until(
+        lambda: len(worker.aborts) == 3 and backend.admission.in_flight == 0, 5, what="3 aborts and a free slot"
+    )
+    assert sorted(worker.aborts) == [f"{request_id}-{i}" for i in range(3)]
 
 
 async def _get_text(url: str) -> str:

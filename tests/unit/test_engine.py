@@ -216,6 +216,98 @@ async def test_same_seed_same_output_regardless_of_batch(model: LlamaForCausalLM
     assert [e.token_id for e in other] != alone
 
 
+# ---- log-probs, penalties, logit_bias ----------------------------------------------------------
+
+
+def reference_processed_greedy(model: LlamaForCausalLM, prompt: Sequence[int], n: int, p: SamplingParams) -> list[int]:
+    """Greedy with logit_bias and penalties applied by hand, element by element, over the no-cache
+    model's logits: bias, repetition (prompt + output), frequency, presence."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        x = model(torch.tensor(ids))[-1].float().clone()
+        for token, bias in p.logit_bias:
+            x[token] += bias
+        for token in set(ids):
+            x[token] = x[token] / p.repetition_penalty if x[token] > 0 else x[token] * p.repetition_penalty
+        for token in set(out):
+            x[token] -= p.frequency_penalty * out.count(token) + p.presence_penalty
+        ids.append(int(x.argmax()))
+        out.append(ids[-1])
+    return out
+
+
+async def test_penalties_and_logit_bias_match_a_reference(model: LlamaForCausalLM) -> None:
+    prompt = [1, 7, 7, 7, 9, 9, 300, 7, 9]
+    plain = reference_greedy(model, prompt, 10)
+    p = SamplingParams(
+        temperature=0,
+        max_tokens=10,
+        ignore_eos=True,
+        repetition_penalty=1.8,
+        frequency_penalty=0.6,
+        presence_penalty=0.4,
+        logit_bias={plain[3]: -5.0, 11: 1.5},
+    )
+    expected = reference_processed_greedy(model, prompt, 10, p)
+    assert expected != plain  # the options change the output
+    async with make_engine(model) as engine:
+        penalized, greedy = await asyncio.gather(
+            collect(engine, "penalized", prompt, p),
+            collect(engine, "plain", prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)),
+        )
+    assert [e.token_id for e in penalized] == expected
+    assert [e.token_id for e in greedy] == plain  # its batch-mate's options do not leak into it
+
+
+async def test_seeded_request_with_penalties_ignores_its_batch(model: LlamaForCausalLM) -> None:
+    prompt = prompt_of(6, 21)
+    p = SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True, frequency_penalty=1.0)
+    async with make_engine(model) as engine:
+        alone = [e.token_id for e in await collect(engine, "alone", prompt, p)]
+        crowd = await asyncio.gather(
+            collect(engine, "mate", prompt, SamplingParams(temperature=1.0, max_tokens=12, presence_penalty=2.0)),
+            collect(engine, "seeded", prompt, p),
+        )
+    assert [e.token_id for e in crowd[1]] == alone
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])
+async def test_logprobs_and_prompt_logprobs_match_the_model(model: LlamaForCausalLM, chunked: bool) -> None:
+    prompt = prompt_of(13, 31)
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    engine = make_engine(model, max_num_tokens=5 if chunked else 64, enable_chunked_prefill=chunked)
+    async with engine:
+        events, other = await asyncio.gather(
+            collect(engine, "lp", prompt, p),
+            collect(engine, "none", prompt_of(5, 2), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
+        )
+    generated = [e.token_id for e in events]
+    assert generated == reference_greedy(model, prompt, 4)
+    ref = torch.log_softmax(model(torch.tensor(prompt + generated[:-1])).float(), -1)
+    first = events[0].prompt_logprobs
+    assert [e.token_id for e in first] == prompt and first[0].logprob is None and first[0].top == ()
+    for i in range(1, len(prompt)):
+        assert first[i].logprob == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
+        assert [t for t, _ in first[i].top] == ref[i - 1].topk(2).indices.tolist()
+    for j, ev in enumerate(events):
+        row = ref[len(prompt) - 1 + j]
+        assert ev.logprob == pytest.approx(float(row[ev.token_id]), abs=1e-4) and ev.logprob <= 0
+        assert [t for t, _ in ev.top_logprobs] == row.topk(3).indices.tolist()
+        assert ev.top_logprobs[0] == (ev.token_id, ev.logprob)  # greedy: the chosen one leads
+        assert j == 0 or ev.prompt_logprobs == ()
+    assert all(e.top_logprobs == () and e.prompt_logprobs == () for e in other)
+    if chunked:
+        assert any(s.work and dict(s.work).get("lp", 0) < len(prompt) for s in engine.step_log)
+
+
+async def test_logit_bias_outside_the_vocabulary_is_refused(model: LlamaForCausalLM) -> None:
+    vocab = model.config.vocab_size
+    async with make_engine(model) as engine:
+        with pytest.raises(ValueError, match=f"logit_bias token id {vocab} is outside the vocabulary"):
+            await collect(engine, "bad", [1, 2], SamplingParams(max_tokens=2, logit_bias={3: 1.0, vocab: 1.0}))
+        assert engine.kv_cache.used_blocks == 0
+
+
 # ---- finishing ---------------------------------------------------------------------------------
 
 

@@ -19,7 +19,9 @@ from services.gateway.grpc_api import request_from_proto
 from services.gateway.http_api import _too_large
 from services.gateway.openai_protocol import (
     SSE_DONE,
+    ChoiceOutput,
     full_response,
+    logprobs_json,
     parse_chat,
     parse_completion,
     parse_json_body,
@@ -27,7 +29,7 @@ from services.gateway.openai_protocol import (
     stream_chunk,
     usage_chunk,
 )
-from services.gateway.schema import InferenceRequest, Sampling, Usage
+from services.gateway.schema import InferenceRequest, Sampling, TokenLogprob, TopLogprob, Usage, total_usage
 from services.gateway.tokenization import ModelAssets
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -98,15 +100,23 @@ def test_good_body_parses() -> None:
         ({"stop": [1]}, "stop", "[1]"),
         ({"seed": "abc"}, "seed", '"abc"'),
         ({"seed": 2**64}, "seed", str(2**64)),
-        ({"n": 2}, "n", "n=2"),
-        ({"n": 0}, "n", "n=0"),
+        ({"n": 129}, "n", "got 129"),
+        ({"n": 0}, "n", "got 0"),
+        ({"n": "2"}, "n", '"2"'),
         ({"stream": "yes"}, "stream", '"yes"'),
         ({"stream_options": {"include_usage": True}}, "stream_options", "include_usage"),
         ({"stream": True, "stream_options": {"include_usage": "y"}}, "stream_options.include_usage", '"y"'),
         ({"stream": True, "stream_options": {"bogus": 1}}, "stream_options", "bogus"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "0.5"),
-        ({"frequency_penalty": -1}, "frequency_penalty", "-1"),
-        ({"logit_bias": {"42": 5}}, "logit_bias", '{"42": 5}'),
+        ({"presence_penalty": 2.5}, "presence_penalty", "2.5"),
+        ({"presence_penalty": "high"}, "presence_penalty", '"high"'),
+        ({"frequency_penalty": -2.1}, "frequency_penalty", "-2.1"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "0"),
+        ({"repetition_penalty": -1.5}, "repetition_penalty", "-1.5"),
+        ({"logit_bias": {"42": 101}}, "logit_bias", "101"),
+        ({"logit_bias": {"abc": 5}}, "logit_bias", '"abc"'),
+        ({"logit_bias": {"-3": 5}}, "logit_bias", '"-3"'),
+        ({"logit_bias": {"7": "up"}}, "logit_bias", '"up"'),
+        ({"logit_bias": [1, 2]}, "logit_bias", "[1, 2]"),
         ({"stop_token_ids": [1, "x"]}, "stop_token_ids", '[1, "x"]'),
         ({"stop_token_ids": [-3]}, "stop_token_ids", "-3"),
         ({"ignore_eos": 1}, "ignore_eos", "1"),
@@ -141,10 +151,13 @@ def test_bad_fields_are_400_quoting_the_value(kind: str, fields: dict[str, Any],
         ({"prompt": [[1, 2], [3]]}, "prompt", "batch of 2"),
         ({"prompt": [1, "a"]}, "prompt", '[1, "a"]'),
         ({"prompt": [-1, 5]}, "prompt", "-1"),
-        ({"echo": True}, "echo", "true"),
+        ({"echo": "yes"}, "echo", '"yes"'),
         ({"best_of": 3}, "best_of", "3"),
+        ({"best_of": 2, "n": 3}, "best_of", "best_of=2"),
         ({"suffix": "end"}, "suffix", '"end"'),
-        ({"logprobs": 2}, "logprobs", "2"),
+        ({"logprobs": 6}, "logprobs", "6"),
+        ({"logprobs": -1}, "logprobs", "-1"),
+        ({"logprobs": True}, "logprobs", "true"),
         ({"max_completion_tokens": 5}, "max_completion_tokens", '"max_completion_tokens"'),
     ],
 )
@@ -176,8 +189,11 @@ def test_bad_completion_fields(fields: dict[str, Any], param: str, quoted: str) 
         ),
         ({"max_completion_tokens": 0}, "max_completion_tokens", "0"),
         ({"max_tokens": 0}, "max_tokens", "0"),
-        ({"logprobs": True}, "logprobs", "true"),
-        ({"top_logprobs": 3}, "top_logprobs", "3"),
+        ({"logprobs": 1}, "logprobs", "1"),
+        ({"top_logprobs": 3}, "top_logprobs", "top_logprobs=3"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "21"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "-1"),
+        ({"echo": True}, "echo", '"echo"'),
         ({"tools": [{"type": "function"}]}, "tools", "function"),
         ({"tool_choice": "auto"}, "tool_choice", '"auto"'),
         ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
@@ -216,7 +232,7 @@ def test_good_request_maps_every_field() -> None:
         ),
         "cmpl-1",
     )
-    assert parsed.stream and parsed.include_usage and parsed.kind == "completion"
+    assert parsed.stream and parsed.include_usage and parsed.kind == "completion" and not parsed.logprobs
     assert parsed.inference == InferenceRequest(
         model=MODEL,
         request_id="cmpl-1",
@@ -229,9 +245,39 @@ def test_good_request_maps_every_field() -> None:
             seed=-3,
             stop_token_ids=(7,),
             ignore_eos=True,
+            presence_penalty=0.0,
         ),
         prompt="Hello",
     )
+
+
+def test_openai_features_map_onto_the_request() -> None:
+    parsed = parse_completion(
+        completion(
+            n=3,
+            best_of=3,
+            echo=True,
+            logprobs=2,
+            presence_penalty=-0.5,
+            frequency_penalty=1.5,
+            repetition_penalty=1.2,
+            logit_bias={"42": -100, "7": 2.5},
+            seed=9,
+        ),
+        "cmpl-2",
+    )
+    inf = parsed.inference
+    assert (inf.n, inf.echo, parsed.logprobs) == (3, True, True)
+    s = inf.sampling
+    assert (s.logprobs, s.prompt_logprobs, s.presence_penalty, s.frequency_penalty) == (2, 2, -0.5, 1.5)
+    assert s.repetition_penalty == 1.2 and dict(s.logit_bias) == {42: -100.0, 7: 2.5} and s.seed == 9
+    # Without echo there are no prompt log-probs to compute.
+    assert parse_completion(completion(logprobs=0), "r").inference.sampling.prompt_logprobs is None
+    chat_lp = parse_chat(chat(logprobs=True, top_logprobs=5, n=2), "c").inference
+    assert (chat_lp.sampling.logprobs, chat_lp.sampling.prompt_logprobs, chat_lp.n) == (5, None, 2)
+    assert parse_chat(chat(logprobs=True), "c").inference.sampling.logprobs == 0
+    assert parse_chat(chat(logprobs=False, top_logprobs=None), "c").inference.sampling.logprobs is None
+    assert parse_chat(chat(top_logprobs=0), "c").inference.sampling.logprobs is None
 
 
 def test_chat_text_parts_and_max_completion_tokens() -> None:
@@ -314,6 +360,28 @@ def test_default_max_tokens_fills_what_the_context_leaves() -> None:
             inference_pb2.GenerateRequest(model=MODEL, prompt="Hi", sampling=common_pb2.SamplingParams(stop=["a"] * 5)),
             "5",
         ),
+        (inference_pb2.GenerateRequest(model=MODEL, prompt="Hi", n=200), "200"),
+        (inference_pb2.GenerateRequest(model=MODEL, prompt="Hi", n=-1), "-1"),
+        (
+            inference_pb2.GenerateRequest(model=MODEL, messages=[inference_pb2.ChatMessage(role="user")], echo=True),
+            "echo needs a prompt",
+        ),
+        (
+            inference_pb2.GenerateRequest(
+                model=MODEL, prompt="Hi", sampling=common_pb2.SamplingParams(frequency_penalty=2.5)
+            ),
+            "2.5",
+        ),
+        (
+            inference_pb2.GenerateRequest(
+                model=MODEL, prompt="Hi", sampling=common_pb2.SamplingParams(logit_bias={3: -150.0})
+            ),
+            "-150.0",
+        ),
+        (
+            inference_pb2.GenerateRequest(model=MODEL, prompt="Hi", sampling=common_pb2.SamplingParams(logprobs=30)),
+            "30",
+        ),
     ],
 )
 def test_grpc_requests_are_validated(request_msg: inference_pb2.GenerateRequest, quoted: str) -> None:
@@ -329,7 +397,18 @@ def test_grpc_request_maps_optional_fields() -> None:
         )
     )
     assert req.sampling == Sampling(temperature=0.0, seed=5, stop=("x",))
-    assert req.request_id.startswith("gen-") and req.api == "grpc"
+    assert req.request_id.startswith("gen-") and req.api == "grpc" and (req.n, req.echo) == (1, False)
+    more = request_from_proto(
+        inference_pb2.GenerateRequest(
+            model=MODEL,
+            prompt="Hi",
+            n=4,
+            echo=True,
+            sampling=common_pb2.SamplingParams(logprobs=3, prompt_logprobs=1, logit_bias={5: -1.5}),
+        )
+    )
+    assert (more.n, more.echo, more.sampling.logprobs, more.sampling.prompt_logprobs) == (4, True, 3, 1)
+    assert more.sampling.logit_bias == ((5, -1.5),)
 
 
 # ---- auth, size, error kinds -------------------------------------------------------------------------
@@ -376,9 +455,10 @@ def test_each_error_kind_maps_to_http_and_grpc() -> None:
 
 def test_response_objects_follow_openai() -> None:
     usage = Usage(prompt_tokens=3, completion_tokens=2)
-    done = full_response("chat", "chatcmpl-1", MODEL, 1, "hey", "length", usage)
+    done = full_response("chat", "chatcmpl-1", MODEL, 1, [ChoiceOutput(0, "hey", "length")], usage)
     assert done["object"] == "chat.completion"
     assert done["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
+    assert done["choices"][0]["logprobs"] is None
     assert done["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     chunk = stream_chunk("completion", "cmpl-1", MODEL, 1, text="a", finish_reason=None, include_usage=True)
     assert chunk["choices"][0]["text"] == "a" and chunk["usage"] is None
@@ -386,3 +466,49 @@ def test_response_objects_follow_openai() -> None:
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 5
     assert sse_event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_logprobs_objects_follow_openai() -> None:
+    cafe = "é".encode()
+    entries = [
+        TokenLogprob(1, None, "<s>", b"<s>", (), 0),  # first prompt token: nothing to condition on
+        TokenLogprob(9, -0.25, "Hi", b"Hi", (TopLogprob(9, -0.25, "Hi", b"Hi"), TopLogprob(4, -2.0, " a", b" a")), 0),
+        TokenLogprob(5, -3.5, "bytes:\\xc3", cafe[:1], (TopLogprob(7, -0.5, "!", b"!"),), 2),
+    ]
+    chat_lp = logprobs_json("chat", entries[1:])
+    assert chat_lp["refusal"] is None
+    assert chat_lp["content"][0] == {
+        "token": "Hi",
+        "logprob": -0.25,
+        "bytes": [72, 105],
+        "top_logprobs": [
+            {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]},
+            {"token": " a", "logprob": -2.0, "bytes": [32, 97]},
+        ],
+    }
+    assert chat_lp["content"][1]["bytes"] == [0xC3]
+    legacy = logprobs_json("completion", entries)
+    assert legacy["tokens"] == ["<s>", "Hi", "bytes:\\xc3"]
+    assert legacy["token_logprobs"] == [None, -0.25, -3.5]
+    assert legacy["text_offset"] == [0, 0, 2]
+    # The chosen token is always listed, next to the top alternatives (up to logprobs + 1).
+    assert legacy["top_logprobs"] == [None, {"Hi": -0.25, " a": -2.0}, {"!": -0.5, "bytes:\\xc3": -3.5}]
+    chunk = stream_chunk(
+        "chat", "c", MODEL, 1, text="Hi", finish_reason=None, include_usage=False, index=2, logprobs=entries[1:2]
+    )
+    assert chunk["choices"][0]["index"] == 2 and chunk["choices"][0]["logprobs"]["content"][0]["token"] == "Hi"
+
+
+def test_n_choices_usage_counts_the_prompt_once() -> None:
+    total = total_usage([Usage(7, 3), Usage(7, 5), Usage(7, 1)])
+    assert (total.prompt_tokens, total.completion_tokens, total.total_tokens) == (7, 9, 16)
+    body = full_response(
+        "completion",
+        "cmpl-n",
+        MODEL,
+        1,
+        [ChoiceOutput(1, "b", "length", []), ChoiceOutput(0, "a", "stop", [])],
+        total,
+    )
+    assert [c["index"] for c in body["choices"]] == [0, 1] and [c["text"] for c in body["choices"]] == ["a", "b"]
+    assert body["choices"][0]["logprobs"] == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

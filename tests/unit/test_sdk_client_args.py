@@ -37,6 +37,18 @@ NOWHERE = "127.0.0.1:9"
         ({"prompt": "hi", "stop": [""]}, "('',)"),
         ({"prompt": "hi", "timeout_s": 0}, "got 0"),
         ({"prompt": "hi", "request_id": ""}, "request_id must be a non-empty string"),
+        ({"prompt": "hi", "n": 0}, "got 0"),
+        ({"prompt": "hi", "n": 129}, "got 129"),
+        ({"prompt": "hi", "n": True}, "got True"),
+        ({"prompt": "hi", "echo": 1}, "got 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo=True needs a prompt"),
+        ({"prompt": "hi", "logprobs": 21}, "got 21"),
+        ({"prompt": "hi", "prompt_logprobs": -1}, "got -1"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, "got 2.5"),
+        ({"prompt": "hi", "frequency_penalty": float("nan")}, "got nan"),
+        ({"prompt": "hi", "repetition_penalty": 0.0}, "got 0.0"),
+        ({"prompt": "hi", "logit_bias": {5: 101}}, "got 101"),
+        ({"prompt": "hi", "logit_bias": {-5: 1}}, "got -5"),
     ],
 )
 async def test_generate_and_complete_reject_bad_arguments_quoting_them(kwargs, quoted):

@@ -9,6 +9,7 @@ import pytest
 from blitzmesh import convert
 from blitzmesh.types import (
     ChatMessage,
+    Choice,
     ClusterEvent,
     ClusterState,
     Completion,
@@ -19,6 +20,8 @@ from blitzmesh.types import (
     SamplingParams,
     ScaleResult,
     TokenChunk,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from blitzmesh.v1 import admin_pb2, common_pb2, inference_pb2
@@ -36,7 +39,18 @@ SAMPLING = SamplingParams(
     seed=-(2**40),
     stop_token_ids=(2, 7),
     ignore_eos=True,
+    presence_penalty=-0.5,
+    frequency_penalty=1.25,
+    repetition_penalty=1.125,
+    logit_bias={50256: -100.0, 7: 2.5},
+    logprobs=5,
+    prompt_logprobs=0,
 )
+LOGPROBS = (
+    TokenLogprob(17, -0.25, (TopLogprob(17, -0.25), TopLogprob(3, -2.5))),
+    TokenLogprob(4, -1.5, ()),
+)
+PROMPT_LOGPROBS = (TokenLogprob(1, None), TokenLogprob(99, -7.75, (TopLogprob(5, -0.125),)))
 USAGE = Usage(prompt_tokens=11, completion_tokens=5, total_tokens=16)
 LOAD = LoadReport(
     decode_tps=2500.5,
@@ -105,6 +119,31 @@ ROUND_TRIPS = [
         convert.completion_from_proto,
         id="completion",
     ),
+    pytest.param(
+        TokenChunk(text="x", token_ids=(17, 4), index=2, logprobs=LOGPROBS, prompt_logprobs=PROMPT_LOGPROBS),
+        convert.token_chunk_to_proto,
+        convert.token_chunk_from_proto,
+        id="token_chunk_logprobs",
+    ),
+    pytest.param(
+        Completion(
+            "Hello",
+            (17, 4),
+            "stop",
+            USAGE,
+            "r4",
+            "w-1",
+            choices=(
+                Choice(0, "Hello", (17, 4), "stop", LOGPROBS, "w-1"),
+                Choice(1, "Bye", (8,), "length", (), "w-2"),
+            ),
+            prompt_logprobs=PROMPT_LOGPROBS,
+        ),
+        convert.completion_to_proto,
+        convert.completion_from_proto,
+        id="completion_n2_logprobs",
+    ),
+    pytest.param(LOGPROBS[0], convert.token_logprob_to_proto, convert.token_logprob_from_proto, id="logprob"),
     pytest.param(MODEL, convert.model_info_to_proto, convert.model_info_from_proto, id="model"),
     pytest.param(LOAD, convert.load_report_to_proto, convert.load_report_from_proto, id="load"),
     pytest.param(INSTANCE, convert.instance_info_to_proto, convert.instance_info_from_proto, id="instance"),
@@ -164,8 +203,19 @@ def test_proto_survives_sdk_round_trip(value, to_proto, from_proto):
 def test_unset_sampling_fields_stay_unset_so_gateway_defaults_apply():
     msg = convert.sampling_to_proto(SamplingParams(max_tokens=4))
     assert msg.HasField("max_tokens")
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logprobs",
+        "prompt_logprobs",
+    ):
         assert not msg.HasField(name), name
+    assert not msg.logit_bias
     assert convert.sampling_from_proto(msg) == SamplingParams(max_tokens=4)
 
 
@@ -264,6 +314,13 @@ def test_set_policy_response_params_are_a_plain_dict():
         ({"seed": 2**64}, str(2**64)),
         ({"stop": ("",)}, "('',)"),
         ({"stop_token_ids": (-1,)}, "(-1,)"),
+        ({"presence_penalty": 2.5}, "2.5"),
+        ({"frequency_penalty": -2.01}, "-2.01"),
+        ({"repetition_penalty": 0}, "got 0"),
+        ({"logit_bias": {3: 100.5}}, "100.5"),
+        ({"logit_bias": {"3": 1}}, "'3'"),
+        ({"logprobs": 21}, "21"),
+        ({"prompt_logprobs": -1}, "-1"),
     ],
 )
 def test_sampling_params_reject_bad_values_quoting_them(kwargs, quoted):
@@ -273,6 +330,29 @@ def test_sampling_params_reject_bad_values_quoting_them(kwargs, quoted):
 
 
 def test_sampling_params_store_sequences_as_tuples():
-    params = SamplingParams(stop=["a"], stop_token_ids=[1])  # type: ignore[arg-type]
+    params = SamplingParams(stop=["a"], stop_token_ids=[1], logit_bias={9: 1, 2: -3.5})  # type: ignore[arg-type]
     assert params.stop == ("a",) and params.stop_token_ids == (1,)
+    assert params.logit_bias == ((2, -3.5), (9, 1.0)) and dict(params.logit_bias) == {2: -3.5, 9: 1.0}
     hash(params)  # frozen and hashable: usable as a cache key
+
+
+def test_completion_choices_default_to_choice_zero_and_old_replies_read():
+    done = Completion("Hi", (5,), "stop", USAGE, "r", "w")
+    assert done.choices == (Choice(0, "Hi", (5,), "stop", (), "w"),) and done.logprobs == ()
+    # A gateway from before `n` sends no choices: the top-level fields are the one choice.
+    old = inference_pb2.CompleteResponse(
+        request_id="r", text="Hi", token_ids=[5], finish_reason=common_pb2.FINISH_REASON_STOP, instance_id="w"
+    )
+    assert convert.completion_from_proto(old).choices == done.choices
+
+
+def test_completion_with_a_misnumbered_choice_is_malformed():
+    msg = convert.completion_to_proto(Completion("Hi", (), "stop", USAGE, "r5", "w"))
+    msg.choices[0].index = 3
+    with pytest.raises(ValueError, match="'r5'.*index 3"):
+        convert.completion_from_proto(msg)
+
+
+def test_generate_request_carries_n_and_echo():
+    msg = convert.generate_request_to_proto(model="m", prompt="p", n=3, echo=True)
+    assert (msg.n, msg.echo) == (3, True)

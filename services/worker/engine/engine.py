@@ -22,7 +22,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.worker.engine.kv_cache import KVCache
-from services.worker.engine.sampling import SamplingParams, sample
+from services.worker.engine.sampling import (
+    PromptLogprob,
+    SampleOutput,
+    SamplingParams,
+    TokenHistory,
+    TopLogprobs,
+    prompt_logprobs,
+    sample,
+)
 from services.worker.engine.scheduler import (
     CapacityPolicy,
     RunningSeq,
@@ -37,6 +45,9 @@ from services.worker.model.llama import LlamaForCausalLM
 log = structlog.get_logger(__name__)
 
 FinishReason = Literal["stop", "length", "abort"]
+
+# Prompt positions whose logits are computed at once for prompt log-probs: [rows, vocab] float32.
+_PROMPT_LOGITS_ROWS = 256
 
 
 class RequestTooLarge(ValueError):
@@ -106,7 +117,10 @@ class TokenEvent:
     """One streamed step of a request. The last event has `finish_reason` set.
 
     `token_id` is None only on an "abort" event. A stop token (EOS or a stop_token_id) is delivered
-    as the token of the final "stop" event; the caller decides whether to show it.
+    as the token of the final "stop" event; the caller decides whether to show it. `logprob` is
+    the token's log-prob under the model's raw distribution; `top_logprobs` holds the
+    `params.logprobs` most likely tokens at its position, and the first event carries
+    `prompt_logprobs` (one per prompt token) when `params.prompt_logprobs` is set.
     """
 
     token_id: int | None
@@ -114,6 +128,8 @@ class TokenEvent:
     prompt_tokens: int
     completion_tokens: int
     logprob: float | None = None
+    top_logprobs: TopLogprobs = ()
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,6 +174,8 @@ class _Seq:
     blocks_reserved: int
     arrival_s: float
     queue: asyncio.Queue[TokenEvent | BaseException]
+    history: TokenHistory | None = None  # logit_bias and penalty state; None when unused
+    prompt_logprobs: list[PromptLogprob] | None = None  # filled during the prefill when asked for
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     last_token_s: float | None = None
@@ -182,6 +200,16 @@ class _Seq:
 
 
 @dataclass(frozen=True)
+class _PromptWork:
+    """Prompt log-probs wanted from row `row` of a step: its new tokens, in order, predict
+    `targets` (the prompt token after each)."""
+
+    row: int
+    targets: list[int]
+    k: int
+
+
+@dataclass(frozen=True)
 class _StepInput:
     input_ids: list[int]
     query_lens: list[int]
@@ -190,6 +218,8 @@ class _StepInput:
     sample_rows: list[int]
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
+    histories: list[TokenHistory | None] = field(default_factory=list)
+    prompt_work: list[_PromptWork] = field(default_factory=list)
 
 
 class _Window:
@@ -418,6 +448,8 @@ class Engine:
             prompt=prompt,
             params=sampling,
             generator=sampling.make_generator(),
+            history=TokenHistory.create(sampling, prompt, vocab),
+            prompt_logprobs=[PromptLogprob(prompt[0], None)] if sampling.prompt_logprobs is not None else None,
             stop_ids=frozenset(stop_ids),
             blocks_reserved=self.kv_cache.blocks_needed(len(prompt) + sampling.max_tokens),
             arrival_s=self._clock(),
@@ -542,6 +574,12 @@ class Engine:
                 inp.sample_rows.append(row)
                 inp.params.append(seq.params)
                 inp.generators.append(seq.generator)
+                inp.histories.append(seq.history)
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == start + 1 < len(seq.prompt):
+                # Positions start .. end-1 predict prompt tokens start+1 .. end.
+                end = min(start + n, len(seq.prompt) - 1)
+                k = seq.params.prompt_logprobs or 0
+                inp.prompt_work.append(_PromptWork(row, seq.prompt[start + 1 : end + 1], k))
             if start < len(seq.prompt):
                 prefill_tokens += min(n, len(seq.prompt) - start)
             seqs.append(seq)
@@ -549,7 +587,7 @@ class Engine:
 
         assert self._executor is not None
         t0 = self._clock()
-        tokens, logprobs = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, inp)
+        sampled_out, prompt_out = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, inp)
         compute_s = self._clock() - t0
         if self.config.pacing is not None:
             remaining = self.config.pacing.step_time_s(plan.num_tokens) - compute_s
@@ -557,16 +595,25 @@ class Engine:
                 await asyncio.sleep(remaining)
         now = self._clock()
 
-        sampled = dict(zip(inp.sample_rows, zip(tokens, logprobs, strict=True), strict=True))
+        for work, results in zip(inp.prompt_work, prompt_out, strict=True):
+            seq = seqs[work.row]
+            if seq.prompt_logprobs is not None and not seq.finished:
+                seq.prompt_logprobs.extend(
+                    PromptLogprob(t, lp, top) for t, (lp, top) in zip(work.targets, results, strict=True)
+                )
+        sampled: dict[int, tuple[int, float, TopLogprobs]] = {}
+        if sampled_out is not None:
+            picks = zip(sampled_out.tokens, sampled_out.logprobs, sampled_out.top_logprobs, strict=True)
+            sampled = dict(zip(inp.sample_rows, picks, strict=True))
         generated = 0
         for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             if seq.finished:
                 continue  # aborted while the step ran; its blocks are already back in the pool
             seq.num_computed += n
             if row in sampled:
-                token, logprob = sampled[row]
+                token, logprob, top = sampled[row]
                 generated += 1
-                self._emit(seq, token, logprob, now)
+                self._emit(seq, token, logprob, top, now)
         self._total_generated += generated
         self._total_prompt += prefill_tokens
         self._decode_window.add(now, generated)
@@ -574,8 +621,11 @@ class Engine:
         self._steps += 1
         self.step_log.append(StepRecord(self._steps, plan.admitted, plan.work, compute_s, now - t0))
 
-    def _emit(self, seq: _Seq, token: int, logprob: float, now: float) -> None:
+    def _emit(self, seq: _Seq, token: int, logprob: float, top: TopLogprobs, now: float) -> None:
+        first = not seq.output
         seq.output.append(token)
+        if seq.history is not None:
+            seq.history.add(token)
         if seq.last_token_s is None:
             self._ttft.add(now, now - seq.arrival_s)
         else:
@@ -586,12 +636,14 @@ class Engine:
             reason = "stop"
         elif len(seq.output) >= seq.params.max_tokens:
             reason = "length"
-        seq.queue.put_nowait(TokenEvent(token, reason, len(seq.prompt), len(seq.output), logprob))
+        prompt_lps = tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else ()
+        seq.queue.put_nowait(TokenEvent(token, reason, len(seq.prompt), len(seq.output), logprob, top, prompt_lps))
         if reason is not None:
             self._finish(seq, reason, notify=False)
 
-    def _execute(self, inp: _StepInput) -> tuple[list[int], list[float]]:
-        """The compute thread's part of a step: forward over the flat batch, then sampling."""
+    def _execute(self, inp: _StepInput) -> tuple[SampleOutput | None, list[list[tuple[float, TopLogprobs]]]]:
+        """The compute thread's part of a step: forward over the flat batch, then sampling (and
+        the prompt log-probs some prefills asked for, from the same hidden states)."""
         batch = ForwardBatch.build(
             inp.query_lens,
             inp.context_lens,
@@ -601,10 +653,28 @@ class Engine:
             device=self.model.device,
         )
         ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.model.device)
-        logits = self.model.forward_batch(ids, batch, self.kv_cache)
+        prompt_out: list[list[tuple[float, TopLogprobs]]] = []
+        if not inp.prompt_work:
+            logits = self.model.forward_batch(ids, batch, self.kv_cache)
+        else:
+            # forward_batch's steps, keeping every position's hidden state for the prompt logits.
+            model = self.model
+            hidden = model.run_layers(model.embed(ids), 0, model.config.num_hidden_layers, batch, self.kv_cache)
+            logits = model.head(hidden.index_select(0, batch.logits_indices))
+            starts = [0]
+            for n in inp.query_lens:
+                starts.append(starts[-1] + n)
+            for work in inp.prompt_work:
+                results: list[tuple[float, TopLogprobs]] = []
+                base = starts[work.row]
+                for a in range(0, len(work.targets), _PROMPT_LOGITS_ROWS):
+                    b = min(a + _PROMPT_LOGITS_ROWS, len(work.targets))
+                    rows = torch.arange(base + a, base + b, device=hidden.device)
+                    results.extend(prompt_logprobs(model.head(hidden.index_select(0, rows)), work.targets[a:b], work.k))
+                prompt_out.append(results)
         if not inp.sample_rows:
-            return [], []
-        return sample(logits, inp.params, inp.generators)
+            return None, prompt_out
+        return sample(logits, inp.params, inp.generators, inp.histories), prompt_out
 
     # ---- observability ------------------------------------------------------------------------
 

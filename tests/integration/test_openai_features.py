@@ -1,0 +1,286 @@
+"""The OpenAI features through the whole path, on real services in this process: the official
+`openai` client and the SDK -> gateway -> a real global manager -> a real worker (engine, tiny
+synthetic model, weights from a real parameter manager).
+
+Covers log-probs (chat and completions, streamed and not), n > 1 with seeds (reproducible, choice 0
+equal to n=1), echo with prompt log-probs, the penalties and logit_bias (accepted and acting), and
+bad values refused with a 400 that quotes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+
+import blitzmesh
+from blitzmesh.v1 import admin_pb2, common_pb2, global_manager_pb2_grpc
+from services.common.grpc_util import channel
+from services.common.waiting import wait_until
+from services.gateway.config import GatewayConfig
+from services.gateway.service import GatewayService
+from services.global_manager.config import GlobalManagerConfig
+from services.global_manager.service import GlobalManagerService
+from services.model_format.tokenizer import Tokenizer
+from services.param_manager.service import ParamManagerConfig, ParamManagerService
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+
+ServeFactory = Any  # tests/integration/conftest.py: serve_in_process
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("error")]
+
+MODEL = "tiny"
+PROMPT = "the quick brown fox"
+
+
+@dataclass
+class Mesh:
+    http: str
+    grpc_address: str
+    tokenizer: Tokenizer
+
+
+@pytest.fixture
+async def mesh(tiny_models: Path, serve_in_process: ServeFactory) -> AsyncIterator[Mesh]:
+    async with contextlib.AsyncExitStack() as stack:
+        pm = ParamManagerService(ParamManagerConfig(port=0, model_dir=tiny_models, dataplane="tcp"))
+        pm_ctx = await stack.enter_async_context(serve_in_process(pm, pm.servicer.config))
+        gm = GlobalManagerService(GlobalManagerConfig(port=0, param_manager=pm_ctx.address))
+        gm_ctx = await stack.enter_async_context(serve_in_process(gm, gm.servicer.cfg))
+        wk = WorkerService(
+            WorkerConfig(
+                port=0,
+                instance_id="w-0",
+                param_manager=pm_ctx.address,
+                global_manager=gm_ctx.address,
+                preload_model=MODEL,
+                kv_cache_tokens=4096,
+                heartbeat_interval_s=0.2,
+                dataplane="tcp",  # ucxx allows one worker per process; UCX is covered elsewhere
+            )
+        )
+        await stack.enter_async_context(serve_in_process(wk, wk.cfg))
+        ch = await stack.enter_async_context(channel(gm_ctx.address))
+
+        async def serving() -> bool:
+            cluster = await global_manager_pb2_grpc.GlobalManagerStub(ch).GetCluster(
+                admin_pb2.GetClusterRequest(), timeout=5
+            )
+            return any(i.state == common_pb2.INSTANCE_STATE_SERVING for i in cluster.instances)
+
+        await wait_until(serving, 30, interval_s=0.05, what="the worker SERVING in the global manager")
+        cfg = GatewayConfig(
+            port=0, http_port=0, global_manager=gm_ctx.address, param_manager=pm_ctx.address, shutdown_grace_s=0.5
+        )
+        gw_ctx = await stack.enter_async_context(
+            serve_in_process(GatewayService(cfg, registry=CollectorRegistry()), cfg)
+        )
+        yield Mesh(
+            f"http://127.0.0.1:{gw_ctx.extra_ports['http_port']}/v1", gw_ctx.address, Tokenizer(tiny_models / MODEL)
+        )
+
+
+@contextlib.asynccontextmanager
+async def openai_client(mesh: Mesh) -> AsyncIterator[openai.AsyncOpenAI]:
+    client = openai.AsyncOpenAI(base_url=mesh.http, api_key="unused", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+def _check_top(entries: list[Any]) -> None:
+    """Each entry's alternatives are sorted, <= 0, and (greedy) led by the chosen token itself."""
+    for e in entries:
+        values = [t.logprob for t in e.top_logprobs]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
+
+
+async def test_chat_logprobs_streamed_and_not(mesh: Mesh) -> None:
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "tell me about the fox"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "extra_body": {"ignore_eos": True},
+    }
+    async with openai_client(mesh) as client:
+        done = await client.chat.completions.create(**ask)
+        stream = await client.chat.completions.create(**ask, stream=True)
+        streamed: list[Any] = []
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].logprobs is not None:
+                streamed.extend(chunk.choices[0].logprobs.content or [])
+    choice = done.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert done.usage is not None and len(content) == done.usage.completion_tokens == 8
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 3 for e in content)
+    _check_top(content)
+    # The tokens' exact bytes rebuild the text (the random model splits characters: those come
+    # out as U+FFFD in the text, as in the bytes decoded with errors="replace").
+    data = bytes(b for e in content for b in (e.bytes or []))
+    assert data.decode(errors="replace") == choice.message.content
+    # Streaming carries the same entries, chunk by chunk.
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+async def test_completions_logprobs_with_echo(mesh: Mesh) -> None:
+    prompt_ids = mesh.tokenizer.encode(PROMPT)  # BOS first
+    async with openai_client(mesh) as client:
+        done = await client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=5,
+            temperature=0,
+            logprobs=2,
+            echo=True,
+            extra_body={"ignore_eos": True},
+        )
+        plain = await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
+    choice = done.choices[0]
+    assert choice.text == PROMPT + plain.choices[0].text  # echo prepends the prompt
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    assert len(lp.tokens) == len(prompt_ids) + 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert top is not None and token in top and top[token] == value and 2 <= len(top) <= 3
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[len(prompt_ids)] == len(PROMPT)  # the first generated token starts after the prompt
+    assert done.usage is not None and done.usage.prompt_tokens == len(prompt_ids)
+    assert done.usage.completion_tokens == 5
+
+
+async def test_n_choices_with_a_seed_reproduce(mesh: Mesh) -> None:
+    ask: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 1234}
+    async with openai_client(mesh) as client:
+        first = await client.completions.create(**ask, n=2)
+        again = await client.completions.create(**ask, n=2)
+        single = await client.completions.create(**ask)
+        stream = await client.completions.create(**ask, n=2, stream=True, stream_options={"include_usage": True})
+        texts = {0: "", 1: ""}
+        finishes: dict[int, str] = {}
+        usage = None
+        async for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                if c.finish_reason is not None:
+                    finishes[c.index] = c.finish_reason
+            usage = chunk.usage or usage
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in again.choices] == [c.text for c in first.choices]
+    assert first.choices[0].text != first.choices[1].text  # independent choices
+    assert first.choices[0].text == single.choices[0].text  # choice 0 samples with the seed itself
+    assert [texts[0], texts[1]] == [c.text for c in first.choices] and set(finishes) == {0, 1}
+    prompt_tokens = len(mesh.tokenizer.encode(PROMPT))
+    assert first.usage is not None and first.usage.prompt_tokens == prompt_tokens  # once, not per choice
+    assert first.usage.completion_tokens == 20 or first.choices[0].finish_reason == "stop"
+    assert usage is not None and usage.completion_tokens == first.usage.completion_tokens
+
+
+async def test_penalties_and_logit_bias_act(mesh: Mesh) -> None:
+    forced = mesh.tokenizer.encode(" fox", add_special_tokens=False)[0]
+    forced_text = mesh.tokenizer.decode([forced])
+    base: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    async with openai_client(mesh) as client:
+        plain = await client.completions.create(**base, extra_body={"ignore_eos": True})
+        penalized = await client.completions.create(
+            **base,
+            presence_penalty=2.0,
+            frequency_penalty=2.0,
+            extra_body={"ignore_eos": True, "repetition_penalty": 1.5},
+        )
+        biased = await client.completions.create(**base, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+        chat = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            temperature=0,
+            presence_penalty=-1,
+            frequency_penalty=0.5,
+            logit_bias={str(forced): 100},
+            extra_body={"ignore_eos": True},
+        )
+    assert penalized.choices[0].text != plain.choices[0].text  # accepted, and they act
+    assert biased.choices[0].text == forced_text * 6  # +100 forces the token every time
+    assert chat.choices[0].message.content == forced_text * 4
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "quoted"),
+    [
+        ("completion", {"presence_penalty": 3}, "3"),
+        ("completion", {"logprobs": 6}, "6"),
+        ("completion", {"n": 0}, "0"),
+        ("completion", {"logit_bias": {"999999": 1}}, "999999"),
+        ("completion", {"logit_bias": {"5": 150}}, "150"),
+        ("chat", {"logprobs": True, "top_logprobs": 25}, "25"),
+        ("chat", {"frequency_penalty": -2.5}, "-2.5"),
+        ("chat", {"repetition_penalty": 0}, "0"),
+    ],
+)
+async def test_bad_values_are_400_quoting_them(mesh: Mesh, kind: str, fields: dict[str, Any], quoted: str) -> None:
+    async with openai_client(mesh) as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            if kind == "completion":
+                await client.completions.create(model=MODEL, prompt="x", extra_body=fields)
+            else:
+                await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body=fields
+                )
+    assert err.value.status_code == 400 and quoted in err.value.message
+    param = err.value.body["param"] if isinstance(err.value.body, dict) else None
+    assert param in fields
+
+
+async def test_sdk_over_grpc(mesh: Mesh) -> None:
+    prompt_ids = mesh.tokenizer.encode(PROMPT)
+    async with blitzmesh.AsyncClient(mesh.grpc_address, timeout_s=60) as client:
+        done = await client.complete(
+            PROMPT,
+            model=MODEL,
+            n=2,
+            seed=7,
+            temperature=0.8,
+            max_tokens=5,
+            ignore_eos=True,
+            logprobs=2,
+            prompt_logprobs=1,
+            echo=True,
+            return_token_ids=True,
+            frequency_penalty=0.5,
+        )
+        chunks = [
+            c
+            async for c in client.generate(
+                PROMPT, model=MODEL, n=2, seed=7, temperature=0.8, max_tokens=5, ignore_eos=True, logprobs=2
+            )
+        ]
+    assert [c.index for c in done.choices] == [0, 1] and done.text == done.choices[0].text
+    assert done.usage.prompt_tokens == len(prompt_ids) and done.usage.completion_tokens == 10
+    for choice in done.choices:
+        assert choice.text.startswith(PROMPT) and choice.finish_reason == "length"
+        assert [e.token_id for e in choice.logprobs] == list(choice.token_ids) and len(choice.token_ids) == 5
+        assert all(e.logprob is not None and e.logprob <= 0 and len(e.top_logprobs) == 2 for e in choice.logprobs)
+    assert [e.token_id for e in done.prompt_logprobs] == prompt_ids
+    assert done.prompt_logprobs[0].logprob is None and all(e.logprob <= 0 for e in done.prompt_logprobs[1:])  # type: ignore[operator]
+    # The stream interleaves both choices; without echo or penalties each must still end.
+    finished = {c.index: c.finish_reason for c in chunks if c.finish_reason is not None}
+    assert finished == {0: "length", 1: "length"}
+    per_choice = {i: [e.token_id for c in chunks if c.index == i for e in c.logprobs] for i in (0, 1)}
+    assert all(len(ids) == 5 for ids in per_choice.values())
