@@ -104,6 +104,19 @@ def default_dtype(cfg: LlamaConfig, device: torch.device) -> torch.dtype:
     return cfg.dtype
 
 
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, cfg: LlamaConfig, device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype a worker option names: `auto` (see `default_dtype`), `float32`, `bfloat16`, `float16`."""
+    if name == "auto":
+        return default_dtype(cfg, torch.device(device))
+    try:
+        return _DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPE_NAMES)}, got {name!r}") from None
+
+
 class LlamaForCausalLM:
     """A Llama decoder equivalent to HF `LlamaForCausalLM` in inference, loaded group by group."""
 

@@ -40,8 +40,8 @@ def _default_inv_freq(base: float | torch.Tensor, dim: int, device: torch.device
 def inv_freq(cfg: LlamaConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """`(inverse frequencies [head_dim / 2] float32, attention scaling)` of `cfg`'s RoPE.
 
-    `seq_len` matters only for `dynamic`: the length of the sequence being rotated (None: the
-    frequencies transformers starts with, for max_position_embeddings).
+    `seq_len` matters only for `dynamic`: the length of the sequence being rotated (None, or up
+    to max_position_embeddings: the frequencies transformers starts with and keeps there).
     """
     dim = cfg.head_dim
     base = cfg.rope_theta
@@ -56,8 +56,8 @@ def inv_freq(cfg: LlamaConfig, seq_len: int | None = None) -> tuple[torch.Tensor
     if s.rope_type == "dynamic":
         assert s.factor is not None
         max_pos = cfg.max_position_embeddings
-        if seq_len is None:
-            # Python floats, as transformers' initial computation.
+        if seq_len is None or seq_len <= max_pos:
+            # transformers keeps its initial frequencies up to max_pos: Python floats.
             grown: float | torch.Tensor = base * ((s.factor * max_pos / max_pos) - (s.factor - 1)) ** (dim / (dim - 2))
         else:
             # transformers recomputes with a 0-dim int64 tensor (max position + 1): float32 math.
