@@ -332,6 +332,10 @@ class LlamaConfig:
                 f"config.json architectures {archs!r} is not supported for model_type {model_type!r} "
                 f"(expected [{ARCHITECTURES[model_type]!r}])"
             )
+        quant = d.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else quant
+            raise ValueError(f"config.json quantization_config (quant_method={method!r}) is not supported")
         defaults = _DEFAULTS[model_type]
         act = d.get("hidden_act", "silu")
         if act != "silu":

@@ -317,6 +317,7 @@ def test_dynamic_frequencies_match_transformers_at_every_length(ckpts: dict[str,
         ({"model_type": "mistral", "layer_types": ["full_attention", "sliding_attention"]}, "ministral"),
         ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive int, got 0"),
         ({"model_type": "qwen2", "eos_token_id": None}, "eos_token_id is missing or null"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'gptq'"),
     ],
 )
 def test_config_refuses_what_it_does_not_implement_naming_it(change: dict[str, Any], quoted: str) -> None:

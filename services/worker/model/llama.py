@@ -118,7 +118,8 @@ def resolve_dtype(name: str, cfg: LlamaConfig, device: torch.device | str = "cpu
 
 
 class LlamaForCausalLM:
-    """A Llama decoder equivalent to HF `LlamaForCausalLM` in inference, loaded group by group."""
+    """A decoder equivalent in inference to HF `LlamaForCausalLM`, `Qwen2ForCausalLM` and
+    `MistralForCausalLM` (per `config.model_type`), loaded group by group."""
 
     def __init__(
         self,
