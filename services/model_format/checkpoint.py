@@ -16,7 +16,6 @@ from safetensors import safe_open
 from services.model_format.config import LlamaConfig
 from services.model_format.groups import (
     LM_HEAD_WEIGHT,
-    group_of,
     group_tensor_shapes,
     param_groups,
 )
@@ -166,20 +165,20 @@ class Checkpoint:
     def iter_groups(
         self, groups: Sequence[str] | None = None, dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-        """Yield `(group, tensors)` in group order (or the order given), one group in memory at once."""
-        unknown = [name for name in self._locations if not _known(name)]
+        """Yield `(group, tensors)` in group order (or the order given), one group in memory at once.
+
+        A tensor the config does not call for (a bias the config says the model lacks, a module
+        this decoder does not have) is an error naming it, not silently dropped.
+        """
+        expected = {name for g in param_groups(self.config) for name in group_tensor_shapes(self.config, g)}
+        unknown = sorted(name for name in self._locations if name not in expected)
         if unknown:
-            raise CheckpointError(f"checkpoint {str(self.path)!r} holds tensors no group owns: {unknown[:5]!r}")
+            raise CheckpointError(
+                f"checkpoint {str(self.path)!r} holds tensors a {self.config.model_type!r} model with this "
+                f"config.json does not have: {unknown[:5]!r}"
+            )
         for group in groups if groups is not None else param_groups(self.config):
             yield group, self.read_group(group, dtype)
-
-
-def _known(name: str) -> bool:
-    try:
-        group_of(name)
-    except ValueError:
-        return False
-    return True
 
 
 def iter_groups(

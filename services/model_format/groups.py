@@ -1,7 +1,8 @@
 """Parameter groups: the unit in which weights are read, loaded into a model and sent over the data plane.
 
 Order matters: `embed`, `layers.0` … `layers.{L-1}`, `head`. A model holding the groups up to
-`layers.{k-1}` can run decoder layers [0, k), which is what ZigZag live scaling relies on.
+`layers.{k-1}` can run decoder layers [0, k), which is what ZigZag live scaling relies on. A
+layer's biases (Qwen2's Q/K/V, Llama's attention_bias / mlp_bias) travel in its group.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ EMBED_WEIGHT = "model.embed_tokens.weight"
 NORM_WEIGHT = "model.norm.weight"
 LM_HEAD_WEIGHT = "lm_head.weight"
 
-# Per-layer tensor suffixes, after `model.layers.{i}.`, in the order a layer group lists them.
+# Per-layer weight suffixes, after `model.layers.{i}.`, in the order a layer group lists them.
 LAYER_TENSORS: tuple[str, ...] = (
     "input_layernorm.weight",
     "self_attn.q_proj.weight",
@@ -29,6 +30,11 @@ LAYER_TENSORS: tuple[str, ...] = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
 )
+QKV_BIASES: tuple[str, ...] = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+O_BIAS = "self_attn.o_proj.bias"
+MLP_BIASES: tuple[str, ...] = ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")
+# Every per-layer tensor some supported model may hold.
+_ALL_LAYER_TENSORS = frozenset((*LAYER_TENSORS, *QKV_BIASES, O_BIAS, *MLP_BIASES))
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GROUP_LAYER_RE = re.compile(r"^layers\.(\d+)$")
@@ -50,16 +56,23 @@ def param_groups(cfg: LlamaConfig) -> list[str]:
     return [EMBED, *(layer_group(i) for i in range(cfg.num_hidden_layers)), HEAD]
 
 
+def layer_tensors(cfg: LlamaConfig) -> tuple[str, ...]:
+    """The per-layer tensor suffixes of `cfg`'s layers, in group order: weights, then biases."""
+    biases = QKV_BIASES * cfg.qkv_bias + (O_BIAS,) * cfg.o_bias + MLP_BIASES * cfg.mlp_bias
+    return LAYER_TENSORS + biases
+
+
 def group_of(tensor_name: str) -> str:
-    """The group an HF tensor name belongs to; ValueError for a name no group owns."""
+    """The group an HF tensor name belongs to; ValueError for a name no group of any supported
+    model owns (whether `cfg` has that tensor is `group_tensor_shapes`' question)."""
     if tensor_name == EMBED_WEIGHT:
         return EMBED
     if tensor_name in (NORM_WEIGHT, LM_HEAD_WEIGHT):
         return HEAD
     m = _LAYER_RE.match(tensor_name)
-    if m and m.group(2) in LAYER_TENSORS:
+    if m and m.group(2) in _ALL_LAYER_TENSORS:
         return layer_group(int(m.group(1)))
-    raise ValueError(f"tensor {tensor_name!r} belongs to no parameter group of a Llama model")
+    raise ValueError(f"tensor {tensor_name!r} belongs to no parameter group of a Llama-family model")
 
 
 def group_tensor_shapes(cfg: LlamaConfig, group: str) -> dict[str, tuple[int, ...]]:
@@ -93,5 +106,12 @@ def group_tensor_shapes(cfg: LlamaConfig, group: str) -> dict[str, tuple[int, ..
         "mlp.gate_proj.weight": (inter, h),
         "mlp.up_proj.weight": (inter, h),
         "mlp.down_proj.weight": (h, inter),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.bias": (h,),
+        "mlp.gate_proj.bias": (inter,),
+        "mlp.up_proj.bias": (inter,),
+        "mlp.down_proj.bias": (h,),
     }
-    return {f"model.layers.{index}.{s}": by_suffix[s] for s in LAYER_TENSORS}
+    return {f"model.layers.{index}.{s}": by_suffix[s] for s in layer_tensors(cfg)}

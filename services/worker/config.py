@@ -38,6 +38,14 @@ class WorkerConfig(ServiceConfig):
     stall_timeout_s: float = Field(
         10.0, gt=0, description="an upstream silent this long is dead: re-source from a fallback"
     )
+    dtype: str = Field(
+        "auto",
+        pattern="^(auto|float32|bfloat16|float16)$",
+        description=(
+            "dtype of the weights, the KV cache and the compute, whatever the checkpoint stores; auto = the "
+            "checkpoint's (float16 computed as float32 on CPU); bfloat16 halves the model's and the KV cache's memory"
+        ),
+    )
 
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:

@@ -36,7 +36,7 @@ from services.worker.engine.engine import (
 )
 from services.worker.engine.kv_cache import KVCache
 from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, plan_pulls
-from services.worker.model.llama import LlamaForCausalLM
+from services.worker.model.llama import LlamaForCausalLM, resolve_dtype
 
 log = structlog.get_logger(__name__)
 
@@ -225,7 +225,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 eos_ids = await fetch_eos_token_ids(pm_address, model_id, timeout_s)
                 log.info("eos_token_ids", model=model_id, ids=sorted(eos_ids))
                 manifest = Manifest.from_bytes(layout.manifest)
-                model = LlamaForCausalLM(LlamaConfig.from_hf_dict(json.loads(layout.config_json)))
+                model_cfg = LlamaConfig.from_hf_dict(json.loads(layout.config_json))
+                model = LlamaForCausalLM(model_cfg, dtype=resolve_dtype(self.cfg.dtype, model_cfg))
                 store = GroupStore(manifest)
                 self.instance = Instance(model_id, model, store)
                 pulls = plan_pulls(self.instance_id, manifest, plan, where)
@@ -279,6 +280,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 "model_loaded",
                 model=model_id,
                 layers=model.num_layers_loaded,
+                dtype=str(model.dtype).removeprefix("torch."),
                 load_s=round(elapsed, 3),
                 gbps=round(result.gbps, 3),
                 sources=sorted(result.bytes_by_source),

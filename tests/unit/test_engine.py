@@ -396,7 +396,7 @@ async def test_requests_that_can_never_fit_fail_at_once(model: LlamaForCausalLM)
             match=r"\(100 tokens\) \+ max_tokens \(50\) = 150 tokens need 10 KV blocks, the cache has 8",
         ):
             await collect(engine, "kv", prompt_of(100, 0), SamplingParams(max_tokens=50))
-        with pytest.raises(RequestTooLarge, match="= 600 exceeds max_position_embeddings 512"):
+        with pytest.raises(RequestTooLarge, match="= 600 exceeds the model.s context of 512 tokens"):
             await collect(engine, "pos", prompt_of(100, 0), SamplingParams(max_tokens=500))
         with pytest.raises(RequestTooLarge, match="prompt of 70 tokens exceeds max_num_tokens 64"):
             await collect(engine, "chunk", prompt_of(70, 0), SamplingParams(max_tokens=5))

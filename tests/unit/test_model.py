@@ -77,7 +77,8 @@ def test_config_reads_hf_variants() -> None:
         ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
         ({"num_hidden_layers": 0}, "0"),
         ({"torch_dtype": "int8"}, "'int8'"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, "'longrope'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
         ({"hidden_act": "gelu"}, "'gelu'"),
         ({"eos_token_id": 100}, "100"),
     ],
@@ -116,8 +117,9 @@ def test_param_groups_order_and_membership() -> None:
     assert group_of("model.layers.0.post_attention_layernorm.weight") == "layers.0"
     assert group_of("model.norm.weight") == "head"
     assert group_of("lm_head.weight") == "head"
-    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj.bias'"):
-        group_of("model.layers.0.self_attn.q_proj.bias")
+    assert group_of("model.layers.0.self_attn.q_proj.bias") == "layers.0"  # Qwen2's biases travel with their layer
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_norm.weight'"):
+        group_of("model.layers.0.self_attn.q_norm.weight")
     tied = cfg.replace(tie_word_embeddings=True)
     assert list(group_tensor_shapes(tied, "head")) == ["model.norm.weight"]
     assert list(group_tensor_shapes(cfg, "head")) == ["model.norm.weight", "lm_head.weight"]

@@ -335,7 +335,7 @@ class Engine:
         else:
             budget = config.kv_cache_bytes or 1 << 30
             by_budget = KVCache.blocks_for_budget(mcfg, budget, config.block_size, model.dtype)
-            wanted = config.max_batch_size * -(-mcfg.max_position_embeddings // config.block_size)
+            wanted = config.max_batch_size * -(-mcfg.max_context_tokens // config.block_size)
             blocks = by_budget if config.kv_cache_bytes else min(by_budget, wanted)
         if blocks < 1:
             raise ValueError(f"KV cache budget {config.kv_cache_bytes} bytes holds no block")
@@ -406,11 +406,11 @@ class Engine:
     def check_request(self, prompt_len: int, sampling: SamplingParams) -> None:
         """Raise RequestTooLarge if a request of this size can never run here."""
         total = prompt_len + sampling.max_tokens
-        max_pos = self.model.config.max_position_embeddings
+        max_pos = self.model.config.max_context_tokens
         if total > max_pos:
             raise RequestTooLarge(
                 f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
-                f"max_position_embeddings {max_pos}"
+                f"the model's context of {max_pos} tokens"
             )
         blocks = self.kv_cache.blocks_needed(total)
         if blocks > self.kv_cache.total_blocks:

@@ -11,6 +11,12 @@ matmul with no padding. Attention runs per kind of sequence:
   Decodes are bucketed by context length so a short sequence is not padded to the longest one.
 
 Everything derived from the layout is built once per step and shared by all layers.
+
+Sliding-window layers (Mistral, some Qwen2 layers) pass `window`: a query at position q sees keys
+q - window + 1 .. q only. Prompts longer than the window get a banded mask instead of `is_causal`,
+cached-context groups a banded mask (torch path) or the kernel's window (native path). The masks
+for a window are built on first use in a step and shared by the layers that use it. Keys that
+fell out of every query's window stay in the cache (their blocks are freed with the sequence).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -70,10 +76,30 @@ class AttentionGroup:
     attn_mask: torch.Tensor
     seq_lens: torch.Tensor  # [b] long: context + new tokens of each member (its keys)
     max_seq_len: int
+    context_lens: torch.Tensor  # [b] long: cached tokens of each member
+    # Banded masks by window size, built on first use (see `window_mask`).
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seqs)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`attn_mask` narrowed to a sliding window: query position q also needs key > q - window.
+
+        Padded query rows (past a member's new tokens) are treated as its last real one, so no
+        row is empty; their outputs are dropped anyway.
+        """
+        mask = self._window_masks.get(window)
+        if mask is None:
+            kv_len = self.attn_mask.shape[-1]
+            device = self.attn_mask.device
+            key_pos = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+            q_pos = self.context_lens.view(-1, 1, 1) + torch.arange(self.max_query_len, device=device).view(1, -1, 1)
+            q_pos = torch.minimum(q_pos, self.seq_lens.view(-1, 1, 1) - 1)
+            mask = self.attn_mask & (key_pos > q_pos - window).unsqueeze(1)
+            self._window_masks[window] = mask
+        return mask
 
     def to(self, device: torch.device) -> AttentionGroup:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -86,6 +112,7 @@ class AttentionGroup:
             block_tables=self.block_tables.to(device),
             attn_mask=self.attn_mask.to(device),
             seq_lens=self.seq_lens.to(device),
+            context_lens=self.context_lens.to(device),
         )
 
 
@@ -101,6 +128,19 @@ class CausalSpans:
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
     uniform: bool
+    _band_masks: dict[tuple[int, int], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def band_mask(self, length: int, window: int, device: torch.device) -> torch.Tensor:
+        """`[length, length]` bool: causal, and each query sees at most `window` keys (itself included)."""
+        mask = self._band_masks.get((length, window))
+        if mask is None:
+            pos = torch.arange(length, device=device)
+            delta = pos.view(-1, 1) - pos.view(1, -1)  # query - key
+            mask = (delta >= 0) & (delta < window)
+            self._band_masks[(length, window)] = mask
+        return mask
 
 
 @dataclass(frozen=True)
@@ -303,6 +343,7 @@ def _build_group(
         attn_mask=attn_mask,
         seq_lens=torch.tensor(lens, dtype=torch.long),
         max_seq_len=max(lens),
+        context_lens=ctx_t,
     )
 
 
@@ -322,13 +363,17 @@ def _unpad(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
     return flat if g.query_pad_index is None else flat.index_select(0, g.query_pad_index)
 
 
-def _group_attention(q: torch.Tensor, g: AttentionGroup, kv: PagedKV, layer: int) -> torch.Tensor:
-    """Attention of the group's queries `[t, H, d]` over their whole context, from the cache."""
-    if g.max_query_len == 1 and q.dtype == torch.float32 and q.device.type == "cpu":
+def _group_attention(
+    q: torch.Tensor, g: AttentionGroup, kv: PagedKV, layer: int, window: int | None = None
+) -> torch.Tensor:
+    """Attention of the group's queries `[t, H, d]` over their whole context (or its last `window`
+    keys per query), from the cache."""
+    if g.max_query_len == 1 and q.dtype in native.KV_DTYPES and q.device.type == "cpu":
         kernel = native.paged_decode()
         if kernel is not None:
             k_cache, v_cache = kv.layer_cache(layer)
-            return kernel(q, k_cache, v_cache, g.block_tables, g.seq_lens, g.max_seq_len)
+            if k_cache.dtype == q.dtype:
+                return kernel(q, k_cache, v_cache, g.block_tables, g.seq_lens, g.max_seq_len, window or 0)
     qp = _pad(q, g).transpose(1, 2)  # [b, H, Q, d]
     b, max_blocks = g.block_tables.shape
     # Each sequence's whole context, copied block by block into one padded [b, S, KVH, d].
@@ -337,25 +382,41 @@ def _group_attention(q: torch.Tensor, g: AttentionGroup, kv: PagedKV, layer: int
     keys = k_blocks.view(b, s, *k_blocks.shape[2:]).transpose(1, 2)
     values = v_blocks.view(b, s, *v_blocks.shape[2:]).transpose(1, 2)
     gqa = qp.shape[1] != keys.shape[1]
-    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=g.attn_mask, enable_gqa=gqa)
+    mask = g.attn_mask if window is None else g.window_mask(window)
+    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, enable_gqa=gqa)
     return _unpad(out.transpose(1, 2), g)
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: CausalSpans, out: torch.Tensor) -> None:
-    """Causal attention of each span over its own tokens, written into `out`'s rows."""
+def _causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spans: CausalSpans,
+    out: torch.Tensor,
+    window: int | None = None,
+) -> None:
+    """Causal attention of each span over its own tokens (the last `window` of them per query when
+    windowed), written into `out`'s rows."""
     gqa = q.shape[1] != k.shape[1]
+
+    def sdpa(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, n: int) -> torch.Tensor:
+        if window is None or n <= window:
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        mask = spans.band_mask(n, window, qs.device)
+        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+
     if spans.uniform:
         n, first = spans.lengths[0], spans.starts[0]
         rows = slice(first, first + n * len(spans.lengths))
         b = len(spans.lengths)
         qs, ks, vs = (x[rows].reshape(b, n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        o = sdpa(qs, ks, vs, n)
         out[rows] = o.transpose(1, 2).reshape(b * n, *out.shape[1:])
         return
     for start, n in zip(spans.starts, spans.lengths, strict=True):
         rows = slice(start, start + n)
         qs, ks, vs = (x[rows].unsqueeze(0).transpose(1, 2) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        o = sdpa(qs, ks, vs, n)
         out[rows] = o[0].transpose(0, 1)
 
 
@@ -366,12 +427,13 @@ def attention(
     batch: ForwardBatch,
     kv: PagedKV | None,
     layer: int,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention for flat `q [T, H, d]`, `k, v [T, KVH, d]` (RoPE applied); returns `[T, H, d]`.
 
     With a cache, the new K/V are first written to their slots; sequences with cached context then
     attend over their whole context gathered through their block tables, the others over their
-    own new tokens.
+    own new tokens. `window`: the layer's sliding window (keys per query, itself included).
     """
     if batch.uses_cache:
         if kv is None:
@@ -382,12 +444,12 @@ def attention(
         raise ValueError("ForwardBatch has cached context but no KV cache was given")
     if len(batch.groups) == 1 and batch.groups[0].token_index is None:
         assert kv is not None
-        return _group_attention(q, batch.groups[0], kv, layer)  # every token has cached context
+        return _group_attention(q, batch.groups[0], kv, layer, window)  # every token has cached context
     out = q.new_empty(q.shape)
     if batch.causal is not None:
-        _causal_attention(q, k, v, batch.causal, out)
+        _causal_attention(q, k, v, batch.causal, out, window)
     for g in batch.groups:
         assert kv is not None and g.token_index is not None
-        part = _group_attention(q.index_select(0, g.token_index), g, kv, layer)
+        part = _group_attention(q.index_select(0, g.token_index), g, kv, layer, window)
         out.index_copy_(0, g.token_index, part)
     return out

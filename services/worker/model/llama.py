@@ -1,4 +1,5 @@
-"""Inference-only Llama decoder that starts empty and is filled parameter group by parameter group.
+"""Inference-only Llama-family decoder (Llama, Qwen2, Mistral) that starts empty and is filled
+parameter group by parameter group.
 
 It can run any contiguous range of decoder layers (`embed`, `run_layers`, `head`), which is what a
 worker holding only its first k layers needs during ZigZag live scaling. Weights are plain tensors,
@@ -29,6 +30,7 @@ from services.model_format.groups import (
     param_groups,
 )
 from services.worker.model.attention import ForwardBatch, PagedKV, attention
+from services.worker.model.rope import RotaryEmbedding
 
 
 def _onednn_available() -> bool:
@@ -48,19 +50,22 @@ _PACKED_MAX_ROWS = 512
 
 
 class Linear:
-    """A linear layer's weight `[out, in]`, plus a oneDNN-blocked copy of it for CPU float32.
+    """A linear layer's weight `[out, in]` (and bias, if any), plus a oneDNN-blocked copy of the
+    weight for CPU float32.
 
     On CPU, float32 `F.linear` goes to MKL, whose small-row-count GEMMs (a decode step's 8-64
     tokens) ran at about half the speed of oneDNN's with a prepacked weight on the development
     box (2 threads); `__call__` uses the packed copy for batches of fewer than
     `_PACKED_MAX_ROWS` rows and MKL above. `weight` stays the plain tensor (exported, served to
     peers). The results are float32 GEMMs either way; only the summation order differs.
+    bfloat16 weights are not packed: `F.linear` already runs them through oneDNN.
     """
 
-    __slots__ = ("weight", "_packed")
+    __slots__ = ("weight", "bias", "_packed")
 
-    def __init__(self, weight: torch.Tensor, pack: bool) -> None:
+    def __init__(self, weight: torch.Tensor, pack: bool, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
+        self.bias = bias
         self._packed: torch.Tensor | None = None
         if pack and _ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32:
             try:
@@ -70,8 +75,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None and x.dim() == 2 and x.shape[0] < _PACKED_MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 @dataclass(frozen=True)
@@ -87,16 +92,34 @@ class _LayerWeights:
 
 
 def default_dtype(cfg: LlamaConfig, device: torch.device) -> torch.dtype:
-    """The compute dtype to use: the config's on accelerators, float32 on CPU.
+    """The dtype weights and KV cache are held and computed in when none is asked for: the
+    checkpoint's, except float16 on CPU, which is computed in float32.
 
-    Half-precision matmuls on CPU are slower than float32 on most hosts (and float16 often lacks
-    kernels), so a CPU worker computes in float32 unless told otherwise.
+    torch's CPU float16 matmuls run 3-4x slower than float32 ones (no native kernels on x86
+    without AVX512-FP16; measured on the development box), while bfloat16 ones are as fast as
+    packed float32 or faster where the CPU has AVX512-BF16 / AMX.
     """
-    return cfg.dtype if device.type != "cpu" else torch.float32
+    if device.type == "cpu" and cfg.dtype == torch.float16:
+        return torch.float32
+    return cfg.dtype
+
+
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, cfg: LlamaConfig, device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype a worker option names: `auto` (see `default_dtype`), `float32`, `bfloat16`, `float16`."""
+    if name == "auto":
+        return default_dtype(cfg, torch.device(device))
+    try:
+        return _DTYPE_NAMES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPE_NAMES)}, got {name!r}") from None
 
 
 class LlamaForCausalLM:
-    """A Llama decoder equivalent to HF `LlamaForCausalLM` in inference, loaded group by group."""
+    """A decoder equivalent in inference to HF `LlamaForCausalLM`, `Qwen2ForCausalLM` and
+    `MistralForCausalLM` (per `config.model_type`), loaded group by group."""
 
     def __init__(
         self,
@@ -118,14 +141,9 @@ class LlamaForCausalLM:
         self._head: Linear | None = None  # the LM head's weight (lm_head or the tied embedding)
         self._layers: list[_LayerWeights | None] = [None] * config.num_hidden_layers
         self._loaded: set[str] = set()
-        # RoPE tables in float32 for every position the model accepts (HF computes them in float32
-        # too); small: max_position_embeddings x head_dim.
-        half = config.head_dim // 2
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.int64).float() * 2 / config.head_dim))
-        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
-        angles = torch.cat([freqs, freqs], dim=-1)
-        self._cos = angles.cos().to(self.device)
-        self._sin = angles.sin().to(self.device)
+        # cos/sin of each step's positions, computed in float32 as transformers does (any RoPE type).
+        self.rotary = RotaryEmbedding(config, self.device)
+        self._windows = tuple(config.attention_window(i) for i in range(config.num_hidden_layers))
 
     # ---- loading ------------------------------------------------------------------------------
 
@@ -149,6 +167,11 @@ class LlamaForCausalLM:
 
     def _take(self, tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
         return tensors[name].to(device=self.device, dtype=self.dtype)
+
+    def _take_cat(self, tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> torch.Tensor:
+        parts = [self._take(tensors, n) for n in names]
+        # One tensor stays a view of the caller's buffer (no copy when dtype and device match).
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     @torch.inference_mode()
     def load_group(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -177,17 +200,20 @@ class LlamaForCausalLM:
             i = layer_index(name)
             assert i is not None  # group_tensor_shapes validated the name
             p = f"model.layers.{i}."
+            cfg = self.config
 
-            def cat(*names: str) -> Linear:
-                return Linear(torch.cat([self._take(tensors, p + n) for n in names], dim=0), self.pack_weights)
+            def linear(projections: tuple[str, ...], has_bias: bool) -> Linear:
+                weight = self._take_cat(tensors, (f"{p}{n}.weight" for n in projections))
+                bias = self._take_cat(tensors, (f"{p}{n}.bias" for n in projections)) if has_bias else None
+                return Linear(weight, self.pack_weights, bias)
 
             self._layers[i] = _LayerWeights(
                 input_norm=self._take(tensors, p + "input_layernorm.weight"),
-                qkv=cat("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-                o=Linear(self._take(tensors, p + "self_attn.o_proj.weight"), self.pack_weights),
+                qkv=linear(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), cfg.qkv_bias),
+                o=linear(("self_attn.o_proj",), cfg.o_bias),
                 post_norm=self._take(tensors, p + "post_attention_layernorm.weight"),
-                gate_up=cat("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-                down=Linear(self._take(tensors, p + "mlp.down_proj.weight"), self.pack_weights),
+                gate_up=linear(("mlp.gate_proj", "mlp.up_proj"), cfg.mlp_bias),
+                down=linear(("mlp.down_proj",), cfg.mlp_bias),
             )
         self._loaded.add(name)
 
@@ -218,7 +244,7 @@ class LlamaForCausalLM:
         kv = cfg.num_key_value_heads * cfg.head_dim
         inter = cfg.intermediate_size
         p = f"model.layers.{i}."
-        return {
+        out = {
             p + "input_layernorm.weight": w.input_norm,
             p + "self_attn.q_proj.weight": w.qkv.weight[:q],
             p + "self_attn.k_proj.weight": w.qkv.weight[q : q + kv],
@@ -229,6 +255,17 @@ class LlamaForCausalLM:
             p + "mlp.up_proj.weight": w.gate_up.weight[inter:],
             p + "mlp.down_proj.weight": w.down.weight,
         }
+        if w.qkv.bias is not None:
+            out[p + "self_attn.q_proj.bias"] = w.qkv.bias[:q]
+            out[p + "self_attn.k_proj.bias"] = w.qkv.bias[q : q + kv]
+            out[p + "self_attn.v_proj.bias"] = w.qkv.bias[q + kv :]
+        if w.o.bias is not None:
+            out[p + "self_attn.o_proj.bias"] = w.o.bias
+        if w.gate_up.bias is not None and w.down.bias is not None:
+            out[p + "mlp.gate_proj.bias"] = w.gate_up.bias[:inter]
+            out[p + "mlp.up_proj.bias"] = w.gate_up.bias[inter:]
+            out[p + "mlp.down_proj.bias"] = w.down.bias
+        return out
 
     # ---- compute ------------------------------------------------------------------------------
 
@@ -244,9 +281,14 @@ class LlamaForCausalLM:
 
         x `[T, heads, d]`; cos `[T, 1, d]`; sin_half `[T, 1, d/2]` (both halves of HF's sin table
         are equal). With x = (x1, x2): (x1 * cos - x2 * sin, x2 * cos + x1 * sin).
+        In float32 the fused multiply-adds round once where HF rounds twice (1 ulp); in bfloat16
+        that ulp is 2^-8, so there HF's own three rounded ops are used.
         """
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
+        if x.dtype != torch.float32:
+            sin = torch.cat((sin_half, sin_half), dim=-1)
+            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
         out = x * cos
         out[..., :half].addcmul_(x2, sin_half, value=-1.0)
         out[..., half:].addcmul_(x1, sin_half)
@@ -283,12 +325,11 @@ class LlamaForCausalLM:
             raise ValueError(
                 f"hidden has shape {tuple(hidden.shape)}, batch expects ({batch.num_tokens}, {cfg.hidden_size})"
             )
-        if int(batch.positions.max()) >= cfg.max_position_embeddings:
+        if int(batch.positions.max()) >= cfg.max_context_tokens:
             raise ValueError(
-                f"position {int(batch.positions.max())} >= max_position_embeddings {cfg.max_position_embeddings}"
+                f"position {int(batch.positions.max())} >= the model's context of {cfg.max_context_tokens} tokens"
             )
-        cos = self._cos[batch.positions].to(self.dtype).unsqueeze(1)
-        sin_half = self._sin[batch.positions, : cfg.head_dim // 2].to(self.dtype).unsqueeze(1)
+        cos, sin_half = self.rotary.cos_sin(batch.positions, batch.query_lens, batch.context_lens, self.dtype)
         t = batch.num_tokens
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         n_q = heads * d
@@ -302,7 +343,7 @@ class LlamaForCausalLM:
             qk = self._rope(qkv[:, :n_qk].view(t, heads + kv_heads, d), cos, sin_half)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, n_qk:].view(t, kv_heads, d)
-            a = attention(q, k, v, batch, kv, i)
+            a = attention(q, k, v, batch, kv, i, self._windows[i])
             hidden = hidden + w.o(a.reshape(t, n_q))  # a new tensor: the caller's is left alone
             x = self._rms_norm(hidden, w.post_norm)
             gate, up = w.gate_up(x).chunk(2, dim=-1)

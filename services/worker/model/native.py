@@ -12,7 +12,8 @@ The source is compiled with the system C compiler (`$CC`, else `gcc`/`cc`) into 
 hash of the source and flags, and loaded with ctypes; it links the OpenMP runtime torch already
 loaded, so it shares torch's threads. Where it cannot be built or fails its self-check, or with
 `BLITZMESH_NATIVE_ATTENTION=0`, `paged_decode()` returns None and callers use the torch path.
-Float32 CPU tensors only.
+CPU tensors; the cache may be float32 or bfloat16 (read as is, widened exactly to float32 in
+registers); a sliding window (Mistral, Qwen2) makes each query skip the keys before it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-_SOURCE = r"""
+_PRELUDE = r"""
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
@@ -69,29 +70,56 @@ static inline __m256 exp8_nonpos(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* One sequence, D % 8 == 0. sc: scratch [L, Hp] (Hp = H rounded up to 8), token-major. */
-static void seq_avx2(const float* qs, const float* k_cache, const float* v_cache, const int64_t* tab,
-                     int64_t L, int64_t H, int64_t Hp, int64_t G, int64_t KVH, int64_t D, int64_t bs,
+static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+/* bfloat16 is the top half of a float32: widen 8 of them and shift into place (exact). */
+static inline __m256 load8_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+
+static inline float to_f32_f32(float x) { return x; }
+static inline float to_f32_bf16(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* First key a query at the end of a sequence of L keys sees: with a sliding window of W keys
+   (W > 0), keys L - W .. L - 1; without (W = 0), all. */
+static inline int64_t first_key(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
+"""
+
+# One copy per KV-cache element type (KV = float32 or bfloat16; q, scores, accumulators and the
+# output are float32 in both): @T@ is the C type, @S@ the name suffix.
+_BODY = r"""
+#ifdef PA_AVX2
+/* One sequence, keys [k0, L), D % 8 == 0. sc: scratch [L - k0, Hp] (Hp = H rounded up to 8),
+   token-major. */
+static void seq_avx2_@S@(const float* qs, const @T@* k_cache, const @T@* v_cache, const int64_t* tab,
+                     int64_t k0, int64_t L, int64_t H, int64_t Hp, int64_t G, int64_t KVH, int64_t D, int64_t bs,
                      float scale, float* sc, float* acc, float* out) {
     const int64_t row = KVH * D, blk_stride = bs * row;
     const __m256 vscale = _mm256_set1_ps(scale);
+    const int64_t n = L - k0;
     /* scores */
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const float* kb = k_cache + tab[t0 / bs] * blk_stride;
+    for (int64_t t0 = k0 - k0 % bs; t0 < L; t0 += bs) {
+        const @T@* kb = k_cache + tab[t0 / bs] * blk_stride;
+        const int64_t lo = t0 < k0 ? k0 - t0 : 0;
         const int64_t tn = L - t0 < bs ? L - t0 : bs;
-        for (int64_t t = 0; t < tn; ++t) {
-            const float* k = kb + t * row;
-            float* st = sc + (t0 + t) * Hp;
+        for (int64_t t = lo; t < tn; ++t) {
+            const @T@* k = kb + t * row;
+            float* st = sc + (t0 + t - k0) * Hp;
             for (int64_t h0 = 0; h0 < Hp; h0 += 8) {
                 __m256 a[8];
                 for (int j = 0; j < 8; ++j) {
                     const int64_t h = h0 + j;
                     if (h >= H) { a[j] = _mm256_setzero_ps(); continue; }
                     const float* qq = qs + h * D;
-                    const float* kk = k + (h / G) * D;
-                    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qq), _mm256_loadu_ps(kk));
+                    const @T@* kk = k + (h / G) * D;
+                    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qq), load8_@S@(kk));
                     for (int64_t i = 8; i < D; i += 8)
-                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qq + i), _mm256_loadu_ps(kk + i), s);
+                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qq + i), load8_@S@(kk + i), s);
                     a[j] = s;
                 }
                 _mm256_storeu_ps(st + h0, _mm256_mul_ps(hsum8(a), vscale));
@@ -102,9 +130,9 @@ static void seq_avx2(const float* qs, const float* k_cache, const float* v_cache
     float sums[Hp];
     for (int64_t h0 = 0; h0 < Hp; h0 += 8) {
         __m256 m = _mm256_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < L; ++t) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + t * Hp + h0));
+        for (int64_t t = 0; t < n; ++t) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + t * Hp + h0));
         __m256 sum = _mm256_setzero_ps();
-        for (int64_t t = 0; t < L; ++t) {
+        for (int64_t t = 0; t < n; ++t) {
             __m256 e = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + t * Hp + h0), m));
             _mm256_storeu_ps(sc + t * Hp + h0, e);
             sum = _mm256_add_ps(sum, e);
@@ -113,12 +141,13 @@ static void seq_avx2(const float* qs, const float* k_cache, const float* v_cache
     }
     /* weighted values: per block, per head, 8 lanes of D at a time, accumulators in acc [H, D] */
     memset(acc, 0, sizeof(float) * H * D);
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const float* vb = v_cache + tab[t0 / bs] * blk_stride;
-        const int64_t tn = L - t0 < bs ? L - t0 : bs;
+    for (int64_t t0 = k0 - k0 % bs; t0 < L; t0 += bs) {
+        const int64_t lo = t0 < k0 ? k0 - t0 : 0;
+        const @T@* vb = v_cache + tab[t0 / bs] * blk_stride + lo * row;
+        const int64_t tn = (L - t0 < bs ? L - t0 : bs) - lo;
         for (int64_t h = 0; h < H; ++h) {
-            const float* vh = vb + (h / G) * D;
-            const float* ph = sc + t0 * Hp + h;
+            const @T@* vh = vb + (h / G) * D;
+            const float* ph = sc + (t0 + lo - k0) * Hp + h;
             float* ah = acc + h * D;
             int64_t i = 0;
             for (; i + 32 <= D; i += 32) {
@@ -126,11 +155,11 @@ static void seq_avx2(const float* qs, const float* k_cache, const float* v_cache
                 __m256 a2 = _mm256_loadu_ps(ah + i + 16), a3 = _mm256_loadu_ps(ah + i + 24);
                 for (int64_t t = 0; t < tn; ++t) {
                     const __m256 p = _mm256_broadcast_ss(ph + t * Hp);
-                    const float* v = vh + t * row + i;
-                    a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
-                    a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
-                    a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
-                    a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+                    const @T@* v = vh + t * row + i;
+                    a0 = _mm256_fmadd_ps(p, load8_@S@(v), a0);
+                    a1 = _mm256_fmadd_ps(p, load8_@S@(v + 8), a1);
+                    a2 = _mm256_fmadd_ps(p, load8_@S@(v + 16), a2);
+                    a3 = _mm256_fmadd_ps(p, load8_@S@(v + 24), a3);
                 }
                 _mm256_storeu_ps(ah + i, a0); _mm256_storeu_ps(ah + i + 8, a1);
                 _mm256_storeu_ps(ah + i + 16, a2); _mm256_storeu_ps(ah + i + 24, a3);
@@ -138,7 +167,7 @@ static void seq_avx2(const float* qs, const float* k_cache, const float* v_cache
             for (; i < D; i += 8) {
                 __m256 a0 = _mm256_loadu_ps(ah + i);
                 for (int64_t t = 0; t < tn; ++t)
-                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + t * Hp), _mm256_loadu_ps(vh + t * row + i), a0);
+                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + t * Hp), load8_@S@(vh + t * row + i), a0);
                 _mm256_storeu_ps(ah + i, a0);
             }
         }
@@ -151,71 +180,76 @@ static void seq_avx2(const float* qs, const float* k_cache, const float* v_cache
 }
 #endif
 
-static inline float dot(const float* a, const float* b, int64_t d) {
+static inline float dot_@S@(const float* a, const @T@* b, int64_t d) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
     for (; i + 8 <= d; i += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+        for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * to_f32_@S@(b[i + j]);
     float tail = 0.f;
-    for (; i < d; ++i) tail += a[i] * b[i];
+    for (; i < d; ++i) tail += a[i] * to_f32_@S@(b[i]);
     return (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) + tail;
 }
 
-/* Portable version: any D. sc: scratch [H, L]. */
-static void seq_generic(const float* qs, const float* k_cache, const float* v_cache, const int64_t* tab,
-                        int64_t L, int64_t H, int64_t G, int64_t KVH, int64_t D, int64_t bs,
+/* Portable version: any D, keys [k0, L). sc: scratch [H, L - k0]. */
+static void seq_generic_@S@(const float* qs, const @T@* k_cache, const @T@* v_cache, const int64_t* tab,
+                        int64_t k0, int64_t L, int64_t H, int64_t G, int64_t KVH, int64_t D, int64_t bs,
                         float scale, float* sc, float* acc, float* out) {
     const int64_t row = KVH * D, blk_stride = bs * row;
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const float* kb = k_cache + tab[t0 / bs] * blk_stride;
+    const int64_t n = L - k0;
+    for (int64_t t0 = k0 - k0 % bs; t0 < L; t0 += bs) {
+        const @T@* kb = k_cache + tab[t0 / bs] * blk_stride;
+        const int64_t lo = t0 < k0 ? k0 - t0 : 0;
         const int64_t tn = L - t0 < bs ? L - t0 : bs;
-        for (int64_t t = 0; t < tn; ++t) {
-            const float* k = kb + t * row;
+        for (int64_t t = lo; t < tn; ++t) {
+            const @T@* k = kb + t * row;
             for (int64_t h = 0; h < H; ++h)
-                sc[h * L + t0 + t] = dot(qs + h * D, k + (h / G) * D, D) * scale;
+                sc[h * n + t0 + t - k0] = dot_@S@(qs + h * D, k + (h / G) * D, D) * scale;
         }
     }
     for (int64_t h = 0; h < H; ++h) {
-        float* s = sc + h * L;
+        float* s = sc + h * n;
         float m = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
         float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { s[t] = expf(s[t] - m); sum += s[t]; }
+        for (int64_t t = 0; t < n; ++t) { s[t] = expf(s[t] - m); sum += s[t]; }
         const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
     }
     memset(acc, 0, sizeof(float) * H * D);
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const float* vb = v_cache + tab[t0 / bs] * blk_stride;
+    for (int64_t t0 = k0 - k0 % bs; t0 < L; t0 += bs) {
+        const @T@* vb = v_cache + tab[t0 / bs] * blk_stride;
+        const int64_t lo = t0 < k0 ? k0 - t0 : 0;
         const int64_t tn = L - t0 < bs ? L - t0 : bs;
-        for (int64_t t = 0; t < tn; ++t) {
-            const float* v = vb + t * row;
+        for (int64_t t = lo; t < tn; ++t) {
+            const @T@* v = vb + t * row;
             for (int64_t h = 0; h < H; ++h) {
-                const float p = sc[h * L + t0 + t];
-                const float* vv = v + (h / G) * D;
+                const float p = sc[h * n + t0 + t - k0];
+                const @T@* vv = v + (h / G) * D;
                 float* a = acc + h * D;
-                for (int64_t i = 0; i < D; ++i) a[i] += p * vv[i];
+                for (int64_t i = 0; i < D; ++i) a[i] += p * to_f32_@S@(vv[i]);
             }
         }
     }
     memcpy(out, acc, sizeof(float) * H * D);
 }
 
-/* Decode attention, float32. q [n, H, D]; k_cache, v_cache [num_blocks, bs, KVH, D];
-   tables [n, max_blocks] (token t of sequence s sits in block tables[s][t / bs]);
-   lens [n] keys per sequence (>= 1); out [n, H, D]. Query head h reads KV head h / (H / KVH).
+/* Decode attention, float32 queries and output over a @T@ cache. q [n, H, D]; k_cache, v_cache
+   [num_blocks, bs, KVH, D]; tables [n, max_blocks] (token t of sequence s sits in block
+   tables[s][t / bs]); lens [n] keys per sequence (>= 1); out [n, H, D]. Query head h reads KV
+   head h / (H / KVH). window > 0: each query sees only the last `window` keys of its sequence.
    One task per sequence: scores of all its heads over its keys, softmax, weighted values; each
    K and V row is read once, in place. Returns -1 if scratch memory could not be allocated. */
-int paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
+int paged_decode_@S@(const float* q, const @T@* k_cache, const @T@* v_cache,
                      const int64_t* tables, int64_t max_blocks, const int64_t* lens,
                      int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                     float scale, float* out, int64_t max_len, int64_t num_threads) {
+                     float scale, float* out, int64_t max_len, int64_t num_threads, int64_t window) {
     const int64_t G = H / KVH;
     const int64_t Hp = (H + 7) / 8 * 8;
+    const int64_t span = window > 0 && window < max_len ? window : max_len;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads > 0 ? (int)num_threads : 1)
     {
-        float* sc = (float*)malloc(sizeof(float) * Hp * (max_len > 0 ? max_len : 1));
+        float* sc = (float*)malloc(sizeof(float) * Hp * (span > 0 ? span : 1));
         float* acc = (float*)malloc(sizeof(float) * H * D);
         if (sc == NULL || acc == NULL) {
             #pragma omp atomic write
@@ -226,13 +260,14 @@ int paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
             if (sc == NULL || acc == NULL) continue;
             const float* qs = q + s * H * D;
             const int64_t* tab = tables + s * max_blocks;
+            const int64_t L = lens[s], k0 = first_key(L, window);
 #ifdef PA_AVX2
             if (D % 8 == 0) {
-                seq_avx2(qs, k_cache, v_cache, tab, lens[s], H, Hp, G, KVH, D, bs, scale, sc, acc, out + s * H * D);
+                seq_avx2_@S@(qs, k_cache, v_cache, tab, k0, L, H, Hp, G, KVH, D, bs, scale, sc, acc, out + s * H * D);
                 continue;
             }
 #endif
-            seq_generic(qs, k_cache, v_cache, tab, lens[s], H, G, KVH, D, bs, scale, sc, acc, out + s * H * D);
+            seq_generic_@S@(qs, k_cache, v_cache, tab, k0, L, H, G, KVH, D, bs, scale, sc, acc, out + s * H * D);
         }
         free(sc);
         free(acc);
@@ -241,11 +276,18 @@ int paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
 }
 """
 
+_SOURCE = _PRELUDE + "".join(
+    _BODY.replace("@T@", t).replace("@S@", s) for t, s in (("float", "f32"), ("uint16_t", "bf16"))
+)
+
 _ENV_SWITCH = "BLITZMESH_NATIVE_ATTENTION"
 
 
-# (q, k_cache, v_cache, block_tables, seq_lens, max_len) -> out; see `paged_decode` in `_load`.
-PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (q, k_cache, v_cache, block_tables, seq_lens, max_len, window) -> out; see `paged_decode` in `_load`.
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+
+# KV-cache dtypes the kernel reads, and the suffix of its entry point for each.
+KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def _cpu_flags() -> set[str]:
@@ -308,10 +350,13 @@ def _compile() -> Path:
 def _load() -> PagedDecode:
     path = _compile()
     lib = ctypes.CDLL(str(path))
-    fn = lib.paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64]
-    fn.restype = ctypes.c_int
+    entry = {}
+    for dtype, suffix in KV_DTYPES.items():
+        fn = getattr(lib, f"paged_decode_{suffix}")
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, i64]
+        fn.restype = ctypes.c_int
+        entry[dtype] = fn
 
     def paged_decode(
         q: torch.Tensor,
@@ -320,28 +365,34 @@ def _load() -> PagedDecode:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         max_len: int,
+        window: int = 0,
     ) -> torch.Tensor:
         """Attention of one query per sequence over its paged context.
 
-        q `[n, H, D]`; k_cache, v_cache `[num_blocks, block_size, KVH, D]`; block_tables
-        `[n, max_blocks]` int64; seq_lens `[n]` int64 (keys per sequence, 1..max_len, covered by
-        the tables); returns `[n, H, D]`. All float32 on the CPU.
+        q `[n, H, D]`; k_cache, v_cache `[num_blocks, block_size, KVH, D]`, float32 or bfloat16;
+        block_tables `[n, max_blocks]` int64; seq_lens `[n]` int64 (keys per sequence, 1..max_len,
+        covered by the tables); `window` > 0: each query attends to its sequence's last `window`
+        keys only (a sliding window), 0: to all. Returns `[n, H, D]` in q's dtype; scores,
+        softmax and sums are float32 whatever the cache holds. CPU tensors.
         """
         n, heads, d = q.shape
         num_blocks, bs, kv_heads, d_k = k_cache.shape
+        fn = entry.get(k_cache.dtype)
         if (
-            d_k != d
+            fn is None
+            or d_k != d
             or v_cache.shape != k_cache.shape
+            or v_cache.dtype != k_cache.dtype
             or heads % kv_heads
             or block_tables.shape[0] != n
             or seq_lens.shape != (n,)
-            or any(t.dtype != torch.float32 for t in (q, k_cache, v_cache))
+            or q.dtype not in (torch.float32, torch.bfloat16)
             or block_tables.dtype != torch.int64
             or seq_lens.dtype != torch.int64
         ):
             raise ValueError(
-                f"paged_decode: q {tuple(q.shape)} {q.dtype}, cache {tuple(k_cache.shape)} {k_cache.dtype}, "
-                f"tables {tuple(block_tables.shape)}, lens {tuple(seq_lens.shape)}"
+                f"paged_decode: q {tuple(q.shape)} {q.dtype}, cache {tuple(k_cache.shape)} {k_cache.dtype} "
+                f"(float32 or bfloat16), tables {tuple(block_tables.shape)}, lens {tuple(seq_lens.shape)}"
             )
         if n and (
             int(block_tables.min()) < 0
@@ -354,57 +405,65 @@ def _load() -> PagedDecode:
                 f"paged_decode: block ids outside [0, {num_blocks}) or lengths outside "
                 f"[1, {min(max_len, block_tables.shape[1] * bs)}]"
             )
-        q = q.contiguous()
+        if window < 0:
+            raise ValueError(f"paged_decode: window must be >= 0, got {window}")
+        out_dtype = q.dtype
+        q = q.contiguous().float()
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
         block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
         out = torch.empty_like(q)
         if n == 0:
-            return out
+            return out.to(out_dtype)
         rc = fn(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], seq_lens.data_ptr(), n, heads, kv_heads, d, bs,
-            d ** -0.5, out.data_ptr(), max_len, torch.get_num_threads(),
+            d ** -0.5, out.data_ptr(), max_len, torch.get_num_threads(), window,
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("paged_decode: scratch allocation failed")
-        return out
+        return out.to(out_dtype)
 
     return paged_decode
 
 
 def reference_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int, window: int = 0
 ) -> torch.Tensor:
     """One sequence's decode attention the slow, obvious way: gather its `length` keys and values
-    through its block table, then SDPA. q `[H, D]` -> `[H, D]`. What the kernel is checked against."""
+    through its block table (the last `window` of them when window > 0), then SDPA in float32.
+    q `[H, D]` -> `[H, D]` float32. What the kernel is checked against."""
     kv_heads, d = k_cache.shape[2], k_cache.shape[3]
-    keys = k_cache[table].reshape(-1, kv_heads, d)[:length].transpose(0, 1)
-    values = v_cache[table].reshape(-1, kv_heads, d)[:length].transpose(0, 1)
+    first = length - window if 0 < window < length else 0
+    keys = k_cache[table].reshape(-1, kv_heads, d)[first:length].transpose(0, 1).float()
+    values = v_cache[table].reshape(-1, kv_heads, d)[first:length].transpose(0, 1).float()
     out: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(1), keys, values, enable_gqa=True
+        q.float().unsqueeze(1), keys, values, enable_gqa=True
     ).squeeze(1)
     return out
 
 
 def _self_check(kernel: PagedDecode) -> None:
-    """Compare with SDPA over an explicit gather on small random cases (GQA, ragged lengths; a
-    head size the vector path takes and one only the portable path does)."""
+    """Compare with SDPA over an explicit gather on small random cases: GQA, ragged lengths, a
+    head size the vector path takes and one only the portable path does, each KV dtype, with and
+    without a sliding window (one shorter than some sequences, starting mid-block)."""
     g = torch.Generator().manual_seed(0)
     for heads, kv_heads, d in ((12, 4, 32), (4, 2, 20)):
-        n, bs, blocks = 3, 4, 16
-        k = torch.randn(blocks, bs, kv_heads, d, generator=g)
-        v = torch.randn(blocks, bs, kv_heads, d, generator=g)
-        q = torch.randn(n, heads, d, generator=g)
-        tables = torch.randperm(blocks, generator=g)[: n * 4].view(n, 4)
-        lens = torch.tensor([1, 9, 16])
-        got = kernel(q, k, v, tables, lens, 16)
-        for s in range(n):
-            want = reference_decode(q[s], k, v, tables[s], int(lens[s]))
-            if not torch.allclose(got[s], want, atol=1e-5, rtol=1e-5):
-                raise RuntimeError(
-                    f"self-check failed (H={heads}, KVH={kv_heads}, D={d}): max error "
-                    f"{(got[s] - want).abs().max().item():.3g}"
-                )
+        for dtype in KV_DTYPES:
+            for window in (0, 6):
+                n, bs, blocks = 3, 4, 16
+                k = torch.randn(blocks, bs, kv_heads, d, generator=g).to(dtype)
+                v = torch.randn(blocks, bs, kv_heads, d, generator=g).to(dtype)
+                q = torch.randn(n, heads, d, generator=g)
+                tables = torch.randperm(blocks, generator=g)[: n * 4].view(n, 4)
+                lens = torch.tensor([1, 9, 16])
+                got = kernel(q, k, v, tables, lens, 16, window)
+                for s in range(n):
+                    want = reference_decode(q[s], k, v, tables[s], int(lens[s]), window)
+                    if not torch.allclose(got[s], want, atol=1e-5, rtol=1e-5):
+                        raise RuntimeError(
+                            f"self-check failed (H={heads}, KVH={kv_heads}, D={d}, {dtype}, window={window}): "
+                            f"max error {(got[s] - want).abs().max().item():.3g}"
+                        )
 
 
 _lock = threading.Lock()
