@@ -120,7 +120,7 @@ async def test_worker_dtype_option_serves_bfloat16(qwen2_models: Path, serve_in_
     # The same tokens as the same bfloat16 model in an in-process engine of the worker's block size.
     local = Engine.create(
         load_model(qwen2_models / "qwen2", dtype=torch.bfloat16),
-        2,
+        (2,),
         EngineConfig(block_size=engine.kv_cache.block_size, num_kv_blocks=64, num_threads=1),
     )
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

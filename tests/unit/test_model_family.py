@@ -179,7 +179,7 @@ def _hf_greedy(path: Path, dtype: torch.dtype, prompt: list[int]) -> tuple[list[
 async def _engine_greedy(model: LlamaForCausalLM, prompts: Sequence[list[int]], **engine: Any) -> list[list[int]]:
     """Greedy continuations of all prompts, submitted at once to one paged engine."""
     fields: dict[str, Any] = {"max_batch_size": 4, "max_num_tokens": 128, "block_size": 4, "num_kv_blocks": 128}
-    eng = Engine.create(model, 2, EngineConfig(**{**fields, "num_threads": 1, **engine}))
+    eng = Engine.create(model, (2,), EngineConfig(**{**fields, "num_threads": 1, **engine}))
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
     async def one(i: int, prompt: list[int]) -> list[int]:
@@ -455,8 +455,8 @@ def test_bfloat16_option_halves_weights_and_kv(ckpts: dict[str, Path]) -> None:
         return sum(t.numel() * t.element_size() for g in m.loaded_groups for t in m.export_group(g).values())
 
     assert weight_bytes(bf16) * 2 == weight_bytes(f32)
-    eng32 = Engine.create(f32, 2, EngineConfig(num_kv_blocks=64))
-    eng16 = Engine.create(bf16, 2, EngineConfig(num_kv_blocks=64))
+    eng32 = Engine.create(f32, (2,), EngineConfig(num_kv_blocks=64))
+    eng16 = Engine.create(bf16, (2,), EngineConfig(num_kv_blocks=64))
     assert eng16.kv_cache.nbytes * 2 == eng32.kv_cache.nbytes
     assert eng16.kv_cache.layer_cache(0)[0].dtype == torch.bfloat16
     # Biases come through in the asked dtype too, and export under their checkpoint names.
