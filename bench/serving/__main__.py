@@ -65,6 +65,8 @@ from services.worker.model import native
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 TARGETS = {"ratio_gateway_engine": 0.85, "ratio_gateway_hf_best": 2.0}
+# On a real checkpoint (--model) the gateway must beat transformers by more (issue 9's target).
+REAL_MODEL_TARGETS = {**TARGETS, "ratio_gateway_hf_best": 3.0}
 WARMUP_REQUESTS = 8
 WARMUP_OUTPUT_TOKENS = 8
 IDLE_CHECK_S = 3.0
@@ -326,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         return round(a.tok_s / b.tok_s, 3) if a is not None and b is not None else None
 
     summaries = {r.name: r.summary() for r in results}
+    targets = REAL_MODEL_TARGETS if args.model else TARGETS
     out: dict[str, Any] = {
         "gateway_tok_s": tok_s(by_name.get("gateway")),
         "engine_tok_s": tok_s(by_name.get("engine")),
@@ -336,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "hf_best_system": best_hf.name if best_hf else None,
         "ratio_gateway_engine": ratio(by_name.get("gateway"), by_name.get("engine")),
         "ratio_gateway_hf_best": ratio(by_name.get("gateway"), best_hf),
-        "targets": TARGETS,
+        "targets": targets,
         **{
             key: {name: s[key] for name, s in summaries.items()}
             for key in ("ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s")
@@ -394,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     print(_table(results))
-    for key, target in TARGETS.items():
+    for key, target in targets.items():
         value = out[key]
         if value is not None:
             print(f"{key}: {value:.3f} (target >= {target}: {'met' if value >= target else 'MISSED'})")
