@@ -33,6 +33,7 @@ class WorkerGenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     LAYER_START_FIELD_NUMBER: _builtins.int
     LAYER_END_FIELD_NUMBER: _builtins.int
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model_id: _builtins.str
     layer_start: _builtins.int
@@ -42,6 +43,12 @@ class WorkerGenerateRequest(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def resume_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A request migrated from another instance: the tokens it generated there, in order. The
+        stream continues after them (they count toward max_tokens and are never sent again).
+        """
+
     def __init__(
         self,
         *,
@@ -51,10 +58,11 @@ class WorkerGenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         layer_start: _builtins.int = ...,
         layer_end: _builtins.int = ...,
+        resume_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer_end", b"layer_end", "layer_start", b"layer_start", "model_id", b"model_id", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer_end", b"layer_end", "layer_start", b"layer_start", "model_id", b"model_id", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

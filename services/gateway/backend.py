@@ -3,8 +3,10 @@
 validate -> tokenize (per-model tokenizer from the parameter manager, cached) -> admit (bounded
 concurrency + FIFO queue) -> Schedule a route on the global manager -> stream Worker.Generate
 -> detokenize incrementally -> stop strings -> usage. A worker that fails before the first
-token reaches the client is excluded and the request re-routed; after it, the stream ends with
-an error naming the instance. A client that goes away cancels the worker call and sends Abort.
+token reaches the client is excluded and the request re-routed; one that fails after it (dies,
+hangs past `token_stall_timeout_s`, or drains) is excluded and the stream migrates: another
+instance resumes from the prompt plus the tokens generated so far, and the client's stream goes
+on. A client that goes away cancels the worker call and sends Abort.
 
 n > 1 fans out here: each choice is an ordinary request of its own (id `<request_id>-<i>`,
 seed + i), scheduled, retried before its first token, stop-string-checked and aborted on its
@@ -20,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 import structlog
@@ -55,7 +57,7 @@ from services.gateway.schema import (
     validate_request,
 )
 from services.gateway.tokenization import ModelAssets, ModelCache
-from services.model_format.tokenizer import StopStringMatcher
+from services.model_format.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 log = structlog.get_logger(__name__)
 
@@ -95,6 +97,20 @@ class _WorkerFailedError(Exception):
         self.code = code
         self.detail = detail
         self.tokens_received = tokens_received
+
+
+@dataclass
+class _StreamState:
+    """What one choice's stream carries from instance to instance: the tokens generated so far
+    (a migrated stream resumes from them) and the text state built from exactly those tokens,
+    so the client sees no token twice and none missing."""
+
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    chars: int  # length of the choice's text so far (the echoed prompt included)
+    generated: list[int] = field(default_factory=list)
+    first: bool = True  # the echo and the prompt log-probs still go out with the next token
+    last_s: float | None = None  # when the last token arrived, for TBT
 
 
 class Backend:
@@ -359,57 +375,95 @@ class Backend:
         index: int = 0,
         echo_text: str | None = None,
     ) -> AsyncGenerator[Event, None]:
-        """Try instances until one streams; re-route only while nothing reached the client."""
+        """Run one choice to its end across instances.
+
+        An instance failing before the first token is excluded and the request re-routed (up to
+        `retries_before_first_token`). One failing after it (death, hang, drain) is excluded and
+        the stream *migrates*: another instance resumes from the prompt plus the tokens generated
+        so far, and the client's stream goes on with no token repeated or missing (up to
+        `max_migrations`; beyond that, or with no instance left, a MID_STREAM error)."""
+        state = _StreamState(
+            detok=assets.new_detokenizer(),
+            stops=StopStringMatcher(req.sampling.stop),
+            chars=len(echo_text) if echo_text is not None else 0,
+        )
         excluded: list[str] = []
         failures: list[str] = []
         last_code = grpc.StatusCode.UNAVAILABLE
-        attempts = 1 + self.config.retries_before_first_token
-        for attempt in range(attempts):
-            hop = await self._schedule(req, len(prompt_ids), max_tokens, excluded, failures, deadline_s)
-            sent_any = False
+        retries = migrations = 0
+        while True:
             try:
-                stream = self._stream(req, assets, hop, prompt_ids, max_tokens, deadline_s, index, echo_text)
+                hop = await self._schedule(req, len(prompt_ids), max_tokens, excluded, failures, deadline_s)
+            except GatewayError as e:
+                if not state.generated or e.kind == ErrorKind.TIMEOUT:
+                    raise
+                raise GatewayError(
+                    ErrorKind.MID_STREAM,
+                    f"request {req.request_id} could not be migrated after {_count(len(state.generated), 'token')}"
+                    f" ({'; '.join(failures)}): {e.message}",
+                    code="instance_failed",
+                ) from None
+            try:
+                stream = self._stream(req, assets, hop, prompt_ids, max_tokens, deadline_s, state, index, echo_text)
                 async for event in stream:
-                    sent_any = True
                     yield event
                 return
             except _WorkerFailedError as f:
+                resumed = len(state.generated)
                 if f.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise GatewayError(
                         ErrorKind.TIMEOUT,
                         f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}"
-                        f" on instance {f.instance_id} after {_count(f.tokens_received, 'token')}",
+                        f" on instance {f.instance_id} after {_count(resumed, 'token')}",
                     ) from None
-                if sent_any:
-                    raise GatewayError(
-                        ErrorKind.MID_STREAM,
-                        f"instance {f.instance_id} died mid-stream after {_count(f.tokens_received, 'token')}"
-                        f" ({f.code.name}: {f.detail}); the partial completion cannot be resumed",
-                        code="instance_failed",
-                    ) from None
-                if f.code == grpc.StatusCode.INVALID_ARGUMENT:
+                if f.code == grpc.StatusCode.INVALID_ARGUMENT and not resumed:
                     raise invalid(f"instance {f.instance_id} rejected the request: {f.detail}") from None
                 if f.code not in _RETRYABLE:
                     raise GatewayError(
-                        ErrorKind.INTERNAL, f"instance {f.instance_id} failed: {f.code.name}: {f.detail}"
+                        ErrorKind.MID_STREAM if resumed else ErrorKind.INTERNAL,
+                        f"instance {f.instance_id} failed after {_count(resumed, 'token')}: {f.code.name}: {f.detail}",
+                        code="instance_failed" if resumed else None,
                     ) from None
                 excluded.append(f.instance_id)
                 last_code = f.code
                 failures.append(f"{f.instance_id}: {f.code.name}: {f.detail}")
+                if resumed:
+                    if migrations >= self.config.max_migrations:
+                        raise GatewayError(
+                            ErrorKind.MID_STREAM,
+                            f"instance {f.instance_id} failed mid-stream after {_count(resumed, 'token')}"
+                            f" ({f.code.name}: {f.detail}) and the request was already migrated {migrations}"
+                            f" times (max_migrations={self.config.max_migrations})",
+                            code="instance_failed",
+                        ) from None
+                    migrations += 1
+                    self.metrics.migrations.labels(f.code.name).inc()
+                    bound.warning(
+                        "migrating",
+                        instance_id=f.instance_id,
+                        code=f.code.name,
+                        detail=f.detail,
+                        resumed_tokens=resumed,
+                        migration=migrations,
+                    )
+                    continue
+                if retries >= self.config.retries_before_first_token:
+                    break
+                retries += 1
                 self.metrics.retries.labels(f.code.name).inc()
                 bound.warning(
                     "retry_before_first_token",
                     instance_id=f.instance_id,
                     code=f.code.name,
                     detail=f.detail,
-                    attempt=attempt + 1,
-                    attempts=attempts,
+                    attempt=retries,
+                    attempts=1 + self.config.retries_before_first_token,
                 )
         # Every instance tried was full rather than broken: that is back-pressure, not an outage.
         kind = ErrorKind.OVERLOADED if last_code == grpc.StatusCode.RESOURCE_EXHAUSTED else ErrorKind.UNAVAILABLE
         raise GatewayError(
             kind,
-            f"request {req.request_id} failed on {attempts} instances before the first token"
+            f"request {req.request_id} failed on {retries + 1} instances before the first token"
             f" (retries_before_first_token={self.config.retries_before_first_token}): {'; '.join(failures)}",
             code="instances_failed",
         )
@@ -504,17 +558,26 @@ class Backend:
         prompt_ids: list[int],
         max_tokens: int,
         deadline_s: float,
+        state: _StreamState,
         index: int = 0,
         echo_text: str | None = None,
     ) -> AsyncGenerator[Event, None]:
-        """One attempt on one instance; raises _WorkerFailedError on any worker-side failure.
+        """One attempt on one instance, continuing `state` (the tokens earlier instances generated
+        are resumed there); raises _WorkerFailedError on any worker-side failure.
 
         The echoed prompt (and the prompt log-probs) go out with the first token, so a worker
         failing before it still leaves the request free to be re-routed."""
         instance = hop.instance_id or hop.address
         stub = self._worker(hop.address)
-        # Stop strings are applied here, on text; the worker only sees token-level stops.
-        sampling = replace(req.sampling, max_tokens=max_tokens, stop=())
+        resume = list(state.generated)
+        # Stop strings are applied here, on text; the worker only sees token-level stops. Prompt
+        # log-probs went out with the first token: a resumed attempt does not ask again.
+        sampling = replace(
+            req.sampling,
+            max_tokens=max_tokens,
+            stop=(),
+            prompt_logprobs=None if resume else req.sampling.prompt_logprobs,
+        )
         call = stub.Generate(
             worker_pb2.WorkerGenerateRequest(
                 request_id=req.request_id,
@@ -523,65 +586,85 @@ class Backend:
                 sampling=sampling_to_proto(sampling),
                 layer_start=0,
                 layer_end=0,
+                resume_token_ids=resume,
             ),
             timeout=max(deadline_s - time.monotonic(), 0.001),
         )
         tokenizer = assets.tokenizer
-        detok = assets.new_detokenizer()
-        stops = StopStringMatcher(req.sampling.stop)
+        detok, stops = state.detok, state.stops
         want_logprobs = req.sampling.logprobs is not None
-        # Where generated text starts in the choice's text, and how much the detokenizer gave so far.
-        chars = len(echo_text) if echo_text is not None else 0
-        first = True
-        received = 0
-        last_s: float | None = None
+        stall_s = self.config.token_stall_timeout_s or None
+        got_any = False  # on this instance: the stall timeout starts with its first message
         worker_done = False
         try:
             try:
-                async for resp in call:
-                    ids = tuple(resp.token_ids)
-                    if ids:
-                        now_s = time.monotonic()
-                        if last_s is not None:
-                            self.metrics.tbt_s.observe((now_s - last_s) / len(ids))
-                        last_s = now_s
-                        received += len(ids)
-                    logprobs: tuple[TokenLogprob, ...] = ()
-                    prompt_logprobs: tuple[TokenLogprob, ...] = ()
-                    prefix = ""
+                while True:
                     try:
-                        if want_logprobs and ids:
-                            offsets, piece = [], ""
-                            for token in ids:  # one at a time, for each token's text offset
-                                offsets.append(chars + len(piece))
-                                piece += detok.add(token)
-                            logprobs = lp.from_proto(tokenizer, resp.logprobs, offsets)
-                        else:
-                            piece = detok.add(ids)
-                        if first:
-                            first = False
-                            prefix = echo_text or ""
-                            if req.sampling.prompt_logprobs is not None:
-                                offsets = lp.text_offsets(tokenizer, prompt_ids)
-                                prompt_logprobs = lp.from_proto(tokenizer, resp.prompt_logprobs, offsets)
-                    except ValueError as e:  # e.g. a worker too old to know log-probs sends none
+                        async with asyncio.timeout(stall_s if got_any else None):
+                            resp = await call.read()
+                    except TimeoutError:
                         raise _WorkerFailedError(
-                            instance, grpc.StatusCode.INTERNAL, f"malformed log-probs: {e}", received
+                            instance,
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"no token for token_stall_timeout_s={self.config.token_stall_timeout_s}",
+                            len(state.generated),
                         ) from None
-                    chars += len(piece)
-                    text, matched = stops.feed(piece)
+                    if resp is grpc.aio.EOF:
+                        break
+                    got_any = True
                     finished = resp.HasField("finish_reason")
                     try:
                         worker_reason = finish_reason_from_proto(resp.finish_reason) if finished else None
                     except ValueError as e:
                         worker_done = True
-                        raise _WorkerFailedError(instance, grpc.StatusCode.INTERNAL, str(e), received) from None
+                        raise _WorkerFailedError(
+                            instance, grpc.StatusCode.INTERNAL, str(e), len(state.generated)
+                        ) from None
+                    if worker_reason == "abort":
+                        # Nothing in an aborted message counts: the request resumes elsewhere.
+                        worker_done = True
+                        raise _WorkerFailedError(
+                            instance,
+                            grpc.StatusCode.ABORTED,
+                            "the instance aborted the request (drained or stopped)",
+                            len(state.generated),
+                        )
+                    ids = tuple(resp.token_ids)
+                    logprobs: tuple[TokenLogprob, ...] = ()
+                    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+                    try:
+                        # Checked before the tokens count as generated: a malformed message is
+                        # the instance's failure, and the request resumes without it.
+                        if want_logprobs and ids:
+                            logprobs = lp.from_proto(tokenizer, resp.logprobs, [0] * len(ids))
+                        if state.first and req.sampling.prompt_logprobs is not None:
+                            offsets = lp.text_offsets(tokenizer, prompt_ids)
+                            prompt_logprobs = lp.from_proto(tokenizer, resp.prompt_logprobs, offsets)
+                    except ValueError as e:  # e.g. a worker too old to know log-probs sends none
+                        raise _WorkerFailedError(
+                            instance, grpc.StatusCode.INTERNAL, f"malformed log-probs: {e}", len(state.generated)
+                        ) from None
+                    if ids:
+                        now_s = time.monotonic()
+                        if state.last_s is not None:
+                            self.metrics.tbt_s.observe((now_s - state.last_s) / len(ids))
+                        state.last_s = now_s
+                        state.generated.extend(ids)
+                    if logprobs:
+                        offsets, piece = [], ""
+                        for token in ids:  # one at a time, for each token's text offset
+                            offsets.append(state.chars + len(piece))
+                            piece += detok.add(token)
+                        logprobs = tuple(replace(e, text_offset=o) for e, o in zip(logprobs, offsets, strict=True))
+                    else:
+                        piece = detok.add(ids)
+                    prefix = ""
+                    if state.first:
+                        state.first = False
+                        prefix = echo_text or ""
+                    state.chars += len(piece)
+                    text, matched = stops.feed(piece)
                     if finished and not matched:
-                        if worker_reason == "abort":
-                            worker_done = True
-                            raise _WorkerFailedError(
-                                instance, grpc.StatusCode.ABORTED, "the instance aborted the request", received
-                            )
                         tail, matched = stops.feed(detok.flush())
                         text += tail
                         if not matched:
@@ -594,20 +677,23 @@ class Backend:
                         reason = FINISH_STOP if matched or worker_reason == "stop" else FINISH_LENGTH
                         usage = Usage(
                             prompt_tokens=resp.prompt_tokens if finished and resp.prompt_tokens else len(prompt_ids),
-                            completion_tokens=max(received, resp.completion_tokens if finished else 0),
+                            completion_tokens=max(len(state.generated), resp.completion_tokens if finished else 0),
                         )
                         yield Finish(reason, usage, instance, index)
                         return
             except grpc.aio.AioRpcError as e:
                 worker_done = True
-                raise _WorkerFailedError(instance, e.code(), e.details() or "", received) from None
+                raise _WorkerFailedError(instance, e.code(), e.details() or "", len(state.generated)) from None
             worker_done = True
             raise _WorkerFailedError(
-                instance, grpc.StatusCode.UNAVAILABLE, "the token stream ended without a finish_reason", received
+                instance,
+                grpc.StatusCode.UNAVAILABLE,
+                "the token stream ended without a finish_reason",
+                len(state.generated),
             )
         finally:
             if not worker_done:
-                # Client gone or a stop string matched: free the instance's KV now.
+                # Client gone, a stop string matched or the instance stalled: free its KV now.
                 call.cancel()
                 self._abort_later(hop.address, req.request_id)
 

@@ -36,6 +36,19 @@ class GatewayConfig(ServiceConfig):
     retries_before_first_token: int = Field(
         2, ge=0, le=10, description="re-routes to another instance when one fails before the first token"
     )
+    max_migrations: int = Field(
+        3,
+        ge=0,
+        le=20,
+        description="times one request may move to another instance after its stream started (its instance died, "
+        "hung or drained): it resumes there from the prompt plus the tokens generated so far; 0 = never",
+    )
+    token_stall_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="a stream that has started and then gets no token for this long is treated as a hung instance "
+        "and migrated; 0 = never (a slow prefill before the first token is not a stall)",
+    )
     rpc_timeout_s: float = Field(10.0, gt=0, description="deadline of control RPCs (Schedule, GetModelFiles)")
     schedule_wait_s: float = Field(
         15.0,

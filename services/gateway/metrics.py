@@ -48,6 +48,13 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.migrations = Counter(
+            "blitzmesh_gateway_migrations",
+            "Streams resumed on another instance after theirs failed mid-stream, by gRPC status of the failure",
+            ["code"],
+            registry=r,
+        )
+
     def set_admission(self, in_flight: int, waiting: int) -> None:
         self.in_flight.set(in_flight)
         self.queue_depth.set(waiting)

@@ -20,6 +20,12 @@ class WorkerConfig(ServiceConfig):
     param_manager: str = Field("", description="parameter manager address (weights come only from it)")
     preload_model: str = Field("", description="load this model at start (standalone use and tests)")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period")
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM, how long in-flight requests may run to their end; those still running then "
+        "are aborted, and the gateway resumes each on another instance (0 = abort at once)",
+    )
     max_batch_size: int = Field(32, gt=0, description="most requests in one engine iteration")
     max_num_tokens: int = Field(1024, gt=0, description="most tokens (prefill + decode) in one iteration")
     block_size: int = Field(16, gt=0, description="tokens per KV block")

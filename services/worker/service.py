@@ -139,7 +139,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._inflight[request_id] = None
         self._idle.clear()
         outcome = "error"
-        stream = inst.engine.generate(request_id, list(request.prompt_token_ids), sampling)
+        stream = inst.engine.generate(
+            request_id, list(request.prompt_token_ids), sampling, list(request.resume_token_ids)
+        )
         try:
             async for ev in stream:
                 TOKENS.inc()
@@ -339,20 +341,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"instance {self.instance_id} is {self.state.upper()}"
             )
+        finished, aborted = await self.drain(request.timeout_s or 60.0)
+        return worker_pb2.DrainResponse(finished=finished, aborted=aborted)
+
+    async def drain(self, timeout_s: float) -> tuple[int, int]:
+        """Stop taking requests (DRAINING, told to the manager at once) and give in-flight ones up
+        to `timeout_s` to finish; abort the rest, whose streams end with "abort" so the gateway
+        resumes each on another instance. Returns (finished, aborted)."""
         self.state = "draining"
         self.heartbeat_now.set()
         before = len(self._inflight)
-        timeout = request.timeout_s or 60.0
         aborted = 0
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
             inst = self.instance
             for rid in list(self._inflight):
                 if inst and inst.engine:
                     inst.engine.abort(rid)
                     aborted += 1
-        return worker_pb2.DrainResponse(finished=before - aborted, aborted=aborted)
+        log.info("drained", finished=before - aborted, aborted=aborted, timeout_s=timeout_s)
+        return before - aborted, aborted
 
     async def Unload(self, request, context):
         if self._inflight:
@@ -438,6 +447,11 @@ class WorkerService:
                     await asyncio.wait_for(s.heartbeat_now.wait(), self.cfg.heartbeat_interval_s)
 
     async def stop(self) -> None:
+        s = self.servicer
+        if s.state == "serving" or (s.state == "draining" and s._inflight):
+            # SIGTERM means drain: nothing in flight is dropped (what does not finish in time
+            # is aborted, and the gateway migrates it).
+            await s.drain(self.cfg.drain_timeout_s)
         if self.cfg.global_manager:
             with contextlib.suppress(Exception):
                 async with channel(self.cfg.global_manager) as ch:

@@ -2,7 +2,8 @@
 play the global manager, the parameter manager and scripted workers, with a real tokenizer.json.
 
 Checks the OpenAI wire format (with the official client too), usage, stop strings, re-routing
-before the first token, the error event when an instance dies mid-stream, cancellation reaching
+before the first token, migration when an instance dies, stalls or drains mid-stream (and the
+error event when it cannot be migrated), cancellation reaching
 the worker, admission (429), auth (401) and the Admin forwarding.
 """
 
@@ -62,13 +63,17 @@ CORPUS = [
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    """Streams the token ids of REPLY, one per message; tests script failures and delays."""
+    """Streams the token ids of REPLY, one per message; tests script failures and delays. A
+    migrated request (resume_token_ids) continues the script after the tokens it brings, as a
+    real worker continues a greedy stream."""
 
     def __init__(self, instance_id: str, reply_ids: list[int]) -> None:
         self.instance_id = instance_id
         self.reply_ids = reply_ids
         self.fail_code: grpc.StatusCode | None = None  # fail before any token
         self.die_after: int | None = None  # fail with UNAVAILABLE after this many tokens
+        self.stall_after: int | None = None  # go silent (alive, no more tokens) after this many
+        self.abort_after: int | None = None  # end with finish_reason ABORT (a drain) after this many
         self.gate: asyncio.Event | None = None  # hold the first token until set
         self.delay_s = 0.0
         self.requests: list[worker_pb2.WorkerGenerateRequest] = []
@@ -86,9 +91,18 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 await self.gate.wait()
             budget = request.sampling.max_tokens
             n = min(budget, len(self.reply_ids))
-            for i in range(n):
+            for i in range(len(request.resume_token_ids), n):
                 if self.die_after is not None and i == self.die_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.instance_id} lost its accelerator")
+                if self.stall_after is not None and i == self.stall_after:
+                    await asyncio.Event().wait()
+                if self.abort_after is not None and i == self.abort_after:
+                    yield worker_pb2.WorkerGenerateResponse(
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=i,
+                        finish_reason=common_pb2.FINISH_REASON_ABORT,
+                    )
+                    return
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 msg = worker_pb2.WorkerGenerateResponse(
@@ -470,29 +484,80 @@ async def test_all_instances_fail_before_first_token_is_503(cluster: Cluster, st
     assert "w-1" in message and "w-2" in message and "no SERVING instance" in message
 
 
-async def test_instance_dying_mid_stream_ends_with_error_event(cluster: Cluster, start_gateway) -> None:
+@pytest.mark.parametrize("failure", ["dies", "stalls", "drains"])
+async def test_instance_failing_mid_stream_migrates_the_stream(cluster: Cluster, start_gateway, failure: str) -> None:
+    """The stream resumes on another instance from the prompt plus the 3 tokens already sent:
+    the client sees the whole reply once, no error, no token repeated or missing."""
+    worker = await cluster.add_worker("w-1")
+    setattr(worker, {"dies": "die_after", "stalls": "stall_after", "drains": "abort_after"}[failure], 3)
+    other = await cluster.add_worker("w-2")
+    gw = await start_gateway(token_stall_timeout_s=0.3)
+    events = await sse_events(
+        gw.http + "/v1/completions",
+        {"model": MODEL, "prompt": "Hi", "stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert events[-1] == "[DONE]" and "error" not in events[-2]
+    text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+    assert text == REPLY
+    assert events[-2]["usage"]["completion_tokens"] == len(cluster.reply_ids)
+    assert [list(s.exclude_instance_ids) for s in cluster.gm.schedules] == [[], ["w-1"]]
+    assert list(other.requests[0].resume_token_ids) == cluster.reply_ids[:3]
+    assert list(other.requests[0].prompt_token_ids) == list(worker.requests[0].prompt_token_ids)
+    code = {"dies": "UNAVAILABLE", "stalls": "UNAVAILABLE", "drains": "ABORTED"}[failure]
+    assert f'blitzmesh_gateway_migrations_total{{code="{code}"}} 1.0' in await _get_text(gw.http + "/metrics")
+    if failure == "stalls":
+        await wait_until(lambda: worker.aborts == [events[0]["id"]], 5, what="the stalled call aborted")
+
+
+async def test_openai_client_stream_survives_a_dying_instance(cluster: Cluster, start_gateway) -> None:
+    (await cluster.add_worker("w-1")).die_after = 5
+    await cluster.add_worker("w-2")
+    gw = await start_gateway()
+    client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="unused", max_retries=0)
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    finally:
+        await client.close()
+    assert text == REPLY
+
+
+async def test_mid_stream_failure_with_no_instance_left_ends_with_error_event(cluster: Cluster, start_gateway) -> None:
     worker = await cluster.add_worker("w-1")
     worker.die_after = 3
-    await cluster.add_worker("w-2")  # must NOT be tried: tokens already reached the client
     gw = await start_gateway()
     events = await sse_events(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
-    assert "instance w-1 died mid-stream" in error["message"] and "after 3 tokens" in error["message"]
+    assert "could not be migrated after 3 tokens" in error["message"]
+    assert "w-1: UNAVAILABLE: w-1 lost its accelerator" in error["message"]
+    assert "no SERVING instance" in error["message"]
     assert error["type"] == "server_error"
-    assert len(cluster.gm.schedules) == 1
     text = "".join(e["choices"][0]["text"] for e in events[:-2])
     assert text == cluster.tokenizer.decode(cluster.reply_ids[:3])
 
     # The official client surfaces the in-band error as an exception, not a silent end.
     client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="unused", max_retries=0)
     try:
-        with pytest.raises(openai.APIError, match="died mid-stream"):
+        with pytest.raises(openai.APIError, match="could not be migrated"):
             stream = await client.completions.create(model=MODEL, prompt="Hi", stream=True)
             async for _ in stream:
                 pass
     finally:
         await client.close()
+
+
+async def test_migration_limit(cluster: Cluster, start_gateway) -> None:
+    for name, after in (("w-1", 2), ("w-2", 4), ("w-3", None)):
+        (await cluster.add_worker(name)).die_after = after
+    gw = await start_gateway(max_migrations=1)
+    events = await sse_events(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})
+    message = events[-2]["error"]["message"]
+    assert "instance w-2 failed mid-stream after 4 tokens" in message
+    assert "already migrated 1 times (max_migrations=1)" in message
+    assert [list(s.exclude_instance_ids) for s in cluster.gm.schedules] == [[], ["w-1"]]
 
 
 async def test_worker_process_gone_mid_stream(cluster: Cluster, start_gateway) -> None:
@@ -508,7 +573,7 @@ async def test_worker_process_gone_mid_stream(cluster: Cluster, start_gateway) -
         assert first.startswith(b"data: {")
         await cluster.worker_servers["w-1"].stop(0)  # the connection drops under the stream
         rest = (await asyncio.wait_for(resp.read(), 5)).decode()
-    assert "died mid-stream" in rest and rest.endswith("data: [DONE]\n\n")
+    assert "could not be migrated" in rest and "w-1: UNAVAILABLE" in rest and rest.endswith("data: [DONE]\n\n")
 
 
 async def test_client_disconnect_cancels_and_aborts_worker(cluster: Cluster, start_gateway) -> None:
@@ -722,7 +787,7 @@ async def test_n_choices_dying_mid_stream_end_with_an_error(cluster: Cluster, st
     worker.die_after = 3
     gw = await start_gateway()
     events = await sse_events(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "n": 2, "stream": True})
-    assert events[-1] == "[DONE]" and "died mid-stream" in events[-2]["error"]["message"]
+    assert events[-1] == "[DONE]" and "could not be migrated" in events[-2]["error"]["message"]
     backend = gw.service.backend
     await wait_until(lambda: backend.admission.in_flight == 0, 5, what="the request's slot back")
 
@@ -805,7 +870,7 @@ async def test_grpc_generate_complete_and_errors(cluster: Cluster, start_gateway
             async for _ in stub.Generate(inference_pb2.GenerateRequest(model=MODEL, prompt="Hi"), metadata=auth):
                 pass
         assert err.value.code() == grpc.StatusCode.INTERNAL
-        assert "instance w-1 died mid-stream" in (err.value.details() or "")
+        assert "could not be migrated after 2 tokens (w-1: UNAVAILABLE" in (err.value.details() or "")
 
 
 async def test_grpc_cancel_reaches_worker(cluster: Cluster, start_gateway) -> None:

@@ -271,6 +271,59 @@ async def test_seeded_request_with_penalties_ignores_its_batch(model: LlamaForCa
     assert [e.token_id for e in crowd[1]] == alone
 
 
+# ---- resuming a migrated request ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=14, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8, seed=9, max_tokens=14, ignore_eos=True, frequency_penalty=0.9, repetition_penalty=1.3
+        ),
+    ],
+    ids=["greedy", "seeded", "seeded-penalties"],
+)
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])
+async def test_a_resumed_request_continues_exactly(
+    model: LlamaForCausalLM, params: SamplingParams, chunked: bool
+) -> None:
+    """Cut after k tokens and resumed on a fresh engine, a request gives the tokens the
+    uninterrupted one gave after k: the resumed tokens are prefilled, count toward max_tokens,
+    feed the penalties, and a seeded sampler skips the draws they took."""
+    prompt = prompt_of(9, 5)
+    async with make_engine(model) as engine:
+        whole = await collect(engine, "whole", prompt, params)
+    tokens = [e.token_id for e in whole]
+    assert len(tokens) == params.max_tokens
+    for k in (1, 6, 13):
+        async with make_engine(model, enable_chunked_prefill=chunked, max_num_tokens=8 if chunked else 64) as engine:
+            events = [ev async for ev in engine.generate("resumed", prompt, params, resume_token_ids=tokens[:k])]
+        assert [e.token_id for e in events] == tokens[k:], k
+        # Counts include the resumed tokens; nothing resumed is sent again.
+        assert [e.completion_tokens for e in events] == list(range(k + 1, params.max_tokens + 1))
+        assert events[-1].finish_reason == "length"
+
+
+async def test_resuming_refuses_what_cannot_continue(model: LlamaForCausalLM) -> None:
+    prompt = prompt_of(5, 1)
+    async with make_engine(model) as engine:
+        with pytest.raises(ValueError, match="already reach max_tokens=8"):
+            await collect_resumed(engine, prompt, GREEDY, list(range(3, 11)))
+        with pytest.raises(ValueError, match=r"resumed token ids outside \[0, 2048\): \[99999\]"):
+            await collect_resumed(engine, prompt, GREEDY, [5, 99999])
+        with pytest.raises(ValueError, match="prompt_logprobs cannot be asked of a resumed request"):
+            await collect_resumed(engine, prompt, SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1), [5])
+        assert engine.kv_cache.used_blocks == 0
+
+
+async def collect_resumed(
+    engine: Engine, prompt: Sequence[int], params: SamplingParams, resume: Sequence[int]
+) -> list[TokenEvent]:
+    return [ev async for ev in engine.generate("r", prompt, params, resume_token_ids=resume)]
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefill", "chunked-prefill"])
 async def test_logprobs_and_prompt_logprobs_match_the_model(model: LlamaForCausalLM, chunked: bool) -> None:
     prompt = prompt_of(13, 31)

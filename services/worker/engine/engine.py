@@ -177,6 +177,7 @@ class _Seq:
     history: TokenHistory | None = None  # logit_bias and penalty state; None when unused
     prompt_logprobs: list[PromptLogprob] | None = None  # filled during the prefill when asked for
     output: list[int] = field(default_factory=list)
+    resumed: int = 0  # tokens of `output` generated on another instance before a migration
     num_computed: int = 0  # tokens whose K/V are in the cache
     last_token_s: float | None = None
     finished: bool = False
@@ -184,6 +185,11 @@ class _Seq:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens present when the request arrived: its prompt plus any resumed output."""
+        return len(self.prompt) + self.resumed
 
     @property
     def pending(self) -> int:
@@ -425,7 +431,13 @@ class Engine:
                 "and chunked prefill is off"
             )
 
-    def _add(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> _Seq:
+    def _add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        resume_token_ids: Sequence[int] = (),
+    ) -> _Seq:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop crashed: {self._dead!r}") from self._dead
         if self._stopped or self._task is None:
@@ -436,10 +448,28 @@ class Engine:
         if not prompt:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r} has token ids outside [0, {vocab}): {bad[:5]!r}")
+        resumed = list(resume_token_ids)
+        for what, ids in (("token ids", prompt), ("resumed token ids", resumed)):
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"request {request_id!r} has {what} outside [0, {vocab}): {bad[:5]!r}")
+        if len(resumed) >= sampling.max_tokens:
+            raise ValueError(
+                f"request {request_id!r} resumes after {len(resumed)} generated tokens, which already reach"
+                f" max_tokens={sampling.max_tokens}"
+            )
+        if resumed and sampling.prompt_logprobs is not None:
+            raise ValueError(f"request {request_id!r}: prompt_logprobs cannot be asked of a resumed request")
         self.check_request(len(prompt), sampling)
+        if (
+            resumed
+            and not self.config.enable_chunked_prefill
+            and len(prompt) + len(resumed) > self.config.max_num_tokens
+        ):
+            raise RequestTooLarge(
+                f"prompt ({len(prompt)} tokens) + {len(resumed)} resumed tokens exceed max_num_tokens"
+                f" {self.config.max_num_tokens} and chunked prefill is off"
+            )
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -447,26 +477,41 @@ class Engine:
             request_id=request_id,
             prompt=prompt,
             params=sampling,
-            generator=sampling.make_generator(),
+            generator=sampling.make_generator(skip=len(resumed)),
             history=TokenHistory.create(sampling, prompt, vocab),
             prompt_logprobs=[PromptLogprob(prompt[0], None)] if sampling.prompt_logprobs is not None else None,
             stop_ids=frozenset(stop_ids),
             blocks_reserved=self.kv_cache.blocks_needed(len(prompt) + sampling.max_tokens),
             arrival_s=self._clock(),
             queue=asyncio.Queue(),
+            output=resumed,
+            resumed=len(resumed),
         )
+        if seq.history is not None:
+            for token in resumed:
+                seq.history.add(token)
         self._by_id[request_id] = seq
         self._waiting.append(seq)
         self._wake.set()
         return seq
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        resume_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens. Closing or cancelling the stream aborts the request and frees
         its KV at once. Raises RequestTooLarge / ValueError on the first iteration for a bad
-        request, EngineDeadError if the loop crashes, EngineStoppedError if the engine stops."""
-        seq = self._add(request_id, prompt_token_ids, sampling)
+        request, EngineDeadError if the loop crashes, EngineStoppedError if the engine stops.
+
+        `resume_token_ids` continue a request migrated from another instance: the tokens it had
+        generated there. They are prefilled with the prompt, count toward max_tokens, feed the
+        penalties, and a seeded sampler skips the draws they took, so the stream goes on exactly
+        as the uninterrupted one would (greedy: identical; seeded: the same draws). Events count
+        them in `completion_tokens` but never repeat them."""
+        seq = self._add(request_id, prompt_token_ids, sampling, resume_token_ids)
         try:
             while True:
                 item = await seq.queue.get()
@@ -543,7 +588,7 @@ class Engine:
     async def _step(self) -> None:
         plan = schedule(
             [RunningSeq(s.request_id, s.pending) for s in self._running],
-            [WaitingSeq(s.request_id, len(s.prompt), s.blocks_reserved) for s in self._waiting],
+            [WaitingSeq(s.request_id, s.prefill_len, s.blocks_reserved) for s in self._waiting],
             self._available_blocks(),
             self._limits,
         )
@@ -580,8 +625,8 @@ class Engine:
                 end = min(start + n, len(seq.prompt) - 1)
                 k = seq.params.prompt_logprobs or 0
                 inp.prompt_work.append(_PromptWork(row, seq.prompt[start + 1 : end + 1], k))
-            if start < len(seq.prompt):
-                prefill_tokens += min(n, len(seq.prompt) - start)
+            if start < seq.prefill_len:
+                prefill_tokens += min(n, seq.prefill_len - start)
             seqs.append(seq)
             counts.append(n)
 
@@ -690,8 +735,8 @@ class Engine:
         return EngineStats(
             running=len(self._running),
             waiting=len(self._waiting),
-            waiting_prefill_tokens=sum(len(s.prompt) for s in self._waiting)
-            + sum(max(0, len(s.prompt) - s.num_computed) for s in self._running),
+            waiting_prefill_tokens=sum(s.prefill_len for s in self._waiting)
+            + sum(max(0, s.prefill_len - s.num_computed) for s in self._running),
             kv_blocks_used=self.kv_cache.used_blocks,
             kv_blocks_reserved=reserved,
             kv_blocks_total=self.kv_cache.total_blocks,

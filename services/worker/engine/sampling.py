@@ -136,12 +136,17 @@ class SamplingParams:
             or self.repetition_penalty != 1
         )
 
-    def make_generator(self) -> torch.Generator | None:
-        """The request's private generator (None for greedy); unseeded requests get a random seed."""
+    def make_generator(self, skip: int = 0) -> torch.Generator | None:
+        """The request's private generator (None for greedy); unseeded requests get a random seed.
+
+        `skip` draws are consumed first: a request resumed after `skip` sampled tokens continues
+        the same random stream (each sampled token takes exactly one draw, see `_sample_rows`)."""
         if self.greedy:
             return None
         gen = torch.Generator()
         gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+        for _ in range(skip):
+            _draw(gen)
         return gen
 
 
@@ -213,6 +218,11 @@ def top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[TopLogprobs]
     return [tuple(zip(ids_l[i][:k], values_l[i][:k], strict=True)) for i, k in enumerate(ks)]
 
 
+def _draw(generator: torch.Generator) -> torch.Tensor:
+    """The one uniform number a sampled token takes from its request's generator."""
+    return torch.rand((), generator=generator)
+
+
 def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per row, the probability of the last token of the nucleus: the smallest set of most likely
     tokens whose mass reaches `top_p`. Keeping `probs >= threshold` keeps ties at the cut-off too."""
@@ -245,7 +255,7 @@ def _sample_rows(
     # Inverse-CDF draw: one uniform number per row from the request's own generator, so a row's
     # token depends only on its logits and its generator.
     cdf = probs.cumsum(dim=-1)
-    u = torch.stack([torch.rand((), generator=g) for g in generators]).to(cdf.dtype)
+    u = torch.stack([_draw(g) for g in generators]).to(cdf.dtype)
     target = (u * cdf[:, -1]).unsqueeze(1)
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
     return picked.tolist()
