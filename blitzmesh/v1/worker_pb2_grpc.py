@@ -60,6 +60,11 @@ class WorkerStub:
                 request_serializer=blitzmesh_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=blitzmesh_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.ReleaseWaiting = channel.unary_unary(
+                '/blitzmesh.v1.Worker/ReleaseWaiting',
+                request_serializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingRequest.SerializeToString,
+                response_deserializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingResponse.FromString,
+                _registered_method=True)
         self.Unload = channel.unary_unary(
                 '/blitzmesh.v1.Worker/Unload',
                 request_serializer=blitzmesh_dot_v1_dot_worker__pb2.UnloadRequest.SerializeToString,
@@ -107,6 +112,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseWaiting(self, request, context):
+        """Rebalancing: end up to max_requests queued (not yet started) requests here with ABORTED and
+        the trailing metadata `blitzmesh-moved: <reason>`, so the gateway runs them elsewhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Unload(self, request, context):
         """Drop the model and return to IDLE.
         """
@@ -148,6 +161,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=blitzmesh_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=blitzmesh_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'ReleaseWaiting': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseWaiting,
+                    request_deserializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingRequest.FromString,
+                    response_serializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingResponse.SerializeToString,
             ),
             'Unload': grpc.unary_unary_rpc_method_handler(
                     servicer.Unload,
@@ -295,6 +313,33 @@ class Worker:
             '/blitzmesh.v1.Worker/Drain',
             blitzmesh_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             blitzmesh_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseWaiting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blitzmesh.v1.Worker/ReleaseWaiting',
+            blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingRequest.SerializeToString,
+            blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingResponse.FromString,
             options,
             channel_credentials,
             insecure,

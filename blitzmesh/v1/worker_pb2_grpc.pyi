@@ -43,6 +43,10 @@ class WorkerStub:
     """Fill this instance with a model, from the parameter manager or along a chain plan."""
     Drain: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DrainRequest, _worker_pb2.DrainResponse]
     """Stop taking requests, let in-flight ones finish, then reply."""
+    ReleaseWaiting: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ReleaseWaitingRequest, _worker_pb2.ReleaseWaitingResponse]
+    """Rebalancing: end up to max_requests queued (not yet started) requests here with ABORTED and
+    the trailing metadata `blitzmesh-moved: <reason>`, so the gateway runs them elsewhere.
+    """
     Unload: _grpc.UnaryUnaryMultiCallable[_worker_pb2.UnloadRequest, _worker_pb2.UnloadResponse]
     """Drop the model and return to IDLE."""
     ExecuteLayers: _grpc.StreamStreamMultiCallable[_worker_pb2.LayerWork, _worker_pb2.LayerWork]
@@ -58,6 +62,10 @@ class WorkerAsyncStub(WorkerStub):
     """Fill this instance with a model, from the parameter manager or along a chain plan."""
     Drain: _aio.UnaryUnaryMultiCallable[_worker_pb2.DrainRequest, _worker_pb2.DrainResponse]  # type: ignore[assignment]
     """Stop taking requests, let in-flight ones finish, then reply."""
+    ReleaseWaiting: _aio.UnaryUnaryMultiCallable[_worker_pb2.ReleaseWaitingRequest, _worker_pb2.ReleaseWaitingResponse]  # type: ignore[assignment]
+    """Rebalancing: end up to max_requests queued (not yet started) requests here with ABORTED and
+    the trailing metadata `blitzmesh-moved: <reason>`, so the gateway runs them elsewhere.
+    """
     Unload: _aio.UnaryUnaryMultiCallable[_worker_pb2.UnloadRequest, _worker_pb2.UnloadResponse]  # type: ignore[assignment]
     """Drop the model and return to IDLE."""
     ExecuteLayers: _aio.StreamStreamMultiCallable[_worker_pb2.LayerWork, _worker_pb2.LayerWork]  # type: ignore[assignment]
@@ -100,6 +108,16 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.DrainResponse, _abc.Awaitable[_worker_pb2.DrainResponse]]:
         """Stop taking requests, let in-flight ones finish, then reply."""
+
+    @_abc_1.abstractmethod
+    def ReleaseWaiting(
+        self,
+        request: _worker_pb2.ReleaseWaitingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ReleaseWaitingResponse, _abc.Awaitable[_worker_pb2.ReleaseWaitingResponse]]:
+        """Rebalancing: end up to max_requests queued (not yet started) requests here with ABORTED and
+        the trailing metadata `blitzmesh-moved: <reason>`, so the gateway runs them elsewhere.
+        """
 
     @_abc_1.abstractmethod
     def Unload(

@@ -15,6 +15,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
+# Trailing metadata of a worker's Generate that ended ABORTED because the request was released
+# to another instance (rebalancing), not because anything failed; its value is the reason.
+MOVED_METADATA_KEY = "blitzmesh-moved"
+
 
 def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

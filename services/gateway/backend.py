@@ -38,7 +38,7 @@ from blitzmesh.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.grpc_util import channel
+from services.common.grpc_util import MOVED_METADATA_KEY, channel
 from services.gateway import logprobs as lp
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
@@ -62,6 +62,8 @@ from services.model_format.tokenizer import IncrementalDetokenizer, StopStringMa
 log = structlog.get_logger(__name__)
 
 _ABORT_TIMEOUT_S = 2.0
+# Times one request may be released from a queue for rebalancing (each move is a re-route).
+_MAX_MOVES = 3
 _HEALTH_TIMEOUT_S = 2.0
 # Worker failures that another instance may not have; everything else is final.
 _RETRYABLE = frozenset(
@@ -91,12 +93,15 @@ class ModelCard:
 class _WorkerFailedError(Exception):
     """One attempt on one instance failed; the caller decides between retry and error."""
 
-    def __init__(self, instance_id: str, code: grpc.StatusCode, detail: str, tokens_received: int) -> None:
+    def __init__(
+        self, instance_id: str, code: grpc.StatusCode, detail: str, tokens_received: int, moved: str | None = None
+    ) -> None:
         super().__init__(f"{code.name}: {detail}")
         self.instance_id = instance_id
         self.code = code
         self.detail = detail
         self.tokens_received = tokens_received
+        self.moved = moved  # the instance released the queued request (rebalancing): the reason
 
 
 @dataclass
@@ -390,10 +395,14 @@ class Backend:
         excluded: list[str] = []
         failures: list[str] = []
         last_code = grpc.StatusCode.UNAVAILABLE
-        retries = migrations = 0
+        retries = migrations = moves = 0
+        released_by: list[str] = []  # kept off the next route only: that instance is busy, not broken
         while True:
             try:
-                hop = await self._schedule(req, len(prompt_ids), max_tokens, excluded, failures, deadline_s)
+                hop = await self._schedule(
+                    req, len(prompt_ids), max_tokens, [*excluded, *released_by], failures, deadline_s
+                )
+                released_by = []
             except GatewayError as e:
                 if not state.generated or e.kind == ErrorKind.TIMEOUT:
                     raise
@@ -416,6 +425,13 @@ class Backend:
                         f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}"
                         f" on instance {f.instance_id} after {_count(resumed, 'token')}",
                     ) from None
+                if f.moved is not None and moves < _MAX_MOVES:
+                    # Released from a busy instance's queue to a new one: not a failure.
+                    moves += 1
+                    released_by = [f.instance_id]
+                    self.metrics.moves.labels(f.moved).inc()
+                    bound.info("moved", instance_id=f.instance_id, reason=f.moved, resumed_tokens=resumed)
+                    continue
                 if f.code == grpc.StatusCode.INVALID_ARGUMENT and not resumed:
                     raise invalid(f"instance {f.instance_id} rejected the request: {f.detail}") from None
                 if f.code not in _RETRYABLE:
@@ -683,7 +699,10 @@ class Backend:
                         return
             except grpc.aio.AioRpcError as e:
                 worker_done = True
-                raise _WorkerFailedError(instance, e.code(), e.details() or "", len(state.generated)) from None
+                moved = dict(e.trailing_metadata() or ()).get(MOVED_METADATA_KEY)
+                raise _WorkerFailedError(
+                    instance, e.code(), e.details() or "", len(state.generated), moved=moved
+                ) from None
             worker_done = True
             raise _WorkerFailedError(
                 instance,

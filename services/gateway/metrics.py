@@ -54,6 +54,12 @@ class GatewayMetrics:
             ["code"],
             registry=r,
         )
+        self.moves = Counter(
+            "blitzmesh_gateway_moves",
+            "Queued requests an instance released to another one (rebalancing), by reason",
+            ["reason"],
+            registry=r,
+        )
 
     def set_admission(self, in_flight: int, waiting: int) -> None:
         self.in_flight.set(in_flight)

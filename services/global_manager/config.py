@@ -24,6 +24,11 @@ class GlobalManagerConfig(ServiceConfig):
         1, ge=0, description="a failed scale-out load is retried on this many other IDLE workers, then rolled back"
     )
     drain_timeout_s: float = Field(60.0, gt=0, description="in-flight requests get this long on scale-in")
+    rebalance: bool = Field(
+        True,
+        description="when an instance becomes SERVING, busier instances of its pool release queued (not yet "
+        "started) requests above an even share, and the gateway re-routes them to it",
+    )
     topology: dict[str, Any] | None = Field(
         None,
         description='hosts and links for the multicast planner, e.g. {"hosts": {"h0": {"leaf": "l0", "bw_gbps": 100}}, '

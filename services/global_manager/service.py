@@ -47,7 +47,7 @@ from services.global_manager.config import GlobalManagerConfig
 from services.global_manager.core.decisions import DecisionThrottle, bounded_delta
 from services.global_manager.core.load_monitor import LoadMonitor
 from services.global_manager.core.policies import Policy, make_policy
-from services.global_manager.core.router import choose_instance, pick_scale_in_victim
+from services.global_manager.core.router import choose_instance, pick_scale_in_victim, plan_rebalance
 from services.global_manager.core.types import InstanceState, Role, ScaleDecision
 from services.global_manager.registry import InstanceTable, role_from_proto, sample_from_proto, state_from_proto
 from services.global_manager.transfer import Node, build_plan
@@ -71,6 +71,10 @@ DECIDE_SECONDS = Histogram(
     buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1),
 )
 ACTIONS = Counter("blitzmesh_gm_scale_actions_total", "Actuator outcomes", ["kind", "outcome"])
+MOVED = Counter(
+    "blitzmesh_gm_requests_moved_total", "Requests moved between instances by the manager, by reason", ["reason"]
+)
+RELEASE_TIMEOUT_S = 5.0
 ADVISORY = Gauge("blitzmesh_gm_advisory", "1 while the policy only advises")
 LOCATION_RETRIES = 3
 UNLOAD_WAIT_S = 10.0
@@ -471,6 +475,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             await self._update_location(model_id, iid, present=True)
             ACTIONS.labels("load", "ok").inc()
             self.emit("load_result", model_id, "ok", f"load_s={load_s:.3f}", iid)
+            if self.cfg.rebalance:
+                await self._rebalance(model_id, iid)
             return
         # Roll back this instance: the worker returns itself to IDLE on failure; mirror that.
         ACTIONS.labels("load", "failed").inc()
@@ -499,6 +505,34 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             else f"load on {iid} failed ({error}); it is IDLE again after {attempt} retries",
             iid,
         )
+
+    async def _rebalance(self, model_id: str, iid: str) -> None:
+        """`iid` just became SERVING: busier instances of its pool release queued requests above
+        an even share (`plan_rebalance`); the gateway re-routes each, and routing sends them to
+        the least loaded instance, the new one."""
+        for source, n in plan_rebalance(self.table.registry.views(model=model_id), iid):
+            address = self.table.addresses.get(source)
+            if address is None:
+                continue
+            try:
+                async with channel(address) as ch:
+                    resp = await worker_pb2_grpc.WorkerStub(ch).ReleaseWaiting(
+                        worker_pb2.ReleaseWaitingRequest(max_requests=n, reason=f"scale_out: {iid} is SERVING"),
+                        timeout=RELEASE_TIMEOUT_S,
+                    )
+            except grpc.aio.AioRpcError as e:
+                log.warning("release_waiting_failed", instance_id=source, code=e.code().name, details=e.details())
+                continue
+            moved = len(resp.request_ids)
+            MOVED.labels("scale_out").inc(moved)
+            self.emit(
+                "rebalance",
+                model_id,
+                "moved" if moved else "none",
+                f"scale_out: {iid} is SERVING; {source} released {moved} of the {n} queued requests above an even"
+                " share",
+                source,
+            )
 
     async def _drain(self, iid: str, model_id: str) -> None:
         address = self.table.addresses[iid]

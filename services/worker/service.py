@@ -16,7 +16,7 @@ from prometheus_client import Counter, Gauge
 from blitzmesh.convert import finish_reason_to_proto, instance_info_to_proto
 from blitzmesh.types import InstanceInfo, InstanceState, LoadReport
 from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.grpc_util import channel
+from services.common.grpc_util import MOVED_METADATA_KEY, channel
 from services.common.server import ServeContext
 from services.dataplane.chain import GroupServer, GroupStore, TransferResult, receive_groups
 from services.dataplane.errors import DataPlaneError, InsufficientMemory
@@ -32,6 +32,7 @@ from services.worker.engine.engine import (
     EngineDeadError,
     EngineStoppedError,
     PacingProfile,
+    RequestMovedError,
     RequestTooLarge,
 )
 from services.worker.engine.kv_cache import KVCache
@@ -157,6 +158,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     msg.finish_reason = finish_reason_to_proto(ev.finish_reason)
                 yield msg
             outcome = "ok"
+        except RequestMovedError as e:
+            # Released by rebalancing before it started: the gateway re-routes it, uncounted.
+            outcome = "moved"
+            context.set_trailing_metadata(((MOVED_METADATA_KEY, "rebalance"),))
+            await context.abort(grpc.StatusCode.ABORTED, f"instance {self.instance_id}: {e}")
         except RequestTooLarge as e:
             outcome = "rejected"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -335,6 +341,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.state = "idle"
         LAYERS_LOADED.set(0)
         self.heartbeat_now.set()
+
+    async def ReleaseWaiting(self, request, context):
+        inst = self.instance
+        if self.state != "serving" or inst is None or inst.engine is None:
+            return worker_pb2.ReleaseWaitingResponse()
+        if request.max_requests < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"max_requests must be >= 0, got {request.max_requests}"
+            )
+        released = inst.engine.release_waiting(request.max_requests, request.reason or "rebalance")
+        if released:
+            log.info("released_waiting", requests=len(released), reason=request.reason)
+        return worker_pb2.ReleaseWaitingResponse(request_ids=released)
 
     async def Drain(self, request, context):
         if self.state not in ("serving", "draining"):

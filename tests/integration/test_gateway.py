@@ -39,6 +39,7 @@ from blitzmesh.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.common.grpc_util import MOVED_METADATA_KEY
 from services.common.server import ServeContext, serve, wait_for_serving
 from services.common.waiting import wait_until
 from services.gateway.config import GatewayConfig
@@ -74,6 +75,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.die_after: int | None = None  # fail with UNAVAILABLE after this many tokens
         self.stall_after: int | None = None  # go silent (alive, no more tokens) after this many
         self.abort_after: int | None = None  # end with finish_reason ABORT (a drain) after this many
+        self.release = False  # release the request before its first token, as rebalancing does
         self.gate: asyncio.Event | None = None  # hold the first token until set
         self.delay_s = 0.0
         self.requests: list[worker_pb2.WorkerGenerateRequest] = []
@@ -86,6 +88,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.started.set()
         if self.fail_code is not None:
             await context.abort(self.fail_code, f"{self.instance_id} is draining")
+        if self.release:
+            self.release = False
+            context.set_trailing_metadata(((MOVED_METADATA_KEY, "rebalance"),))
+            await context.abort(grpc.StatusCode.ABORTED, f"{self.instance_id} released the queued request")
         try:
             if self.gate is not None:
                 await self.gate.wait()
@@ -522,6 +528,24 @@ async def test_openai_client_stream_survives_a_dying_instance(cluster: Cluster, 
     finally:
         await client.close()
     assert text == REPLY
+
+
+async def test_a_released_request_is_rerouted_without_counting_as_a_failure(cluster: Cluster, start_gateway) -> None:
+    busy = await cluster.add_worker("w-busy")
+    busy.release = True
+    fresh = await cluster.add_worker("w-new")
+    # No retries allowed: a release is a move, not a failure, so it must not need one.
+    gw = await start_gateway(retries_before_first_token=0)
+    status, body = await post(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi"})
+    assert status == 200 and body["choices"][0]["text"] == REPLY
+    assert [list(s.exclude_instance_ids) for s in cluster.gm.schedules] == [[], ["w-busy"]]
+    assert len(fresh.requests) == 1
+    metrics = await _get_text(gw.http + "/metrics")
+    assert 'blitzmesh_gateway_moves_total{reason="rebalance"} 1.0' in metrics
+    assert "blitzmesh_gateway_retries_total{" not in metrics
+    # Kept off one route only: the busy instance serves the next request again.
+    status, _ = await post(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi"})
+    assert status == 200 and len(busy.requests) == 2
 
 
 async def test_mid_stream_failure_with_no_instance_left_ends_with_error_event(cluster: Cluster, start_gateway) -> None:

@@ -17,6 +17,7 @@ from services.worker.engine.engine import (
     EngineDeadError,
     EngineStoppedError,
     PacingProfile,
+    RequestMovedError,
     RequestTooLarge,
     TokenEvent,
 )
@@ -315,6 +316,24 @@ async def test_resuming_refuses_what_cannot_continue(model: LlamaForCausalLM) ->
             await collect_resumed(engine, prompt, GREEDY, [5, 99999])
         with pytest.raises(ValueError, match="prompt_logprobs cannot be asked of a resumed request"):
             await collect_resumed(engine, prompt, SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1), [5])
+        assert engine.kv_cache.used_blocks == 0
+
+
+async def test_release_waiting_moves_only_queued_requests(model: LlamaForCausalLM) -> None:
+    """Rebalancing releases the most recently queued requests; the running one goes on."""
+    async with make_engine(model, max_batch_size=1, pacing=PacingProfile(base_s=0.01, per_token_s=0)) as engine:
+        streams = {
+            name: asyncio.create_task(collect(engine, name, prompt_of(5, i), GREEDY))
+            for i, name in enumerate(["running", "queued-1", "queued-2", "queued-3"])
+        }
+        await wait_until(lambda: engine.stats().waiting == 3, 5, what="three queued requests")
+        assert engine.release_waiting(2, "test") == ["queued-3", "queued-2"]
+        for name in ("queued-3", "queued-2"):
+            with pytest.raises(RequestMovedError, match=f"'{name}' released to another instance: test"):
+                await streams[name]
+        assert len(await streams["running"]) == GREEDY.max_tokens
+        assert len(await streams["queued-1"]) == GREEDY.max_tokens
+        assert engine.release_waiting(5, "test") == []
         assert engine.kv_cache.used_blocks == 0
 
 

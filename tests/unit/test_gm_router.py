@@ -16,6 +16,7 @@ from services.global_manager.core.router import (
     instance_load,
     is_legal_transition,
     pick_scale_in_victim,
+    plan_rebalance,
 )
 from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
 
@@ -95,6 +96,25 @@ def test_scale_in_victim_is_least_loaded_serving() -> None:
     assert pick_scale_in_victim(pool, role=Role.COLOCATED).instance_id == "b"
     assert pick_scale_in_victim(pool).instance_id == "d"  # idle d (load 0) beats b across roles
     assert pick_scale_in_victim(pool, role=Role.DECODE).instance_id == "d"
+
+
+def test_rebalance_moves_queued_requests_above_an_even_share() -> None:
+    pool = [
+        inst("a", waiting=9),
+        inst("b", waiting=3),
+        inst("c", waiting=0, running=30),
+        inst("new", waiting=0),
+        inst("other-model", waiting=50, model="x"),
+        inst("prefill", waiting=50, role=Role.PREFILL),
+        inst("draining", state=S.DRAINING, waiting=40),
+        inst("silent", loaded=False),
+    ]
+    # 12 queued over 4 instances (the new one counted): a share of 3; only "a" is above it.
+    assert plan_rebalance(pool, "new") == [("a", 6)]
+    assert plan_rebalance([inst("a", waiting=5), inst("b", waiting=5), inst("new")], "new") == [("a", 1), ("b", 1)]
+    assert plan_rebalance([inst("a", waiting=1), inst("new")], "new") == []  # one queued: it stays
+    assert plan_rebalance([inst("a", waiting=0, running=9), inst("new")], "new") == []  # running never moves
+    assert plan_rebalance(pool, "unknown") == []
 
 
 def register(reg: Registry, iid: str = "w0") -> InstanceView:

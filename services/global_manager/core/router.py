@@ -25,6 +25,7 @@ __all__ = [
     "instance_load",
     "is_legal_transition",
     "pick_scale_in_victim",
+    "plan_rebalance",
 ]
 
 S = InstanceState
@@ -143,6 +144,32 @@ def pick_scale_in_victim(
 ) -> InstanceView | None:
     """The SERVING instance to drain: the least loaded (least work to finish or migrate)."""
     return choose_instance(instances, role=role, model=model)
+
+
+def plan_rebalance(instances: Iterable[InstanceView], new_instance_id: str) -> list[tuple[str, int]]:
+    """Queued requests to move when `new_instance_id` becomes SERVING: (instance id, how many).
+
+    The queued requests of its pool (SERVING instances of its model and role, by their latest
+    load reports) are shared evenly over the pool with the new instance counted, starting
+    empty; each instance gives up what it holds above its share, rounded up, so the new one
+    gets at most an even share and nobody is left with more than one over it. Instances are
+    listed most queued first; requests already running are never moved here.
+    """
+    views = list(instances)
+    new = next((v for v in views if v.instance_id == new_instance_id), None)
+    if new is None:
+        return []
+    pool = [
+        v
+        for v in views
+        if v.instance_id != new_instance_id and v.state is S.SERVING and v.model == new.model and v.role is new.role
+    ]
+    total = sum(v.load.waiting for v in pool if v.load is not None)
+    if total == 0:
+        return []
+    share = math.ceil(total / (len(pool) + 1))
+    moves = [(v.instance_id, v.load.waiting - share) for v in pool if v.load is not None and v.load.waiting > share]
+    return sorted(moves, key=lambda m: (-m[1], m[0]))
 
 
 # ------------------------------------------------------------------------------------------

@@ -62,6 +62,11 @@ class EngineStoppedError(RuntimeError):
     """The engine was stopped (or never started) while a request needed it."""
 
 
+class RequestMovedError(RuntimeError):
+    """A queued request was released to run on another instance (rebalancing); it had started
+    nothing here, so the caller resumes it elsewhere from where it was."""
+
+
 class PacingProfile(BaseModel):
     """Emulated accelerator: each iteration lasts at least `base_s + per_token_s * batch_tokens`."""
 
@@ -530,6 +535,23 @@ class Engine:
         seq = self._by_id.get(request_id)
         if seq is not None and not seq.finished:
             self._finish(seq, "abort")
+
+    def release_waiting(self, max_requests: int, reason: str) -> list[str]:
+        """Give up to `max_requests` queued (not yet admitted) requests to another instance: the
+        most recently queued first, as they would wait longest here. Each one's stream raises
+        RequestMovedError; none had KV here, so nothing is lost. Returns their ids."""
+        released: list[str] = []
+        while self._waiting and len(released) < max_requests:
+            seq = self._waiting.pop()
+            seq.finished = True
+            self._by_id.pop(seq.request_id, None)
+            seq.queue.put_nowait(
+                RequestMovedError(f"request {seq.request_id!r} released to another instance: {reason}")
+            )
+            released.append(seq.request_id)
+        if released:
+            self._wake.set()
+        return released
 
     def _finish(self, seq: _Seq, reason: FinishReason, notify: bool = True) -> None:
         seq.finished = True
