@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -50,7 +51,15 @@ from services.mesh.launcher import Mesh, MeshConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
-SCALE_EVENTS = ("autoscaling_decision", "autoscaling_bound", "scale_out", "scale_in", "load_result", "drain_result")
+SCALE_EVENTS = (
+    "autoscaling_decision",
+    "autoscaling_bound",
+    "scale_out",
+    "scale_in",
+    "load_result",
+    "drain_result",
+    "rebalance",
+)
 
 # Replay windows of the code trace (trace seconds) and how hard they are squeezed.
 QUICK = {"start_s": 480.0, "span_s": 480.0, "compress": 12.0, "thin": 24}
@@ -91,6 +100,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="workers' and parameter manager's transport; tcp by default, as in the recorded runs, which "
         "predate services/dataplane/ucx.py's own progress loop (ucxx's kept an idle UCX process at a "
         "full core; now ucx idles at 0%% too)",
+    )
+    p.add_argument(
+        "--rebalance",
+        choices=("on", "off", "both"),
+        default="on",
+        help="the manager's rebalancing of queued requests onto a new instance; 'both' replays the runs "
+        "with it on, then off, each in a fresh mesh, and adds the key `rebalance` (SLO attainment and "
+        "instance-seconds side by side)",
     )
     p.add_argument("--bin-s", type=float, default=2.5, help="plot and timeline bin")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "autoscale.json")
@@ -190,6 +207,29 @@ async def run_all(
     finally:
         await mesh.stop()
     return runs
+
+
+def _rebalance_comparison(by_setting: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Per run: SLO attainment, instance-seconds, TTFT p99 and moves with rebalancing on and off."""
+    out: dict[str, Any] = {
+        "order": "on, then off, each in a fresh mesh on the same arrival schedule (not interleaved)",
+    }
+    for name in by_setting["on"]:
+        row: dict[str, Any] = {}
+        for setting, runs in by_setting.items():
+            s = runs[name]["summary"]
+            moved = sum(1 for e in runs[name]["events"] if e["action"] == "rebalance" and e["status"] == "moved")
+            row[setting] = {
+                "slo_attainment": s["slo_attainment"],
+                "instance_seconds": s["instance_seconds"],
+                "ttft_p99_s": s["ttft_s"]["p99"],
+                "lost": s["lost"],
+                "rebalance_events_moved": moved,
+            }
+        on, off = row["on"]["slo_attainment"], row["off"]["slo_attainment"]
+        row["slo_attainment_on_minus_off"] = round(on - off, 4) if on is not None and off is not None else None
+        out[name] = row
+    return out
 
 
 def decision_log(events: list[dict[str, Any]]) -> list[str]:
@@ -300,7 +340,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown runs {sorted(unknown)}; choose from {sorted(pools)}")
     drain_timeout_s = 15.0 if args.quick else 40.0
-    runs = asyncio.run(run_all(wanted, mesh_cfg, pools, arrivals, args, policies, drain_timeout_s))
+    rebalance_ab: dict[str, Any] | None = None
+    if args.rebalance == "both":
+        by_setting = {}
+        for setting in ("on", "off"):
+            cfg = dataclasses.replace(
+                mesh_cfg, manager_args=[*manager_args, "--rebalance" if setting == "on" else "--no-rebalance"]
+            )
+            print(f"--- rebalance {setting} ---", flush=True)
+            by_setting[setting] = asyncio.run(run_all(wanted, cfg, pools, arrivals, args, policies, drain_timeout_s))
+        runs = by_setting["on"]
+        rebalance_ab = _rebalance_comparison(by_setting)
+    else:
+        mesh_cfg.manager_args = [*manager_args, "--rebalance" if args.rebalance == "on" else "--no-rebalance"]
+        runs = asyncio.run(run_all(wanted, mesh_cfg, pools, arrivals, args, policies, drain_timeout_s))
 
     plot_path = args.plot or args.out.with_suffix(".png")
     log_path = plot_path.with_name(plot_path.stem + "_decisions.csv")
@@ -344,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
         "decision_log": log_path.name,
         "plot": plot_path.name,
     }
+    result["setup"]["rebalance"] = args.rebalance
+    if rebalance_ab is not None:
+        result["rebalance"] = rebalance_ab
     result["timelines"] = {name: run["timeline"] for name, run in runs.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
