@@ -347,6 +347,10 @@ class GroupServer:
             raise ValueError(f"op {op!r} already has a handler")
         self._ops[op] = handler
 
+    def unregister_op(self, op: str) -> None:
+        """Stop handing `op` to its handler: requests for it are answered "unknown_op"."""
+        self._ops.pop(op, None)
+
     def unpublish(self, model_id: str) -> None:
         self._stores.pop(model_id, None)
         ev = self._published.pop(model_id, None)
@@ -383,9 +387,17 @@ class GroupServer:
             req = _decode(
                 await ep.recv_msg(CONTROL_TAG, timeout_s=self._request_timeout_s, max_bytes=1 << 20), "request", ep.peer
             )
-            handler = self._ops.get(str(req.get("op")))
+            op = str(req.get("op"))
+            handler = self._ops.get(op)
             if handler is not None:
                 await handler(ep, req)
+                return
+            if op not in ("pull", "manifest"):
+                await ep.send_msg(
+                    _encode({"ok": False, "kind": "unknown_op", "error": f"op {op!r} is not served here"}),
+                    CONTROL_TAG,
+                    timeout_s=self._request_timeout_s,
+                )
                 return
             model_id = str(req.get("model_id"))
             store = await self._store_for(model_id)

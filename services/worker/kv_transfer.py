@@ -382,6 +382,7 @@ class KVServer:
         self.model_id = model_id
         self.config = config or KVTransferConfig()
         self._offers: dict[str, KVOffer] = {}
+        self._group_server = group_server
         group_server.register_op(KV_PULL_OP, self._serve)
 
     def offer(
@@ -447,7 +448,8 @@ class KVServer:
             del self._offers[offer.transfer_id]
 
     def close(self) -> None:
-        """Fail every offer not yet pulled (transfers in progress end with their connections)."""
+        """Stop taking pulls and fail every offer not yet pulled (transfers in progress run on)."""
+        self._group_server.unregister_op(KV_PULL_OP)
         for offer in list(self._offers.values()):
             offer.cancel("the KV server is closing")
 
@@ -510,6 +512,7 @@ class KVServer:
             return
         offer._start()
         started = time.monotonic()
+        clean = False
         try:
             plan = plan_messages(
                 offer.block_table, consumer_blocks, d.layers, _max_blocks(max_message_bytes, self.cache.block_bytes)
@@ -527,11 +530,13 @@ class KVServer:
                 ep.peer,
             )
             if reply.get("done") is not True:
+                clean = True  # every message is through and the consumer answered: no need to abort
                 raise UpstreamAborted(
                     f"consumer {ep.peer} failed KV transfer {transfer_id!r}: {reply.get('failed', reply)}"
                 )
         except BaseException as exc:
-            ep.abort()  # cancels sends in flight: nothing reads the blocks after this
+            if not clean:
+                ep.abort()  # cancels sends in flight: nothing reads the blocks after this
             error = exc if isinstance(exc, DataPlaneError) else PeerClosed(f"KV transfer {transfer_id!r}: {exc!r}")
             offer._fail(error)
             log.warning(
@@ -743,12 +748,14 @@ async def receive_kv(
         )
         raise
     finally:
+        leftovers = [t for _, t in posted] + ([control] if control is not None and not control.done() else [])
         if ep is not None:
-            if ok:
+            if ok or not leftovers:
+                # Nothing posted, nothing can land: close gracefully. With UCX an abort would also
+                # end every other connection to this peer (a parameter stream, say).
                 await ep.close()
             else:
                 ep.abort()  # cancels posted receives: nothing lands in the blocks after this
-        leftovers = [t for _, t in posted] + ([control] if control is not None and not control.done() else [])
         for t in leftovers:
             t.cancel()
         await asyncio.gather(*leftovers, *sums, return_exceptions=True)
@@ -785,7 +792,7 @@ def _raise_refusal(resp: dict[str, Any], label: str, what: str) -> None:
     if kind == "layout_mismatch":
         fields = {str(k): tuple(v) for k, v in dict(resp.get("fields") or {}).items()}
         raise KVLayoutMismatch(f"{label}: {error}", fields=fields)  # type: ignore[arg-type]
-    if kind in ("unknown_transfer", "busy"):
+    if kind in ("unknown_transfer", "busy", "unknown_op"):
         raise UpstreamAborted(f"{what}: {label} refused: {error}")
     raise ProtocolError(f"{what}: unexpected response from {label}: {resp!r:.300}")
 

@@ -338,6 +338,29 @@ async def test_an_offer_nobody_pulls_expires() -> None:
             await server.close()
 
 
+async def test_a_peer_without_the_offer_refuses_at_once() -> None:
+    """A stale descriptor (offer gone, or a process that serves no KV) fails fast, blocks freed."""
+    async with make_transport("tcp") as producer_t, make_transport("tcp") as consumer_t:
+        server = GroupServer(producer_t)
+        await server.start()
+        try:
+            cache = KVNodeSpec().make_cache()
+            cache.allocate("r", 40)
+            kv = KVServer(server, cache, model_id="m", config=FAST)
+            stale = kv.offer("r", num_tokens=40).descriptor
+            kv.offers()[0].cancel()
+            consumer = KVNodeSpec().make_cache()
+            with pytest.raises(UpstreamAborted, match="no KV transfer"):
+                await receive_kv(consumer_t, stale, consumer, model_id="m", config=FAST)
+            kv.close()  # now the process serves no KV at all
+            started = time.monotonic()
+            with pytest.raises(UpstreamAborted, match="'kv_pull' is not served here"):
+                await receive_kv(consumer_t, stale, consumer, model_id="m", config=FAST)
+            assert time.monotonic() - started < 1.0 and consumer.free_blocks == consumer.num_blocks
+        finally:
+            await server.close()
+
+
 # -- across processes: a producer that dies or stalls ---------------------------------------------------
 
 BIG = KVNodeSpec(num_layers=16, num_blocks=144, block_size=16, num_kv_heads=4, head_dim=64)  # 16 KiB blocks
