@@ -92,8 +92,6 @@ log = structlog.get_logger(__name__)
 
 KV_PULL_OP: Final = "kv_pull"
 _PROTOCOL_VERSION: Final = 1
-# Messages smaller than this are checksummed inline: a thread hop costs more than the work.
-_INLINE_CHECKSUM_BYTES: Final = 256 * 1024
 _MAX_CONTROL_BYTES: Final = 16 << 20
 _LAYOUT_FIELDS: Final = ("model_id", "block_size", "num_kv_heads", "head_dim", "dtype")
 
@@ -251,8 +249,20 @@ def _max_blocks(max_message_bytes: int, block_bytes: int) -> int:
     return 0 if max_message_bytes <= 0 else max(1, max_message_bytes // block_bytes)
 
 
-def _view(cache: KVCache, layer: int, kv: int, first_block: int, num_blocks: int, *, writable: bool) -> np.ndarray:
-    return as_uint8_array(cache.block_run(layer, first_block, num_blocks)[kv], writable=writable)
+class _ByteViews:
+    """Flat uint8 views of a cache's K and V storage, sliced per message: a numpy slice per message
+    instead of torch indexing and a tensor-to-numpy conversion (which cost more than small messages)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        k, v = cache.storage()
+        self._bytes = (as_uint8_array(k, writable=True), as_uint8_array(v, writable=True))
+        self._block_bytes = cache.block_bytes
+        self._num_blocks = cache.num_blocks
+        self._first_layer = cache.first_layer
+
+    def __call__(self, msg: KVMessage, first_block: int) -> np.ndarray:
+        start = ((msg.layer - self._first_layer) * self._num_blocks + first_block) * self._block_bytes
+        return self._bytes[msg.kv][start : start + msg.num_blocks * self._block_bytes]
 
 
 def _checksum(data: np.ndarray, algo: str | None = None) -> str:
@@ -271,13 +281,6 @@ def _decode(data: bytes, what: str, peer: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what} from {peer} is not a JSON object: {obj!r:.100}")
     return obj
-
-
-async def _checksum_async(data: np.ndarray, algo: str | None = None) -> str:
-    if data.size < _INLINE_CHECKSUM_BYTES:
-        return _checksum(data, algo)
-    # In a thread (the hash releases the GIL): the loop keeps the transport moving meanwhile.
-    return await asyncio.get_running_loop().run_in_executor(None, _checksum, data, algo)
 
 
 @dataclass(slots=True)
@@ -579,24 +582,25 @@ class KVServer:
         """Send every message of `plan` (`window_messages` in flight), checksumming each as it goes."""
         loop = asyncio.get_running_loop()
         inflight: deque[asyncio.Task[None]] = deque()
-        sums: list[asyncio.Future[str]] = []
+        sums: list[str] = []
         timeout_s = self.config.stall_timeout_s
+        views = _ByteViews(self.cache)
         try:
             for seq, msg in enumerate(plan):
-                view = _view(self.cache, msg.layer, msg.kv, msg.src_block, msg.num_blocks, writable=False)
+                view = views(msg, msg.src_block)
                 inflight.append(loop.create_task(ep.send(view, DATA_TAG_BASE + seq, timeout_s=timeout_s)))
                 if checksum:
-                    sums.append(asyncio.ensure_future(_checksum_async(view)))
+                    # Inline, while the send is on its way: tens of GB/s, cheaper than a thread hop.
+                    sums.append(_checksum(view))
                 while len(inflight) >= self.config.window_messages or (inflight and inflight[0].done()):
                     await inflight.popleft()
             while inflight:
                 await inflight.popleft()
-            return list(await asyncio.gather(*sums))
+            return sums
         finally:
             for t in inflight:
                 t.cancel()
-            # Checksum threads read the blocks: they finish before the caller may let them go.
-            await asyncio.gather(*inflight, *sums, return_exceptions=True)
+            await asyncio.gather(*inflight, return_exceptions=True)
 
 
 # -- the consumer -------------------------------------------------------------------------------------
@@ -648,7 +652,7 @@ async def receive_kv(
     ok = False
     posted: deque[tuple[int, asyncio.Task[None]]] = deque()
     control: asyncio.Task[bytes] | None = None
-    sums: list[asyncio.Future[str]] = []
+    actual: list[str] = []
     loop = asyncio.get_running_loop()
     try:
         ep = await transport.connect(descriptor.producer_address, timeout_s=config.connect_timeout_s)
@@ -685,6 +689,7 @@ async def receive_kv(
         trailer: dict[str, Any] | None = None
         landed_bytes = 0
         next_seq = 0
+        byte_views = _ByteViews(cache)
         views: list[np.ndarray] = []
 
         def post_next() -> None:
@@ -692,7 +697,7 @@ async def receive_kv(
             if next_seq >= len(plan):
                 return
             msg = plan[next_seq]
-            view = _view(cache, msg.layer, msg.kv, msg.dst_block, msg.num_blocks, writable=True)
+            view = byte_views(msg, msg.dst_block)
             views.append(view)
             assert ep is not None
             posted.append((next_seq, loop.create_task(ep.recv_into(view, DATA_TAG_BASE + next_seq))))
@@ -707,12 +712,12 @@ async def receive_kv(
             if task in done:
                 task.result()
                 posted.popleft()
-                if config.checksum:
-                    sums.append(asyncio.ensure_future(_checksum_async(views[seq])))
-                landed_bytes += views[seq].size
                 post_next()
                 if on_progress is not None:
-                    on_progress(landed_bytes, descriptor.size_bytes)
+                    on_progress(landed_bytes + views[seq].size, descriptor.size_bytes)
+                if config.checksum:
+                    actual.append(_checksum(views[seq]))  # inline while later messages move
+                landed_bytes += views[seq].size
             elif control in done:
                 trailer = _trailer(control.result(), label, what)
             else:
@@ -725,7 +730,6 @@ async def receive_kv(
                 trailer = _trailer(await asyncio.wait_for(control, config.stall_timeout_s), label, what)
             except TimeoutError:
                 raise TransferTimeout(f"{what}: {label} sent no checksums within {config.stall_timeout_s}s") from None
-        actual = list(await asyncio.gather(*sums))
         if config.checksum:
             try:
                 _verify(trailer, actual, plan, views, what)
@@ -759,7 +763,7 @@ async def receive_kv(
                 ep.abort()  # cancels posted receives: nothing lands in the blocks after this
         for t in leftovers:
             t.cancel()
-        await asyncio.gather(*tasks, *sums, return_exceptions=True)  # retrieves their errors too
+        await asyncio.gather(*tasks, return_exceptions=True)  # retrieves their errors too
         if not ok:
             allocator.free(seq_id)
     elapsed = time.monotonic() - started

@@ -150,6 +150,11 @@ class KVCache:
         """Bytes of one block of K (or of V) of one layer."""
         return self._block_size * self.num_kv_heads * self.head_dim * self._k.element_size()
 
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of K and all of V, `[num_layers, num_blocks, block_size, kv_heads, head_dim]` each
+        (contiguous): block `b` of layer `first_layer + i` starts at byte `(i * num_blocks + b) * block_bytes`."""
+        return self._k, self._v
+
     def block_run(self, layer: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of blocks [first_block, first_block + num_blocks) of `layer`: contiguous views of the
         storage, `[num_blocks, block_size, kv_heads, head_dim]` each (what a transfer sends or lands in)."""
