@@ -52,7 +52,7 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -104,6 +104,8 @@ _RETRYABLE: Final = (TransferTimeout, PeerClosed, ProtocolError, UpstreamAborted
 
 Allocate = Callable[[GroupEntry], Any]
 OnGroupReady = Callable[[str], None]
+# Serves one connection whose request names a registered op: (endpoint, decoded request).
+OpHandler = Callable[[Endpoint, dict[str, Any]], Awaitable[None]]
 
 
 def default_allocate(entry: GroupEntry) -> np.ndarray:
@@ -316,6 +318,7 @@ class GroupServer:
         self._request_timeout_s = request_timeout_s
         self._stores: dict[str, GroupStore] = {}
         self._published: dict[str, asyncio.Event] = {}
+        self._ops: dict[str, OpHandler] = {}
         self._accept_task: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self.streams_served = 0
@@ -330,6 +333,23 @@ class GroupServer:
         """Offer `store` (complete or filling) to receivers; replaces a store of the same model."""
         self._stores[store.model_id] = store
         self._published.setdefault(store.model_id, asyncio.Event()).set()
+
+    def register_op(self, op: str, handler: OpHandler) -> None:
+        """Hand connections whose request has `"op": op` to `handler(endpoint, request)`.
+
+        The server owns `transport.accept()`, so other protocols of this process (KV-cache
+        transfers) share its connections this way. The endpoint is closed after the handler
+        returns; the handler reports its own failures (errors it raises are only logged).
+        """
+        if op in ("pull", "manifest"):
+            raise ValueError(f"op {op!r} is the group server's own")
+        if op in self._ops:
+            raise ValueError(f"op {op!r} already has a handler")
+        self._ops[op] = handler
+
+    def unregister_op(self, op: str) -> None:
+        """Stop handing `op` to its handler: requests for it are answered "unknown_op"."""
+        self._ops.pop(op, None)
 
     def unpublish(self, model_id: str) -> None:
         self._stores.pop(model_id, None)
@@ -367,6 +387,18 @@ class GroupServer:
             req = _decode(
                 await ep.recv_msg(CONTROL_TAG, timeout_s=self._request_timeout_s, max_bytes=1 << 20), "request", ep.peer
             )
+            op = str(req.get("op"))
+            handler = self._ops.get(op)
+            if handler is not None:
+                await handler(ep, req)
+                return
+            if op not in ("pull", "manifest"):
+                await ep.send_msg(
+                    _encode({"ok": False, "kind": "unknown_op", "error": f"op {op!r} is not served here"}),
+                    CONTROL_TAG,
+                    timeout_s=self._request_timeout_s,
+                )
+                return
             model_id = str(req.get("model_id"))
             store = await self._store_for(model_id)
             if store is None:

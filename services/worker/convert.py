@@ -1,7 +1,8 @@
 """Converters between the worker's wire messages and the engine's types.
 
-The one place where `common_pb2.SamplingParams` meets the engine's `SamplingParams`, and where the
-engine's log-probs become `TokenLogprob` messages. Unset optional fields take the engine's
+The one place where `common_pb2.SamplingParams` meets the engine's `SamplingParams`, where the
+engine's log-probs become `TokenLogprob` messages, and where a KV transfer's `KVDescriptor` becomes
+a `KVTransferDescriptor`. Unset optional fields take the engine's
 defaults; the round-trip tests in tests/unit/test_worker_convert.py pin both directions.
 """
 
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from blitzmesh.v1 import common_pb2
+from blitzmesh.v1 import common_pb2, kv_pb2
 from services.worker.engine.sampling import PromptLogprob, SamplingParams, TopLogprobs
+from services.worker.kv_transfer import KVDescriptor
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
@@ -83,3 +85,46 @@ def prompt_logprobs_from_proto(msgs: Sequence[common_pb2.TokenLogprob]) -> list[
         )
         for m in msgs
     ]
+
+
+def kv_descriptor_to_proto(d: KVDescriptor) -> kv_pb2.KVTransferDescriptor:
+    return kv_pb2.KVTransferDescriptor(
+        transfer_id=d.transfer_id,
+        request_id=d.request_id,
+        model_id=d.model_id,
+        layer_start=d.layer_start,
+        layer_end=d.layer_end,
+        num_tokens=d.num_tokens,
+        block_size=d.block_size,
+        num_kv_heads=d.num_kv_heads,
+        head_dim=d.head_dim,
+        dtype=d.dtype,
+        producer_address=d.producer_address,
+        size_bytes=d.size_bytes,
+    )
+
+
+def kv_descriptor_from_proto(msg: kv_pb2.KVTransferDescriptor) -> KVDescriptor:
+    """Raises ValueError (quoting the field) for a descriptor no transfer could follow."""
+    for name in ("transfer_id", "model_id", "dtype", "producer_address"):
+        if not getattr(msg, name):
+            raise ValueError(f"KVTransferDescriptor.{name} is empty")
+    for name in ("num_tokens", "block_size", "num_kv_heads", "head_dim", "size_bytes"):
+        if getattr(msg, name) < 1:
+            raise ValueError(f"KVTransferDescriptor.{name} must be >= 1, got {getattr(msg, name)}")
+    if msg.layer_end <= msg.layer_start:
+        raise ValueError(f"KVTransferDescriptor layer range [{msg.layer_start}, {msg.layer_end}) is empty")
+    return KVDescriptor(
+        transfer_id=msg.transfer_id,
+        request_id=msg.request_id,
+        model_id=msg.model_id,
+        layer_start=msg.layer_start,
+        layer_end=msg.layer_end,
+        num_tokens=msg.num_tokens,
+        block_size=msg.block_size,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        dtype=msg.dtype,
+        producer_address=bytes(msg.producer_address),
+        size_bytes=msg.size_bytes,
+    )

@@ -125,6 +125,47 @@ class KVCache:
         return self._block_size
 
     @property
+    def num_kv_heads(self) -> int:
+        return int(self._k.shape[3])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self._k.shape[4])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._k.device
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The decoder layers cached here, as a range [start, end)."""
+        return self.first_layer, self.first_layer + self.num_layers
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of K (or of V) of one layer."""
+        return self._block_size * self.num_kv_heads * self.head_dim * self._k.element_size()
+
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of K and all of V, `[num_layers, num_blocks, block_size, kv_heads, head_dim]` each
+        (contiguous): block `b` of layer `first_layer + i` starts at byte `(i * num_blocks + b) * block_bytes`."""
+        return self._k, self._v
+
+    def block_run(self, layer: int, first_block: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of blocks [first_block, first_block + num_blocks) of `layer`: contiguous views of the
+        storage, `[num_blocks, block_size, kv_heads, head_dim]` each (what a transfer sends or lands in)."""
+        if num_blocks < 1 or first_block < 0 or first_block + num_blocks > self.num_blocks:
+            raise IndexError(
+                f"block run [{first_block}, {first_block + num_blocks}) outside the pool of {self.num_blocks} blocks"
+            )
+        k_cache, v_cache = self.layer_cache(layer)
+        return k_cache[first_block : first_block + num_blocks], v_cache[first_block : first_block + num_blocks]
+
+    @property
     def nbytes(self) -> int:
         """Bytes of K and V storage."""
         return self._k.numel() * self._k.element_size() * 2

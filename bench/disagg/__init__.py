@@ -1,0 +1,1 @@
+"""Disaggregation benchmark: `python -m bench.disagg` (see __main__.py)."""
