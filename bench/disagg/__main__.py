@@ -8,9 +8,12 @@ Every part runs between real processes and writes one key of the result:
 - kv_transfer (bench/disagg/kv.py): a request's KV cache (the default model's layout, 4096 tokens,
   2048 with --quick) pulled between two processes' paged caches against the bare transport moving
   the same bytes in the same messages, interleaved A B A B, per transport; target ratio >= 0.8.
+- migration (bench/disagg/migration.py): a worker SIGKILLed under streams; time from the kill to
+  the next token of each migrated stream, p50/p99, and lost streams (target 0).
 
 Parts are registered in PARTS (name -> (run(args) -> dict, targets(dict) -> dict, notes)); --parts
-picks some. Results go to bench/results/disagg.json (--quick: disagg_quick.json); the machine is
+picks some; the keys of parts not run are kept from the file's earlier content. Results go to
+bench/results/disagg.json (--quick: disagg_quick.json); the machine is
 shared and has 2 cores, so load averages are recorded and each part records the CPU other
 processes took during its rounds.
 """
@@ -28,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.disagg import kv
+from bench.disagg import kv, migration
 
 
 class Part(NamedTuple):
@@ -39,6 +42,7 @@ class Part(NamedTuple):
 
 PARTS: dict[str, Part] = {
     "kv_transfer": Part(kv.run, kv.targets, kv.NOTES),
+    "migration": Part(migration.run, migration.targets, migration.NOTES),
 }
 
 
@@ -63,13 +67,16 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     started = time.monotonic()
+    earlier: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     results: dict[str, Any] = {
+        **{name: earlier[name] for name in PARTS if name not in parts and name in earlier},
         "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg_before": _load()},
-        "elapsed_s": {},
+        "machine": {**earlier.get("machine", {}), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "elapsed_s": earlier.get("elapsed_s", {}),
     }
-    targets: dict[str, Any] = {}
-    notes: dict[str, str] = {}
+    results["machine"][f"load_avg_before_{'_'.join(parts)}"] = _load()
+    targets: dict[str, Any] = dict(earlier.get("targets", {}))
+    notes: dict[str, str] = dict(earlier.get("notes", {}))
     for name in parts:
         part = PARTS[name]
         t0 = time.monotonic()
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         results["machine"][f"load_avg_after_{name}"] = _load()
         targets.update(part.targets(results[name]))
         notes.update(part.notes)
-    results["elapsed_s"]["total"] = round(time.monotonic() - started, 1)
+    results["elapsed_s"]["last_run_total"] = round(time.monotonic() - started, 1)
     results["targets"] = targets
     results["notes"] = notes
     out.parent.mkdir(parents=True, exist_ok=True)
