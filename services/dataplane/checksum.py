@@ -1,35 +1,32 @@
-"""Group checksums that keep up with a 5+ GB/s link and can be computed chunk by chunk.
+"""Checksums of parameter groups and KV blocks, computed chunk by chunk as the bytes land.
 
-A group's bytes are cut into 64 KiB blocks; each block gets a 64-bit digest, and the group
-checksum is blake2b over the digest array and the group size, written `"<algo>:<hex>"`.
-Because digests are per block, a receiver computes them as chunks land, in any order and off
-the event loop, and the final hash touches only 1/8192 of the data.
+A buffer is cut into 64 KiB blocks; each block gets a 64-bit digest from a library hash, and
+the checksum is blake2b over the digest array and the size, written `"<algo>:<hex>"`. Because
+digests are per block, a receiver computes them as chunks land, in any order and off the event
+loop, and the final hash touches only 1/8192 of the data. Every user (manifests, the parameter
+manager, the KV transfer) takes `DEFAULT_CHECKSUM_ALGO` unless told otherwise; a checksum names
+its algo, so one made with any algo below still verifies.
 
-Measured on the development machine (one core, 1 GiB, 4 MiB pieces):
-
-| algo | GB/s |
-| --- | --- |
-| `blocksum64` (wrapping sum of uint64 words per block, numpy, GIL released) | 22 |
-| `crc32` (zlib, per block) | 3.0 |
-| adler32 / sha1 / blake2b / md5 over the bytes | 3.4 / 1.9 / 0.8 / 0.8 |
-
-crc32 would take a whole core at 3 GB/s on every hop of a chain, on a machine with two, so the
-default is `blocksum64`: it catches flipped or stale bytes, truncation and chunks landed at the
-wrong offset (block order enters the final hash), but not two words swapped inside one block,
-which no transfer bug here produces. `crc32` stays available for stronger checks.
+TODO table
 """
 
 from __future__ import annotations
 
 import hashlib
 import zlib
-from typing import Final, Literal
+from collections.abc import Callable
+from typing import Any, Final, Literal
 
+import google_crc32c
 import numpy as np
+import xxhash
+
+from .buffers import as_uint8_array
 
 __all__ = [
     "BLOCK_BYTES",
     "CHECKSUM_ALGOS",
+    "DEFAULT_CHECKSUM_ALGO",
     "ChecksumAlgo",
     "GroupDigests",
     "block_digests",
@@ -38,9 +35,9 @@ __all__ = [
 ]
 
 BLOCK_BYTES: Final = 64 * 1024
-ChecksumAlgo = Literal["blocksum64", "crc32"]
-CHECKSUM_ALGOS: Final[tuple[str, ...]] = ("blocksum64", "crc32")
+ChecksumAlgo = Literal["xxh3", "crc32c", "blocksum64", "crc32"]
 _WORDS_PER_BLOCK: Final = BLOCK_BYTES // 8
+_HEX_CHARS: Final = 32
 
 
 def _blocksum64(data: np.ndarray) -> np.ndarray:
@@ -59,41 +56,60 @@ def _blocksum64(data: np.ndarray) -> np.ndarray:
     return out
 
 
-def _crc32_blocks(data: np.ndarray) -> np.ndarray:
-    mv = data.data  # a memoryview, without a copy
-    return np.fromiter(
-        (zlib.crc32(mv[i : i + BLOCK_BYTES]) for i in range(0, data.size, BLOCK_BYTES)),
-        dtype=np.uint64,
-        count=-(-data.size // BLOCK_BYTES),
-    )
+def _per_block(hash_block: Callable[[np.ndarray], int]) -> Callable[[np.ndarray], np.ndarray]:
+    """Digests of every block by a library function of one block's bytes (an int < 2**64)."""
+
+    def digests(data: np.ndarray) -> np.ndarray:
+        # numpy slices, not memoryview ones: google_crc32c takes only buffers without a
+        # release hook ("y#"), which a memoryview has and an ndarray does not.
+        blocks = [data[i : i + BLOCK_BYTES] for i in range(0, int(data.size), BLOCK_BYTES)]
+        return np.fromiter(map(hash_block, blocks), dtype=np.uint64, count=len(blocks))
+
+    return digests
 
 
-def block_digests(data: np.ndarray, algo: str) -> np.ndarray:
-    """Digest of each 64 KiB block of `data` (a flat uint8 array starting on a block boundary)."""
-    if algo == "blocksum64":
-        return _blocksum64(data)
-    if algo == "crc32":
-        return _crc32_blocks(data)
-    raise ValueError(f"unknown checksum algo {algo!r}, known: {list(CHECKSUM_ALGOS)}")
+_BLOCK_DIGESTS: Final[dict[str, Callable[[np.ndarray], np.ndarray]]] = {
+    "xxh3": _per_block(xxhash.xxh3_64_intdigest),
+    "crc32c": _per_block(google_crc32c.value),
+    "blocksum64": _blocksum64,
+    "crc32": _per_block(zlib.crc32),
+}
+CHECKSUM_ALGOS: Final[tuple[str, ...]] = tuple(_BLOCK_DIGESTS)
+DEFAULT_CHECKSUM_ALGO: Final[ChecksumAlgo] = "xxh3"
+
+
+def _check_algo(algo: str) -> None:
+    if algo not in _BLOCK_DIGESTS:
+        raise ValueError(f"unknown checksum algo {algo!r}, known: {list(CHECKSUM_ALGOS)}")
+
+
+def block_digests(data: Any, algo: str = DEFAULT_CHECKSUM_ALGO) -> np.ndarray:
+    """Digest of each 64 KiB block of `data` (contiguous bytes: numpy, torch CPU tensor,
+    memoryview), which starts on a block boundary of the buffer it is part of."""
+    _check_algo(algo)
+    return _BLOCK_DIGESTS[algo](as_uint8_array(data, writable=False))
 
 
 def _finish(algo: str, digests: np.ndarray, size_bytes: int) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.blake2b(digest_size=_HEX_CHARS // 2)
     h.update(digests.astype("<u8", copy=False).tobytes())
     h.update(size_bytes.to_bytes(8, "little"))
     return f"{algo}:{h.hexdigest()}"
 
 
-def group_checksum(data: np.ndarray, algo: str = "blocksum64") -> str:
-    """Checksum of a whole group buffer (flat uint8)."""
-    return _finish(algo, block_digests(data, algo), int(data.size))
+def group_checksum(data: Any, algo: str = DEFAULT_CHECKSUM_ALGO) -> str:
+    """Checksum of a whole buffer (a parameter group, a run of KV blocks), as `"<algo>:<hex>"`."""
+    arr = as_uint8_array(data, writable=False)
+    return _finish(algo, block_digests(arr, algo), int(arr.size))
 
 
 def checksum_algo_of(checksum: str) -> str:
     """The algo named in a `"<algo>:<hex>"` checksum; ValueError quoting it if malformed."""
     algo, sep, hexpart = checksum.partition(":")
-    if not sep or algo not in CHECKSUM_ALGOS or len(hexpart) != 32:
+    if not sep or len(hexpart) != _HEX_CHARS:
         raise ValueError(f"malformed checksum {checksum!r}, want '<algo>:<32 hex>' with algo in {list(CHECKSUM_ALGOS)}")
+    if algo not in _BLOCK_DIGESTS:
+        raise ValueError(f"unknown checksum algo {algo!r} in checksum {checksum!r}, known: {list(CHECKSUM_ALGOS)}")
     try:
         int(hexpart, 16)
     except ValueError:
@@ -102,24 +118,33 @@ def checksum_algo_of(checksum: str) -> str:
 
 
 class GroupDigests:
-    """Per-block digests of one group, filled chunk by chunk as chunks land."""
+    """Per-block digests of one buffer of `size_bytes`, filled chunk by chunk as chunks land."""
 
-    def __init__(self, size_bytes: int, algo: str) -> None:
-        if algo not in CHECKSUM_ALGOS:
-            raise ValueError(f"unknown checksum algo {algo!r}, known: {list(CHECKSUM_ALGOS)}")
+    def __init__(self, size_bytes: int, algo: str = DEFAULT_CHECKSUM_ALGO) -> None:
+        _check_algo(algo)
+        if size_bytes < 0:
+            raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
         self.size_bytes = size_bytes
         self.algo = algo
         self._digests = np.zeros(-(-size_bytes // BLOCK_BYTES), dtype=np.uint64)
 
-    def add(self, offset_bytes: int, data: np.ndarray) -> None:
-        """Digest the chunk `data` that sits at `offset_bytes` (a block boundary) in the group.
+    def add(self, offset_bytes: int, data: Any) -> None:
+        """Digest the chunk `data` that sits at `offset_bytes` (a block boundary) in the buffer.
 
-        Thread-safe for disjoint chunks: each writes its own slice of the digest array.
+        A chunk is whole blocks, except the buffer's last one. Thread-safe for disjoint
+        chunks: each writes its own slice of the digest array.
         """
-        if offset_bytes % BLOCK_BYTES:
-            raise ValueError(f"chunk offset {offset_bytes} is not a multiple of {BLOCK_BYTES}")
+        arr = as_uint8_array(data, writable=False)
+        end = offset_bytes + int(arr.size)
+        if offset_bytes % BLOCK_BYTES or offset_bytes < 0:
+            raise ValueError(f"chunk offset {offset_bytes} is not a non-negative multiple of {BLOCK_BYTES}")
+        if end > self.size_bytes or (arr.size % BLOCK_BYTES and end != self.size_bytes):
+            raise ValueError(
+                f"chunk [{offset_bytes}, {end}) of a {self.size_bytes}-byte buffer must be whole "
+                f"{BLOCK_BYTES}-byte blocks or end the buffer"
+            )
         first = offset_bytes // BLOCK_BYTES
-        d = block_digests(data, self.algo)
+        d = _BLOCK_DIGESTS[self.algo](arr)
         self._digests[first : first + d.size] = d
 
     def checksum(self) -> str:
