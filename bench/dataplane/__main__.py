@@ -14,8 +14,17 @@ Four parts, measured in one run, every transfer between separate real processes
      UCX's default (cma included); best of the runs before, between and after our transports
      (ucx_perftest_runs_gbps). Null when the binary is not installed.
    - one_hop_gbps[kind]: a receiver pulls the whole model from a source (manifest, chunks, a
-     checksum over every received byte); best warm run (receive buffers reused, as a worker
-     reuses its memory); one_hop_cold_gbps[kind]: the first run.
+     checksum over every received byte, algo `checksum_algo`, --checksum-algo); best warm run
+     (receive buffers reused, as a worker reuses its memory); one_hop_cold_gbps[kind]: the
+     first run.
+   - one_hop_by_checksum_gbps[kind][algo]: the same pull of a model (at most 256 MiB)
+     checksummed with each algo of --compare-checksums, between the same two nodes, rounds
+     interleaved; best warm run, all in one_hop_by_checksum_runs_gbps, and
+     one_hop_by_checksum_over_transport = best / one_hop_transport_gbps.
+   - checksum_gbps[algo] / checksum_hot_gbps[algo]: one core digesting 256 MiB chunk by chunk
+     (cold) and one chunk in cache (hot); checksum_thread_stall_ms[algo]: how late a 0.2 ms
+     sleep wakes beside a digesting thread (~5 ms: the algo holds the GIL). See
+     bench/dataplane/checksums.py.
      kinds: "ucx" (our default UCX_TLS=^cma), "ucx-cma" (UCX_TLS=all), "tcp" (asyncio sockets).
    - one_hop_transport_gbps[kind]: the same bytes through the transport alone between two fresh
      nodes (tagged messages of chunk_bytes, 4 in flight, no checksums): like for like with
@@ -628,8 +637,11 @@ NOTES = {
         "copies in, the receiver copies out, a core each on this 2-core machine. one_hop_transport_gbps is that "
         "path through our transport (tagged messages of chunk_bytes, 4 in flight, no checksums): what "
         "ucx_perftest measures. one_hop_gbps is the whole pull, which also computes a checksum over every "
-        "received byte (blocksum64): a second pass over memory that has no core of its own here, so it costs "
-        "about half the rate (measured by hand with the checksum step disabled: 7.3-8.5 GB/s, as the transport). "
+        "received byte (checksum_algo): a second pass over memory that has no core of its own here. The digest "
+        "costs about the same with xxh3 as with the hand-written blocksum64, 25-30% more with crc32c "
+        "(one_hop_by_checksum_gbps); xxh3 and crc32c hold the GIL, so their digests run on the receiving loop "
+        "while the chunk is in cache, blocksum64 and crc32 in a thread. Measured by hand with the digest step "
+        "skipped, the pull reached about 0.65-0.85 of the transport: the rest of the gap is the protocol. "
         "Before ucxx's progress was replaced (services/dataplane/ucx.py, _ArmedProgress) every idle node "
         "process spun a core, and the same-host figures were several times worse (one hop 1.00 GB/s, a chain of "
         "one 4.67 s)."

@@ -20,6 +20,7 @@ from services.dataplane.checksum import (
     block_digests,
     checksum_algo_of,
     group_checksum,
+    releases_gil,
 )
 from services.dataplane.errors import ManifestError
 from services.dataplane.manifest import GroupEntry, Manifest, TensorEntry, build_manifest
@@ -139,6 +140,8 @@ def test_an_unknown_algo_is_refused_quoting_it() -> None:
         GroupDigests(10, "sha1")
     with pytest.raises(ValueError, match="unknown checksum algo 'adler'"):
         block_digests(_data(size=10), "adler")
+    with pytest.raises(ValueError, match="unknown checksum algo 'fnv'"):
+        releases_gil("fnv")
     with pytest.raises(ValueError, match=r"malformed checksum 'xxh3:abc'"):
         checksum_algo_of("xxh3:abc")
     t = TensorEntry(name="w", dtype="uint8", shape=(4,), offset_bytes=0, size_bytes=4)
