@@ -1,32 +1,38 @@
 """Checksums of parameter groups and KV blocks, computed chunk by chunk as the bytes land.
 
-A buffer is cut into 64 KiB blocks; each block gets a 64-bit digest from a library hash, and
+A buffer is cut into 64 KiB blocks; each block gets a 64-bit digest (a library hash by default), and
 the checksum is blake2b over the digest array and the size, written `"<algo>:<hex>"`. Because
 digests are per block, a receiver computes them as chunks land, in any order, and the final
 hash touches only 1/8192 of the data. Every user (manifests, the parameter manager, the KV
 transfer) takes `DEFAULT_CHECKSUM_ALGO` unless told otherwise; a checksum names its algo, so one
 made with any algo below (blocksum64 and crc32 were the only ones before xxh3) still verifies.
 
-Measured on the development machine (2 cores, AMD EPYC with AVX-512; `bench.checksums` in
-`python -m bench.dataplane`): one core digesting 256 MiB of random bytes in 16 MiB chunks
-through `GroupDigests.add` (cold: larger than the cache), best of 3; the checked one-hop pull
-of a 256 MiB model over UCX (16 MiB chunks, 6 interleaved rounds, median; the transport alone
-moved the same bytes at 16.4 GB/s, the pull with the digest step skipped at about 10):
+Measured on the development machine (2 cores, AMD EPYC with AVX-512). Raw: one core digests
+256 MiB of random bytes in 16 MiB chunks through `GroupDigests.add`, best of 3 (cold: more
+than the cache), and one 16 MiB chunk over and over (hot: as a chunk that has just landed);
+bench/dataplane/checksums.py. Pull: a 256 MiB model pulled over UCX in 16 MiB chunks by one
+receiver, algos interleaved, 8 rounds, median of the medians of 2-3 runs; the transport alone
+moved the same bytes at 15-17 GB/s in those runs, the pull with the digest step skipped at
+10-13 GB/s:
 
-| algo | library | GB/s, one core | holds the GIL | checked pull GB/s (inline / thread) |
-| --- | --- | --- | --- | --- |
-| `xxh3` (default) | xxhash `xxh3_64` per block | 18-19 | yes (xxhash releases it above 64 KiB only) | 6.6 / 5.2 |
-| `crc32c` | google-crc32c per block | 11-13 | yes (released for `bytes` >= 1 MiB only) | 4.8 / 4.3 |
-| `blocksum64` | hand-written: wrapping uint64 sum per block (numpy) | 27-28 | no | 6.7 / 5.3 |
-| `crc32` | zlib per block | 4.5-6.3 | no | (not run: slowest) |
+| algo | computed by | cold GB/s | hot GB/s | GIL | pull GB/s, digest inline / in a thread |
+| --- | --- | --- | --- | --- | --- |
+| `xxh3` (default) | xxhash `xxh3_64_intdigest` per block | 20-22 | 48-50 | held | 7.2 / 5.2-6.1 |
+| `crc32c` | google-crc32c `value` per block | 13-14 | 14 | held | 6.6 / 4.3-5.5 |
+| `blocksum64` | hand-written: wrapping uint64 sum per block, numpy | 26-28 | 52-55 | released | 8.9 / 5.3-9.2 |
+| `crc32` | zlib per block | 4.5-6.3 | 6.4 | released | 2.3-2.9 (one bench run) |
 
-The pull is bound by memory and the two cores, not by the hash: the digest is a second pass
-over bytes the transport just copied, and it costs the same with xxh3 as with blocksum64
-(within run-to-run noise), 25-30% more with crc32c. So the default is `xxh3`: a maintained
-library hash, as fast in the pull as the hand-written sum, and a real hash, where blocksum64
-misses two words swapped inside a block. Digests of an algo that holds the GIL are computed on
-the receiving loop (see chain.py): a thread could not run beside it, and inline the chunk is
-still in cache (the "inline" column against "thread").
+xxhash releases the GIL only above 64 KiB, google_crc32c only for `bytes` of 1 MiB or more, so
+one block at a time they hold it (a thread beside them waits ~5 ms). Digests of such an algo
+are computed on the receiving loop as each chunk lands (chain.py): a thread could not run
+beside them anyway, and inline the chunk is still in cache. Larger xxh3 blocks (256 KiB, 1 MiB:
+fewer calls, GIL released) were measured too and pulled no faster.
+
+The pull is bound by memory and the two cores more than by the hash: the digest is a second
+pass over bytes the transport has just copied. The default is `xxh3`, the fastest maintained
+library hash here (crc32c is 10% slower in the pull and 35-70% slower raw) and a real hash,
+where the wrapping sum misses two words swapped inside a block; it costs 5-20% of the pull
+rate against the hand-written blocksum64, which stays readable with crc32 for old manifests.
 """
 
 from __future__ import annotations
@@ -76,21 +82,29 @@ def _blocksum64(data: np.ndarray) -> np.ndarray:
     return out
 
 
-def _per_block(hash_block: Callable[[np.ndarray], int]) -> Callable[[np.ndarray], np.ndarray]:
-    """Digests of every block by a library function of one block's bytes (an int < 2**64)."""
+def _per_block(hash_block: Callable[[Any], int], *, ndarray_blocks: bool = False) -> Callable[[np.ndarray], np.ndarray]:
+    """Digests of every block by a library function of one block's bytes (an int < 2**64).
+
+    Blocks are memoryview slices, the cheapest to cut (15-20% faster than ndarray slices for
+    xxh3 on cached data); `ndarray_blocks` for google_crc32c, which takes only buffers without
+    a release hook ("y#"), as an ndarray is and a memoryview is not.
+    """
 
     def digests(data: np.ndarray) -> np.ndarray:
-        # numpy slices, not memoryview ones: google_crc32c takes only buffers without a
-        # release hook ("y#"), which a memoryview has and an ndarray does not.
-        blocks = [data[i : i + BLOCK_BYTES] for i in range(0, int(data.size), BLOCK_BYTES)]
-        return np.fromiter(map(hash_block, blocks), dtype=np.uint64, count=len(blocks))
+        src = data if ndarray_blocks else data.data
+        n = int(data.size)
+        return np.fromiter(
+            (hash_block(src[i : i + BLOCK_BYTES]) for i in range(0, n, BLOCK_BYTES)),
+            dtype=np.uint64,
+            count=-(-n // BLOCK_BYTES),
+        )
 
     return digests
 
 
 _BLOCK_DIGESTS: Final[dict[str, Callable[[np.ndarray], np.ndarray]]] = {
     "xxh3": _per_block(xxhash.xxh3_64_intdigest),
-    "crc32c": _per_block(google_crc32c.value),
+    "crc32c": _per_block(google_crc32c.value, ndarray_blocks=True),
     "blocksum64": _blocksum64,
     "crc32": _per_block(zlib.crc32),
 }
