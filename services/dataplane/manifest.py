@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import numpy as np
 
 from .buffers import as_uint8_array
-from .checksum import BLOCK_BYTES, CHECKSUM_ALGOS, checksum_algo_of, group_checksum
+from .checksum import BLOCK_BYTES, CHECKSUM_ALGOS, DEFAULT_CHECKSUM_ALGO, checksum_algo_of, group_checksum
 from .errors import ManifestError
 
 if TYPE_CHECKING:
@@ -357,7 +357,7 @@ def pack_groups(
     model_id: str,
     groups: Sequence[tuple[str, Mapping[str, TensorLike]]],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    checksum_algo: str = "blocksum64",
+    checksum_algo: str = DEFAULT_CHECKSUM_ALGO,
 ) -> tuple[Manifest, list[np.ndarray]]:
     """Lay out, pack and checksum `groups`: the manifest plus one contiguous buffer per group.
 
@@ -388,7 +388,7 @@ def build_manifest(
     model_id: str,
     groups: Sequence[tuple[str, Mapping[str, TensorLike]]],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    checksum_algo: str = "blocksum64",
+    checksum_algo: str = DEFAULT_CHECKSUM_ALGO,
 ) -> Manifest:
     """The manifest of `groups` (name, {tensor name: tensor}) in the given (layer) order."""
     return pack_groups(model_id, groups, chunk_bytes, checksum_algo)[0]

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .chain import GroupServer, Pull, receive_groups, serve_groups
+from .checksum import DEFAULT_CHECKSUM_ALGO
 from .errors import DataPlaneError
 from .manifest import GroupEntry, Manifest, pack_groups
 from .transport import make_transport
@@ -48,7 +49,7 @@ class ModelSpec:
     layer_bytes: int = 1 << 20
     chunk_bytes: int = 256 * 1024
     seed: int = 0
-    checksum_algo: str = "blocksum64"
+    checksum_algo: str = DEFAULT_CHECKSUM_ALGO
 
 
 _PATTERN_BLOCK_WORDS = 1 << 15  # 256 KiB of words, reused with a different mask per block
