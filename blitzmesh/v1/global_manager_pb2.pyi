@@ -195,10 +195,15 @@ class RouteHop(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     LAYER_START_FIELD_NUMBER: _builtins.int
     LAYER_END_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     address: _builtins.str
     layer_start: _builtins.int
     layer_end: _builtins.int
+    role: _common_pb2.InstanceRole.ValueType
+    """The instance's serving role. A disaggregated route is [PREFILL hop, DECODE hop]: the gateway
+    runs the prompt on the first with kv_handoff, then continues on the second from its KV.
+    """
     def __init__(
         self,
         *,
@@ -206,10 +211,11 @@ class RouteHop(_message.Message):
         address: _builtins.str = ...,
         layer_start: _builtins.int = ...,
         layer_end: _builtins.int = ...,
+        role: _common_pb2.InstanceRole.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -217,7 +223,9 @@ Global___RouteHop: _TypeAlias = RouteHop  # noqa: Y015
 
 @_typing.final
 class Route(_message.Message):
-    """Hops in execution order: one hop for a full instance; two for ZigZag (new, then old)."""
+    """Hops in execution order: one hop for a full instance; [prefill, decode] for a disaggregated
+    deployment; two for ZigZag (new, then old, split by layer range).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -8,6 +8,7 @@ number and name become `reserved`.
 """
 
 from blitzmesh.v1 import common_pb2 as _common_pb2
+from blitzmesh.v1 import kv_pb2 as _kv_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -34,11 +35,18 @@ class WorkerGenerateRequest(_message.Message):
     LAYER_START_FIELD_NUMBER: _builtins.int
     LAYER_END_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    KV_HANDOFF_FIELD_NUMBER: _builtins.int
+    KV_SOURCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model_id: _builtins.str
     layer_start: _builtins.int
     layer_end: _builtins.int
     """0 = all layers"""
+    kv_handoff: _builtins.bool
+    """Prefill/decode disaggregation, the prefill side: run the prompt and emit the first token;
+    unless that token ends the request, keep the prompt's KV, offer it over the data plane and
+    end the stream with a message carrying `kv_handoff` (no finish_reason) instead of decoding.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -47,6 +55,13 @@ class WorkerGenerateRequest(_message.Message):
     def resume_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """A request migrated from another instance: the tokens it generated there, in order. The
         stream continues after them (they count toward max_tokens and are never sent again).
+        """
+
+    @_builtins.property
+    def kv_source(self) -> _kv_pb2.KVTransferDescriptor:
+        """The decode side: the prompt's KV is pulled from this offer into blocks allocated here (the
+        prompt is not recomputed); `resume_token_ids` then holds the token(s) the prefill side
+        emitted. If the pull fails the prompt is recomputed here, so the request still completes.
         """
 
     def __init__(
@@ -59,10 +74,12 @@ class WorkerGenerateRequest(_message.Message):
         layer_start: _builtins.int = ...,
         layer_end: _builtins.int = ...,
         resume_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        kv_handoff: _builtins.bool = ...,
+        kv_source: _kv_pb2.KVTransferDescriptor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer_end", b"layer_end", "layer_start", b"layer_start", "model_id", b"model_id", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_handoff", b"kv_handoff", "kv_source", b"kv_source", "layer_end", b"layer_end", "layer_start", b"layer_start", "model_id", b"model_id", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -78,6 +95,7 @@ class WorkerGenerateResponse(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    KV_HANDOFF_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
@@ -91,6 +109,12 @@ class WorkerGenerateResponse(_message.Message):
     def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
         """first message only, when sampling.prompt_logprobs is set"""
 
+    @_builtins.property
+    def kv_handoff(self) -> _kv_pb2.KVTransferDescriptor:
+        """Last message of a `kv_handoff` request that did not finish on its first token: where the
+        decode side pulls the prompt's KV from. The offer expires if nobody pulls it in time.
+        """
+
     def __init__(
         self,
         *,
@@ -100,10 +124,11 @@ class WorkerGenerateResponse(_message.Message):
         completion_tokens: _builtins.int = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        kv_handoff: _kv_pb2.KVTransferDescriptor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "finish_reason", b"finish_reason"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "finish_reason", b"finish_reason", "kv_handoff", b"kv_handoff"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "kv_handoff", b"kv_handoff", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__finish_reason: _TypeAlias = _typing.Literal["finish_reason"]  # noqa: Y015
     _WhichOneofArgType__finish_reason: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason"]  # noqa: Y015
