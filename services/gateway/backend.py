@@ -31,8 +31,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from blitzmesh.convert import finish_reason_from_proto, sampling_to_proto
 from blitzmesh.v1 import (
     admin_pb2,
+    common_pb2,
     global_manager_pb2,
     global_manager_pb2_grpc,
+    kv_pb2,
     param_manager_pb2,
     param_manager_pb2_grpc,
     worker_pb2,
@@ -116,6 +118,9 @@ class _StreamState:
     generated: list[int] = field(default_factory=list)
     first: bool = True  # the echo and the prompt log-probs still go out with the next token
     last_s: float | None = None  # when the last token arrived, for TBT
+    # Set when a prefill instance ended its stream by handing the request's KV off: where the
+    # decode instance pulls it from.
+    handoff: kv_pb2.KVTransferDescriptor | None = None
 
 
 class Backend:
@@ -399,7 +404,7 @@ class Backend:
         released_by: list[str] = []  # kept off the next route only: that instance is busy, not broken
         while True:
             try:
-                hop = await self._schedule(
+                hops = await self._schedule(
                     req, len(prompt_ids), max_tokens, [*excluded, *released_by], failures, deadline_s
                 )
                 released_by = []
@@ -412,8 +417,27 @@ class Backend:
                     f" ({'; '.join(failures)}): {e.message}",
                     code="instance_failed",
                 ) from None
+            prefill, hop = _split_route(hops)
             try:
-                stream = self._stream(req, assets, hop, prompt_ids, max_tokens, deadline_s, state, index, echo_text)
+                kv_source = None
+                if prefill is not None and not state.generated:
+                    # Disaggregated: the prompt and the first token on the prefill instance,
+                    # which hands the prompt's KV to the decode instance for the rest.
+                    stream = self._stream(
+                        req, assets, prefill, prompt_ids, max_tokens, deadline_s, state, index, echo_text, handoff=True
+                    )
+                    async for event in stream:
+                        yield event
+                    if state.handoff is None:
+                        self.metrics.handoffs.labels("prefill_finished").inc()
+                        return
+                    self.metrics.handoffs.labels("handed_off").inc()
+                    kv_source, state.handoff = state.handoff, None
+                # After a failure (tokens already generated) a disaggregated route resumes on
+                # its decode instance, which recomputes the prompt and those tokens.
+                stream = self._stream(
+                    req, assets, hop, prompt_ids, max_tokens, deadline_s, state, index, echo_text, kv_source=kv_source
+                )
                 async for event in stream:
                     yield event
                 return
@@ -492,7 +516,7 @@ class Backend:
         excluded: list[str],
         failures: list[str],
         deadline_s: float,
-    ) -> global_manager_pb2.RouteHop:
+    ) -> list[global_manager_pb2.RouteHop]:
         remaining_s = deadline_s - time.monotonic()
         if remaining_s <= 0:
             raise GatewayError(
@@ -526,9 +550,7 @@ class Backend:
             raise GatewayError(
                 ErrorKind.UNAVAILABLE, f"the global manager returned an empty route for model {quote(req.model)}"
             )
-        # A ZigZag route lists the partial (new) instance first; it forwards to the rest itself.
-        hop: global_manager_pb2.RouteHop = route.hops[0]
-        return hop
+        return list(route.hops)
 
     async def _schedule_rpc(
         self, req: InferenceRequest, prompt_tokens: int, max_tokens: int, excluded: list[str], deadline_s: float
@@ -577,9 +599,16 @@ class Backend:
         state: _StreamState,
         index: int = 0,
         echo_text: str | None = None,
+        *,
+        handoff: bool = False,
+        kv_source: kv_pb2.KVTransferDescriptor | None = None,
     ) -> AsyncGenerator[Event, None]:
         """One attempt on one instance, continuing `state` (the tokens earlier instances generated
         are resumed there); raises _WorkerFailedError on any worker-side failure.
+
+        `handoff` (a prefill instance): the stream may end, after the first token, with the
+        request's KV handed off (`state.handoff` set, no Finish). `kv_source` (a decode
+        instance): it pulls the prompt's KV from there instead of computing it.
 
         The echoed prompt (and the prompt log-probs) go out with the first token, so a worker
         failing before it still leaves the request free to be re-routed."""
@@ -603,6 +632,8 @@ class Backend:
                 layer_start=0,
                 layer_end=0,
                 resume_token_ids=resume,
+                kv_handoff=handoff,
+                kv_source=kv_source,
             ),
             timeout=max(deadline_s - time.monotonic(), 0.001),
         )
@@ -629,6 +660,15 @@ class Backend:
                         break
                     got_any = True
                     finished = resp.HasField("finish_reason")
+                    handed_off = resp.HasField("kv_handoff")
+                    if handed_off and (finished or not handoff or not resp.token_ids):
+                        worker_done = True
+                        raise _WorkerFailedError(
+                            instance,
+                            grpc.StatusCode.INTERNAL,
+                            "the instance handed off KV it was not asked to, or with no token or with a finish_reason",
+                            len(state.generated),
+                        )
                     try:
                         worker_reason = finish_reason_from_proto(resp.finish_reason) if finished else None
                     except ValueError as e:
@@ -688,6 +728,12 @@ class Backend:
                     text = prefix + text
                     if text or (req.return_token_ids and ids) or logprobs or prompt_logprobs:
                         yield TokenDelta(text, ids, instance, index, logprobs, prompt_logprobs)
+                    if handed_off and not matched:
+                        # The prefill instance's part is done; its stream ends right after this.
+                        worker_done = True
+                        state.handoff = resp.kv_handoff
+                        call.cancel()
+                        return
                     if matched or finished:
                         worker_done = finished
                         reason = FINISH_STOP if matched or worker_reason == "stop" else FINISH_LENGTH
@@ -730,6 +776,21 @@ class Backend:
         except grpc.aio.AioRpcError as e:
             # The cancelled call already freed the KV; Abort is the belt to those braces.
             log.debug("abort_failed", request_id=request_id, address=address, code=e.code().name)
+
+
+def _split_route(
+    hops: list[global_manager_pb2.RouteHop],
+) -> tuple[global_manager_pb2.RouteHop | None, global_manager_pb2.RouteHop]:
+    """(prefill hop, the hop that decodes): a [PREFILL, DECODE] route is disaggregated; any
+    other route runs on its first hop (a ZigZag route lists the partial instance first, which
+    forwards to the rest itself)."""
+    if (
+        len(hops) == 2
+        and hops[0].role == common_pb2.INSTANCE_ROLE_PREFILL
+        and hops[1].role == common_pb2.INSTANCE_ROLE_DECODE
+    ):
+        return hops[0], hops[1]
+    return None, hops[0]
 
 
 def _channel(address: str) -> grpc.aio.Channel:

@@ -61,6 +61,14 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.handoffs = Counter(
+            "blitzmesh_gateway_kv_handoffs",
+            "Disaggregated requests: 'handed_off' (prefill emitted the first token and offered its KV to a decode"
+            " instance) or 'prefill_finished' (the first token ended the request)",
+            ["outcome"],
+            registry=r,
+        )
+
     def set_admission(self, in_flight: int, waiting: int) -> None:
         self.in_flight.set(in_flight)
         self.queue_depth.set(waiting)

@@ -44,6 +44,12 @@ class WorkerConfig(ServiceConfig):
     stall_timeout_s: float = Field(
         10.0, gt=0, description="an upstream silent this long is dead: re-source from a fallback"
     )
+    kv_handoff_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="prefill side of disaggregation: the prompt KV a request hands off is kept this long for "
+        "its decode instance to start pulling, then freed (the decode side then recomputes the prompt)",
+    )
     dtype: str = Field(
         "auto",
         pattern="^(auto|float32|bfloat16|float16)$",

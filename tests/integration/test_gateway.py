@@ -34,6 +34,7 @@ from blitzmesh.v1 import (
     global_manager_pb2_grpc,
     inference_pb2,
     inference_pb2_grpc,
+    kv_pb2,
     param_manager_pb2,
     param_manager_pb2_grpc,
     worker_pb2,
@@ -116,6 +117,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     prompt_tokens=len(request.prompt_token_ids),
                     completion_tokens=i + 1,
                 )
+                if request.kv_handoff and i < n - 1:
+                    # A prefill instance: the first token, then the prompt's KV is offered.
+                    msg.kv_handoff.CopyFrom(handoff_descriptor(self.instance_id, request))
+                    yield msg
+                    return
                 if i == n - 1:
                     # The reply ends with eos; running out of budget first is "length".
                     eos = n == len(self.reply_ids)
@@ -130,17 +136,47 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortResponse(found=True)
 
 
+def handoff_descriptor(instance_id: str, request: worker_pb2.WorkerGenerateRequest) -> kv_pb2.KVTransferDescriptor:
+    return kv_pb2.KVTransferDescriptor(
+        transfer_id=f"{instance_id}/{request.request_id}",
+        request_id=request.request_id,
+        model_id=request.model_id,
+        layer_start=0,
+        layer_end=2,
+        num_tokens=len(request.prompt_token_ids),
+        block_size=16,
+        num_kv_heads=1,
+        head_dim=8,
+        dtype="float32",
+        producer_address=instance_id.encode(),
+        size_bytes=1024,
+    )
+
+
 class FakeGlobalManager(global_manager_pb2_grpc.GlobalManagerServicer):
-    """Routes to the first registered instance that is not excluded."""
+    """Routes to the first registered instance that is not excluded; with `roles` set, a
+    [prefill, decode] route of the first of each role not excluded, as a disaggregated
+    deployment's manager does (one hop to what is left when a pool is gone)."""
 
     def __init__(self) -> None:
         self.instances: list[tuple[str, str]] = []
         self.schedules: list[global_manager_pb2.ScheduleRequest] = []
+        self.roles: dict[str, int] = {}
+
+    def _first(self, request: global_manager_pb2.ScheduleRequest, role: int) -> global_manager_pb2.RouteHop | None:
+        for instance_id, address in self.instances:
+            if instance_id not in request.exclude_instance_ids and self.roles.get(instance_id) == role:
+                return global_manager_pb2.RouteHop(instance_id=instance_id, address=address, role=role)
+        return None
 
     async def Schedule(self, request, context):
         self.schedules.append(request)
         if request.model_id != MODEL:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_id!r}")
+        prefill = self._first(request, common_pb2.INSTANCE_ROLE_PREFILL)
+        decode = self._first(request, common_pb2.INSTANCE_ROLE_DECODE)
+        if prefill is not None and decode is not None:
+            return global_manager_pb2.Route(request_id=request.request_id, hops=[prefill, decode])
         for instance_id, address in self.instances:
             if instance_id not in request.exclude_instance_ids:
                 hop = global_manager_pb2.RouteHop(instance_id=instance_id, address=address)
@@ -972,3 +1008,73 @@ async def test_shutdown_lets_inflight_streams_finish(cluster: Cluster, start_gat
     assert first.text + "".join(r.text for r in rest) == REPLY
     assert rest[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     await asyncio.wait_for(gw.task, 5)
+
+
+# ---- prefill/decode disaggregation -------------------------------------------------------------
+
+
+async def pd_cluster(cluster: Cluster, decodes: int = 1) -> tuple[FakeWorker, list[FakeWorker]]:
+    prefill = await cluster.add_worker("p0")
+    cluster.gm.roles["p0"] = common_pb2.INSTANCE_ROLE_PREFILL
+    decode = []
+    for i in range(decodes):
+        decode.append(await cluster.add_worker(f"d{i}"))
+        cluster.gm.roles[f"d{i}"] = common_pb2.INSTANCE_ROLE_DECODE
+    return prefill, decode
+
+
+async def test_a_disaggregated_route_streams_prefill_then_decode_as_one(cluster: Cluster, start_gateway) -> None:
+    """The gateway runs the prompt on the prefill hop with kv_handoff, then the decode hop with
+    the offer it got back and the first token as resumed; the client sees one stream."""
+    (prefill, (decode,)), gw = await pd_cluster(cluster), await start_gateway()
+    async with openai.AsyncOpenAI(base_url=f"{gw.http}/v1", api_key="unused") as client:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hi"}], stream=True, max_tokens=64
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == REPLY
+    (p_req,), (d_req,) = prefill.requests, decode.requests
+    assert p_req.kv_handoff and not p_req.resume_token_ids and not p_req.HasField("kv_source")
+    assert not d_req.kv_handoff and list(d_req.resume_token_ids) == cluster.reply_ids[:1]
+    assert d_req.kv_source.transfer_id == f"p0/{p_req.request_id}"
+    assert list(d_req.prompt_token_ids) == list(p_req.prompt_token_ids)
+    metrics = await fetch_text(f"{gw.http}/metrics")
+    assert 'blitzmesh_gateway_kv_handoffs_total{outcome="handed_off"} 1.0' in metrics
+
+
+async def test_a_request_ending_on_its_first_token_never_reaches_decode(cluster: Cluster, start_gateway) -> None:
+    (prefill, (decode,)), gw = await pd_cluster(cluster), await start_gateway()
+    status, body = await post(f"{gw.http}/v1/chat/completions", chat_body(max_tokens=1))
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert len(prefill.requests) == 1 and not decode.requests
+    assert body["usage"]["completion_tokens"] == 1
+
+
+async def test_a_decode_instance_dying_mid_stream_migrates_to_another(cluster: Cluster, start_gateway) -> None:
+    """The decode side fails after 5 tokens: the stream resumes on the other decode instance
+    from prompt + tokens so far (recomputed there, no KV source), and the text is whole."""
+    (prefill, (d0, d1)), gw = await pd_cluster(cluster, decodes=2), await start_gateway()
+    d0.die_after = 5
+    status, body = await post(f"{gw.http}/v1/chat/completions", chat_body(max_tokens=64))
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == REPLY
+    assert len(prefill.requests) == 1 and len(d0.requests) == 1 and len(d1.requests) == 1
+    (resumed,) = d1.requests
+    assert list(resumed.resume_token_ids) == cluster.reply_ids[:5] and not resumed.HasField("kv_source")
+    assert list(cluster.gm.schedules[-1].exclude_instance_ids) == ["d0"]
+
+
+async def test_a_prefill_instance_failing_before_its_token_is_retried(cluster: Cluster, start_gateway) -> None:
+    (p0, (decode,)), gw = await pd_cluster(cluster), await start_gateway()
+    p0.fail_code = grpc.StatusCode.UNAVAILABLE
+    p1 = await cluster.add_worker("p1")
+    cluster.gm.roles["p1"] = common_pb2.INSTANCE_ROLE_PREFILL
+    status, body = await post(f"{gw.http}/v1/chat/completions", chat_body(max_tokens=64))
+    assert status == 200 and body["choices"][0]["message"]["content"] == REPLY
+    assert len(p1.requests) == 1 and p1.requests[0].kv_handoff
+    assert decode.requests[0].kv_source.transfer_id.startswith("p1/")
+
+
+async def fetch_text(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return await resp.text()

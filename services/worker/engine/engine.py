@@ -12,9 +12,9 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import structlog
@@ -65,6 +65,39 @@ class EngineStoppedError(RuntimeError):
 class RequestMovedError(RuntimeError):
     """A queued request was released to run on another instance (rebalancing); it had started
     nothing here, so the caller resumes it elsewhere from where it was."""
+
+
+class KVBlocks:
+    """The consumer-side allocator a `KVFill` receives: the blocks of one admitted request,
+    already counted against the engine's reservations (a pull cannot take blocks promised to
+    running requests). Matches `services.worker.kv_transfer.KVBlockAllocator`."""
+
+    def __init__(self, cache: KVCache, request_id: str) -> None:
+        self._cache = cache
+        self._request_id = request_id
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
+        if seq_id != self._request_id:
+            raise ValueError(f"blocks of {self._request_id!r} were asked for {seq_id!r}")
+        table = self._cache.block_table(seq_id)
+        if len(table) < self._cache.blocks_needed(num_tokens):
+            raise ValueError(
+                f"request {seq_id!r} holds {len(table)} blocks for its KV; {num_tokens} tokens were offered"
+            )
+        return table
+
+    def free(self, seq_id: str) -> int:
+        # The engine frees the request's blocks itself once the fill has unwound.
+        return 0
+
+
+# Pulls a request's KV for its first tokens from another instance into the blocks `KVBlocks`
+# hands out (the decode side of prefill/decode disaggregation); raises on any failure.
+KVFill = Callable[[KVBlocks], Awaitable[object]]
 
 
 class PacingProfile(BaseModel):
@@ -135,6 +168,10 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: TopLogprobs = ()
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    # A hand-off request's last event (no finish_reason): its KV now lives under this cache id
+    # and covers its first `kv_tokens` tokens, until `Engine.release_parked(parked_kv)`.
+    parked_kv: str | None = None
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +184,7 @@ class EngineStats:
     kv_blocks_used: int  # allocated blocks
     kv_blocks_reserved: int  # allocated + promised to running requests (what admission counts)
     kv_blocks_total: int
+    kv_blocks_parked: int  # held by hand-offs until their decode side has pulled them
     decode_tokens_per_s: float  # generated tokens per second
     prefill_tokens_per_s: float  # prompt tokens computed per second
     ttft_p50_s: float | None
@@ -186,6 +224,9 @@ class _Seq:
     num_computed: int = 0  # tokens whose K/V are in the cache
     last_token_s: float | None = None
     finished: bool = False
+    handoff: bool = False  # prefill side: park the KV after the first token instead of decoding
+    kv_fill: KVFill | None = None  # decode side: the prompt's KV comes from another instance
+    fill_task: asyncio.Task[None] | None = None  # set while that KV is arriving
 
     @property
     def num_tokens(self) -> int:
@@ -326,6 +367,9 @@ class Engine:
         self._started_s: float | None = None
         self._total_generated = 0
         self._total_prompt = 0
+        self._parked: dict[str, int] = {}  # cache id -> blocks, KV kept for a hand-off
+        self._park_seq = 0
+        self.kv_fills = {"pulled": 0, "recomputed": 0}  # decode side: how each KV fill ended
 
     @classmethod
     def create(
@@ -414,8 +458,9 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def check_request(self, prompt_len: int, sampling: SamplingParams) -> None:
-        """Raise RequestTooLarge if a request of this size can never run here."""
+    def check_request(self, prompt_len: int, sampling: SamplingParams, *, handoff: bool = False) -> None:
+        """Raise RequestTooLarge if a request of this size can never run here (a hand-off needs
+        room for its prompt and first token only)."""
         total = prompt_len + sampling.max_tokens
         max_pos = self.model.config.max_context_tokens
         if total > max_pos:
@@ -423,7 +468,7 @@ class Engine:
                 f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
                 f"the model's context of {max_pos} tokens"
             )
-        blocks = self.kv_cache.blocks_needed(total)
+        blocks = self.kv_cache.blocks_needed(prompt_len + 1 if handoff else total)
         if blocks > self.kv_cache.total_blocks:
             raise RequestTooLarge(
                 f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) = {total} tokens need "
@@ -442,6 +487,9 @@ class Engine:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         resume_token_ids: Sequence[int] = (),
+        *,
+        handoff: bool = False,
+        kv_fill: KVFill | None = None,
     ) -> _Seq:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop crashed: {self._dead!r}") from self._dead
@@ -465,7 +513,14 @@ class Engine:
             )
         if resumed and sampling.prompt_logprobs is not None:
             raise ValueError(f"request {request_id!r}: prompt_logprobs cannot be asked of a resumed request")
-        self.check_request(len(prompt), sampling)
+        if kv_fill is not None and not resumed:
+            raise ValueError(
+                f"request {request_id!r} takes its KV from another instance but resumes no token: the KV covers"
+                " the tokens before the one to decode next"
+            )
+        if kv_fill is not None and handoff:
+            raise ValueError(f"request {request_id!r}: a hand-off cannot also take its KV from another instance")
+        self.check_request(len(prompt), sampling, handoff=handoff)
         if (
             resumed
             and not self.config.enable_chunked_prefill
@@ -486,12 +541,21 @@ class Engine:
             history=TokenHistory.create(sampling, prompt, vocab),
             prompt_logprobs=[PromptLogprob(prompt[0], None)] if sampling.prompt_logprobs is not None else None,
             stop_ids=frozenset(stop_ids),
-            blocks_reserved=self.kv_cache.blocks_needed(len(prompt) + sampling.max_tokens),
+            # A hand-off keeps its KV here only up to its first token.
+            blocks_reserved=self.kv_cache.blocks_needed(
+                len(prompt) + len(resumed) + 1 if handoff else len(prompt) + sampling.max_tokens
+            ),
             arrival_s=self._clock(),
             queue=asyncio.Queue(),
             output=resumed,
             resumed=len(resumed),
+            handoff=handoff,
+            kv_fill=kv_fill,
         )
+        if kv_fill is not None:
+            # The gap from here to its next token is a gap between tokens (the first came from
+            # the prefill side), not a time to first token.
+            seq.last_token_s = seq.arrival_s
         if seq.history is not None:
             for token in resumed:
                 seq.history.add(token)
@@ -506,6 +570,9 @@ class Engine:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         resume_token_ids: Sequence[int] = (),
+        *,
+        handoff: bool = False,
+        kv_fill: KVFill | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens. Closing or cancelling the stream aborts the request and frees
         its KV at once. Raises RequestTooLarge / ValueError on the first iteration for a bad
@@ -515,15 +582,24 @@ class Engine:
         generated there. They are prefilled with the prompt, count toward max_tokens, feed the
         penalties, and a seeded sampler skips the draws they took, so the stream goes on exactly
         as the uninterrupted one would (greedy: identical; seeded: the same draws). Events count
-        them in `completion_tokens` but never repeat them."""
-        seq = self._add(request_id, prompt_token_ids, sampling, resume_token_ids)
+        them in `completion_tokens` but never repeat them.
+
+        Prefill/decode disaggregation:
+        - `handoff` (the prefill side): after the first token, unless it ends the request, the
+          request stops here and its KV stays in the cache under the event's `parked_kv` id, for
+          a peer to pull, until `release_parked`. That event is the stream's last.
+        - `kv_fill` (the decode side): once admitted (its blocks reserved as any request's), the
+          KV of its first `prompt + resumed - 1` tokens is pulled by `kv_fill` into its blocks
+          instead of being computed; decoding goes on from the last resumed token. If the fill
+          fails, the prompt is recomputed here: slower, the same tokens."""
+        seq = self._add(request_id, prompt_token_ids, sampling, resume_token_ids, handoff=handoff, kv_fill=kv_fill)
         try:
             while True:
                 item = await seq.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finish_reason is not None:
+                if item.finish_reason is not None or item.parked_kv is not None:
                     return
         finally:
             if not seq.finished:
@@ -553,6 +629,28 @@ class Engine:
             self._wake.set()
         return released
 
+    def release_parked(self, parked_kv: str) -> int:
+        """Free the KV a hand-off parked (its peer has pulled it, or never will); returns the
+        blocks freed, 0 for an unknown id."""
+        if self._parked.pop(parked_kv, None) is None:
+            return 0
+        freed = self.kv_cache.free(parked_kv)
+        self._wake.set()
+        return freed
+
+    def _park(self, seq: _Seq) -> str:
+        """Stop `seq` after its first token and keep its KV under a fresh cache id, so the
+        request id is free at once (a retry may bring it back here) while a peer pulls."""
+        self._park_seq += 1
+        parked = f"{seq.request_id}#handoff-{self._park_seq}"
+        self.kv_cache.rename(seq.request_id, parked)
+        self._parked[parked] = self.kv_cache.num_blocks_of(parked)
+        seq.finished = True
+        self._by_id.pop(seq.request_id, None)
+        self._running.remove(seq)
+        self._wake.set()
+        return parked
+
     def _finish(self, seq: _Seq, reason: FinishReason, notify: bool = True) -> None:
         seq.finished = True
         self._by_id.pop(seq.request_id, None)
@@ -561,7 +659,12 @@ class Engine:
         else:
             with contextlib.suppress(ValueError):
                 self._waiting.remove(seq)
-        self.kv_cache.free(seq.request_id)
+        if seq.fill_task is not None:
+            # Its KV is arriving into its blocks: they go back to the pool only once the pull
+            # has unwound (its endpoint aborted), never while a late write could land.
+            seq.fill_task.cancel()
+        else:
+            self.kv_cache.free(seq.request_id)
         if notify and reason == "abort":
             seq.queue.put_nowait(TokenEvent(None, "abort", len(seq.prompt), len(seq.output)))
         self._wake.set()
@@ -571,7 +674,10 @@ class Engine:
         # their tracebacks.
         for seq in [*self._running, *self._waiting]:
             seq.finished = True
-            self.kv_cache.free(seq.request_id)
+            if seq.fill_task is not None:
+                seq.fill_task.cancel()
+            else:
+                self.kv_cache.free(seq.request_id)
             seq.queue.put_nowait(make_error())
         self._running.clear()
         self._waiting.clear()
@@ -609,16 +715,33 @@ class Engine:
 
     async def _step(self) -> None:
         plan = schedule(
-            [RunningSeq(s.request_id, s.pending) for s in self._running],
-            [WaitingSeq(s.request_id, s.prefill_len, s.blocks_reserved) for s in self._waiting],
+            # A request whose KV is arriving holds its batch slot and blocks but has no work yet.
+            [RunningSeq(s.request_id, 0 if s.fill_task is not None else s.pending) for s in self._running],
+            [
+                WaitingSeq(s.request_id, 0 if s.kv_fill is not None else s.prefill_len, s.blocks_reserved)
+                for s in self._waiting
+            ],
             self._available_blocks(),
             self._limits,
         )
+        filling: set[str] = set()
         for request_id in plan.admitted:
             seq = self._by_id[request_id]
             self._waiting.remove(seq)
             self._running.append(seq)
-            self.kv_cache.allocate(request_id, 0)
+            if seq.kv_fill is not None:
+                # Its blocks are taken now, between steps: blocks freed while a step computes
+                # (an abort) may still be written by that step, and must not receive KV.
+                self.kv_cache.allocate(request_id, seq.num_tokens - 1)
+                filling.add(request_id)
+                seq.fill_task = asyncio.get_running_loop().create_task(
+                    self._fill(seq, seq.kv_fill), name=f"kv-fill-{request_id}"
+                )
+                seq.kv_fill = None
+            else:
+                self.kv_cache.allocate(request_id, 0)
+        if filling:
+            plan = replace(plan, work=tuple(w for w in plan.work if w[0] not in filling))
         if not plan.work:
             # Nothing fits now (only possible with an exhausted pool); wait for a change.
             self._wake.clear()
@@ -688,6 +811,35 @@ class Engine:
         self._steps += 1
         self.step_log.append(StepRecord(self._steps, plan.admitted, plan.work, compute_s, now - t0))
 
+    async def _fill(self, seq: _Seq, fill: KVFill) -> None:
+        """Pull `seq`'s KV (the decode side of a hand-off); on failure fall back to computing
+        it here. Cancelled when the request ends first: then its blocks are freed here, after
+        the pull has unwound."""
+        ok = False
+        try:
+            await fill(KVBlocks(self.kv_cache, seq.request_id))
+            ok = True
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:
+            log.warning("kv_fill_failed", request_id=seq.request_id, error=f"{type(e).__name__}: {e}")
+        finally:
+            seq.fill_task = None
+            if seq.finished:
+                self.kv_cache.free(seq.request_id)
+        if seq.finished:
+            return
+        if ok:
+            seq.num_computed = seq.num_tokens - 1
+            self.kv_fills["pulled"] += 1
+        else:
+            # Recompute: the request becomes a running prefill of prompt + resumed tokens.
+            self.kv_cache.free(seq.request_id)
+            self.kv_cache.allocate(seq.request_id, 0)
+            seq.num_computed = 0
+            self.kv_fills["recomputed"] += 1
+        self._wake.set()
+
     def _emit(self, seq: _Seq, token: int, logprob: float, top: TopLogprobs, now: float) -> None:
         first = not seq.output
         seq.output.append(token)
@@ -704,6 +856,13 @@ class Engine:
         elif len(seq.output) >= seq.params.max_tokens:
             reason = "length"
         prompt_lps = tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else ()
+        if seq.handoff and reason is None:
+            kv_tokens = seq.num_computed
+            parked = self._park(seq)
+            seq.queue.put_nowait(
+                TokenEvent(token, None, len(seq.prompt), len(seq.output), logprob, top, prompt_lps, parked, kv_tokens)
+            )
+            return
         seq.queue.put_nowait(TokenEvent(token, reason, len(seq.prompt), len(seq.output), logprob, top, prompt_lps))
         if reason is not None:
             self._finish(seq, reason, notify=False)
@@ -762,6 +921,7 @@ class Engine:
             kv_blocks_used=self.kv_cache.used_blocks,
             kv_blocks_reserved=reserved,
             kv_blocks_total=self.kv_cache.total_blocks,
+            kv_blocks_parked=sum(self._parked.values()),
             decode_tokens_per_s=self._decode_window.total(now) / span,
             prefill_tokens_per_s=self._prefill_window.total(now) / span,
             ttft_p50_s=ttft[0],

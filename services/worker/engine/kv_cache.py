@@ -271,6 +271,16 @@ class KVCache:
         table.extend(added)
         return added
 
+    def rename(self, seq_id: str, new_id: str) -> None:
+        """Hand `seq_id`'s blocks, unchanged, to `new_id` (e.g. KV parked for a hand-off, so the
+        request's id is free to run again while the blocks are still being sent)."""
+        if new_id in self._tables:
+            raise ValueError(f"sequence {new_id!r} already has blocks")
+        try:
+            self._tables[new_id] = self._tables.pop(seq_id)
+        except KeyError:
+            raise KeyError(f"sequence {seq_id!r} has no blocks") from None
+
     def free(self, seq_id: str) -> int:
         """Return all of `seq_id`'s blocks to the pool (reusable at once); 0 if it had none."""
         table = self._tables.pop(seq_id, None)
