@@ -295,6 +295,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def LoadParameters(self, request, context):
+        role = instance_role_from_proto(request.role)
+        if request.role and role == "unspecified":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown instance role {request.role}")
         if self._load_lock.locked():
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"instance {self.instance_id} is already loading")
         async with self._load_lock:
@@ -307,9 +310,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not pm:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no parameter manager address given")
             if request.role:
-                role = instance_role_from_proto(request.role)
-                if role == "unspecified":
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown instance role {request.role}")
                 self.role = role
             try:
                 plan = request.plan if request.HasField("plan") else None
