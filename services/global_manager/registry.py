@@ -152,6 +152,15 @@ class InstanceTable:
             layers_loaded=min(layers_loaded, max(num_layers, 1)),
         )
 
+    def learn_num_layers(self, iid: str, model: str, num_layers: int) -> InstanceView:
+        """Take the layer count a worker reports for the model it holds or loads (the manager
+        assigned the model without knowing its size); anything else is left alone."""
+        view = self.registry.get(iid)
+        live = (InstanceState.LOADING, InstanceState.SERVING, InstanceState.DRAINING)
+        if view.state in live and model and model == view.model and 0 < num_layers != view.num_layers:
+            return self.registry.set_num_layers(iid, num_layers)
+        return view
+
     def to_proto(self, view: InstanceView, now_s: float) -> common_pb2.InstanceInfo:
         load = view.load
         dp_addr, dp_kind = self.dataplane.get(view.instance_id, (b"", ""))

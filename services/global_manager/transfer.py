@@ -24,6 +24,7 @@ from services.global_manager.core.multicast import (
     SourceKind,
     Target,
     Topology,
+    TrafficDirection,
     plan_multicast,
     validate_plan,
 )
@@ -119,12 +120,21 @@ def build_plan(
     groups: Sequence[str],
     topology: Mapping[str, Any] | None = None,
     timeout_s: float = 300.0,
+    serving_traffic: Mapping[str, TrafficDirection] | None = None,
 ) -> tuple[worker_pb2.TransferPlan, MulticastPlan]:
-    """The plan that fills `targets` with every group, and the planner's own plan (for logs)."""
+    """The plan that fills `targets` with every group, and the planner's own plan (for logs).
+
+    `serving_traffic` (node id -> direction, `traffic_from_instances`) lets the planner keep
+    parameters off links that already carry serving traffic out: with prefill/decode split,
+    parameters come from decode instances, then host shards, and prefill instances only for a
+    group nobody else holds.
+    """
     target_ids = {t.node_id for t in targets}
     sources, nodes = sources_from_locations(where, exclude=target_ids)
     nodes.update({t.node_id: t for t in targets})
     topo = complete_topology(topology, [n.host for n in nodes.values()])
-    planned = plan_multicast([Target(t.node_id, t.host) for t in targets], sources, topo, groups=list(groups))
+    planned = plan_multicast(
+        [Target(t.node_id, t.host) for t in targets], sources, topo, serving_traffic, groups=list(groups)
+    )
     validate_plan(planned, [Target(t.node_id, t.host) for t in targets], sources, list(groups))
     return to_proto(planned, nodes, timeout_s), planned

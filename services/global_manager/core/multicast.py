@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from .types import InstanceState, InstanceView
+
 __all__ = [
     "AllGather",
     "Chain",
@@ -44,6 +46,7 @@ __all__ = [
     "chain_fill_time_s",
     "estimate_plan_time_s",
     "plan_multicast",
+    "traffic_from_instances",
     "traffic_from_roles",
     "unicast_fill_time_s",
     "validate_plan",
@@ -191,6 +194,17 @@ def traffic_from_roles(roles: Mapping[str, str]) -> dict[str, TrafficDirection]:
     Colocated instances only stream tokens, which does not count."""
     table = {"PREFILL": TrafficDirection.OUT, "DECODE": TrafficDirection.IN}
     return {node: table[r.upper()] for node, r in roles.items() if r.upper() in table}
+
+
+def traffic_from_instances(instances: Iterable[InstanceView], model: str | None = None) -> dict[str, TrafficDirection]:
+    """Serving traffic of the instances that carry it now: SERVING or DRAINING (a draining
+    prefill instance still ships the KV of its last requests) instances of `model` (any model
+    when None), by role. LOADING ones serve nothing yet. Keys are instance ids, which are the
+    holder ids a live instance has in the parameter manager's locations."""
+    live = (InstanceState.SERVING, InstanceState.DRAINING)
+    return traffic_from_roles(
+        {v.instance_id: v.role.value for v in instances if v.state in live and (model is None or v.model == model)}
+    )
 
 
 # ------------------------------------------------------------------------------------------

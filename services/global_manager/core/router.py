@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
+from .decisions import plan_top_up
 from .types import InstanceState, InstanceView, LoadSample, Role
 
 __all__ = [
@@ -20,12 +21,17 @@ __all__ = [
     "Registry",
     "RegistryError",
     "UnknownInstanceError",
+    "NEAR_EQUAL_LOAD",
+    "assign_idle",
+    "choose_idle",
     "choose_instance",
+    "choose_near",
     "choose_pair",
     "instance_load",
     "is_legal_transition",
     "pick_scale_in_victim",
     "plan_rebalance",
+    "plan_route",
 ]
 
 S = InstanceState
@@ -69,19 +75,47 @@ class UnknownInstanceError(RegistryError, LookupError):
 # ------------------------------------------------------------------------------------------
 
 
+#: Loads closer than this (one request) count as equal when the decode side of a P/D pair is
+#: chosen by topology: the KV fraction and a route not yet reported only break ties, while a
+#: whole extra request in the queue outweighs a shorter path for the KV transfer.
+NEAR_EQUAL_LOAD = 1.0
+
+
 def instance_load(view: InstanceView) -> float:
-    """running + waiting + KV utilisation. The KV fraction (< 1) only separates instances with
-    equal queues, preferring the one with more free cache. No heartbeat yet counts as idle."""
+    """running + waiting + routes since the last heartbeat + KV utilisation.
+
+    The KV fraction (< 1) only separates instances with equal queues, preferring the one with
+    more free cache. Routes handed out since the heartbeat are requests the report cannot show
+    yet. No heartbeat yet counts as idle, plus what was routed to it since it registered.
+    """
     load = view.load
+    routed = view.routes_since_heartbeat
     if load is None:
-        return 0.0
-    return load.running + load.waiting + load.kv_utilization
+        return float(routed)
+    return load.running + load.waiting + routed + load.kv_utilization
 
 
 def _fits(view: InstanceView, blocks_needed: int) -> bool:
     load = view.load
     # An instance that has not reported its cache yet gets the benefit of the doubt.
     return load is None or load.kv_blocks_total == 0 or load.kv_blocks_total - load.kv_blocks_used >= blocks_needed
+
+
+def _blocks_needed(request_tokens: int, kv_block_size_tokens: int | None) -> int:
+    if request_tokens < 0:
+        raise ValueError(f"request_tokens must be >= 0, got {request_tokens!r}")
+    if kv_block_size_tokens is not None and kv_block_size_tokens <= 0:
+        raise ValueError(f"kv_block_size_tokens must be > 0, got {kv_block_size_tokens!r}")
+    return math.ceil(request_tokens / kv_block_size_tokens) if kv_block_size_tokens else 0
+
+
+def _eligible(view: InstanceView, exclude_ids: Collection[str], role: Role | None, model: str | None) -> bool:
+    return (
+        view.state is S.SERVING
+        and view.instance_id not in exclude_ids
+        and (role is None or view.role is role)
+        and (model is None or view.model == model)
+    )
 
 
 def choose_instance(
@@ -101,22 +135,59 @@ def choose_instance(
     request's `request_tokens` are preferred; if none can, the least loaded still gets it and
     queues it, because refusing would only move the wait to the client.
     """
-    if request_tokens < 0:
-        raise ValueError(f"request_tokens must be >= 0, got {request_tokens!r}")
-    if kv_block_size_tokens is not None and kv_block_size_tokens <= 0:
-        raise ValueError(f"kv_block_size_tokens must be > 0, got {kv_block_size_tokens!r}")
-    blocks_needed = math.ceil(request_tokens / kv_block_size_tokens) if kv_block_size_tokens else 0
+    blocks_needed = _blocks_needed(request_tokens, kv_block_size_tokens)
     best: InstanceView | None = None
     best_key: tuple[int, float, str] | None = None
     for view in instances:
-        if view.state is not S.SERVING or view.instance_id in exclude_ids:
-            continue
-        if (role is not None and view.role is not role) or (model is not None and view.model != model):
+        if not _eligible(view, exclude_ids, role, model):
             continue
         key = (0 if not blocks_needed or _fits(view, blocks_needed) else 1, instance_load(view), view.instance_id)
         if best_key is None or key < best_key:
             best, best_key = view, key
     return best
+
+
+def _distance(a: InstanceView, b: InstanceView, leaves: Mapping[str, str]) -> int:
+    """0 on the same host, 1 under the same leaf switch, 2 across the spine. A host the
+    topology does not name sits on the one shared default leaf (as the multicast planner reads
+    it); an empty host is unknown and is never "the same host"."""
+    if a.host and a.host == b.host:
+        return 0
+    return 1 if leaves.get(a.host, "") == leaves.get(b.host, "") else 2
+
+
+def choose_near(
+    instances: Iterable[InstanceView],
+    near: InstanceView,
+    request_tokens: int = 0,
+    exclude_ids: Collection[str] = (),
+    *,
+    role: Role | None = None,
+    model: str | None = None,
+    kv_block_size_tokens: int | None = None,
+    leaves: Mapping[str, str] | None = None,
+    load_slack: float = NEAR_EQUAL_LOAD,
+) -> InstanceView | None:
+    """Like `choose_instance`, but among the candidates whose load is within `load_slack` of the
+    least (after the KV-fit preference), the one closest to `near` wins: same host, then same
+    leaf (`leaves` maps host -> leaf switch), then the lower load, then the id.
+
+    Load first, topology second: a close but busy instance would cost more in queueing than the
+    shorter path saves on the KV transfer.
+    """
+    if load_slack < 0:
+        raise ValueError(f"load_slack must be >= 0, got {load_slack!r}")
+    blocks_needed = _blocks_needed(request_tokens, kv_block_size_tokens)
+    candidates = [v for v in instances if _eligible(v, exclude_ids, role, model)]
+    if blocks_needed:
+        candidates = [v for v in candidates if _fits(v, blocks_needed)] or candidates
+    if not candidates:
+        return None
+    loads = {v.instance_id: instance_load(v) for v in candidates}
+    least = min(loads.values())
+    equal = [v for v in candidates if loads[v.instance_id] <= least or loads[v.instance_id] - least < load_slack]
+    links = leaves or {}
+    return min(equal, key=lambda v: (_distance(near, v, links), loads[v.instance_id], v.instance_id))
 
 
 def choose_pair(
@@ -126,17 +197,120 @@ def choose_pair(
     *,
     model: str | None = None,
     kv_block_size_tokens: int | None = None,
+    prompt_tokens: int = 0,
+    leaves: Mapping[str, str] | None = None,
+    load_slack: float = NEAR_EQUAL_LOAD,
 ) -> tuple[InstanceView, InstanceView] | None:
-    """Least-loaded (prefill, decode) pair for a split deployment; None unless both exist.
+    """A (prefill, decode) pair for a split deployment; None unless both roles serve.
 
-    The KV preference applies to the decode side, which keeps the request's cache.
+    Prefill: the least loaded, preferring one whose free KV blocks hold the prompt
+    (`prompt_tokens`), which it keeps until the decode side has pulled it. Decode: by load with
+    the KV preference for the whole request (`request_tokens`, prompt + max tokens: the decode
+    side keeps the cache to the end), and among nearly equal loads the one closest to the chosen
+    prefill instance (`choose_near`), so the KV transfer takes the shortest path.
     """
     pool = list(instances)
-    prefill = choose_instance(pool, request_tokens, exclude_ids, role=Role.PREFILL, model=model)
-    decode = choose_instance(
-        pool, request_tokens, exclude_ids, role=Role.DECODE, model=model, kv_block_size_tokens=kv_block_size_tokens
+    prefill = choose_instance(
+        pool, prompt_tokens, exclude_ids, role=Role.PREFILL, model=model, kv_block_size_tokens=kv_block_size_tokens
     )
-    return None if prefill is None or decode is None else (prefill, decode)
+    if prefill is None:
+        return None
+    decode = choose_near(
+        pool,
+        prefill,
+        request_tokens,
+        exclude_ids,
+        role=Role.DECODE,
+        model=model,
+        kv_block_size_tokens=kv_block_size_tokens,
+        leaves=leaves,
+        load_slack=load_slack,
+    )
+    return None if decode is None else (prefill, decode)
+
+
+def plan_route(
+    instances: Iterable[InstanceView],
+    *,
+    model: str | None,
+    prompt_tokens: int = 0,
+    max_tokens: int = 0,
+    exclude_ids: Collection[str] = (),
+    kv_block_size_tokens: int | None = None,
+    leaves: Mapping[str, str] | None = None,
+    load_slack: float = NEAR_EQUAL_LOAD,
+) -> tuple[InstanceView, ...]:
+    """The instances one request runs on, in order; empty when none serves.
+
+    (prefill, decode) whenever the model has SERVING instances of both roles (after
+    `exclude_ids`), even if colocated instances serve too: the split deployment is what the
+    operator asked for. Otherwise one instance, the least loaded SERVING one of any role.
+    """
+    if prompt_tokens < 0 or max_tokens < 0:
+        raise ValueError(f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens!r} and {max_tokens!r}")
+    pool = list(instances)
+    request_tokens = prompt_tokens + max_tokens
+    pair = choose_pair(
+        pool,
+        request_tokens,
+        exclude_ids,
+        model=model,
+        kv_block_size_tokens=kv_block_size_tokens,
+        prompt_tokens=prompt_tokens,
+        leaves=leaves,
+        load_slack=load_slack,
+    )
+    if pair is not None:
+        return pair
+    # No pair: a colocated deployment, or a split one that lost a whole pool (every decode
+    # instance dead, drained or excluded after failing this request). A prefill- or
+    # decode-role worker still runs whole requests, so one hop to any SERVING instance keeps
+    # requests from failing until the pool is back.
+    single = choose_instance(pool, request_tokens, exclude_ids, model=model, kv_block_size_tokens=kv_block_size_tokens)
+    return () if single is None else (single,)
+
+
+def choose_idle(
+    instances: Iterable[InstanceView], n: int, role: Role, exclude_ids: Collection[str] = ()
+) -> list[InstanceView]:
+    """Up to `n` IDLE workers to load for `role`: first those registered with that role (a
+    worker started with `--role decode` is meant to decode), then unassigned (COLOCATED) ones,
+    then those of the other split role; by id within each group."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n!r}")
+
+    def rank(v: InstanceView) -> tuple[int, str]:
+        return (0 if v.role is role else 1 if v.role is Role.COLOCATED else 2, v.instance_id)
+
+    idle = [v for v in instances if v.state is S.IDLE and v.instance_id not in exclude_ids]
+    return sorted(idle, key=rank)[:n]
+
+
+def assign_idle(
+    floors: Mapping[Role, int], live: Mapping[Role, int], instances: Iterable[InstanceView]
+) -> dict[Role, list[InstanceView]]:
+    """IDLE workers (of `instances`) to load into each pool below its floor (`plan_top_up`).
+
+    A worker registered with a pool's role goes to that pool first, whatever order the workers
+    registered in: a worker started as `--role decode` must not become the prefill instance
+    because it happened to register first. The others are then shared by `plan_top_up` (a P/D
+    pair first) and picked with `choose_idle`.
+    """
+    have = {role: live.get(role, 0) for role in floors}
+    out: dict[Role, list[InstanceView]] = {}
+    rest: list[InstanceView] = []
+    for view in sorted((v for v in instances if v.state is S.IDLE), key=lambda v: v.instance_id):
+        if view.role in floors and have[view.role] < floors[view.role]:
+            out.setdefault(view.role, []).append(view)
+            have[view.role] += 1
+        else:
+            rest.append(view)
+    for role, n in plan_top_up(floors, have, len(rest)).items():
+        picked = choose_idle(rest, n, role)
+        out.setdefault(role, []).extend(picked)
+        taken = {v.instance_id for v in picked}
+        rest = [v for v in rest if v.instance_id not in taken]
+    return out
 
 
 def pick_scale_in_victim(
@@ -300,6 +474,7 @@ class Registry:
             changes["layers_loaded"] = old.num_layers
         if dst is S.IDLE:
             changes["load"] = None  # an idle worker holds no model, so its old load means nothing
+            changes["routes_since_heartbeat"] = 0
         view = dataclasses.replace(old, **changes)  # type: ignore[arg-type]
         self._views[instance_id] = view
         return view
@@ -323,13 +498,44 @@ class Registry:
         self._views[instance_id] = view
         return view
 
+    def set_num_layers(self, instance_id: str, num_layers: int) -> InstanceView:
+        """The model's layer count as the worker reports it. The manager assigns a model to an
+        IDLE worker before it knows the model's size; routes must carry the full layer range."""
+        old = self.get(instance_id)
+        if old.state not in (S.LOADING, S.SERVING, S.DRAINING):
+            raise RegistryError(
+                f"instance {instance_id!r}: a layer count applies to a model being loaded or served, "
+                f"it is {old.state.value}"
+            )
+        if num_layers <= 0:
+            raise ValueError(f"instance {instance_id!r}: num_layers must be > 0, got {num_layers!r}")
+        loaded = min(old.layers_loaded, num_layers) if old.state is S.LOADING else num_layers
+        view = dataclasses.replace(old, num_layers=num_layers, layers_loaded=loaded)
+        self._views[instance_id] = view
+        return view
+
     def heartbeat(self, sample: LoadSample) -> InstanceView:
-        """Record the latest load. A LOST instance must register again before it counts."""
+        """Record the latest load. A LOST instance must register again before it counts.
+
+        The routes counted since the previous heartbeat start again from zero: the report now
+        holds the requests that reached the worker. (A route handed out just before the report
+        but not yet sent to the worker is missed for one period; the count is an estimate that
+        only has to spread a burst, not an exact ledger.)
+        """
         old = self.get(sample.instance_id)
         if old.state is S.LOST:
             raise RegistryError(f"instance {sample.instance_id!r} is LOST; it must register again")
-        view = dataclasses.replace(old, last_heartbeat_s=max(old.last_heartbeat_s, sample.now_s), load=sample)
+        view = dataclasses.replace(
+            old, last_heartbeat_s=max(old.last_heartbeat_s, sample.now_s), load=sample, routes_since_heartbeat=0
+        )
         self._views[sample.instance_id] = view
+        return view
+
+    def note_routed(self, instance_id: str) -> InstanceView:
+        """Count one request routed to the instance since its last heartbeat (see `instance_load`)."""
+        old = self.get(instance_id)
+        view = dataclasses.replace(old, routes_since_heartbeat=old.routes_since_heartbeat + 1)
+        self._views[instance_id] = view
         return view
 
     def remove(self, instance_id: str) -> InstanceView:

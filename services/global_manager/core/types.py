@@ -95,7 +95,12 @@ class LoadSample:
 
 @dataclass(frozen=True, slots=True)
 class InstanceView:
-    """The registry's view of one worker. `load` is its latest heartbeat, None before the first."""
+    """The registry's view of one worker. `load` is its latest heartbeat, None before the first.
+
+    `routes_since_heartbeat` counts the requests routed to it after that heartbeat: the report
+    cannot show them yet, and without them a burst inside one heartbeat period would all land on
+    the instance that looked least loaded at its start.
+    """
 
     instance_id: str
     model: str
@@ -106,12 +111,17 @@ class InstanceView:
     host: str
     last_heartbeat_s: float
     load: LoadSample | None = None
+    routes_since_heartbeat: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.layers_loaded <= self.num_layers:
             raise ValueError(
                 f"InstanceView {self.instance_id!r}: layers_loaded={self.layers_loaded!r} "
                 f"outside [0, num_layers={self.num_layers!r}]"
+            )
+        if self.routes_since_heartbeat < 0:
+            raise ValueError(
+                f"InstanceView {self.instance_id!r}: routes_since_heartbeat={self.routes_since_heartbeat!r} must be >= 0"
             )
 
 
