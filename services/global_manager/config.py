@@ -8,12 +8,30 @@ from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
 from services.global_manager.core.policies import make_policy
+from services.global_manager.core.types import Role
 
 
 class GlobalManagerConfig(ServiceConfig):
     param_manager: str = Field("", description="parameter manager address (model catalogue, locations)")
     default_model: str = Field("", description="model kept at min_instances from the idle pool (and autoscaled)")
-    min_instances: int = Field(0, ge=0, description="instances of default_model kept loaded")
+    min_instances: int = Field(
+        0, ge=0, description="colocated instances of default_model kept loaded (0 with min_prefill/min_decode)"
+    )
+    min_prefill: int = Field(
+        0,
+        ge=0,
+        description="prefill instances of default_model kept loaded: with min_decode > 0 the model is served "
+        "disaggregated (prompt on a prefill instance, then its KV to a decode instance); 0 = colocated",
+    )
+    min_decode: int = Field(
+        0, ge=0, description="decode instances of default_model kept loaded; set with min_prefill, or neither"
+    )
+    kv_block_size_tokens: int = Field(
+        16,
+        gt=0,
+        description="tokens per KV block on the workers (their --block-size): routing prefers instances whose "
+        "free blocks hold the request (the prompt on a prefill instance, prompt + max_tokens elsewhere)",
+    )
     max_instances: int = Field(100, ge=1, description="upper bound for any scale-out")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="period workers are told to heartbeat at")
     lost_after_s: float = Field(5.0, gt=0, description="an instance silent this long is LOST")
@@ -52,4 +70,45 @@ class GlobalManagerConfig(ServiceConfig):
             raise ValueError("autoscale=True needs default_model (the model the policy scales)")
         if self.min_instances > self.max_instances:
             raise ValueError(f"min_instances={self.min_instances!r} must be <= max_instances={self.max_instances!r}")
+        if (self.min_prefill > 0) != (self.min_decode > 0):
+            # One pool alone is not a split deployment: every request would take the single-hop
+            # fallback, which is colocated serving under another name.
+            raise ValueError(
+                f"min_prefill={self.min_prefill!r} and min_decode={self.min_decode!r}: set both > 0 "
+                "(disaggregated) or both 0 (colocated)"
+            )
+        if self.disaggregated:
+            if self.min_instances:
+                # min_instances counts the colocated pool; one model served both ways at once
+                # would split its traffic by an accident of routing.
+                raise ValueError(
+                    f"min_instances={self.min_instances!r} must be 0 with min_prefill={self.min_prefill!r} "
+                    f"and min_decode={self.min_decode!r}: min_instances counts colocated instances"
+                )
+            if not self.default_model:
+                raise ValueError(
+                    f"min_prefill={self.min_prefill!r} and min_decode={self.min_decode!r} need default_model "
+                    "(the model served disaggregated)"
+                )
+            if self.min_prefill + self.min_decode > self.max_instances:
+                raise ValueError(
+                    f"min_prefill={self.min_prefill!r} + min_decode={self.min_decode!r} must be <= "
+                    f"max_instances={self.max_instances!r}"
+                )
         return self
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether default_model is served with prefill and decode on separate instances."""
+        return self.min_prefill > 0 and self.min_decode > 0
+
+    def pool_floors(self) -> dict[Role, int]:
+        """Instances of default_model each pool keeps loaded: the prefill and decode pools when
+        disaggregated, else the colocated one."""
+        if self.disaggregated:
+            return {Role.PREFILL: self.min_prefill, Role.DECODE: self.min_decode}
+        return {Role.COLOCATED: self.min_instances}
+
+    def floor_name(self, role: Role) -> str:
+        """The setting behind a pool's floor, for messages."""
+        return {Role.PREFILL: "min_prefill", Role.DECODE: "min_decode"}.get(role, "min_instances")

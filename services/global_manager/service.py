@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import Collection
 from typing import Any
 
 import grpc
@@ -46,17 +47,32 @@ from services.common.server import ServeContext
 from services.global_manager.config import GlobalManagerConfig
 from services.global_manager.core.decisions import DecisionThrottle, bounded_delta
 from services.global_manager.core.load_monitor import LoadMonitor
+from services.global_manager.core.multicast import Topology, traffic_from_instances
 from services.global_manager.core.policies import Policy, make_policy
-from services.global_manager.core.router import choose_instance, pick_scale_in_victim, plan_rebalance
+from services.global_manager.core.router import (
+    assign_idle,
+    choose_idle,
+    pick_scale_in_victim,
+    plan_rebalance,
+    plan_route,
+)
 from services.global_manager.core.types import InstanceState, Role, ScaleDecision
-from services.global_manager.registry import InstanceTable, role_from_proto, sample_from_proto, state_from_proto
+from services.global_manager.registry import (
+    InstanceTable,
+    role_from_proto,
+    role_to_proto,
+    sample_from_proto,
+    state_from_proto,
+)
 from services.global_manager.transfer import Node, build_plan
 
 log = structlog.get_logger(__name__)
 
 S = InstanceState
 INSTANCES = Gauge("blitzmesh_gm_instances", "Instances by state", ["state"])
-SCHEDULED = Counter("blitzmesh_gm_schedule_total", "Schedule calls by outcome", ["outcome"])
+SCHEDULED = Counter(
+    "blitzmesh_gm_schedule_total", "Schedule calls by outcome (pd_pair, one_hop, unavailable)", ["outcome"]
+)
 DECISIONS = Counter("blitzmesh_gm_decisions_total", "Autoscaling decisions by policy and action", ["policy", "action"])
 DESIRED = Gauge("blitzmesh_gm_desired_instances", "Instances the policy wants, per pool", ["model", "role"])
 CURRENT = Gauge(
@@ -131,6 +147,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.decision_log: collections.deque[str] = collections.deque(maxlen=10_000)
         self.last_decision: ScaleDecision | None = None
         self.events = EventBus()
+        # Host -> leaf switch, for routing the decode side of a P/D pair near its prefill side.
+        # Hosts the topology does not name share one default leaf, as in the multicast planner.
+        topology = Topology.from_dict(cfg.topology) if cfg.topology else Topology(hosts={})
+        self.leaves: dict[str, str] = {host: link.leaf for host, link in topology.hosts.items()}
         self.ctx: ServeContext | None = None
         self._actions: dict[str, asyncio.Task[None]] = {}  # instance id -> load/drain in progress
         self._t0 = time.monotonic()
@@ -138,9 +158,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
 
     def _make_policy(self, name: str, params: dict[str, Any]) -> Policy:
         """The manager's own bounds are the policy's defaults, so the policy does not ask for
-        instances the manager will refuse (and say so every tick)."""
+        instances the manager will refuse (and say so every tick). The policy has one floor for
+        every pool; split, it takes the smaller pool's and the actuator holds each pool at its own."""
         bounded = {
-            "min_instances": max(1, self.cfg.min_instances),
+            "min_instances": max(1, min(self.cfg.pool_floors().values())),
             "max_instances": self.cfg.max_instances,
             **params,
         }
@@ -194,7 +215,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             # While the actuator loads or drains an instance it owns the transitions; a
             # heartbeat sent before the worker heard the command would only move it back.
             self.table.follow(iid, state, request.model_id, request.layers_loaded, request.num_layers)
-        state = self.table.registry.get(iid).state
+        # Even while an action owns the transitions: a route must carry the full layer range.
+        view = self.table.learn_num_layers(iid, request.model_id, request.num_layers)
+        state = view.state
         self.table.registry.heartbeat(sample_from_proto(iid, now, request.load))
         self.monitor.observe(sample_from_proto(iid, now, request.load))
         if before is not state:
@@ -215,26 +238,44 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     # ---- execution scheduler ------------------------------------------------------------
     async def Schedule(self, request, context):
         views = self.table.registry.views(model=request.model_id)
-        chosen = choose_instance(views, exclude_ids=set(request.exclude_instance_ids), model=request.model_id)
-        if chosen is None:
+        excluded = set(request.exclude_instance_ids)
+        try:
+            hops = plan_route(
+                views,
+                model=request.model_id,
+                prompt_tokens=request.prompt_tokens,
+                max_tokens=request.max_tokens,
+                exclude_ids=excluded,
+                kv_block_size_tokens=self.cfg.kv_block_size_tokens,
+                leaves=self.leaves,
+            )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request.request_id!r}: {e}")
+        if not hops:
             SCHEDULED.labels("unavailable").inc()
-            states = sorted(v.state.value for v in views)
+            states = sorted(f"{v.role.value}:{v.state.value}" for v in views)
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"no SERVING instance of model {request.model_id!r} "
-                f"(instances: {states or 'none'}, excluded: {list(request.exclude_instance_ids)})",
+                f"(instances: {states or 'none'}, excluded: {sorted(excluded)})",
             )
-        assert chosen is not None
-        SCHEDULED.labels("ok").inc()
+        for view in hops:
+            # Until its next heartbeat shows the request, routing counts it here.
+            self.table.registry.note_routed(view.instance_id)
+        SCHEDULED.labels("pd_pair" if len(hops) == 2 else "one_hop").inc()
         return global_manager_pb2.Route(
             request_id=request.request_id,
             hops=[
                 global_manager_pb2.RouteHop(
-                    instance_id=chosen.instance_id,
-                    address=self.table.addresses[chosen.instance_id],
+                    instance_id=view.instance_id,
+                    address=self.table.addresses[view.instance_id],
                     layer_start=0,
-                    layer_end=chosen.num_layers,
+                    layer_end=view.num_layers,
+                    # A pair is [PREFILL, DECODE]; a single hop keeps its instance's role (a
+                    # prefill- or decode-role instance serving alone while the other pool is gone).
+                    role=role_to_proto(view.role),
                 )
+                for view in hops
             ],
         )
 
@@ -349,18 +390,21 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         ]
 
     def scale_out(
-        self, model_id: str, n: int, role: Role, reason: str, *, exclude: frozenset[str] = frozenset(), attempt: int = 0
+        self,
+        model_id: str,
+        n: int,
+        role: Role,
+        reason: str,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        attempt: int = 0,
+        only: Collection[str] | None = None,
     ) -> list[str]:
-        """Assign up to n IDLE workers to `model_id`; each loads in the background."""
+        """Assign up to n IDLE workers (of `only` when given) to `model_id` as `role`; each loads
+        in the background."""
         room = max(0, self.cfg.max_instances - len(self.live(model_id)))
-        idle = sorted(
-            (
-                v
-                for v in self.table.registry.views(state=S.IDLE)
-                if v.instance_id not in self._actions and v.instance_id not in exclude
-            ),
-            key=lambda v: v.instance_id,
-        )[: min(n, room)]
+        candidates = [v for v in self.table.registry.views(state=S.IDLE) if only is None or v.instance_id in only]
+        idle = choose_idle(candidates, min(n, room), role, {*self._actions, *exclude})
         for v in idle:
             self.table.registry.transition(v.instance_id, S.LOADING, model=model_id, role=role)
             self.emit("scale_out", model_id, "loading", reason, v.instance_id)
@@ -387,8 +431,16 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 dp_address, dp_kind = self.table.dataplane.get(iid, (b"", ""))
                 host = self.table.registry.get(iid).host or iid
                 nodes.append(Node(iid, host, self.table.addresses[iid], dp_address, dp_kind))
+            # Serving traffic by role (prefill sends KV out, decode takes it in), so parameters
+            # come from decode instances, then host shards, and off the prefill side's busy links.
+            traffic = traffic_from_instances(self.table.registry.views(model=model_id))
             plan, planned = build_plan(
-                nodes, where, [loc.group for loc in where.locations], self.cfg.topology, self.cfg.load_timeout_s
+                nodes,
+                where,
+                [loc.group for loc in where.locations],
+                self.cfg.topology,
+                self.cfg.load_timeout_s,
+                serving_traffic=traffic,
             )
         except (grpc.aio.AioRpcError, ValueError, KeyError) as e:
             log.warning("transfer_plan_failed", model=model_id, targets=targets, error=repr(e))
@@ -431,7 +483,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         error = ""
         try:
             done = False
-            request = worker_pb2.LoadParametersRequest(model_id=model_id, param_manager_address=self.cfg.param_manager)
+            # The role travels with the load: the worker serves as what the manager counts it as.
+            request = worker_pb2.LoadParametersRequest(
+                model_id=model_id, param_manager_address=self.cfg.param_manager, role=role_to_proto(role)
+            )
             transfer_plan = await plan
             if transfer_plan is not None:
                 request.plan.CopyFrom(transfer_plan)
@@ -641,17 +696,37 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         for state in S:
             INSTANCES.labels(state.value).set(len(self.table.registry.views(state=state)))
         model = self.cfg.default_model
-        if model and self.cfg.min_instances:
-            missing = self.cfg.min_instances - len(self.live(model))
-            if missing > 0 and self.table.registry.views(state=S.IDLE):
-                self.scale_out(model, missing, Role.COLOCATED, reason=f"min_instances={self.cfg.min_instances}")
+        if model:
+            self.top_up(model)
         if self.cfg.autoscale and model:
             self.autoscale(now, model)
+
+    def top_up(self, model: str) -> None:
+        """Bring each pool of `model` (colocated, or prefill and decode) up to its floor from the
+        IDLE pool (`assign_idle`: workers started for a role fill that pool; scarce others form
+        a P/D pair first)."""
+        floors = {role: n for role, n in self.cfg.pool_floors().items() if n > 0}
+        if not floors:
+            return
+        live = {role: len(self.live(model, role)) for role in floors}
+        if all(live[role] >= n for role, n in floors.items()):
+            return
+        idle = [v for v in self.table.registry.views(state=S.IDLE) if v.instance_id not in self._actions]
+        for role, views in assign_idle(floors, live, idle).items():
+            reason = f"{self.cfg.floor_name(role)}={floors[role]}"
+            self.scale_out(model, len(views), role, reason, only={v.instance_id for v in views})
 
     def autoscale(self, now: float, model: str) -> ScaleDecision:
         """One policy decision for `model`: reported (see the module docstring) and acted on."""
         started = time.perf_counter()
-        snapshot = self.monitor.snapshot(now, self.table.registry.views(model=model), model=model)
+        # A configured split is split even before its first instance serves; otherwise the
+        # monitor tells from the instances' roles.
+        snapshot = self.monitor.snapshot(
+            now,
+            self.table.registry.views(model=model),
+            model=model,
+            disaggregated=True if self.cfg.disaggregated and model == self.cfg.default_model else None,
+        )
         decision: ScaleDecision = self.policy.decide(now, snapshot)
         DECIDE_SECONDS.observe(time.perf_counter() - started)
         self.last_decision = decision
@@ -685,8 +760,14 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         """Carry out one pool's part of a decision. Shortfalls (a manager bound, no IDLE worker)
         are told when the decision is, so a change that cannot happen is not told every tick."""
         current = len(self.live(model, role))
-        low = self.cfg.min_instances if role is Role.COLOCATED and model == self.cfg.default_model else 0
-        delta, note = bounded_delta(current, current + decision.delta(role), low=low, high=self.cfg.max_instances)
+        low = self.cfg.pool_floors().get(role, 0) if model == self.cfg.default_model else 0
+        delta, note = bounded_delta(
+            current,
+            current + decision.delta(role),
+            low=low,
+            high=self.cfg.max_instances,
+            low_name=self.cfg.floor_name(role),
+        )
         wanted = current + delta
         if note and reported:
             self.emit("autoscaling_bound", model, role.value, note)

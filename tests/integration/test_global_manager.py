@@ -96,3 +96,36 @@ async def test_set_policy_validates_and_applies(serve_in_process: Any) -> None:
         assert resp.policy == "utilization" and resp.advisory
         cluster = await stub.GetCluster(admin_pb2.GetClusterRequest(), timeout=5)
         assert cluster.policy == "utilization" and cluster.advisory
+
+
+async def test_a_burst_between_heartbeats_alternates(serve_in_process: Any) -> None:
+    gm = GlobalManagerService(GlobalManagerConfig(port=0))
+    async with serve_in_process(gm, gm.servicer.cfg) as ctx, channel(ctx.address) as ch:
+        stub = global_manager_pb2_grpc.GlobalManagerStub(ch)
+        idle = common_pb2.LoadReport(kv_blocks_total=100)
+
+        async def heartbeat(iid: str, load: common_pb2.LoadReport) -> None:
+            await stub.Heartbeat(
+                global_manager_pb2.HeartbeatRequest(
+                    instance_id=iid, state=common_pb2.INSTANCE_STATE_SERVING, model_id="m", num_layers=4, load=load
+                ),
+                timeout=5,
+            )
+
+        for iid in ("w1", "w2"):
+            await stub.RegisterInstance(
+                global_manager_pb2.RegisterInstanceRequest(instance=info(iid, common_pb2.INSTANCE_STATE_SERVING)),
+                timeout=5,
+            )
+            await heartbeat(iid, idle)
+
+        async def schedule() -> str:
+            route = await stub.Schedule(global_manager_pb2.ScheduleRequest(model_id="m"), timeout=5)
+            (hop,) = route.hops
+            assert hop.role == common_pb2.INSTANCE_ROLE_COLOCATED
+            return hop.instance_id
+
+        # Both report idle; each route counts against its instance until the next heartbeat.
+        assert [await schedule() for _ in range(4)] == ["w1", "w2", "w1", "w2"]
+        await heartbeat("w2", common_pb2.LoadReport(running=1, kv_blocks_total=100))  # w2's count resets to 0
+        assert await schedule() == "w2"

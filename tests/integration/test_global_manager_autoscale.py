@@ -39,10 +39,17 @@ MODEL = "m"
 HEARTBEAT_S = 0.05
 
 
+GROUPS = ("embed", "layers.0", "layers.1", "head")
+
+
 class FakeParamManager(param_manager_pb2_grpc.ParamManagerServicer):
     def __init__(self) -> None:
         self.holders: set[str] = set()
         self.updates: list[tuple[str, bool]] = []
+        # One host-cache shard holds everything; live instances are added as they load.
+        self.shard = common_pb2.Holder(
+            holder_id="hc0", kind="host_cache", host="cache-host", grpc_address="hc0:1", dataplane_address=b"hc0"
+        )
 
     async def ListModels(self, request, context):
         return admin_pb2.ListModelsResponse(models=[common_pb2.ModelInfo(model_id=MODEL)])
@@ -51,6 +58,17 @@ class FakeParamManager(param_manager_pb2_grpc.ParamManagerServicer):
         self.updates.append((request.holder, request.present))
         (self.holders.add if request.present else self.holders.discard)(request.holder)
         return param_manager_pb2.UpdateLocationResponse()
+
+    async def Locate(self, request, context):
+        instances = [
+            common_pb2.Holder(
+                holder_id=h, kind="instance", host=f"host-{h}", grpc_address=f"{h}:1", dataplane_address=h.encode()
+            )
+            for h in sorted(self.holders)
+        ]
+        return param_manager_pb2.LocateResponse(
+            locations=[common_pb2.GroupLocation(group=g, holder_info=[*instances, self.shard]) for g in GROUPS]
+        )
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
@@ -64,8 +82,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.load_s = 0.05
         self.mute = False  # no heartbeats (a worker busy unpacking parameters)
         self.drains = 0
+        # The role it registers with until a LoadParameters names one, as the real worker's --role.
+        self.role: common_pb2.InstanceRole.ValueType = common_pb2.INSTANCE_ROLE_COLOCATED
+        self.load_requests: list[worker_pb2.LoadParametersRequest] = []
 
     async def LoadParameters(self, request, context):
+        self.load_requests.append(request)
+        if request.role:
+            self.role = request.role
         self.state = ST.INSTANCE_STATE_LOADING
         yield worker_pb2.LoadProgress(layers_loaded=1, groups_total=4, groups_loaded=2)
         await asyncio.sleep(self.load_s)
@@ -95,7 +119,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             host="h0",
             state=self.state,
             model_id=MODEL if self.state != ST.INSTANCE_STATE_IDLE else "",
-            role=common_pb2.INSTANCE_ROLE_COLOCATED,
+            role=self.role,
             layers_loaded=2 if serving else 0,
             num_layers=2 if self.state != ST.INSTANCE_STATE_IDLE else 0,
         )
@@ -176,9 +200,13 @@ async def _watch(cluster: Cluster, address: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def cluster(serve_in_process: Any, n_workers: int = 3, **cfg: Any) -> AsyncIterator[Cluster]:
+async def cluster(
+    serve_in_process: Any, n_workers: int = 3, roles: dict[str, int] | None = None, **cfg: Any
+) -> AsyncIterator[Cluster]:
     pm = FakeParamManager()
     workers = {f"w{i}": FakeWorker(f"w{i}") for i in range(n_workers)}
+    for iid, role in (roles or {}).items():
+        workers[iid].role = role  # type: ignore[assignment]
     async with contextlib.AsyncExitStack() as stack:
         pm_address = await stack.enter_async_context(
             grpc_server(param_manager_pb2_grpc.add_ParamManagerServicer_to_server, pm)
@@ -397,3 +425,83 @@ async def test_scale_with_an_unknown_role_is_invalid(serve_in_process: Any) -> N
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await c.stub.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=1, role=99), timeout=5)  # type: ignore[arg-type]
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "99" in (e.value.details() or "")
+
+
+# ---- prefill/decode disaggregation ----------------------------------------------------------
+
+ROLE = common_pb2.InstanceRole
+
+
+def load_roles(c: Cluster) -> dict[str, list[int]]:
+    return {iid: [r.role for r in w.load_requests] for iid, w in c.workers.items() if w.load_requests}
+
+
+async def test_split_pools_fill_by_role_route_pairs_and_load_from_decode(serve_in_process: Any) -> None:
+    # w0 was started as a prefill worker and w1 as a decode one: each gets its own pool.
+    roles = {"w0": ROLE.INSTANCE_ROLE_PREFILL, "w1": ROLE.INSTANCE_ROLE_DECODE}
+    settings = {"min_instances": 0, "min_prefill": 1, "min_decode": 1, "max_instances": 4, "autoscale": False}
+    async with cluster(serve_in_process, n_workers=4, roles=roles, **settings) as c:
+        loaded = await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=2)
+        assert {e.instance_id for e in loaded} == {"w0", "w1"}
+        assert load_roles(c) == {"w0": [ROLE.INSTANCE_ROLE_PREFILL], "w1": [ROLE.INSTANCE_ROLE_DECODE]}
+        reasons = sorted(e.reason for e in c.events if e.action == "scale_out")
+        assert reasons == ["min_decode=1", "min_prefill=1"]
+        # The manager assigned the model without knowing its size; heartbeats tell it.
+        registry = c.gm.servicer.table.registry
+        await wait_until(lambda: registry.get("w0").num_layers == registry.get("w1").num_layers == 2, 5)
+
+        route = await c.stub.Schedule(
+            global_manager_pb2.ScheduleRequest(request_id="r1", model_id=MODEL, prompt_tokens=8, max_tokens=8),
+            timeout=5,
+        )
+        assert [(h.instance_id, h.role, h.layer_start, h.layer_end) for h in route.hops] == [
+            ("w0", ROLE.INSTANCE_ROLE_PREFILL, 0, 2),
+            ("w1", ROLE.INSTANCE_ROLE_DECODE, 0, 2),
+        ]
+        # The decode instance failed this request: the prefill instance runs it alone.
+        route = await c.stub.Schedule(
+            global_manager_pb2.ScheduleRequest(model_id=MODEL, exclude_instance_ids=["w1"]), timeout=5
+        )
+        assert [(h.instance_id, h.role) for h in route.hops] == [("w0", ROLE.INSTANCE_ROLE_PREFILL)]
+
+        # A new prefill instance loads from the decode instance, not from the prefill one
+        # (first by name, but its link carries KV out), nor from the host shard.
+        await c.stub.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=1, role=ROLE.INSTANCE_ROLE_PREFILL), timeout=5)
+        (plan,) = await c.wait_event(lambda e: e.action == "transfer_plan" and "->w2" in e.reason)
+        assert plan.reason.startswith("chains: w1->w2 ("), plan.reason
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok" and e.instance_id == "w2")
+        assert load_roles(c)["w2"] == [ROLE.INSTANCE_ROLE_PREFILL]
+
+
+async def test_split_autoscale_logs_and_grows_both_pools(serve_in_process: Any) -> None:
+    roles = {"w0": ROLE.INSTANCE_ROLE_PREFILL, "w1": ROLE.INSTANCE_ROLE_DECODE}
+    settings = {
+        "min_instances": 0,
+        "min_prefill": 1,
+        "min_decode": 1,
+        "max_instances": 4,
+        "policy_params": {"pd_ratio": 1.0},
+    }
+    async with cluster(serve_in_process, n_workers=4, roles=roles, **settings) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=2)
+        # 40 decode tokens/s on the decode pool against 10 per instance: need 4, split 1:1 -> 2 + 2.
+        c.set_load(decode_tps=40, running=4)
+        (out,) = await c.wait_event(lambda e: is_decision("scale_out")(e) and e.reason.startswith("SCALE_OUT"))
+        assert out.status == "prompt:1->2_token:1->2", out.status
+        assert any(
+            ",autoscaling_decision,scale_out,prompt:1->2_token:1->2," in line for line in c.gm.servicer.decision_log
+        )
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=4)
+        assert load_roles(c) == {
+            "w0": [ROLE.INSTANCE_ROLE_PREFILL],
+            "w1": [ROLE.INSTANCE_ROLE_DECODE],
+            "w2": [ROLE.INSTANCE_ROLE_PREFILL],
+            "w3": [ROLE.INSTANCE_ROLE_DECODE],
+        }
+        registry = c.gm.servicer.table.registry
+        assert {v.instance_id: v.role.value for v in registry} == {
+            "w0": "PREFILL",
+            "w1": "DECODE",
+            "w2": "PREFILL",
+            "w3": "DECODE",
+        }
