@@ -7,11 +7,13 @@ collides and nobody guesses ports; the gateway takes the public ports it is give
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,15 @@ from services.model_format.default_model import DEFAULT_MODEL_ID
 
 @dataclass
 class MeshConfig:
+    """What to start. Colocated by default: `workers` processes, `initial_instances` of them
+    loaded. With `prefill` and `decode` (both > 0) the model is served disaggregated: the first
+    `prefill` workers start as prefill workers, the next `decode` as decode workers, and the
+    manager keeps those pools loaded; `workers` is then raised to at least prefill + decode (more
+    stay IDLE for the autoscaler) and `initial_instances` is not used."""
+
     workers: int = 2
+    prefill: int = 0
+    decode: int = 0
     host_caches: int = 1
     model: str = DEFAULT_MODEL_ID
     model_dir: Path = Path("models")
@@ -36,6 +46,42 @@ class MeshConfig:
     gateway_args: list[str] = field(default_factory=list)
     manager_args: list[str] = field(default_factory=list)
     log_to_files: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 0 or (self.prefill > 0) != (self.decode > 0):
+            raise ValueError(
+                f"prefill={self.prefill!r} and decode={self.decode!r}: give both > 0 (disaggregated) "
+                "or both 0 (colocated)"
+            )
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers!r}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill > 0 and self.decode > 0
+
+    @property
+    def worker_count(self) -> int:
+        """Worker processes to start."""
+        return max(self.workers, self.prefill + self.decode) if self.disaggregated else self.workers
+
+    def worker_role(self, i: int) -> str:
+        """The role worker i starts with (the manager gives each pool the workers started for it)."""
+        if not self.disaggregated:
+            return "colocated"
+        return "prefill" if i < self.prefill else "decode" if i < self.prefill + self.decode else "colocated"
+
+    def manager_pool_args(self) -> list[str]:
+        """The manager's pool floors: what it keeps loaded from the IDLE workers."""
+        if self.disaggregated:
+            return ["--min-prefill", str(self.prefill), "--min-decode", str(self.decode), "--min-instances", "0"]
+        return ["--min-instances", str(self.initial_instances)]
+
+    def serving_wanted(self) -> dict[str, int]:
+        """SERVING instances per role (SDK role names) that make the mesh ready."""
+        if self.disaggregated:
+            return {"prefill": self.prefill, "decode": self.decode}
+        return {"any": self.initial_instances}
 
 
 @dataclass
@@ -58,6 +104,8 @@ class Mesh:
     def __init__(self, cfg: MeshConfig) -> None:
         self.cfg = cfg
         self.procs: dict[str, Proc] = {}
+        # Instance id -> role of the SERVING instances when the mesh became ready (for the banner).
+        self.roles: dict[str, str] = {}
 
     @property
     def gateway_http(self) -> str:
@@ -170,8 +218,7 @@ class Mesh:
                 pm.grpc_address,
                 "--default-model",
                 cfg.model,
-                "--min-instances",
-                str(cfg.initial_instances),
+                *cfg.manager_pool_args(),
                 *cfg.manager_args,
             ],
         )
@@ -192,10 +239,12 @@ class Mesh:
                     pm.grpc_address,
                     "--num-threads",
                     str(cfg.worker_threads),
+                    "--role",
+                    cfg.worker_role(i),
                     *cfg.worker_args,
                 ],
             )
-            for i in range(cfg.workers)
+            for i in range(cfg.worker_count)
         ]
         await asyncio.gather(*(self.wait_ready(w, cfg.ready_timeout_s) for w in workers))
         gw = await self.spawn(
@@ -218,24 +267,44 @@ class Mesh:
             ],
         )
         await self.wait_ready(gw, cfg.ready_timeout_s)
-        await self.wait_instances_serving(cfg.initial_instances, cfg.ready_timeout_s)
+        if cfg.disaggregated:
+            await self.wait_instances_serving(cfg.prefill + cfg.decode, cfg.ready_timeout_s, roles=cfg.serving_wanted())
+        else:
+            await self.wait_instances_serving(cfg.initial_instances, cfg.ready_timeout_s)
 
-    async def wait_instances_serving(self, n: int, timeout_s: float) -> None:
-        """Until the manager reports n SERVING instances (model loaded through the pool)."""
+    async def wait_instances_serving(
+        self, n: int, timeout_s: float, *, roles: Mapping[str, int] | None = None
+    ) -> dict[str, str]:
+        """Until the manager reports n SERVING instances of the mesh's model (loaded through the
+        pool) and, with `roles` (SDK role name -> count, e.g. {"prefill": 1, "decode": 2}), that
+        many of each role: a split mesh with two decode instances and no prefill one is not up.
+        Returns instance id -> role of the SERVING instances, and keeps it in `self.roles`."""
+        from blitzmesh import convert
         from blitzmesh.v1 import admin_pb2, common_pb2, global_manager_pb2_grpc
         from services.common.grpc_util import channel
 
+        wanted = {role: k for role, k in (roles or {}).items() if role != "any"}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         async with channel(self.procs["global_manager"].grpc_address) as ch:
             stub = global_manager_pb2_grpc.GlobalManagerStub(ch)
             while True:
                 state = await stub.GetCluster(admin_pb2.GetClusterRequest(), timeout=5)
-                serving = [i for i in state.instances if i.state == common_pb2.INSTANCE_STATE_SERVING]
-                if len(serving) >= n:
-                    return
+                serving = {
+                    i.instance_id: convert.instance_role_from_proto(i.role)
+                    for i in state.instances
+                    if i.state == common_pb2.INSTANCE_STATE_SERVING and i.model_id == self.cfg.model
+                }
+                counts = collections.Counter(serving.values())
+                if len(serving) >= n and all(counts[role] >= k for role, k in wanted.items()):
+                    self.roles = serving
+                    return serving
                 if loop.time() > deadline:
-                    raise TimeoutError(f"only {len(serving)} of {n} instances SERVING after {timeout_s}s")
+                    have = ", ".join(f"{k} {role}" for role, k in sorted(counts.items())) or "none"
+                    want = ", ".join(f"{k} {role}" for role, k in sorted(wanted.items())) or f"{n} in all"
+                    raise TimeoutError(
+                        f"instances of {self.cfg.model!r} SERVING after {timeout_s}s: {have}; wanted {want}"
+                    )
                 await asyncio.sleep(0.1)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
@@ -315,11 +384,22 @@ def ensure_model(model_dir: Path, model: str) -> Path:
     return synthesize(path, model)
 
 
+def describe_workers(cfg: MeshConfig, roles: Mapping[str, str]) -> str:
+    """The banner's first line after "Blitzmesh is up:", e.g. "1 prefill + 2 decode workers
+    (disaggregated: worker-0 prefill, worker-1 decode, worker-2 decode)"."""
+    if not cfg.disaggregated:
+        return f"{cfg.worker_count} workers"
+    spare = cfg.worker_count - cfg.prefill - cfg.decode
+    text = f"{cfg.prefill} prefill + {cfg.decode} decode workers" + (f" + {spare} idle" if spare else "")
+    serving = ", ".join(f"{iid} {role}" for iid, role in sorted(roles.items()))
+    return f"{text} (disaggregated{': ' + serving if serving else ''})"
+
+
 def print_banner(mesh: Mesh) -> None:
     cfg = mesh.cfg
     print(
         f"""
-Blitzmesh is up: {cfg.workers} workers, model {cfg.model!r}
+Blitzmesh is up: {describe_workers(cfg, mesh.roles)}, model {cfg.model!r}
   OpenAI HTTP API  {mesh.gateway_http}/v1
   SDK gRPC API     {mesh.gateway_grpc}
   global manager   {mesh.procs["global_manager"].grpc_address}
