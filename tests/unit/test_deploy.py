@@ -61,3 +61,42 @@ def test_model_init_fetches_the_model_the_manager_serves() -> None:
     assert parsed.model_dir == pm.model_dir
     gm = load_config(GlobalManagerConfig, "global_manager", services["global_manager"]["command"][3:], env={})
     assert gm.default_model == DEFAULT_MODEL_ID
+
+
+def profile(name: str | None) -> dict[str, dict]:
+    """The services of a profile; None: those with no profile, which every `docker compose up` starts."""
+    return {k: v for k, v in compose_services().items() if (name in v["profiles"] if "profiles" in v else name is None)}
+
+
+def test_the_default_deployment_stays_colocated() -> None:
+    default = profile(None)
+    assert sorted(default) == ["gateway", "global_manager", "model-init", "param_manager", "worker-0", "worker-1"]
+    gm = load_config(GlobalManagerConfig, "global_manager", default["global_manager"]["command"][3:], env={})
+    assert not gm.disaggregated and gm.min_instances == 2
+    for name, svc in default.items():
+        assert all(dep in default for dep in svc.get("depends_on", {})), f"{name} needs a profile service"
+        if svc["command"][2] == "services.worker":
+            assert load_config(WorkerConfig, "worker", svc["command"][3:], env={}).role == "colocated"
+
+
+def test_disagg_profile_runs_one_prefill_and_one_decode_worker() -> None:
+    services = compose_services()
+    split = profile("disagg")
+    assert sorted(split) == ["gateway-disagg", "global_manager-disagg", "worker-decode", "worker-prefill"]
+    gm = load_config(GlobalManagerConfig, "global_manager", split["global_manager-disagg"]["command"][3:], env={})
+    assert gm.disaggregated and (gm.min_prefill, gm.min_decode, gm.min_instances) == (1, 1, 0)
+    default_gm = load_config(GlobalManagerConfig, "global_manager", services["global_manager"]["command"][3:], env={})
+    assert gm.default_model == default_gm.default_model
+    workers = {
+        name: load_config(WorkerConfig, "worker", svc["command"][3:], env={})
+        for name, svc in split.items()
+        if svc["command"][2] == "services.worker"
+    }
+    assert {name: w.role for name, w in workers.items()} == {"worker-prefill": "prefill", "worker-decode": "decode"}
+    assert {w.global_manager for w in workers.values()} == {"global_manager-disagg:50061"}
+    gateway = load_config(GatewayConfig, "gateway", split["gateway-disagg"]["command"][3:], env={})
+    assert gateway.global_manager == "global_manager-disagg:50061"
+    # `up gateway-disagg` brings the whole split stack, and it can run beside the default one.
+    assert {"worker-prefill", "worker-decode", "global_manager-disagg"} <= set(split["gateway-disagg"]["depends_on"])
+    published = {p.split(":")[0] for p in split["gateway-disagg"]["ports"]}
+    assert not published & {p.split(":")[0] for p in services["gateway"]["ports"]}
