@@ -1,4 +1,6 @@
-"""Instance registry (the lifecycle state machine) and the least-loaded routing choices.
+"""Instance registry (the lifecycle state machine) and the routing choices: least loaded (with
+the routes handed out since each instance's last heartbeat counted as load), and for a
+prefill/decode split a (prefill, decode) pair placed by load, KV room and topology (`plan_route`).
 
 Lifecycle: IDLE -> LOADING -> SERVING -> DRAINING -> IDLE; LOADING -> IDLE when a load fails;
 any state -> LOST; LOST -> IDLE when
