@@ -1,4 +1,4 @@
-"""Disaggregation benchmark: KV-cache transfer (and, as they land, serving, migration, rebalancing).
+"""Disaggregation benchmark: KV-cache transfer, migration, and disaggregated against colocated serving.
 
 Usage:
     python -m bench.disagg [--quick] [--parts kv_transfer] [--transports ucx,tcp] [--kv-tokens N]
@@ -10,6 +10,9 @@ Every part runs between real processes and writes one key of the result:
   the same bytes in the same messages, interleaved A B A B, per transport; target ratio >= 0.8.
 - migration (bench/disagg/migration.py): a worker SIGKILLed under streams; time from the kill to
   the next token of each migrated stream, p50/p99, and lost streams (target 0).
+- serving (bench/disagg/serving.py): colocated 2 workers vs 1 prefill + 1 decode on the same
+  Poisson arrivals at rising rates (conversation-trace lengths, emulated accelerator pacing):
+  TTFT and TBT p50/p99, SLO attainment and goodput per rate.
 
 Parts are registered in PARTS (name -> (run(args) -> dict, targets(dict) -> dict, notes)); --parts
 picks some; the keys of parts not run are kept from the file's earlier content. Results go to
@@ -31,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.disagg import kv, migration
+from bench.disagg import kv, migration, serving
 
 
 class Part(NamedTuple):
@@ -43,6 +46,7 @@ class Part(NamedTuple):
 PARTS: dict[str, Part] = {
     "kv_transfer": Part(kv.run, kv.targets, kv.NOTES),
     "migration": Part(migration.run, migration.targets, migration.NOTES),
+    "serving": Part(serving.run, serving.targets, serving.NOTES),
 }
 
 

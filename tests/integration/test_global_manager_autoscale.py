@@ -238,9 +238,11 @@ async def cluster(
         ctx = await stack.enter_async_context(serve_in_process(gm, config))
         ch = await stack.enter_async_context(channel(ctx.address))
         c = Cluster(gm, global_manager_pb2_grpc.GlobalManagerStub(ch), pm, workers)
-        tasks = [asyncio.create_task(_watch(c, ctx.address)), asyncio.create_task(_heartbeats(c.stub, workers))]
+        tasks = [asyncio.create_task(_watch(c, ctx.address))]
         try:
-            await asyncio.sleep(0.1)  # let the watch subscribe before anything happens
+            # The watch is live before any worker registers, so no event is missed.
+            await wait_until(lambda: gm.servicer.events._subscribers, 5, what="the event watch subscribed")
+            tasks.append(asyncio.create_task(_heartbeats(c.stub, workers)))
             yield c
         finally:
             for t in tasks:

@@ -8,6 +8,7 @@ sharing the loop stay responsive while a step computes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 import time
@@ -48,6 +49,8 @@ FinishReason = Literal["stop", "length", "abort"]
 
 # Prompt positions whose logits are computed at once for prompt log-probs: [rows, vocab] float32.
 _PROMPT_LOGITS_ROWS = 256
+# ZigZag relays remembered for requests that have not arrived yet (bounded: most never come).
+_MAX_EARLY_RELAYS = 1024
 
 
 class RequestTooLarge(ValueError):
@@ -98,6 +101,34 @@ class KVBlocks:
 # Pulls a request's KV for its first tokens from another instance into the blocks `KVBlocks`
 # hands out (the decode side of prefill/decode disaggregation); raises on any failure.
 KVFill = Callable[[KVBlocks], Awaitable[object]]
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """What a ZigZag relay brings (ALGORITHMS.md section 3): the hidden states `[prompt, H]` of a
+    request's prompt after decoder layer `layers` ran on the loading instance, whose KV for
+    layers [0, layers) was pulled into the request's blocks here. `layers == 0`: nothing ran
+    there, the prompt is computed here whole."""
+
+    layers: int
+    hidden: torch.Tensor | None = None
+
+
+# The full partner's side of ZigZag: takes a request over from the loading instance that ran its
+# first layers (pulling that KV into the blocks `KVBlocks` hands out); raises on any failure.
+RelayFill = Callable[[KVBlocks], Awaitable[Relayed]]
+
+
+@dataclass(frozen=True)
+class RelayOutcome:
+    """A ZigZag request stopped on the loading instance: layers [0, `layers`) ran here; their KV
+    is parked under `parked_kv` (None when no layer ran) for the partner to pull, with the
+    hidden states after the last of them."""
+
+    layers: int
+    num_tokens: int
+    parked_kv: str | None = None
+    hidden: torch.Tensor | None = None
 
 
 class PacingProfile(BaseModel):
@@ -172,6 +203,9 @@ class TokenEvent:
     # and covers its first `kv_tokens` tokens, until `Engine.release_parked(parked_kv)`.
     parked_kv: str | None = None
     kv_tokens: int = 0
+    # A ZigZag request's last event on the loading instance: the layers that ran here before
+    # its partner took it over (see `Engine.relay`); no token.
+    zigzag_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +219,9 @@ class EngineStats:
     kv_blocks_reserved: int  # allocated + promised to running requests (what admission counts)
     kv_blocks_total: int
     kv_blocks_parked: int  # held by hand-offs until their decode side has pulled them
+    zigzag_running: int  # ZigZag requests running their first layers here (a loading instance)
+    zigzag_relayed_total: int  # ZigZag requests taken over by their partner so far (a loading instance)
+    zigzag_continued_total: int  # ZigZag requests taken over from a loading instance (a full partner)
     decode_tokens_per_s: float  # generated tokens per second
     prefill_tokens_per_s: float  # prompt tokens computed per second
     ttft_p50_s: float | None
@@ -227,6 +264,11 @@ class _Seq:
     handoff: bool = False  # prefill side: park the KV after the first token instead of decoding
     kv_fill: KVFill | None = None  # decode side: the prompt's KV comes from another instance
     fill_task: asyncio.Task[None] | None = None  # set while that KV is arriving
+    relay_fill: RelayFill | None = None  # a full partner: its first layers ran on a loading instance
+    zigzag: bool = False  # a loading instance: run the prompt through the layers held, until relayed
+    zz_layers: int = 0  # ZigZag: decoder layers of the prompt that ran (loading side) or arrived (partner)
+    zz_hidden: torch.Tensor | None = None  # the prompt's hidden states after layer zz_layers
+    relay_waiters: list[asyncio.Future[RelayOutcome]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -262,7 +304,32 @@ class _PromptWork:
 
 
 @dataclass(frozen=True)
+class _Continuation:
+    """ZigZag, the full partner: a prompt's remaining layers [layer_start, L) from `hidden`."""
+
+    row: int
+    layer_start: int
+    hidden: torch.Tensor
+    num_tokens: int
+    block_table: list[int]
+
+
+@dataclass(frozen=True)
+class _Partial:
+    """ZigZag, a loading instance: layers [layer_start, layer_end) of `seq`'s prompt."""
+
+    seq: _Seq
+    layer_start: int
+    layer_end: int
+    num_tokens: int
+    block_table: list[int]
+
+
+@dataclass(frozen=True)
 class _StepInput:
+    """One step's work. The regular batch is indexed locally (`regular_rows[i]` is its row in the
+    plan); `sample_rows` lists plan rows in sampling order: regular ones, then continuations."""
+
     input_ids: list[int]
     query_lens: list[int]
     context_lens: list[int]
@@ -272,6 +339,10 @@ class _StepInput:
     generators: list[torch.Generator | None]
     histories: list[TokenHistory | None] = field(default_factory=list)
     prompt_work: list[_PromptWork] = field(default_factory=list)
+    regular_rows: list[int] = field(default_factory=list)
+    logits_local: list[int] = field(default_factory=list)
+    continuations: list[_Continuation] = field(default_factory=list)
+    partials: list[_Partial] = field(default_factory=list)
 
 
 class _Window:
@@ -370,6 +441,10 @@ class Engine:
         self._parked: dict[str, int] = {}  # cache id -> blocks, KV kept for a hand-off
         self._park_seq = 0
         self.kv_fills = {"pulled": 0, "recomputed": 0}  # decode side: how each KV fill ended
+        self.zigzag = {"relayed": 0, "continued": 0, "recomputed": 0}  # ZigZag outcomes, both sides
+        self._in_step: set[str] = set()  # requests the compute thread works on right now
+        # Relayed before they arrived: they end at once when they do (the oldest forgotten first).
+        self._relayed_early: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     @classmethod
     def create(
@@ -405,13 +480,15 @@ class Engine:
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    async def start(self) -> None:
-        """Start the engine loop (idempotent). The model must be complete."""
+    async def start(self, *, partial: bool = False) -> None:
+        """Start the engine loop (idempotent). The model must be complete, unless `partial`: a
+        loading instance serves ZigZag requests with the layers it holds (their embedding first),
+        and everything else once the model is complete."""
         if self._stopped:
             raise EngineStoppedError("engine was stopped; build a new one")
         if self._task is not None:
             return
-        if not self.model.is_complete:
+        if not self.model.is_complete and not (partial and "embed" in self.model.loaded_groups):
             raise RuntimeError(f"model is not complete: loaded groups {self.model.loaded_groups!r}")
         threads = self.config.num_threads
         # With torch's OpenMP backend the thread count is per calling thread, so setting it in the
@@ -490,6 +567,8 @@ class Engine:
         *,
         handoff: bool = False,
         kv_fill: KVFill | None = None,
+        zigzag: bool = False,
+        relay_fill: RelayFill | None = None,
     ) -> _Seq:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop crashed: {self._dead!r}") from self._dead
@@ -520,6 +599,24 @@ class Engine:
             )
         if kv_fill is not None and handoff:
             raise ValueError(f"request {request_id!r}: a hand-off cannot also take its KV from another instance")
+        if sum((handoff, kv_fill is not None, zigzag, relay_fill is not None)) > 1:
+            raise ValueError(f"request {request_id!r}: zigzag, relay, hand-off and KV source exclude each other")
+        if (zigzag or relay_fill is not None) and resumed:
+            raise ValueError(f"request {request_id!r}: a ZigZag request cannot resume tokens")
+        if zigzag and sampling.prompt_logprobs is not None:
+            raise ValueError(f"request {request_id!r}: a ZigZag request cannot ask for prompt_logprobs")
+        if not zigzag and not self.model.is_complete:
+            raise EngineStoppedError(
+                f"the model is still loading ({self.model.num_layers_loaded} of"
+                f" {self.model.config.num_hidden_layers} layers): only ZigZag requests run yet"
+            )
+        if relay_fill is not None and (
+            sampling.prompt_logprobs is not None
+            or (not self.config.enable_chunked_prefill and len(prompt) > self.config.max_num_tokens)
+        ):
+            # The continuation runs the prompt's remaining layers in one step; prompt log-probs
+            # need every layer here. Computing the prompt here whole is always correct.
+            relay_fill = None
         self.check_request(len(prompt), sampling, handoff=handoff)
         if (
             resumed
@@ -551,7 +648,17 @@ class Engine:
             resumed=len(resumed),
             handoff=handoff,
             kv_fill=kv_fill,
+            zigzag=zigzag,
+            relay_fill=relay_fill,
         )
+        if zigzag:
+            seq.blocks_reserved = self.kv_cache.blocks_needed(len(prompt))
+        if zigzag and request_id in self._relayed_early:
+            # Its partner already took it over (the relay outran this request): nothing runs here.
+            del self._relayed_early[request_id]
+            seq.finished = True
+            seq.queue.put_nowait(TokenEvent(None, None, len(prompt), 0, zigzag_layers=0))
+            return seq
         if kv_fill is not None:
             # The gap from here to its next token is a gap between tokens (the first came from
             # the prefill side), not a time to first token.
@@ -573,6 +680,8 @@ class Engine:
         *,
         handoff: bool = False,
         kv_fill: KVFill | None = None,
+        zigzag: bool = False,
+        relay_fill: RelayFill | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens. Closing or cancelling the stream aborts the request and frees
         its KV at once. Raises RequestTooLarge / ValueError on the first iteration for a bad
@@ -591,15 +700,36 @@ class Engine:
         - `kv_fill` (the decode side): once admitted (its blocks reserved as any request's), the
           KV of its first `prompt + resumed - 1` tokens is pulled by `kv_fill` into its blocks
           instead of being computed; decoding goes on from the last resumed token. If the fill
-          fails, the prompt is recomputed here: slower, the same tokens."""
-        seq = self._add(request_id, prompt_token_ids, sampling, resume_token_ids, handoff=handoff, kv_fill=kv_fill)
+          fails, the prompt is recomputed here: slower, the same tokens.
+
+        ZigZag live scaling (ALGORITHMS.md section 3):
+        - `zigzag` (a loading instance): the prompt runs through the decoder layers held here, as
+          they arrive (requests whose next layer is loaded first, then in arrival order), until
+          its full partner takes it over (`relay`). The stream's one event then carries
+          `zigzag_layers`. No token is sampled here.
+        - `relay_fill` (the full partner): once admitted, behind every request of its own
+          (the partner takes ZigZag work over only when it has none of its own waiting),
+          `relay_fill` takes the request over from the loading instance, pulling the KV of the
+          layers that ran there; the remaining layers run here on the hidden states it brings,
+          then the request samples and decodes as any other. If that fails, the prompt is
+          computed here whole."""
+        seq = self._add(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            resume_token_ids,
+            handoff=handoff,
+            kv_fill=kv_fill,
+            zigzag=zigzag,
+            relay_fill=relay_fill,
+        )
         try:
             while True:
                 item = await seq.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finish_reason is not None or item.parked_kv is not None:
+                if item.finish_reason is not None or item.parked_kv is not None or item.zigzag_layers is not None:
                     return
         finally:
             if not seq.finished:
@@ -638,6 +768,51 @@ class Engine:
         self._wake.set()
         return freed
 
+    async def relay(self, request_id: str) -> RelayOutcome:
+        """ZigZag, the loading instance: stop `request_id` at the end of the layers it has run
+        (after the step computing it, if one is) and hand it to its partner. Its KV for those
+        layers stays parked (`RelayOutcome.parked_kv`, freed by `release_parked`) for the partner
+        to pull; its stream ends with `zigzag_layers`. A request not here yet ends at once when
+        it arrives; one still queued, or finished, gives `layers == 0`."""
+        seq = self._by_id.get(request_id)
+        if seq is None or not seq.zigzag:
+            if seq is None:
+                self._relayed_early[request_id] = None
+                while len(self._relayed_early) > _MAX_EARLY_RELAYS:
+                    self._relayed_early.popitem(last=False)
+            return RelayOutcome(0, 0)
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+            self._by_id.pop(request_id, None)
+            seq.finished = True
+            seq.queue.put_nowait(TokenEvent(None, None, len(seq.prompt), 0, zigzag_layers=0))
+            self.zigzag["relayed"] += 1
+            return RelayOutcome(0, len(seq.prompt))
+        if request_id in self._in_step:
+            waiter: asyncio.Future[RelayOutcome] = asyncio.get_running_loop().create_future()
+            seq.relay_waiters.append(waiter)
+            return await waiter
+        return self._relay_now(seq)
+
+    def _relay_now(self, seq: _Seq) -> RelayOutcome:
+        layers, hidden = seq.zz_layers, seq.zz_hidden
+        parked = self._park(seq) if layers > 0 else None
+        if parked is None:
+            self._finish(seq, "abort", notify=False)
+        seq.zz_hidden = None
+        outcome = RelayOutcome(layers, len(seq.prompt), parked, hidden)
+        seq.queue.put_nowait(
+            TokenEvent(
+                None, None, len(seq.prompt), 0, parked_kv=parked, kv_tokens=len(seq.prompt), zigzag_layers=layers
+            )
+        )
+        for waiter in seq.relay_waiters:
+            if not waiter.done():
+                waiter.set_result(outcome)
+        seq.relay_waiters.clear()
+        self.zigzag["relayed"] += 1
+        return outcome
+
     def _park(self, seq: _Seq) -> str:
         """Stop `seq` after its first token and keep its KV under a fresh cache id, so the
         request id is free at once (a retry may bring it back here) while a peer pulls."""
@@ -653,6 +828,11 @@ class Engine:
 
     def _finish(self, seq: _Seq, reason: FinishReason, notify: bool = True) -> None:
         seq.finished = True
+        seq.zz_hidden = None
+        for waiter in seq.relay_waiters:
+            if not waiter.done():
+                waiter.set_result(RelayOutcome(0, len(seq.prompt)))
+        seq.relay_waiters.clear()
         self._by_id.pop(seq.request_id, None)
         if seq in self._running:
             self._running.remove(seq)
@@ -674,6 +854,10 @@ class Engine:
         # their tracebacks.
         for seq in [*self._running, *self._waiting]:
             seq.finished = True
+            for waiter in seq.relay_waiters:
+                if not waiter.done():
+                    waiter.set_result(RelayOutcome(0, len(seq.prompt)))
+            seq.relay_waiters.clear()
             if seq.fill_task is not None:
                 seq.fill_task.cancel()
             else:
@@ -714,12 +898,20 @@ class Engine:
         return self.kv_cache.free_blocks - outstanding
 
     async def _step(self) -> None:
+        # A request taken over from a loading instance waits behind every request of this
+        # instance's own (ZigZag: the partner takes such work only when it has none waiting).
+        waiting = sorted(self._waiting, key=lambda s: s.relay_fill is not None)
         plan = schedule(
-            # A request whose KV is arriving holds its batch slot and blocks but has no work yet.
-            [RunningSeq(s.request_id, 0 if s.fill_task is not None else s.pending) for s in self._running],
+            # A request whose KV is arriving holds its batch slot and blocks but has no work yet,
+            # and a ZigZag request on a loading instance is run layer by layer outside the plan.
+            [RunningSeq(s.request_id, 0 if s.fill_task is not None or s.zigzag else s.pending) for s in self._running],
             [
-                WaitingSeq(s.request_id, 0 if s.kv_fill is not None else s.prefill_len, s.blocks_reserved)
-                for s in self._waiting
+                WaitingSeq(
+                    s.request_id,
+                    0 if s.kv_fill is not None or s.relay_fill is not None else s.prefill_len,
+                    s.blocks_reserved,
+                )
+                for s in waiting
             ],
             self._available_blocks(),
             self._limits,
@@ -729,21 +921,24 @@ class Engine:
             seq = self._by_id[request_id]
             self._waiting.remove(seq)
             self._running.append(seq)
-            if seq.kv_fill is not None:
+            fill = seq.kv_fill or seq.relay_fill
+            if fill is not None:
                 # Its blocks are taken now, between steps: blocks freed while a step computes
                 # (an abort) may still be written by that step, and must not receive KV.
-                self.kv_cache.allocate(request_id, seq.num_tokens - 1)
+                self.kv_cache.allocate(request_id, seq.num_tokens - 1 if seq.kv_fill is not None else seq.num_tokens)
                 filling.add(request_id)
-                seq.fill_task = asyncio.get_running_loop().create_task(
-                    self._fill(seq, seq.kv_fill), name=f"kv-fill-{request_id}"
-                )
-                seq.kv_fill = None
+                seq.fill_task = asyncio.get_running_loop().create_task(self._fill(seq), name=f"kv-fill-{request_id}")
+            elif seq.zigzag:
+                self.kv_cache.allocate(request_id, len(seq.prompt))
+                filling.add(request_id)  # its work is picked below, by layer
             else:
                 self.kv_cache.allocate(request_id, 0)
         if filling:
             plan = replace(plan, work=tuple(w for w in plan.work if w[0] not in filling))
-        if not plan.work:
-            # Nothing fits now (only possible with an exhausted pool); wait for a change.
+        partials = self._zigzag_work()
+        if not plan.work and not partials:
+            # Nothing fits now (an exhausted pool), or ZigZag work waits for its next layer or
+            # for its partner: wait for a change.
             self._wake.clear()
             await self._wake.wait()
             return
@@ -752,15 +947,37 @@ class Engine:
         counts: list[int] = []
         inp = _StepInput([], [], [], [], [], [], [])
         prefill_tokens = 0
+        paced_tokens = 0.0
+        num_layers = self.model.config.num_hidden_layers
         for row, (request_id, n) in enumerate(plan.work):
             seq = self._by_id[request_id]
             start = seq.num_computed
+            seqs.append(seq)
+            counts.append(n)
+            if seq.zz_hidden is not None:
+                # Taken over from a loading instance: the prompt's remaining layers, in one piece.
+                if start != 0 or n != len(seq.prompt):
+                    counts[-1] = 0  # a chunk of it: wait for a step with room for all of it
+                    continue
+                inp.continuations.append(
+                    _Continuation(row, seq.zz_layers, seq.zz_hidden, n, self.kv_cache.block_table(request_id))
+                )
+                inp.sample_rows.append(row)
+                inp.params.append(seq.params)
+                inp.generators.append(seq.generator)
+                inp.histories.append(seq.history)
+                prefill_tokens += n
+                paced_tokens += n * (num_layers - seq.zz_layers) / num_layers
+                continue
+            local = len(inp.query_lens)
+            inp.regular_rows.append(row)
             inp.input_ids.extend(seq.tokens(start, n))
             inp.query_lens.append(n)
             inp.context_lens.append(start)
             self.kv_cache.extend(request_id, start + n)
             inp.block_tables.append(self.kv_cache.block_table(request_id))
             if start + n == seq.num_tokens:
+                inp.logits_local.append(local)
                 inp.sample_rows.append(row)
                 inp.params.append(seq.params)
                 inp.generators.append(seq.generator)
@@ -769,24 +986,46 @@ class Engine:
                 # Positions start .. end-1 predict prompt tokens start+1 .. end.
                 end = min(start + n, len(seq.prompt) - 1)
                 k = seq.params.prompt_logprobs or 0
-                inp.prompt_work.append(_PromptWork(row, seq.prompt[start + 1 : end + 1], k))
+                inp.prompt_work.append(_PromptWork(local, seq.prompt[start + 1 : end + 1], k))
             if start < seq.prefill_len:
                 prefill_tokens += min(n, seq.prefill_len - start)
-            seqs.append(seq)
-            counts.append(n)
+            paced_tokens += n
+        # Regular rows sample first, then continuations: the order `_execute` builds logits in.
+        order = sorted(range(len(inp.sample_rows)), key=lambda i: inp.sample_rows[i] not in inp.regular_rows)
+        inp.sample_rows[:] = [inp.sample_rows[i] for i in order]
+        inp.params[:] = [inp.params[i] for i in order]
+        inp.generators[:] = [inp.generators[i] for i in order]
+        inp.histories[:] = [inp.histories[i] for i in order]
+        for part in partials:
+            inp.partials.append(part)
+            paced_tokens += part.num_tokens * (part.layer_end - part.layer_start) / num_layers
 
         assert self._executor is not None
+        self._in_step = {s.request_id for s in seqs} | {p.seq.request_id for p in partials}
         t0 = self._clock()
-        sampled_out, prompt_out = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, inp)
+        try:
+            sampled_out, prompt_out, partial_out = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._execute, inp
+            )
+        finally:
+            self._in_step = set()
         compute_s = self._clock() - t0
         if self.config.pacing is not None:
-            remaining = self.config.pacing.step_time_s(plan.num_tokens) - compute_s
+            # Emulated accelerator: a layer range costs its share of a whole step's tokens.
+            remaining = self.config.pacing.step_time_s(round(paced_tokens)) - compute_s
             if remaining > 0:
                 await asyncio.sleep(remaining)
         now = self._clock()
 
+        for part, hidden in zip(inp.partials, partial_out, strict=True):
+            seq = part.seq
+            if seq.finished:
+                continue
+            seq.zz_layers, seq.zz_hidden = part.layer_end, hidden
+            if seq.relay_waiters:
+                self._relay_now(seq)
         for work, results in zip(inp.prompt_work, prompt_out, strict=True):
-            seq = seqs[work.row]
+            seq = seqs[inp.regular_rows[work.row]]
             if seq.prompt_logprobs is not None and not seq.finished:
                 seq.prompt_logprobs.extend(
                     PromptLogprob(t, lp, top) for t, (lp, top) in zip(work.targets, results, strict=True)
@@ -797,9 +1036,12 @@ class Engine:
             sampled = dict(zip(inp.sample_rows, picks, strict=True))
         generated = 0
         for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
-            if seq.finished:
-                continue  # aborted while the step ran; its blocks are already back in the pool
+            if seq.finished or n == 0:
+                continue  # aborted while the step ran (its blocks are already back in the pool), or deferred
             seq.num_computed += n
+            if seq.zz_hidden is not None:
+                seq.zz_hidden = None
+                self.zigzag["continued"] += 1
             if row in sampled:
                 token, logprob, top = sampled[row]
                 generated += 1
@@ -811,25 +1053,55 @@ class Engine:
         self._steps += 1
         self.step_log.append(StepRecord(self._steps, plan.admitted, plan.work, compute_s, now - t0))
 
-    async def _fill(self, seq: _Seq, fill: KVFill) -> None:
-        """Pull `seq`'s KV (the decode side of a hand-off); on failure fall back to computing
-        it here. Cancelled when the request ends first: then its blocks are freed here, after
-        the pull has unwound."""
+    def _zigzag_work(self) -> list[_Partial]:
+        """ZigZag on a loading instance: the running ZigZag requests whose next layer is loaded,
+        each to run every loaded layer it has not run yet (in arrival order, within the token
+        budget; the first always runs). Requests waiting for a layer, or for their partner, wait."""
+        loaded = self.model.num_layers_loaded
+        budget = self.config.max_num_tokens
+        work: list[_Partial] = []
+        for seq in self._running:
+            if not seq.zigzag or seq.finished or seq.zz_layers >= loaded or seq.relay_waiters:
+                continue
+            n = len(seq.prompt)
+            if work and n > budget:
+                break
+            budget -= n
+            work.append(_Partial(seq, seq.zz_layers, loaded, n, self.kv_cache.block_table(seq.request_id)))
+        return work
+
+    def notify_layers(self) -> None:
+        """A decoder layer arrived (a loading instance): ZigZag requests may run further."""
+        self._wake.set()
+
+    async def _fill(self, seq: _Seq) -> None:
+        """Pull `seq`'s KV: all of it (the decode side of a hand-off), or the first layers' and
+        the hidden states (taken over from a loading instance, ZigZag). On failure fall back to
+        computing it here. Cancelled when the request ends first: then its blocks are freed here,
+        after the pull has unwound."""
+        fill: KVFill | RelayFill | None = seq.kv_fill or seq.relay_fill
+        relay = seq.relay_fill is not None
+        seq.kv_fill = seq.relay_fill = None
+        assert fill is not None
+        result: object = None
         ok = False
         try:
-            await fill(KVBlocks(self.kv_cache, seq.request_id))
+            result = await fill(KVBlocks(self.kv_cache, seq.request_id))
             ok = True
         except asyncio.CancelledError:
             pass
         except Exception as e:
-            log.warning("kv_fill_failed", request_id=seq.request_id, error=f"{type(e).__name__}: {e}")
+            log.warning("kv_fill_failed", request_id=seq.request_id, relay=relay, error=f"{type(e).__name__}: {e}")
         finally:
             seq.fill_task = None
             if seq.finished:
                 self.kv_cache.free(seq.request_id)
         if seq.finished:
             return
-        if ok:
+        if ok and relay and isinstance(result, Relayed) and result.layers > 0 and result.hidden is not None:
+            # The remaining layers run here, on the hidden states it brought (see _step).
+            seq.zz_layers, seq.zz_hidden = result.layers, result.hidden
+        elif ok and not relay:
             seq.num_computed = seq.num_tokens - 1
             self.kv_fills["pulled"] += 1
         else:
@@ -837,7 +1109,10 @@ class Engine:
             self.kv_cache.free(seq.request_id)
             self.kv_cache.allocate(seq.request_id, 0)
             seq.num_computed = 0
-            self.kv_fills["recomputed"] += 1
+            if relay:
+                self.zigzag["recomputed"] += 1
+            else:
+                self.kv_fills["recomputed"] += 1
         self._wake.set()
 
     def _emit(self, seq: _Seq, token: int, logprob: float, top: TopLogprobs, now: float) -> None:
@@ -867,40 +1142,72 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason, notify=False)
 
-    def _execute(self, inp: _StepInput) -> tuple[SampleOutput | None, list[list[tuple[float, TopLogprobs]]]]:
+    def _execute(
+        self, inp: _StepInput
+    ) -> tuple[SampleOutput | None, list[list[tuple[float, TopLogprobs]]], list[torch.Tensor]]:
         """The compute thread's part of a step: forward over the flat batch, then sampling (and
-        the prompt log-probs some prefills asked for, from the same hidden states)."""
-        batch = ForwardBatch.build(
-            inp.query_lens,
-            inp.context_lens,
-            inp.block_tables,
-            self.kv_cache.block_size,
-            logits_rows=inp.sample_rows,
-            device=self.model.device,
-        )
-        ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.model.device)
+        the prompt log-probs some prefills asked for, from the same hidden states); ZigZag
+        continuations run their remaining layers; ZigZag requests on a loading instance run the
+        layers it holds and keep their hidden states."""
+        model = self.model
+        device = model.device
+        num_layers = model.config.num_hidden_layers
+        logits_parts: list[torch.Tensor] = []
         prompt_out: list[list[tuple[float, TopLogprobs]]] = []
-        if not inp.prompt_work:
-            logits = self.model.forward_batch(ids, batch, self.kv_cache)
-        else:
-            # forward_batch's steps, keeping every position's hidden state for the prompt logits.
-            model = self.model
-            hidden = model.run_layers(model.embed(ids), 0, model.config.num_hidden_layers, batch, self.kv_cache)
-            logits = model.head(hidden.index_select(0, batch.logits_indices))
-            starts = [0]
-            for n in inp.query_lens:
-                starts.append(starts[-1] + n)
-            for work in inp.prompt_work:
-                results: list[tuple[float, TopLogprobs]] = []
-                base = starts[work.row]
-                for a in range(0, len(work.targets), _PROMPT_LOGITS_ROWS):
-                    b = min(a + _PROMPT_LOGITS_ROWS, len(work.targets))
-                    rows = torch.arange(base + a, base + b, device=hidden.device)
-                    results.extend(prompt_logprobs(model.head(hidden.index_select(0, rows)), work.targets[a:b], work.k))
-                prompt_out.append(results)
+        if inp.query_lens:
+            batch = ForwardBatch.build(
+                inp.query_lens,
+                inp.context_lens,
+                inp.block_tables,
+                self.kv_cache.block_size,
+                logits_rows=inp.logits_local,
+                device=device,
+            )
+            ids = torch.tensor(inp.input_ids, dtype=torch.long, device=device)
+            if not inp.prompt_work:
+                if inp.logits_local:
+                    logits_parts.append(model.forward_batch(ids, batch, self.kv_cache))
+                else:
+                    model.run_layers(model.embed(ids), 0, num_layers, batch, self.kv_cache)
+            else:
+                # forward_batch's steps, keeping every position's hidden state for the prompt logits.
+                hidden = model.run_layers(model.embed(ids), 0, num_layers, batch, self.kv_cache)
+                if inp.logits_local:
+                    logits_parts.append(model.head(hidden.index_select(0, batch.logits_indices)))
+                starts = [0]
+                for n in inp.query_lens:
+                    starts.append(starts[-1] + n)
+                for work in inp.prompt_work:
+                    results: list[tuple[float, TopLogprobs]] = []
+                    base = starts[work.row]
+                    for a in range(0, len(work.targets), _PROMPT_LOGITS_ROWS):
+                        b = min(a + _PROMPT_LOGITS_ROWS, len(work.targets))
+                        rows = torch.arange(base + a, base + b, device=hidden.device)
+                        results.extend(
+                            prompt_logprobs(model.head(hidden.index_select(0, rows)), work.targets[a:b], work.k)
+                        )
+                    prompt_out.append(results)
+        for cont in inp.continuations:
+            batch = ForwardBatch.build(
+                [cont.num_tokens], [0], [cont.block_table], self.kv_cache.block_size, device=device
+            )
+            hidden = model.run_layers(cont.hidden.to(device), cont.layer_start, num_layers, batch, self.kv_cache)
+            logits_parts.append(model.head(hidden.index_select(0, batch.logits_indices)))
+        partial_out: list[torch.Tensor] = []
+        for part in inp.partials:
+            batch = ForwardBatch.build(
+                [part.num_tokens], [0], [part.block_table], self.kv_cache.block_size, device=device
+            )
+            if part.layer_start == 0:
+                hidden = model.embed(torch.tensor(part.seq.prompt, dtype=torch.long, device=device))
+            else:
+                assert part.seq.zz_hidden is not None
+                hidden = part.seq.zz_hidden
+            partial_out.append(model.run_layers(hidden, part.layer_start, part.layer_end, batch, self.kv_cache))
         if not inp.sample_rows:
-            return None, prompt_out
-        return sample(logits, inp.params, inp.generators, inp.histories), prompt_out
+            return None, prompt_out, partial_out
+        logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat(logits_parts)
+        return sample(logits, inp.params, inp.generators, inp.histories), prompt_out, partial_out
 
     # ---- observability ------------------------------------------------------------------------
 
@@ -922,6 +1229,9 @@ class Engine:
             kv_blocks_reserved=reserved,
             kv_blocks_total=self.kv_cache.total_blocks,
             kv_blocks_parked=sum(self._parked.values()),
+            zigzag_running=sum(1 for s in self._running if s.zigzag),
+            zigzag_relayed_total=self.zigzag["relayed"],
+            zigzag_continued_total=self.zigzag["continued"],
             decode_tokens_per_s=self._decode_window.total(now) / span,
             prefill_tokens_per_s=self._prefill_window.total(now) / span,
             ttft_p50_s=ttft[0],

@@ -1,0 +1,252 @@
+"""The engine's side of ZigZag live scaling (ALGORITHMS.md section 3): a loading instance runs a
+prompt through the layers it holds, as they arrive, until its full partner relays the request;
+the partner pulls the KV of those layers, runs the rest on the hidden states and decodes. Split
+this way, at any layer, a request gives exactly the tokens of a whole run. (The data plane
+between the two is tested in tests/integration/test_zigzag_worker.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from services.common.waiting import wait_until
+from services.model_format import synth
+from services.model_format.checkpoint import Checkpoint
+from services.worker.engine.engine import (
+    Engine,
+    EngineConfig,
+    EngineStoppedError,
+    KVBlocks,
+    PacingProfile,
+    Relayed,
+    RelayOutcome,
+    TokenEvent,
+)
+from services.worker.engine.sampling import SamplingParams
+from services.worker.model.llama import LlamaForCausalLM
+from tests.unit.test_engine import collect, make_engine, prompt_of
+
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The tiny preset with 4 decoder layers, so a request can split at 0, 1, 2 or all of them.
+    return synth.synthesize(
+        tmp_path_factory.mktemp("zigzag") / "tiny4", "tiny", seed=0, overrides={"num_hidden_layers": 4}
+    )
+
+
+def partial_model(path: Path, layers: int) -> tuple[LlamaForCausalLM, Checkpoint]:
+    """The model as a loading instance holds it: embed and decoder layers [0, layers)."""
+    ckpt = Checkpoint(path)
+    model = LlamaForCausalLM(ckpt.config)
+    model.load_groups(ckpt.iter_groups(["embed", *(f"layers.{i}" for i in range(layers))]))
+    return model, ckpt
+
+
+def load_layer(model: LlamaForCausalLM, ckpt: Checkpoint, group: str) -> None:
+    model.load_groups(ckpt.iter_groups([group]))
+
+
+def loading_engine(model: LlamaForCausalLM, **overrides: object) -> Engine:
+    fields: dict[str, object] = {"max_batch_size": 4, "max_num_tokens": 128, "num_kv_blocks": 64, "num_threads": 1}
+    return Engine.create(model, [2], EngineConfig(**{**fields, **overrides}))  # type: ignore[arg-type]
+
+
+def relay_from(source: Engine, request_id: str, *, fail: bool = False):
+    """The partner's relay: ask the loading engine to stop the request, copy the KV of the
+    layers it ran (as the data plane does) and bring the hidden states."""
+
+    async def fill(blocks: KVBlocks) -> Relayed:
+        outcome = await source.relay(request_id)
+        if fail:
+            raise ConnectionError("the loading instance died mid-relay")
+        if outcome.layers == 0 or outcome.parked_kv is None:
+            return Relayed(0)
+        table = blocks.allocate(blocks.request_id, outcome.num_tokens)
+        src = source.kv_cache.block_table(outcome.parked_kv)[: len(table)]
+        (sk, sv), (dk, dv) = source.kv_cache.storage(), blocks._cache.storage()
+        dk[: outcome.layers, table] = sk[: outcome.layers, src]
+        dv[: outcome.layers, table] = sv[: outcome.layers, src]
+        source.release_parked(outcome.parked_kv)
+        return Relayed(outcome.layers, outcome.hidden)
+
+    return fill
+
+
+async def zigzag(
+    new: Engine, old: Engine, request_id: str, prompt: Sequence[int], params: SamplingParams
+) -> tuple[list[TokenEvent], list[TokenEvent]]:
+    first = asyncio.create_task(collect_stream(new.generate(request_id, prompt, params, zigzag=True)))
+    await wait_until(lambda: request_id in new._by_id, 5, what="the zigzag request on the loading instance")
+    rest = await collect_stream(old.generate(request_id, prompt, params, relay_fill=relay_from(new, request_id)))
+    return await first, rest
+
+
+async def collect_stream(stream) -> list[TokenEvent]:
+    return [ev async for ev in stream]
+
+
+@pytest.mark.parametrize("layers", [0, 1, 2, 4], ids=lambda k: f"k={k}")
+@pytest.mark.parametrize("params", [PARAMS, SEEDED], ids=["greedy", "seeded"])
+async def test_a_request_split_at_any_layer_gives_the_tokens_of_a_whole_run(
+    ckpt: Path, layers: int, params: SamplingParams
+) -> None:
+    full, _ = partial_model(ckpt, 4)
+    load_layer(full, Checkpoint(ckpt), "head")
+    prompts = [prompt_of(n, seed) for seed, n in enumerate((7, 23, 40))]
+    async with make_engine(full) as whole:
+        expected = await asyncio.gather(*(collect(whole, f"r{i}", p, params) for i, p in enumerate(prompts)))
+    model, _ = partial_model(ckpt, layers)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        async with make_engine(full) as old:
+            # The loading instance has run every layer it holds before the partner takes over.
+            for i, p in enumerate(prompts):
+                first, rest = await zigzag_after_progress(new, old, f"r{i}", p, params, layers)
+                assert len(first) == 1 and first[0].zigzag_layers == layers and first[0].token_id is None
+                assert [e.token_id for e in rest] == [e.token_id for e in expected[i]], (layers, i)
+            assert old.zigzag == {
+                "relayed": 0,
+                "continued": len(prompts) if layers else 0,
+                "recomputed": 0 if layers else len(prompts),
+            }
+            assert old.kv_cache.used_blocks == 0
+        assert new.zigzag["relayed"] == len(prompts)
+        assert new.kv_cache.used_blocks == 0 and new.stats().kv_blocks_parked == 0
+    finally:
+        await new.stop()
+
+
+async def zigzag_after_progress(
+    new: Engine, old: Engine, request_id: str, prompt: Sequence[int], params: SamplingParams, layers: int
+) -> tuple[list[TokenEvent], list[TokenEvent]]:
+    first = asyncio.create_task(collect_stream(new.generate(request_id, prompt, params, zigzag=True)))
+    await wait_until(
+        lambda: (seq := new._by_id.get(request_id)) is not None and seq.zz_layers == layers,
+        5,
+        what=f"the request through {layers} layers on the loading instance",
+    )
+    rest = await collect_stream(old.generate(request_id, prompt, params, relay_fill=relay_from(new, request_id)))
+    return await first, rest
+
+
+async def test_layers_arriving_while_a_request_waits_are_run_in_turn(ckpt: Path) -> None:
+    """FCFS with requests whose next layer is loaded first: each arriving layer runs for every
+    waiting request; the relay then carries all of them."""
+    full, _ = partial_model(ckpt, 4)
+    load_layer(full, Checkpoint(ckpt), "head")
+    prompt = prompt_of(19, 3)
+    async with make_engine(full) as whole:
+        expected = [e.token_id for e in await collect(whole, "r", prompt, PARAMS)]
+    model, source = partial_model(ckpt, 1)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        streams = [
+            asyncio.create_task(collect_stream(new.generate(f"r{i}", prompt, PARAMS, zigzag=True))) for i in range(2)
+        ]
+        for k in (1, 2, 3):
+            await wait_until(lambda k=k: through(new, 2, k), 5, what=f"both through {k} layers")
+            load_layer(model, source, f"layers.{k}")
+            new.notify_layers()
+        await wait_until(lambda: through(new, 2, 4), 5, what="both through all 4 layers")
+        assert new.stats().zigzag_running == 2
+        async with make_engine(full) as old:
+            for i in range(2):
+                rest = await collect_stream(old.generate(f"r{i}", prompt, PARAMS, relay_fill=relay_from(new, f"r{i}")))
+                assert [e.token_id for e in rest] == expected
+                assert (await streams[i])[0].zigzag_layers == 4
+    finally:
+        await new.stop()
+
+
+def through(engine: Engine, n: int, layers: int) -> bool:
+    """Requests r0..r{n-1} have run exactly `layers` layers on the loading engine."""
+    seqs = [engine._by_id.get(f"r{i}") for i in range(n)]
+    return all(s is not None and s.zz_layers == layers for s in seqs)
+
+
+async def test_a_loading_engine_refuses_whole_requests(ckpt: Path) -> None:
+    model, _ = partial_model(ckpt, 2)
+    new = loading_engine(model)
+    with pytest.raises(RuntimeError, match="model is not complete"):
+        await new.start()
+    await new.start(partial=True)
+    try:
+        with pytest.raises(EngineStoppedError, match=r"still loading \(2 of 4 layers\)"):
+            await collect(new, "r", prompt_of(5, 1), PARAMS)
+        with pytest.raises(ValueError, match="cannot ask for prompt_logprobs"):
+            await collect_stream(
+                new.generate("r", [1, 5], SamplingParams(temperature=0, prompt_logprobs=1), zigzag=True)
+            )
+    finally:
+        await new.stop()
+
+
+async def test_a_relay_before_the_request_arrives_ends_it_at_once(ckpt: Path) -> None:
+    model, _ = partial_model(ckpt, 2)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        assert await new.relay("late") == RelayOutcome(0, 0)
+        events = await collect_stream(new.generate("late", prompt_of(9, 2), PARAMS, zigzag=True))
+        assert [e.zigzag_layers for e in events] == [0] and new.kv_cache.used_blocks == 0
+    finally:
+        await new.stop()
+
+
+async def test_a_failed_relay_is_recomputed_on_the_partner(ckpt: Path) -> None:
+    full, _ = partial_model(ckpt, 4)
+    load_layer(full, Checkpoint(ckpt), "head")
+    prompt = prompt_of(17, 5)
+    async with make_engine(full) as whole:
+        expected = [e.token_id for e in await collect(whole, "r", prompt, PARAMS)]
+    model, _ = partial_model(ckpt, 3)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        first = asyncio.create_task(collect_stream(new.generate("r", prompt, PARAMS, zigzag=True)))
+        await wait_until(lambda: getattr(new._by_id.get("r"), "zz_layers", 0) == 3, 5, what="3 layers run")
+        async with make_engine(full) as old:
+            rest = await collect_stream(old.generate("r", prompt, PARAMS, relay_fill=relay_from(new, "r", fail=True)))
+            assert [e.token_id for e in rest] == expected
+            assert old.zigzag["recomputed"] == 1
+        await first
+    finally:
+        await new.stop()
+
+
+async def test_the_partner_takes_zigzag_work_only_behind_its_own(ckpt: Path) -> None:
+    """A relayed request waits in the partner's queue behind the partner's own waiting requests."""
+    full, _ = partial_model(ckpt, 4)
+    load_layer(full, Checkpoint(ckpt), "head")
+    model, _ = partial_model(ckpt, 2)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    pacing = PacingProfile(base_s=0.01, per_token_s=0)
+    order: list[str] = []
+
+    async def run(engine: Engine, rid: str, **kw: object) -> None:
+        async for ev in engine.generate(rid, prompt_of(9, 1), PARAMS, **kw):  # type: ignore[arg-type]
+            if ev.completion_tokens == 1:
+                order.append(rid)
+
+    try:
+        async with make_engine(full, max_batch_size=1, pacing=pacing) as old:
+            busy = asyncio.create_task(run(old, "busy"))
+            await wait_until(lambda: old.stats().running == 1, 5, what="the partner busy")
+            zz = asyncio.create_task(collect_stream(new.generate("zz", prompt_of(9, 1), PARAMS, zigzag=True)))
+            relayed = asyncio.create_task(run(old, "zz", relay_fill=relay_from(new, "zz")))
+            await wait_until(lambda: old.stats().waiting == 1, 5, what="the relayed request queued")
+            own = asyncio.create_task(run(old, "own"))
+            await asyncio.gather(busy, relayed, own, zz)
+        assert order == ["busy", "own", "zz"]
+    finally:
+        await new.stop()
