@@ -1,0 +1,1 @@
+"""ZigZag ILP solve-time benchmark: `python -m bench.zigzag` (see __main__.py)."""

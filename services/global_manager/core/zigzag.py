@@ -1,0 +1,542 @@
+"""ZigZag execution scheduling (ALGORITHMS.md 3, BlitzScale OSDI'25): the pure planning pieces.
+
+A LOADING instance holding k of L layers runs layers [0, k) of a request and hands the hidden
+states to an overloaded full partner that runs [k, L). This module decides, without I/O or clock
+reads (`now_s` is passed in): the layer split of a prefill batch sequence (an ILP), the cap on
+in-flight zigzag requests per new instance, the partner, which loading instance takes the next
+request, whether to zigzag at all, and the throughput model the vectors in the issue come from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from .types import InstanceState, InstanceView, Role
+
+__all__ = [
+    "C3Form",
+    "LiveChoice",
+    "PartnerChoice",
+    "ZigzagGate",
+    "ZigzagIlpInfeasibleError",
+    "ZigzagIlpPlan",
+    "choose_live_instance",
+    "choose_zigzag_partner",
+    "ilp_objective_layers",
+    "pair_throughput",
+    "plan_prefill_ilp",
+    "should_zigzag",
+    "zigzag_req_limit",
+]
+
+#: How C3 treats a batch that runs no layer on the new instance (see `plan_prefill_ilp`).
+C3Form = Literal["zero_allowed", "as_printed"]
+
+# A float slack for the feasibility check of the rounded solution: C3 has a real coefficient
+# (Time_l), so an integer point the solver accepted may miss it by HiGHS's tolerance (1e-6).
+_FEAS_TOL = 1e-6
+
+
+# ------------------------------------------------------------------------------------------
+# ILP for a prefill batch sequence
+# ------------------------------------------------------------------------------------------
+
+
+class ZigzagIlpInfeasibleError(ValueError):
+    """The ILP has no solution. Only the paper's printed C3 (`c3="as_printed"`) can get here:
+    with `"zero_allowed"` the all-on-the-old-instance plan (every T_i = 0) is always feasible."""
+
+
+@dataclass(frozen=True, slots=True)
+class ZigzagIlpPlan:
+    """The optimal layer split of N prefill batches between a loading and a full instance.
+
+    `new_layers[i-1]` is the paper's T_i (layers [0, T_i) of batch i run on the new instance);
+    `old_layers[i-1]` is S_i = L - T_i (layers [T_i, L) run on the old one). `objective_layers`
+    is (1/N) * sum_i (N - i + 1) * S_i in units of one layer's compute: the mean over the N
+    batches of the old instance's work queued up to and including that batch. `status` is
+    "optimal", or "time_limit" when the solver stopped at `time_limit_s` with a feasible but
+    unproven plan. No solve time is measured here (the core reads no clock); the bench does.
+    """
+
+    num_layers: int
+    num_batches: int
+    load_time_layers: float
+    k0_layers: int
+    c3: C3Form
+    new_layers: tuple[int, ...]
+    old_layers: tuple[int, ...]
+    objective_layers: float
+    status: Literal["optimal", "time_limit"]
+
+
+def _check_ilp_inputs(num_layers: int, num_batches: int, load_time_layers: float, k0_layers: int) -> None:
+    for name, value in (("num_layers (L)", num_layers), ("num_batches (N)", num_batches), ("k0_layers", k0_layers)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if num_layers < 1:
+        raise ValueError(f"num_layers (L) must be >= 1, got {num_layers!r}")
+    if num_batches < 1:
+        raise ValueError(f"num_batches (N) must be >= 1, got {num_batches!r}")
+    if not 0 <= k0_layers <= num_layers:
+        raise ValueError(f"k0_layers must be in [0, num_layers={num_layers!r}], got {k0_layers!r}")
+    if isinstance(load_time_layers, bool) or not isinstance(load_time_layers, int | float):
+        raise ValueError(f"load_time_layers (Time_l) must be a number, got {load_time_layers!r}")
+    if not (math.isfinite(load_time_layers) and load_time_layers >= 0):
+        raise ValueError(f"load_time_layers (Time_l) must be finite and >= 0, got {load_time_layers!r}")
+
+
+def ilp_objective_layers(old_layers: Iterable[int]) -> float:
+    """(1/N) * sum_{req=1..N} sum_{i<=req} S_i = (1/N) * sum_i (N - i + 1) * S_i.
+
+    Batch `req` finishes once the old instance has run its own share and the shares of every
+    batch before it (it serves them in order), so the objective is the mean of those running
+    sums: batch i's S_i is counted once for itself and for each of the N - i batches after it.
+    """
+    s = list(old_layers)
+    n = len(s)
+    if n == 0:
+        raise ValueError("old_layers must name at least one batch, got none")
+    return sum((n - i) * s_i for i, s_i in enumerate(s)) / n
+
+
+def plan_prefill_ilp(
+    num_layers: int,
+    num_batches: int,
+    load_time_layers: float,
+    *,
+    k0_layers: int,
+    c3: C3Form = "zero_allowed",
+    time_limit_s: float | None = None,
+) -> ZigzagIlpPlan:
+    """Solve BlitzScale's ILP for a sequence of N prefill batches with `scipy.optimize.milp`.
+
+    Variables, for batches i = 1..N: integers T_i (layers on the new instance) and S_i (on the
+    old one) in [0, L]. Minimise (1/N) * sum_i (N - i + 1) * S_i (`ilp_objective_layers`),
+    subject to
+      C1  S_i + T_i = L;
+      C2  sum_{j<=i} T_j <= sum_{j<i} S_j                       (i > 1): as we read it, the
+          new instance has finished batch i's share by the time the old one is done with the
+          batches before it, so the old instance never waits for a hand-off;
+      C3  Time_l * T_i <= sum_{j<i} T_j + (N - i + 1)(T_i - 1)  (i > 1): the layers batch i
+          runs on the new instance have arrived by the time it runs them (the right side
+          counts the new instance's work as if it ran the remaining batches layer by layer).
+          Time_l (`load_time_layers`) is the time to load one layer in units of one layer's
+          compute.
+
+    C3 as printed forbids T_i = 0 whenever sum_{j<i} T_j < N - i + 1 (its right side is then
+    negative), although running no layer of batch i on the new instance needs no layer at all.
+    With k0 = 0 (so T_1 = 0) and Time_l >= N - 1, batch 2 can satisfy it neither with T_2 = 0
+    nor with T_2 >= 1, so the printed ILP has no solution at all (e.g. L = 4, N = 3, Time_l = 2:
+    loading a layer takes as long as computing two). We treat
+    T_i = 0 as always allowed: a binary z_i with z_i <= T_i <= L * z_i (z_i = 1 exactly when
+    batch i runs a layer on the new instance), and C3 relaxed by a big-M of M_i = N - i + 1
+    when z_i = 0:
+          Time_l * T_i - sum_{j<i} T_j - (N - i + 1) * T_i + M_i * z_i <= 0.
+    With z_i = 1 this is the printed C3; with z_i = 0 (so T_i = 0) it reads
+    -sum_{j<i} T_j <= 0, always true, and M_i is the smallest constant that makes it so. C3
+    therefore binds exactly the batches that run at least one layer on the new instance, and
+    the plan with every T_i = 0 (stop-the-world for this sequence) is always feasible.
+    `c3="as_printed"` solves the printed form instead (z_i fixed to 1, T_i = 0 still allowed
+    where the printed C3 holds), for comparison; its infeasibility raises
+    `ZigzagIlpInfeasibleError`.
+
+    The optimum tends to alternate (T = 1, 30, 2, 30, 2, ... for L = 32, N = 16, k0 = 1 and
+    Time_l = 8): C2 lets a batch that runs almost all of its layers on the new instance follow
+    one that runs almost none there, and the objective's weights favour early batches.
+
+    Batch 1: the printed ILP leaves T_1 free, which would let the first batch run all L layers
+    on an instance that holds few of them. We assume both instances start batch 1 at once and
+    the new instance runs only layers it already holds, so T_1 <= k0 (`k0_layers`, the layers
+    loaded when the sequence starts). C3 is kept as printed otherwise: it counts load time from
+    the start of the sequence and gives the k0 head start no credit, which is conservative.
+
+    `time_limit_s` is passed to HiGHS as its own limit; the function reads no clock. The
+    objective is minimised in the integer form sum_i (N - i + 1) * S_i with a zero relative gap,
+    so the plan is optimal, not within HiGHS's default 0.01% of it. The solver sees T, the
+    prefix sums A_i = sum_{j<=i} T_j and z (S is substituted through C1); a plan that breaks a
+    constraint after rounding raises RuntimeError rather than reaching a caller.
+
+    HiGHS 1.12 (scipy 1.17) sometimes prints a stray line,
+    "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();", to stdout while
+    repairing an incumbent; it cannot be silenced through scipy and does not affect the plan
+    (upstream ERGO-Code/HiGHS#2783); 4 of 576 solves over Time_l 0.5..16 at the bench's sizes did.
+    """
+    _check_ilp_inputs(num_layers, num_batches, load_time_layers, k0_layers)
+    if c3 not in ("zero_allowed", "as_printed"):
+        raise ValueError(f"c3 must be 'zero_allowed' or 'as_printed', got {c3!r}")
+    if time_limit_s is not None and not (math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise ValueError(f"time_limit_s must be finite and > 0, got {time_limit_s!r}")
+    # Imported here so the rest of the core (and the manager) imports without scipy.
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    L, N, tl = num_layers, num_batches, float(load_time_layers)
+
+    # Columns, 0-based i for batch i + 1: T_i, the prefix sums A_i = sum_{j<=i} T_j, and z_i.
+    # S_i = L - T_i (C1) is substituted, so sum_{j<i} S_j = i * L - A_{i-1} for 0-based i.
+    # Prefix sums keep every row at 3 non-zeros instead of O(i). With the two tightenings
+    # below, the slowest solve over Time_l in 0.5..16 and k0 in {0, 1, 4} at L = 32, N = 16
+    # dropped from 32-42 ms (dense rows, neither tightening) to about 20 ms on the dev box;
+    # leaving either one out made some load time worse than before (up to 130 ms).
+    def t_col(i: int) -> int:
+        return i
+
+    def a_col(i: int) -> int:
+        return N + i
+
+    def z_col(i: int) -> int:
+        return 2 * N + i
+
+    nvar = 3 * N
+    row_ids: list[int] = []
+    col_ids: list[int] = []
+    coefs: list[float] = []
+    lo: list[float] = []
+    hi: list[float] = []
+
+    def add(terms: dict[int, float], lb: float, ub: float) -> None:
+        for col, coef in terms.items():
+            row_ids.append(len(lo))
+            col_ids.append(col)
+            coefs.append(coef)
+        lo.append(lb)
+        hi.append(ub)
+
+    for i in range(N):
+        prefix = {a_col(i): 1.0, t_col(i): -1.0}
+        if i > 0:
+            prefix[a_col(i - 1)] = -1.0
+        add(prefix, 0.0, 0.0)  # A_i = A_{i-1} + T_i
+        add({t_col(i): 1.0, z_col(i): -float(L)}, -np.inf, 0.0)  # T_i = 0 unless z_i = 1
+        if c3 == "zero_allowed":
+            # z_i = 1 only with T_i >= 1: redundant for the integer points, but with it the
+            # relaxed C3 below describes the convex hull of "T_i = 0" and "T_i >= 1 with
+            # C3" (for fixed A_{i-1}), which tightens the LP relaxation.
+            add({t_col(i): 1.0, z_col(i): -1.0}, 0.0, np.inf)
+    for i in range(1, N):  # batches 2..N
+        add({a_col(i): 1.0, a_col(i - 1): 1.0}, -np.inf, float(i * L))  # C2: A_i <= i*L - A_{i-1}
+        remaining = N - i  # N - (i + 1) + 1 batches from this one on
+        # C3, relaxed by M_i = remaining when z_i = 0:
+        #   Time_l*T_i - A_{i-1} - remaining*T_i + remaining*z_i <= 0
+        add({t_col(i): tl - remaining, a_col(i - 1): -1.0, z_col(i): float(remaining)}, -np.inf, 0.0)
+
+    # Objective: sum_i (N - i + 1) * S_i = const - sum_i (N - i + 1) * T_i, weights N - i 0-based.
+    c = np.zeros(nvar)
+    for i in range(N):
+        c[t_col(i)] = -float(N - i)
+    lb = np.zeros(nvar)
+    ub = np.full(nvar, float(L))
+    ub[t_col(0)] = float(k0_layers)
+    for i in range(N):
+        # C2 of batch i + 2 with A_{i+1} >= A_i gives 2 * A_i <= (i + 1) * L: implied, but
+        # stated as a bound it trims the LP relaxation (see the timing note above).
+        ub[a_col(i)] = float((i + 1) * L // 2 if i < N - 1 else N * L)
+        ub[z_col(i)] = 1.0
+        if c3 == "as_printed":
+            lb[z_col(i)] = 1.0
+    options: dict[str, object] = {"disp": False, "mip_rel_gap": 0.0}
+    if time_limit_s is not None:
+        options["time_limit"] = float(time_limit_s)
+    res = milp(
+        c,
+        integrality=np.ones(nvar),
+        bounds=Bounds(lb, ub),
+        constraints=LinearConstraint(
+            coo_matrix((coefs, (row_ids, col_ids)), shape=(len(lo), nvar)).tocsr(), np.array(lo), np.array(hi)
+        ),
+        options=options,
+    )
+    if res.status == 2:
+        raise ZigzagIlpInfeasibleError(
+            f"zigzag ILP infeasible for L={L!r} N={N!r} Time_l={load_time_layers!r} k0={k0_layers!r} c3={c3!r}"
+        )
+    if res.x is None or res.status not in (0, 1):
+        # Not reachable for "zero_allowed" short of a solver failure: T = 0 is feasible.
+        raise RuntimeError(
+            f"zigzag ILP: HiGHS returned no plan for L={L!r} N={N!r} Time_l={load_time_layers!r} "
+            f"k0={k0_layers!r} c3={c3!r}: status {res.status!r}, {res.message!r}"
+        )
+    new = tuple(round(res.x[t_col(i)]) for i in range(N))
+    old = tuple(L - t for t in new)
+    bad = _violations(new, L, tl, k0_layers, c3)
+    if bad:
+        raise RuntimeError(f"zigzag ILP: HiGHS plan T={new!r} breaks {bad!r} (L={L!r} N={N!r} Time_l={tl!r})")
+    return ZigzagIlpPlan(
+        num_layers=L,
+        num_batches=N,
+        load_time_layers=tl,
+        k0_layers=k0_layers,
+        c3=c3,
+        new_layers=new,
+        old_layers=old,
+        objective_layers=ilp_objective_layers(old),
+        status="optimal" if res.status == 0 else "time_limit",
+    )
+
+
+def _violations(new_layers: tuple[int, ...], L: int, tl: float, k0: int, c3: C3Form) -> list[str]:
+    """The constraints a rounded plan breaks, named (`C2[i=3]`); empty when it is feasible."""
+    N = len(new_layers)
+    out = [f"bounds[i={i + 1}]" for i, t in enumerate(new_layers) if not 0 <= t <= L]
+    if new_layers[0] > k0:
+        out.append("T_1<=k0")
+    for i in range(1, N):
+        done_new = sum(new_layers[:i])
+        if done_new + new_layers[i] > sum(L - t for t in new_layers[:i]):
+            out.append(f"C2[i={i + 1}]")
+        if (new_layers[i] > 0 or c3 == "as_printed") and tl * new_layers[i] > done_new + (N - i) * (
+            new_layers[i] - 1
+        ) + _FEAS_TOL:
+            out.append(f"C3[i={i + 1}]")
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# In-flight cap
+# ------------------------------------------------------------------------------------------
+
+
+def zigzag_req_limit(
+    now_s: float, live_scaling_started_s: float, *, start: int = 4, step_s: float = 0.2, floor: int = 2
+) -> int:
+    """The most zigzag requests a new instance may have in flight: `start`, minus 1 per whole
+    `step_s` since its live scaling started, never below `floor` (BlitzScale: 4, 200 ms, 2).
+
+    Early on the new instance holds few layers, so each request costs it little and many can
+    overlap; as it loads, each request runs more layers on it and the cap shrinks so that a
+    queue does not build up on the instance that is still busy receiving weights. Clocks are
+    the caller's: a `now_s` before the start (a skew between two readings) counts as the start.
+    The step count gets 1e-9 of slack so 0.6 s over 0.2 s steps counts 3 steps, not 2.99...
+    """
+    for name, value in (("now_s", now_s), ("live_scaling_started_s", live_scaling_started_s)):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+    if not (math.isfinite(step_s) and step_s > 0):
+        raise ValueError(f"step_s must be finite and > 0, got {step_s!r}")
+    if floor < 0 or start < floor:
+        raise ValueError(f"need 0 <= floor <= start, got floor={floor!r} start={start!r}")
+    elapsed_s = max(0.0, now_s - live_scaling_started_s)
+    steps = math.floor(elapsed_s / step_s + 1e-9)
+    return max(floor, start - steps)
+
+
+# ------------------------------------------------------------------------------------------
+# Pairing and routing
+# ------------------------------------------------------------------------------------------
+
+
+def _overloaded(view: InstanceView, max_running_by_instance: Mapping[str, int] | None) -> bool:
+    """Queued work (waiting > 0), or a running batch at its reported capacity. No report yet
+    means not overloaded: `router.instance_load` counts such an instance as idle too."""
+    load = view.load
+    if load is None:
+        return False
+    if load.waiting > 0:
+        return True
+    cap = None if max_running_by_instance is None else max_running_by_instance.get(view.instance_id)
+    return cap is not None and load.running >= cap
+
+
+@dataclass(frozen=True, slots=True)
+class PartnerChoice:
+    """The full instance that finishes the layers a new instance has not loaded, and why."""
+
+    partner: InstanceView
+    reason: str
+
+
+def choose_zigzag_partner(
+    views: Iterable[InstanceView],
+    new_instance_id: str,
+    model: str,
+    *,
+    exclude_ids: Collection[str] = (),
+    max_running_by_instance: Mapping[str, int] | None = None,
+) -> PartnerChoice | None:
+    """The partner of `new_instance_id`: a SERVING instance of `model` with the new instance's
+    role, overloaded ones first, and among them the one with the fewest used KV blocks.
+
+    Overloaded first, because zigzag exists to take work off a full instance that cannot keep
+    up; an idle partner would serve the request faster alone. Fewest used KV blocks, as
+    BlitzScale's router pairs, because the partner holds the KV of layers [k, L) of every
+    split request (and, colocated, receives the [0, k) half too), so it needs the most room.
+    Ties go to fewer waiting requests, then the smaller id. With no overloaded candidate the
+    same rule picks among all of them, and the reason says so. Instances without a load report
+    rank after those with one (their KV use is unknown). `exclude_ids` keeps, e.g., a partner
+    already paired with another new instance out. None when no SERVING candidate exists.
+    Raises ValueError when `new_instance_id` is not among `views` or serves another model.
+    """
+    pool = list(views)
+    new = next((v for v in pool if v.instance_id == new_instance_id), None)
+    if new is None:
+        raise ValueError(f"new instance {new_instance_id!r} is not among the {len(pool)} views given")
+    if new.model != model:
+        raise ValueError(f"new instance {new_instance_id!r} loads model {new.model!r}, not {model!r}")
+    candidates = [
+        v
+        for v in pool
+        if v.state is InstanceState.SERVING
+        and v.model == model
+        and v.role is new.role
+        and v.instance_id != new_instance_id
+        and v.instance_id not in exclude_ids
+    ]
+    if not candidates:
+        return None
+    overloaded = [v for v in candidates if _overloaded(v, max_running_by_instance)]
+    group = overloaded or candidates
+
+    def rank(v: InstanceView) -> tuple[int, int, int, str]:
+        if v.load is None:
+            return (1, 0, 0, v.instance_id)
+        return (0, v.load.kv_blocks_used, v.load.waiting, v.instance_id)
+
+    best = min(group, key=rank)
+    used = "no load report yet" if best.load is None else str(best.load.kv_blocks_used)
+    kind = "overloaded SERVING" if overloaded else "SERVING (none overloaded)"
+    reason = f"fewest used KV blocks ({used}) among {len(group)} {kind} {new.role.value} instances of {model!r}"
+    return PartnerChoice(partner=best, reason=reason)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveChoice:
+    """The LOADING instance that takes the next zigzag request, with its cap at `now_s`."""
+
+    instance: InstanceView
+    inflight: int
+    limit: int
+    reason: str
+
+
+def choose_live_instance(
+    views: Iterable[InstanceView],
+    model: str,
+    inflight_by_instance: Mapping[str, int],
+    now_s: float,
+    started_s_by_instance: Mapping[str, float],
+    *,
+    limit_start: int = 4,
+    limit_step_s: float = 0.2,
+    limit_floor: int = 2,
+) -> LiveChoice | None:
+    """The LOADING instance of `model` that runs layers [0, k) of the next zigzag request.
+
+    Eligible: LOADING, at least one layer loaded and not all of them, live scaling started (an
+    entry in `started_s_by_instance`), and fewer zigzag requests in flight
+    (`inflight_by_instance`, missing = 0) than `zigzag_req_limit` allows at `now_s`.
+
+    Which instances go live at all is decided when live scaling starts, not here: the caller
+    puts an entry in `started_s_by_instance` only for the tail of each multicast chain. The
+    tail has the lowest bandwidth and loads last, so it gains the most from serving early,
+    while the chain's middle members are busy forwarding chunks; `InstanceView` carries no
+    chain position, so this function could not tell the tail apart anyway. An instance that
+    is LOADING but has no entry (a chain middle, or a load the scheduler has stopped trusting,
+    such as a stalled one) gets no zigzag work.
+
+    Among the eligible ones, the most layers loaded wins: it takes the largest share of the
+    request off the overloaded partner (ZigZag's gain grows with k up to L/2, see
+    `pair_throughput`) and its layers are the least likely to wait on weights still in flight.
+    Ties go to fewer requests in flight, then the smaller id. None when none qualifies.
+    """
+    if not math.isfinite(now_s):
+        raise ValueError(f"now_s must be finite, got {now_s!r}")
+    bad = {k: v for k, v in inflight_by_instance.items() if v < 0}
+    if bad:
+        raise ValueError(f"inflight_by_instance counts must be >= 0, got {bad!r}")
+    eligible: list[tuple[InstanceView, int, int]] = []
+    for v in views:
+        if v.state is not InstanceState.LOADING or v.model != model:
+            continue
+        if not 1 <= v.layers_loaded < v.num_layers or v.instance_id not in started_s_by_instance:
+            continue
+        limit = zigzag_req_limit(
+            now_s, started_s_by_instance[v.instance_id], start=limit_start, step_s=limit_step_s, floor=limit_floor
+        )
+        inflight = inflight_by_instance.get(v.instance_id, 0)
+        if inflight < limit:
+            eligible.append((v, inflight, limit))
+    if not eligible:
+        return None
+    view, inflight, limit = min(eligible, key=lambda e: (-e[0].layers_loaded, e[1], e[0].instance_id))
+    reason = (
+        f"most layers loaded ({view.layers_loaded}/{view.num_layers}) among {len(eligible)} live LOADING "
+        f"instances under their zigzag cap ({inflight} in flight, cap {limit})"
+    )
+    return LiveChoice(instance=view, inflight=inflight, limit=limit, reason=reason)
+
+
+@dataclass(frozen=True, slots=True)
+class ZigzagGate:
+    """Whether the next request goes to a LOADING instance, and why."""
+
+    zigzag: bool
+    reason: str
+
+
+def should_zigzag(
+    serving_views: Iterable[InstanceView],
+    *,
+    model: str | None = None,
+    role: Role | None = None,
+    max_running_by_instance: Mapping[str, int] | None = None,
+) -> ZigzagGate:
+    """Zigzag only when every SERVING instance (of `model` and `role`, when given) is overloaded:
+    it has requests waiting, or runs as many as its batch capacity in
+    `max_running_by_instance` (when that reports one).
+
+    Equivalently: even the best instance the ordinary router could pick would queue the
+    request. Then splitting it with a LOADING instance gains time; otherwise a full instance
+    serves it sooner and without a hidden-state relay. Views of other states are ignored, so
+    the caller may pass the whole registry. No SERVING instance at all means no zigzag: there
+    is no partner to finish the layers the new instance lacks. An instance with no load report
+    yet counts as not overloaded (as `router.instance_load` counts it as idle).
+    """
+    serving = [
+        v
+        for v in serving_views
+        if v.state is InstanceState.SERVING and (model is None or v.model == model) and (role is None or v.role is role)
+    ]
+    if not serving:
+        return ZigzagGate(False, "no SERVING instance to partner with")
+    free = [v for v in serving if not _overloaded(v, max_running_by_instance)]
+    if free:
+        best = min(free, key=lambda v: v.instance_id)
+        return ZigzagGate(
+            False, f"{len(free)} of {len(serving)} SERVING instances not overloaded (e.g. {best.instance_id!r})"
+        )
+    return ZigzagGate(True, f"all {len(serving)} SERVING instances overloaded (waiting > 0 or at batch capacity)")
+
+
+# ------------------------------------------------------------------------------------------
+# Throughput model
+# ------------------------------------------------------------------------------------------
+
+
+def pair_throughput(num_layers: int, k_layers: int) -> float:
+    """Requests per layer-time served by an old full instance plus a new one holding k layers.
+
+    Fluid model, one layer of one request = one layer-time on either instance. Split requests
+    arrive at rate x: the new instance runs k layers of each, the old one the other L - k. The
+    old instance spends what time is left on whole requests of its own, at rate y:
+        k * x <= 1,  (L - k) * x + L * y <= 1,  maximise x + y.
+    x + y = 1/L + x * k / L grows with x, so x = 1 / max(k, L - k), which gives
+        1 / (L - k)  for k <= L/2  (the old instance is the bottleneck, doing L - k per request)
+        2 / L        for k >= L/2  (the new one is; the pair matches two full instances).
+    Vectors (ALGORITHMS.md 3): L = 7 serves 1/7 at k = 0, 1/6 at k = 1, and 2/7, twice the
+    old rate, once half the layers are in.
+    """
+    for name, value in (("num_layers", num_layers), ("k_layers", k_layers)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers!r}")
+    if not 0 <= k_layers <= num_layers:
+        raise ValueError(f"k_layers must be in [0, num_layers={num_layers!r}], got {k_layers!r}")
+    if 2 * k_layers >= num_layers:
+        return 2.0 / num_layers
+    return 1.0 / (num_layers - k_layers)
