@@ -374,6 +374,9 @@ def load_report_to_proto(load: LoadReport) -> common_pb2.LoadReport:
         kv_blocks_used=load.kv_blocks_used,
         kv_blocks_total=load.kv_blocks_total,
         tokens_generated_total=load.tokens_generated_total,
+        zigzag_running=load.zigzag_running,
+        zigzag_relayed_total=load.zigzag_relayed_total,
+        zigzag_continued_total=load.zigzag_continued_total,
     )
 
 
@@ -391,6 +394,9 @@ def load_report_from_proto(msg: common_pb2.LoadReport) -> LoadReport:
         kv_blocks_used=msg.kv_blocks_used,
         kv_blocks_total=msg.kv_blocks_total,
         tokens_generated_total=msg.tokens_generated_total,
+        zigzag_running=msg.zigzag_running,
+        zigzag_relayed_total=msg.zigzag_relayed_total,
+        zigzag_continued_total=msg.zigzag_continued_total,
     )
 
 

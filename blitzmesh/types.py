@@ -282,6 +282,12 @@ class LoadReport:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     tokens_generated_total: int = 0
+    zigzag_running: int = 0
+    """ZigZag requests running their first layers here (a loading instance)."""
+    zigzag_relayed_total: int = 0
+    """ZigZag requests a full partner took over from this (loading) instance so far."""
+    zigzag_continued_total: int = 0
+    """ZigZag requests this (full) instance took over from a loading one so far."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -328,6 +328,9 @@ class LoadReport(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _builtins.int
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _builtins.int
     TOKENS_GENERATED_TOTAL_FIELD_NUMBER: _builtins.int
+    ZIGZAG_RUNNING_FIELD_NUMBER: _builtins.int
+    ZIGZAG_RELAYED_TOTAL_FIELD_NUMBER: _builtins.int
+    ZIGZAG_CONTINUED_TOTAL_FIELD_NUMBER: _builtins.int
     decode_tps: _builtins.float
     prefill_tps: _builtins.float
     ttft_p50_s: _builtins.float
@@ -340,6 +343,12 @@ class LoadReport(_message.Message):
     kv_blocks_used: _builtins.int
     kv_blocks_total: _builtins.int
     tokens_generated_total: _builtins.int
+    zigzag_running: _builtins.int
+    """ZigZag live scaling: requests running their first layers here (a loading instance), and
+    the totals taken over by a partner (loading side) and from a loading instance (partner side).
+    """
+    zigzag_relayed_total: _builtins.int
+    zigzag_continued_total: _builtins.int
     def __init__(
         self,
         *,
@@ -355,10 +364,13 @@ class LoadReport(_message.Message):
         kv_blocks_used: _builtins.int = ...,
         kv_blocks_total: _builtins.int = ...,
         tokens_generated_total: _builtins.int = ...,
+        zigzag_running: _builtins.int = ...,
+        zigzag_relayed_total: _builtins.int = ...,
+        zigzag_continued_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tps", b"decode_tps", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "prefill_tps", b"prefill_tps", "running", b"running", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "tokens_generated_total", b"tokens_generated_total", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s", "waiting", b"waiting", "waiting_prefill_tokens", b"waiting_prefill_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tps", b"decode_tps", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "prefill_tps", b"prefill_tps", "running", b"running", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "tokens_generated_total", b"tokens_generated_total", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s", "waiting", b"waiting", "waiting_prefill_tokens", b"waiting_prefill_tokens", "zigzag_continued_total", b"zigzag_continued_total", "zigzag_relayed_total", b"zigzag_relayed_total", "zigzag_running", b"zigzag_running"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

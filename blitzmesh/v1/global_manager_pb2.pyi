@@ -196,6 +196,7 @@ class RouteHop(_message.Message):
     LAYER_START_FIELD_NUMBER: _builtins.int
     LAYER_END_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    DATAPLANE_ADDRESS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     address: _builtins.str
     layer_start: _builtins.int
@@ -204,6 +205,8 @@ class RouteHop(_message.Message):
     """The instance's serving role. A disaggregated route is [PREFILL hop, DECODE hop]: the gateway
     runs the prompt on the first with kv_handoff, then continues on the second from its KV.
     """
+    dataplane_address: _builtins.bytes
+    """ZigZag: the first hop's data plane address, which the second hop relays the request from."""
     def __init__(
         self,
         *,
@@ -212,10 +215,11 @@ class RouteHop(_message.Message):
         layer_start: _builtins.int = ...,
         layer_end: _builtins.int = ...,
         role: _common_pb2.InstanceRole.ValueType = ...,
+        dataplane_address: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "dataplane_address", b"dataplane_address", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

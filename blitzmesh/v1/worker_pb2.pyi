@@ -37,6 +37,8 @@ class WorkerGenerateRequest(_message.Message):
     RESUME_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     KV_HANDOFF_FIELD_NUMBER: _builtins.int
     KV_SOURCE_FIELD_NUMBER: _builtins.int
+    ZIGZAG_FIELD_NUMBER: _builtins.int
+    ZIGZAG_SOURCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model_id: _builtins.str
     layer_start: _builtins.int
@@ -46,6 +48,11 @@ class WorkerGenerateRequest(_message.Message):
     """Prefill/decode disaggregation, the prefill side: run the prompt and emit the first token;
     unless that token ends the request, keep the prompt's KV, offer it over the data plane and
     end the stream with a message carrying `kv_handoff` (no finish_reason) instead of decoding.
+    """
+    zigzag: _builtins.bool
+    """ZigZag live scaling, the first hop (a LOADING instance): run the prompt through the decoder
+    layers held here, as they arrive, until the full partner relays the request; the stream then
+    ends with one message carrying `zigzag_layers`. No token is sampled here.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -64,6 +71,14 @@ class WorkerGenerateRequest(_message.Message):
         emitted. If the pull fails the prompt is recomputed here, so the request still completes.
         """
 
+    @_builtins.property
+    def zigzag_source(self) -> Global___ZigzagSource:
+        """ZigZag, the second hop (the full partner): the request's first layers run on this loading
+        instance; take it over when this instance has no work of its own waiting (pulling the KV of
+        those layers and the hidden states over the data plane), run the rest, sample and decode. If
+        the relay fails, the prompt is computed here whole: the same tokens.
+        """
+
     def __init__(
         self,
         *,
@@ -76,14 +91,39 @@ class WorkerGenerateRequest(_message.Message):
         resume_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         kv_handoff: _builtins.bool = ...,
         kv_source: _kv_pb2.KVTransferDescriptor | None = ...,
+        zigzag: _builtins.bool = ...,
+        zigzag_source: Global___ZigzagSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "sampling", b"sampling", "zigzag_source", b"zigzag_source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_handoff", b"kv_handoff", "kv_source", b"kv_source", "layer_end", b"layer_end", "layer_start", b"layer_start", "model_id", b"model_id", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_handoff", b"kv_handoff", "kv_source", b"kv_source", "layer_end", b"layer_end", "layer_start", b"layer_start", "model_id", b"model_id", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "zigzag", b"zigzag", "zigzag_source", b"zigzag_source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerGenerateRequest: _TypeAlias = WorkerGenerateRequest  # noqa: Y015
+
+@_typing.final
+class ZigzagSource(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    DATAPLANE_ADDRESS_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    dataplane_address: _builtins.bytes
+    """the loading instance's data plane (Transport.address())"""
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        dataplane_address: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataplane_address", b"dataplane_address", "instance_id", b"instance_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ZigzagSource: _TypeAlias = ZigzagSource  # noqa: Y015
 
 @_typing.final
 class WorkerGenerateResponse(_message.Message):
@@ -96,9 +136,14 @@ class WorkerGenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     KV_HANDOFF_FIELD_NUMBER: _builtins.int
+    ZIGZAG_LAYERS_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
+    zigzag_layers: _builtins.int
+    """Last message of a `zigzag` request: the decoder layers of its prompt that ran here before
+    its partner took it over (0: none; the partner computed it whole).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -125,14 +170,20 @@ class WorkerGenerateResponse(_message.Message):
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         kv_handoff: _kv_pb2.KVTransferDescriptor | None = ...,
+        zigzag_layers: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "finish_reason", b"finish_reason", "kv_handoff", b"kv_handoff"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "_zigzag_layers", b"_zigzag_layers", "finish_reason", b"finish_reason", "kv_handoff", b"kv_handoff", "zigzag_layers", b"zigzag_layers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "kv_handoff", b"kv_handoff", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "_zigzag_layers", b"_zigzag_layers", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "kv_handoff", b"kv_handoff", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "token_ids", b"token_ids", "zigzag_layers", b"zigzag_layers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__finish_reason: _TypeAlias = _typing.Literal["finish_reason"]  # noqa: Y015
     _WhichOneofArgType__finish_reason: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason"]  # noqa: Y015
+    _WhichOneofReturnType__zigzag_layers: _TypeAlias = _typing.Literal["zigzag_layers"]  # noqa: Y015
+    _WhichOneofArgType__zigzag_layers: _TypeAlias = _typing.Literal["_zigzag_layers", b"_zigzag_layers"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__finish_reason) -> _WhichOneofReturnType__finish_reason | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__zigzag_layers) -> _WhichOneofReturnType__zigzag_layers | None: ...
 
 Global___WorkerGenerateResponse: _TypeAlias = WorkerGenerateResponse  # noqa: Y015
 

@@ -418,9 +418,26 @@ class Backend:
                     code="instance_failed",
                 ) from None
             prefill, hop = _split_route(hops)
+            zigzag = _zigzag_route(hops)
+            first_hop: asyncio.Task[None] | None = None
             try:
                 kv_source = None
-                if prefill is not None and not state.generated:
+                zigzag_source = None
+                if zigzag is not None and not state.generated:
+                    # ZigZag: the loading instance runs the prompt's first layers while the full
+                    # partner is busy; the partner takes the request over (its KV and hidden
+                    # states) when it has no work of its own, then streams the tokens.
+                    new, hop = zigzag
+                    first_hop = asyncio.create_task(
+                        self._zigzag_first_hop(req, new, prompt_ids, max_tokens, deadline_s, bound),
+                        name=f"zigzag-{req.request_id}",
+                    )
+                    self._background.add(first_hop)
+                    first_hop.add_done_callback(self._background.discard)
+                    zigzag_source = worker_pb2.ZigzagSource(
+                        instance_id=new.instance_id, dataplane_address=new.dataplane_address
+                    )
+                elif prefill is not None and not state.generated:
                     # Disaggregated: the prompt and the first token on the prefill instance,
                     # which hands the prompt's KV to the decode instance for the rest.
                     stream = self._stream(
@@ -436,7 +453,17 @@ class Backend:
                 # After a failure (tokens already generated) a disaggregated route resumes on
                 # its decode instance, which recomputes the prompt and those tokens.
                 stream = self._stream(
-                    req, assets, hop, prompt_ids, max_tokens, deadline_s, state, index, echo_text, kv_source=kv_source
+                    req,
+                    assets,
+                    hop,
+                    prompt_ids,
+                    max_tokens,
+                    deadline_s,
+                    state,
+                    index,
+                    echo_text,
+                    kv_source=kv_source,
+                    zigzag_source=zigzag_source,
                 )
                 async for event in stream:
                     yield event
@@ -499,6 +526,11 @@ class Backend:
                     attempt=retries,
                     attempts=1 + self.config.retries_before_first_token,
                 )
+            finally:
+                if first_hop is not None and not first_hop.done():
+                    # The partner has taken the request over (its first hop ends by itself), or
+                    # failed, or the client left: the loading instance's part is aborted there.
+                    first_hop.cancel()
         # Every instance tried was full rather than broken: that is back-pressure, not an outage.
         kind = ErrorKind.OVERLOADED if last_code == grpc.StatusCode.RESOURCE_EXHAUSTED else ErrorKind.UNAVAILABLE
         raise GatewayError(
@@ -602,6 +634,7 @@ class Backend:
         *,
         handoff: bool = False,
         kv_source: kv_pb2.KVTransferDescriptor | None = None,
+        zigzag_source: worker_pb2.ZigzagSource | None = None,
     ) -> AsyncGenerator[Event, None]:
         """One attempt on one instance, continuing `state` (the tokens earlier instances generated
         are resumed there); raises _WorkerFailedError on any worker-side failure.
@@ -629,11 +662,12 @@ class Backend:
                 model_id=req.model,
                 prompt_token_ids=prompt_ids,
                 sampling=sampling_to_proto(sampling),
-                layer_start=0,
                 layer_end=0,
                 resume_token_ids=resume,
                 kv_handoff=handoff,
                 kv_source=kv_source,
+                zigzag_source=zigzag_source,
+                layer_start=hop.layer_start if zigzag_source is not None else 0,
             ),
             timeout=max(deadline_s - time.monotonic(), 0.001),
         )
@@ -762,6 +796,45 @@ class Backend:
                 call.cancel()
                 self._abort_later(hop.address, req.request_id)
 
+    async def _zigzag_first_hop(
+        self,
+        req: InferenceRequest,
+        hop: global_manager_pb2.RouteHop,
+        prompt_ids: list[int],
+        max_tokens: int,
+        deadline_s: float,
+        bound: structlog.typing.FilteringBoundLogger,
+    ) -> None:
+        """The loading instance's part of a ZigZag request: it runs the prompt's first layers
+        until the partner relays it. Its failure costs nothing but speed: the partner then
+        computes the prompt whole. Cancelled (the partner failed, the client left): aborted there."""
+        call = self._worker(hop.address).Generate(
+            worker_pb2.WorkerGenerateRequest(
+                request_id=req.request_id,
+                model_id=req.model,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling_to_proto(replace(req.sampling, max_tokens=max_tokens, stop=(), prompt_logprobs=None)),
+                layer_start=hop.layer_start,
+                layer_end=hop.layer_end,
+                zigzag=True,
+            ),
+            timeout=max(deadline_s - time.monotonic(), 0.001),
+        )
+        layers: int | None = None
+        try:
+            async for resp in call:
+                if resp.HasField("zigzag_layers"):
+                    layers = resp.zigzag_layers
+            self.metrics.zigzag.labels("relayed" if layers else "none_ran").inc()
+            bound.debug("zigzag_relayed", instance_id=hop.instance_id, layers=layers)
+        except asyncio.CancelledError:
+            call.cancel()
+            self._abort_later(hop.address, req.request_id)
+            raise
+        except grpc.aio.AioRpcError as e:
+            self.metrics.zigzag.labels("failed").inc()
+            bound.info("zigzag_first_hop_failed", instance_id=hop.instance_id, code=e.code().name, detail=e.details())
+
     def _abort_later(self, address: str, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self._abort(address, request_id), name=f"abort-{request_id}")
         self._background.add(task)
@@ -791,6 +864,21 @@ def _split_route(
     ):
         return hops[0], hops[1]
     return None, hops[0]
+
+
+def _zigzag_route(
+    hops: list[global_manager_pb2.RouteHop],
+) -> tuple[global_manager_pb2.RouteHop, global_manager_pb2.RouteHop] | None:
+    """(loading instance, full partner) of a ZigZag route: two hops split by layer range, the
+    first ending where the second starts; None for any other route."""
+    if (
+        len(hops) == 2
+        and hops[0].layer_start == 0
+        and 0 < hops[0].layer_end == hops[1].layer_start < hops[1].layer_end
+        and hops[0].dataplane_address
+    ):
+        return hops[0], hops[1]
+    return None
 
 
 def _channel(address: str) -> grpc.aio.Channel:

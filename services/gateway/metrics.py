@@ -69,6 +69,14 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.zigzag = Counter(
+            "blitzmesh_gateway_zigzag",
+            "ZigZag requests by how their loading instance's part ended: 'relayed' (layers ran there, then its"
+            " partner took over), 'none_ran' (the partner took it before any layer ran), 'failed'",
+            ["outcome"],
+            registry=r,
+        )
+
     def set_admission(self, in_flight: int, waiting: int) -> None:
         self.in_flight.set(in_flight)
         self.queue_depth.set(waiting)

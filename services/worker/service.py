@@ -40,6 +40,8 @@ from services.worker.engine.engine import (
     KVBlocks,
     KVFill,
     PacingProfile,
+    Relayed,
+    RelayFill,
     RequestMovedError,
     RequestTooLarge,
 )
@@ -47,6 +49,7 @@ from services.worker.engine.kv_cache import KVCache
 from services.worker.kv_transfer import KVDescriptor, KVOffer, KVServer, KVTransferConfig, receive_kv
 from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, plan_pulls
 from services.worker.model.llama import LlamaForCausalLM, resolve_dtype
+from services.worker.zigzag import RelayServer, relay_from
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +72,7 @@ class Instance:
         self.store = store  # the received groups; published so later targets can pull from us
         self.engine: Engine | None = None
         self.kv_server: KVServer | None = None  # offers hand-off KV to decode instances
+        self.relay_server: RelayServer | None = None  # ZigZag: partners take requests over from here
         self.handoffs: set[asyncio.Task[None]] = set()  # offers waiting for their decode side
 
 
@@ -126,6 +130,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_blocks_used=s.kv_blocks_used,
             kv_blocks_total=s.kv_blocks_total,
             tokens_generated_total=s.total_generated_tokens,
+            zigzag_running=s.zigzag_running,
+            zigzag_relayed_total=s.zigzag_relayed_total,
+            zigzag_continued_total=s.zigzag_continued_total,
         )
 
     async def GetStatus(self, request, context):
@@ -134,10 +141,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # ---- generation ---------------------------------------------------------------------
     async def Generate(self, request, context):
         inst = self.instance
-        if self.state != "serving" or inst is None or inst.engine is None:
+        # A loading instance serves ZigZag requests with the layers it holds (its engine runs
+        # once the embedding has arrived).
+        zigzag_ok = request.zigzag and self.state == "loading" and inst is not None and inst.engine is not None
+        if (self.state != "serving" and not zigzag_ok) or inst is None or inst.engine is None:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                f"instance {self.instance_id} is {self.state.upper()}, not SERVING",
+                f"instance {self.instance_id} is {self.state.upper()}, not SERVING"
+                + (" (a ZigZag request needs its embedding loaded)" if request.zigzag else ""),
             )
         assert inst is not None and inst.engine is not None
         if request.model_id and request.model_id != inst.model_id:
@@ -145,14 +156,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"instance {self.instance_id} serves {inst.model_id!r}, not {request.model_id!r}",
             )
-        if request.layer_start != 0 or request.layer_end not in (0, inst.model.config.num_hidden_layers):
+        num_layers = inst.model.config.num_hidden_layers
+        if not 0 <= request.layer_start <= (request.layer_end or num_layers) <= num_layers:
+            # Where a ZigZag request splits is settled when its partner relays it; the route's
+            # range only has to make sense.
             await context.abort(
-                grpc.StatusCode.UNIMPLEMENTED,
-                f"layer range [{request.layer_start}, {request.layer_end}) needs ZigZag execution (not yet)",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"layer range [{request.layer_start}, {request.layer_end}) outside [0, {num_layers}]",
             )
         kv_fill: KVFill | None = None
+        relay_fill: RelayFill | None = None
         try:
             sampling = sampling_from_proto(request.sampling, default_max_tokens=16)
+            if request.HasField("zigzag_source"):
+                if not request.zigzag_source.dataplane_address:
+                    raise ValueError("zigzag_source.dataplane_address is empty")
+                relay_fill = self._relay_fill(inst, request.request_id, request.zigzag_source.dataplane_address)
             if request.HasField("kv_source"):
                 if request.kv_handoff:
                     raise ValueError("kv_handoff and kv_source exclude each other")
@@ -181,6 +200,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             list(request.resume_token_ids),
             handoff=request.kv_handoff,
             kv_fill=kv_fill,
+            zigzag=request.zigzag,
+            relay_fill=relay_fill,
         )
         try:
             async for ev in stream:
@@ -195,12 +216,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     msg.logprobs.append(token_logprob_to_proto(ev.token_id, ev.logprob, ev.top_logprobs))
                 if ev.finish_reason is not None:
                     msg.finish_reason = finish_reason_to_proto(ev.finish_reason)
-                if ev.parked_kv is not None:
+                if ev.zigzag_layers is not None:
+                    # Relayed to its partner (which pulls the parked KV through the relay's offer).
+                    msg.zigzag_layers = ev.zigzag_layers
+                    outcome = "relayed"
+                elif ev.parked_kv is not None:
                     offer = self._offer_handoff(inst, ev.parked_kv, ev.kv_tokens)
                     msg.kv_handoff.CopyFrom(kv_descriptor_to_proto(offer.descriptor))
                     outcome = "handoff"
                 yield msg
-            if outcome != "handoff":
+            if outcome not in ("handoff", "relayed"):
                 outcome = "ok"
         except RequestMovedError as e:
             # Released by rebalancing before it started: the gateway re-routes it, uncounted.
@@ -229,12 +254,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not self._inflight:
                 self._idle.set()
 
-    def _offer_handoff(self, inst: Instance, parked_kv: str, num_tokens: int) -> KVOffer:
-        """Offer a hand-off's parked KV; an owned task frees it once pulled, failed or expired."""
+    def _offer_handoff(
+        self, inst: Instance, parked_kv: str, num_tokens: int, layers: tuple[int, int] | None = None
+    ) -> KVOffer:
+        """Offer parked KV (a hand-off's, or the first layers of a relayed ZigZag request); an
+        owned task frees it once pulled, failed or expired."""
         assert inst.kv_server is not None and inst.engine is not None
         engine = inst.engine
         try:
-            offer = inst.kv_server.offer(parked_kv, num_tokens=num_tokens, timeout_s=self.cfg.kv_handoff_timeout_s)
+            offer = inst.kv_server.offer(
+                parked_kv, num_tokens=num_tokens, layers=layers, timeout_s=self.cfg.kv_handoff_timeout_s
+            )
         except BaseException:
             engine.release_parked(parked_kv)
             raise
@@ -283,6 +313,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise
             KV_HANDOFFS.labels("decode", "pulled").inc()
             return result
+
+        return fill
+
+    def _relay_fill(self, inst: Instance, request_id: str, address: bytes) -> RelayFill:
+        """ZigZag, the full partner: take `request_id` over from the loading instance at `address`
+        (its first layers' KV into the blocks the engine admitted, and the hidden states)."""
+        transport = self.transport
+        assert transport is not None and inst.engine is not None
+        cache = inst.engine.kv_cache
+        config = KVTransferConfig(stall_timeout_s=self.cfg.stall_timeout_s)
+
+        async def fill(blocks: KVBlocks) -> Relayed:
+            state = await relay_from(
+                transport, address, request_id, model_id=inst.model_id, stall_timeout_s=self.cfg.stall_timeout_s
+            )
+            if state.layers and state.kv is not None:
+                await receive_kv(
+                    transport,
+                    state.kv,
+                    cache,
+                    model_id=inst.model_id,
+                    request_id=blocks.request_id,
+                    allocator=blocks,
+                    config=config,
+                )
+            return state.relayed()
 
         return fill
 
@@ -350,6 +406,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     # Zero-copy views of the received buffer become the model's weights.
                     model.load_group(name, store.tensors(name))
                     ready.put_nowait(name)
+                    engine = self.instance.engine if self.instance is not None else None
+                    if engine is not None:
+                        engine.notify_layers()  # ZigZag requests may run a layer further
 
                 recv = asyncio.create_task(
                     receive_groups(
@@ -376,6 +435,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         continue
                     loaded += 1
                     LAYERS_LOADED.set(model.num_layers_loaded)
+                    if self.instance.engine is None and "embed" in model.loaded_groups:
+                        # Serve ZigZag requests with the layers as they arrive (live scaling).
+                        await self._start_engine(model_id, model, eos_ids, partial=True)
                     yield worker_pb2.LoadProgress(
                         groups_loaded=loaded,
                         groups_total=total,
@@ -386,14 +448,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 result = await recv
             if not model.is_complete:
                 raise ValueError(f"model {model_id!r} incomplete after load: {model.num_layers_loaded} layers")
-            self.instance.engine = self._make_engine(model, eos_ids)
-            await self.instance.engine.start()
-            self.instance.kv_server = KVServer(
-                self.group_server,
-                self.instance.engine.kv_cache,
-                model_id=model_id,
-                config=KVTransferConfig(stall_timeout_s=self.cfg.stall_timeout_s),
-            )
+            if self.instance.engine is None:
+                await self._start_engine(model_id, model, eos_ids, partial=False)
             self.state = "serving"
             elapsed = time.perf_counter() - started
             log.info(
@@ -423,6 +479,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self._drop_instance()
             raise
 
+    async def _start_engine(
+        self, model_id: str, model: LlamaForCausalLM, eos_ids: frozenset[int], *, partial: bool
+    ) -> None:
+        inst = self.instance
+        assert inst is not None and self.group_server is not None
+        engine = self._make_engine(model, eos_ids)
+        await engine.start(partial=partial)
+        inst.engine = engine
+        inst.kv_server = KVServer(
+            self.group_server,
+            engine.kv_cache,
+            model_id=model_id,
+            config=KVTransferConfig(stall_timeout_s=self.cfg.stall_timeout_s),
+        )
+        inst.relay_server = RelayServer(
+            self.group_server,
+            engine,
+            model_id=model_id,
+            offer_parked=lambda parked, n, layers: self._offer_handoff(inst, parked, n, layers),
+            stall_timeout_s=self.cfg.stall_timeout_s,
+        )
+
     def _make_engine(self, model: LlamaForCausalLM, eos_token_ids: frozenset[int]) -> Engine:
         cfg = self.cfg
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
@@ -447,6 +525,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _drop_instance(self) -> None:
         inst, self.instance = self.instance, None
         self.role = self.cfg.role
+        if inst is not None and inst.relay_server is not None:
+            inst.relay_server.close()
         if inst is not None and inst.kv_server is not None:
             inst.kv_server.close()
             for task in list(inst.handoffs):

@@ -1,0 +1,193 @@
+"""ZigZag relays over the data plane: a full partner takes a request over from a loading instance.
+
+A loading instance (k of L layers received) runs the prompts of ZigZag requests through the layers
+it holds (`Engine.generate(zigzag=True)`). When the full partner has no work of its own waiting,
+it relays such a request: it connects to the loading instance's data plane and asks for it by id.
+The loading instance stops the request after the layers it has run (`Engine.relay`), parks their
+KV and offers it (`KVServer.offer`, layers [0, k')), and answers with that offer and the prompt's
+hidden states after layer k'. The partner pulls the KV into its own blocks (`receive_kv`) and runs
+layers [k', L) on the hidden states (`Engine.generate(relay_fill=...)`).
+
+Wire protocol, on one connection served by the loading instance's `GroupServer` (op "zigzag_relay"):
+  1. partner -> loading, CONTROL_TAG: {"op": "zigzag_relay", "request_id", "model_id"}.
+  2. loading -> partner, CONTROL_TAG: {"ok": true, "layers": k', "num_tokens", "kv": the KV offer as
+     a serialized `KVTransferDescriptor` (hex), "hidden": {"shape", "dtype", "checksum"}}, then
+     the hidden states on DATA_TAG_BASE; or {"ok": true, "layers": 0} when nothing ran there (the
+     partner computes the prompt whole); or {"ok": false, "error"}.
+Every wait is bounded by `stall_timeout_s`; any failure leaves the partner to compute the prompt
+whole, which gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import structlog
+import torch
+
+from blitzmesh.v1 import kv_pb2
+from services.dataplane.chain import CONTROL_TAG, DATA_TAG_BASE, GroupServer
+from services.dataplane.checksum import group_checksum
+from services.dataplane.errors import ChecksumMismatch, ProtocolError
+from services.dataplane.transport import Endpoint, Transport, address_label
+from services.worker.convert import kv_descriptor_from_proto, kv_descriptor_to_proto
+from services.worker.engine.engine import Engine, Relayed
+from services.worker.kv_transfer import KVDescriptor, KVOffer, dtype_name
+
+__all__ = ["RELAY_OP", "RelayServer", "RelayState", "relay_from"]
+
+log = structlog.get_logger(__name__)
+
+RELAY_OP: Final = "zigzag_relay"
+_MAX_CONTROL_BYTES: Final = 1 << 20
+_DTYPES: Final = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Offers a relayed request's parked KV for layers [0, layers); frees it once pulled or expired.
+OfferParked = Callable[[str, int, tuple[int, int]], KVOffer]
+
+
+@dataclass(frozen=True)
+class RelayState:
+    """What the partner gets: the layers that ran on the loading instance, the offer of their KV
+    and the hidden states after the last of them (None, None when none ran)."""
+
+    layers: int
+    kv: KVDescriptor | None = None
+    hidden: torch.Tensor | None = None
+
+    def relayed(self) -> Relayed:
+        return Relayed(self.layers, self.hidden)
+
+
+def _np_view(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a CPU tensor as a numpy array (bfloat16 has no numpy dtype)."""
+    return t.view(torch.uint8).numpy().reshape(-1) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _decode(data: bytes, peer: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"zigzag relay answer from {peer} is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"zigzag relay answer from {peer} is not an object: {obj!r:.100}")
+    return obj
+
+
+class RelayServer:
+    """The loading instance's side: answers relays of its ZigZag requests."""
+
+    def __init__(
+        self,
+        group_server: GroupServer,
+        engine: Engine,
+        *,
+        model_id: str,
+        offer_parked: OfferParked,
+        stall_timeout_s: float = 10.0,
+    ) -> None:
+        self.engine = engine
+        self.model_id = model_id
+        self._offer_parked = offer_parked
+        self._stall_timeout_s = stall_timeout_s
+        self._group_server = group_server
+        group_server.register_op(RELAY_OP, self._serve)
+
+    def close(self) -> None:
+        self._group_server.unregister_op(RELAY_OP)
+
+    async def _serve(self, ep: Endpoint, req: dict[str, Any]) -> None:
+        request_id = str(req.get("request_id", ""))
+        timeout = self._stall_timeout_s
+        if req.get("model_id") != self.model_id:
+            await ep.send_msg(
+                _encode({"ok": False, "error": f"this instance loads {self.model_id!r}, not {req.get('model_id')!r}"}),
+                CONTROL_TAG,
+                timeout_s=timeout,
+            )
+            return
+        outcome = await self.engine.relay(request_id)
+        if outcome.layers == 0 or outcome.parked_kv is None or outcome.hidden is None:
+            await ep.send_msg(_encode({"ok": True, "layers": 0}), CONTROL_TAG, timeout_s=timeout)
+            return
+        try:
+            offer = self._offer_parked(outcome.parked_kv, outcome.num_tokens, (0, outcome.layers))
+        except BaseException:
+            self.engine.release_parked(outcome.parked_kv)
+            raise
+        hidden = outcome.hidden.contiguous()
+        data = _np_view(hidden)
+        answer = {
+            "ok": True,
+            "layers": outcome.layers,
+            "num_tokens": outcome.num_tokens,
+            "kv": kv_descriptor_to_proto(offer.descriptor).SerializeToString().hex(),
+            "hidden": {
+                "shape": list(hidden.shape),
+                "dtype": dtype_name(hidden.dtype),
+                "checksum": group_checksum(data),
+            },
+        }
+        log.info(
+            "zigzag_relayed", request_id=request_id, layers=outcome.layers, tokens=outcome.num_tokens, peer=ep.peer
+        )
+        await ep.send_msg(_encode(answer), CONTROL_TAG, timeout_s=timeout)
+        await ep.send(data, DATA_TAG_BASE, timeout_s=timeout)
+
+
+async def relay_from(
+    transport: Transport,
+    address: bytes,
+    request_id: str,
+    *,
+    model_id: str,
+    stall_timeout_s: float = 10.0,
+) -> RelayState:
+    """Ask the loading instance at `address` for `request_id`; raises on any failure (the caller
+    then computes the prompt whole)."""
+    peer = address_label(address)
+    ep = await transport.connect(address, timeout_s=stall_timeout_s)
+    ok = False
+    try:
+        await ep.send_msg(
+            _encode({"op": RELAY_OP, "request_id": request_id, "model_id": model_id}),
+            CONTROL_TAG,
+            timeout_s=stall_timeout_s,
+        )
+        # The loading instance answers once its current step has ended: at most one step.
+        answer = _decode(await ep.recv_msg(CONTROL_TAG, timeout_s=stall_timeout_s, max_bytes=_MAX_CONTROL_BYTES), peer)
+        if answer.get("ok") is not True:
+            raise ProtocolError(f"zigzag relay of {request_id!r} refused by {peer}: {answer.get('error')}")
+        layers = int(answer.get("layers", 0))
+        if layers == 0:
+            ok = True
+            return RelayState(0)
+        desc = kv_descriptor_from_proto(kv_pb2.KVTransferDescriptor.FromString(bytes.fromhex(answer["kv"])))
+        spec = answer["hidden"]
+        dtype = _DTYPES.get(spec.get("dtype", ""))
+        shape = [int(n) for n in spec.get("shape", [])]
+        if dtype is None or len(shape) != 2 or shape[0] != desc.num_tokens:
+            raise ProtocolError(f"zigzag relay of {request_id!r} from {peer}: bad hidden states {spec!r:.200}")
+        hidden = torch.empty(shape, dtype=dtype)
+        data = _np_view(hidden)
+        await ep.recv_into(data, DATA_TAG_BASE, timeout_s=stall_timeout_s)
+        got = group_checksum(data)
+        if got != spec.get("checksum"):
+            raise ChecksumMismatch(
+                f"zigzag relay of {request_id!r} from {peer}: hidden states checksum {got} != {spec.get('checksum')}"
+            )
+        ok = True
+        return RelayState(layers, desc, hidden)
+    finally:
+        if ok:
+            await ep.close()
+        else:
+            ep.abort()

@@ -1,0 +1,162 @@
+"""ZigZag live scaling between real workers (grpc.aio servers, TCP data plane, one process): a
+worker still LOADING (its parameters arrive over a slow link) runs the first layers of requests;
+its full partner relays each over the data plane (the KV of those layers and the hidden states)
+and finishes it with exactly the tokens of a whole run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from blitzmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.grpc_util import channel
+from services.common.waiting import wait_until
+from services.model_format import synth
+from services.param_manager.service import ParamManagerConfig, ParamManagerService
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+
+pytestmark = pytest.mark.timeout(120)
+
+ServeFactory = Any  # tests/integration/conftest.py: serve_in_process
+MODEL = "tiny6"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("zz-models")
+    # The tiny preset with 6 layers: enough for a request to split in the middle.
+    synth.synthesize(root / MODEL, "tiny", seed=0, overrides={"num_hidden_layers": 6})
+    return root
+
+
+def request(rid: str, prompt: list[int], **kw: Any) -> worker_pb2.WorkerGenerateRequest:
+    return worker_pb2.WorkerGenerateRequest(
+        request_id=rid,
+        model_id=MODEL,
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        **kw,
+    )
+
+
+@contextlib.asynccontextmanager
+async def pair(models: Path, serve_in_process: ServeFactory, link_gbps: float) -> AsyncIterator[dict[str, Any]]:
+    """A parameter manager behind a slow link, a full worker (loaded first) and a second worker
+    whose load is left running in the background."""
+    pm_cfg = ParamManagerConfig(
+        port=0, model_dir=models, chunk_bytes=64 * 1024, dataplane="tcp", dataplane_link_gbps=link_gbps
+    )
+    pm = ParamManagerService(pm_cfg)
+    async with contextlib.AsyncExitStack() as stack:
+        pm_ctx = await stack.enter_async_context(serve_in_process(pm, pm_cfg))
+        out: dict[str, Any] = {}
+        for iid in ("old", "new"):
+            cfg = WorkerConfig(
+                port=0, param_manager=pm_ctx.address, instance_id=iid, kv_cache_tokens=4096, dataplane="tcp"
+            )
+            wk = WorkerService(cfg)
+            ctx = await stack.enter_async_context(serve_in_process(wk, cfg))
+            ch = await stack.enter_async_context(channel(ctx.address))
+            out[iid] = (wk, worker_pb2_grpc.WorkerStub(ch))
+        old = out["old"][1]
+        assert [p async for p in old.LoadParameters(worker_pb2.LoadParametersRequest(model_id=MODEL), timeout=60)][
+            -1
+        ].done
+        load = out["new"][1].LoadParameters(worker_pb2.LoadParametersRequest(model_id=MODEL), timeout=60)
+        out["load"] = asyncio.create_task(collect(load))
+        try:
+            yield out
+        finally:
+            if not out["load"].done():
+                out["load"].cancel()
+            await asyncio.gather(out["load"], return_exceptions=True)
+
+
+async def collect(call: Any) -> list[Any]:
+    return [m async for m in call]
+
+
+async def tokens(call: Any) -> list[int]:
+    return [t async for m in call for t in m.token_ids]
+
+
+async def test_a_loading_worker_runs_first_layers_and_its_partner_finishes_exactly(
+    models: Path, serve_in_process: ServeFactory
+) -> None:
+    prompts = [[1, *range(7, 7 + n)] for n in (5, 40, 90)]
+    # 0.02 Gbit/s: the ~5 MB model takes a couple of seconds to arrive, layer by layer.
+    async with pair(models, serve_in_process, link_gbps=0.02) as p:
+        (_, old), (new_svc, new) = p["old"], p["new"]
+        expected = [await tokens(old.Generate(request(f"whole-{i}", pr), timeout=30)) for i, pr in enumerate(prompts)]
+        await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
+        info = await new.GetStatus(worker_pb2.GetStatusRequest())
+        assert info.state == common_pb2.INSTANCE_STATE_LOADING
+        # A whole request is refused while loading; a ZigZag one is taken.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await tokens(new.Generate(request("whole", prompts[0]), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "LOADING" in (refused.value.details() or "")
+        address = new_svc.servicer.transport.address()  # type: ignore[union-attr]
+        firsts = [
+            asyncio.create_task(collect(new.Generate(request(f"r{i}", pr, zigzag=True), timeout=60)))
+            for i, pr in enumerate(prompts)
+        ]
+        engine = engine_of(new_svc)
+        await wait_until(
+            lambda: all((s := engine._by_id.get(f"r{i}")) is not None and s.zz_layers >= 1 for i in range(3)),
+            30,
+            what="each request through a first layer on the loading worker",
+        )
+        source = worker_pb2.ZigzagSource(instance_id="new", dataplane_address=address)
+        rests = await asyncio.gather(
+            *(
+                tokens(old.Generate(request(f"r{i}", pr, zigzag_source=source), timeout=60))
+                for i, pr in enumerate(prompts)
+            )
+        )
+        assert rests == expected
+        ends = [(await f)[-1] for f in firsts]
+        assert all(m.HasField("zigzag_layers") and m.zigzag_layers >= 1 for m in ends), ends
+        old_engine = engine_of(p["old"][0])
+        assert old_engine.zigzag["continued"] == 3 and old_engine.zigzag["recomputed"] == 0
+        status = await new.GetStatus(worker_pb2.GetStatusRequest())
+        assert status.load.zigzag_relayed_total == 3
+        # The loading worker frees each relayed request's KV once its partner has pulled it.
+        await wait_until(lambda: engine.kv_cache.used_blocks == 0, 10, what="relayed KV freed")
+        # It then finishes loading and serves on its own.
+        progress = await p["load"]
+        assert progress[-1].done
+        assert await tokens(new.Generate(request("after", prompts[1]), timeout=30)) == expected[1]
+
+
+async def test_a_dead_loading_worker_leaves_its_requests_to_be_recomputed(
+    models: Path, serve_in_process: ServeFactory
+) -> None:
+    prompt = [1, *range(9, 60)]
+    async with pair(models, serve_in_process, link_gbps=0.02) as p:
+        (old_svc, old), (new_svc, new) = p["old"], p["new"]
+        expected = await tokens(old.Generate(request("whole", prompt), timeout=30))
+        await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
+        address = new_svc.servicer.transport.address()  # type: ignore[union-attr]
+        first = asyncio.create_task(collect(new.Generate(request("r", prompt, zigzag=True), timeout=60)))
+        await wait_until(lambda: "r" in engine_of(new_svc)._by_id, 10, what="the request on the loading worker")
+        # The loading worker's load fails (its engine stops): the partner's relay finds nothing.
+        p["load"].cancel()
+        await asyncio.gather(p["load"], return_exceptions=True)
+        await wait_until(lambda: new_svc.servicer.instance is None, 10, what="the loading worker back to IDLE")
+        source = worker_pb2.ZigzagSource(instance_id="new", dataplane_address=address)
+        assert await tokens(old.Generate(request("r", prompt, zigzag_source=source), timeout=60)) == expected
+        assert engine_of(old_svc).zigzag["recomputed"] == 1
+        with pytest.raises(grpc.aio.AioRpcError):
+            await first
+
+
+def engine_of(svc: WorkerService) -> Any:
+    inst = svc.servicer.instance
+    return inst.engine if inst is not None else None
