@@ -42,6 +42,15 @@ class GlobalManagerConfig(ServiceConfig):
         1, ge=0, description="a failed scale-out load is retried on this many other IDLE workers, then rolled back"
     )
     drain_timeout_s: float = Field(60.0, gt=0, description="in-flight requests get this long on scale-in")
+    zigzag: bool = Field(
+        True,
+        description="ZigZag live scaling: while every SERVING instance of a colocated pool has requests waiting, "
+        "route requests to a LOADING instance (the tail of its transfer chain, with >= 1 layer) that runs their "
+        "first layers, paired with the overloaded instance with the fewest used KV blocks, which finishes them",
+    )
+    zigzag_stall_s: float = Field(
+        5.0, gt=0, description="a LOADING instance whose layer count has not grown for this long gets no ZigZag work"
+    )
     rebalance: bool = Field(
         True,
         description="when an instance becomes SERVING, busier instances of its pool release queued (not yet "

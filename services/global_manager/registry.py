@@ -72,6 +72,9 @@ def sample_from_proto(instance_id: str, now_s: float, msg: common_pb2.LoadReport
         waiting_prefill_tokens=load.waiting_prefill_tokens,
         kv_blocks_used=load.kv_blocks_used,
         kv_blocks_total=load.kv_blocks_total,
+        zigzag_running=load.zigzag_running,
+        zigzag_relayed_total=load.zigzag_relayed_total,
+        zigzag_continued_total=load.zigzag_continued_total,
     )
 
 
@@ -90,6 +93,9 @@ def sample_to_proto(sample: LoadSample) -> common_pb2.LoadReport:
             waiting_prefill_tokens=sample.waiting_prefill_tokens,
             kv_blocks_used=sample.kv_blocks_used,
             kv_blocks_total=sample.kv_blocks_total,
+            zigzag_running=sample.zigzag_running,
+            zigzag_relayed_total=sample.zigzag_relayed_total,
+            zigzag_continued_total=sample.zigzag_continued_total,
         )
     )
 

@@ -56,7 +56,8 @@ from services.global_manager.core.router import (
     plan_rebalance,
     plan_route,
 )
-from services.global_manager.core.types import InstanceState, Role, ScaleDecision
+from services.global_manager.core.types import InstanceState, InstanceView, Role, ScaleDecision
+from services.global_manager.core.zigzag import choose_live_instance, choose_zigzag_partner, should_zigzag
 from services.global_manager.registry import (
     InstanceTable,
     role_from_proto,
@@ -72,6 +73,12 @@ S = InstanceState
 INSTANCES = Gauge("blitzmesh_gm_instances", "Instances by state", ["state"])
 SCHEDULED = Counter(
     "blitzmesh_gm_schedule_total", "Schedule calls by outcome (pd_pair, one_hop, unavailable)", ["outcome"]
+)
+ZIGZAG_ROUTES = Counter(
+    "blitzmesh_gm_zigzag_routes_total", "Requests routed to a LOADING instance and its partner (ZigZag)", ["instance"]
+)
+ZIGZAG_LAYERS = Gauge(
+    "blitzmesh_gm_zigzag_layers_loaded", "k of a live (ZigZag-serving) LOADING instance", ["instance"]
 )
 DECISIONS = Counter("blitzmesh_gm_decisions_total", "Autoscaling decisions by policy and action", ["policy", "action"])
 DESIRED = Gauge("blitzmesh_gm_desired_instances", "Instances the policy wants, per pool", ["model", "role"])
@@ -153,6 +160,12 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.leaves: dict[str, str] = {host: link.leaf for host, link in topology.hosts.items()}
         self.ctx: ServeContext | None = None
         self._actions: dict[str, asyncio.Task[None]] = {}  # instance id -> load/drain in progress
+        # ZigZag live scaling: the tails of this manager's transfer chains (they go live), when
+        # each went live, when its layer count last grew, and the partner it was last paired with.
+        self._chain_tails: set[str] = set()
+        self.zigzag_started: dict[str, float] = {}
+        self._zigzag_progress: dict[str, tuple[int, float]] = {}
+        self.zigzag_partner: dict[str, str] = {}
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
 
@@ -259,6 +272,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 f"no SERVING instance of model {request.model_id!r} "
                 f"(instances: {states or 'none'}, excluded: {sorted(excluded)})",
             )
+        if self.cfg.zigzag and len(hops) == 1 and hops[0].role is Role.COLOCATED:
+            split = self._zigzag_route(request.model_id, views, excluded)
+            if split is not None:
+                return global_manager_pb2.Route(request_id=request.request_id, hops=split)
         for view in hops:
             # Until its next heartbeat shows the request, routing counts it here.
             self.table.registry.note_routed(view.instance_id)
@@ -278,6 +295,104 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 for view in hops
             ],
         )
+
+    def _zigzag_route(
+        self, model: str, views: list[InstanceView], excluded: Collection[str]
+    ) -> list[global_manager_pb2.RouteHop] | None:
+        """ZigZag (ALGORITHMS.md section 3): while every SERVING instance has requests waiting,
+        a live LOADING instance (a chain tail with >= 1 layer, under its in-flight cap, layers
+        still arriving) runs the request's first layers, and the overloaded instance with the
+        fewest used KV blocks takes it over and finishes it. None: route as usual."""
+        now = self.now_s()
+        for iid, (_, grew_s) in list(self._zigzag_progress.items()):
+            if iid in self.zigzag_started and now - grew_s > self.cfg.zigzag_stall_s:
+                # A stalled load: no more ZigZag work for it (what it holds is relayed as usual).
+                del self.zigzag_started[iid]
+                with contextlib.suppress(KeyError):
+                    ZIGZAG_LAYERS.remove(iid)
+                self.emit(
+                    "zigzag_stopped",
+                    model,
+                    "stalled",
+                    f"no new layer for {now - grew_s:.1f}s > zigzag_stall_s={self.cfg.zigzag_stall_s}",
+                    iid,
+                )
+        live = {iid: t for iid, t in self.zigzag_started.items() if iid not in excluded}
+        if not live:
+            return None
+        gate = should_zigzag(views, model=model, role=Role.COLOCATED)
+        if not gate.zigzag:
+            return None
+        inflight = {
+            v.instance_id: (v.load.zigzag_running if v.load is not None else 0) + v.routes_since_heartbeat
+            for v in views
+            if v.instance_id in live
+        }
+        choice = choose_live_instance(views, model, inflight, now, live)
+        if choice is None:
+            return None
+        new = choice.instance
+        pair = choose_zigzag_partner(views, new.instance_id, model, exclude_ids=excluded)
+        if pair is None:
+            return None
+        old = pair.partner
+        k, num_layers = new.layers_loaded, old.num_layers
+        if not 0 < k < num_layers or not self.table.dataplane.get(new.instance_id, (b"", ""))[0]:
+            return None
+        self.table.registry.note_routed(new.instance_id)
+        self.table.registry.note_routed(old.instance_id)
+        SCHEDULED.labels("zigzag").inc()
+        ZIGZAG_ROUTES.labels(new.instance_id).inc()
+        if self.zigzag_partner.get(new.instance_id) != old.instance_id:
+            self.zigzag_partner[new.instance_id] = old.instance_id
+            reason = f"{gate.reason}; new: {choice.reason}; partner {old.instance_id}: {pair.reason}"
+            self.decision_log.append(f"{now:.1f},zigzag_pair,{new.instance_id},{old.instance_id},{reason}")
+            self.emit("zigzag_pair", model, old.instance_id, reason, new.instance_id)
+        return [
+            global_manager_pb2.RouteHop(
+                instance_id=new.instance_id,
+                address=self.table.addresses[new.instance_id],
+                layer_start=0,
+                layer_end=k,
+                role=role_to_proto(new.role),
+                dataplane_address=self.table.dataplane[new.instance_id][0],
+            ),
+            global_manager_pb2.RouteHop(
+                instance_id=old.instance_id,
+                address=self.table.addresses[old.instance_id],
+                layer_start=k,
+                layer_end=num_layers,
+                role=role_to_proto(old.role),
+            ),
+        ]
+
+    def _zigzag_load_progress(self, iid: str, model_id: str, layers: int, num_layers: int) -> None:
+        """A load reported `layers` of `num_layers`: a chain tail goes live with its first layer;
+        its progress clock restarts whenever the count grows."""
+        now = self.now_s()
+        before = self._zigzag_progress.get(iid, (0, now))[0]
+        if layers > before or iid not in self._zigzag_progress:
+            self._zigzag_progress[iid] = (layers, now)
+        if iid in self._chain_tails and iid not in self.zigzag_started and 1 <= layers < num_layers:
+            self.zigzag_started[iid] = now
+            self.emit(
+                "live_scaling",
+                model_id,
+                f"{layers}/{num_layers}",
+                "the tail of its transfer chain serves ZigZag requests with the layers it holds",
+                iid,
+            )
+        if iid in self.zigzag_started:
+            ZIGZAG_LAYERS.labels(iid).set(layers)
+
+    def _zigzag_done(self, iid: str) -> None:
+        """The load ended (SERVING, or failed): the instance is no longer live-loading."""
+        self._chain_tails.discard(iid)
+        self._zigzag_progress.pop(iid, None)
+        self.zigzag_partner.pop(iid, None)
+        if self.zigzag_started.pop(iid, None) is not None:
+            with contextlib.suppress(KeyError):
+                ZIGZAG_LAYERS.remove(iid)
 
     # ---- admin --------------------------------------------------------------------------
     async def GetCluster(self, request, context):
@@ -445,6 +560,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         except (grpc.aio.AioRpcError, ValueError, KeyError) as e:
             log.warning("transfer_plan_failed", model=model_id, targets=targets, error=repr(e))
             return None
+        # The last target of each chain loads last (the lowest bandwidth): it goes live (ZigZag).
+        self._chain_tails |= {c.hops[-1] for c in planned.chains if c.hops}
         chains = "; ".join(f"{c.source}->{'->'.join(c.hops)} ({len(c.groups)} groups)" for c in planned.chains)
         self.emit("transfer_plan", model_id, plan.plan_id, f"chains: {chains}")
         return plan
@@ -490,6 +607,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             transfer_plan = await plan
             if transfer_plan is not None:
                 request.plan.CopyFrom(transfer_plan)
+            else:
+                self._chain_tails.add(iid)  # it pulls from the pool alone: a chain of its own
             async with channel(address) as ch:
                 stub = worker_pb2_grpc.WorkerStub(ch)
                 call = stub.LoadParameters(request, timeout=self.cfg.load_timeout_s)
@@ -497,9 +616,13 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                     done = done or p.done
                     self.monitor.mark_seen(iid, self.now_s())  # progress proves it is alive
                     if iid in self.table.registry and self.table.registry.get(iid).state is S.LOADING:
+                        if p.groups_total > 2:  # embed + L layers + head: the model's size, known now
+                            self.table.learn_num_layers(iid, model_id, p.groups_total - 2)
                         view = self.table.registry.get(iid)
                         with contextlib.suppress(ValueError):
-                            self.table.registry.set_layers_loaded(iid, min(p.layers_loaded, view.num_layers))
+                            view = self.table.registry.set_layers_loaded(iid, min(p.layers_loaded, view.num_layers))
+                        if not p.done:
+                            self._zigzag_load_progress(iid, model_id, view.layers_loaded, view.num_layers)
             if not done:
                 error = "LoadParameters ended before the load was done"
         except asyncio.CancelledError:
@@ -509,6 +632,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         except Exception as e:
             error = repr(e)
         self.monitor.mark_seen(iid, self.now_s())  # its silence clock restarts after the action
+        self._zigzag_done(iid)
         if not error:
             state = self.table.registry.get(iid).state if iid in self.table.registry else None
             if state is S.LOADING:

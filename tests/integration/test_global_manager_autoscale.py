@@ -122,6 +122,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             role=self.role,
             layers_loaded=2 if serving else 0,
             num_layers=2 if self.state != ST.INSTANCE_STATE_IDLE else 0,
+            dataplane_address=f"dp-{self.iid}".encode(),
+            dataplane_kind="tcp",
         )
 
 
@@ -507,3 +509,60 @@ async def test_split_autoscale_logs_and_grows_both_pools(serve_in_process: Any) 
             "w2": "PREFILL",
             "w3": "DECODE",
         }
+
+
+# ---- ZigZag live scaling ---------------------------------------------------------------------
+
+
+def schedule(c: Cluster, rid: str = "r") -> Any:
+    return c.stub.Schedule(
+        global_manager_pb2.ScheduleRequest(request_id=rid, model_id=MODEL, prompt_tokens=8, max_tokens=8), timeout=5
+    )
+
+
+async def test_zigzag_splits_requests_with_a_live_loading_instance_while_the_pool_is_overloaded(
+    serve_in_process: Any,
+) -> None:
+    settings = {"min_instances": 1, "max_instances": 2, "autoscale": False, "zigzag_stall_s": 30.0}
+    async with cluster(serve_in_process, n_workers=2, **settings) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
+        c.workers["w1"].load_s = 60.0  # the new instance holds 1 of 2 layers for the whole test
+        # w0 is busy but nothing waits: requests go to it whole.
+        c.set_load(running=4, waiting=0, kv_blocks_used=10, kv_blocks_total=100)
+        await c.stub.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=1), timeout=5)
+        live = await c.wait_event(lambda e: e.action == "live_scaling" and e.instance_id == "w1")
+        assert live[0].status == "1/2"
+        assert [h.instance_id for h in (await schedule(c)).hops] == ["w0"]
+        # Now requests wait on w0: the next one is split, [0, 1) on w1 then [1, 2) on w0.
+        c.set_load(running=4, waiting=3, kv_blocks_used=10, kv_blocks_total=100)
+        registry = c.gm.servicer.table.registry
+        await wait_until(lambda: (v := registry.get("w0")).load is not None and v.load.waiting == 3, 5)
+        route = await schedule(c)
+        assert [(h.instance_id, h.layer_start, h.layer_end) for h in route.hops] == [("w1", 0, 1), ("w0", 1, 2)]
+        assert route.hops[0].dataplane_address == b"dp-w1"
+        (pair,) = await c.wait_event(lambda e: e.action == "zigzag_pair")
+        assert pair.instance_id == "w1" and pair.status == "w0" and "fewest used KV blocks (10)" in pair.reason
+        assert any(",zigzag_pair,w1,w0," in line for line in c.gm.servicer.decision_log)
+        # The in-flight cap (4 at the start of live scaling, then 1 less every 200 ms, at least 2)
+        # bounds how many go to w1 between its heartbeats.
+        c.workers["w1"].mute = True
+        hops = [len((await schedule(c, f"r{i}")).hops) for i in range(6)]
+        assert 1 <= hops.count(2) <= 3 and hops[-1] == 1
+
+
+async def test_a_stalled_load_gets_no_more_zigzag_work(serve_in_process: Any) -> None:
+    settings = {"min_instances": 1, "max_instances": 2, "autoscale": False, "zigzag_stall_s": 0.5}
+    async with cluster(serve_in_process, n_workers=2, **settings) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
+        c.workers["w1"].load_s = 60.0
+        c.set_load(running=4, waiting=3, kv_blocks_used=10, kv_blocks_total=100)
+        await c.stub.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=1), timeout=5)
+        await c.wait_event(lambda e: e.action == "live_scaling" and e.instance_id == "w1")
+
+        async def whole() -> bool:
+            return len((await schedule(c)).hops) == 1 and any(e.action == "zigzag_stopped" for e in c.events)
+
+        # Its layer count stays at 1: after zigzag_stall_s the scheduler stops trusting it.
+        await wait_until(whole, 10, interval_s=0.1, what="ZigZag stopped for the stalled load")
+        (stopped,) = [e for e in c.events if e.action == "zigzag_stopped"]
+        assert stopped.instance_id == "w1" and "zigzag_stall_s=0.5" in stopped.reason

@@ -64,6 +64,9 @@ class LoadSample:
     waiting_prefill_tokens: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    zigzag_running: int = 0  # ZigZag requests running their first layers there (a loading instance)
+    zigzag_relayed_total: int = 0
+    zigzag_continued_total: int = 0
 
     def __post_init__(self) -> None:
         # Cheap checks only: heartbeats arrive at (instances x Hz) and a bad one must be loud.
