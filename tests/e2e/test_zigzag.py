@@ -1,0 +1,112 @@
+"""ZigZag live scaling end to end: a mesh whose one instance is overloaded scales out over a slow
+link; while the new instance still loads, requests routed to it run their first layers there
+and are finished by the overloaded instance, with exactly the greedy tokens of a whole run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+import blitzmesh
+from services.common.waiting import wait_until
+from services.mesh.launcher import Mesh, MeshConfig
+from services.model_format.synth import synthesize
+
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
+
+MODEL = "tiny6"
+ARGS = {"model": MODEL, "max_tokens": 12, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+WAVE_1, WAVE_2 = 8, 6
+# Every data-plane sender of the mesh (the parameter manager, and a worker that is a chain's
+# source) shaped to 0.02 Gbit/s: the ~6 MB model takes seconds to arrive, layer by layer.
+LINK_GBPS = "0.02"
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def zz_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    models = tmp_path_factory.mktemp("zz-models")
+    synthesize(models / MODEL, "tiny", seed=0, overrides={"num_hidden_layers": 6})
+    cfg = MeshConfig(
+        workers=2,
+        initial_instances=1,
+        model=MODEL,
+        model_dir=models,
+        run_dir=tmp_path_factory.mktemp("run-zigzag"),
+        http_port=0,
+        grpc_port=0,
+        ready_timeout_s=120.0,
+        # Emulated accelerator pacing and a small batch: the one instance queues a burst.
+        worker_args=[
+            "--step-time-a-s",
+            "0.03",
+            "--step-time-b-s",
+            "0.0005",
+            "--max-batch-size",
+            "2",
+            "--dataplane-link-gbps",
+            LINK_GBPS,
+        ],
+        manager_args=["--zigzag-stall-s", "30"],
+    )
+    key = "BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"
+    before = os.environ.get(key)
+    os.environ[key] = LINK_GBPS  # the launcher's children read it through their config layer
+    m = Mesh(cfg)
+    try:
+        await m.start()
+        yield m
+    finally:
+        await m.stop()
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+async def _metric(mesh: Mesh, name: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as s, s.get(mesh.gateway_http + "/metrics") as r:
+        text = await r.text()
+    return {labels: float(v) for labels, v in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)}
+
+
+async def test_requests_split_with_a_loading_instance_give_whole_run_tokens(zz_mesh: Mesh) -> None:
+    prompts = [f"zigzag {i} " * (1 + i % 5) for i in range(WAVE_1 + WAVE_2)]
+    async with blitzmesh.AsyncClient(zz_mesh.gateway_grpc, timeout_s=180, max_retries=0) as client:
+        references = [(await client.complete(p, **ARGS)).token_ids for p in prompts]
+        first = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[:WAVE_1]]
+
+        async def overloaded() -> bool:
+            state = await client.cluster()
+            return any(i.state == "serving" and i.load.waiting > 0 for i in state.instances)
+
+        await wait_until(overloaded, 30, interval_s=0.05, what="the serving instance reporting waiting requests")
+        await client.scale(MODEL, 1)
+
+        async def live() -> bool:
+            state = await client.cluster()
+            return any(i.state == "loading" and 1 <= i.layers_loaded < i.num_layers for i in state.instances)
+
+        await wait_until(live, 60, interval_s=0.05, what="the new instance LOADING with its first layers")
+        second = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[WAVE_1:]]
+        done = await asyncio.gather(*first, *second)
+        assert [c.token_ids for c in done] == references
+        zigzag = await _metric(zz_mesh, "blitzmesh_gateway_zigzag_total")
+        assert zigzag.get('outcome="relayed"', 0) >= 1, zigzag
+        state = await client.cluster()
+        continued = sum(i.load.zigzag_continued_total for i in state.instances)
+        relayed = sum(i.load.zigzag_relayed_total for i in state.instances)
+        assert continued >= 1 and relayed >= continued, (continued, relayed)
+        # The new instance finishes loading and serves whole requests on its own.
+        await wait_until(
+            lambda: _serving_count(client, 2), 120, interval_s=0.2, what="both instances SERVING after the load"
+        )
+
+
+async def _serving_count(client: blitzmesh.AsyncClient, n: int) -> bool:
+    return sum(i.state == "serving" for i in (await client.cluster()).instances) >= n
