@@ -29,10 +29,13 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 import blitzmesh
 from bench.autoscale.sizing import Profile, size_pools
@@ -59,6 +62,9 @@ SCALE_EVENTS = (
     "load_result",
     "drain_result",
     "rebalance",
+    "live_scaling",
+    "zigzag_pair",
+    "zigzag_stopped",
 )
 
 # Replay windows of the code trace (trace seconds) and how hard they are squeezed.
@@ -108,6 +114,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the manager's rebalancing of queued requests onto a new instance; 'both' replays the runs "
         "with it on, then off, each in a fresh mesh, and adds the key `rebalance` (SLO attainment and "
         "instance-seconds side by side)",
+    )
+    p.add_argument(
+        "--zigzag",
+        choices=("on", "off", "both"),
+        default="on",
+        help="ZigZag live scaling in the manager; 'both' replays the runs with it on and off, each in a fresh "
+        "mesh, --repeats times in alternating order, and adds the key `zigzag` (side by side)",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="with --zigzag/--rebalance both: on/off pairs to run")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=0.0,
+        help="emulated data-plane link of every sender (parameter manager, workers), Gbit/s; 0 = unshaped. A "
+        "slower link makes loads last as they would for a model that is large against its link",
     )
     p.add_argument("--bin-s", type=float, default=2.5, help="plot and timeline bin")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "autoscale.json")
@@ -169,6 +190,7 @@ async def run_all(
                 if name in policies:
                     await admin.set_policy(policy, params, advisory=False)
                 print(f"[{name}] {pools[name]} serving; replaying {len(arrivals)} requests", flush=True)
+                zigzag_before = await _gateway_counter(mesh, "blitzmesh_gateway_zigzag_total")
                 result = await replay(
                     arrivals,
                     http_url=mesh.gateway_http,
@@ -179,7 +201,14 @@ async def run_all(
                     vocab_size=args.vocab_size,
                 )
                 summary = summarize(result.records, result.instances, result.duration_s, slo)
-                summary.update({"initial_instances": pools[name], "notes": result.notes})
+                zigzag_after = await _gateway_counter(mesh, "blitzmesh_gateway_zigzag_total")
+                summary.update(
+                    {
+                        "initial_instances": pools[name],
+                        "notes": result.notes,
+                        "zigzag_requests": {k: round(v - zigzag_before.get(k, 0.0)) for k, v in zigzag_after.items()},
+                    }
+                )
                 print(
                     f"[{name}] "
                     + json.dumps(
@@ -209,26 +238,55 @@ async def run_all(
     return runs
 
 
-def _rebalance_comparison(by_setting: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Per run: SLO attainment, instance-seconds, TTFT p99 and moves with rebalancing on and off."""
+async def _gateway_counter(mesh: Mesh, name: str) -> dict[str, float]:
+    """A gateway counter's samples by label set, from its /metrics."""
+    async with aiohttp.ClientSession() as s, s.get(mesh.gateway_http + "/metrics") as r:
+        text = await r.text()
+    return {labels: float(v) for labels, v in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)}
+
+
+def _ab_comparison(by_setting: dict[str, list[dict[str, dict[str, Any]]]], flag: str) -> dict[str, Any]:
+    """Per run: SLO attainment, instance-seconds, TTFT p50/p99, lost, and what the feature did, with
+    `flag` on and off, every repeat, and the on - off difference of each pair."""
+    repeats = len(by_setting["on"])
     out: dict[str, Any] = {
-        "order": "on, then off, each in a fresh mesh on the same arrival schedule (not interleaved)",
+        "order": "pairs in alternating order (on, off), (off, on), ...; each run in a fresh mesh on the same "
+        "arrival schedule",
+        "repeats": repeats,
     }
-    for name in by_setting["on"]:
+    for name in by_setting["on"][0]:
         row: dict[str, Any] = {}
-        for setting, runs in by_setting.items():
-            s = runs[name]["summary"]
-            moved = sum(1 for e in runs[name]["events"] if e["action"] == "rebalance" and e["status"] == "moved")
-            row[setting] = {
-                "slo_attainment": s["slo_attainment"],
-                "instance_seconds": s["instance_seconds"],
-                "ttft_p99_s": s["ttft_s"]["p99"],
-                "lost": s["lost"],
-                "rebalance_events_moved": moved,
-            }
-        on, off = row["on"]["slo_attainment"], row["off"]["slo_attainment"]
-        row["slo_attainment_on_minus_off"] = round(on - off, 4) if on is not None and off is not None else None
+        for setting, reps in by_setting.items():
+            row[setting] = []
+            for runs in reps:
+                s = runs[name]["summary"]
+                moved = sum(1 for e in runs[name]["events"] if e["action"] == "rebalance" and e["status"] == "moved")
+                row[setting].append(
+                    {
+                        "slo_attainment": s["slo_attainment"],
+                        "instance_seconds": s["instance_seconds"],
+                        "ttft_p50_s": s["ttft_s"]["p50"],
+                        "ttft_p99_s": s["ttft_s"]["p99"],
+                        "lost": s["lost"],
+                        "rebalance_events_moved": moved,
+                        "zigzag_requests": s.get("zigzag_requests", {}),
+                        "zigzag_pairs": sum(1 for e in runs[name]["events"] if e["action"] == "zigzag_pair"),
+                    }
+                )
+        diffs = [
+            round(a["slo_attainment"] - b["slo_attainment"], 4)
+            for a, b in zip(row["on"], row["off"], strict=True)
+            if a["slo_attainment"] is not None and b["slo_attainment"] is not None
+        ]
+        row["slo_attainment_on_minus_off"] = diffs
+        ttft = [
+            round(a["ttft_p99_s"] / b["ttft_p99_s"], 3)
+            for a, b in zip(row["on"], row["off"], strict=True)
+            if a["ttft_p99_s"] and b["ttft_p99_s"]
+        ]
+        row["ttft_p99_on_over_off"] = ttft
         out[name] = row
+    out["flag"] = flag
     return out
 
 
@@ -323,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     # The launcher's children inherit the environment, which the services' config layer reads.
     os.environ["BLITZMESH_WORKER_DATAPLANE"] = args.dataplane
     os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE"] = args.dataplane
+    if args.link_gbps > 0:
+        os.environ["BLITZMESH_WORKER_DATAPLANE_LINK_GBPS"] = str(args.link_gbps)
+        os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"] = str(args.link_gbps)
     pools = {
         "fixed_peak": sizing.fixed_peak,
         "fixed_average": sizing.fixed_average,
@@ -340,19 +401,29 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown runs {sorted(unknown)}; choose from {sorted(pools)}")
     drain_timeout_s = 15.0 if args.quick else 40.0
-    rebalance_ab: dict[str, Any] | None = None
-    if args.rebalance == "both":
-        by_setting = {}
-        for setting in ("on", "off"):
-            cfg = dataclasses.replace(
-                mesh_cfg, manager_args=[*manager_args, "--rebalance" if setting == "on" else "--no-rebalance"]
-            )
-            print(f"--- rebalance {setting} ---", flush=True)
-            by_setting[setting] = asyncio.run(run_all(wanted, cfg, pools, arrivals, args, policies, drain_timeout_s))
-        runs = by_setting["on"]
-        rebalance_ab = _rebalance_comparison(by_setting)
+    if args.rebalance == "both" and args.zigzag == "both":
+        raise SystemExit("compare one feature at a time: --rebalance both or --zigzag both, not both")
+    ab_flag = "rebalance" if args.rebalance == "both" else ("zigzag" if args.zigzag == "both" else None)
+    fixed_flags = [
+        f"--{flag}" if getattr(args, flag) == "on" else f"--no-{flag}"
+        for flag in ("rebalance", "zigzag")
+        if flag != ab_flag
+    ]
+    ab_result: dict[str, Any] | None = None
+    if ab_flag is not None:
+        by_setting: dict[str, list[dict[str, dict[str, Any]]]] = {"on": [], "off": []}
+        for rep in range(args.repeats):
+            for setting in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+                flag = f"--{ab_flag}" if setting == "on" else f"--no-{ab_flag}"
+                cfg = dataclasses.replace(mesh_cfg, manager_args=[*manager_args, *fixed_flags, flag])
+                print(f"--- {ab_flag} {setting} (pair {rep + 1}/{args.repeats}) ---", flush=True)
+                by_setting[setting].append(
+                    asyncio.run(run_all(wanted, cfg, pools, arrivals, args, policies, drain_timeout_s))
+                )
+        runs = by_setting["on"][0]
+        ab_result = _ab_comparison(by_setting, ab_flag)
     else:
-        mesh_cfg.manager_args = [*manager_args, "--rebalance" if args.rebalance == "on" else "--no-rebalance"]
+        mesh_cfg.manager_args = [*manager_args, *fixed_flags]
         runs = asyncio.run(run_all(wanted, mesh_cfg, pools, arrivals, args, policies, drain_timeout_s))
 
     plot_path = args.plot or args.out.with_suffix(".png")
@@ -398,8 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         "plot": plot_path.name,
     }
     result["setup"]["rebalance"] = args.rebalance
-    if rebalance_ab is not None:
-        result["rebalance"] = rebalance_ab
+    result["setup"]["zigzag"] = args.zigzag
+    result["setup"]["link_gbps"] = args.link_gbps
+    if ab_result is not None:
+        result[ab_flag] = ab_result
     result["timelines"] = {name: run["timeline"] for name, run in runs.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
