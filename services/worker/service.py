@@ -49,7 +49,7 @@ from services.worker.engine.kv_cache import KVCache
 from services.worker.kv_transfer import KVDescriptor, KVOffer, KVServer, KVTransferConfig, receive_kv
 from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, plan_pulls
 from services.worker.model.llama import LlamaForCausalLM, resolve_dtype
-from services.worker.zigzag import RelayServer, relay_from
+from services.worker.zigzag import RelayServer, take_over
 
 log = structlog.get_logger(__name__)
 
@@ -325,20 +325,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         config = KVTransferConfig(stall_timeout_s=self.cfg.stall_timeout_s)
 
         async def fill(blocks: KVBlocks) -> Relayed:
-            state = await relay_from(
-                transport, address, request_id, model_id=inst.model_id, stall_timeout_s=self.cfg.stall_timeout_s
-            )
-            if state.layers and state.kv is not None:
-                await receive_kv(
-                    transport,
-                    state.kv,
-                    cache,
-                    model_id=inst.model_id,
-                    request_id=blocks.request_id,
-                    allocator=blocks,
-                    config=config,
-                )
-            return state.relayed()
+            return await take_over(transport, address, request_id, cache, blocks, model_id=inst.model_id, config=config)
 
         return fill
 

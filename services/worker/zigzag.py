@@ -35,10 +35,11 @@ from services.dataplane.checksum import group_checksum
 from services.dataplane.errors import ChecksumMismatch, ProtocolError
 from services.dataplane.transport import Endpoint, Transport, address_label
 from services.worker.convert import kv_descriptor_from_proto, kv_descriptor_to_proto
-from services.worker.engine.engine import Engine, Relayed
-from services.worker.kv_transfer import KVDescriptor, KVOffer, dtype_name
+from services.worker.engine.engine import Engine, KVBlocks, Relayed
+from services.worker.engine.kv_cache import KVCache
+from services.worker.kv_transfer import KVDescriptor, KVOffer, KVTransferConfig, dtype_name, receive_kv
 
-__all__ = ["RELAY_OP", "RelayServer", "RelayState", "relay_from"]
+__all__ = ["RELAY_OP", "RelayServer", "RelayState", "relay_from", "take_over"]
 
 log = structlog.get_logger(__name__)
 
@@ -191,3 +192,23 @@ async def relay_from(
             await ep.close()
         else:
             ep.abort()
+
+
+async def take_over(
+    transport: Transport,
+    address: bytes,
+    request_id: str,
+    cache: KVCache,
+    blocks: KVBlocks,
+    *,
+    model_id: str,
+    config: KVTransferConfig,
+) -> Relayed:
+    """The partner's whole relay (an engine's `RelayFill`): ask the loading instance at `address`
+    for `request_id`, pull the KV of the layers it ran into `blocks`, bring the hidden states."""
+    state = await relay_from(transport, address, request_id, model_id=model_id, stall_timeout_s=config.stall_timeout_s)
+    if state.layers and state.kv is not None:
+        await receive_kv(
+            transport, state.kv, cache, model_id=model_id, request_id=blocks.request_id, allocator=blocks, config=config
+        )
+    return state.relayed()
