@@ -250,3 +250,20 @@ async def test_the_partner_takes_zigzag_work_only_behind_its_own(ckpt: Path) -> 
         assert order == ["busy", "own", "zz"]
     finally:
         await new.stop()
+
+
+async def test_a_relay_waits_for_the_layers_the_loading_instance_can_still_run(ckpt: Path) -> None:
+    """Relayed the moment it arrives, a request first runs every layer loaded there (one step),
+    so the partner gets that work done, not an untouched prompt."""
+    model, _ = partial_model(ckpt, 3)
+    new = loading_engine(model, pacing=PacingProfile(base_s=0.02, per_token_s=0))
+    await new.start(partial=True)
+    try:
+        first = asyncio.create_task(collect_stream(new.generate("r", prompt_of(30, 7), PARAMS, zigzag=True)))
+        await wait_until(lambda: "r" in new._by_id, 5, what="the request on the loading instance")
+        outcome = await new.relay("r")
+        assert outcome.layers == 3 and outcome.parked_kv is not None and outcome.hidden is not None
+        assert [e.zigzag_layers for e in await first] == [3]
+        assert new.release_parked(outcome.parked_kv) > 0
+    finally:
+        await new.stop()

@@ -768,9 +768,10 @@ class Engine:
         self._wake.set()
         return freed
 
-    async def relay(self, request_id: str) -> RelayOutcome:
-        """ZigZag, the loading instance: stop `request_id` at the end of the layers it has run
-        (after the step computing it, if one is) and hand it to its partner. Its KV for those
+    async def relay(self, request_id: str, *, wait_s: float = 1.0) -> RelayOutcome:
+        """ZigZag, the loading instance: stop `request_id` and hand it to its partner, once it
+        has run every layer loaded here (after its next step, if it can still run one, or after
+        `wait_s` at the latest; the partner's own work goes on meanwhile). Its KV for those
         layers stays parked (`RelayOutcome.parked_kv`, freed by `release_parked`) for the partner
         to pull; its stream ends with `zigzag_layers`. A request not here yet ends at once when
         it arrives; one still queued, or finished, gives `layers == 0`."""
@@ -788,10 +789,21 @@ class Engine:
             seq.queue.put_nowait(TokenEvent(None, None, len(seq.prompt), 0, zigzag_layers=0))
             self.zigzag["relayed"] += 1
             return RelayOutcome(0, len(seq.prompt))
-        if request_id in self._in_step:
+        if request_id in self._in_step or seq.zz_layers < self.model.num_layers_loaded:
+            # It is computing, or can run layers it has not run yet: it is relayed at the end of
+            # its next step here (so the partner gets all the layers this instance can give), or
+            # after `wait_s` at the latest.
             waiter: asyncio.Future[RelayOutcome] = asyncio.get_running_loop().create_future()
             seq.relay_waiters.append(waiter)
-            return await waiter
+            self._wake.set()
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiter), wait_s)
+            except TimeoutError:
+                if waiter.done():
+                    return waiter.result()
+                if request_id in self._in_step:
+                    return await waiter  # resolved when this step ends
+                return self._relay_now(seq)
         return self._relay_now(seq)
 
     def _relay_now(self, seq: _Seq) -> RelayOutcome:
@@ -1056,12 +1068,14 @@ class Engine:
     def _zigzag_work(self) -> list[_Partial]:
         """ZigZag on a loading instance: the running ZigZag requests whose next layer is loaded,
         each to run every loaded layer it has not run yet (in arrival order, within the token
-        budget; the first always runs). Requests waiting for a layer, or for their partner, wait."""
+        budget; the first always runs), those a partner waits for first. Requests waiting for a
+        layer, or for their partner, wait."""
         loaded = self.model.num_layers_loaded
         budget = self.config.max_num_tokens
         work: list[_Partial] = []
-        for seq in self._running:
-            if not seq.zigzag or seq.finished or seq.zz_layers >= loaded or seq.relay_waiters:
+        # Requests a partner is waiting to take over go first, then in arrival order.
+        for seq in sorted(self._running, key=lambda s: not s.relay_waiters):
+            if not seq.zigzag or seq.finished or seq.zz_layers >= loaded:
                 continue
             n = len(seq.prompt)
             if work and n > budget:
