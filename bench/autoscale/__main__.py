@@ -130,6 +130,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="emulated data-plane link of every sender (parameter manager, workers), Gbit/s; 0 = unshaped. A "
         "slower link makes loads last as they would for a model that is large against its link",
     )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=0,
+        help="workers' max batch size (0 = the worker's default, 32); a smaller batch makes a burst queue, "
+        "which is what ZigZag's gate waits for",
+    )
     p.add_argument("--bin-s", type=float, default=2.5, help="plot and timeline bin")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "autoscale.json")
     p.add_argument("--plot", type=Path, default=None, help="default: the --out path with .png")
@@ -375,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         http_port=0,
         grpc_port=0,
         ready_timeout_s=180.0,
-        worker_args=profile.worker_args(),
+        worker_args=[
+            *profile.worker_args(),
+            *(["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else []),
+        ],
         manager_args=manager_args,
     )
     # The launcher's children inherit the environment, which the services' config layer reads.
@@ -471,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     result["setup"]["rebalance"] = args.rebalance
     result["setup"]["zigzag"] = args.zigzag
     result["setup"]["link_gbps"] = args.link_gbps
+    result["setup"]["max_batch_size"] = args.max_batch_size or "worker default (32)"
     if ab_result is not None:
         result[ab_flag] = ab_result
     result["timelines"] = {name: run["timeline"] for name, run in runs.items()}
