@@ -420,6 +420,8 @@ class Backend:
             prefill, hop = _split_route(hops)
             zigzag = _zigzag_route(hops)
             first_hop: asyncio.Task[None] | None = None
+            handed_off_by: global_manager_pb2.RouteHop | None = None  # holds KV until decode pulls
+            generated_before = 0
             try:
                 kv_source = None
                 zigzag_source = None
@@ -450,6 +452,7 @@ class Backend:
                         return
                     self.metrics.handoffs.labels("handed_off").inc()
                     kv_source, state.handoff = state.handoff, None
+                    handed_off_by, generated_before = prefill, len(state.generated)
                 # After a failure (tokens already generated) a disaggregated route resumes on
                 # its decode instance, which recomputes the prompt and those tokens.
                 stream = self._stream(
@@ -531,6 +534,10 @@ class Backend:
                     # The partner has taken the request over (its first hop ends by itself), or
                     # failed, or the client left: the loading instance's part is aborted there.
                     first_hop.cancel()
+                if handed_off_by is not None and len(state.generated) == generated_before:
+                    # The decode instance produced nothing (it failed, or the client left): the
+                    # prefill instance frees the KV it offered now rather than when it expires.
+                    self._abort_later(handed_off_by.address, req.request_id)
         # Every instance tried was full rather than broken: that is back-pressure, not an outage.
         kind = ErrorKind.OVERLOADED if last_code == grpc.StatusCode.RESOURCE_EXHAUSTED else ErrorKind.UNAVAILABLE
         raise GatewayError(

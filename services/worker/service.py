@@ -334,6 +334,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         found = request.request_id in self._inflight
         if found and inst is not None and inst.engine is not None:
             inst.engine.abort(request.request_id)
+        if inst is not None and inst.kv_server is not None:
+            # KV it handed off that no decode instance will pull now (the client left, or a stop
+            # string ended it at its first token): freed now, not when the offer expires.
+            prefix = f"{request.request_id}#handoff-"
+            for offer in inst.kv_server.offers():
+                if offer.descriptor.request_id.startswith(prefix):
+                    offer.cancel("the request was aborted")
+                    found = True
         return worker_pb2.AbortResponse(found=found)
 
     # ---- lifecycle ----------------------------------------------------------------------

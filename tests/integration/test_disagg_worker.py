@@ -153,3 +153,19 @@ async def test_bad_hand_off_requests_are_refused(tiny_models: Path, serve_in_pro
 
 async def collect_tokens(call: Any) -> list[int]:
     return [t async for m in call for t in m.token_ids]
+
+
+async def test_aborting_a_handed_off_request_frees_its_kv_at_once(
+    tiny_models: Path, serve_in_process: ServeFactory
+) -> None:
+    """A request that ends on its first token (a stop string) or whose client leaves before the
+    decode side pulls: the gateway's Abort frees the offered KV on the prefill side at once."""
+    roles = {"p": common_pb2.INSTANCE_ROLE_PREFILL}
+    async with workers(tiny_models, serve_in_process, roles) as ws:
+        p_svc, prefill = ws["p"]
+        head = [m async for m in prefill.Generate(request("r", PROMPTS[2], kv_handoff=True), timeout=30)]
+        assert head[0].HasField("kv_handoff")
+        engine = p_svc.servicer.instance.engine  # type: ignore[union-attr]
+        assert engine.kv_cache.used_blocks > 0  # held for a decode side (30 s by default)
+        assert (await prefill.Abort(worker_pb2.AbortRequest(request_id="r"), timeout=5)).found
+        await wait_until(lambda: engine.kv_cache.used_blocks == 0, 5, what="the offered KV freed after Abort")
