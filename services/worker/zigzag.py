@@ -151,11 +151,12 @@ async def relay_from(
     *,
     model_id: str,
     stall_timeout_s: float = 10.0,
+    connect_timeout_s: float | None = None,
 ) -> RelayState:
     """Ask the loading instance at `address` for `request_id`; raises on any failure (the caller
     then computes the prompt whole)."""
     peer = address_label(address)
-    ep = await transport.connect(address, timeout_s=stall_timeout_s)
+    ep = await transport.connect(address, timeout_s=connect_timeout_s or stall_timeout_s)
     ok = False
     try:
         await ep.send_msg(
@@ -206,7 +207,14 @@ async def take_over(
 ) -> Relayed:
     """The partner's whole relay (an engine's `RelayFill`): ask the loading instance at `address`
     for `request_id`, pull the KV of the layers it ran into `blocks`, bring the hidden states."""
-    state = await relay_from(transport, address, request_id, model_id=model_id, stall_timeout_s=config.stall_timeout_s)
+    state = await relay_from(
+        transport,
+        address,
+        request_id,
+        model_id=model_id,
+        stall_timeout_s=config.stall_timeout_s,
+        connect_timeout_s=config.connect_timeout_s,
+    )
     if state.layers and state.kv is not None:
         await receive_kv(
             transport, state.kv, cache, model_id=model_id, request_id=blocks.request_id, allocator=blocks, config=config
