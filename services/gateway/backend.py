@@ -430,6 +430,7 @@ class Backend:
                     # partner is busy; the partner takes the request over (its KV and hidden
                     # states) when it has no work of its own, then streams the tokens.
                     new, hop = zigzag
+                    self.metrics.zigzag.labels("routed").inc()
                     first_hop = asyncio.create_task(
                         self._zigzag_first_hop(req, new, prompt_ids, max_tokens, deadline_s, bound),
                         name=f"zigzag-{req.request_id}",
@@ -835,6 +836,7 @@ class Backend:
             self.metrics.zigzag.labels("relayed" if layers else "none_ran").inc()
             bound.debug("zigzag_relayed", instance_id=hop.instance_id, layers=layers)
         except asyncio.CancelledError:
+            self.metrics.zigzag.labels("cancelled").inc()
             call.cancel()
             self._abort_later(hop.address, req.request_id)
             raise

@@ -71,8 +71,9 @@ class GatewayMetrics:
 
         self.zigzag = Counter(
             "blitzmesh_gateway_zigzag",
-            "ZigZag requests by how their loading instance's part ended: 'relayed' (layers ran there, then its"
-            " partner took over), 'none_ran' (the partner took it before any layer ran), 'failed'",
+            "ZigZag requests: 'routed' (split with a loading instance), then how the loading instance's part"
+            " ended: 'relayed' (layers ran there, then its partner took over), 'none_ran', 'failed', or"
+            " 'cancelled' (still running when the partner's stream ended or failed)",
             ["outcome"],
             registry=r,
         )

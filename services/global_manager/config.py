@@ -48,6 +48,12 @@ class GlobalManagerConfig(ServiceConfig):
         "route requests to a LOADING instance (the tail of its transfer chain, with >= 1 layer) that runs their "
         "first layers, paired with the overloaded instance with the fewest used KV blocks, which finishes them",
     )
+    zigzag_live: str = Field(
+        "all",
+        pattern="^(all|tails)$",
+        description="which LOADING instances serve ZigZag requests: 'all' (every target of a scale-out, from its "
+        "first layer) or 'tails' (only the last target of each transfer chain, as BlitzScale picks)",
+    )
     zigzag_stall_s: float = Field(
         5.0, gt=0, description="a LOADING instance whose layer count has not grown for this long gets no ZigZag work"
     )
@@ -66,6 +72,12 @@ class GlobalManagerConfig(ServiceConfig):
         default_factory=dict, description="policy parameters as a JSON object, e.g. '{\"scale_in_cooldown_s\": 60}'"
     )
     autoscale: bool = Field(False, description="run the autoscaling policy in the control loop")
+    scale_from_zero: bool = Field(
+        True,
+        description="a request for a model the parameter manager lists, with no SERVING or LOADING instance, "
+        "starts a scale-out of one IDLE worker (one at a time per model) and is answered UNAVAILABLE, so the "
+        "gateway retries until the instance serves (as Knative's activator holds requests for a cold revision)",
+    )
     advisory: bool = Field(False, description="decide and log, but do not act")
     decision_repeat_s: float = Field(
         30.0, gt=0, description="a 'no change' decision is reported when its reason changes, or this often"

@@ -168,6 +168,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.zigzag_partner: dict[str, str] = {}
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
+        # Models whose scale from zero is being decided (a parameter-manager lookup in flight).
+        self._waking: set[str] = set()
 
     def _make_policy(self, name: str, params: dict[str, Any]) -> Policy:
         """The manager's own bounds are the policy's defaults, so the policy does not ask for
@@ -265,12 +267,14 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request.request_id!r}: {e}")
         if not hops:
+            waking = await self._scale_from_zero(request.model_id, request.request_id)
+            views = self.table.registry.views(model=request.model_id)
             SCHEDULED.labels("unavailable").inc()
             states = sorted(f"{v.role.value}:{v.state.value}" for v in views)
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"no SERVING instance of model {request.model_id!r} "
-                f"(instances: {states or 'none'}, excluded: {sorted(excluded)})",
+                f"(instances: {states or 'none'}, excluded: {sorted(excluded)}){waking}",
             )
         if self.cfg.zigzag and len(hops) == 1 and hops[0].role is Role.COLOCATED:
             split = self._zigzag_route(request.model_id, views, excluded)
@@ -296,13 +300,72 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             ],
         )
 
+    async def _scale_from_zero(self, model: str, request_id: str) -> str:
+        """Scale from zero (Knative's activator, here in the manager): a request for a model the
+        parameter manager lists finds no SERVING or LOADING instance, so one IDLE worker starts
+        loading it. The caller still answers UNAVAILABLE; the gateway retries with backoff
+        within the request's deadline (its `schedule_wait_s`) until the instance serves. At most
+        one such load per model: the next request sees it LOADING. Returns a note for the
+        UNAVAILABLE details ('' when nothing is loading for it)."""
+        if not self.cfg.scale_from_zero or not model or self.ctx is None or not self.cfg.param_manager:
+            return ""
+        if self._has_capacity(model):
+            return self._loading_note(model)
+        if self.cfg.disaggregated and model == self.cfg.default_model:
+            return ""  # its prefill and decode pools are refilled by top_up, role by role
+        if model in self._waking:
+            return "; scale_from_zero: deciding, retry"
+        if not self._idle_free():
+            return ""
+        # Only a listed model: a typo must not take a worker. One lookup per model at a time.
+        self._waking.add(model)
+        try:
+            await self._check_model(model)
+        except LookupError:
+            return ""
+        except grpc.aio.AioRpcError as e:
+            log.warning("scale_from_zero_lookup_failed", model=model, code=e.code().name, details=e.details())
+            return ""
+        finally:
+            self._waking.discard(model)
+        if self._has_capacity(model):  # another request, or top_up, started one meanwhile
+            return self._loading_note(model)
+        reason = (
+            f"scale_from_zero: request {request_id!r} for listed model {model!r} found no SERVING or LOADING "
+            f"instance; {len(self._idle_free())} IDLE worker(s) free"
+        )
+        chosen = self.scale_out(model, 1, Role.COLOCATED, reason)
+        if not chosen:
+            return ""
+        ACTIONS.labels("scale_from_zero", "started").inc()
+        self.decision_log.append(f"{self.now_s():.1f},scale_from_zero,{model},{chosen[0]},{reason}")
+        self.emit("scale_from_zero", model, "loading", reason, chosen[0])
+        return f"; scale_from_zero: {chosen[0]} LOADING, retry"
+
+    def _has_capacity(self, model: str) -> bool:
+        return any(v.state in (S.SERVING, S.LOADING) for v in self.table.registry.views(model=model))
+
+    def _loading_note(self, model: str) -> str:
+        ids = sorted(v.instance_id for v in self.table.registry.views(model=model) if v.state is S.LOADING)
+        return f"; waiting for {', '.join(ids)} LOADING" if ids else ""
+
+    def _idle_free(self) -> list[InstanceView]:
+        """IDLE workers no action owns."""
+        return [v for v in self.table.registry.views(state=S.IDLE) if v.instance_id not in self._actions]
+
     def _zigzag_route(
         self, model: str, views: list[InstanceView], excluded: Collection[str]
     ) -> list[global_manager_pb2.RouteHop] | None:
         """ZigZag (ALGORITHMS.md section 3): while every SERVING instance has requests waiting,
-        a live LOADING instance (a chain tail with >= 1 layer, under its in-flight cap, layers
-        still arriving) runs the request's first layers, and the overloaded instance with the
-        fewest used KV blocks takes it over and finishes it. None: route as usual."""
+        a live LOADING instance (>= 1 layer, under its in-flight cap, layers still arriving; every
+        scale-out target, or only chain tails with zigzag_live="tails") runs the request's first
+        layers, and the overloaded instance with the fewest used KV blocks takes it over and
+        finishes it. None: route as usual.
+
+        Why every target by default: on a chain the tail gets its first layer only after the
+        hops before it have forwarded it; measured on bench.autoscale (3 targets, 0.2 Gbit/s
+        links) the tail had its first layer 4 s after the decision, when the chain's head was
+        already SERVING, so tails alone left no window to serve in."""
         now = self.now_s()
         for iid, (_, grew_s) in list(self._zigzag_progress.items()):
             if iid in self.zigzag_started and now - grew_s > self.cfg.zigzag_stall_s:
@@ -373,13 +436,15 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         before = self._zigzag_progress.get(iid, (0, now))[0]
         if layers > before or iid not in self._zigzag_progress:
             self._zigzag_progress[iid] = (layers, now)
-        if iid in self._chain_tails and iid not in self.zigzag_started and 1 <= layers < num_layers:
+        goes_live = self.cfg.zigzag_live == "all" or iid in self._chain_tails
+        if goes_live and iid not in self.zigzag_started and 1 <= layers < num_layers:
             self.zigzag_started[iid] = now
             self.emit(
                 "live_scaling",
                 model_id,
                 f"{layers}/{num_layers}",
-                "the tail of its transfer chain serves ZigZag requests with the layers it holds",
+                "serves ZigZag requests with the layers it holds"
+                + (" (the tail of its transfer chain)" if iid in self._chain_tails else ""),
                 iid,
             )
         if iid in self.zigzag_started:

@@ -1,22 +1,51 @@
 """Run the whole mesh as local processes: parameter manager, global manager, workers, gateway.
 
-Usage: python -m services.mesh [--workers 2] [--model smollm2-135m-instruct] [--http-port 8000] [--grpc-port 50051]
+Usage: python -m services.mesh [--workers 3] [--initial-instances 1] [--no-autoscale]
+                               [--model smollm2-135m-instruct] [--http-port 8000] [--grpc-port 50051]
        python -m services.mesh --prefill 1 --decode 2 [--workers 4]   (prefill/decode disaggregated)
 
 Fetches and converts the default model (SmolLM2-135M-Instruct, once) or synthesizes a preset if
 it is missing, starts every service, waits until each reports SERVING on the gRPC health service
 and the model is served, prints the endpoints, and stops every process cleanly on Ctrl-C / SIGTERM.
+
+By default 3 workers start and 1 loads the model; the global manager autoscales (HeteroScale,
+tuned for a small local mesh: LOCAL_POLICY_PARAMS) into the idle ones, which serve ZigZag
+requests while their layers arrive. `python -m services.mesh.burst` replays a trace burst and
+prints the scale-out as it happens.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
+from services.global_manager.core.policies import make_policy
 from services.mesh.launcher import Mesh, MeshConfig
 from services.model_format.default_model import DEFAULT_MODEL_ID
+
+# HeteroScale for a small local mesh. Concurrency (running + waiting requests per instance, the
+# Knative KPA signal) shows a burst the moment it queues, on any machine; decode TPS and the
+# latency trigger depend on how fast this machine runs the model (a slow CPU breaks a 0.1 s TBT
+# line with one request), so the latency trigger is off. Short cooldowns and a 4 s load window
+# let a one-minute burst scale out within seconds and back in about half a minute after it.
+LOCAL_POLICY_PARAMS: dict[str, Any] = {
+    "target_requests_per_instance": 4,
+    "enable_latency_trigger": False,
+    "scale_out_cooldown_s": 5.0,
+    "scale_in_cooldown_s": 30.0,
+    "scale_in_stabilization_s": 30.0,
+}
+LOCAL_WINDOW_S = 4.0
+# A request that finds no instance (scale from zero, or a mesh still starting) waits this long for
+# one: a cold load of the default model on a slow machine takes tens of seconds, over the
+# gateway's own 15 s default.
+SCHEDULE_WAIT_S = 60.0
+DEFAULT_WORKERS = 3
+DEFAULT_INITIAL_INSTANCES = 1
 
 
 def parse_args(argv: list[str] | None) -> MeshConfig:
@@ -25,8 +54,8 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         "--workers",
         type=int,
         default=None,
-        help="worker processes (one per accelerator); default 2, or prefill + decode with --prefill/--decode "
-        "(more stay IDLE for the autoscaler)",
+        help=f"worker processes (one per accelerator); default {DEFAULT_WORKERS}, or prefill + decode with "
+        "--prefill/--decode (those not loaded at start stay IDLE for the autoscaler)",
     )
     p.add_argument(
         "--prefill",
@@ -49,7 +78,29 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument(
-        "--initial-instances", type=int, default=None, help="instances loaded at start (default: all workers)"
+        "--initial-instances",
+        type=int,
+        default=None,
+        help=f"colocated instances loaded at start and kept loaded (default {DEFAULT_INITIAL_INSTANCES}, "
+        "at most --workers); 0 starts none: the first request scales from zero",
+    )
+    p.add_argument(
+        "--autoscale",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the global manager scales out into IDLE workers and back (HeteroScale; default on)",
+    )
+    p.add_argument(
+        "--policy-params",
+        type=json.loads,
+        default={},
+        help=f"JSON object over the local HeteroScale parameters {json.dumps(LOCAL_POLICY_PARAMS)}",
+    )
+    p.add_argument(
+        "--schedule-wait-s",
+        type=float,
+        default=SCHEDULE_WAIT_S,
+        help="how long the gateway holds a request that finds no instance (scale from zero, a load under way)",
     )
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
@@ -66,7 +117,19 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
             f"--initial-instances {a.initial_instances} applies to colocated serving; with --prefill/--decode "
             "the prefill and decode workers are the instances loaded at start"
         )
-    workers = a.workers if a.workers is not None else (a.prefill + a.decode if split else 2)
+    workers = a.workers if a.workers is not None else (a.prefill + a.decode if split else DEFAULT_WORKERS)
+    initial = a.initial_instances if a.initial_instances is not None else min(DEFAULT_INITIAL_INSTANCES, workers)
+    if not split and not 0 <= initial <= workers:
+        p.error(f"--initial-instances {initial} must be between 0 and --workers {workers}")
+    if a.schedule_wait_s < 0:
+        p.error(f"--schedule-wait-s must be >= 0, got {a.schedule_wait_s}")
+    if not isinstance(a.policy_params, dict):
+        p.error(f"--policy-params must be a JSON object, got {json.dumps(a.policy_params)}")
+    policy_params = {**LOCAL_POLICY_PARAMS, **a.policy_params}
+    try:
+        make_policy("heteroscale", policy_params)
+    except ValueError as e:
+        p.error(f"--policy-params {json.dumps(a.policy_params)}: {e}")
     return MeshConfig(
         workers=workers,
         prefill=a.prefill,
@@ -78,9 +141,13 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         host=a.host,
         http_port=a.http_port,
         grpc_port=a.grpc_port,
-        initial_instances=workers if a.initial_instances is None else a.initial_instances,
+        initial_instances=initial,
         worker_threads=a.worker_threads,
         ready_timeout_s=a.ready_timeout_s,
+        autoscale=a.autoscale,
+        policy_params=policy_params if a.autoscale else {},
+        window_s=LOCAL_WINDOW_S if a.autoscale else None,
+        schedule_wait_s=a.schedule_wait_s,
     )
 
 

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.common.server import wait_for_serving
 from services.model_format.default_model import DEFAULT_MODEL_ID
@@ -42,6 +43,13 @@ class MeshConfig:
     initial_instances: int = 2
     worker_threads: int = 1
     ready_timeout_s: float = 300.0
+    # Autoscaling (`autoscale`: the manager's HeteroScale policy with `policy_params`, bounded by
+    # the workers started) and the gateway's wait for a route. Off/unset here, so meshes built
+    # in code (tests, benchmarks) keep passing what they mean; `make up`'s CLI turns them on.
+    autoscale: bool = False
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    window_s: float | None = None
+    schedule_wait_s: float | None = None
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     manager_args: list[str] = field(default_factory=list)
@@ -55,6 +63,8 @@ class MeshConfig:
             )
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers!r}")
+        if self.schedule_wait_s is not None and self.schedule_wait_s < 0:
+            raise ValueError(f"schedule_wait_s must be >= 0, got {self.schedule_wait_s!r}")
 
     @property
     def disaggregated(self) -> bool:
@@ -76,6 +86,24 @@ class MeshConfig:
         if self.disaggregated:
             return ["--min-prefill", str(self.prefill), "--min-decode", str(self.decode), "--min-instances", "0"]
         return ["--min-instances", str(self.initial_instances)]
+
+    def manager_autoscale_args(self) -> list[str]:
+        """The manager's autoscaling flags: the policy may grow each pool up to the workers started."""
+        if not self.autoscale:
+            return []
+        args = [
+            "--autoscale",
+            "--policy",
+            "heteroscale",
+            "--policy-params",
+            json.dumps(self.policy_params, sort_keys=True),
+            "--max-instances",
+            str(max(1, self.worker_count)),
+        ]
+        return args + (["--window-s", str(self.window_s)] if self.window_s is not None else [])
+
+    def gateway_wait_args(self) -> list[str]:
+        return [] if self.schedule_wait_s is None else ["--schedule-wait-s", str(self.schedule_wait_s)]
 
     def serving_wanted(self) -> dict[str, int]:
         """SERVING instances per role (SDK role names) that make the mesh ready."""
@@ -219,6 +247,7 @@ class Mesh:
                 "--default-model",
                 cfg.model,
                 *cfg.manager_pool_args(),
+                *cfg.manager_autoscale_args(),
                 *cfg.manager_args,
             ],
         )
@@ -263,6 +292,7 @@ class Mesh:
                 gm.grpc_address,
                 "--param-manager",
                 pm.grpc_address,
+                *cfg.gateway_wait_args(),
                 *cfg.gateway_args,
             ],
         )
@@ -388,15 +418,37 @@ def describe_workers(cfg: MeshConfig, roles: Mapping[str, str]) -> str:
     """The banner's first line after "Blitzmesh is up:", e.g. "1 prefill + 2 decode workers
     (disaggregated: worker-0 prefill, worker-1 decode, worker-2 decode)"."""
     if not cfg.disaggregated:
-        return f"{cfg.worker_count} workers"
+        spare = cfg.worker_count - cfg.initial_instances
+        return f"{cfg.worker_count} workers" + (f" ({cfg.initial_instances} loaded, {spare} idle)" if spare > 0 else "")
     spare = cfg.worker_count - cfg.prefill - cfg.decode
     text = f"{cfg.prefill} prefill + {cfg.decode} decode workers" + (f" + {spare} idle" if spare else "")
     serving = ", ".join(f"{iid} {role}" for iid, role in sorted(roles.items()))
     return f"{text} (disaggregated{': ' + serving if serving else ''})"
 
 
+def describe_autoscaling(cfg: MeshConfig) -> str:
+    """The banner's autoscaling line."""
+    if not cfg.autoscale:
+        return "off (--autoscale turns it on)"
+    return f"heteroscale, up to {max(1, cfg.worker_count)} instances; new ones serve ZigZag requests while loading"
+
+
+def python_command() -> str:
+    """This interpreter as a user would type it here (`.venv/bin/python` under `make up`)."""
+    rel = os.path.relpath(sys.executable)
+    return sys.executable if rel.startswith("..") else rel
+
+
 def print_banner(mesh: Mesh) -> None:
     cfg = mesh.cfg
+    burst = (
+        f"""
+Watch a trace burst scale it out (decisions, k/L of loading instances, ZigZag requests):
+  {python_command()} -m services.mesh.burst --gateway {mesh.gateway_http} --admin {mesh.gateway_grpc} --model {cfg.model}
+"""
+        if cfg.autoscale
+        else ""
+    )
     print(
         f"""
 Blitzmesh is up: {describe_workers(cfg, mesh.roles)}, model {cfg.model!r}
@@ -404,12 +456,13 @@ Blitzmesh is up: {describe_workers(cfg, mesh.roles)}, model {cfg.model!r}
   SDK gRPC API     {mesh.gateway_grpc}
   global manager   {mesh.procs["global_manager"].grpc_address}
   param manager    {mesh.procs["param_manager"].grpc_address}
+  autoscaling      {describe_autoscaling(cfg)}
   logs             {cfg.run_dir}/
 
 Try:
   curl -s {mesh.gateway_http}/v1/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "max_tokens": 16}}'
-
+{burst}
 Ctrl-C stops every process.""",
         flush=True,
     )
