@@ -11,6 +11,7 @@ import yaml
 from services.common.config import load_config
 from services.gateway.config import GatewayConfig
 from services.global_manager.config import GlobalManagerConfig
+from services.mesh.__main__ import LOCAL_POLICY_PARAMS, LOCAL_WINDOW_S, SCHEDULE_WAIT_S
 from services.model_format.__main__ import build_parser
 from services.model_format.default_model import DEFAULT_MODEL_ID
 from services.param_manager.service import ParamManagerConfig
@@ -68,11 +69,17 @@ def profile(name: str | None) -> dict[str, dict]:
     return {k: v for k, v in compose_services().items() if (name in v["profiles"] if "profiles" in v else name is None)}
 
 
-def test_the_default_deployment_stays_colocated() -> None:
+def test_the_default_deployment_stays_colocated_and_autoscales_like_make_up() -> None:
     default = profile(None)
-    assert sorted(default) == ["gateway", "global_manager", "model-init", "param_manager", "worker-0", "worker-1"]
+    workers = ["worker-0", "worker-1", "worker-2"]
+    assert sorted(default) == ["gateway", "global_manager", "model-init", "param_manager", *workers]
     gm = load_config(GlobalManagerConfig, "global_manager", default["global_manager"]["command"][3:], env={})
-    assert not gm.disaggregated and gm.min_instances == 2
+    assert not gm.disaggregated and gm.min_instances == 1
+    # One instance loaded at start, HeteroScale into the other workers, with make up's parameters.
+    assert gm.autoscale and gm.policy == "heteroscale" and gm.max_instances == len(workers)
+    assert gm.policy_params == LOCAL_POLICY_PARAMS and gm.window_s == LOCAL_WINDOW_S and gm.scale_from_zero
+    gateway = load_config(GatewayConfig, "gateway", default["gateway"]["command"][3:], env={})
+    assert gateway.schedule_wait_s == SCHEDULE_WAIT_S  # covers a load from zero
     for name, svc in default.items():
         assert all(dep in default for dep in svc.get("depends_on", {})), f"{name} needs a profile service"
         if svc["command"][2] == "services.worker":
