@@ -74,7 +74,7 @@ class WorkerGenerateRequest(_message.Message):
     @_builtins.property
     def zigzag_source(self) -> Global___ZigzagSource:
         """ZigZag, the second hop (the full partner): the request's first layers run on this loading
-        instance; take it over when this instance has no work of its own waiting (pulling the KV of
+        instance; take it over when this instance admits it, in arrival order (pulling the KV of
         those layers and the hidden states over the data plane), run the rest, sample and decode. If
         the relay fails, the prompt is computed here whole: the same tokens.
         """

@@ -428,7 +428,7 @@ class Backend:
                 if zigzag is not None and not state.generated:
                     # ZigZag: the loading instance runs the prompt's first layers while the full
                     # partner is busy; the partner takes the request over (its KV and hidden
-                    # states) when it has no work of its own, then streams the tokens.
+                    # states) when it admits the request, then streams the tokens.
                     new, hop = zigzag
                     self.metrics.zigzag.labels("routed").inc()
                     first_hop = asyncio.create_task(

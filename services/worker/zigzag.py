@@ -1,8 +1,8 @@
 """ZigZag relays over the data plane: a full partner takes a request over from a loading instance.
 
 A loading instance (k of L layers received) runs the prompts of ZigZag requests through the layers
-it holds (`Engine.generate(zigzag=True)`). When the full partner has no work of its own waiting,
-it relays such a request: it connects to the loading instance's data plane and asks for it by id.
+it holds (`Engine.generate(zigzag=True)`). When the full partner admits such a request (in arrival
+order with its own), it relays it: it connects to the loading instance's data plane and asks for it by id.
 The loading instance stops the request after the layers it has run (`Engine.relay`), parks their
 KV and offers it (`KVServer.offer`, layers [0, k')), and answers with that offer and the prompt's
 hidden states after layer k'. The partner pulls the KV into its own blocks (`receive_kv`) and runs

@@ -223,8 +223,9 @@ async def test_a_failed_relay_is_recomputed_on_the_partner(ckpt: Path) -> None:
         await new.stop()
 
 
-async def test_the_partner_takes_zigzag_work_only_behind_its_own(ckpt: Path) -> None:
-    """A relayed request waits in the partner's queue behind the partner's own waiting requests."""
+async def test_the_partner_takes_zigzag_work_in_arrival_order(ckpt: Path) -> None:
+    """A relayed request queues in arrival order with the partner's own requests: it is not
+    overtaken by later ones (its tokens come from the partner like theirs)."""
     full, _ = partial_model(ckpt, 4)
     load_layer(full, Checkpoint(ckpt), "head")
     model, _ = partial_model(ckpt, 2)
@@ -247,7 +248,7 @@ async def test_the_partner_takes_zigzag_work_only_behind_its_own(ckpt: Path) -> 
             await wait_until(lambda: old.stats().waiting == 1, 5, what="the relayed request queued")
             own = asyncio.create_task(run(old, "own"))
             await asyncio.gather(busy, relayed, own, zz)
-        assert order == ["busy", "own", "zz"]
+        assert order == ["busy", "zz", "own"]
     finally:
         await new.stop()
 
