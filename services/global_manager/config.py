@@ -54,6 +54,13 @@ class GlobalManagerConfig(ServiceConfig):
         description="which LOADING instances serve ZigZag requests: 'all' (every target of a scale-out, from its "
         "first layer) or 'tails' (only the last target of each transfer chain, as BlitzScale picks)",
     )
+    zigzag_ttft_s: float | None = Field(
+        1.0,
+        gt=0,
+        description="ZigZag's gate also opens when every SERVING instance's TTFT p50 is at least this (prefill work "
+        "crowds its steps even with no request waiting: a split takes the first layers of prompts off it); "
+        "None = only requests waiting open it",
+    )
     zigzag_stall_s: float = Field(
         5.0, gt=0, description="a LOADING instance whose layer count has not grown for this long gets no ZigZag work"
     )

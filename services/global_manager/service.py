@@ -383,7 +383,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         live = {iid: t for iid, t in self.zigzag_started.items() if iid not in excluded}
         if not live:
             return None
-        gate = should_zigzag(views, model=model, role=Role.COLOCATED)
+        gate = should_zigzag(views, model=model, role=Role.COLOCATED, ttft_s=self.cfg.zigzag_ttft_s)
         if not gate.zigzag:
             return None
         inflight = {

@@ -432,3 +432,16 @@ def test_pair_throughput_rejects_bad_inputs() -> None:
         pair_throughput(7, 8)
     with pytest.raises(ValueError, match=r"k_layers must be an int, got 1.5"):
         pair_throughput(7, 1.5)  # type: ignore[arg-type]
+
+
+def test_the_gate_opens_on_slow_first_tokens_when_asked() -> None:
+    """With no request waiting, prefill work can still crowd every step: a TTFT p50 at or over
+    `ttft_s` on every SERVING instance opens the gate too."""
+    slow = [
+        dataclasses.replace(v, load=dataclasses.replace(v.load, ttft_p50_s=t))
+        for v, t in ((view("a", waiting=0), 1.5), (view("b", waiting=0), 1.0))
+    ]
+    assert not should_zigzag(slow).zigzag
+    gate = should_zigzag(slow, ttft_s=1.0)
+    assert gate.zigzag and "TTFT p50 >= 1.0s" in gate.reason
+    assert not should_zigzag(slow, ttft_s=1.2).zigzag

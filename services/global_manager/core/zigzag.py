@@ -330,13 +330,18 @@ def zigzag_req_limit(
 # ------------------------------------------------------------------------------------------
 
 
-def _overloaded(view: InstanceView, max_running_by_instance: Mapping[str, int] | None) -> bool:
-    """Queued work (waiting > 0), or a running batch at its reported capacity. No report yet
-    means not overloaded: `router.instance_load` counts such an instance as idle too."""
+def _overloaded(
+    view: InstanceView, max_running_by_instance: Mapping[str, int] | None, ttft_s: float | None = None
+) -> bool:
+    """Queued work (waiting > 0), a running batch at its reported capacity, or (with `ttft_s`)
+    a median time to first token over its window of at least `ttft_s`. No report yet means not
+    overloaded: `router.instance_load` counts such an instance as idle too."""
     load = view.load
     if load is None:
         return False
     if load.waiting > 0:
+        return True
+    if ttft_s is not None and load.ttft_p50_s is not None and load.ttft_p50_s >= ttft_s:
         return True
     cap = None if max_running_by_instance is None else max_running_by_instance.get(view.instance_id)
     return cap is not None and load.running >= cap
@@ -484,6 +489,7 @@ def should_zigzag(
     model: str | None = None,
     role: Role | None = None,
     max_running_by_instance: Mapping[str, int] | None = None,
+    ttft_s: float | None = None,
 ) -> ZigzagGate:
     """Zigzag only when every SERVING instance (of `model` and `role`, when given) is overloaded:
     it has requests waiting, or runs as many as its batch capacity in
@@ -503,13 +509,14 @@ def should_zigzag(
     ]
     if not serving:
         return ZigzagGate(False, "no SERVING instance to partner with")
-    free = [v for v in serving if not _overloaded(v, max_running_by_instance)]
+    free = [v for v in serving if not _overloaded(v, max_running_by_instance, ttft_s)]
     if free:
         best = min(free, key=lambda v: v.instance_id)
         return ZigzagGate(
             False, f"{len(free)} of {len(serving)} SERVING instances not overloaded (e.g. {best.instance_id!r})"
         )
-    return ZigzagGate(True, f"all {len(serving)} SERVING instances overloaded (waiting > 0 or at batch capacity)")
+    slow = "" if ttft_s is None else f", or TTFT p50 >= {ttft_s}s"
+    return ZigzagGate(True, f"all {len(serving)} SERVING instances overloaded (waiting > 0 or at batch capacity{slow})")
 
 
 # ------------------------------------------------------------------------------------------
