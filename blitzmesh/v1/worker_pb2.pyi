@@ -442,6 +442,48 @@ class ReleaseWaitingResponse(_message.Message):
 Global___ReleaseWaitingResponse: _TypeAlias = ReleaseWaitingResponse  # noqa: Y015
 
 @_typing.final
+class ReleaseRunningRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_REQUESTS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    max_requests: _builtins.int
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        max_requests: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_requests", b"max_requests", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseRunningRequest: _TypeAlias = ReleaseRunningRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseRunningResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_ids", b"request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseRunningResponse: _TypeAlias = ReleaseRunningResponse  # noqa: Y015
+
+@_typing.final
 class DrainRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

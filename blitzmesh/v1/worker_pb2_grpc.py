@@ -65,6 +65,11 @@ class WorkerStub:
                 request_serializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingRequest.SerializeToString,
                 response_deserializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingResponse.FromString,
                 _registered_method=True)
+        self.ReleaseRunning = channel.unary_unary(
+                '/blitzmesh.v1.Worker/ReleaseRunning',
+                request_serializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseRunningRequest.SerializeToString,
+                response_deserializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseRunningResponse.FromString,
+                _registered_method=True)
         self.Unload = channel.unary_unary(
                 '/blitzmesh.v1.Worker/Unload',
                 request_serializer=blitzmesh_dot_v1_dot_worker__pb2.UnloadRequest.SerializeToString,
@@ -120,6 +125,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseRunning(self, request, context):
+        """Live migration: up to max_requests decoding requests leave with their KV between steps; each
+        stream ends with a message carrying `kv_handoff` and no token, and the gateway resumes it on
+        another instance, which pulls that KV instead of recomputing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Unload(self, request, context):
         """Drop the model and return to IDLE.
         """
@@ -166,6 +180,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseWaiting,
                     request_deserializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingRequest.FromString,
                     response_serializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingResponse.SerializeToString,
+            ),
+            'ReleaseRunning': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseRunning,
+                    request_deserializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseRunningRequest.FromString,
+                    response_serializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseRunningResponse.SerializeToString,
             ),
             'Unload': grpc.unary_unary_rpc_method_handler(
                     servicer.Unload,
@@ -340,6 +359,33 @@ class Worker:
             '/blitzmesh.v1.Worker/ReleaseWaiting',
             blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingRequest.SerializeToString,
             blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseRunning(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blitzmesh.v1.Worker/ReleaseRunning',
+            blitzmesh_dot_v1_dot_worker__pb2.ReleaseRunningRequest.SerializeToString,
+            blitzmesh_dot_v1_dot_worker__pb2.ReleaseRunningResponse.FromString,
             options,
             channel_credentials,
             insecure,

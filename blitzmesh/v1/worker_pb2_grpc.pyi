@@ -47,6 +47,11 @@ class WorkerStub:
     """Rebalancing: end up to max_requests queued (not yet started) requests here with ABORTED and
     the trailing metadata `blitzmesh-moved: <reason>`, so the gateway runs them elsewhere.
     """
+    ReleaseRunning: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ReleaseRunningRequest, _worker_pb2.ReleaseRunningResponse]
+    """Live migration: up to max_requests decoding requests leave with their KV between steps; each
+    stream ends with a message carrying `kv_handoff` and no token, and the gateway resumes it on
+    another instance, which pulls that KV instead of recomputing.
+    """
     Unload: _grpc.UnaryUnaryMultiCallable[_worker_pb2.UnloadRequest, _worker_pb2.UnloadResponse]
     """Drop the model and return to IDLE."""
     ExecuteLayers: _grpc.StreamStreamMultiCallable[_worker_pb2.LayerWork, _worker_pb2.LayerWork]
@@ -65,6 +70,11 @@ class WorkerAsyncStub(WorkerStub):
     ReleaseWaiting: _aio.UnaryUnaryMultiCallable[_worker_pb2.ReleaseWaitingRequest, _worker_pb2.ReleaseWaitingResponse]  # type: ignore[assignment]
     """Rebalancing: end up to max_requests queued (not yet started) requests here with ABORTED and
     the trailing metadata `blitzmesh-moved: <reason>`, so the gateway runs them elsewhere.
+    """
+    ReleaseRunning: _aio.UnaryUnaryMultiCallable[_worker_pb2.ReleaseRunningRequest, _worker_pb2.ReleaseRunningResponse]  # type: ignore[assignment]
+    """Live migration: up to max_requests decoding requests leave with their KV between steps; each
+    stream ends with a message carrying `kv_handoff` and no token, and the gateway resumes it on
+    another instance, which pulls that KV instead of recomputing.
     """
     Unload: _aio.UnaryUnaryMultiCallable[_worker_pb2.UnloadRequest, _worker_pb2.UnloadResponse]  # type: ignore[assignment]
     """Drop the model and return to IDLE."""
@@ -117,6 +127,17 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_worker_pb2.ReleaseWaitingResponse, _abc.Awaitable[_worker_pb2.ReleaseWaitingResponse]]:
         """Rebalancing: end up to max_requests queued (not yet started) requests here with ABORTED and
         the trailing metadata `blitzmesh-moved: <reason>`, so the gateway runs them elsewhere.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseRunning(
+        self,
+        request: _worker_pb2.ReleaseRunningRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ReleaseRunningResponse, _abc.Awaitable[_worker_pb2.ReleaseRunningResponse]]:
+        """Live migration: up to max_requests decoding requests leave with their KV between steps; each
+        stream ends with a message carrying `kv_handoff` and no token, and the gateway resumes it on
+        another instance, which pulls that KV instead of recomputing.
         """
 
     @_abc_1.abstractmethod

@@ -423,7 +423,8 @@ class Backend:
             handed_off_by: global_manager_pb2.RouteHop | None = None  # holds KV until decode pulls
             generated_before = 0
             try:
-                kv_source = None
+                # A stream live-migrated off its instance brings its KV to the next one.
+                kv_source, state.handoff = (state.handoff, None) if state.generated else (None, None)
                 zigzag_source = None
                 if zigzag is not None and not state.generated:
                     # ZigZag: the loading instance runs the prompt's first layers while the full
@@ -703,6 +704,18 @@ class Backend:
                     got_any = True
                     finished = resp.HasField("finish_reason")
                     handed_off = resp.HasField("kv_handoff")
+                    if handed_off and not handoff and not finished and not resp.token_ids and state.generated:
+                        # Live migration: the instance let this request go with its KV; the next
+                        # one pulls it and goes on after the tokens so far.
+                        worker_done = True
+                        state.handoff = resp.kv_handoff
+                        raise _WorkerFailedError(
+                            instance,
+                            grpc.StatusCode.ABORTED,
+                            "the instance released the running request with its KV (live migration)",
+                            len(state.generated),
+                            moved="live_migration",
+                        )
                     if handed_off and (finished or not handoff or not resp.token_ids):
                         worker_done = True
                         raise _WorkerFailedError(

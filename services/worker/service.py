@@ -223,11 +223,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     msg.zigzag_layers = ev.zigzag_layers
                     outcome = "relayed"
                 elif ev.parked_kv is not None:
+                    # A hand-off (with its first token), or a live migration (no token).
                     offer = self._offer_handoff(inst, ev.parked_kv, ev.kv_tokens)
                     msg.kv_handoff.CopyFrom(kv_descriptor_to_proto(offer.descriptor))
-                    outcome = "handoff"
+                    outcome = "handoff" if ev.token_id is not None else "migrated"
                 yield msg
-            if outcome not in ("handoff", "relayed"):
+            if outcome not in ("handoff", "relayed", "migrated"):
                 outcome = "ok"
         except RequestMovedError as e:
             # Released by rebalancing before it started: the gateway re-routes it, uncounted.
@@ -557,6 +558,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if released:
             log.info("released_waiting", requests=len(released), reason=request.reason)
         return worker_pb2.ReleaseWaitingResponse(request_ids=released)
+
+    async def ReleaseRunning(self, request, context):
+        inst = self.instance
+        if request.max_requests < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"max_requests must be >= 0, got {request.max_requests}"
+            )
+        if self.state != "serving" or inst is None or inst.engine is None or inst.kv_server is None:
+            return worker_pb2.ReleaseRunningResponse()
+        released = inst.engine.release_running(request.max_requests, request.reason or "live migration")
+        return worker_pb2.ReleaseRunningResponse(request_ids=released)
 
     async def Drain(self, request, context):
         if self.state not in ("serving", "draining"):

@@ -169,3 +169,35 @@ async def test_aborting_a_handed_off_request_frees_its_kv_at_once(
         assert engine.kv_cache.used_blocks > 0  # held for a decode side (30 s by default)
         assert (await prefill.Abort(worker_pb2.AbortRequest(request_id="r"), timeout=5)).found
         await wait_until(lambda: engine.kv_cache.used_blocks == 0, 5, what="the offered KV freed after Abort")
+
+
+async def test_a_running_request_live_migrates_with_its_kv(tiny_models: Path, serve_in_process: ServeFactory) -> None:
+    """ReleaseRunning: a decoding request leaves its worker with its KV (the stream's last
+    message carries kv_handoff, no token); another worker pulls it and continues exactly."""
+    roles = {"a": common_pb2.INSTANCE_ROLE_COLOCATED, "b": common_pb2.INSTANCE_ROLE_COLOCATED}
+    async with workers(tiny_models, serve_in_process, roles, step_time_a_s=0.02, step_time_b_s=0.0) as ws:
+        (_, a), (b_svc, b) = ws["a"], ws["b"]
+        prompt = PROMPTS[1]
+        expected = await collect_tokens(b.Generate(request("whole", prompt, max_tokens=40), timeout=30))
+        messages: list[worker_pb2.WorkerGenerateResponse] = []
+
+        async def run() -> None:
+            async for m in a.Generate(request("r", prompt, max_tokens=40), timeout=30):
+                messages.append(m)
+
+        task = asyncio.create_task(run())
+        await wait_until(lambda: len(messages) >= 4, 10, what="four tokens on worker a")
+        released = await a.ReleaseRunning(worker_pb2.ReleaseRunningRequest(max_requests=2, reason="test"), timeout=5)
+        assert list(released.request_ids) == ["r"]
+        await task
+        last = messages[-1]
+        assert last.HasField("kv_handoff") and not last.token_ids and not last.HasField("finish_reason")
+        tokens = [t for m in messages for t in m.token_ids]
+        assert last.kv_handoff.num_tokens == len(prompt) + len(tokens) - 1
+        rest = await collect_tokens(
+            b.Generate(
+                request("r", prompt, max_tokens=40, resume_token_ids=tokens, kv_source=last.kv_handoff), timeout=30
+            )
+        )
+        assert tokens + rest == expected
+        assert b_svc.servicer.instance.engine.kv_fills == {"pulled": 1, "recomputed": 0}  # type: ignore[union-attr]

@@ -76,6 +76,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.die_after: int | None = None  # fail with UNAVAILABLE after this many tokens
         self.stall_after: int | None = None  # go silent (alive, no more tokens) after this many
         self.abort_after: int | None = None  # end with finish_reason ABORT (a drain) after this many
+        self.migrate_after: int | None = None  # leave with the KV (live migration) after this many
         self.release = False  # release the request before its first token, as rebalancing does
         self.gate: asyncio.Event | None = None  # hold the first token until set
         self.delay_s = 0.0
@@ -103,6 +104,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.instance_id} lost its accelerator")
                 if self.stall_after is not None and i == self.stall_after:
                     await asyncio.Event().wait()
+                if self.migrate_after is not None and i == self.migrate_after:
+                    self.migrate_after = None
+                    desc = handoff_descriptor(self.instance_id, request)
+                    desc.num_tokens = len(request.prompt_token_ids) + i - 1
+                    yield worker_pb2.WorkerGenerateResponse(kv_handoff=desc)
+                    return
                 if self.abort_after is not None and i == self.abort_after:
                     yield worker_pb2.WorkerGenerateResponse(
                         prompt_tokens=len(request.prompt_token_ids),
@@ -1078,3 +1085,23 @@ async def test_a_prefill_instance_failing_before_its_token_is_retried(cluster: C
 async def fetch_text(url: str) -> str:
     async with aiohttp.ClientSession() as session, session.get(url) as resp:
         return await resp.text()
+
+
+async def test_a_live_migrated_stream_resumes_elsewhere_with_its_kv(cluster: Cluster, start_gateway) -> None:
+    """A worker releases a running request with its KV (no token, a kv_handoff): the gateway
+    resumes it on another instance with that KV source and the tokens so far; one stream."""
+    w0, w1 = await cluster.add_worker("w0"), await cluster.add_worker("w1")
+    w0.migrate_after = 6
+    gw = await start_gateway()
+    status, body = await post(f"{gw.http}/v1/chat/completions", chat_body(max_tokens=64))
+    assert status == 200 and body["choices"][0]["message"]["content"] == REPLY
+    (resumed,) = w1.requests
+    assert list(resumed.resume_token_ids) == cluster.reply_ids[:6]
+    assert (
+        resumed.kv_source.transfer_id.startswith("w0/")
+        and resumed.kv_source.num_tokens == len(resumed.prompt_token_ids) + 5
+    )
+    # A move, not a failure: w0 is not excluded for good, only for that route.
+    assert list(cluster.gm.schedules[-1].exclude_instance_ids) == ["w0"]
+    metrics = await fetch_text(f"{gw.http}/metrics")
+    assert 'blitzmesh_gateway_moves_total{reason="live_migration"} 1.0' in metrics

@@ -203,3 +203,42 @@ async def test_kv_fill_arguments_are_checked(model: LlamaForCausalLM) -> None:
         with pytest.raises(ValueError, match="cannot also take its KV"):
             await collect_with(engine.generate("r", [1, 5, 6], GREEDY, [7], handoff=True, kv_fill=fill))
         assert engine.kv_cache.used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True, presence_penalty=0.5),
+    ],
+    ids=["greedy", "seeded-penalties"],
+)
+async def test_a_live_migrated_request_continues_exactly_with_its_kv(model: LlamaForCausalLM, params) -> None:
+    """Live migration: a decoding request leaves with its KV between steps; another engine pulls
+    that KV, resumes after the tokens so far, and gives the uninterrupted run's tokens."""
+    prompt = prompt_of(21, 8)
+    async with make_engine(model) as whole:
+        expected = [e.token_id for e in await collect(whole, "r", prompt, params)]
+    pacing = PacingProfile(base_s=0.01, per_token_s=0)
+    async with make_engine(model, pacing=pacing) as source, make_engine(model) as dest:
+        events: list[TokenEvent] = []
+
+        async def run() -> None:
+            async for ev in source.generate("r", prompt, params):
+                events.append(ev)
+
+        task = asyncio.create_task(run())
+        await wait_until(lambda: len(events) >= 5, 5, what="five tokens on the source")
+        assert source.release_running(4, "test") == ["r"]
+        await task
+        last = events[-1]
+        assert last.token_id is None and last.finish_reason is None and last.parked_kv is not None
+        tokens = [e.token_id for e in events[:-1]]
+        assert last.kv_tokens == len(prompt) + len(tokens) - 1
+        fill = copy_fill(source.kv_cache, last.parked_kv, last.kv_tokens)
+        rest = [ev async for ev in dest.generate("r", prompt, params, tokens, kv_fill=fill)]
+        assert tokens + [e.token_id for e in rest] == expected
+        assert dest.kv_fills == {"pulled": 1, "recomputed": 0}
+        assert source.release_parked(last.parked_kv) > 0 and source.kv_cache.used_blocks == 0
+        # Nothing else is released: a queued or prefilling request has no KV worth moving.
+        assert source.release_running(4, "test") == []

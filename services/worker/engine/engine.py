@@ -269,6 +269,7 @@ class _Seq:
     zz_layers: int = 0  # ZigZag: decoder layers of the prompt that ran (loading side) or arrived (partner)
     zz_hidden: torch.Tensor | None = None  # the prompt's hidden states after layer zz_layers
     relay_waiters: list[asyncio.Future[RelayOutcome]] = field(default_factory=list)
+    migrate: bool = False  # live migration asked: leave with its KV between steps
 
     @property
     def num_tokens(self) -> int:
@@ -741,6 +742,35 @@ class Engine:
         if seq is not None and not seq.finished:
             self._finish(seq, "abort")
 
+    def release_running(self, max_requests: int, reason: str) -> list[str]:
+        """Live migration: up to `max_requests` decoding requests (the most recently started
+        first: they have the least KV to move) leave this instance with their KV, between steps.
+        Each one's stream ends with an event carrying `parked_kv` (the KV of every token but the
+        last, kept until `release_parked`) and no token; the caller offers it to the instance that
+        resumes the request, which pulls it and goes on decoding. Returns their ids."""
+        chosen: list[str] = []
+        for seq in reversed(self._running):
+            if len(chosen) >= max_requests:
+                break
+            decoding = seq.output and seq.pending == 1 and not seq.handoff
+            if not decoding or seq.zigzag or seq.fill_task is not None or seq.zz_hidden is not None or seq.migrate:
+                continue
+            seq.migrate = True
+            chosen.append(seq.request_id)
+        if chosen:
+            log.info("release_running", requests=len(chosen), reason=reason)
+            self._wake.set()
+        return chosen
+
+    def _migrate_flagged(self) -> None:
+        """Between steps: park the KV of the requests `release_running` chose, ending their streams."""
+        for seq in [s for s in self._running if s.migrate]:
+            kv_tokens = seq.num_computed
+            parked = self._park(seq)
+            seq.queue.put_nowait(
+                TokenEvent(None, None, len(seq.prompt), len(seq.output), parked_kv=parked, kv_tokens=kv_tokens)
+            )
+
     def release_waiting(self, max_requests: int, reason: str) -> list[str]:
         """Give up to `max_requests` queued (not yet admitted) requests to another instance: the
         most recently queued first, as they would wait longest here. Each one's stream raises
@@ -909,6 +939,7 @@ class Engine:
         return self.kv_cache.free_blocks - outstanding
 
     async def _step(self) -> None:
+        self._migrate_flagged()
         # A request taken over from a loading instance queues in arrival order with this
         # instance's own requests. (BlitzScale's partner takes such work only when it has none of
         # its own; measured on bench.autoscale that made split requests wait longer than whole
