@@ -65,6 +65,7 @@ SCALE_EVENTS = (
     "live_scaling",
     "zigzag_pair",
     "zigzag_stopped",
+    "live_migration",
 )
 
 # Replay windows of the code trace (trace seconds) and how hard they are squeezed.

@@ -42,6 +42,20 @@ class GlobalManagerConfig(ServiceConfig):
         1, ge=0, description="a failed scale-out load is retried on this many other IDLE workers, then rolled back"
     )
     drain_timeout_s: float = Field(60.0, gt=0, description="in-flight requests get this long on scale-in")
+    live_migration: bool = Field(
+        True,
+        description="move running requests with their KV off an instance over its KV or TBT target to the "
+        "least-loaded one of its pool (Worker.ReleaseRunning; the gateway resumes each, pulling the KV)",
+    )
+    migration_kv_high: float = Field(
+        0.95, gt=0, le=1, description="live migration: an instance using more of its KV blocks than this sheds requests"
+    )
+    migration_tbt_slo_s: float | None = Field(
+        None, gt=0, description="live migration: an instance whose TBT p99 exceeds this sheds requests (None = off)"
+    )
+    migration_cooldown_s: float = Field(
+        5.0, gt=0, description="live migration: least time between moves off one instance"
+    )
     zigzag: bool = Field(
         True,
         description="ZigZag live scaling: while every SERVING instance of a colocated pool has requests waiting, "

@@ -25,6 +25,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Collection
 from typing import Any
@@ -53,6 +54,7 @@ from services.global_manager.core.router import (
     assign_idle,
     choose_idle,
     pick_scale_in_victim,
+    plan_live_migration,
     plan_rebalance,
     plan_route,
 )
@@ -166,6 +168,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.zigzag_started: dict[str, float] = {}
         self._zigzag_progress: dict[str, tuple[int, float]] = {}
         self.zigzag_partner: dict[str, str] = {}
+        self._migrated_at: dict[str, float] = {}  # live migration: last move off each instance
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
         # Models whose scale from zero is being decided (a parameter-manager lookup in flight).
@@ -889,6 +892,46 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             self.top_up(model)
         if self.cfg.autoscale and model:
             self.autoscale(now, model)
+        if self.cfg.live_migration and model and self.ctx is not None:
+            self.migrate_running(now, model)
+
+    def migrate_running(self, now: float, model: str) -> None:
+        """Live migration: instances over their KV or TBT target release running requests, which
+        the gateway resumes elsewhere with their KV (`plan_live_migration`)."""
+        plan = plan_live_migration(
+            self.table.registry.views(model=model),
+            model,
+            kv_high=self.cfg.migration_kv_high,
+            tbt_slo_s=self.cfg.migration_tbt_slo_s,
+        )
+        for source, n, why in plan:
+            if now - self._migrated_at.get(source, -math.inf) < self.cfg.migration_cooldown_s:
+                continue
+            if source in self._actions or source not in self.table.addresses:
+                continue
+            self._migrated_at[source] = now
+            assert self.ctx is not None
+            self.ctx.tasks.spawn(self._release_running(model, source, n, why), name=f"migrate-{source}")
+
+    async def _release_running(self, model: str, source: str, n: int, why: str) -> None:
+        try:
+            async with channel(self.table.addresses[source]) as ch:
+                resp = await worker_pb2_grpc.WorkerStub(ch).ReleaseRunning(
+                    worker_pb2.ReleaseRunningRequest(max_requests=n, reason=f"live migration: {why}"),
+                    timeout=RELEASE_TIMEOUT_S,
+                )
+        except grpc.aio.AioRpcError as e:
+            log.warning("release_running_failed", instance_id=source, code=e.code().name, details=e.details())
+            return
+        moved = len(resp.request_ids)
+        MOVED.labels("live_migration").inc(moved)
+        self.emit(
+            "live_migration",
+            model,
+            "moved" if moved else "none",
+            f"{why}: released {moved} of {n} running requests with their KV",
+            source,
+        )
 
     def top_up(self, model: str) -> None:
         """Bring each pool of `model` (colocated, or prefill and decode) up to its floor from the

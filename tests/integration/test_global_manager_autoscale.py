@@ -85,6 +85,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         # The role it registers with until a LoadParameters names one, as the real worker's --role.
         self.role: common_pb2.InstanceRole.ValueType = common_pb2.INSTANCE_ROLE_COLOCATED
         self.load_requests: list[worker_pb2.LoadParametersRequest] = []
+        self.release_running: list[worker_pb2.ReleaseRunningRequest] = []
 
     async def LoadParameters(self, request, context):
         self.load_requests.append(request)
@@ -105,6 +106,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.state = ST.INSTANCE_STATE_DRAINING
         self.drains += 1
         return worker_pb2.DrainResponse(finished=int(self.load.running))
+
+    async def ReleaseRunning(self, request, context):
+        self.release_running.append(request)
+        return worker_pb2.ReleaseRunningResponse(request_ids=[f"{self.iid}-r{i}" for i in range(request.max_requests)])
 
     async def Unload(self, request, context):
         self.state = ST.INSTANCE_STATE_IDLE
@@ -566,3 +571,20 @@ async def test_a_stalled_load_gets_no_more_zigzag_work(serve_in_process: Any) ->
         await wait_until(whole, 10, interval_s=0.1, what="ZigZag stopped for the stalled load")
         (stopped,) = [e for e in c.events if e.action == "zigzag_stopped"]
         assert stopped.instance_id == "w1" and "zigzag_stall_s=0.5" in stopped.reason
+
+
+# ---- live migration ----------------------------------------------------------------------------
+
+
+async def test_an_instance_over_its_kv_target_releases_running_requests(serve_in_process: Any) -> None:
+    settings = {"min_instances": 2, "max_instances": 2, "autoscale": False, "migration_cooldown_s": 60.0}
+    async with cluster(serve_in_process, n_workers=2, **settings) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=2)
+        c.workers["w1"].load = common_pb2.LoadReport(running=1, kv_blocks_used=10, kv_blocks_total=100)
+        c.workers["w0"].load = common_pb2.LoadReport(running=9, kv_blocks_used=97, kv_blocks_total=100)
+        (moved,) = await c.wait_event(lambda e: e.action == "live_migration")
+        assert moved.instance_id == "w0" and moved.status == "moved"
+        assert "KV 0.97 > 0.95" in moved.reason and "released 4 of 4" in moved.reason
+        (call,) = c.workers["w0"].release_running
+        assert call.max_requests == 4 and call.reason.startswith("live migration")
+        assert not c.workers["w1"].release_running

@@ -322,6 +322,48 @@ def pick_scale_in_victim(
     return choose_instance(instances, role=role, model=model)
 
 
+def plan_live_migration(
+    instances: Iterable[InstanceView],
+    model: str,
+    *,
+    kv_high: float,
+    tbt_slo_s: float | None = None,
+    max_moves: int = 4,
+) -> list[tuple[str, int, str]]:
+    """Running requests to move with their KV (Llumnix-style live migration): (source, how many,
+    why). A SERVING instance of `model` is over target when its KV use exceeds `kv_high` or its
+    TBT p99 exceeds `tbt_slo_s`; it sheds running requests toward the pool's mean, at most
+    `max_moves` at a time, only while an instance of its role under both targets can take them
+    (the gateway re-routes each to the least loaded). Instances without a report are left alone."""
+    if not 0 < kv_high <= 1:
+        raise ValueError(f"kv_high must be in (0, 1], got {kv_high!r}")
+    pool = [v for v in instances if v.state is S.SERVING and v.model == model and v.load is not None]
+    moves: list[tuple[str, int, str]] = []
+    for role in {v.role for v in pool}:
+        peers = [v for v in pool if v.role is role]
+
+        def over(v: InstanceView) -> str:
+            load = v.load
+            assert load is not None
+            if load.kv_blocks_total and load.kv_utilization > kv_high:
+                return f"KV {load.kv_utilization:.2f} > {kv_high}"
+            if tbt_slo_s is not None and load.tbt_p99_s is not None and load.tbt_p99_s > tbt_slo_s:
+                return f"TBT p99 {load.tbt_p99_s:.3f}s > {tbt_slo_s}s"
+            return ""
+
+        room = [v for v in peers if not over(v)]
+        if not room:
+            continue
+        mean = sum(v.load.running for v in peers if v.load is not None) / len(peers)
+        for v in sorted(peers, key=lambda v: v.instance_id):
+            why = over(v)
+            assert v.load is not None
+            excess = math.floor(v.load.running - mean)
+            if why and excess > 0:
+                moves.append((v.instance_id, min(excess, max_moves), why))
+    return sorted(moves)
+
+
 def plan_rebalance(instances: Iterable[InstanceView], new_instance_id: str) -> list[tuple[str, int]]:
     """Queued requests to move when `new_instance_id` becomes SERVING: (instance id, how many).
 
