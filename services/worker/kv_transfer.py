@@ -83,7 +83,9 @@ __all__ = [
     "KVTransferResult",
     "KVMessage",
     "check_layout",
+    "decode_control",
     "dtype_name",
+    "encode_control",
     "plan_messages",
     "receive_kv",
 ]
@@ -269,11 +271,12 @@ def _checksum(data: np.ndarray, algo: str | None = None) -> str:
     return group_checksum(data) if algo is None else group_checksum(data, algo)
 
 
-def _encode(obj: dict[str, Any]) -> bytes:
+def encode_control(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def _decode(data: bytes, what: str, peer: str) -> dict[str, Any]:
+def decode_control(data: bytes, what: str, peer: str) -> dict[str, Any]:
+    """A JSON control message as a dict; ProtocolError naming `what` and `peer` otherwise."""
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -459,7 +462,7 @@ class KVServer:
     async def _refuse(self, ep: Endpoint, kind: str, error: str, **extra: Any) -> None:
         log.warning("kv_pull_refused", peer=ep.peer, kind=kind, error=error)
         await ep.send_msg(
-            _encode({"ok": False, "kind": kind, "error": error, **extra}),
+            encode_control({"ok": False, "kind": kind, "error": error, **extra}),
             CONTROL_TAG,
             timeout_s=self.config.stall_timeout_s,
         )
@@ -523,11 +526,15 @@ class KVServer:
             if DATA_TAG_BASE + len(plan) > MAX_TAG:
                 raise ProtocolError(f"KV transfer {transfer_id!r} needs {len(plan)} messages, more than tags allow")
             await ep.send_msg(
-                _encode({"ok": True, "blocks": offer.block_table}), CONTROL_TAG, timeout_s=self.config.stall_timeout_s
+                encode_control({"ok": True, "blocks": offer.block_table}),
+                CONTROL_TAG,
+                timeout_s=self.config.stall_timeout_s,
             )
             checksums = await self._stream(ep, plan, checksum)
-            await ep.send_msg(_encode({"checksums": checksums}), CONTROL_TAG, timeout_s=self.config.stall_timeout_s)
-            reply = _decode(
+            await ep.send_msg(
+                encode_control({"checksums": checksums}), CONTROL_TAG, timeout_s=self.config.stall_timeout_s
+            )
+            reply = decode_control(
                 await ep.recv_msg(CONTROL_TAG, timeout_s=self.config.stall_timeout_s, max_bytes=1 << 16),
                 "end of transfer",
                 ep.peer,
@@ -657,7 +664,7 @@ async def receive_kv(
     try:
         ep = await transport.connect(descriptor.producer_address, timeout_s=config.connect_timeout_s)
         await ep.send_msg(
-            _encode(
+            encode_control(
                 {
                     "v": _PROTOCOL_VERSION,
                     "op": KV_PULL_OP,
@@ -674,7 +681,7 @@ async def receive_kv(
             CONTROL_TAG,
             timeout_s=config.stall_timeout_s,
         )
-        resp = _decode(
+        resp = decode_control(
             await ep.recv_msg(CONTROL_TAG, timeout_s=config.stall_timeout_s, max_bytes=_MAX_CONTROL_BYTES),
             "response",
             label,
@@ -735,11 +742,11 @@ async def receive_kv(
                 _verify(trailer, actual, plan, views, what)
             except DataPlaneError as exc:
                 try:
-                    await ep.send_msg(_encode({"failed": str(exc)}), CONTROL_TAG, timeout_s=1.0)
+                    await ep.send_msg(encode_control({"failed": str(exc)}), CONTROL_TAG, timeout_s=1.0)
                 except TransportError:
                     pass
                 raise
-        await ep.send_msg(_encode({"done": True}), CONTROL_TAG, timeout_s=config.stall_timeout_s)
+        await ep.send_msg(encode_control({"done": True}), CONTROL_TAG, timeout_s=config.stall_timeout_s)
         ok = True
     except BaseException as exc:
         log.warning(
@@ -803,7 +810,7 @@ def _raise_refusal(resp: dict[str, Any], label: str, what: str) -> None:
 
 
 def _trailer(data: bytes, label: str, what: str) -> dict[str, Any]:
-    msg = _decode(data, "control message", label)
+    msg = decode_control(data, "control message", label)
     if "abort" in msg:
         raise UpstreamAborted(f"{what}: {label} aborted: {msg['abort']}")
     if not isinstance(msg.get("checksums"), list):

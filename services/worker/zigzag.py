@@ -20,7 +20,6 @@ whole, which gives the same tokens.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -37,7 +36,15 @@ from services.dataplane.transport import Endpoint, Transport, address_label
 from services.worker.convert import kv_descriptor_from_proto, kv_descriptor_to_proto
 from services.worker.engine.engine import Engine, KVBlocks, Relayed
 from services.worker.engine.kv_cache import KVCache
-from services.worker.kv_transfer import KVDescriptor, KVOffer, KVTransferConfig, dtype_name, receive_kv
+from services.worker.kv_transfer import (
+    KVDescriptor,
+    KVOffer,
+    KVTransferConfig,
+    decode_control,
+    dtype_name,
+    encode_control,
+    receive_kv,
+)
 
 __all__ = ["RELAY_OP", "RelayServer", "RelayState", "relay_from", "take_over"]
 
@@ -69,20 +76,6 @@ def _np_view(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy().reshape(-1) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def _encode(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _decode(data: bytes, peer: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"zigzag relay answer from {peer} is not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"zigzag relay answer from {peer} is not an object: {obj!r:.100}")
-    return obj
-
-
 class RelayServer:
     """The loading instance's side: answers relays of its ZigZag requests."""
 
@@ -110,14 +103,16 @@ class RelayServer:
         timeout = self._stall_timeout_s
         if req.get("model_id") != self.model_id:
             await ep.send_msg(
-                _encode({"ok": False, "error": f"this instance loads {self.model_id!r}, not {req.get('model_id')!r}"}),
+                encode_control(
+                    {"ok": False, "error": f"this instance loads {self.model_id!r}, not {req.get('model_id')!r}"}
+                ),
                 CONTROL_TAG,
                 timeout_s=timeout,
             )
             return
         outcome = await self.engine.relay(request_id)
         if outcome.layers == 0 or outcome.parked_kv is None or outcome.hidden is None:
-            await ep.send_msg(_encode({"ok": True, "layers": 0}), CONTROL_TAG, timeout_s=timeout)
+            await ep.send_msg(encode_control({"ok": True, "layers": 0}), CONTROL_TAG, timeout_s=timeout)
             return
         try:
             offer = self._offer_parked(outcome.parked_kv, outcome.num_tokens, (0, outcome.layers))
@@ -140,7 +135,7 @@ class RelayServer:
         log.info(
             "zigzag_relayed", request_id=request_id, layers=outcome.layers, tokens=outcome.num_tokens, peer=ep.peer
         )
-        await ep.send_msg(_encode(answer), CONTROL_TAG, timeout_s=timeout)
+        await ep.send_msg(encode_control(answer), CONTROL_TAG, timeout_s=timeout)
         await ep.send(data, DATA_TAG_BASE, timeout_s=timeout)
 
 
@@ -160,12 +155,16 @@ async def relay_from(
     ok = False
     try:
         await ep.send_msg(
-            _encode({"op": RELAY_OP, "request_id": request_id, "model_id": model_id}),
+            encode_control({"op": RELAY_OP, "request_id": request_id, "model_id": model_id}),
             CONTROL_TAG,
             timeout_s=stall_timeout_s,
         )
         # The loading instance answers once its current step has ended: at most one step.
-        answer = _decode(await ep.recv_msg(CONTROL_TAG, timeout_s=stall_timeout_s, max_bytes=_MAX_CONTROL_BYTES), peer)
+        answer = decode_control(
+            await ep.recv_msg(CONTROL_TAG, timeout_s=stall_timeout_s, max_bytes=_MAX_CONTROL_BYTES),
+            "zigzag relay answer",
+            peer,
+        )
         if answer.get("ok") is not True:
             raise ProtocolError(f"zigzag relay of {request_id!r} refused by {peer}: {answer.get('error')}")
         layers = int(answer.get("layers", 0))
