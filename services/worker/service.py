@@ -613,7 +613,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.UnloadResponse()
 
     async def ExecuteLayers(self, request_iterator, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ZigZag layer execution arrives with live scaling")
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "ZigZag hands hidden states over the data plane (Generate zigzag / zigzag_source), not through gRPC",
+        )
 
 
 class WorkerService:

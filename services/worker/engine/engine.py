@@ -380,7 +380,8 @@ def _eos_set(ids: Collection[int]) -> frozenset[int]:
 
 
 class Engine:
-    """Continuous-batching engine for one complete model on one device."""
+    """Continuous-batching engine for one model on one device: complete, or (`start(partial=True)`)
+    still loading, when it serves ZigZag requests with the layers it holds."""
 
     def __init__(
         self,
