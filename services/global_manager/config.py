@@ -42,6 +42,11 @@ class GlobalManagerConfig(ServiceConfig):
         1, ge=0, description="a failed scale-out load is retried on this many other IDLE workers, then rolled back"
     )
     drain_timeout_s: float = Field(60.0, gt=0, description="in-flight requests get this long on scale-in")
+    transfer_plans: bool = Field(
+        True,
+        description="plan multicast chains from live instances and host shards for a scale-out; off: every new "
+        "instance pulls from the host caches alone (the ServerlessLLM baseline of bench.live_scaling)",
+    )
     live_migration: bool = Field(
         True,
         description="move running requests with their KV off an instance over its KV or TBT target to the "

@@ -602,7 +602,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
 
     async def _plan(self, model_id: str, targets: list[str]) -> worker_pb2.TransferPlan | None:
         """The chain plan for `targets`; None (each target pulls from the pool) if it cannot be made."""
-        if not self.cfg.param_manager:
+        if not self.cfg.param_manager or not self.cfg.transfer_plans:
             return None
         try:
             async with channel(self.cfg.param_manager) as ch:
