@@ -1,0 +1,236 @@
+"""Live scaling: one step burst against five setups, side by side in one run.
+
+Usage:
+    python -m bench.live_scaling [--quick] [--rdma-gbps 0.4] [--out bench/results/live_scaling.json]
+
+Each setup is a fresh mesh of `small`-model workers with EMULATED accelerator pacing (every
+engine step lasts at least a + b * batch tokens; the model still computes every token) and
+EMULATED links: every data-plane sender is paced (services/dataplane/shaped.py) at the rate its
+path would have, in the ratio of BlitzScale's testbed, RDMA 200 : PCIe host-to-GPU 256 : SSD 10
+Gbit/s, scaled so that the RDMA link is `--rdma-gbps`. The same open-loop step burst is replayed
+against:
+  (a) stop_the_world  autoscaled (HeteroScale, concurrency signal), multicast chains over RDMA,
+                      a new instance serves only once loaded (ZigZag off);
+  (b) zigzag          the same with ZigZag on: new instances serve while their layers arrive;
+  (c) sllm_hit        ServerlessLLM-style: every new instance loads from its host's cached copy
+                      at the PCIe pace (no chains), ZigZag off;
+  (d) sllm_miss       the same, loading from SSD at the SSD pace;
+  (e) fixed_peak      a fixed pool sized for the burst's peak, no scaling.
+Per setup: TTFT p50/p99 (`ttft_p50_s`, `ttft_p99_s`), TBT p99, SLO attainment, instance-seconds,
+`lost`, host memory for cached copies (one copy in the pool for a-b, one per host for c-d),
+`served_while_loading` (ZigZag requests whose first layers ran on a loading instance), and
+`load_overhead` (decision to SERVING over model bytes / link rate, per load). Setups run one
+after another (a fresh mesh each); the machine is shared and has 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.autoscale.__main__ import run_all
+from bench.replay import describe, piecewise_pattern
+from bench.replay.summary import percentile
+from services.mesh.launcher import MeshConfig
+from services.model_format.synth import PRESETS, synthesize
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL = "small"
+STEP_A_S = 0.05
+STEP_B_S = 0.002
+WORKERS = 4
+PCIE_OVER_RDMA = 256 / 200
+SSD_OVER_RDMA = 10 / 200
+POLICY = {
+    # Concurrency signal (Knative KPA style) for a burst on a small mesh; HeteroScale's TPS rule
+    # reacts to throughput, which a burst of queued prompts does not raise at first.
+    "target_requests_per_instance": 4,
+    "enable_latency_trigger": False,
+    "scale_out_cooldown_s": 2.0,
+    "scale_in_cooldown_s": 60.0,
+    "scale_in_stabilization_s": 60.0,
+}
+SETUPS = ("stop_the_world", "zigzag", "sllm_hit", "sllm_miss", "fixed_peak")
+
+
+def burst(quick: bool) -> list[Any]:
+    base, peak = 0.7, 5.0
+    span = (8.0, 30.0, 45.0) if quick else (15.0, 60.0, 90.0)
+    return piecewise_pattern(
+        [(0.0, span[0], base), (span[0], span[1], peak), (span[1], span[2], base)],
+        prompt_tokens=(64, 384),
+        output_tokens=(16, 64),
+        seed=7,
+    )
+
+
+def _links(setup: str, rdma_gbps: float) -> tuple[float, float]:
+    """(worker egress, parameter manager egress) in Gbit/s for `setup`."""
+    if setup == "sllm_hit":
+        return rdma_gbps, rdma_gbps * PCIE_OVER_RDMA
+    if setup == "sllm_miss":
+        return rdma_gbps, rdma_gbps * SSD_OVER_RDMA
+    return rdma_gbps, rdma_gbps
+
+
+def _manager_args(setup: str) -> list[str]:
+    flags = ["--zigzag" if setup == "zigzag" else "--no-zigzag"]
+    if setup.startswith("sllm"):
+        flags.append("--no-transfer-plans")
+    return [
+        "--autoscale",
+        "--advisory",
+        "--policy",
+        "heteroscale",
+        "--policy-params",
+        json.dumps(POLICY),
+        "--max-instances",
+        str(WORKERS),
+        "--window-s",
+        "2",
+        "--tick-s",
+        "0.5",
+        "--decision-repeat-s",
+        "10",
+        *flags,
+    ]
+
+
+def load_overheads(events: list[dict[str, Any]], model_bytes: int, link_gbps: float) -> list[float]:
+    """Per load: time from its scale_out decision to its load_result ok, over bytes / rate."""
+    ideal_s = model_bytes * 8 / (link_gbps * 1e9)
+    started: dict[str, float] = {}
+    out: list[float] = []
+    for e in events:
+        if e["action"] == "scale_out" and e["status"] == "loading" and e.get("instance_id"):
+            started[e["instance_id"]] = e["t_s"]
+        elif e["action"] == "load_result" and e["status"] == "ok" and e.get("instance_id") in started:
+            out.append(round((e["t_s"] - started.pop(e["instance_id"])) / ideal_s, 3))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.live_scaling", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a 45 s burst instead of 90 s")
+    p.add_argument("--rdma-gbps", type=float, default=0.4, help="the emulated RDMA link; PCIe and SSD scale with it")
+    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {SETUPS}")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "live_scaling.json")
+    args = p.parse_args(argv)
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    unknown = set(setups) - set(SETUPS)
+    if unknown:
+        p.error(f"unknown setups {sorted(unknown)}, known: {list(SETUPS)}")
+    arrivals = burst(args.quick)
+    workload = describe(arrivals, peak_bin_s=5.0)
+    model_dir = REPO_ROOT / "models"
+    synthesize(model_dir / MODEL, MODEL)
+    model_bytes = PRESETS[MODEL].num_parameters() * 4
+    # What bench.autoscale's run_all reads from its arguments.
+    run_args = argparse.Namespace(
+        model=MODEL, vocab_size=8000, ttft_slo_s=1.5, tbt_slo_s=0.2, bin_s=2.5, quick=args.quick
+    )
+    # The peak pool: the burst's peak rate over one instance's rate at the target concurrency.
+    peak_pool = WORKERS
+    results: dict[str, Any] = {}
+    started = time.monotonic()
+    for setup in setups:
+        worker_gbps, pm_gbps = _links(setup, args.rdma_gbps)
+        os.environ["BLITZMESH_WORKER_DATAPLANE"] = "tcp"
+        os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE"] = "tcp"
+        os.environ["BLITZMESH_WORKER_DATAPLANE_LINK_GBPS"] = str(worker_gbps)
+        os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"] = str(pm_gbps)
+        cfg = MeshConfig(
+            workers=WORKERS,
+            initial_instances=1,
+            model=MODEL,
+            model_dir=model_dir,
+            run_dir=REPO_ROOT / "run" / f"bench-live-scaling-{setup}",
+            http_port=0,
+            grpc_port=0,
+            ready_timeout_s=240.0,
+            worker_args=["--step-time-a-s", str(STEP_A_S), "--step-time-b-s", str(STEP_B_S)],
+            manager_args=_manager_args(setup),
+        )
+        name = "fixed_peak" if setup == "fixed_peak" else "autoscaled"
+        pools = {"autoscaled": 1, "fixed_peak": peak_pool}
+        policies = {} if setup == "fixed_peak" else {"autoscaled": ("heteroscale", POLICY)}
+        print(f"--- {setup}: worker link {worker_gbps} Gbit/s, host cache {pm_gbps} Gbit/s ---", flush=True)
+        runs = asyncio.run(
+            run_all([name], cfg, pools, arrivals, run_args, policies or {"autoscaled": ("heteroscale", POLICY)}, 40.0)
+        )
+        run = runs[name]
+        s = run["summary"]
+        loads = (
+            []
+            if setup == "fixed_peak"
+            else load_overheads(run["events"], model_bytes, pm_gbps if setup.startswith("sllm") else worker_gbps)
+        )
+        copies = WORKERS if setup.startswith("sllm") else 1
+        results[setup] = {
+            "ttft_p50_s": s["ttft_s"]["p50"],
+            "ttft_p99_s": s["ttft_s"]["p99"],
+            "tbt_p99_s": s["tbt_mean_s"]["p99"],
+            "slo_attainment": s["slo_attainment"],
+            "instance_seconds": s["instance_seconds"],
+            "lost": s["lost"],
+            "completed": s["completed"],
+            "requests_sent": s["requests_sent"],
+            "host_memory_cached_bytes": copies * model_bytes,
+            "served_while_loading": s.get("zigzag_requests", {}).get('outcome="relayed"', 0),
+            "zigzag_requests": s.get("zigzag_requests", {}),
+            "load_overhead": loads,
+            "load_overhead_median": percentile(loads, 0.5),
+            "timeline": run["timeline"],
+            "events": [e for e in run["events"] if e["action"] != "autoscaling_decision" or e["target"] != "no_change"],
+        }
+        print(f"[{setup}] {json.dumps({k: v for k, v in results[setup].items() if k not in ('timeline', 'events')})}")
+    targets: dict[str, Any] = {}
+    if "zigzag" in results and "stop_the_world" in results:
+        r = results["zigzag"]["ttft_p99_s"] / results["stop_the_world"]["ttft_p99_s"]
+        targets["ttft_p99_zigzag_over_stop_the_world"] = {"value": round(r, 3), "target": 0.5, "met": r <= 0.5}
+    if "zigzag" in results and "sllm_miss" in results:
+        r = results["zigzag"]["ttft_p99_s"] / results["sllm_miss"]["ttft_p99_s"]
+        targets["ttft_p99_zigzag_over_sllm_miss"] = {"value": round(r, 3), "target": 0.5, "met": r <= 0.5}
+    overheads = [x for k in ("stop_the_world", "zigzag") if k in results for x in results[k]["load_overhead"]]
+    if overheads:
+        med = percentile(overheads, 0.5)
+        targets["load_overhead"] = {"median": med, "max": max(overheads), "target": 1.2, "met": med <= 1.2}
+    targets["lost"] = {"value": sum(r["lost"] for r in results.values()), "target": 0}
+    out = {
+        **results,
+        "targets": targets,
+        "setup": {
+            "quick": args.quick,
+            "model": MODEL,
+            "model_bytes": model_bytes,
+            "workers": WORKERS,
+            "burst": workload,
+            "pacing": {"emulated": True, "step_a_s": STEP_A_S, "step_b_s_per_token": STEP_B_S},
+            "links": {
+                "emulated": "app-level pacing of each sender (not netns + tc tbf)",
+                "rdma_gbps": args.rdma_gbps,
+                "pcie_gbps": round(args.rdma_gbps * PCIE_OVER_RDMA, 4),
+                "ssd_gbps": round(args.rdma_gbps * SSD_OVER_RDMA, 4),
+            },
+            "policy": POLICY,
+            "slo": {"ttft_s": run_args.ttft_slo_s, "tbt_mean_s": run_args.tbt_slo_s},
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
+            "elapsed_s": round(time.monotonic() - started, 1),
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(targets, indent=2))
+    print(f"wrote {args.out}")
+    return 0 if targets["lost"]["value"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
