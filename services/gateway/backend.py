@@ -426,11 +426,17 @@ class Backend:
                 # A stream live-migrated off its instance brings its KV to the next one.
                 kv_source, state.handoff = (state.handoff, None) if state.generated else (None, None)
                 zigzag_source = None
+                if zigzag is not None and state.generated:
+                    hop = hops[-1]  # resumed: on the partner, or the decode instance of a split route
                 if zigzag is not None and not state.generated:
                     # ZigZag: the loading instance runs the prompt's first layers while the full
                     # partner is busy; the partner takes the request over (its KV and hidden
-                    # states) when it admits the request, then streams the tokens.
+                    # states) when it admits the request, then streams the tokens. In a
+                    # disaggregated deployment the partner is a prefill instance, which then
+                    # hands the whole prompt's KV to the route's decode instance.
                     new, hop = zigzag
+                    if len(hops) == 3 and hops[2].role == common_pb2.INSTANCE_ROLE_DECODE:
+                        prefill, hop = hop, hops[2]
                     self.metrics.zigzag.labels("routed").inc()
                     first_hop = asyncio.create_task(
                         self._zigzag_first_hop(req, new, prompt_ids, max_tokens, deadline_s, bound),
@@ -441,12 +447,23 @@ class Backend:
                     zigzag_source = worker_pb2.ZigzagSource(
                         instance_id=new.instance_id, dataplane_address=new.dataplane_address
                     )
-                elif prefill is not None and not state.generated:
+                if prefill is not None and not state.generated:
                     # Disaggregated: the prompt and the first token on the prefill instance,
                     # which hands the prompt's KV to the decode instance for the rest.
                     stream = self._stream(
-                        req, assets, prefill, prompt_ids, max_tokens, deadline_s, state, index, echo_text, handoff=True
+                        req,
+                        assets,
+                        prefill,
+                        prompt_ids,
+                        max_tokens,
+                        deadline_s,
+                        state,
+                        index,
+                        echo_text,
+                        handoff=True,
+                        zigzag_source=zigzag_source,
                     )
+                    zigzag_source = None
                     async for event in stream:
                         yield event
                     if state.handoff is None:
@@ -877,8 +894,7 @@ def _split_route(
     hops: list[global_manager_pb2.RouteHop],
 ) -> tuple[global_manager_pb2.RouteHop | None, global_manager_pb2.RouteHop]:
     """(prefill hop, the hop that decodes): a [PREFILL, DECODE] route is disaggregated; any
-    other route runs on its first hop (a ZigZag route lists the partial instance first, which
-    forwards to the rest itself)."""
+    other route runs on its first hop (ZigZag routes are read by `_zigzag_route`)."""
     if (
         len(hops) == 2
         and hops[0].role == common_pb2.INSTANCE_ROLE_PREFILL
@@ -891,10 +907,11 @@ def _split_route(
 def _zigzag_route(
     hops: list[global_manager_pb2.RouteHop],
 ) -> tuple[global_manager_pb2.RouteHop, global_manager_pb2.RouteHop] | None:
-    """(loading instance, full partner) of a ZigZag route: two hops split by layer range, the
-    first ending where the second starts; None for any other route."""
+    """(loading instance, full partner) of a ZigZag route: its first two hops split by layer
+    range, the first ending where the second starts (a third hop is the decode instance of a
+    disaggregated deployment); None for any other route."""
     if (
-        len(hops) == 2
+        len(hops) in (2, 3)
         and hops[0].layer_start == 0
         and 0 < hops[0].layer_end == hops[1].layer_start < hops[1].layer_end
         and hops[0].dataplane_address

@@ -279,9 +279,16 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 f"no SERVING instance of model {request.model_id!r} "
                 f"(instances: {states or 'none'}, excluded: {sorted(excluded)}){waking}",
             )
-        if self.cfg.zigzag and len(hops) == 1 and hops[0].role is Role.COLOCATED:
-            split = self._zigzag_route(request.model_id, views, excluded)
+        pd_pair = len(hops) == 2 and hops[0].role is Role.PREFILL and hops[1].role is Role.DECODE
+        if self.cfg.zigzag and ((len(hops) == 1 and hops[0].role is Role.COLOCATED) or pd_pair):
+            # ZigZag splits the pool that runs prompts: the colocated one, or the prefill pool
+            # (then the route's decode instance takes the whole prompt's KV from the partner).
+            pool = Role.PREFILL if pd_pair else Role.COLOCATED
+            split = self._zigzag_route(request.model_id, views, excluded, pool)
             if split is not None:
+                if pd_pair:
+                    self.table.registry.note_routed(hops[1].instance_id)
+                    split.append(self._hop(hops[1]))
                 return global_manager_pb2.Route(request_id=request.request_id, hops=split)
         for view in hops:
             # Until its next heartbeat shows the request, routing counts it here.
@@ -289,18 +296,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         SCHEDULED.labels("pd_pair" if len(hops) == 2 else "one_hop").inc()
         return global_manager_pb2.Route(
             request_id=request.request_id,
-            hops=[
-                global_manager_pb2.RouteHop(
-                    instance_id=view.instance_id,
-                    address=self.table.addresses[view.instance_id],
-                    layer_start=0,
-                    layer_end=view.num_layers,
-                    # A pair is [PREFILL, DECODE]; a single hop keeps its instance's role (a
-                    # prefill- or decode-role instance serving alone while the other pool is gone).
-                    role=role_to_proto(view.role),
-                )
-                for view in hops
-            ],
+            # A pair is [PREFILL, DECODE]; a single hop keeps its instance's role (a prefill- or
+            # decode-role instance serving alone while the other pool is gone).
+            hops=[self._hop(view) for view in hops],
         )
 
     async def _scale_from_zero(self, model: str, request_id: str) -> str:
@@ -356,8 +354,18 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         """IDLE workers no action owns."""
         return [v for v in self.table.registry.views(state=S.IDLE) if v.instance_id not in self._actions]
 
+    def _hop(self, view: InstanceView) -> global_manager_pb2.RouteHop:
+        """A hop running every layer on `view`'s instance."""
+        return global_manager_pb2.RouteHop(
+            instance_id=view.instance_id,
+            address=self.table.addresses[view.instance_id],
+            layer_start=0,
+            layer_end=view.num_layers,
+            role=role_to_proto(view.role),
+        )
+
     def _zigzag_route(
-        self, model: str, views: list[InstanceView], excluded: Collection[str]
+        self, model: str, views: list[InstanceView], excluded: Collection[str], pool: Role = Role.COLOCATED
     ) -> list[global_manager_pb2.RouteHop] | None:
         """ZigZag (ALGORITHMS.md section 3): while every SERVING instance has requests waiting,
         a live LOADING instance (>= 1 layer, under its in-flight cap, layers still arriving; every
@@ -386,9 +394,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         live = {iid: t for iid, t in self.zigzag_started.items() if iid not in excluded}
         if not live:
             return None
-        gate = should_zigzag(views, model=model, role=Role.COLOCATED, ttft_s=self.cfg.zigzag_ttft_s)
+        gate = should_zigzag(views, model=model, role=pool, ttft_s=self.cfg.zigzag_ttft_s)
         if not gate.zigzag:
             return None
+        views = [v for v in views if v.role is pool]
         inflight = {
             v.instance_id: (v.load.zigzag_running if v.load is not None else 0) + v.routes_since_heartbeat
             for v in views

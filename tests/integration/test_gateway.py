@@ -95,6 +95,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             context.set_trailing_metadata(((MOVED_METADATA_KEY, "rebalance"),))
             await context.abort(grpc.StatusCode.ABORTED, f"{self.instance_id} released the queued request")
         try:
+            if request.zigzag:
+                # A loading instance: its part ends when the partner relays the request.
+                yield worker_pb2.WorkerGenerateResponse(zigzag_layers=1)
+                return
             if self.gate is not None:
                 await self.gate.wait()
             budget = request.sampling.max_tokens
@@ -169,6 +173,7 @@ class FakeGlobalManager(global_manager_pb2_grpc.GlobalManagerServicer):
         self.instances: list[tuple[str, str]] = []
         self.schedules: list[global_manager_pb2.ScheduleRequest] = []
         self.roles: dict[str, int] = {}
+        self.route: list[global_manager_pb2.RouteHop] | None = None  # a fixed route, when set
 
     def _first(self, request: global_manager_pb2.ScheduleRequest, role: int) -> global_manager_pb2.RouteHop | None:
         for instance_id, address in self.instances:
@@ -180,6 +185,8 @@ class FakeGlobalManager(global_manager_pb2_grpc.GlobalManagerServicer):
         self.schedules.append(request)
         if request.model_id != MODEL:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_id!r}")
+        if self.route is not None and not request.exclude_instance_ids:
+            return global_manager_pb2.Route(request_id=request.request_id, hops=self.route)
         prefill = self._first(request, common_pb2.INSTANCE_ROLE_PREFILL)
         decode = self._first(request, common_pb2.INSTANCE_ROLE_DECODE)
         if prefill is not None and decode is not None:
@@ -1105,3 +1112,28 @@ async def test_a_live_migrated_stream_resumes_elsewhere_with_its_kv(cluster: Clu
     assert list(cluster.gm.schedules[-1].exclude_instance_ids) == ["w0"]
     metrics = await fetch_text(f"{gw.http}/metrics")
     assert 'blitzmesh_gateway_moves_total{reason="live_migration"} 1.0' in metrics
+
+
+async def test_a_zigzag_route_in_a_split_deployment_runs_three_hops_as_one_stream(
+    cluster: Cluster, start_gateway
+) -> None:
+    """[loading prefill 0..1, partner prefill 1..2, decode]: the loading instance gets the
+    ZigZag part, the partner relays from it and hands off, the decode instance pulls from it."""
+    new, partner, decode = [await cluster.add_worker(i) for i in ("n", "p", "d")]
+    addresses = dict(cluster.gm.instances)
+    P, D = common_pb2.INSTANCE_ROLE_PREFILL, common_pb2.INSTANCE_ROLE_DECODE
+    cluster.gm.route = [
+        global_manager_pb2.RouteHop(
+            instance_id="n", address=addresses["n"], layer_start=0, layer_end=1, role=P, dataplane_address=b"dp-n"
+        ),
+        global_manager_pb2.RouteHop(instance_id="p", address=addresses["p"], layer_start=1, layer_end=2, role=P),
+        global_manager_pb2.RouteHop(instance_id="d", address=addresses["d"], layer_start=0, layer_end=2, role=D),
+    ]
+    gw = await start_gateway()
+    status, body = await post(f"{gw.http}/v1/chat/completions", chat_body(max_tokens=64))
+    assert status == 200 and body["choices"][0]["message"]["content"] == REPLY
+    await wait_until(lambda: new.requests, 5, what="the loading instance's part")
+    assert new.requests[0].zigzag
+    (p_req,), (d_req,) = partner.requests, decode.requests
+    assert p_req.kv_handoff and p_req.zigzag_source.dataplane_address == b"dp-n"
+    assert d_req.kv_source.transfer_id.startswith("p/") and list(d_req.resume_token_ids) == cluster.reply_ids[:1]

@@ -588,3 +588,24 @@ async def test_an_instance_over_its_kv_target_releases_running_requests(serve_in
         (call,) = c.workers["w0"].release_running
         assert call.max_requests == 4 and call.reason.startswith("live migration")
         assert not c.workers["w1"].release_running
+
+
+async def test_zigzag_in_a_split_deployment_splits_the_prefill_pool(serve_in_process: Any) -> None:
+    """Disaggregated: a loading prefill instance runs the first layers, the overloaded prefill
+    instance finishes the prompt, and the route's decode instance takes the KV from it."""
+    roles = {"w0": ROLE.INSTANCE_ROLE_PREFILL, "w1": ROLE.INSTANCE_ROLE_DECODE, "w2": ROLE.INSTANCE_ROLE_PREFILL}
+    settings = {"min_instances": 0, "min_prefill": 1, "min_decode": 1, "max_instances": 3, "autoscale": False}
+    async with cluster(serve_in_process, n_workers=3, roles=roles, zigzag_stall_s=30.0, **settings) as c:
+        await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=2)
+        c.workers["w2"].load_s = 60.0
+        c.workers["w0"].load = common_pb2.LoadReport(running=4, waiting=3, kv_blocks_used=10, kv_blocks_total=100)
+        await c.stub.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=1, role=ROLE.INSTANCE_ROLE_PREFILL), timeout=5)
+        await c.wait_event(lambda e: e.action == "live_scaling" and e.instance_id == "w2")
+        registry = c.gm.servicer.table.registry
+        await wait_until(lambda: (v := registry.get("w0")).load is not None and v.load.waiting == 3, 5)
+        route = await schedule(c)
+        assert [(h.instance_id, h.layer_start, h.layer_end, h.role) for h in route.hops] == [
+            ("w2", 0, 1, ROLE.INSTANCE_ROLE_PREFILL),
+            ("w0", 1, 2, ROLE.INSTANCE_ROLE_PREFILL),
+            ("w1", 0, 2, ROLE.INSTANCE_ROLE_DECODE),
+        ]

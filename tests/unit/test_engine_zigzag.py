@@ -268,3 +268,36 @@ async def test_a_relay_waits_for_the_layers_the_loading_instance_can_still_run(c
         assert new.release_parked(outcome.parked_kv) > 0
     finally:
         await new.stop()
+
+
+async def test_zigzag_on_a_prefill_instance_hands_the_whole_kv_to_decode(ckpt: Path) -> None:
+    """Disaggregated: the partner is a prefill instance. It takes the request over from the
+    loading instance, runs the rest of the prompt, emits the first token and hands the KV of
+    every layer (the relayed first layers included) to the decode instance, which continues
+    with the whole run's tokens."""
+    from tests.unit.test_engine_handoff import copy_fill
+
+    full, _ = partial_model(ckpt, 4)
+    load_layer(full, Checkpoint(ckpt), "head")
+    prompt = prompt_of(26, 9)
+    async with make_engine(full) as whole:
+        expected = [e.token_id for e in await collect(whole, "r", prompt, PARAMS)]
+    model, _ = partial_model(ckpt, 2)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        async with make_engine(full) as prefill, make_engine(full) as decode:
+            first = asyncio.create_task(collect_stream(new.generate("r", prompt, PARAMS, zigzag=True)))
+            await wait_until(lambda: getattr(new._by_id.get("r"), "zz_layers", 0) == 2, 5, what="2 layers run")
+            (head,) = [
+                ev async for ev in prefill.generate("r", prompt, PARAMS, handoff=True, relay_fill=relay_from(new, "r"))
+            ]
+            assert head.parked_kv is not None and head.kv_tokens == len(prompt)
+            assert prefill.zigzag["continued"] == 1
+            fill = copy_fill(prefill.kv_cache, head.parked_kv, head.kv_tokens)
+            rest = [ev async for ev in decode.generate("r", prompt, PARAMS, [head.token_id], kv_fill=fill)]
+            assert [head.token_id] + [e.token_id for e in rest] == expected
+            assert (await first)[0].zigzag_layers == 2
+            prefill.release_parked(head.parked_kv)
+    finally:
+        await new.stop()

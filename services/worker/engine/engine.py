@@ -601,7 +601,11 @@ class Engine:
             )
         if kv_fill is not None and handoff:
             raise ValueError(f"request {request_id!r}: a hand-off cannot also take its KV from another instance")
-        if sum((handoff, kv_fill is not None, zigzag, relay_fill is not None)) > 1:
+        # A relayed request may hand its KV off in turn (ZigZag on a prefill instance of a
+        # disaggregated deployment); any other two of these exclude each other.
+        if sum((handoff, kv_fill is not None, zigzag, relay_fill is not None)) > 1 and not (
+            handoff and relay_fill is not None and kv_fill is None and not zigzag
+        ):
             raise ValueError(f"request {request_id!r}: zigzag, relay, hand-off and KV source exclude each other")
         if (zigzag or relay_fill is not None) and resumed:
             raise ValueError(f"request {request_id!r}: a ZigZag request cannot resume tokens")
