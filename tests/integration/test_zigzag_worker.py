@@ -47,9 +47,11 @@ def request(rid: str, prompt: list[int], **kw: Any) -> worker_pb2.WorkerGenerate
 
 
 @contextlib.asynccontextmanager
-async def pair(models: Path, serve_in_process: ServeFactory, link_gbps: float) -> AsyncIterator[dict[str, Any]]:
-    """A parameter manager behind a slow link, a full worker (loaded first) and a second worker
-    whose load is left running in the background."""
+async def pair(
+    models: Path, serve_in_process: ServeFactory, link_gbps: float, *, decode: bool = False
+) -> AsyncIterator[dict[str, Any]]:
+    """A parameter manager behind a slow link, a full worker (loaded first; with `decode`, a
+    full decode worker too) and a second worker whose load is left running in the background."""
     pm_cfg = ParamManagerConfig(
         port=0, model_dir=models, chunk_bytes=64 * 1024, dataplane="tcp", dataplane_link_gbps=link_gbps
     )
@@ -57,7 +59,7 @@ async def pair(models: Path, serve_in_process: ServeFactory, link_gbps: float) -
     async with contextlib.AsyncExitStack() as stack:
         pm_ctx = await stack.enter_async_context(serve_in_process(pm, pm_cfg))
         out: dict[str, Any] = {}
-        for iid in ("old", "new"):
+        for iid in ("old", "new", "decode") if decode else ("old", "new"):
             cfg = WorkerConfig(
                 port=0, param_manager=pm_ctx.address, instance_id=iid, kv_cache_tokens=4096, dataplane="tcp"
             )
@@ -65,10 +67,12 @@ async def pair(models: Path, serve_in_process: ServeFactory, link_gbps: float) -
             ctx = await stack.enter_async_context(serve_in_process(wk, cfg))
             ch = await stack.enter_async_context(channel(ctx.address))
             out[iid] = (wk, worker_pb2_grpc.WorkerStub(ch))
-        old = out["old"][1]
-        assert [p async for p in old.LoadParameters(worker_pb2.LoadParametersRequest(model_id=MODEL), timeout=60)][
-            -1
-        ].done
+        for full in ("old", "decode") if decode else ("old",):
+            stub = out[full][1]
+            loaded = [
+                p async for p in stub.LoadParameters(worker_pb2.LoadParametersRequest(model_id=MODEL), timeout=60)
+            ]
+            assert loaded[-1].done
         load = out["new"][1].LoadParameters(worker_pb2.LoadParametersRequest(model_id=MODEL), timeout=60)
         out["load"] = asyncio.create_task(collect(load))
         try:
@@ -160,3 +164,30 @@ async def test_a_dead_loading_worker_leaves_its_requests_to_be_recomputed(
 def engine_of(svc: WorkerService) -> Any:
     inst = svc.servicer.instance
     return inst.engine if inst is not None else None
+
+
+async def test_disaggregated_zigzag_hands_the_whole_kv_to_decode(models: Path, serve_in_process: ServeFactory) -> None:
+    """A loading prefill worker runs the first layers; the full prefill worker relays it, emits
+    the first token and hands the whole prompt's KV to a decode worker, which continues with
+    the tokens of a whole run; every transfer over the data plane."""
+    prompt = [1, *range(11, 71)]
+    async with pair(models, serve_in_process, link_gbps=0.02, decode=True) as p:
+        (old_svc, old), (new_svc, new), (dec_svc, dec) = p["old"], p["new"], p["decode"]
+        expected = await tokens(old.Generate(request("whole", prompt), timeout=30))
+        await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
+        first = asyncio.create_task(collect(new.Generate(request("r", prompt, zigzag=True), timeout=60)))
+        await wait_until(
+            lambda: getattr(engine_of(new_svc)._by_id.get("r"), "zz_layers", 0) >= 1, 30, what="a first layer run"
+        )
+        source = worker_pb2.ZigzagSource(instance_id="new", dataplane_address=new_svc.servicer.transport.address())
+        head = await collect(old.Generate(request("r", prompt, zigzag_source=source, kv_handoff=True), timeout=60))
+        assert len(head) == 1 and head[0].HasField("kv_handoff") and head[0].kv_handoff.num_tokens == len(prompt)
+        rest = await tokens(
+            dec.Generate(
+                request("r", prompt, resume_token_ids=list(head[0].token_ids), kv_source=head[0].kv_handoff), timeout=60
+            )
+        )
+        assert [*head[0].token_ids, *rest] == expected
+        assert (await first)[-1].zigzag_layers >= 1
+        assert engine_of(old_svc).zigzag["continued"] == 1
+        assert engine_of(dec_svc).kv_fills == {"pulled": 1, "recomputed": 0}
