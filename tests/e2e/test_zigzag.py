@@ -108,5 +108,76 @@ async def test_requests_split_with_a_loading_instance_give_whole_run_tokens(zz_m
         )
 
 
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def zz_pd_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    """1 prefill + 1 decode serving, a third worker IDLE for a prefill scale-out."""
+    models = tmp_path_factory.mktemp("zz-pd-models")
+    synthesize(models / MODEL, "tiny", seed=0, overrides={"num_hidden_layers": 6})
+    cfg = MeshConfig(
+        workers=3,
+        prefill=1,
+        decode=1,
+        model=MODEL,
+        model_dir=models,
+        run_dir=tmp_path_factory.mktemp("run-zigzag-pd"),
+        http_port=0,
+        grpc_port=0,
+        ready_timeout_s=120.0,
+        worker_args=[
+            "--step-time-a-s",
+            "0.03",
+            "--step-time-b-s",
+            "0.0005",
+            "--max-batch-size",
+            "2",
+            "--dataplane-link-gbps",
+            LINK_GBPS,
+        ],
+        manager_args=["--zigzag-stall-s", "30"],
+    )
+    key = "BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"
+    before = os.environ.get(key)
+    os.environ[key] = LINK_GBPS
+    m = Mesh(cfg)
+    try:
+        await m.start()
+        yield m
+    finally:
+        await m.stop()
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+async def test_a_disaggregated_mesh_splits_prompts_with_a_loading_prefill_instance(zz_pd_mesh: Mesh) -> None:
+    prompts = [f"split prefill {i} " * (1 + i % 4) for i in range(WAVE_1 + WAVE_2)]
+    async with blitzmesh.AsyncClient(zz_pd_mesh.gateway_grpc, timeout_s=180, max_retries=0) as client:
+        references = [(await client.complete(p, **ARGS)).token_ids for p in prompts]
+        first = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[:WAVE_1]]
+
+        async def prefill_overloaded() -> bool:
+            state = await client.cluster()
+            return any(i.state == "serving" and i.role == "prefill" and i.load.waiting > 0 for i in state.instances)
+
+        await wait_until(
+            prefill_overloaded, 30, interval_s=0.05, what="the prefill instance reporting waiting requests"
+        )
+        await client.scale(MODEL, 1, role="prefill")
+
+        async def live() -> bool:
+            state = await client.cluster()
+            return any(i.state == "loading" and 1 <= i.layers_loaded < i.num_layers for i in state.instances)
+
+        await wait_until(live, 60, interval_s=0.05, what="the new prefill instance LOADING with its first layers")
+        second = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[WAVE_1:]]
+        done = await asyncio.gather(*first, *second)
+        assert [c.token_ids for c in done] == references
+        zigzag = await _metric(zz_pd_mesh, "blitzmesh_gateway_zigzag_total")
+        assert zigzag.get('outcome="relayed"', 0) >= 1, zigzag
+        handoffs = await _metric(zz_pd_mesh, "blitzmesh_gateway_kv_handoffs_total")
+        assert handoffs.get('outcome="handed_off"', 0) >= len(prompts), handoffs
+
+
 async def _serving_count(client: blitzmesh.AsyncClient, n: int) -> bool:
     return sum(i.state == "serving" for i in (await client.cluster()).instances) >= n
