@@ -52,7 +52,9 @@ async def zz_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mes
             "--dataplane-link-gbps",
             LINK_GBPS,
         ],
-        manager_args=["--zigzag-stall-s", "30"],
+        # The gate opens on the TTFT signal as soon as an instance has served anything, so the
+        # test does not race a heartbeat to see requests waiting.
+        manager_args=["--zigzag-stall-s", "30", "--zigzag-ttft-s", "0.001"],
     )
     key = "BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"
     before = os.environ.get(key)
@@ -83,9 +85,9 @@ async def test_requests_split_with_a_loading_instance_give_whole_run_tokens(zz_m
 
         async def overloaded() -> bool:
             state = await client.cluster()
-            return any(i.state == "serving" and i.load.waiting > 0 for i in state.instances)
+            return any(i.state == "serving" and i.load.ttft_p50_s > 0 for i in state.instances)
 
-        await wait_until(overloaded, 30, interval_s=0.05, what="the serving instance reporting waiting requests")
+        await wait_until(overloaded, 30, interval_s=0.05, what="the serving instance reporting its TTFT")
         await client.scale(MODEL, 1)
 
         async def live() -> bool:
@@ -98,10 +100,15 @@ async def test_requests_split_with_a_loading_instance_give_whole_run_tokens(zz_m
         assert [c.token_ids for c in done] == references
         zigzag = await _metric(zz_mesh, "blitzmesh_gateway_zigzag_total")
         assert zigzag.get('outcome="relayed"', 0) >= 1, zigzag
-        state = await client.cluster()
-        continued = sum(i.load.zigzag_continued_total for i in state.instances)
-        relayed = sum(i.load.zigzag_relayed_total for i in state.instances)
-        assert continued >= 1 and relayed >= continued, (continued, relayed)
+
+        async def counted() -> bool:
+            # Load reports are up to a heartbeat old: wait for both sides' counts to show.
+            state = await client.cluster()
+            continued = sum(i.load.zigzag_continued_total for i in state.instances)
+            relayed = sum(i.load.zigzag_relayed_total for i in state.instances)
+            return continued >= 1 and relayed >= continued
+
+        await wait_until(counted, 10, interval_s=0.2, what="ZigZag relays counted by loading instance and partner")
         # The new instance finishes loading and serves whole requests on its own.
         await wait_until(
             lambda: _serving_count(client, 2), 120, interval_s=0.2, what="both instances SERVING after the load"
@@ -133,7 +140,9 @@ async def zz_pd_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[
             "--dataplane-link-gbps",
             LINK_GBPS,
         ],
-        manager_args=["--zigzag-stall-s", "30"],
+        # The gate opens on the TTFT signal as soon as an instance has served anything, so the
+        # test does not race a heartbeat to see requests waiting.
+        manager_args=["--zigzag-stall-s", "30", "--zigzag-ttft-s", "0.001"],
     )
     key = "BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"
     before = os.environ.get(key)
@@ -158,11 +167,9 @@ async def test_a_disaggregated_mesh_splits_prompts_with_a_loading_prefill_instan
 
         async def prefill_overloaded() -> bool:
             state = await client.cluster()
-            return any(i.state == "serving" and i.role == "prefill" and i.load.waiting > 0 for i in state.instances)
+            return any(i.state == "serving" and i.role == "prefill" and i.load.ttft_p50_s > 0 for i in state.instances)
 
-        await wait_until(
-            prefill_overloaded, 30, interval_s=0.05, what="the prefill instance reporting waiting requests"
-        )
+        await wait_until(prefill_overloaded, 30, interval_s=0.05, what="the prefill instance reporting its TTFT")
         await client.scale(MODEL, 1, role="prefill")
 
         async def live() -> bool:
