@@ -5,6 +5,7 @@ and are finished by the overloaded instance, with exactly the greedy tokens of a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 from collections.abc import AsyncIterator
@@ -28,20 +29,20 @@ WAVE_1, WAVE_2 = 8, 6
 LINK_GBPS = "0.02"
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def zz_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
-    models = tmp_path_factory.mktemp("zz-models")
+@contextlib.asynccontextmanager
+async def slow_mesh(tmp_path_factory: pytest.TempPathFactory, name: str, **layout: int) -> AsyncIterator[Mesh]:
+    """A mesh of the 6-layer model whose data plane is shaped to LINK_GBPS, with `layout`'s
+    workers (MeshConfig fields: workers, initial_instances, prefill, decode)."""
+    models = tmp_path_factory.mktemp(f"{name}-models")
     synthesize(models / MODEL, "tiny", seed=0, overrides={"num_hidden_layers": 6})
     cfg = MeshConfig(
-        workers=2,
-        initial_instances=1,
         model=MODEL,
         model_dir=models,
-        run_dir=tmp_path_factory.mktemp("run-zigzag"),
+        run_dir=tmp_path_factory.mktemp(f"run-{name}"),
         http_port=0,
         grpc_port=0,
         ready_timeout_s=120.0,
-        # Emulated accelerator pacing and a small batch: the one instance queues a burst.
+        # Emulated accelerator pacing and a small batch: one instance queues a burst.
         worker_args=[
             "--step-time-a-s",
             "0.03",
@@ -55,6 +56,7 @@ async def zz_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mes
         # The gate opens on the TTFT signal as soon as an instance has served anything, so the
         # test does not race a heartbeat to see requests waiting.
         manager_args=["--zigzag-stall-s", "30", "--zigzag-ttft-s", "0.001"],
+        **layout,  # type: ignore[arg-type]
     )
     key = "BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"
     before = os.environ.get(key)
@@ -69,6 +71,12 @@ async def zz_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mes
             os.environ.pop(key, None)
         else:
             os.environ[key] = before
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def zz_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    async with slow_mesh(tmp_path_factory, "zigzag", workers=2, initial_instances=1) as m:
+        yield m
 
 
 async def _metric(mesh: Mesh, name: str) -> dict[str, float]:
@@ -118,45 +126,8 @@ async def test_requests_split_with_a_loading_instance_give_whole_run_tokens(zz_m
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def zz_pd_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
     """1 prefill + 1 decode serving, a third worker IDLE for a prefill scale-out."""
-    models = tmp_path_factory.mktemp("zz-pd-models")
-    synthesize(models / MODEL, "tiny", seed=0, overrides={"num_hidden_layers": 6})
-    cfg = MeshConfig(
-        workers=3,
-        prefill=1,
-        decode=1,
-        model=MODEL,
-        model_dir=models,
-        run_dir=tmp_path_factory.mktemp("run-zigzag-pd"),
-        http_port=0,
-        grpc_port=0,
-        ready_timeout_s=120.0,
-        worker_args=[
-            "--step-time-a-s",
-            "0.03",
-            "--step-time-b-s",
-            "0.0005",
-            "--max-batch-size",
-            "2",
-            "--dataplane-link-gbps",
-            LINK_GBPS,
-        ],
-        # The gate opens on the TTFT signal as soon as an instance has served anything, so the
-        # test does not race a heartbeat to see requests waiting.
-        manager_args=["--zigzag-stall-s", "30", "--zigzag-ttft-s", "0.001"],
-    )
-    key = "BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"
-    before = os.environ.get(key)
-    os.environ[key] = LINK_GBPS
-    m = Mesh(cfg)
-    try:
-        await m.start()
+    async with slow_mesh(tmp_path_factory, "zigzag-pd", workers=3, prefill=1, decode=1) as m:
         yield m
-    finally:
-        await m.stop()
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
 
 
 async def test_a_disaggregated_mesh_splits_prompts_with_a_loading_prefill_instance(zz_pd_mesh: Mesh) -> None:
