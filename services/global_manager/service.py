@@ -767,20 +767,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         an even share (`plan_rebalance`); the gateway re-routes each, and routing sends them to
         the least loaded instance, the new one."""
         for source, n in plan_rebalance(self.table.registry.views(model=model_id), iid):
-            address = self.table.addresses.get(source)
-            if address is None:
+            moved = await self._release(source, n, f"scale_out: {iid} is SERVING", running=False)
+            if moved is None:
                 continue
-            try:
-                async with channel(address) as ch:
-                    resp = await worker_pb2_grpc.WorkerStub(ch).ReleaseWaiting(
-                        worker_pb2.ReleaseWaitingRequest(max_requests=n, reason=f"scale_out: {iid} is SERVING"),
-                        timeout=RELEASE_TIMEOUT_S,
-                    )
-            except grpc.aio.AioRpcError as e:
-                log.warning("release_waiting_failed", instance_id=source, code=e.code().name, details=e.details())
-                continue
-            moved = len(resp.request_ids)
-            MOVED.labels("scale_out").inc(moved)
             self.emit(
                 "rebalance",
                 model_id,
@@ -922,18 +911,31 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             assert self.ctx is not None
             self.ctx.tasks.spawn(self._release_running(model, source, n, why), name=f"migrate-{source}")
 
-    async def _release_running(self, model: str, source: str, n: int, why: str) -> None:
+    async def _release(self, source: str, n: int, reason: str, *, running: bool) -> int | None:
+        """Ask `source` to let up to `n` requests go (queued ones, or with `running` decoding ones
+        with their KV) for the gateway to re-route; how many it released, None if it could not
+        be asked. Counted in MOVED by cause."""
+        address = self.table.addresses.get(source)
+        if address is None:
+            return None
+        rpc = "ReleaseRunning" if running else "ReleaseWaiting"
+        request_type = worker_pb2.ReleaseRunningRequest if running else worker_pb2.ReleaseWaitingRequest
         try:
-            async with channel(self.table.addresses[source]) as ch:
-                resp = await worker_pb2_grpc.WorkerStub(ch).ReleaseRunning(
-                    worker_pb2.ReleaseRunningRequest(max_requests=n, reason=f"live migration: {why}"),
-                    timeout=RELEASE_TIMEOUT_S,
+            async with channel(address) as ch:
+                resp = await getattr(worker_pb2_grpc.WorkerStub(ch), rpc)(
+                    request_type(max_requests=n, reason=reason), timeout=RELEASE_TIMEOUT_S
                 )
         except grpc.aio.AioRpcError as e:
-            log.warning("release_running_failed", instance_id=source, code=e.code().name, details=e.details())
-            return
+            log.warning("release_failed", rpc=rpc, instance_id=source, code=e.code().name, details=e.details())
+            return None
         moved = len(resp.request_ids)
-        MOVED.labels("live_migration").inc(moved)
+        MOVED.labels("live_migration" if running else "scale_out").inc(moved)
+        return moved
+
+    async def _release_running(self, model: str, source: str, n: int, why: str) -> None:
+        moved = await self._release(source, n, f"live migration: {why}", running=True)
+        if moved is None:
+            return
         self.emit(
             "live_migration",
             model,

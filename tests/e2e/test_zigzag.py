@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 
 import blitzmesh
+from blitzmesh.types import InstanceRole
 from services.common.waiting import wait_until
 from services.mesh.launcher import Mesh, MeshConfig
 from services.model_format.synth import synthesize
@@ -85,27 +86,36 @@ async def _metric(mesh: Mesh, name: str) -> dict[str, float]:
     return {labels: float(v) for labels, v in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)}
 
 
+async def split_during_scale_out(client: blitzmesh.AsyncClient, prompts: list[str], role: InstanceRole | None) -> None:
+    """Serve `prompts` whole for reference; then send the first wave, scale the pool of `role`
+    (None: colocated) out by one once its instance reports a TTFT, send the second wave while the
+    new instance loads, and check every output against its reference."""
+    references = [(await client.complete(p, **ARGS)).token_ids for p in prompts]
+    first = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[:WAVE_1]]
+
+    async def overloaded() -> bool:
+        state = await client.cluster()
+        return any(
+            i.state == "serving" and (role is None or i.role == role) and i.load.ttft_p50_s > 0 for i in state.instances
+        )
+
+    await wait_until(overloaded, 30, interval_s=0.05, what=f"the serving {role or ''} instance reporting its TTFT")
+    await client.scale(MODEL, 1, role=role)
+
+    async def live() -> bool:
+        state = await client.cluster()
+        return any(i.state == "loading" and 1 <= i.layers_loaded < i.num_layers for i in state.instances)
+
+    await wait_until(live, 60, interval_s=0.05, what="the new instance LOADING with its first layers")
+    second = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[WAVE_1:]]
+    done = await asyncio.gather(*first, *second)
+    assert [c.token_ids for c in done] == references
+
+
 async def test_requests_split_with_a_loading_instance_give_whole_run_tokens(zz_mesh: Mesh) -> None:
     prompts = [f"zigzag {i} " * (1 + i % 5) for i in range(WAVE_1 + WAVE_2)]
     async with blitzmesh.AsyncClient(zz_mesh.gateway_grpc, timeout_s=180, max_retries=0) as client:
-        references = [(await client.complete(p, **ARGS)).token_ids for p in prompts]
-        first = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[:WAVE_1]]
-
-        async def overloaded() -> bool:
-            state = await client.cluster()
-            return any(i.state == "serving" and i.load.ttft_p50_s > 0 for i in state.instances)
-
-        await wait_until(overloaded, 30, interval_s=0.05, what="the serving instance reporting its TTFT")
-        await client.scale(MODEL, 1)
-
-        async def live() -> bool:
-            state = await client.cluster()
-            return any(i.state == "loading" and 1 <= i.layers_loaded < i.num_layers for i in state.instances)
-
-        await wait_until(live, 60, interval_s=0.05, what="the new instance LOADING with its first layers")
-        second = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[WAVE_1:]]
-        done = await asyncio.gather(*first, *second)
-        assert [c.token_ids for c in done] == references
+        await split_during_scale_out(client, prompts, None)
         zigzag = await _metric(zz_mesh, "blitzmesh_gateway_zigzag_total")
         assert zigzag.get('outcome="relayed"', 0) >= 1, zigzag
 
@@ -133,24 +143,7 @@ async def zz_pd_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[
 async def test_a_disaggregated_mesh_splits_prompts_with_a_loading_prefill_instance(zz_pd_mesh: Mesh) -> None:
     prompts = [f"split prefill {i} " * (1 + i % 4) for i in range(WAVE_1 + WAVE_2)]
     async with blitzmesh.AsyncClient(zz_pd_mesh.gateway_grpc, timeout_s=180, max_retries=0) as client:
-        references = [(await client.complete(p, **ARGS)).token_ids for p in prompts]
-        first = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[:WAVE_1]]
-
-        async def prefill_overloaded() -> bool:
-            state = await client.cluster()
-            return any(i.state == "serving" and i.role == "prefill" and i.load.ttft_p50_s > 0 for i in state.instances)
-
-        await wait_until(prefill_overloaded, 30, interval_s=0.05, what="the prefill instance reporting its TTFT")
-        await client.scale(MODEL, 1, role="prefill")
-
-        async def live() -> bool:
-            state = await client.cluster()
-            return any(i.state == "loading" and 1 <= i.layers_loaded < i.num_layers for i in state.instances)
-
-        await wait_until(live, 60, interval_s=0.05, what="the new prefill instance LOADING with its first layers")
-        second = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[WAVE_1:]]
-        done = await asyncio.gather(*first, *second)
-        assert [c.token_ids for c in done] == references
+        await split_during_scale_out(client, prompts, "prefill")
         zigzag = await _metric(zz_pd_mesh, "blitzmesh_gateway_zigzag_total")
         assert zigzag.get('outcome="relayed"', 0) >= 1, zigzag
         handoffs = await _metric(zz_pd_mesh, "blitzmesh_gateway_kv_handoffs_total")

@@ -49,6 +49,19 @@ def partial_model(path: Path, layers: int) -> tuple[LlamaForCausalLM, Checkpoint
     return model, ckpt
 
 
+def full_model(path: Path) -> LlamaForCausalLM:
+    """The complete model, loaded the same way as a partial one."""
+    model, ckpt = partial_model(path, 4)
+    load_layer(model, ckpt, "head")
+    return model
+
+
+async def whole_run(full: LlamaForCausalLM, prompt: Sequence[int]) -> list[int | None]:
+    """The greedy tokens of `prompt` served whole: what every split must give."""
+    async with make_engine(full) as whole:
+        return [e.token_id for e in await collect(whole, "r", prompt, PARAMS)]
+
+
 def load_layer(model: LlamaForCausalLM, ckpt: Checkpoint, group: str) -> None:
     model.load_groups(ckpt.iter_groups([group]))
 
@@ -97,8 +110,7 @@ async def collect_stream(stream) -> list[TokenEvent]:
 async def test_a_request_split_at_any_layer_gives_the_tokens_of_a_whole_run(
     ckpt: Path, layers: int, params: SamplingParams
 ) -> None:
-    full, _ = partial_model(ckpt, 4)
-    load_layer(full, Checkpoint(ckpt), "head")
+    full = full_model(ckpt)
     prompts = [prompt_of(n, seed) for seed, n in enumerate((7, 23, 40))]
     async with make_engine(full) as whole:
         expected = await asyncio.gather(*(collect(whole, f"r{i}", p, params) for i, p in enumerate(prompts)))
@@ -140,11 +152,9 @@ async def zigzag_after_progress(
 async def test_layers_arriving_while_a_request_waits_are_run_in_turn(ckpt: Path) -> None:
     """FCFS with requests whose next layer is loaded first: each arriving layer runs for every
     waiting request; the relay then carries all of them."""
-    full, _ = partial_model(ckpt, 4)
-    load_layer(full, Checkpoint(ckpt), "head")
+    full = full_model(ckpt)
     prompt = prompt_of(19, 3)
-    async with make_engine(full) as whole:
-        expected = [e.token_id for e in await collect(whole, "r", prompt, PARAMS)]
+    expected = await whole_run(full, prompt)
     model, source = partial_model(ckpt, 1)
     new = loading_engine(model)
     await new.start(partial=True)
@@ -203,11 +213,9 @@ async def test_a_relay_before_the_request_arrives_ends_it_at_once(ckpt: Path) ->
 
 
 async def test_a_failed_relay_is_recomputed_on_the_partner(ckpt: Path) -> None:
-    full, _ = partial_model(ckpt, 4)
-    load_layer(full, Checkpoint(ckpt), "head")
+    full = full_model(ckpt)
     prompt = prompt_of(17, 5)
-    async with make_engine(full) as whole:
-        expected = [e.token_id for e in await collect(whole, "r", prompt, PARAMS)]
+    expected = await whole_run(full, prompt)
     model, _ = partial_model(ckpt, 3)
     new = loading_engine(model)
     await new.start(partial=True)
@@ -226,8 +234,7 @@ async def test_a_failed_relay_is_recomputed_on_the_partner(ckpt: Path) -> None:
 async def test_the_partner_takes_zigzag_work_in_arrival_order(ckpt: Path) -> None:
     """A relayed request queues in arrival order with the partner's own requests: it is not
     overtaken by later ones (its tokens come from the partner like theirs)."""
-    full, _ = partial_model(ckpt, 4)
-    load_layer(full, Checkpoint(ckpt), "head")
+    full = full_model(ckpt)
     model, _ = partial_model(ckpt, 2)
     new = loading_engine(model)
     await new.start(partial=True)
@@ -277,11 +284,9 @@ async def test_zigzag_on_a_prefill_instance_hands_the_whole_kv_to_decode(ckpt: P
     with the whole run's tokens."""
     from tests.unit.test_engine_handoff import copy_fill
 
-    full, _ = partial_model(ckpt, 4)
-    load_layer(full, Checkpoint(ckpt), "head")
+    full = full_model(ckpt)
     prompt = prompt_of(26, 9)
-    async with make_engine(full) as whole:
-        expected = [e.token_id for e in await collect(whole, "r", prompt, PARAMS)]
+    expected = await whole_run(full, prompt)
     model, _ = partial_model(ckpt, 2)
     new = loading_engine(model)
     await new.start(partial=True)
