@@ -1,14 +1,15 @@
 """Live scaling: one step burst against five setups, side by side in one run.
 
 Usage:
-    python -m bench.live_scaling [--quick] [--rdma-gbps 0.4] [--out bench/results/live_scaling.json]
+    python -m bench.live_scaling [--quick] [--rdma-gbps 0.1] [--shape code|conv] [--out bench/results/live_scaling.json]
 
 Each setup is a fresh mesh of `small`-model workers with EMULATED accelerator pacing (every
 engine step lasts at least a + b * batch tokens; the model still computes every token) and
 EMULATED links: every data-plane sender is paced (services/dataplane/shaped.py) at the rate its
 path would have, in the ratio of BlitzScale's testbed, RDMA 200 : PCIe host-to-GPU 256 : SSD 10
-Gbit/s, scaled so that the RDMA link is `--rdma-gbps`. The same open-loop step burst is replayed
-against:
+Gbit/s, scaled so that the RDMA link is `--rdma-gbps`; concurrent messages share a link slice by
+slice, as flows do on a `tc tbf` link. The same open-loop step burst (`--shape`: the code trace's
+long prompts and short outputs by default) is replayed against:
   (a) stop_the_world  autoscaled (HeteroScale, concurrency signal), multicast chains over RDMA,
                       a new instance serves only once loaded (ZigZag off);
   (b) zigzag          the same with ZigZag on: new instances serve while their layers arrive;
@@ -60,13 +61,25 @@ POLICY = {
 SETUPS = ("stop_the_world", "zigzag", "sllm_hit", "sllm_miss", "fixed_peak")
 
 
-def burst(quick: bool) -> list[Any]:
+# Request shapes (prompt tokens, output tokens), uniform in each range. `code` follows the Azure
+# code trace, whose prompts are long and outputs short (mean 2,048 prompt tokens to 28 output
+# tokens, 73:1): a burst of prefill, the work ZigZag splits. Its prompts are cut to what 2 CPU
+# cores compute for 4 workers within the emulated step time (26:1 here). `conv` is the
+# conversation trace's 5:1, where decoding, which stays whole on the partner, dominates.
+SHAPES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "code": ((128, 384), (4, 16)),
+    "conv": ((64, 384), (16, 64)),
+}
+
+
+def burst(quick: bool, shape: str = "code") -> list[Any]:
     base, peak = 0.7, 5.0
     span = (8.0, 30.0, 45.0) if quick else (15.0, 60.0, 90.0)
+    prompt_tokens, output_tokens = SHAPES[shape]
     return piecewise_pattern(
         [(0.0, span[0], base), (span[0], span[1], peak), (span[1], span[2], base)],
-        prompt_tokens=(64, 384),
-        output_tokens=(16, 64),
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
         seed=7,
     )
 
@@ -119,15 +132,22 @@ def load_overheads(events: list[dict[str, Any]], model_bytes: int, link_gbps: fl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.live_scaling", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a 45 s burst instead of 90 s")
-    p.add_argument("--rdma-gbps", type=float, default=0.4, help="the emulated RDMA link; PCIe and SSD scale with it")
+    p.add_argument(
+        "--rdma-gbps",
+        type=float,
+        default=0.1,
+        help="the emulated RDMA link (0.1: a load of the model takes 7 s, several decision intervals, as a"
+        " multi-GB model does over RDMA); PCIe and SSD scale with it",
+    )
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {SETUPS}")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="code", help="request shape of the burst (see SHAPES)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "live_scaling.json")
     args = p.parse_args(argv)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     unknown = set(setups) - set(SETUPS)
     if unknown:
         p.error(f"unknown setups {sorted(unknown)}, known: {list(SETUPS)}")
-    arrivals = burst(args.quick)
+    arrivals = burst(args.quick, args.shape)
     workload = describe(arrivals, peak_bin_s=5.0)
     model_dir = REPO_ROOT / "models"
     synthesize(model_dir / MODEL, MODEL)
@@ -212,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
             "model_bytes": model_bytes,
             "workers": WORKERS,
             "burst": workload,
+            "shape": {
+                "name": args.shape,
+                "prompt_tokens": SHAPES[args.shape][0],
+                "output_tokens": SHAPES[args.shape][1],
+            },
             "pacing": {"emulated": True, "step_a_s": STEP_A_S, "step_b_s_per_token": STEP_B_S},
             "links": {
                 "emulated": "app-level pacing of each sender (not netns + tc tbf)",

@@ -16,22 +16,44 @@ from typing import Any
 from .buffers import as_uint8_array
 from .transport import Endpoint, Transport
 
+SLICE_BYTES = 1 << 20
+
 
 class LinkShaper:
-    """One egress link: messages leave back to back at `link_gbps`, in the order they ask."""
+    """One egress link at `link_gbps`, shared by every message that asks for it.
 
-    def __init__(self, link_gbps: float) -> None:
+    A message leaves in slices of `slice_bytes`; each slice takes the link only once it is free,
+    so concurrent messages interleave slice by slice, as the packets of several TCP flows do on
+    a `tc tbf` link: a small message (a control reply, a KV relay) waits for at most a slice
+    of a long parameter stream, not for the whole stream queued ahead of it. The message is
+    delivered when its last slice has left (store-and-forward per message). A sender woken up
+    to a slice time late still starts where the link fell free, so the event loop's jitter
+    costs no rate; a link idle for longer starts afresh (no credit builds up).
+    """
+
+    def __init__(self, link_gbps: float, *, slice_bytes: int = SLICE_BYTES) -> None:
         if not link_gbps > 0:
             raise ValueError(f"link_gbps must be > 0, got {link_gbps!r}")
+        if slice_bytes < 1:
+            raise ValueError(f"slice_bytes must be >= 1, got {slice_bytes!r}")
         self.bytes_per_s = link_gbps * 1e9 / 8
+        self.slice_bytes = slice_bytes
+        self._jitter_s = slice_bytes / self.bytes_per_s
         self._free_at = 0.0
 
     async def take(self, nbytes: int) -> None:
-        """Wait until `nbytes` would have left the link (store-and-forward per message)."""
-        now = time.monotonic()
-        start = max(now, self._free_at)
-        self._free_at = start + nbytes / self.bytes_per_s
-        delay = self._free_at - now
+        """Wait until `nbytes` would have left the link."""
+        left = nbytes
+        while left > 0:
+            now = time.monotonic()
+            if self._free_at > now:
+                await asyncio.sleep(self._free_at - now)  # another message's slice is on the link
+                continue
+            piece = min(left, self.slice_bytes)
+            start = self._free_at if now - self._free_at <= self._jitter_s else now
+            self._free_at = start + piece / self.bytes_per_s
+            left -= piece
+        delay = self._free_at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
 

@@ -48,7 +48,7 @@ from services.common.server import ServeContext
 from services.global_manager.config import GlobalManagerConfig
 from services.global_manager.core.decisions import DecisionThrottle, bounded_delta
 from services.global_manager.core.load_monitor import LoadMonitor
-from services.global_manager.core.multicast import Topology, traffic_from_instances
+from services.global_manager.core.multicast import SendingLinks, Topology, traffic_from_instances
 from services.global_manager.core.policies import Policy, make_policy
 from services.global_manager.core.router import (
     assign_idle,
@@ -165,6 +165,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         # ZigZag live scaling: the tails of this manager's transfer chains (they go live), when
         # each went live, when its layer count last grew, and the partner it was last paired with.
         self._chain_tails: set[str] = set()
+        # Chain senders of loads still in flight: the next plan keeps off their links.
+        self._sending = SendingLinks()
         self.zigzag_started: dict[str, float] = {}
         self._zigzag_progress: dict[str, tuple[int, float]] = {}
         self.zigzag_partner: dict[str, str] = {}
@@ -625,7 +627,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 nodes.append(Node(iid, host, self.table.addresses[iid], dp_address, dp_kind))
             # Serving traffic by role (prefill sends KV out, decode takes it in), so parameters
             # come from decode instances, then host shards, and off the prefill side's busy links.
-            traffic = traffic_from_instances(self.table.registry.views(model=model_id))
+            # And links already sending parameters to an earlier scale-out's targets.
+            traffic = self._sending.traffic(traffic_from_instances(self.table.registry.views(model=model_id)))
             plan, planned = build_plan(
                 nodes,
                 where,
@@ -639,6 +642,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             return None
         # The last target of each chain loads last (the lowest bandwidth): it goes live (ZigZag).
         self._chain_tails |= {c.hops[-1] for c in planned.chains if c.hops}
+        self._sending.start(planned, targets)
         chains = "; ".join(f"{c.source}->{'->'.join(c.hops)} ({len(c.groups)} groups)" for c in planned.chains)
         self.emit("transfer_plan", model_id, plan.plan_id, f"chains: {chains}")
         return plan
@@ -710,6 +714,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             error = repr(e)
         self.monitor.mark_seen(iid, self.now_s())  # its silence clock restarts after the action
         self._zigzag_done(iid)
+        self._sending.finish(iid)
         if not error:
             state = self.table.registry.get(iid).state if iid in self.table.registry else None
             if state is S.LOADING:

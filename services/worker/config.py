@@ -50,6 +50,12 @@ class WorkerConfig(ServiceConfig):
         description="prefill side of disaggregation: the prompt KV a request hands off is kept this long for "
         "its decode instance to start pulling, then freed (the decode side then recomputes the prompt)",
     )
+    zigzag_partner_order: str = Field(
+        "relay_first",
+        pattern="^(relay_first|arrival)$",
+        description="ZigZag partner: take requests relayed from a loading instance before its own waiting ones "
+        "(relay_first: the pair runs as a pipeline) or in arrival order with them",
+    )
     dtype: str = Field(
         "auto",
         pattern="^(auto|float32|bfloat16|float16)$",

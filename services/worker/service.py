@@ -524,6 +524,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             block_size=cfg.block_size,
             num_kv_blocks=num_blocks,
             pacing=pacing,
+            zigzag_partner_order=cfg.zigzag_partner_order,
         )
         log.info("kv_cache", blocks=num_blocks, tokens=kv.capacity_tokens, bytes=kv.nbytes)
         return Engine(model, kv, eos_token_ids, engine_cfg)

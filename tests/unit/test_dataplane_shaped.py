@@ -19,6 +19,24 @@ async def test_shaper_paces_back_to_back_messages() -> None:
     assert elapsed < 0.5  # and does not serialise more than it must
 
 
+async def test_a_small_message_is_not_queued_behind_a_long_one() -> None:
+    """Messages share the link slice by slice (as flows on a tbf link): a small one sent while a
+    long one is on the link leaves within a slice or two, not after the long one."""
+    shaper = LinkShaper(link_gbps=0.08, slice_bytes=50_000)  # 10 MB/s, 5 ms slices
+    started = time.monotonic()
+    long = asyncio.create_task(shaper.take(3_000_000))  # 0.3 s alone
+    await asyncio.sleep(0.02)
+    small_started = time.monotonic()
+    await shaper.take(10_000)
+    small_s = time.monotonic() - small_started
+    await long
+    long_s = time.monotonic() - started
+    assert long_s >= 0.3 * 0.95  # the link's rate holds for both together
+    assert small_s < 0.15, f"the small message waited {small_s:.3f} s behind the long one"
+
+
 def test_shaper_rejects_bad_rate() -> None:
     with pytest.raises(ValueError, match="-1"):
         LinkShaper(-1)
+    with pytest.raises(ValueError, match="slice_bytes"):
+        LinkShaper(1.0, slice_bytes=0)

@@ -231,9 +231,14 @@ async def test_a_failed_relay_is_recomputed_on_the_partner(ckpt: Path) -> None:
         await new.stop()
 
 
-async def test_the_partner_takes_zigzag_work_in_arrival_order(ckpt: Path) -> None:
-    """A relayed request queues in arrival order with the partner's own requests: it is not
-    overtaken by later ones (its tokens come from the partner like theirs)."""
+@pytest.mark.parametrize(
+    ("partner_order", "expected"),
+    [("relay_first", ["busy", "zz", "own"]), ("arrival", ["busy", "own", "zz"])],
+)
+async def test_the_partner_order_of_zigzag_work(ckpt: Path, partner_order: str, expected: list[str]) -> None:
+    """By default a relayed request goes ahead of the partner's own waiting requests, so the
+    pair runs as a pipeline; with `zigzag_partner_order="arrival"` it queues in arrival order
+    with them. Here the partner's own request arrives first, while the partner is busy."""
     full = full_model(ckpt)
     model, _ = partial_model(ckpt, 2)
     new = loading_engine(model)
@@ -247,15 +252,16 @@ async def test_the_partner_takes_zigzag_work_in_arrival_order(ckpt: Path) -> Non
                 order.append(rid)
 
     try:
-        async with make_engine(full, max_batch_size=1, pacing=pacing) as old:
+        async with make_engine(full, max_batch_size=1, pacing=pacing, zigzag_partner_order=partner_order) as old:
             busy = asyncio.create_task(run(old, "busy"))
             await wait_until(lambda: old.stats().running == 1, 5, what="the partner busy")
+            own = asyncio.create_task(run(old, "own"))
+            await wait_until(lambda: old.stats().waiting == 1, 5, what="the partner's own request queued")
             zz = asyncio.create_task(collect_stream(new.generate("zz", prompt_of(9, 1), PARAMS, zigzag=True)))
             relayed = asyncio.create_task(run(old, "zz", relay_fill=relay_from(new, "zz")))
-            await wait_until(lambda: old.stats().waiting == 1, 5, what="the relayed request queued")
-            own = asyncio.create_task(run(old, "own"))
+            await wait_until(lambda: old.stats().waiting == 2, 5, what="the relayed request queued")
             await asyncio.gather(busy, relayed, own, zz)
-        assert order == ["busy", "zz", "own"]
+        assert order == expected
     finally:
         await new.stop()
 

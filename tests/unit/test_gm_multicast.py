@@ -10,6 +10,7 @@ from services.global_manager.core.multicast import (
     AllGather,
     Chain,
     MulticastPlan,
+    SendingLinks,
     Source,
     SourceKind,
     Target,
@@ -88,6 +89,32 @@ def test_prunes_sources_whose_link_carries_serving_traffic_out() -> None:
     plan = plan_ok([Target("t0", "t")], sources, t, traffic=traffic)
     assert [c.source for c in plan.chains] == ["decode0"]
     assert plan.pruned_sources == ("prefill0",) and plan.busy_sources_used == ()
+
+
+def test_a_second_scale_out_keeps_off_the_links_of_one_still_sending() -> None:
+    """Chain sources and middle hops of a load in flight count as sending until each of that
+    plan's targets finished: the next plan takes the host cache instead of a second chain
+    from the same instance, and the sender is free again once the first load ends."""
+    t = topo({h: ("L0", 100) for h in ("w0", "w1", "w2", "w3", "w4", "pm")})
+    sources = [Source("w0", "w0"), Source("cache0", "pm", SourceKind.HOST_CACHE, frozenset(GROUPS))]
+    sending = SendingLinks()
+    first = MulticastPlan(chains=(Chain("w0", ("w1", "w2"), tuple(GROUPS)),), allgather=())
+    sending.start(first, ["w1", "w2"])
+    assert sending.senders == {"w0", "w1"}  # the tail only receives
+    traffic = sending.traffic({"w9": TrafficDirection.IN})
+    assert traffic == {"w0": TrafficDirection.OUT, "w1": TrafficDirection.OUT, "w9": TrafficDirection.IN}
+    plan = plan_ok([Target("w3", "w3"), Target("w4", "w4")], sources, t, traffic=traffic)
+    assert {c.source for c in plan.chains} == {"cache0"} and plan.pruned_sources == ("w0",)
+    sending.finish("w1")
+    assert sending.senders == {"w0", "w1"}  # w2 still loads through both
+    sending.finish("w2")
+    assert sending.senders == frozenset() and sending.traffic({}) == {}
+
+
+def test_sending_marks_a_receiving_link_as_both() -> None:
+    sending = SendingLinks()
+    sending.start(MulticastPlan(chains=(Chain("d0", ("t0",), tuple(GROUPS)),), allgather=()), ["t0"])
+    assert sending.traffic({"d0": TrafficDirection.IN}) == {"d0": TrafficDirection.BOTH}
 
 
 def test_busy_source_is_used_only_when_nothing_else_holds_a_group() -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "Chain",
     "HostLink",
     "MulticastPlan",
+    "SendingLinks",
     "Source",
     "SourceKind",
     "Target",
@@ -205,6 +206,52 @@ def traffic_from_instances(instances: Iterable[InstanceView], model: str | None 
     return traffic_from_roles(
         {v.instance_id: v.role.value for v in instances if v.state in live and (model is None or v.model == model)}
     )
+
+
+class SendingLinks:
+    """Which nodes' outgoing links carry parameters now: the sources and middle hops of the
+    network chains of plans whose targets are still loading.
+
+    A scale-out decided while an earlier one still transfers should not start a second chain
+    from the same sender: both would get half its link (measured in bench.live_scaling, where
+    two chains from one serving instance took 1.8x the single-chain time each). `traffic`
+    marks those nodes as sending, so `plan_multicast` prunes them like serving traffic and
+    takes another source (a host-cache copy, another instance) when one holds the groups.
+    """
+
+    def __init__(self) -> None:
+        self._targets_by_sender: dict[str, set[str]] = {}
+
+    def start(self, plan: MulticastPlan, targets: Iterable[str]) -> None:
+        """`plan` now transfers to `targets`."""
+        waiting = set(targets)
+        for chain in plan.chains:
+            if chain.local:
+                continue  # a fast local link, not the network
+            for node in (chain.source, *chain.hops[:-1]):
+                self._targets_by_sender.setdefault(node, set()).update(waiting)
+
+    def finish(self, target: str) -> None:
+        """`target`'s load ended (done or failed): its senders are free of it."""
+        for node in list(self._targets_by_sender):
+            self._targets_by_sender[node].discard(target)
+            if not self._targets_by_sender[node]:
+                del self._targets_by_sender[node]
+
+    @property
+    def senders(self) -> frozenset[str]:
+        return frozenset(self._targets_by_sender)
+
+    def traffic(self, serving: Mapping[str, TrafficDirection]) -> dict[str, TrafficDirection]:
+        """`serving` traffic plus OUT for every sending node (BOTH where serving traffic is IN)."""
+        out = dict(serving)
+        for node in self._targets_by_sender:
+            out[node] = (
+                TrafficDirection.OUT
+                if out.get(node, TrafficDirection.OUT) is TrafficDirection.OUT
+                else TrafficDirection.BOTH
+            )
+        return out
 
 
 # ------------------------------------------------------------------------------------------

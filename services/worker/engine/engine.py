@@ -170,6 +170,11 @@ class EngineConfig(BaseModel):
         None, ge=1, description="torch intra-op threads of the compute thread; None = torch's default"
     )
     stats_window_s: float = Field(10.0, gt=0, description="window of the rates and latency percentiles")
+    zigzag_partner_order: Literal["relay_first", "arrival"] = Field(
+        "relay_first",
+        description="ZigZag partner: admit requests taken over from a loading instance before its own waiting"
+        " ones (relay_first), or in arrival order with them (arrival)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -945,11 +950,17 @@ class Engine:
 
     async def _step(self) -> None:
         self._migrate_flagged()
-        # A request taken over from a loading instance queues in arrival order with this
-        # instance's own requests. (BlitzScale's partner takes such work only when it has none of
-        # its own; measured on bench.autoscale that made split requests wait longer than whole
-        # ones, whose tokens come from this instance all the same: SLO 0.47-0.54 against 0.59-0.62.)
+        # A request taken over from a loading instance goes ahead of this instance's own waiting
+        # requests by default (`zigzag_partner_order`): the pair is then a pipeline, the loading
+        # instance running the first layers of the next request while this one runs the rest of
+        # the last, which is where ZigZag's throughput comes from. Queued behind a backlog
+        # instead ("arrival"), a split request reached its relay only after its loading
+        # instance had finished loading, and ZigZag served nothing while loading
+        # (bench.live_scaling). BlitzScale's partner takes such work only when it has none of its
+        # own; measured on bench.autoscale that was worse still (SLO 0.47-0.54 against 0.59-0.62).
         waiting = list(self._waiting)
+        if self.config.zigzag_partner_order == "relay_first":
+            waiting.sort(key=lambda s: s.relay_fill is None)  # stable: arrival order within each
         plan = schedule(
             # A request whose KV is arriving holds its batch slot and blocks but has no work yet,
             # and a ZigZag request on a loading instance is run layer by layer outside the plan.
