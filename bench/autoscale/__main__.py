@@ -49,10 +49,12 @@ from bench.replay import (
     replay,
     summarize,
     timeline,
+    token_rate,
 )
 from services.mesh.launcher import Mesh, MeshConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TOKEN_RATE_BIN_S = 1.0
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
 SCALE_EVENTS = (
     "autoscaling_decision",
@@ -239,6 +241,8 @@ async def run_all(
                     "summary": summary,
                     "timeline": timeline(result.records, result.instances, args.bin_s, result.duration_s),
                     "samples": [(round(s.t_s, 2), s.held) for s in result.instances],
+                    "tokens_per_s": token_rate(result.records, TOKEN_RATE_BIN_S, result.duration_s),
+                    "loading": [(round(s.t_s, 2), s.loading) for s in result.instances if s.loading],
                     "events": [e for e in result.events if e["action"] in SCALE_EVENTS],
                 }
     finally:

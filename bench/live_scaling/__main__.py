@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.autoscale.__main__ import run_all
+from bench.autoscale.__main__ import TOKEN_RATE_BIN_S, run_all
+from bench.live_scaling.plot import plot
 from bench.replay import describe, piecewise_pattern
 from bench.replay.summary import percentile
 from services.mesh.launcher import MeshConfig
@@ -58,7 +59,11 @@ POLICY = {
     "scale_in_cooldown_s": 60.0,
     "scale_in_stabilization_s": 60.0,
 }
+BULKY = ("timeline", "events", "tokens_per_s", "loading")
 SETUPS = ("stop_the_world", "zigzag", "sllm_hit", "sllm_miss", "fixed_peak")
+# Ablation, run on request: ZigZag with the partner taking relayed requests in arrival order
+# with its own (the worker's --zigzag-partner-order arrival) instead of first.
+ABLATIONS = ("zigzag_arrival",)
 
 
 # Request shapes (prompt tokens, output tokens), uniform in each range. `code` follows the Azure
@@ -94,7 +99,7 @@ def _links(setup: str, rdma_gbps: float) -> tuple[float, float]:
 
 
 def _manager_args(setup: str) -> list[str]:
-    flags = ["--zigzag" if setup == "zigzag" else "--no-zigzag"]
+    flags = ["--zigzag" if setup.startswith("zigzag") else "--no-zigzag"]
     if setup.startswith("sllm"):
         flags.append("--no-transfer-plans")
     return [
@@ -139,14 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the emulated RDMA link (0.1: a load of the model takes 7 s, several decision intervals, as a"
         " multi-GB model does over RDMA); PCIe and SSD scale with it",
     )
-    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {SETUPS}")
+    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {SETUPS + ABLATIONS}")
     p.add_argument("--shape", choices=sorted(SHAPES), default="code", help="request shape of the burst (see SHAPES)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "live_scaling.json")
     args = p.parse_args(argv)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    unknown = set(setups) - set(SETUPS)
+    unknown = set(setups) - set(SETUPS + ABLATIONS)
     if unknown:
-        p.error(f"unknown setups {sorted(unknown)}, known: {list(SETUPS)}")
+        p.error(f"unknown setups {sorted(unknown)}, known: {list(SETUPS + ABLATIONS)}")
     arrivals = burst(args.quick, args.shape)
     workload = describe(arrivals, peak_bin_s=5.0)
     model_dir = REPO_ROOT / "models"
@@ -166,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE"] = "tcp"
         os.environ["BLITZMESH_WORKER_DATAPLANE_LINK_GBPS"] = str(worker_gbps)
         os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"] = str(pm_gbps)
+        # ServerlessLLM keeps a copy on every host: each new instance reads its own at that pace.
+        os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_PER_PEER"] = "1" if setup.startswith("sllm") else "0"
         cfg = MeshConfig(
             workers=WORKERS,
             initial_instances=1,
@@ -175,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
             http_port=0,
             grpc_port=0,
             ready_timeout_s=240.0,
-            worker_args=["--step-time-a-s", str(STEP_A_S), "--step-time-b-s", str(STEP_B_S)],
+            worker_args=[
+                "--step-time-a-s",
+                str(STEP_A_S),
+                "--step-time-b-s",
+                str(STEP_B_S),
+                *(["--zigzag-partner-order", "arrival"] if setup == "zigzag_arrival" else []),
+            ],
             manager_args=_manager_args(setup),
         )
         name = "fixed_peak" if setup == "fixed_peak" else "autoscaled"
@@ -208,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             "load_overhead": loads,
             "load_overhead_median": percentile(loads, 0.5),
             "timeline": run["timeline"],
+            "tokens_per_s": run["tokens_per_s"],
+            "loading": run["loading"],
             "events": [e for e in run["events"] if e["action"] != "autoscaling_decision" or e["target"] != "no_change"],
         }
-        print(f"[{setup}] {json.dumps({k: v for k, v in results[setup].items() if k not in ('timeline', 'events')})}")
+        print(f"[{setup}] {json.dumps({k: v for k, v in results[setup].items() if k not in BULKY})}")
     targets: dict[str, Any] = {}
     if "zigzag" in results and "stop_the_world" in results:
         r = results["zigzag"]["ttft_p99_s"] / results["stop_the_world"]["ttft_p99_s"]
@@ -252,6 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
+    plot_path = args.out.with_suffix(".png")
+    plot(
+        results,
+        TOKEN_RATE_BIN_S,
+        f"one burst ({args.shape} shape), {WORKERS} workers, emulated accelerator pacing and links"
+        f" (RDMA {args.rdma_gbps} Gbit/s)",
+        plot_path,
+    )
+    print(f"wrote {plot_path}")
     print(json.dumps(targets, indent=2))
     print(f"wrote {args.out}")
     return 0 if targets["lost"]["value"] == 0 else 1

@@ -13,7 +13,16 @@ from .schedule import (
     spike_pattern,
     step_pattern,
 )
-from .summary import InstanceSample, RequestRecord, Slo, instance_seconds, percentile, summarize, timeline
+from .summary import (
+    InstanceSample,
+    RequestRecord,
+    Slo,
+    instance_seconds,
+    percentile,
+    summarize,
+    timeline,
+    token_rate,
+)
 from .trace import TraceRow, parse_timestamp, parse_timestamp_ns, read_azure_trace
 
 __all__ = [
@@ -41,4 +50,5 @@ __all__ = [
     "step_pattern",
     "summarize",
     "timeline",
+    "token_rate",
 ]

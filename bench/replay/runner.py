@@ -181,10 +181,13 @@ async def _sample_instances(
         try:
             cluster = await admin.cluster(timeout_s=5)
             counts: dict[str, int] = {}
+            loading: dict[str, float] = {}
             for inst in cluster.instances:
                 if inst.model_id == model or inst.state in ("idle", "lost"):
                     counts[inst.state] = counts.get(inst.state, 0) + 1
-            out.append(InstanceSample(clock.now(), counts))
+                if inst.model_id == model and inst.state == "loading" and inst.num_layers > 0:
+                    loading[inst.instance_id] = round(inst.layers_loaded / inst.num_layers, 3)
+            out.append(InstanceSample(clock.now(), counts, loading))
         except blitzmesh.BlitzmeshError as e:
             failures += 1
             if failures == 1:

@@ -52,10 +52,13 @@ class RequestRecord:
 
 @dataclass(frozen=True)
 class InstanceSample:
-    """Instances of the replayed model by state at `t_s` (state names lower case)."""
+    """Instances of the replayed model by state at `t_s` (state names lower case), and how far
+    each loading one is."""
 
     t_s: float
     counts: dict[str, int] = field(default_factory=dict)
+    # k/L (layers usable over layers) of each LOADING instance of the model, by instance id.
+    loading: dict[str, float] = field(default_factory=dict)
 
     @property
     def held(self) -> int:
@@ -174,3 +177,37 @@ def timeline(
         "instances": held,
         "serving": serving,
     }
+
+
+def token_rate(records: Sequence[RequestRecord], bin_s: float, end_s: float) -> list[float]:
+    """Tokens served per second in each `bin_s` bin: a completed request's prompt tokens count
+    at its first token (the prefill is done then), its completion tokens evenly between the
+    first token and its end."""
+    if not bin_s > 0:
+        raise ValueError(f"bin_s must be > 0, got {bin_s!r}")
+    n = max(1, math.ceil(end_s / bin_s))
+    tokens = [0.0] * n
+
+    def add(t_s: float, amount: float) -> None:
+        tokens[min(n - 1, max(0, int(t_s // bin_s)))] += amount
+
+    for r in records:
+        if r.outcome != "ok" or r.ttft_s is None or math.isnan(r.sent_s):
+            continue
+        first_s = r.sent_s + r.ttft_s
+        add(first_s, r.prompt_tokens)
+        last_s = r.end_s if r.end_s is not None and r.end_s > first_s else first_s
+        if r.completion_tokens <= 0:
+            continue
+        if last_s == first_s:
+            add(first_s, r.completion_tokens)
+            continue
+        # Spread over the bins the stream overlaps, in proportion to the overlap.
+        per_s = r.completion_tokens / (last_s - first_s)
+        i = int(first_s // bin_s)
+        while i * bin_s < last_s:
+            lo, hi = max(first_s, i * bin_s), min(last_s, (i + 1) * bin_s)
+            if hi > lo:
+                add(lo, per_s * (hi - lo))
+            i += 1
+    return [round(t / bin_s, 2) for t in tokens]

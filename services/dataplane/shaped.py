@@ -86,12 +86,19 @@ class _ShapedEndpoint(Endpoint):
 
 
 class ShapedTransport(Transport):
-    """`inner` with every outgoing message paced by one shared `LinkShaper`."""
+    """`inner` with every outgoing message paced by one shared `LinkShaper`, or, `per_peer`, by
+    one shaper per connection: every peer then has a link of its own at `link_gbps` (a copy on
+    each receiver's host, as ServerlessLLM's per-host caches are, read over each host's PCIe)."""
 
-    def __init__(self, inner: Transport, link_gbps: float) -> None:
+    def __init__(self, inner: Transport, link_gbps: float, *, per_peer: bool = False) -> None:
         self._inner = inner
         self.kind = inner.kind
         self.shaper = LinkShaper(link_gbps)
+        self._link_gbps = link_gbps
+        self._per_peer = per_peer
+
+    def _shaper_for_endpoint(self) -> LinkShaper:
+        return LinkShaper(self._link_gbps) if self._per_peer else self.shaper
 
     async def start(self) -> None:
         await self._inner.start()
@@ -100,15 +107,15 @@ class ShapedTransport(Transport):
         return self._inner.address()
 
     async def connect(self, address: bytes, *, timeout_s: float = 10.0) -> Endpoint:
-        return _ShapedEndpoint(await self._inner.connect(address, timeout_s=timeout_s), self.shaper)
+        return _ShapedEndpoint(await self._inner.connect(address, timeout_s=timeout_s), self._shaper_for_endpoint())
 
     async def accept(self, *, timeout_s: float | None = None) -> Endpoint:
-        return _ShapedEndpoint(await self._inner.accept(timeout_s=timeout_s), self.shaper)
+        return _ShapedEndpoint(await self._inner.accept(timeout_s=timeout_s), self._shaper_for_endpoint())
 
     async def close(self) -> None:
         await self._inner.close()
 
 
-def maybe_shaped(transport: Transport, link_gbps: float) -> Transport:
-    """`transport` shaped to `link_gbps`, or as it is when `link_gbps` is 0."""
-    return ShapedTransport(transport, link_gbps) if link_gbps > 0 else transport
+def maybe_shaped(transport: Transport, link_gbps: float, *, per_peer: bool = False) -> Transport:
+    """`transport` shaped to `link_gbps` (per peer, if `per_peer`), or as it is when `link_gbps` is 0."""
+    return ShapedTransport(transport, link_gbps, per_peer=per_peer) if link_gbps > 0 else transport

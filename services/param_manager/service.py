@@ -56,6 +56,11 @@ class ParamManagerConfig(ServiceConfig):
     dataplane_link_gbps: float = Field(
         0.0, ge=0, description="emulate an egress link of this many Gbit/s on one machine (0 = off; benchmarks, tests)"
     )
+    dataplane_link_per_peer: bool = Field(
+        False,
+        description="with dataplane_link_gbps: every receiver gets a link of that rate of its own, as if it read a "
+        "copy on its own host (ServerlessLLM-style baselines in benchmarks)",
+    )
     announce_interval_s: float = Field(2.0, gt=0, description="how often a host cache re-announces its shard")
 
     @model_validator(mode="after")
@@ -263,6 +268,7 @@ class ParamManagerService:
         self.transport = maybe_shaped(
             make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None),
             cfg.dataplane_link_gbps,
+            per_peer=cfg.dataplane_link_per_peer,
         )
         await self.transport.start()
         self.group_server = GroupServer(self.transport)

@@ -1,10 +1,13 @@
-"""bench.live_scaling's pure parts: the emulated links per setup and the load overhead."""
+"""bench.live_scaling's pure parts: the emulated links per setup, the load overhead, and the
+tokens/s and k/L series of its figure."""
 
 from __future__ import annotations
 
 import pytest
 
 from bench.live_scaling.__main__ import _links, _manager_args, load_overheads
+from bench.live_scaling.plot import loading_series
+from bench.replay import RequestRecord, token_rate
 
 
 def test_links_follow_blitzscale_testbed_ratios() -> None:
@@ -28,3 +31,18 @@ def test_load_overhead_is_decision_to_serving_over_bytes_per_rate() -> None:
     ]
     # 1 Gbit at 0.5 Gbit/s is 2 s ideal; w1 took 2 s; w2 never served.
     assert load_overheads(events, model_bytes=125_000_000, link_gbps=0.5) == [1.0]
+
+
+def test_token_rate_counts_the_prompt_at_the_first_token_and_spreads_the_output() -> None:
+    done = RequestRecord(0, 0.0, prompt_tokens=100, max_tokens=20, sent_s=0.5, outcome="ok", ttft_s=0.5)
+    done.completion_tokens, done.end_s = 20, 3.0  # 20 tokens over [1.0, 3.0): 10 per second
+    failed = RequestRecord(1, 0.0, prompt_tokens=999, max_tokens=5, sent_s=0.0, outcome="error")
+    assert token_rate([done, failed], bin_s=1.0, end_s=4.0) == [0.0, 110.0, 10.0, 0.0]
+    assert token_rate([done], bin_s=2.0, end_s=4.0) == [55.0, 5.0]
+    with pytest.raises(ValueError, match="0"):
+        token_rate([done], bin_s=0, end_s=1.0)
+
+
+def test_loading_series_follows_each_instance() -> None:
+    samples = [(1.0, {"w1": 0.25}), (1.5, {"w1": 0.5, "w2": 0.0}), (2.0, {"w2": 0.5})]
+    assert loading_series(samples) == {"w1": ([1.0, 1.5], [0.25, 0.5]), "w2": ([1.5, 2.0], [0.0, 0.5])}

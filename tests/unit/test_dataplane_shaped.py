@@ -40,3 +40,19 @@ def test_shaper_rejects_bad_rate() -> None:
         LinkShaper(-1)
     with pytest.raises(ValueError, match="slice_bytes"):
         LinkShaper(1.0, slice_bytes=0)
+
+
+async def test_per_peer_links_do_not_share_their_rate() -> None:
+    """`per_peer`: every connection has a link of its own (a copy on each receiver's host), so
+    two receivers each get the full rate; one shared link would take twice as long."""
+    from services.dataplane.shaped import ShapedTransport
+    from services.dataplane.tcp import TcpTransport
+
+    shared = ShapedTransport(TcpTransport(), 0.08)
+    per_peer = ShapedTransport(TcpTransport(), 0.08, per_peer=True)
+    assert shared._shaper_for_endpoint() is shared._shaper_for_endpoint()
+    a, b = per_peer._shaper_for_endpoint(), per_peer._shaper_for_endpoint()
+    assert a is not b
+    started = time.monotonic()
+    await asyncio.gather(a.take(1_000_000), b.take(1_000_000))  # 0.1 s each at 10 MB/s
+    assert time.monotonic() - started < 0.18
