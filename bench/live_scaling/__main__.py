@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             run_dir=REPO_ROOT / "run" / f"bench-live-scaling-{setup}",
             http_port=0,
             grpc_port=0,
-            ready_timeout_s=240.0,
+            # The first instance loads over the host-cache link too: at the SSD pace that takes minutes.
+            ready_timeout_s=240.0 + 2 * model_bytes * 8 / (pm_gbps * 1e9),
             worker_args=[
                 "--step-time-a-s",
                 str(STEP_A_S),
