@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class AdminStub:
-    """Missing associated documentation comment in .proto file."""
+    """Access: ListModels takes the gateway's inference keys (it is GET /v1/models). The other calls
+    change or reveal the cluster and take an admin key (`authorization: Bearer <admin key>`); a
+    gateway with no admin keys accepts them from loopback peers only.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -62,7 +65,10 @@ class AdminStub:
 
 
 class AdminServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Access: ListModels takes the gateway's inference keys (it is GET /v1/models). The other calls
+    change or reveal the cluster and take an admin key (`authorization: Bearer <admin key>`); a
+    gateway with no admin keys accepts them from loopback peers only.
+    """
 
     def ListModels(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -132,7 +138,10 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """Missing associated documentation comment in .proto file."""
+    """Access: ListModels takes the gateway's inference keys (it is GET /v1/models). The other calls
+    change or reveal the cluster and take an admin key (`authorization: Bearer <admin key>`); a
+    gateway with no admin keys accepts them from loopback peers only.
+    """
 
     @staticmethod
     def ListModels(request,

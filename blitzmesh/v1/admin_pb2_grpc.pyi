@@ -31,6 +31,11 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class AdminStub:
+    """Access: ListModels takes the gateway's inference keys (it is GET /v1/models). The other calls
+    change or reveal the cluster and take an admin key (`authorization: Bearer <admin key>`); a
+    gateway with no admin keys accepts them from loopback peers only.
+    """
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
@@ -44,6 +49,11 @@ class AdminStub:
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
+    """Access: ListModels takes the gateway's inference keys (it is GET /v1/models). The other calls
+    change or reveal the cluster and take an admin key (`authorization: Bearer <admin key>`); a
+    gateway with no admin keys accepts them from loopback peers only.
+    """
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     ListModels: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListModelsRequest, _admin_pb2.ListModelsResponse]  # type: ignore[assignment]
     GetCluster: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetClusterRequest, _admin_pb2.ClusterState]  # type: ignore[assignment]
@@ -53,6 +63,11 @@ class AdminAsyncStub(AdminStub):
     WatchEvents: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchEventsRequest, _admin_pb2.ClusterEvent]  # type: ignore[assignment]
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
+    """Access: ListModels takes the gateway's inference keys (it is GET /v1/models). The other calls
+    change or reveal the cluster and take an admin key (`authorization: Bearer <admin key>`); a
+    gateway with no admin keys accepts them from loopback peers only.
+    """
+
     @_abc_1.abstractmethod
     def ListModels(
         self,

@@ -115,7 +115,10 @@ def load_config(
     try:
         return cls(**values)
     except ValidationError as e:
+        # A model-level check (empty loc) gets the whole config as its input, secrets and all; its
+        # message quotes the values it is about itself.
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}={err.get('input')!r}: {err['msg']}" for err in e.errors()
+            f"{'.'.join(str(p) for p in err['loc'])}={err.get('input')!r}: {err['msg']}" if err["loc"] else err["msg"]
+            for err in e.errors()
         )
         raise SystemExit(f"invalid {service} config: {problems}") from e

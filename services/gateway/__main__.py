@@ -3,7 +3,11 @@
 Usage:
     python -m services.gateway --global-manager HOST:PORT --param-manager HOST:PORT \
         [--port 50051] [--http-host 127.0.0.1] [--http-port 8000] \
-        [--api-keys '["sk-..."]'] [--max-concurrency 256] [--max-queue 1024] [--port-file F]
+        [--api-keys '["sk-..."]'] [--admin-api-keys '["adm-..."]'] [--no-admin-allow-loopback] \
+        [--max-concurrency 256] [--max-queue 1024] [--port-file F]
+
+Admin calls (GetCluster, Scale, SetPolicy, WatchEvents) need an admin key; with none configured
+they are served to loopback callers only.
 
 Every option can also come from `--config FILE` (JSON or TOML) or BLITZMESH_GATEWAY_<OPTION>.
 Ready when the gRPC health service reports SERVING (both managers reachable).

@@ -1,14 +1,18 @@
-"""Validated configuration of the gateway: public ports, upstream addresses, admission limits."""
+"""Validated configuration of the gateway: public ports, upstream addresses, admission limits, keys."""
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from services.common.config import ServiceConfig
+from services.gateway.auth import masked
 
 
 class GatewayConfig(ServiceConfig):
     """Everything the gateway reads; `BLITZMESH_GATEWAY_<FIELD>` or `--field-name` override."""
+
+    # The input holds the API keys: messages quote what they need, masked.
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     port: int = Field(50051, ge=0, le=65535, description="gRPC port of the SDK API; 0 picks a free one")
     http_host: str = Field("127.0.0.1", description="address the OpenAI-compatible HTTP API binds to")
@@ -30,7 +34,23 @@ class GatewayConfig(ServiceConfig):
     )
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest HTTP request body; beyond it: 413")
     api_keys: list[str] = Field(
-        default_factory=list, description="accepted bearer keys (JSON list on the CLI); empty = no auth"
+        default_factory=list,
+        description="accepted bearer keys of the inference API (JSON list on the CLI); empty = no auth. They never "
+        "authorize an admin call",
+    )
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="bearer keys of the gRPC Admin calls that change or reveal the cluster (GetCluster, Scale, "
+        "SetPolicy, WatchEvents; JSON list on the CLI). Set: every admin call needs one, from loopback too. Empty: "
+        "admin calls are accepted only from loopback peers (127.0.0.1, ::1; see admin_allow_loopback), so `make up` "
+        "and an SDK on the same machine work and a remote caller gets PERMISSION_DENIED. An admin key does not "
+        "authorize inference, and no key may be in both lists",
+    )
+    admin_allow_loopback: bool = Field(
+        True,
+        description="while admin_api_keys is empty, accept admin calls from loopback peers without a key; turn it "
+        "off when a proxy on this host forwards remote callers (they would all look local): admin calls are then "
+        "refused until admin_api_keys is set",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="deadline of a whole request, queue excluded")
     retries_before_first_token: int = Field(
@@ -63,8 +83,19 @@ class GatewayConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:
-        if any(not key.strip() for key in self.api_keys):
-            raise ValueError(f"api_keys holds an empty key ({len(self.api_keys)} keys given)")
+        for name, keys in (("api_keys", self.api_keys), ("admin_api_keys", self.admin_api_keys)):
+            if any(not key.strip() for key in keys):
+                raise ValueError(f"{name} holds an empty key ({len(keys)} keys given)")
+            # A header's key is stripped before it is compared, so such a key could never match.
+            spaced = [masked(key) for key in keys if key != key.strip()]
+            if spaced:
+                raise ValueError(f"{name} holds keys with surrounding whitespace: {spaced}")
+        shared = sorted(masked(key) for key in set(self.api_keys) & set(self.admin_api_keys))
+        if shared:
+            raise ValueError(
+                f"keys {shared} are in both api_keys and admin_api_keys: one key has one role, so an inference "
+                "key can never authorize an admin call"
+            )
         if self.port != 0 and self.http_port == self.port and self.http_host == self.host:
             raise ValueError(f"http_port={self.http_port} equals the gRPC port={self.port} on {self.host!r}")
         if not self.global_manager or not self.param_manager:

@@ -23,6 +23,9 @@ class ErrorKind(enum.Enum):
 
     INVALID = _Mapping(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", "invalid")
     UNAUTHENTICATED = _Mapping(401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error", "unauthenticated")
+    # Authenticated, or calling from where it may, but not allowed this call (an inference key on
+    # an admin call, an admin call from a remote peer with no admin keys configured).
+    FORBIDDEN = _Mapping(403, grpc.StatusCode.PERMISSION_DENIED, "permission_error", "forbidden")
     NOT_FOUND = _Mapping(404, grpc.StatusCode.NOT_FOUND, "invalid_request_error", "not_found")
     TOO_LARGE = _Mapping(413, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", "invalid")
     OVERLOADED = _Mapping(429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error", "overloaded")

@@ -1,6 +1,9 @@
 """gRPC front end of the gateway for the SDK: `Inference` (streaming and unary generation on the
 shared backend) and `Admin` (models from the parameter manager; cluster, scaling and policy
-forwarded to the global manager). Failures are gRPC status codes with a readable details string."""
+forwarded to the global manager). Failures are gRPC status codes with a readable details string.
+
+`Admin.ListModels` is an inference call (it is GET /v1/models); every other Admin call changes or
+reveals the cluster and passes `check_admin`: an admin key, or a loopback peer while none is set."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from blitzmesh import convert
 from blitzmesh import types as sdk
 from blitzmesh.convert import finish_reason_to_proto
 from blitzmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, inference_pb2, inference_pb2_grpc
-from services.gateway.auth import check_bearer
+from services.gateway.auth import check_admin, check_bearer
 from services.gateway.backend import Backend
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError, invalid
@@ -96,7 +99,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> InferenceRequest:
         try:
-            check_bearer(_authorization(context), self.config.api_keys)
+            check_bearer(_authorization(context), self.config.api_keys, self.config.admin_api_keys)
             return request_from_proto(request)
         except GatewayError as e:
             self.backend.metrics.requests.labels("grpc", e.kind.metric_outcome).inc()
@@ -179,10 +182,23 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.backend = backend
         self.config = config
 
-    async def _auth(self, context: grpc.aio.ServicerContext) -> None:
+    async def _auth_inference(self, context: grpc.aio.ServicerContext) -> None:
         try:
-            check_bearer(_authorization(context), self.config.api_keys)
+            check_bearer(_authorization(context), self.config.api_keys, self.config.admin_api_keys)
         except GatewayError as e:
+            await _abort(context, e)
+
+    async def _auth_admin(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        try:
+            check_admin(
+                _authorization(context),
+                context.peer(),
+                admin_api_keys=self.config.admin_api_keys,
+                api_keys=self.config.api_keys,
+                allow_loopback=self.config.admin_allow_loopback,
+            )
+        except GatewayError as e:
+            log.warning("admin_call_refused", method=method, peer=context.peer(), code=e.kind.grpc_code.name)
             await _abort(context, e)
 
     async def _forward(
@@ -193,7 +209,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         context: grpc.aio.ServicerContext,
         timeout_s: float | None,
     ) -> T:
-        await self._auth(context)
         # Keep the caller's own deadline when it set one (Scale with wait=true can be long).
         remaining_s = context.time_remaining()
         if remaining_s is not None and (timeout_s is None or remaining_s < timeout_s):
@@ -207,6 +222,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ListModels(
         self, request: admin_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListModelsResponse:
+        await self._auth_inference(context)
         assert self.backend.pm is not None
         return await self._forward(
             "param manager", self.backend.pm.ListModels, request, context, self.config.rpc_timeout_s
@@ -215,6 +231,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def GetCluster(
         self, request: admin_pb2.GetClusterRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ClusterState:
+        await self._auth_admin("GetCluster", context)
         assert self.backend.gm is not None
         return await self._forward(
             "global manager", self.backend.gm.GetCluster, request, context, self.config.rpc_timeout_s
@@ -223,6 +240,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def Scale(
         self, request: admin_pb2.ScaleRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ScaleResponse:
+        await self._auth_admin("Scale", context)
         assert self.backend.gm is not None
         timeout_s = None if request.wait else self.config.rpc_timeout_s
         return await self._forward("global manager", self.backend.gm.Scale, request, context, timeout_s)
@@ -230,6 +248,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def SetPolicy(
         self, request: admin_pb2.SetPolicyRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.SetPolicyResponse:
+        await self._auth_admin("SetPolicy", context)
         assert self.backend.gm is not None
         return await self._forward(
             "global manager", self.backend.gm.SetPolicy, request, context, self.config.rpc_timeout_s
@@ -238,7 +257,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def WatchEvents(
         self, request: admin_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admin_pb2.ClusterEvent]:
-        await self._auth(context)
+        await self._auth_admin("WatchEvents", context)
         assert self.backend.gm is not None
         call = self.backend.gm.WatchEvents(request)
         try:

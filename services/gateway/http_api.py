@@ -113,7 +113,7 @@ class HttpApi:
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in _OPEN_PATHS:
             try:
-                check_bearer(request.headers.get("Authorization"), self.config.api_keys)
+                check_bearer(request.headers.get("Authorization"), self.config.api_keys, self.config.admin_api_keys)
             except GatewayError as e:
                 self.backend.metrics.requests.labels("http", e.kind.metric_outcome).inc()
                 raise
