@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import functools
 import math
+import os
 import random
 import reprlib
 import threading
@@ -48,9 +49,11 @@ from blitzmesh.types import (
 )
 from blitzmesh.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 
-__all__ = ["DEFAULT_TARGET", "AsyncClient", "Client", "MessageLike"]
+__all__ = ["ADMIN_API_KEY_ENV", "DEFAULT_TARGET", "AsyncClient", "Client", "MessageLike"]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+ADMIN_API_KEY_ENV = "BLITZMESH_ADMIN_API_KEY"
+"""Environment variable read for the admin key when `admin_api_key` is not passed."""
 
 MessageLike = ChatMessage | Mapping[str, str]
 """A chat turn: a `ChatMessage` or a mapping with ``"role"`` and ``"content"``."""
@@ -77,6 +80,18 @@ def _check_timeout(name: str, value: float | None) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
         raise ValueError(f"{name} must be a number > 0 (math.inf: no deadline), got {value!r}")
+
+
+def _check_key(name: str, value: object) -> None:
+    if isinstance(value, str) and value and value == value.strip():
+        return
+    # Never quote a secret: describe it instead.
+    shape = f"a str of length {len(value)}" if isinstance(value, str) else f"a {type(value).__name__}"
+    raise ValueError(f"{name} must be a non-empty string without surrounding whitespace, got {shape}")
+
+
+def _bearer(key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),) if key is not None else ()
 
 
 def _check_name(name: str, value: object) -> None:
@@ -196,7 +211,16 @@ class AsyncClient:
 
     Args:
         target: gateway gRPC address, ``host:port``.
-        api_key: sent as ``authorization: Bearer <key>`` metadata with every call.
+        api_key: sent as ``authorization: Bearer <key>`` metadata with inference calls
+            (`generate`, `complete`, `list_models`), and with admin calls when no `admin_api_key`
+            is set.
+        admin_api_key: sent the same way with the admin calls that change or reveal the cluster
+            (`cluster`, `scale`, `set_policy`, `watch_events`). ``None`` reads the environment
+            variable ``BLITZMESH_ADMIN_API_KEY`` (unset or empty: no admin key). A gateway with
+            no admin keys configured takes admin calls from its own machine (loopback) without
+            one, so a local `make up` needs none; from anywhere else, or once the gateway has
+            admin keys, it refuses them without a valid admin key (PERMISSION_DENIED or
+            UNAUTHENTICATED, raised as AuthenticationError). An inference key never passes.
         timeout_s: deadline of every call (a whole stream included) unless a call overrides it;
             ``None`` or ``math.inf``: no deadline. `watch_events` has no deadline by default.
         max_retries: how many times a call failing with UNAVAILABLE is tried again. A stream is
@@ -213,6 +237,7 @@ class AsyncClient:
         target: str = DEFAULT_TARGET,
         *,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         timeout_s: float | None = 60.0,
         max_retries: int = 2,
         retry_backoff_s: float = 0.2,
@@ -228,21 +253,23 @@ class AsyncClient:
             or not 0 <= retry_backoff_s < math.inf
         ):
             raise ValueError(f"retry_backoff_s must be a finite number >= 0, got {retry_backoff_s!r}")
-        if api_key is not None and (not isinstance(api_key, str) or not api_key or api_key != api_key.strip()):
-            # Never quote a secret: describe it instead.
-            if isinstance(api_key, str):
-                shape = f"a str of length {len(api_key)}"
-            else:
-                shape = f"a {type(api_key).__name__}"
-            raise ValueError(f"api_key must be a non-empty string without surrounding whitespace, got {shape}")
+        if api_key is not None:
+            _check_key("api_key", api_key)
+        if admin_api_key is not None:
+            _check_key("admin_api_key", admin_api_key)
+        else:
+            admin_api_key = os.environ.get(ADMIN_API_KEY_ENV) or None
+            if admin_api_key is not None:
+                _check_key(f"the environment variable {ADMIN_API_KEY_ENV}", admin_api_key)
         self._target = target
         self._timeout_s = timeout_s
         self._max_retries = max_retries
         self._retry_backoff_s = float(retry_backoff_s)
         self._credentials = credentials
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {api_key}"),) if api_key is not None else ()
-        )
+        self._metadata = _bearer(api_key)
+        # Without an admin key the inference key goes along, so that a gateway with admin keys
+        # can answer "that is an inference key" rather than "no key".
+        self._admin_metadata = _bearer(admin_api_key) if admin_api_key is not None else self._metadata
         self._channel: grpc.aio.Channel | None = None
         self._inference: inference_pb2_grpc.InferenceStub | None = None
         self._admin: admin_pb2_grpc.AdminStub | None = None
@@ -460,6 +487,7 @@ class AsyncClient:
             admin_pb2.GetClusterRequest(),
             self._timeout(timeout_s),
             retry=True,
+            metadata=self._admin_metadata,
         )
         return _parse(convert.cluster_state_from_proto, reply)
 
@@ -492,7 +520,9 @@ class AsyncClient:
             role=convert.instance_role_to_proto(role or "unspecified"),
             wait=wait,
         )
-        reply = await self._unary(self._stubs()[1].Scale, request, self._timeout(timeout_s), retry=False)
+        reply = await self._unary(
+            self._stubs()[1].Scale, request, self._timeout(timeout_s), retry=False, metadata=self._admin_metadata
+        )
         return _parse(convert.scale_result_from_proto, reply)
 
     async def set_policy(
@@ -514,7 +544,9 @@ class AsyncClient:
         request = admin_pb2.SetPolicyRequest(policy=name, params=convert.policy_params_to_proto(params or {}))
         if advisory is not None:
             request.advisory = advisory
-        reply = await self._unary(self._stubs()[1].SetPolicy, request, self._timeout(timeout_s), retry=True)
+        reply = await self._unary(
+            self._stubs()[1].SetPolicy, request, self._timeout(timeout_s), retry=True, metadata=self._admin_metadata
+        )
         return _parse(convert.policy_state_from_proto, reply)
 
     def watch_events(self, *, timeout_s: float | None = None) -> AsyncIterator[ClusterEvent]:
@@ -530,7 +562,13 @@ class AsyncClient:
         return self._watch_events(None if timeout_s is None or math.isinf(timeout_s) else timeout_s)
 
     async def _watch_events(self, timeout_s: float | None) -> AsyncIterator[ClusterEvent]:
-        stream = self._stream(self._stubs()[1].WatchEvents, admin_pb2.WatchEventsRequest(), timeout_s, None)
+        stream = self._stream(
+            self._stubs()[1].WatchEvents,
+            admin_pb2.WatchEventsRequest(),
+            timeout_s,
+            None,
+            metadata=self._admin_metadata,
+        )
         async with contextlib.aclosing(stream):
             async for msg in stream:
                 yield _parse(convert.cluster_event_from_proto, msg)
@@ -582,6 +620,7 @@ class AsyncClient:
         *,
         retry: bool,
         request_id: str | None = None,
+        metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> _T:
         # One deadline for the whole call, retries included: the caller's timeout_s bounds how
         # long they wait, however many attempts it takes.
@@ -589,7 +628,11 @@ class AsyncClient:
         attempt = 0
         while True:
             try:
-                return await method(request, timeout=self._remaining(deadline), metadata=self._metadata)
+                return await method(
+                    request,
+                    timeout=self._remaining(deadline),
+                    metadata=self._metadata if metadata is None else metadata,
+                )
             except grpc.aio.AioRpcError as e:
                 if retry and await self._retry_after(e, attempt, deadline):
                     attempt += 1
@@ -602,11 +645,15 @@ class AsyncClient:
         request: Any,
         timeout_s: float | None,
         request_id: str | None,
+        *,
+        metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> AsyncIterator[Any]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         attempt = 0
         while True:
-            call = method(request, timeout=self._remaining(deadline), metadata=self._metadata)
+            call = method(
+                request, timeout=self._remaining(deadline), metadata=self._metadata if metadata is None else metadata
+            )
             received = False
             try:
                 async for msg in call:
@@ -673,6 +720,7 @@ class Client:
         target: str = DEFAULT_TARGET,
         *,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         timeout_s: float | None = 60.0,
         max_retries: int = 2,
         retry_backoff_s: float = 0.2,
@@ -683,6 +731,7 @@ class Client:
         self._aclient = AsyncClient(
             target,
             api_key=api_key,
+            admin_api_key=admin_api_key,
             timeout_s=timeout_s,
             max_retries=max_retries,
             retry_backoff_s=retry_backoff_s,
