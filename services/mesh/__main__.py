@@ -7,6 +7,8 @@ Usage: python -m services.mesh [--workers 3] [--initial-instances 1] [--no-autos
 Fetches and converts the default model (SmolLM2-135M-Instruct, once) or synthesizes a preset if
 it is missing, starts every service, waits until each reports SERVING on the gRPC health service
 and the model is served, prints the endpoints, and stops every process cleanly on Ctrl-C / SIGTERM.
+A child that exits is restarted on its ports with exponential backoff; one that exits more than
+--max-restarts times within --restart-window-s stops the mesh (exit code 1), naming it.
 
 By default 3 workers start and 1 loads the model; the global manager autoscales (HeteroScale,
 tuned for a small local mesh: LOCAL_POLICY_PARAMS) into the idle ones, which serve ZigZag
@@ -23,8 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from services.global_manager.core.policies import make_policy
 from services.mesh.launcher import Mesh, MeshConfig
+from services.mesh.supervision import RestartPolicy
 from services.model_format.default_model import DEFAULT_MODEL_ID
 
 # HeteroScale for a small local mesh. Concurrency (running + waiting requests per instance, the
@@ -104,6 +109,20 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
     )
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    defaults = RestartPolicy()
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=defaults.max_restarts,
+        help="restarts of one child allowed within --restart-window-s; one more stops the mesh (0: stop at "
+        "the first exit)",
+    )
+    p.add_argument(
+        "--restart-window-s",
+        type=float,
+        default=defaults.window_s,
+        help="the window --max-restarts counts over",
+    )
     a = p.parse_args(argv)
     if a.prefill < 0 or a.decode < 0 or (a.prefill > 0) != (a.decode > 0):
         p.error(f"--prefill {a.prefill} --decode {a.decode}: give both > 0 (disaggregated) or neither (colocated)")
@@ -125,6 +144,10 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         p.error(f"--schedule-wait-s must be >= 0, got {a.schedule_wait_s}")
     if not isinstance(a.policy_params, dict):
         p.error(f"--policy-params must be a JSON object, got {json.dumps(a.policy_params)}")
+    try:
+        restart_policy = RestartPolicy(max_restarts=a.max_restarts, window_s=a.restart_window_s)
+    except ValidationError as e:
+        p.error("; ".join(f"{'.'.join(map(str, err['loc']))}={err['input']!r}: {err['msg']}" for err in e.errors()))
     policy_params = {**LOCAL_POLICY_PARAMS, **a.policy_params}
     try:
         make_policy("heteroscale", policy_params)
@@ -148,6 +171,8 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         policy_params=policy_params if a.autoscale else {},
         window_s=LOCAL_WINDOW_S if a.autoscale else None,
         schedule_wait_s=a.schedule_wait_s,
+        supervise=True,
+        restart_policy=restart_policy,
     )
 
 

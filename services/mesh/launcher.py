@@ -1,7 +1,9 @@
 """Start, supervise and stop the mesh's service processes (used by `make up` and the e2e tests).
 
 Internal services bind port 0 and report the bound port through a port file, so nothing
-collides and nobody guesses ports; the gateway takes the public ports it is given.
+collides and nobody guesses ports; the gateway takes the public ports it is given. A supervised
+mesh (`run_forever`, or `MeshConfig.supervise`) restarts a child that exits, on the ports it
+had (peers hold its address), as `services/mesh/supervision.py` decides.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.server import wait_for_serving
+from services.mesh.supervision import ChildHistory, GiveUp, RestartPolicy, decide, describe_exit
 from services.model_format.default_model import DEFAULT_MODEL_ID
 
 
@@ -54,6 +57,9 @@ class MeshConfig:
     gateway_args: list[str] = field(default_factory=list)
     manager_args: list[str] = field(default_factory=list)
     log_to_files: bool = True
+    # Restart children that exit once the mesh is up (`run_forever` always does).
+    supervise: bool = False
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or (self.prefill > 0) != (self.decode > 0):
@@ -120,6 +126,7 @@ class Proc:
     module: str = ""
     args: list[str] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
+    started_s: float = 0.0  # the event loop's clock when the process was spawned
 
     @property
     def grpc_address(self) -> str:
@@ -134,6 +141,10 @@ class Mesh:
         self.procs: dict[str, Proc] = {}
         # Instance id -> role of the SERVING instances when the mesh became ready (for the banner).
         self.roles: dict[str, str] = {}
+        # Held while a child is replaced, so the supervisor and restart() never both respawn it.
+        self._replacing: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        # Ends with the reason when a child cannot be kept running; None until supervision starts.
+        self.supervisor: asyncio.Task[str] | None = None
 
     @property
     def gateway_http(self) -> str:
@@ -165,19 +176,34 @@ class Mesh:
         )
         if out is not None:
             out.close()  # the child holds its own descriptor
-        proc = Proc(name, process, port_file, module, args)
+        proc = Proc(name, process, port_file, module, args, started_s=asyncio.get_running_loop().time())
         self.procs[name] = proc
         return proc
 
-    async def restart(self, name: str, sig: int = signal.SIGKILL) -> Proc:
-        """Kill a service and start it again on the same gRPC port (peers keep its address)."""
-        old = self.procs[name]
-        with contextlib.suppress(ProcessLookupError):
-            old.process.send_signal(sig)
-        await old.process.wait()
-        args = [*old.args, "--port", str(old.ports["grpc_port"])]
-        new = await self.spawn(name, old.module, args)
+    def log_path(self, name: str) -> Path:
+        return self.cfg.run_dir / f"{name}.log"
+
+    async def respawn(self, old: Proc) -> Proc:
+        """Start an exited child again with its arguments, on every port it had (peers hold them)."""
+        fixed = [
+            arg
+            for key, flag in FIXED_PORT_FLAGS.items()
+            if old.ports.get(key) is not None
+            for arg in (flag, str(old.ports[key]))
+        ]
+        new = await self.spawn(old.name, old.module, [*old.args, *fixed])
         new.args = old.args
+        new.ports = dict(old.ports)
+        return new
+
+    async def restart(self, name: str, sig: int = signal.SIGKILL) -> Proc:
+        """Kill a service and start it again on the same ports (peers keep its address)."""
+        async with self._replacing[name]:
+            old = self.procs[name]
+            with contextlib.suppress(ProcessLookupError):
+                old.process.send_signal(sig)
+            await old.process.wait()
+            new = await self.respawn(old)
         await self.wait_ready(new, self.cfg.ready_timeout_s)
         return new
 
@@ -188,7 +214,7 @@ class Mesh:
         while not proc.port_file.exists():
             if proc.process.returncode is not None:
                 raise RuntimeError(
-                    f"{proc.name} exited with code {proc.process.returncode}; see {self.cfg.run_dir / (proc.name + '.log')}"
+                    f"{proc.name} exited with {describe_exit(proc.process.returncode)}; see {self.log_path(proc.name)}"
                 )
             if loop.time() > deadline:
                 raise TimeoutError(f"{proc.name} did not bind within {timeout_s}s")
@@ -202,7 +228,10 @@ class Mesh:
             serving.result()
             return
         serving.cancel()
-        raise RuntimeError(f"{proc.name} exited with code {proc.process.returncode} before serving")
+        raise RuntimeError(
+            f"{proc.name} exited with {describe_exit(proc.process.returncode or 0)} before serving; "
+            f"see {self.log_path(proc.name)}"
+        )
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -301,6 +330,8 @@ class Mesh:
             await self.wait_instances_serving(cfg.prefill + cfg.decode, cfg.ready_timeout_s, roles=cfg.serving_wanted())
         else:
             await self.wait_instances_serving(cfg.initial_instances, cfg.ready_timeout_s)
+        if cfg.supervise:
+            self.start_supervision()
 
     async def wait_instances_serving(
         self, n: int, timeout_s: float, *, roles: Mapping[str, int] | None = None
@@ -337,8 +368,66 @@ class Mesh:
                     )
                 await asyncio.sleep(0.1)
 
+    def start_supervision(self) -> asyncio.Task[str]:
+        """Watch every child from now on (once): restart those that exit, until one cannot be kept."""
+        if self.supervisor is None:
+            self.supervisor = asyncio.create_task(self._supervise(), name="mesh-supervisor")
+        return self.supervisor
+
+    async def _supervise(self) -> str:
+        """Returns why the mesh must stop (a child over its restart limit); runs until cancelled."""
+        watchers = [asyncio.create_task(self._watch(name), name=f"watch-{name}") for name in self.procs]
+        try:
+            done, _ = await asyncio.wait(watchers, return_when=asyncio.FIRST_EXCEPTION)
+            error = next(t.exception() for t in done)
+            if isinstance(error, ChildFailed):
+                return str(error)
+            raise error  # type: ignore[misc]
+        finally:
+            for t in watchers:
+                t.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+
+    async def _watch(self, name: str) -> None:
+        """Restart one child each time it exits, after the policy's backoff; raise ChildFailed
+        when it exits once more than its restart limit allows."""
+        loop = asyncio.get_running_loop()
+        history = ChildHistory()
+        while True:
+            proc = self.procs[name]
+            returncode = await proc.process.wait()
+            async with self._replacing[name]:
+                if self.procs[name] is not proc:
+                    continue  # restart() replaced it meanwhile
+                decision, history = decide(
+                    self.cfg.restart_policy, history, now_s=loop.time(), started_s=proc.started_s
+                )
+                why = f"{name} exited ({describe_exit(returncode)})"
+                if isinstance(decision, GiveUp):
+                    raise ChildFailed(
+                        f"{why} after {decision.restarts} restarts within {decision.window_s:g} s; "
+                        f"not restarting it (log {self.log_path(name)})"
+                    )
+                print(
+                    f"blitzmesh: {why}; restart {decision.attempt} in {decision.backoff_s:g} s "
+                    f"(log {self.log_path(name)})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                await asyncio.sleep(decision.backoff_s)
+                new = await self.respawn(proc)
+            try:
+                await self.wait_ready(new, self.cfg.ready_timeout_s)
+            except (RuntimeError, TimeoutError):
+                continue  # an exit is the next turn's to handle; a child that hangs stays as it is
+            print(f"blitzmesh: {name} serves again on {new.grpc_address}", file=sys.stderr, flush=True)
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers."""
+        if self.supervisor is not None and not self.supervisor.done():
+            self.supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.supervisor
         order = [
             "gateway",
             *[n for n in self.procs if n.startswith("worker")],
@@ -360,32 +449,44 @@ class Mesh:
                 await proc.process.wait()
 
     async def run_forever(self) -> int:
+        """`make up`: serve until Ctrl-C or SIGTERM (0), or a child exceeds its restart limit (1)."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        return await self.serve(stop)
+
+    async def serve(self, stop: asyncio.Event) -> int:
+        """Start, print the banner and supervise until `stop` is set (0), or until a child cannot
+        be kept running (1, after printing which and why); 130 if stopped while starting. Every
+        process is stopped on the way out."""
+        stop_wait = asyncio.create_task(stop.wait())
         try:
             start = asyncio.create_task(self.start())
-            stop_wait = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
             if start not in done:
                 start.cancel()
                 return 130
             start.result()
             print_banner(self)
-            exits = [asyncio.create_task(p.process.wait()) for p in self.procs.values()]
-            done, _ = await asyncio.wait({stop_wait, *exits}, return_when=asyncio.FIRST_COMPLETED)
-            if stop_wait not in done:
-                dead = [p.name for p in self.procs.values() if p.process.returncode is not None]
-                print(
-                    f"blitzmesh: {', '.join(dead)} exited; stopping the mesh (logs in {self.cfg.run_dir}/)",
-                    file=sys.stderr,
-                )
+            supervisor = self.start_supervision()
+            done, _ = await asyncio.wait({stop_wait, supervisor}, return_when=asyncio.FIRST_COMPLETED)
+            if supervisor in done:
+                print(f"blitzmesh: {supervisor.result()}; stopping the mesh", file=sys.stderr, flush=True)
                 return 1
             return 0
         finally:
+            stop_wait.cancel()
             await self.stop()
             print("blitzmesh: all processes stopped", file=sys.stderr)
+
+
+class ChildFailed(Exception):
+    """A child exited more often than its restart policy allows."""
+
+
+# Port-file keys and the flag that binds each again on restart (every service takes these).
+FIXED_PORT_FLAGS = {"grpc_port": "--port", "http_port": "--http-port", "metrics_port": "--metrics-port"}
 
 
 def child_env() -> dict[str, str]:
