@@ -8,6 +8,12 @@ hangs past `token_stall_timeout_s`, or drains) is excluded and the stream migrat
 instance resumes from the prompt plus the tokens generated so far, and the client's stream goes
 on. A client that goes away cancels the worker call and sends Abort.
 
+A hung instance (SIGSTOP, a wedged host) is usually caught sooner than the stall timeout: the
+gateway follows the global manager's cluster events (WatchEvents), and when the manager marks an
+instance LOST (no heartbeat for its `lost_after_s`, 5 s by default) every stream open on it, before
+or after its first token, fails over at once. The stall timeout stays as the bound for when the
+event stream is down (a manager restart).
+
 n > 1 fans out here: each choice is an ordinary request of its own (id `<request_id>-<i>`,
 seed + i), scheduled, retried before its first token, stop-string-checked and aborted on its
 own, and the choices' events interleave as they arrive. That is the simplest correct design:
@@ -64,6 +70,10 @@ from services.model_format.tokenizer import IncrementalDetokenizer, StopStringMa
 log = structlog.get_logger(__name__)
 
 _ABORT_TIMEOUT_S = 2.0
+# Reconnecting the cluster-event watch after the manager went away: backoff bounds.
+_WATCH_BACKOFF_MIN_S = 0.2
+_WATCH_BACKOFF_MAX_S = 5.0
+_LOST_ACTION = "instance_lost"  # the manager's ClusterEvent.action for an instance gone silent
 # Times one request may be released from a queue for rebalancing (each move is a re-route).
 _MAX_MOVES = 3
 _HEALTH_TIMEOUT_S = 2.0
@@ -106,6 +116,20 @@ class _WorkerFailedError(Exception):
         self.moved = moved  # the instance released the queued request (rebalancing): the reason
 
 
+class _LostGuard:
+    """One open worker stream's link to the cluster-event watch: told the instance is LOST, it
+    ends the stream's current read at once (its timeout rescheduled to now)."""
+
+    def __init__(self) -> None:
+        self.lost: str | None = None
+        self.timeout: asyncio.Timeout | None = None
+
+    def fire(self, reason: str) -> None:
+        self.lost = reason
+        if self.timeout is not None:
+            self.timeout.reschedule(asyncio.get_running_loop().time())
+
+
 @dataclass
 class _StreamState:
     """What one choice's stream carries from instance to instance: the tokens generated so far
@@ -140,6 +164,9 @@ class Backend:
         self._models = ModelCache(self._fetch_model_files)
         # Abort RPCs outlive the request that sent them; kept here so none is dropped or leaked.
         self._background: set[asyncio.Task[None]] = set()
+        # Streams open on each instance (by id), ended when the manager marks it LOST.
+        self._open: dict[str, set[_LostGuard]] = {}
+        self._watch: asyncio.Task[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -148,6 +175,7 @@ class Backend:
         self._pm_channel = _channel(self.config.param_manager)
         self.gm = global_manager_pb2_grpc.GlobalManagerStub(self._gm_channel)
         self.pm = param_manager_pb2_grpc.ParamManagerStub(self._pm_channel)
+        self._watch = asyncio.get_running_loop().create_task(self._watch_lost(), name="watch-lost")
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (bounded) until no admitted or queued request is left, e.g. before close()."""
@@ -158,6 +186,10 @@ class Backend:
             log.warning("drain_timeout", in_flight=self.admission.in_flight, waiting=self.admission.waiting)
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
         await self._models.close()
         if self._background:
             await asyncio.wait(set(self._background), timeout=_ABORT_TIMEOUT_S)
@@ -175,6 +207,35 @@ class Backend:
         assert self._gm_channel is not None and self._pm_channel is not None, "Backend.start() first"
         gm, pm = await asyncio.gather(_probe(self._gm_channel), _probe(self._pm_channel))
         return {"global_manager": gm, "param_manager": pm}
+
+    async def _watch_lost(self) -> None:
+        """Follow the manager's cluster events for LOST instances, reconnecting with backoff
+        (the manager restarts; one that does not implement the watch is asked again slowly)."""
+        backoff_s = _WATCH_BACKOFF_MIN_S
+        while True:
+            call = self._gm().WatchEvents(admin_pb2.WatchEventsRequest())
+            try:
+                async for event in call:
+                    backoff_s = _WATCH_BACKOFF_MIN_S
+                    if event.action == _LOST_ACTION and event.instance_id:
+                        self.instance_lost(event.instance_id, event.reason)
+            except grpc.aio.AioRpcError as e:
+                log.info("cluster_watch_failed", code=e.code().name, details=e.details(), retry_s=backoff_s)
+            except Exception:
+                # A bug here must not end the watch for good: streams would hang until the stall timeout.
+                log.exception("cluster_watch_crashed", retry_s=backoff_s)
+            finally:
+                call.cancel()
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(_WATCH_BACKOFF_MAX_S, backoff_s * 2)
+
+    def instance_lost(self, instance_id: str, reason: str) -> None:
+        """End every stream open on `instance_id` now; each fails over like a worker failure."""
+        guards = self._open.get(instance_id, set())
+        if guards:
+            log.warning("instance_lost_streams", instance_id=instance_id, streams=len(guards), reason=reason)
+        for guard in list(guards):
+            guard.fire(f"the global manager marked the instance LOST ({reason})")
 
     # ---- models ----------------------------------------------------------------------------
 
@@ -703,19 +764,28 @@ class Backend:
         stall_s = self.config.token_stall_timeout_s or None
         got_any = False  # on this instance: the stall timeout starts with its first message
         worker_done = False
+        guard = _LostGuard()
+        guards = self._open.setdefault(hop.instance_id, set())
+        guards.add(guard)
         try:
             try:
                 while True:
+                    resp = None
                     try:
-                        async with asyncio.timeout(stall_s if got_any else None):
-                            resp = await call.read()
+                        async with asyncio.timeout(stall_s if got_any else None) as guard.timeout:
+                            if guard.lost is None:
+                                resp = await call.read()
                     except TimeoutError:
+                        pass  # stalled, or the watch fired the guard: resp stays None
+                    finally:
+                        guard.timeout = None
+                    if resp is None:
                         raise _WorkerFailedError(
                             instance,
                             grpc.StatusCode.UNAVAILABLE,
-                            f"no token for token_stall_timeout_s={self.config.token_stall_timeout_s}",
+                            guard.lost or f"no token for token_stall_timeout_s={self.config.token_stall_timeout_s}",
                             len(state.generated),
-                        ) from None
+                        )
                     if resp is grpc.aio.EOF:
                         break
                     got_any = True
@@ -829,8 +899,12 @@ class Backend:
                 len(state.generated),
             )
         finally:
+            guards.discard(guard)
+            if not guards:
+                self._open.pop(hop.instance_id, None)
             if not worker_done:
-                # Client gone, a stop string matched or the instance stalled: free its KV now.
+                # Client gone, a stop string matched, the instance stalled or was LOST: free its
+                # KV now (a stopped instance frees it when it runs again and sees the cancel).
                 call.cancel()
                 self._abort_later(hop.address, req.request_id)
 
