@@ -73,7 +73,12 @@ class Service(Protocol):
         """Start background work; call ctx.set_serving() when ready (may be later)."""
 
     async def stop(self) -> None:
-        """Release everything start() acquired."""
+        """Release everything start() acquired (after the gRPC server has stopped)."""
+
+
+# A service may also define `async def drain(self) -> None`: serve() awaits it on shutdown after
+# health says NOT_SERVING and before the gRPC server stops, while in-flight calls still run (the
+# worker finishes or releases its requests there). Optional, so it is not part of the Protocol.
 
 
 @dataclass
@@ -156,11 +161,22 @@ async def serve(
         if fail_wait in done:
             raise RuntimeError(f"{service.name}: a background task failed: {ctx.tasks.error!r}")
     finally:
+        # Readiness first (no new callers), then the service's own drain while its server still
+        # answers the calls in flight, then the server (calls left get the grace), then what the
+        # service holds, then its tasks (heartbeats run through the drain).
         log.info("shutting_down")
         await health_servicer.enter_graceful_shutdown()
-        with contextlib.suppress(Exception):
-            await service.stop()
+        drain = getattr(service, "drain", None)
+        if drain is not None:
+            try:
+                await drain()
+            except Exception:
+                log.exception("service_drain_failed", service=service.name)
         await server.stop(config.shutdown_grace_s)
+        try:
+            await service.stop()
+        except Exception:
+            log.exception("service_stop_failed", service=service.name)
         await ctx.tasks.close()
         for sig in installed:
             loop.remove_signal_handler(sig)

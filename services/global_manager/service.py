@@ -102,7 +102,6 @@ MOVED = Counter(
 RELEASE_TIMEOUT_S = 5.0
 ADVISORY = Gauge("blitzmesh_gm_advisory", "1 while the policy only advises")
 LOCATION_RETRIES = 3
-UNLOAD_WAIT_S = 10.0
 
 
 def _param_from_proto(value: str) -> Any:
@@ -230,7 +229,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             return global_manager_pb2.HeartbeatResponse(reregister=True)
         now = self.now_s()
         state = state_from_proto(request.state)
-        before = self.table.registry.get(iid).state
+        before_view = self.table.registry.get(iid)
+        before = before_view.state
         if iid not in self._actions:
             # While the actuator loads or drains an instance it owns the transitions; a
             # heartbeat sent before the worker heard the command would only move it back.
@@ -242,6 +242,11 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.monitor.observe(sample_from_proto(iid, now, request.load))
         if before is not state:
             self.emit("instance_state", request.model_id or "-", state.value, f"{before.value}->{state.value}", iid)
+            if before is S.SERVING and before_view.model and iid not in self._actions and self.ctx is not None:
+                # The worker left SERVING on its own (its engine died, or it drains on SIGTERM):
+                # no route goes there from now on (it is no longer SERVING here), and no transfer
+                # may pick it as a source. The pool is topped up by the next tick.
+                self.ctx.tasks.spawn(self._update_location(before_view.model, iid, present=False), name="location")
             self._wake_reconcile()
         return global_manager_pb2.HeartbeatResponse()
 
@@ -611,6 +616,30 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             )
         return [v.instance_id for v in idle]
 
+    def _drop_stale_holders(self, where: param_manager_pb2.LocateResponse) -> None:
+        """Keep instances that are not SERVING here out of a plan's sources: the index hears of an
+        instance leaving (its engine died, it drains, it went LOST) only when our UpdateLocation
+        lands, and a chain from a dropped instance stalls its targets for the whole stall timeout."""
+
+        def stale(holder_id: str, kind: str) -> bool:
+            if holder_id in self.table.registry:
+                return self.table.registry.get(holder_id).state is not S.SERVING
+            return kind == "instance"
+
+        for loc in where.locations:
+            kinds = {h.holder_id: h.kind for h in loc.holder_info}
+            gone = {h for h in loc.holders if stale(h, kinds.get(h, ""))} | {
+                h.holder_id for h in loc.holder_info if stale(h.holder_id, h.kind)
+            }
+            if not gone:
+                continue
+            holders = [h for h in loc.holders if h not in gone]
+            infos = [h for h in loc.holder_info if h.holder_id not in gone]
+            del loc.holders[:]
+            loc.holders.extend(holders)
+            del loc.holder_info[:]
+            loc.holder_info.extend(infos)
+
     async def _plan(self, model_id: str, targets: list[str]) -> worker_pb2.TransferPlan | None:
         """The chain plan for `targets`; None (each target pulls from the pool) if it cannot be made."""
         if not self.cfg.param_manager or not self.cfg.transfer_plans:
@@ -620,6 +649,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 where = await param_manager_pb2_grpc.ParamManagerStub(ch).Locate(
                     param_manager_pb2.LocateRequest(model_id=model_id), timeout=10
                 )
+            self._drop_stale_holders(where)
             nodes = []
             for iid in targets:
                 dp_address, dp_kind = self.table.dataplane.get(iid, (b"", ""))
@@ -816,16 +846,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self._wake_reconcile()
 
     async def _unload(self, stub: worker_pb2_grpc.WorkerStub) -> None:
-        # Requests aborted at the drain deadline take a moment to unwind; Unload refuses until then.
-        deadline = asyncio.get_running_loop().time() + UNLOAD_WAIT_S
-        while True:
-            try:
-                await stub.Unload(worker_pb2.UnloadRequest(), timeout=30)
-                return
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or asyncio.get_running_loop().time() > deadline:
-                    raise
-            await asyncio.sleep(0.1)
+        # Drain returns once the requests it aborted have unwound, so one call suffices; a
+        # refusal (still in flight) fails the drain and the worker's reports take over.
+        await stub.Unload(worker_pb2.UnloadRequest(), timeout=30)
 
     def _reset_idle(self, iid: str) -> None:
         if iid not in self.table.registry:

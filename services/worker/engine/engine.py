@@ -397,8 +397,12 @@ class Engine:
         *,
         clock: Callable[[], float] = time.monotonic,
         step_history: int = 64,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.config = config or EngineConfig()
+        # Called once, on the event loop, when the loop crashes (after every request was failed):
+        # the owner must hear of it, or it goes on advertising an engine that serves nothing.
+        self._on_dead = on_dead
         self.model = model
         self.kv_cache = kv_cache
         # Every id that ends a generation (a chat model may have several, e.g. <|im_end|> and <|endoftext|>).
@@ -486,6 +490,11 @@ class Engine:
     @property
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def dead(self) -> BaseException | None:
+        """What crashed the loop, or None while it runs (or was stopped)."""
+        return self._dead
 
     async def start(self, *, partial: bool = False) -> None:
         """Start the engine loop (idempotent). The model must be complete, unless `partial`: a
@@ -942,6 +951,8 @@ class Engine:
                 return error
 
             self._fail_all(dead)
+            if self._on_dead is not None:
+                self._on_dead(exc)
 
     def _available_blocks(self) -> int:
         # Blocks promised to running requests but not yet allocated are not available.
