@@ -73,12 +73,29 @@ async def test_killed_serving_worker_is_restarted_and_serves_again(healing_mesh:
         assert await _states(client) == {"worker-0": "serving", "worker-1": "serving"}
         old, new = await _kill_and_await_restart(healing_mesh, "worker-0")
         await _complete(healing_mesh)
+        # Not the old view, still SERVING until its heartbeats time out: the new process's own.
+        await wait_until(
+            lambda: _registrations(healing_mesh, "worker-0") == ["IDLE", "IDLE"],
+            30,
+            interval_s=0.1,
+            what="the restarted worker-0 registered with the manager as a new IDLE worker",
+        )
         await wait_until(
             lambda: _both_serving(client), 60, interval_s=0.2, what="worker-0 SERVING again after its restart"
         )
     log = healing_mesh.log_path("worker-0").read_text()
     assert log.count("event='grpc_listening'") == 2, "the restarted worker's log is not appended to the first one's"
     await _complete(healing_mesh)
+
+
+def _registrations(mesh: Mesh, instance_id: str) -> list[str]:
+    """The state of each registration of `instance_id` the manager logged, in order."""
+    lines = mesh.log_path("global_manager").read_text().splitlines()
+    return [
+        line.split("status='")[1].split("'")[0]
+        for line in lines
+        if "action='instance_registered'" in line and f"instance_id='{instance_id}'" in line
+    ]
 
 
 async def _both_serving(client: blitzmesh.AsyncClient) -> bool:
