@@ -145,6 +145,9 @@ class Mesh:
         self._replacing: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         # Ends with the reason when a child cannot be kept running; None until supervision starts.
         self.supervisor: asyncio.Task[str] | None = None
+        # Set the moment a stop is asked for: children exiting from then on are not restarted
+        # (Ctrl-C reaches the whole process group, so they may exit before stop() runs).
+        self.stopping = False
 
     @property
     def gateway_http(self) -> str:
@@ -379,10 +382,12 @@ class Mesh:
         watchers = [asyncio.create_task(self._watch(name), name=f"watch-{name}") for name in self.procs]
         try:
             done, _ = await asyncio.wait(watchers, return_when=asyncio.FIRST_EXCEPTION)
-            error = next(t.exception() for t in done)
+            error = next((t.exception() for t in done if t.exception() is not None), None)
+            if error is None:
+                return "the mesh is stopping"  # every watcher returned: their children exited on a stop
             if isinstance(error, ChildFailed):
                 return str(error)
-            raise error  # type: ignore[misc]
+            raise error
         finally:
             for t in watchers:
                 t.cancel()
@@ -396,6 +401,8 @@ class Mesh:
         while True:
             proc = self.procs[name]
             returncode = await proc.process.wait()
+            if self.stopping:
+                return
             async with self._replacing[name]:
                 if self.procs[name] is not proc:
                     continue  # restart() replaced it meanwhile
@@ -424,6 +431,7 @@ class Mesh:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers."""
+        self.stopping = True
         if self.supervisor is not None and not self.supervisor.done():
             self.supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -452,8 +460,13 @@ class Mesh:
         """`make up`: serve until Ctrl-C or SIGTERM (0), or a child exceeds its restart limit (1)."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
+
+        def on_signal() -> None:
+            self.stopping = True
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         return await self.serve(stop)
 
     async def serve(self, stop: asyncio.Event) -> int:
@@ -471,7 +484,7 @@ class Mesh:
             print_banner(self)
             supervisor = self.start_supervision()
             done, _ = await asyncio.wait({stop_wait, supervisor}, return_when=asyncio.FIRST_COMPLETED)
-            if supervisor in done:
+            if supervisor in done and not self.stopping:
                 print(f"blitzmesh: {supervisor.result()}; stopping the mesh", file=sys.stderr, flush=True)
                 return 1
             return 0
