@@ -1,0 +1,258 @@
+"""The chaos suite's harness: replay a burst of the Azure code trace against a mesh, inject one
+fault at a chosen moment of a scale-out, and check that nothing was lost.
+
+A test builds a `ChaosMesh` (real processes: parameter manager, global manager, gateway, workers
+on the `tiny` model with emulated accelerator pacing and emulated links slow enough that a load
+takes a couple of seconds), then calls `run_chaos` with the fault as a coroutine. `run_chaos`:
+
+1. starts the burst (open loop, `bench.replay`) and a watch on the cluster's events;
+2. scales out by `scale_by` instances through the admin API once the burst is under way, so a
+   multicast chain is in flight;
+3. waits for the moment the fault needs (by default: the scale-out's `transfer_plan` event,
+   i.e. parameters are moving) and injects it;
+4. waits for the burst to end (each request has a deadline) and for the cluster to be healthy
+   again: every worker process alive is registered, none LOADING or DRAINING, the model has a
+   SERVING instance and a probe completion succeeds. `recovery_s` is the time from the fault to
+   that point;
+5. writes one row to `bench/results/chaos.json` and returns the `ChaosOutcome` for the test to
+   assert on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blitzmesh
+from bench.replay import TokenScaling, TraceWindow, from_trace, read_azure_trace, replay
+from bench.replay.schedule import Arrival
+from services.mesh.launcher import Mesh
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+RESULTS = REPO_ROOT / "bench" / "results" / "chaos.json"
+MODEL = "tiny"
+REQUEST_TIMEOUT_S = 60.0
+
+
+def code_trace_burst(span_s: float = 12.0, max_requests: int = 60) -> list[Arrival]:
+    """The busiest stretch of the Azure code trace: `span_s` seconds starting at its busiest
+    10 s window, prompts scaled to the tiny model (1/32, at most 256 tokens), outputs kept
+    short as the trace's are (at most 24 tokens). Falls back to nothing if the trace is absent
+    (the caller skips)."""
+    rows = read_azure_trace(TRACE)
+    times = sorted(r.t_s for r in rows)
+    best_start, best_n, j = 0.0, 0, 0
+    for i, t in enumerate(times):
+        while times[j] < t - 10.0:
+            j += 1
+        if i - j + 1 > best_n:
+            best_n, best_start = i - j + 1, times[j]
+    scaling = TokenScaling(prompt_scale=1 / 32, max_prompt_tokens=256, max_output_tokens=24, context_tokens=512)
+    return from_trace(rows, TraceWindow(start_s=best_start, span_s=span_s), scaling, max_requests=max_requests)
+
+
+@dataclass
+class ChaosOutcome:
+    fault: str
+    requests: int
+    completed: int
+    errors: int
+    lost: int
+    hung: int
+    migrated: int
+    recovery_s: float
+    error_messages: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "fault": self.fault,
+            "requests": self.requests,
+            "completed": self.completed,
+            "migrated": self.migrated,
+            "errors": self.errors,
+            "lost": self.lost,
+            "hung": self.hung,
+            "recovery_s": round(self.recovery_s, 2),
+            **self.notes,
+        }
+
+    def unresolved_scale_outs(self) -> list[str]:
+        """Instances a scale-out started loading that neither served nor were rolled back."""
+        started = {e["instance_id"] for e in self.events if e["action"] == "scale_out" and e["status"] == "loading"}
+        ended = {
+            e["instance_id"]
+            for e in self.events
+            if e["action"] == "load_result" or (e["action"] == "scale_out" and e["status"] == "rolled_back")
+        }
+        return sorted(started - ended)
+
+
+def write_row(row: dict[str, Any], path: Path = RESULTS) -> None:
+    """Replace this fault's row in the results file (rows sorted by fault)."""
+    data: dict[str, Any] = {"rows": []}
+    if path.exists():
+        with contextlib.suppress(ValueError):
+            data = json.loads(path.read_text())
+    rows = [r for r in data.get("rows", []) if r.get("fault") != row["fault"]]
+    rows.append({**row, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    data["rows"] = sorted(rows, key=lambda r: r["fault"])
+    data["about"] = (
+        "tests/chaos: one row per fault; a burst of the Azure code trace against a real mesh (tiny model, "
+        "EMULATED accelerator pacing and links), the fault injected during a scale-out"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+async def gateway_counter(mesh: Mesh, name: str) -> float:
+    """Sum of a gateway counter's samples, from its /metrics page (0 if absent)."""
+    import aiohttp
+
+    total = 0.0
+    async with aiohttp.ClientSession() as s, s.get(f"{mesh.gateway_http}/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            if line.startswith(name + "_total") or line.startswith(name + "{") or line.startswith(name + " "):
+                with contextlib.suppress(ValueError, IndexError):
+                    total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def wait_event(
+    events: list[dict[str, Any]], match: Callable[[dict[str, Any]], bool], timeout_s: float, what: str
+) -> dict[str, Any]:
+    """The first event in `events` (filled by the watcher) that `match`es, waiting up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for e in events:
+            if match(e):
+                return e
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s}s; events: {[(e['action'], e['status']) for e in events]}")
+        await asyncio.sleep(0.02)
+
+
+async def healthy(mesh: Mesh, client: blitzmesh.AsyncClient) -> bool:
+    """Every live worker process registered and settled (none LOADING or DRAINING), a SERVING
+    instance of the model, and a probe completion answered."""
+    try:
+        cluster = await client.cluster(timeout_s=5)
+    except blitzmesh.BlitzmeshError:
+        return False
+    alive = {n for n, p in mesh.procs.items() if n.startswith("worker") and p.process.returncode is None}
+    states = {i.instance_id: i.state for i in cluster.instances}
+    if not alive <= set(states) or any(states[w] in ("loading", "draining", "lost") for w in alive):
+        return False
+    if not any(i.state == "serving" and i.model_id == MODEL for i in cluster.instances):
+        return False
+    try:
+        done = await client.complete("probe", model=MODEL, max_tokens=2, timeout_s=10)
+    except blitzmesh.BlitzmeshError:
+        return False
+    return done.finish_reason in ("stop", "length")
+
+
+Fault = Callable[[Mesh, list[dict[str, Any]]], Awaitable[dict[str, Any] | None]]
+
+
+async def run_chaos(
+    mesh: Mesh,
+    fault_name: str,
+    fault: Fault,
+    *,
+    arrivals: list[Arrival],
+    scale_by: int = 2,
+    when: Callable[[dict[str, Any]], bool] | None = None,
+    recovery_timeout_s: float = 90.0,
+) -> ChaosOutcome:
+    """Replay `arrivals`, scale out by `scale_by`, inject `fault` when an event matches `when`
+    (default: the scale-out's `transfer_plan`), and measure the aftermath."""
+    events: list[dict[str, Any]] = []
+    clock0 = time.monotonic()
+    async with blitzmesh.AsyncClient(mesh.gateway_grpc, timeout_s=30) as client:
+
+        async def watch() -> None:
+            with contextlib.suppress(blitzmesh.BlitzmeshError):
+                async for ev in client.watch_events():
+                    events.append(
+                        {
+                            "t_s": round(time.monotonic() - clock0, 3),
+                            "action": ev.action,
+                            "status": ev.status,
+                            "instance_id": ev.instance_id,
+                            "target": ev.target,
+                            "reason": ev.reason,
+                        }
+                    )
+
+        migrated_before = await gateway_counter(mesh, "blitzmesh_gateway_migrations")
+        retried_before = await gateway_counter(mesh, "blitzmesh_gateway_retries")
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0)
+        traffic = asyncio.create_task(
+            replay(
+                arrivals,
+                http_url=mesh.gateway_http,
+                model=MODEL,
+                request_timeout_s=REQUEST_TIMEOUT_S,
+                drain_timeout_s=REQUEST_TIMEOUT_S,
+                vocab_size=2048,
+            )
+        )
+        try:
+            # The scale-out starts once the burst is under way.
+            await asyncio.sleep(min(1.0, arrivals[len(arrivals) // 4].t_s if arrivals else 0.0))
+            scaling = asyncio.create_task(client.scale(MODEL, scale_by, wait=True, timeout_s=120))
+            await wait_event(events, when or (lambda e: e["action"] == "transfer_plan"), 30.0, "moment for the fault")
+            fault_at = time.monotonic()
+            notes = await fault(mesh, events) or {}
+            result = await traffic
+            with contextlib.suppress(blitzmesh.BlitzmeshError):
+                await scaling  # its instances served or failed; a failure is the fault's doing
+            deadline = time.monotonic() + recovery_timeout_s
+            while not await healthy(mesh, client):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cluster not healthy {recovery_timeout_s}s after {fault_name}")
+                await asyncio.sleep(0.2)
+            recovery_s = time.monotonic() - fault_at
+        finally:
+            traffic.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await traffic
+        await asyncio.sleep(0.5)  # the last events of the recovery
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        migrated = await gateway_counter(mesh, "blitzmesh_gateway_migrations") - migrated_before
+        retried = await gateway_counter(mesh, "blitzmesh_gateway_retries") - retried_before
+    records = result.records
+    hung = sum(
+        1
+        for r in records
+        if r.outcome == "lost"
+        or (r.end_s is not None and not math.isnan(r.sent_s) and r.end_s - r.sent_s > REQUEST_TIMEOUT_S)
+    )
+    outcome = ChaosOutcome(
+        fault=fault_name,
+        requests=len(records),
+        completed=sum(r.outcome == "ok" for r in records),
+        errors=sum(r.outcome == "error" for r in records),
+        lost=sum(r.outcome == "lost" for r in records),
+        hung=hung,
+        migrated=round(migrated + retried),
+        recovery_s=recovery_s,
+        error_messages=sorted({r.error for r in records if r.outcome == "error"}),
+        events=events,
+        notes=notes,
+    )
+    write_row(outcome.row())
+    return outcome
