@@ -102,6 +102,9 @@ _PROTOCOL_VERSION: Final = 1
 # run beside the thread anyway, and inline the bytes are read while still in this core's cache
 # (a 256 MiB pull in 16 MiB chunks on 2 cores: xxh3 inline 7.2 GB/s median, in a thread 5.2-6.1).
 _INLINE_DIGEST_BYTES: Final = 256 * 1024
+# A group whose bytes fail their checksum is fetched again this many times (corruption on the
+# wire is transient), from the same source, before the transfer fails with ChecksumMismatch.
+MAX_REFETCHES: Final = 2
 # Errors after which the next source of a pull is tried; anything else ends the transfer.
 _RETRYABLE: Final = (TransferTimeout, PeerClosed, ProtocolError, UpstreamAborted, SourceUnavailable, OSError)
 
@@ -243,6 +246,13 @@ class GroupStore:
 
     def mark_ready(self, gi: int) -> None:
         self._ready[gi] = True
+
+    def reset(self, gi: int) -> None:
+        """Group `gi` landed corrupt: nothing of it counts as landed, so it is fetched again and
+        downstream streams wait for the new bytes (those that forwarded the bad ones verify and
+        fetch again themselves)."""
+        self._landed[gi] = 0
+        self._ready[gi] = False
 
     def fail(self, exc: BaseException) -> None:
         """Mark the store failed: servers stop forwarding from it and tell their receivers."""
@@ -545,6 +555,7 @@ class TransferResult:
     elapsed_s: float
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     resourced_groups: list[str] = field(default_factory=list)
+    refetched_groups: list[str] = field(default_factory=list)  # fetched again after a checksum failure
 
     @property
     def gbps(self) -> float:
@@ -578,6 +589,7 @@ class _ReceiveSession:
         self.bytes_received = 0
         self.bytes_by_source: dict[str, int] = {}
         self.resourced: set[int] = set()
+        self.refetched: dict[int, int] = {}
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -625,6 +637,18 @@ class _ReceiveSession:
         entry = self.manifest.groups[gi]
         await asyncio.gather(*self._digest_futs.pop(gi, []))
         actual = self._digests.pop(gi).checksum()
+        if actual != entry.checksum and self.refetched.get(gi, 0) < MAX_REFETCHES:
+            self.refetched[gi] = self.refetched.get(gi, 0) + 1
+            self.store.reset(gi)
+            log.warning(
+                "dataplane_checksum_refetch",
+                model=self.manifest.model_id,
+                group=entry.name,
+                expected=entry.checksum,
+                actual=actual,
+                attempt=self.refetched[gi],
+            )
+            return
         if actual != entry.checksum:
             raise ChecksumMismatch(
                 f"group {entry.name!r} of {self.manifest.model_id!r}: received bytes have checksum {actual}, "
@@ -665,7 +689,13 @@ class _ReceiveSession:
                         previous_error=errors[-1],
                     )
                 await self._pull_once(address, label, indices)
-                return
+                # A group that failed its checksum was reset: fetch it again from here (bounded:
+                # past MAX_REFETCHES its verification raises ChecksumMismatch).
+                while True:
+                    await asyncio.gather(*[t for t in self._verify_tasks if not t.done()])
+                    if all(self.store.landed_bytes(gi) >= self.manifest.groups[gi].size_bytes for gi in indices):
+                        return
+                    await self._pull_once(address, label, indices)
             except _RETRYABLE as exc:
                 errors.append(f"{label}: {type(exc).__name__}: {exc}")
                 last = exc
@@ -889,6 +919,7 @@ async def receive_groups(
         elapsed_s=elapsed,
         bytes_by_source=session.bytes_by_source,
         resourced_groups=[manifest.groups[gi].name for gi in sorted(session.resourced)],
+        refetched_groups=[manifest.groups[gi].name for gi in sorted(session.refetched)],
     )
     log.info(
         "dataplane_receive_done",
@@ -897,6 +928,7 @@ async def receive_groups(
         elapsed_s=round(elapsed, 4),
         gbps=round(result.gbps, 3),
         resourced=len(result.resourced_groups),
+        refetched=len(result.refetched_groups),
     )
     return result
 

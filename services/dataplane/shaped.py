@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from .buffers import as_uint8_array
-from .transport import Endpoint, Transport
+from .transport import Endpoint, Transport, WrappedEndpoint, WrappedTransport
 
 SLICE_BYTES = 1 << 20
 
@@ -23,8 +23,9 @@ class LinkShaper:
     """One egress link at `link_gbps`, shared by every message that asks for it.
 
     A message leaves in slices of `slice_bytes`; each slice takes the link only once it is free,
-    so concurrent messages interleave slice by slice, as the packets of several TCP flows do on
-    a `tc tbf` link: a small message (a control reply, a KV relay) waits for at most a slice
+    so messages of different connections interleave slice by slice, as the packets of several
+    TCP flows do on a `tc tbf` link (one connection's messages go in order, see
+    `_ShapedEndpoint`): a small message (a control reply, a KV relay) waits for at most a slice
     of a long parameter stream, not for the whole stream queued ahead of it. The message is
     delivered when its last slice has left (store-and-forward per message). A sender woken up
     to a slice time late still starts where the link fell free, so the event loop's jitter
@@ -58,41 +59,31 @@ class LinkShaper:
             await asyncio.sleep(delay)
 
 
-class _ShapedEndpoint(Endpoint):
+class _ShapedEndpoint(WrappedEndpoint):
+    """One connection: a byte stream, so its messages take the link one after another (FIFO),
+    while other connections' messages interleave with them slice by slice."""
+
     def __init__(self, inner: Endpoint, shaper: LinkShaper) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._shaper = shaper
-        self.peer = inner.peer
+        self._fifo = asyncio.Lock()
 
     async def send(self, buffer: Any, tag: int, *, timeout_s: float | None = None) -> None:
         nbytes = (
             len(buffer) if isinstance(buffer, (bytes, bytearray)) else int(as_uint8_array(buffer, writable=False).size)
         )
-        await self._shaper.take(nbytes)
+        async with self._fifo:
+            await self._shaper.take(nbytes)
         await self._inner.send(buffer, tag, timeout_s=timeout_s)
 
-    async def recv_into(self, buffer: Any, tag: int, *, timeout_s: float | None = None) -> None:
-        await self._inner.recv_into(buffer, tag, timeout_s=timeout_s)
 
-    def abort(self) -> None:
-        self._inner.abort()
-
-    async def close(self) -> None:
-        await self._inner.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._inner.closed
-
-
-class ShapedTransport(Transport):
+class ShapedTransport(WrappedTransport):
     """`inner` with every outgoing message paced by one shared `LinkShaper`, or, `per_peer`, by
     one shaper per connection: every peer then has a link of its own at `link_gbps` (a copy on
     each receiver's host, as ServerlessLLM's per-host caches are, read over each host's PCIe)."""
 
     def __init__(self, inner: Transport, link_gbps: float, *, per_peer: bool = False) -> None:
-        self._inner = inner
-        self.kind = inner.kind
+        super().__init__(inner)
         self.shaper = LinkShaper(link_gbps)
         self._link_gbps = link_gbps
         self._per_peer = per_peer
@@ -100,20 +91,8 @@ class ShapedTransport(Transport):
     def _shaper_for_endpoint(self) -> LinkShaper:
         return LinkShaper(self._link_gbps) if self._per_peer else self.shaper
 
-    async def start(self) -> None:
-        await self._inner.start()
-
-    def address(self) -> bytes:
-        return self._inner.address()
-
-    async def connect(self, address: bytes, *, timeout_s: float = 10.0) -> Endpoint:
-        return _ShapedEndpoint(await self._inner.connect(address, timeout_s=timeout_s), self._shaper_for_endpoint())
-
-    async def accept(self, *, timeout_s: float | None = None) -> Endpoint:
-        return _ShapedEndpoint(await self._inner.accept(timeout_s=timeout_s), self._shaper_for_endpoint())
-
-    async def close(self) -> None:
-        await self._inner.close()
+    def wrap(self, endpoint: Endpoint) -> Endpoint:
+        return _ShapedEndpoint(endpoint, self._shaper_for_endpoint())
 
 
 def maybe_shaped(transport: Transport, link_gbps: float, *, per_peer: bool = False) -> Transport:

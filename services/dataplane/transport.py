@@ -197,6 +197,57 @@ def make_transport(kind: TransportKind = "auto", **options: Any) -> Transport:
     return TcpTransport(**tcp_options)
 
 
+class WrappedEndpoint(Endpoint):
+    """An endpoint that delegates to `inner`; wrappers (link shaping, fault injection) override
+    `send`."""
+
+    def __init__(self, inner: Endpoint) -> None:
+        self._inner = inner
+        self.peer = inner.peer
+
+    async def send(self, buffer: Any, tag: int, *, timeout_s: float | None = None) -> None:
+        await self._inner.send(buffer, tag, timeout_s=timeout_s)
+
+    async def recv_into(self, buffer: Any, tag: int, *, timeout_s: float | None = None) -> None:
+        await self._inner.recv_into(buffer, tag, timeout_s=timeout_s)
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._inner.closed
+
+
+class WrappedTransport(Transport):
+    """A transport that delegates to `inner` and wraps every endpoint with `wrap(endpoint)`."""
+
+    def __init__(self, inner: Transport) -> None:
+        self._inner = inner
+        self.kind = inner.kind
+
+    def wrap(self, endpoint: Endpoint) -> Endpoint:
+        return endpoint
+
+    async def start(self) -> None:
+        await self._inner.start()
+
+    def address(self) -> bytes:
+        return self._inner.address()
+
+    async def connect(self, address: bytes, *, timeout_s: float = 10.0) -> Endpoint:
+        return self.wrap(await self._inner.connect(address, timeout_s=timeout_s))
+
+    async def accept(self, *, timeout_s: float | None = None) -> Endpoint:
+        return self.wrap(await self._inner.accept(timeout_s=timeout_s))
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
 def address_label(address: bytes) -> str:
     """A short printable name for an address, for logs and per-source statistics."""
     try:

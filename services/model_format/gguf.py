@@ -12,6 +12,7 @@ built next to its target and renamed into place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ import structlog
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tokenizers.pre_tokenizers import PreTokenizer
@@ -574,6 +576,17 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """`save_file`, with its I/O failures (which name no path and are no OSError) raised as the
+    OSError they are, naming the file: a full disk reads "No space left on device: <path>"."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        text = str(e)
+        code = errno.ENOSPC if "os error 28" in text or "No space left" in text else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} writing {path} ({text})", str(path)) from e
+
+
 def _write_weights(
     tensors: Mapping[str, ReaderTensor], config: Mapping[str, Any], names: Sequence[str], dtype: torch.dtype, out: Path
 ) -> None:
@@ -591,12 +604,12 @@ def _write_weights(
         acc += sizes[name]
     meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file(dict(_hf_tensors(tensors, config, names, dtype)), str(out / "model.safetensors"), metadata=meta)
+        _save_safetensors(dict(_hf_tensors(tensors, config, names, dtype)), out / "model.safetensors", meta)
         return
     weight_map: dict[str, str] = {}
     for n, shard in enumerate(shards, start=1):
         file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(dict(_hf_tensors(tensors, config, shard, dtype)), str(out / file), metadata=meta)
+        _save_safetensors(dict(_hf_tensors(tensors, config, shard, dtype)), out / file, meta)
         weight_map.update(dict.fromkeys(shard, file))
     _write_json(
         out / "model.safetensors.index.json",

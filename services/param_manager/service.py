@@ -25,6 +25,7 @@ from services.common.config import ServiceConfig
 from services.common.grpc_util import channel
 from services.common.server import ServeContext
 from services.dataplane.chain import GroupServer
+from services.dataplane.faults import maybe_corrupting
 from services.dataplane.manifest import Manifest
 from services.dataplane.shaped import maybe_shaped
 from services.dataplane.transport import Transport, make_transport
@@ -60,6 +61,12 @@ class ParamManagerConfig(ServiceConfig):
         False,
         description="with dataplane_link_gbps: every receiver gets a link of that rate of its own, as if it read a "
         "copy on its own host (ServerlessLLM-style baselines in benchmarks)",
+    )
+    dataplane_corrupt_sends: int = Field(
+        0,
+        ge=0,
+        description="chaos testing: flip a byte in each of the first N large data-plane messages this process sends; "
+        "receivers must catch it by checksum and fetch again (0 = off)",
     )
     announce_interval_s: float = Field(2.0, gt=0, description="how often a host cache re-announces its shard")
 
@@ -265,10 +272,13 @@ class ParamManagerService:
     async def start(self, ctx: ServeContext) -> None:
         cfg = self.config
         s = self.servicer
-        self.transport = maybe_shaped(
-            make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None),
-            cfg.dataplane_link_gbps,
-            per_peer=cfg.dataplane_link_per_peer,
+        self.transport = maybe_corrupting(
+            maybe_shaped(
+                make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None),
+                cfg.dataplane_link_gbps,
+                per_peer=cfg.dataplane_link_per_peer,
+            ),
+            cfg.dataplane_corrupt_sends,
         )
         await self.transport.start()
         self.group_server = GroupServer(self.transport)

@@ -40,6 +40,12 @@ class WorkerConfig(ServiceConfig):
     dataplane_link_gbps: float = Field(
         0.0, ge=0, description="emulate an egress link of this many Gbit/s on one machine (0 = off; benchmarks, tests)"
     )
+    dataplane_corrupt_sends: int = Field(
+        0,
+        ge=0,
+        description="chaos testing: flip a byte in each of the first N large data-plane messages this process sends; "
+        "receivers must catch it by checksum and fetch again (0 = off)",
+    )
     memory_budget_bytes: int = Field(0, ge=0, description="most bytes of parameters this worker accepts; 0 = no limit")
     stall_timeout_s: float = Field(
         10.0, gt=0, description="an upstream silent this long is dead: re-source from a fallback"

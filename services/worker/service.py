@@ -20,6 +20,7 @@ from services.common.grpc_util import MOVED_METADATA_KEY, channel
 from services.common.server import ServeContext
 from services.dataplane.chain import GroupServer, GroupStore, TransferResult, receive_groups
 from services.dataplane.errors import DataPlaneError, InsufficientMemory
+from services.dataplane.faults import maybe_corrupting
 from services.dataplane.manifest import Manifest
 from services.dataplane.shaped import maybe_shaped
 from services.dataplane.transport import Transport, make_transport
@@ -718,9 +719,12 @@ class WorkerService:
         self.servicer.ctx = ctx
         ctx.tasks.spawn(self.servicer.supervise_engine(), name="engine-supervisor")
         self.servicer.address = f"{cfg.advertise_host or cfg.host}:{ctx.grpc_port}"
-        transport = maybe_shaped(
-            make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None),
-            cfg.dataplane_link_gbps,
+        transport = maybe_corrupting(
+            maybe_shaped(
+                make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None),
+                cfg.dataplane_link_gbps,
+            ),
+            cfg.dataplane_corrupt_sends,
         )
         await transport.start()
         self.servicer.transport = transport

@@ -35,7 +35,7 @@ def chaos_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def chaos_config(model_dir: Path, run_dir: Path, **kw: object) -> MeshConfig:
+def chaos_config(model_dir: Path, run_dir: Path, worker_args_extra: tuple[str, ...] = (), **kw: object) -> MeshConfig:
     return MeshConfig(
         workers=4,
         model=MODEL,
@@ -55,6 +55,7 @@ def chaos_config(model_dir: Path, run_dir: Path, **kw: object) -> MeshConfig:
             "0.01",
             "--stall-timeout-s",
             "2",
+            *worker_args_extra,
         ],
         **kw,  # type: ignore[arg-type]
     )

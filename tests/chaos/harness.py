@@ -248,7 +248,8 @@ async def run_chaos(
         errors=sum(r.outcome == "error" for r in records),
         lost=sum(r.outcome == "lost" for r in records),
         hung=hung,
-        migrated=round(migrated + retried),
+        # A restarted gateway starts its counters afresh: count from zero then.
+        migrated=round(max(0.0, migrated) + max(0.0, retried)),
         recovery_s=recovery_s,
         error_messages=sorted({r.error for r in records if r.outcome == "error"}),
         events=events,

@@ -17,7 +17,7 @@ import pytest
 
 import blitzmesh
 from services.mesh.launcher import Mesh
-from tests.chaos.harness import MODEL, ChaosOutcome, code_trace_burst, run_chaos
+from tests.chaos.harness import MODEL, ChaosOutcome, code_trace_burst, run_chaos, wait_event
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -55,6 +55,15 @@ async def wait_mid_transfer(mesh: Mesh, instance_id: str, timeout_s: float = 20.
             await asyncio.sleep(0.02)
 
 
+async def busiest_bystander(mesh: Mesh, events: list[dict[str, Any]]) -> str:
+    """The SERVING instance with the most requests running that does not feed the chain."""
+    source, _ = chain_of(events)
+    async with blitzmesh.AsyncClient(mesh.gateway_grpc, timeout_s=10) as client:
+        cluster = await client.cluster()
+    serving = [i for i in cluster.instances if i.state == "serving" and i.instance_id != source]
+    return max(serving, key=lambda i: i.load.running).instance_id
+
+
 def assert_nothing_lost(out: ChaosOutcome, *, errors_allowed: int = 0) -> None:
     assert out.lost == 0 and out.hung == 0, out.row()
     assert out.errors <= errors_allowed, out.error_messages
@@ -67,11 +76,7 @@ async def test_worker_killed_mid_stream(chaos_mesh: Mesh) -> None:
     streams resume elsewhere and the scale-out completes."""
 
     async def fault(mesh: Mesh, events: list[dict[str, Any]]) -> dict[str, Any]:
-        source, _ = chain_of(events)
-        async with blitzmesh.AsyncClient(mesh.gateway_grpc, timeout_s=10) as client:
-            cluster = await client.cluster()
-        serving = [i for i in cluster.instances if i.state == "serving" and i.instance_id != source]
-        victim = max(serving, key=lambda i: i.load.running).instance_id
+        victim = await busiest_bystander(mesh, events)
         mesh.procs[victim].process.send_signal(signal.SIGKILL)
         return {"killed": victim}
 
@@ -154,3 +159,80 @@ async def test_global_manager_restarted_mid_scale_out(chaos_mesh: Mesh) -> None:
     # The restarted manager does not know the scale-out it did not start: its loads are seen
     # from the workers' re-registration, not from load_result events.
     assert out.lost == 0 and out.hung == 0 and out.errors == 0, out.row()
+
+
+async def test_worker_hung_with_sigstop(chaos_mesh: Mesh) -> None:
+    """A SERVING worker is SIGSTOPped with streams in flight: the manager marks it LOST after
+    its heartbeat timeout, the gateway fails its streams over (they resume elsewhere), and once
+    it is LOST it is SIGCONTed: it re-registers and the cluster is whole again."""
+
+    async def fault(mesh: Mesh, events: list[dict[str, Any]]) -> dict[str, Any]:
+        victim = await busiest_bystander(mesh, events)
+        proc = mesh.procs[victim].process
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            lost = await wait_event(
+                events, lambda e: e["action"] == "instance_lost" and e["instance_id"] == victim, 30.0, "instance_lost"
+            )
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        return {"hung": victim, "lost_after_s": lost["t_s"]}
+
+    out = await run_chaos(chaos_mesh, "worker_sigstop", fault, arrivals=code_trace_burst())
+    assert_nothing_lost(out)
+    assert out.migrated >= 1, out.row()
+
+
+async def test_gateway_restarted(chaos_mesh: Mesh) -> None:
+    """The gateway is SIGKILLed and restarted (same ports) during a scale-out. Streams it held
+    end with a connection error (nothing could carry them over); requests the `openai` client
+    sends meanwhile succeed through its own retries; the scale-out finishes."""
+    retried: list[str] = []
+
+    async def via_openai(i: int) -> None:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=f"{chaos_mesh.gateway_http}/v1", api_key="none", max_retries=5)
+        done = await client.completions.create(model=MODEL, prompt=f"during restart {i}", max_tokens=4)
+        retried.append(done.choices[0].finish_reason)
+
+    async def fault(mesh: Mesh, events: list[dict[str, Any]]) -> dict[str, Any]:
+        proc = mesh.procs["gateway"].process
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        clients = asyncio.gather(*(via_openai(i) for i in range(4)))  # sent while it is down
+        await mesh.restart("gateway")
+        await asyncio.wait_for(clients, 60)
+        return {"restarted": "gateway"}
+
+    out = await run_chaos(chaos_mesh, "gateway_restarted", fault, arrivals=code_trace_burst())
+    assert out.lost == 0 and out.hung == 0, out.row()
+    connection = ("Connection", "connect", "Payload", "Disconnected", "closed")
+    assert all(any(c in m for c in connection) for m in out.error_messages), out.error_messages
+    assert len(retried) == 4 and all(r in ("stop", "length") for r in retried), retried
+    assert not out.unresolved_scale_outs(), out.unresolved_scale_outs()
+
+
+@pytest.mark.parametrize("chaos_mesh", [{"worker_args_extra": ["--dataplane-corrupt-sends", "1"]}], indirect=True)
+async def test_corrupted_chunk_on_the_wire(chaos_mesh: Mesh) -> None:
+    """Every worker flips a byte in the first parameter chunk it sends (the chain's source and
+    its middle hop): receivers catch it by checksum, fetch the group again, and serve the same
+    tokens as the instances loaded before."""
+    async with blitzmesh.AsyncClient(chaos_mesh.gateway_grpc, timeout_s=60) as client:
+        reference = await client.complete("The quick brown fox", model=MODEL, max_tokens=8, temperature=0)
+
+    async def fault(mesh: Mesh, events: list[dict[str, Any]]) -> dict[str, Any]:
+        source, hops = chain_of(events)
+        return {"chain": "->".join([source, *hops])}  # the corruption is already on the wire
+
+    out = await run_chaos(chaos_mesh, "corrupted_chunk", fault, arrivals=code_trace_burst())
+    assert_nothing_lost(out)
+    logs = "".join(chaos_mesh.log_path(n).read_text() for n in chaos_mesh.procs if n.startswith("worker"))
+    refetches = logs.count("dataplane_checksum_refetch")
+    assert "dataplane_fault_corrupted_send" in logs and refetches >= 1, "the corruption was caught and refetched"
+    out.notes["refetched_groups"] = refetches
+    async with blitzmesh.AsyncClient(chaos_mesh.gateway_grpc, timeout_s=60) as client:
+        cluster = await client.cluster()
+        for inst in [i for i in cluster.instances if i.state == "serving"]:
+            again = await client.complete("The quick brown fox", model=MODEL, max_tokens=8, temperature=0)
+            assert again.text == reference.text, inst.instance_id

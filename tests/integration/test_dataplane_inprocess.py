@@ -295,6 +295,34 @@ async def test_checksum_mismatch_leaves_only_verified_groups_usable(receiver) ->
         await t.close()
 
 
+async def test_a_chunk_corrupted_on_the_wire_is_fetched_again(receiver) -> None:  # type: ignore[no-untyped-def]
+    """A flipped byte in flight (CorruptingTransport on the source, one chunk): the receiver's
+    checksum catches it, the group is fetched again from the same source, and every byte
+    arrives right; the middle hop of a chain that forwarded the bad bytes does the same."""
+    from services.dataplane.faults import CorruptingTransport
+
+    manifest, bufs = synthetic_model(SPEC)
+    src = CorruptingTransport(make_transport("tcp"), 1, min_bytes=BLOCK_BYTES)
+    await src.start()
+    server = await serve_groups(src, manifest, bufs)
+    rt, r_server = receiver
+    tail_t = make_transport("tcp")
+    await tail_t.start()
+    try:
+        first = asyncio.create_task(receive_chain(rt, src.address(), manifest, server=r_server, stall_timeout_s=5))
+        second = asyncio.create_task(receive_chain(tail_t, rt.address(), manifest, stall_timeout_s=5))
+        results = await asyncio.gather(first, second)
+        assert src.corruptions_left == 0  # one chunk really went out corrupted
+        assert results[0].refetched_groups, "the hop next to the corruption fetched a group again"
+        for result in results:
+            for i, g in enumerate(manifest.groups):
+                assert bytes(result.store.buffer(g.name)) == bytes(np.asarray(bufs[i]).view(np.uint8)), g.name
+    finally:
+        await server.close()
+        await src.close()
+        await tail_t.close()
+
+
 async def test_stalled_upstream_is_resourced_from_fallback_exactly(source, receiver) -> None:  # type: ignore[no-untyped-def]
     src_t, _, manifest, bufs = source
     rt, _ = receiver

@@ -56,3 +56,31 @@ async def test_per_peer_links_do_not_share_their_rate() -> None:
     started = time.monotonic()
     await asyncio.gather(a.take(1_000_000), b.take(1_000_000))  # 0.1 s each at 10 MB/s
     assert time.monotonic() - started < 0.18
+
+
+async def test_one_connection_sends_in_order_others_interleave() -> None:
+    """Messages on one connection leave one after another (a byte stream: the first arrives
+    after its own bytes, not after the whole window's); another connection's message
+    interleaves with them."""
+    from services.dataplane.shaped import _ShapedEndpoint
+
+    class Sink:
+        peer = "sink"
+
+        def __init__(self, log: list[tuple[str, float]], name: str) -> None:
+            self.log, self.name = log, name
+
+        async def send(self, buffer: object, tag: int, *, timeout_s: float | None = None) -> None:
+            self.log.append((f"{self.name}{tag}", time.monotonic()))
+
+    shaper = LinkShaper(link_gbps=0.08, slice_bytes=50_000)  # 10 MB/s
+    done: list[tuple[str, float]] = []
+    a = _ShapedEndpoint(Sink(done, "a"), shaper)  # type: ignore[arg-type]
+    b = _ShapedEndpoint(Sink(done, "b"), shaper)  # type: ignore[arg-type]
+    started = time.monotonic()
+    await asyncio.gather(*(a.send(bytes(500_000), tag) for tag in range(4)), b.send(bytes(50_000), 0))
+    at = {name: t - started for name, t in done}
+    assert [n for n, _ in done if n.startswith("a")] == ["a0", "a1", "a2", "a3"]
+    assert at["a0"] < 0.15, f"the first message waited {at['a0']:.3f} s for the rest of its connection's"
+    assert at["b0"] < 0.2, f"the other connection's message waited {at['b0']:.3f} s"
+    assert at["a3"] >= 0.2 * 0.95  # 2.05 MB at 10 MB/s in all
