@@ -7,6 +7,7 @@ between the two is tested in tests/integration/test_zigzag_worker.py.)"""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -196,6 +197,36 @@ async def test_a_loading_engine_refuses_whole_requests(ckpt: Path) -> None:
             await collect_stream(
                 new.generate("r", [1, 5], SamplingParams(temperature=0, prompt_logprobs=1), zigzag=True)
             )
+    finally:
+        await new.stop()
+
+
+async def test_an_abort_while_its_next_layers_compute_leaves_the_engine_alive(ckpt: Path) -> None:
+    """The gateway aborts a ZigZag request (its partner took it over, or the client left) while
+    the step running its next layers is queued for the compute thread: the step must not read
+    the request's state the abort cleared (it crashed the engine loop in bench.live_scaling)."""
+    model, ckpt_groups = partial_model(ckpt, 1)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        first = asyncio.create_task(collect_stream(new.generate("r", prompt_of(30, 7), PARAMS, zigzag=True)))
+        await wait_until(lambda: getattr(new._by_id.get("r"), "zz_layers", 0) == 1, 5, what="layer 0 run")
+        gate = threading.Event()
+        assert new._executor is not None
+        new._executor.submit(gate.wait, 10)  # the compute thread is busy until released
+        load_layer(model, ckpt_groups, "layers.1")
+        new.notify_layers()
+        await wait_until(lambda: "r" in new._in_step, 5, what="the step of layer 1 dispatched")
+        new.abort("r")
+        gate.set()
+        events = await asyncio.wait_for(first, 10)
+        assert events[-1].finish_reason == "abort"
+        load_layer(model, ckpt_groups, "layers.2")
+        second = asyncio.create_task(collect_stream(new.generate("s", prompt_of(9, 3), PARAMS, zigzag=True)))
+        await wait_until(lambda: getattr(new._by_id.get("s"), "zz_layers", 0) == 3, 5, what="the engine still runs")
+        assert new.stats().running == 1
+        new.abort("s")
+        await second
     finally:
         await new.stop()
 

@@ -329,6 +329,9 @@ class _Partial:
     layer_end: int
     num_tokens: int
     block_table: list[int]
+    # The hidden states after layer_start (None from the embedding), taken when the step is
+    # planned: the compute thread must not read `seq`, which an abort may clear meanwhile.
+    hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -1140,7 +1143,9 @@ class Engine:
             if work and n > budget:
                 break
             budget -= n
-            work.append(_Partial(seq, seq.zz_layers, loaded, n, self.kv_cache.block_table(seq.request_id)))
+            work.append(
+                _Partial(seq, seq.zz_layers, loaded, n, self.kv_cache.block_table(seq.request_id), seq.zz_hidden)
+            )
         return work
 
     def notify_layers(self) -> None:
@@ -1274,8 +1279,8 @@ class Engine:
             if part.layer_start == 0:
                 hidden = model.embed(torch.tensor(part.seq.prompt, dtype=torch.long, device=device))
             else:
-                assert part.seq.zz_hidden is not None
-                hidden = part.seq.zz_hidden
+                assert part.hidden is not None
+                hidden = part.hidden
             partial_out.append(model.run_layers(hidden, part.layer_start, part.layer_end, batch, self.kv_cache))
         if not inp.sample_rows:
             return None, prompt_out, partial_out
