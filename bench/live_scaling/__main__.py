@@ -61,9 +61,9 @@ POLICY = {
 }
 BULKY = ("timeline", "events", "tokens_per_s", "loading")
 SETUPS = ("stop_the_world", "zigzag", "sllm_hit", "sllm_miss", "fixed_peak")
-# Ablation, run on request: ZigZag with the partner taking relayed requests in arrival order
-# with its own (the worker's --zigzag-partner-order arrival) instead of first.
-ABLATIONS = ("zigzag_arrival",)
+# Ablation, run on request: ZigZag with the partner taking relayed requests before its own
+# (the worker's --zigzag-partner-order relay_first) instead of in arrival order.
+ABLATIONS = ("zigzag_relay_first",)
 
 
 # Request shapes (prompt tokens, output tokens), uniform in each range. `code` follows the Azure
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(STEP_A_S),
                 "--step-time-b-s",
                 str(STEP_B_S),
-                *(["--zigzag-partner-order", "arrival"] if setup == "zigzag_arrival" else []),
+                *(["--zigzag-partner-order", "relay_first"] if setup == "zigzag_relay_first" else []),
             ],
             manager_args=_manager_args(setup),
         )

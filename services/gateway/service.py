@@ -66,8 +66,8 @@ class GatewayService:
         await ctx.set_serving()
 
     async def stop(self) -> None:
-        # serve() stops the gRPC server only after this returns: let its streams finish on open
-        # upstream channels (HTTP ones already had their grace inside http.stop()).
+        # serve() has already stopped the gRPC server with its grace, upstream channels still
+        # open, so its streams could finish; the HTTP ones get theirs inside http.stop().
         await self.http.stop()
         await self.backend.drain(self.config.shutdown_grace_s)
         await self.backend.close()

@@ -57,10 +57,10 @@ class WorkerConfig(ServiceConfig):
         "its decode instance to start pulling, then freed (the decode side then recomputes the prompt)",
     )
     zigzag_partner_order: str = Field(
-        "relay_first",
-        pattern="^(relay_first|arrival)$",
-        description="ZigZag partner: take requests relayed from a loading instance before its own waiting ones "
-        "(relay_first: the pair runs as a pipeline) or in arrival order with them",
+        "arrival",
+        pattern="^(arrival|relay_first)$",
+        description="ZigZag partner: take requests relayed from a loading instance in arrival order with its own "
+        "waiting ones, or before them (relay_first: more requests split while loading, a worse tail)",
     )
     dtype: str = Field(
         "auto",
