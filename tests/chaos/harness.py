@@ -72,6 +72,7 @@ class ChaosOutcome:
     error_messages: list[str] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
+    final_states: dict[str, str] = field(default_factory=dict)  # instance id -> state once healthy
 
     def row(self) -> dict[str, Any]:
         return {
@@ -87,14 +88,17 @@ class ChaosOutcome:
         }
 
     def unresolved_scale_outs(self) -> list[str]:
-        """Instances a scale-out started loading that neither served nor were rolled back."""
+        """Instances a scale-out started loading that neither served nor were rolled back: no
+        load_result or rollback event, and not SERVING or IDLE at the end (an event can be
+        missed while the gateway that carries the watch restarts)."""
         started = {e["instance_id"] for e in self.events if e["action"] == "scale_out" and e["status"] == "loading"}
         ended = {
             e["instance_id"]
             for e in self.events
             if e["action"] == "load_result" or (e["action"] == "scale_out" and e["status"] == "rolled_back")
         }
-        return sorted(started - ended)
+        settled = {iid for iid, state in self.final_states.items() if state in ("serving", "idle")}
+        return sorted(started - ended - settled)
 
 
 def write_row(row: dict[str, Any], path: Path = RESULTS) -> None:
@@ -181,18 +185,20 @@ async def run_chaos(
     async with blitzmesh.AsyncClient(mesh.gateway_grpc, timeout_s=30) as client:
 
         async def watch() -> None:
-            with contextlib.suppress(blitzmesh.BlitzmeshError):
-                async for ev in client.watch_events():
-                    events.append(
-                        {
-                            "t_s": round(time.monotonic() - clock0, 3),
-                            "action": ev.action,
-                            "status": ev.status,
-                            "instance_id": ev.instance_id,
-                            "target": ev.target,
-                            "reason": ev.reason,
-                        }
-                    )
+            while True:  # a restarted gateway ends the stream: watch again (events meanwhile are missed)
+                with contextlib.suppress(blitzmesh.BlitzmeshError):
+                    async for ev in client.watch_events():
+                        events.append(
+                            {
+                                "t_s": round(time.monotonic() - clock0, 3),
+                                "action": ev.action,
+                                "status": ev.status,
+                                "instance_id": ev.instance_id,
+                                "target": ev.target,
+                                "reason": ev.reason,
+                            }
+                        )
+                await asyncio.sleep(0.2)
 
         migrated_before = await gateway_counter(mesh, "blitzmesh_gateway_migrations")
         retried_before = await gateway_counter(mesh, "blitzmesh_gateway_retries")
@@ -224,6 +230,7 @@ async def run_chaos(
                     raise TimeoutError(f"cluster not healthy {recovery_timeout_s}s after {fault_name}")
                 await asyncio.sleep(0.2)
             recovery_s = time.monotonic() - fault_at
+            final_states = {i.instance_id: i.state for i in (await client.cluster()).instances}
         finally:
             traffic.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -254,6 +261,7 @@ async def run_chaos(
         error_messages=sorted({r.error for r in records if r.outcome == "error"}),
         events=events,
         notes=notes,
+        final_states=final_states,
     )
     write_row(outcome.row())
     return outcome
