@@ -215,7 +215,8 @@ async def run_chaos(
             )
         )
         try:
-            # The scale-out starts once the burst is under way.
+            # The scale-out starts once the burst is under way: a chosen moment, the quarter of
+            # the burst's arrivals (at most 1 s in), not a wait for a condition.
             await asyncio.sleep(min(1.0, arrivals[len(arrivals) // 4].t_s if arrivals else 0.0))
             scaling = asyncio.create_task(client.scale(MODEL, scale_by, wait=True, timeout_s=120))
             await wait_event(events, when or (lambda e: e["action"] == "transfer_plan"), 30.0, "moment for the fault")
@@ -235,7 +236,6 @@ async def run_chaos(
             traffic.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await traffic
-        await asyncio.sleep(0.5)  # the last events of the recovery
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
