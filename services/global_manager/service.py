@@ -763,9 +763,11 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 return
         if not error:
             load_s = time.perf_counter() - started
-            await self._update_location(model_id, iid, present=True)
+            # The event goes out with the SERVING transition (no await between them), so a
+            # client that sees the instance serve has been sent its load_result too.
             ACTIONS.labels("load", "ok").inc()
             self.emit("load_result", model_id, "ok", f"load_s={load_s:.3f}", iid)
+            await self._update_location(model_id, iid, present=True)
             if self.cfg.rebalance:
                 await self._rebalance(model_id, iid)
             return

@@ -61,6 +61,12 @@ async def test_scale_out_while_serving(scale_mesh: Mesh) -> None:
         result = await client.scale(MODEL, 2, wait=True, timeout_s=120)
         assert len(result.instance_ids) == 2
         done = await flowing
+        # The events arrive on their own stream: wait (bounded) for both loads' results.
+        await wait_until(
+            lambda: {e.instance_id for e in events if e.action == "load_result"} >= set(result.instance_ids),
+            10,
+            what="a load_result event for each new instance",
+        )
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
