@@ -763,11 +763,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 return
         if not error:
             load_s = time.perf_counter() - started
-            # The event goes out with the SERVING transition (no await between them), so a
-            # client that sees the instance serve has been sent its load_result too.
+            await self._update_location(model_id, iid, present=True)
             ACTIONS.labels("load", "ok").inc()
             self.emit("load_result", model_id, "ok", f"load_s={load_s:.3f}", iid)
-            await self._update_location(model_id, iid, present=True)
             if self.cfg.rebalance:
                 await self._rebalance(model_id, iid)
             return
