@@ -39,6 +39,7 @@ from services.worker.engine.scheduler import (
     WaitingSeq,
     schedule,
 )
+from services.worker.engine.slo import RequestSLO
 from services.worker.model import native
 from services.worker.model.attention import ForwardBatch
 from services.worker.model.llama import LlamaForCausalLM
@@ -236,6 +237,14 @@ class EngineStats:
     total_generated_tokens: int
     total_prompt_tokens: int
     window_s: float
+    # SCORPIO (scheduling_policy="scorpio"): the fitted TPOT estimate for the running set, seconds.
+    est_tpot_s: float | None = None
+    slo_rejected_total: int = 0  # requests refused because an SLO could not be met
+    # MAX_UTILIZATION: requests paused (KV dropped or swapped) so others could go on.
+    preempted_total: int = 0
+    # Prefix caching: prompt tokens whose KV was found in the cache / looked up, since start.
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -275,6 +284,7 @@ class _Seq:
     zz_hidden: torch.Tensor | None = None  # the prompt's hidden states after layer zz_layers
     relay_waiters: list[asyncio.Future[RelayOutcome]] = field(default_factory=list)
     migrate: bool = False  # live migration asked: leave with its KV between steps
+    slo: RequestSLO | None = None  # latency objectives (SCORPIO schedules by them; FCFS ignores them)
 
     @property
     def num_tokens(self) -> int:
@@ -588,6 +598,7 @@ class Engine:
         kv_fill: KVFill | None = None,
         zigzag: bool = False,
         relay_fill: RelayFill | None = None,
+        slo: RequestSLO | None = None,
     ) -> _Seq:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop crashed: {self._dead!r}") from self._dead
@@ -673,6 +684,7 @@ class Engine:
             kv_fill=kv_fill,
             zigzag=zigzag,
             relay_fill=relay_fill,
+            slo=None if slo is None or slo.is_empty else slo,
         )
         if zigzag:
             seq.blocks_reserved = self.kv_cache.blocks_needed(len(prompt))
@@ -705,6 +717,7 @@ class Engine:
         kv_fill: KVFill | None = None,
         zigzag: bool = False,
         relay_fill: RelayFill | None = None,
+        slo: RequestSLO | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens. Closing or cancelling the stream aborts the request and frees
         its KV at once. Raises RequestTooLarge / ValueError on the first iteration for a bad
@@ -734,7 +747,10 @@ class Engine:
           `relay_fill` takes the request over from the loading instance, pulling the KV of the
           layers that ran there (the loading instance has worked on it while it queued here); the remaining layers run here on the hidden states it brings,
           then the request samples and decodes as any other. If that fails, the prompt is
-          computed here whole."""
+          computed here whole.
+
+        `slo`: the request's latency objectives. Under `scheduling_policy="scorpio"` they order
+        and gate its admission (SLOUnattainable when they cannot be met); FCFS ignores them."""
         seq = self._add(
             request_id,
             prompt_token_ids,
@@ -744,6 +760,7 @@ class Engine:
             kv_fill=kv_fill,
             zigzag=zigzag,
             relay_fill=relay_fill,
+            slo=slo,
         )
         try:
             while True:
