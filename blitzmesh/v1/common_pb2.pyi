@@ -292,23 +292,117 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
+    SLO_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     total_tokens: _builtins.int
+    @_builtins.property
+    def slo(self) -> Global___SLOAttainment:
+        """set when the request carried an SLO: whether each was met"""
+
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         total_tokens: _builtins.int = ...,
+        slo: Global___SLOAttainment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["slo", b"slo"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "slo", b"slo", "total_tokens", b"total_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
+
+@_typing.final
+class RequestSLO(_message.Message):
+    """A request's latency objectives, in seconds. Unset = none of that kind (or the deployment's
+    default, applied at the gateway).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTFT_S_FIELD_NUMBER: _builtins.int
+    TPOT_S_FIELD_NUMBER: _builtins.int
+    ttft_s: _builtins.float
+    """arrival to first token"""
+    tpot_s: _builtins.float
+    """mean time per output token after the first"""
+    def __init__(
+        self,
+        *,
+        ttft_s: _builtins.float | None = ...,
+        tpot_s: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_tpot_s", b"_tpot_s", "_ttft_s", b"_ttft_s", "tpot_s", b"tpot_s", "ttft_s", b"ttft_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tpot_s", b"_tpot_s", "_ttft_s", b"_ttft_s", "tpot_s", b"tpot_s", "ttft_s", b"ttft_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__tpot_s: _TypeAlias = _typing.Literal["tpot_s"]  # noqa: Y015
+    _WhichOneofArgType__tpot_s: _TypeAlias = _typing.Literal["_tpot_s", b"_tpot_s"]  # noqa: Y015
+    _WhichOneofReturnType__ttft_s: _TypeAlias = _typing.Literal["ttft_s"]  # noqa: Y015
+    _WhichOneofArgType__ttft_s: _TypeAlias = _typing.Literal["_ttft_s", b"_ttft_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tpot_s) -> _WhichOneofReturnType__tpot_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_s) -> _WhichOneofReturnType__ttft_s | None: ...
+
+Global___RequestSLO: _TypeAlias = RequestSLO  # noqa: Y015
+
+@_typing.final
+class SLOAttainment(_message.Message):
+    """Whether a finished request met its SLOs, as measured at the gateway."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTFT_S_FIELD_NUMBER: _builtins.int
+    TPOT_S_FIELD_NUMBER: _builtins.int
+    TTFT_MET_FIELD_NUMBER: _builtins.int
+    TPOT_MET_FIELD_NUMBER: _builtins.int
+    TTFT_OBSERVED_S_FIELD_NUMBER: _builtins.int
+    TPOT_OBSERVED_S_FIELD_NUMBER: _builtins.int
+    ttft_s: _builtins.float
+    """the objective"""
+    tpot_s: _builtins.float
+    ttft_met: _builtins.bool
+    tpot_met: _builtins.bool
+    ttft_observed_s: _builtins.float
+    tpot_observed_s: _builtins.float
+    """0 with fewer than two tokens"""
+    def __init__(
+        self,
+        *,
+        ttft_s: _builtins.float | None = ...,
+        tpot_s: _builtins.float | None = ...,
+        ttft_met: _builtins.bool | None = ...,
+        tpot_met: _builtins.bool | None = ...,
+        ttft_observed_s: _builtins.float = ...,
+        tpot_observed_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_tpot_met", b"_tpot_met", "_tpot_s", b"_tpot_s", "_ttft_met", b"_ttft_met", "_ttft_s", b"_ttft_s", "tpot_met", b"tpot_met", "tpot_s", b"tpot_s", "ttft_met", b"ttft_met", "ttft_s", b"ttft_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tpot_met", b"_tpot_met", "_tpot_s", b"_tpot_s", "_ttft_met", b"_ttft_met", "_ttft_s", b"_ttft_s", "tpot_met", b"tpot_met", "tpot_observed_s", b"tpot_observed_s", "tpot_s", b"tpot_s", "ttft_met", b"ttft_met", "ttft_observed_s", b"ttft_observed_s", "ttft_s", b"ttft_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__tpot_met: _TypeAlias = _typing.Literal["tpot_met"]  # noqa: Y015
+    _WhichOneofArgType__tpot_met: _TypeAlias = _typing.Literal["_tpot_met", b"_tpot_met"]  # noqa: Y015
+    _WhichOneofReturnType__tpot_s: _TypeAlias = _typing.Literal["tpot_s"]  # noqa: Y015
+    _WhichOneofArgType__tpot_s: _TypeAlias = _typing.Literal["_tpot_s", b"_tpot_s"]  # noqa: Y015
+    _WhichOneofReturnType__ttft_met: _TypeAlias = _typing.Literal["ttft_met"]  # noqa: Y015
+    _WhichOneofArgType__ttft_met: _TypeAlias = _typing.Literal["_ttft_met", b"_ttft_met"]  # noqa: Y015
+    _WhichOneofReturnType__ttft_s: _TypeAlias = _typing.Literal["ttft_s"]  # noqa: Y015
+    _WhichOneofArgType__ttft_s: _TypeAlias = _typing.Literal["_ttft_s", b"_ttft_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tpot_met) -> _WhichOneofReturnType__tpot_met | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tpot_s) -> _WhichOneofReturnType__tpot_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_met) -> _WhichOneofReturnType__ttft_met | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_s) -> _WhichOneofReturnType__ttft_s | None: ...
+
+Global___SLOAttainment: _TypeAlias = SLOAttainment  # noqa: Y015
 
 @_typing.final
 class LoadReport(_message.Message):
@@ -331,6 +425,11 @@ class LoadReport(_message.Message):
     ZIGZAG_RUNNING_FIELD_NUMBER: _builtins.int
     ZIGZAG_RELAYED_TOTAL_FIELD_NUMBER: _builtins.int
     ZIGZAG_CONTINUED_TOTAL_FIELD_NUMBER: _builtins.int
+    EST_TPOT_S_FIELD_NUMBER: _builtins.int
+    SLO_REJECTED_TOTAL_FIELD_NUMBER: _builtins.int
+    PREEMPTED_TOTAL_FIELD_NUMBER: _builtins.int
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     decode_tps: _builtins.float
     prefill_tps: _builtins.float
     ttft_p50_s: _builtins.float
@@ -349,6 +448,15 @@ class LoadReport(_message.Message):
     """
     zigzag_relayed_total: _builtins.int
     zigzag_continued_total: _builtins.int
+    est_tpot_s: _builtins.float
+    """SLO-aware engine: the fitted TPOT estimate for the running set (0 = no estimate yet), the
+    requests refused for an SLO they could not meet, and those paused (MAX_UTILIZATION).
+    """
+    slo_rejected_total: _builtins.int
+    preempted_total: _builtins.int
+    prefix_hit_tokens: _builtins.int
+    """Prefix caching: prompt tokens served from cached KV blocks / looked up, since start."""
+    prefix_query_tokens: _builtins.int
     def __init__(
         self,
         *,
@@ -367,10 +475,15 @@ class LoadReport(_message.Message):
         zigzag_running: _builtins.int = ...,
         zigzag_relayed_total: _builtins.int = ...,
         zigzag_continued_total: _builtins.int = ...,
+        est_tpot_s: _builtins.float = ...,
+        slo_rejected_total: _builtins.int = ...,
+        preempted_total: _builtins.int = ...,
+        prefix_hit_tokens: _builtins.int = ...,
+        prefix_query_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tps", b"decode_tps", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "prefill_tps", b"prefill_tps", "running", b"running", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "tokens_generated_total", b"tokens_generated_total", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s", "waiting", b"waiting", "waiting_prefill_tokens", b"waiting_prefill_tokens", "zigzag_continued_total", b"zigzag_continued_total", "zigzag_relayed_total", b"zigzag_relayed_total", "zigzag_running", b"zigzag_running"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tps", b"decode_tps", "est_tpot_s", b"est_tpot_s", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "preempted_total", b"preempted_total", "prefill_tps", b"prefill_tps", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "running", b"running", "slo_rejected_total", b"slo_rejected_total", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "tokens_generated_total", b"tokens_generated_total", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s", "waiting", b"waiting", "waiting_prefill_tokens", b"waiting_prefill_tokens", "zigzag_continued_total", b"zigzag_continued_total", "zigzag_relayed_total", b"zigzag_relayed_total", "zigzag_running", b"zigzag_running"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -160,6 +160,8 @@ class ScheduleRequest(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
+    SLO_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model_id: _builtins.str
     prompt_tokens: _builtins.int
@@ -167,6 +169,16 @@ class ScheduleRequest(_message.Message):
     @_builtins.property
     def exclude_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """e.g. an instance that just failed"""
+
+    @_builtins.property
+    def slo(self) -> _common_pb2.RequestSLO:
+        """prefer an instance whose estimate meets it"""
+
+    @_builtins.property
+    def prefix_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Chained hashes of the prompt's full KV blocks (services/common/prefix.py), for routing by
+        prefix affinity; empty = no affinity.
+        """
 
     def __init__(
         self,
@@ -176,10 +188,12 @@ class ScheduleRequest(_message.Message):
         prompt_tokens: _builtins.int = ...,
         max_tokens: _builtins.int = ...,
         exclude_instance_ids: _abc.Iterable[_builtins.str] | None = ...,
+        slo: _common_pb2.RequestSLO | None = ...,
+        prefix_block_hashes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["slo", b"slo"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exclude_instance_ids", b"exclude_instance_ids", "max_tokens", b"max_tokens", "model_id", b"model_id", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exclude_instance_ids", b"exclude_instance_ids", "max_tokens", b"max_tokens", "model_id", b"model_id", "prefix_block_hashes", b"prefix_block_hashes", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "slo", b"slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from blitzmesh.v1 import common_pb2 as blitzmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62litzmesh/v1/inference.proto\x12\x0c\x62litzmesh.v1\x1a\x19\x62litzmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xee\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.blitzmesh.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.blitzmesh.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x18\n\x10return_token_ids\x18\x07 \x01(\x08\x12\t\n\x01n\x18\x08 \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\t \x01(\x08\"\xbc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x36\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.blitzmesh.v1.FinishReasonH\x00\x88\x01\x01\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.blitzmesh.v1.Usage\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\x05\x42\x10\n\x0e_finish_reason\"\x8f\x02\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.blitzmesh.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.blitzmesh.v1.Usage\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12%\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x14.blitzmesh.v1.Choice\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\"\xae\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.blitzmesh.v1.FinishReason\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\x12\x13\n\x0binstance_id\x18\x06 \x01(\t2\xa3\x01\n\tInference\x12K\n\x08Generate\x12\x1d.blitzmesh.v1.GenerateRequest\x1a\x1e.blitzmesh.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.blitzmesh.v1.GenerateRequest\x1a\x1e.blitzmesh.v1.CompleteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62litzmesh/v1/inference.proto\x12\x0c\x62litzmesh.v1\x1a\x19\x62litzmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x95\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.blitzmesh.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.blitzmesh.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x18\n\x10return_token_ids\x18\x07 \x01(\x08\x12\t\n\x01n\x18\x08 \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\t \x01(\x08\x12%\n\x03slo\x18\n \x01(\x0b\x32\x18.blitzmesh.v1.RequestSLO\"\xbc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x36\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.blitzmesh.v1.FinishReasonH\x00\x88\x01\x01\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.blitzmesh.v1.Usage\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\x05\x42\x10\n\x0e_finish_reason\"\x8f\x02\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.blitzmesh.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.blitzmesh.v1.Usage\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12%\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x14.blitzmesh.v1.Choice\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\"\xae\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.blitzmesh.v1.FinishReason\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\x12\x13\n\x0binstance_id\x18\x06 \x01(\t2\xa3\x01\n\tInference\x12K\n\x08Generate\x12\x1d.blitzmesh.v1.GenerateRequest\x1a\x1e.blitzmesh.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.blitzmesh.v1.GenerateRequest\x1a\x1e.blitzmesh.v1.CompleteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=73
   _globals['_CHATMESSAGE']._serialized_end=117
   _globals['_GENERATEREQUEST']._serialized_start=120
-  _globals['_GENERATEREQUEST']._serialized_end=358
-  _globals['_GENERATERESPONSE']._serialized_start=361
-  _globals['_GENERATERESPONSE']._serialized_end=677
-  _globals['_COMPLETERESPONSE']._serialized_start=680
-  _globals['_COMPLETERESPONSE']._serialized_end=951
-  _globals['_CHOICE']._serialized_start=954
-  _globals['_CHOICE']._serialized_end=1128
-  _globals['_INFERENCE']._serialized_start=1131
-  _globals['_INFERENCE']._serialized_end=1294
+  _globals['_GENERATEREQUEST']._serialized_end=397
+  _globals['_GENERATERESPONSE']._serialized_start=400
+  _globals['_GENERATERESPONSE']._serialized_end=716
+  _globals['_COMPLETERESPONSE']._serialized_start=719
+  _globals['_COMPLETERESPONSE']._serialized_end=990
+  _globals['_CHOICE']._serialized_start=993
+  _globals['_CHOICE']._serialized_end=1167
+  _globals['_INFERENCE']._serialized_start=1170
+  _globals['_INFERENCE']._serialized_end=1333
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,7 @@ class GenerateRequest(_message.Message):
     RETURN_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
     ECHO_FIELD_NUMBER: _builtins.int
+    SLO_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     prompt: _builtins.str
     """Exactly one of prompt, messages, prompt_token_ids."""
@@ -75,6 +76,10 @@ class GenerateRequest(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def slo(self) -> _common_pb2.RequestSLO:
+        """latency objectives; unset fields take the deployment's defaults"""
+
     def __init__(
         self,
         *,
@@ -87,10 +92,11 @@ class GenerateRequest(_message.Message):
         return_token_ids: _builtins.bool = ...,
         n: _builtins.int = ...,
         echo: _builtins.bool = ...,
+        slo: _common_pb2.RequestSLO | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "slo", b"slo"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["echo", b"echo", "messages", b"messages", "model", b"model", "n", b"n", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_token_ids", b"return_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["echo", b"echo", "messages", b"messages", "model", b"model", "n", b"n", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_token_ids", b"return_token_ids", "sampling", b"sampling", "slo", b"slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

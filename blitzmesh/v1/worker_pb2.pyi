@@ -39,6 +39,7 @@ class WorkerGenerateRequest(_message.Message):
     KV_SOURCE_FIELD_NUMBER: _builtins.int
     ZIGZAG_FIELD_NUMBER: _builtins.int
     ZIGZAG_SOURCE_FIELD_NUMBER: _builtins.int
+    SLO_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model_id: _builtins.str
     layer_start: _builtins.int
@@ -79,6 +80,12 @@ class WorkerGenerateRequest(_message.Message):
         the relay fails, the prompt is computed here whole: the same tokens.
         """
 
+    @_builtins.property
+    def slo(self) -> _common_pb2.RequestSLO:
+        """Latency objectives: a worker scheduling by SLO (SCORPIO) orders and admits by them, and
+        refuses with RESOURCE_EXHAUSTED (trailing metadata `retry-after-s`) one it cannot meet.
+        """
+
     def __init__(
         self,
         *,
@@ -93,10 +100,11 @@ class WorkerGenerateRequest(_message.Message):
         kv_source: _kv_pb2.KVTransferDescriptor | None = ...,
         zigzag: _builtins.bool = ...,
         zigzag_source: Global___ZigzagSource | None = ...,
+        slo: _common_pb2.RequestSLO | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "sampling", b"sampling", "zigzag_source", b"zigzag_source"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "sampling", b"sampling", "slo", b"slo", "zigzag_source", b"zigzag_source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_handoff", b"kv_handoff", "kv_source", b"kv_source", "layer_end", b"layer_end", "layer_start", b"layer_start", "model_id", b"model_id", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "zigzag", b"zigzag", "zigzag_source", b"zigzag_source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_handoff", b"kv_handoff", "kv_source", b"kv_source", "layer_end", b"layer_end", "layer_start", b"layer_start", "model_id", b"model_id", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "slo", b"slo", "zigzag", b"zigzag", "zigzag_source", b"zigzag_source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
