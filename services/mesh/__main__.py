@@ -108,6 +108,14 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         help="how long the gateway holds a request that finds no instance (scale from zero, a load under way)",
     )
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="pass ARG to every worker (repeat it, e.g. --worker-arg=--device --worker-arg=cuda or "
+        "--worker-arg=--scheduling-policy=scorpio); `python -m services.worker --help` lists the options",
+    )
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
     defaults = RestartPolicy()
     p.add_argument(
@@ -166,6 +174,7 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         grpc_port=a.grpc_port,
         initial_instances=initial,
         worker_threads=a.worker_threads,
+        worker_args=list(a.worker_arg),
         ready_timeout_s=a.ready_timeout_s,
         autoscale=a.autoscale,
         policy_params=policy_params if a.autoscale else {},

@@ -62,6 +62,13 @@ class WorkerConfig(ServiceConfig):
         description="ZigZag partner: take requests relayed from a loading instance in arrival order with its own "
         "waiting ones, or before them (relay_first: more requests split while loading, a worse tail)",
     )
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:[0-9]+)?)$",
+        description="where the model and its KV cache live: cpu, or cuda[:N] (parameter groups then land in "
+        "pinned host buffers and are copied to the device one group at a time, so ZigZag can run a layer as "
+        "soon as it arrives)",
+    )
     dtype: str = Field(
         "auto",
         pattern="^(auto|float32|bfloat16|float16)$",
@@ -81,6 +88,14 @@ class WorkerConfig(ServiceConfig):
             raise ValueError(
                 f"set both step_time_a_s and step_time_b_s or neither, got {self.step_time_a_s!r}, {self.step_time_b_s!r}"
             )
+        if self.device.startswith("cuda"):
+            import torch
+
+            index = int(self.device.partition(":")[2] or 0)
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={self.device!r}: no CUDA device is visible to torch in this process")
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"device={self.device!r}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
         if self.preload_model and not self.param_manager:
             raise ValueError(f"preload_model={self.preload_model!r} needs param_manager (weights come only from it)")
         return self

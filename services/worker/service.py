@@ -18,7 +18,7 @@ from blitzmesh.types import InstanceInfo, InstanceState, LoadReport
 from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import MOVED_METADATA_KEY, channel
 from services.common.server import ServeContext
-from services.dataplane.chain import GroupServer, GroupStore, TransferResult, receive_groups
+from services.dataplane.chain import GroupServer, GroupStore, TransferResult, default_allocate, receive_groups
 from services.dataplane.errors import DataPlaneError, InsufficientMemory
 from services.dataplane.faults import maybe_corrupting
 from services.dataplane.manifest import Manifest
@@ -48,7 +48,7 @@ from services.worker.engine.engine import (
 )
 from services.worker.engine.kv_cache import KVCache
 from services.worker.kv_transfer import KVDescriptor, KVOffer, KVServer, KVTransferConfig, receive_kv
-from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, plan_pulls
+from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, pinned_allocate, plan_pulls
 from services.worker.model.llama import LlamaForCausalLM, resolve_dtype
 from services.worker.zigzag import RelayServer, take_over
 
@@ -418,7 +418,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 log.info("eos_token_ids", model=model_id, ids=sorted(eos_ids))
                 manifest = Manifest.from_bytes(layout.manifest)
                 model_cfg = LlamaConfig.from_hf_dict(json.loads(layout.config_json))
-                model = LlamaForCausalLM(model_cfg, dtype=resolve_dtype(self.cfg.dtype, model_cfg))
+                device = torch.device(self.cfg.device)
+                model = LlamaForCausalLM(
+                    model_cfg, dtype=resolve_dtype(self.cfg.dtype, model_cfg, device), device=device
+                )
                 store = GroupStore(manifest)
                 self.instance = Instance(model_id, model, store)
                 pulls = plan_pulls(self.instance_id, manifest, plan, where)
@@ -441,6 +444,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         on_group_ready=on_ready,
                         budget_bytes=self.cfg.memory_budget_bytes or None,
                         stall_timeout_s=self.cfg.stall_timeout_s,
+                        # On a GPU, groups land in pinned host memory: the copy to the device
+                        # (in `load_group`, per group as it lands) then runs at full PCIe speed.
+                        allocate=pinned_allocate if device.type == "cuda" else default_allocate,
                     ),
                     name=f"receive-{model_id}",
                 )
