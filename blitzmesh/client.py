@@ -46,6 +46,7 @@ from blitzmesh.types import (
     SamplingParams,
     ScaleResult,
     TokenChunk,
+    check_slo_s,
 )
 from blitzmesh.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 
@@ -126,6 +127,8 @@ def _generate_request(
     return_token_ids: bool,
     n: int = 1,
     echo: bool = False,
+    ttft_slo_s: float | None = None,
+    tpot_slo_s: float | None = None,
 ) -> inference_pb2.GenerateRequest:
     """Validate the inputs of generate/complete and build the wire request."""
     given = {
@@ -170,6 +173,8 @@ def _generate_request(
         raise ValueError(f"echo must be a bool, got {echo!r}")
     if echo and messages is not None:
         raise ValueError("echo=True needs a prompt or prompt_token_ids; chat messages have no prompt text to echo")
+    check_slo_s("ttft_slo_s", ttft_slo_s)
+    check_slo_s("tpot_slo_s", tpot_slo_s)
     return convert.generate_request_to_proto(
         model=model,
         prompt=prompt,
@@ -180,6 +185,8 @@ def _generate_request(
         return_token_ids=return_token_ids,
         n=n,
         echo=echo,
+        ttft_slo_s=ttft_slo_s,
+        tpot_slo_s=tpot_slo_s,
     )
 
 
@@ -319,6 +326,8 @@ class AsyncClient:
         prompt_logprobs: int | None = None,
         n: int = 1,
         echo: bool = False,
+        ttft_slo_s: float | None = None,
+        tpot_slo_s: float | None = None,
         return_token_ids: bool = False,
         request_id: str | None = None,
         timeout_s: float | None = None,
@@ -337,6 +346,12 @@ class AsyncClient:
         first chunk); `echo` prepends the prompt text to each choice. The penalties and
         `logit_bias` follow OpenAI (presence/frequency over generated tokens, -2..2; bias
         -100..100 per token id) and vLLM (`repetition_penalty` over prompt + output, > 0).
+
+        `ttft_slo_s` / `tpot_slo_s` are latency objectives in seconds (time to the first token,
+        from the gateway accepting the request; mean time per output token after it); unset ones
+        take the deployment's defaults. The last chunk's `usage.slo` says whether each was met.
+        A request no instance can serve within its objective is refused before its first token
+        with SLOUnattainableError (an OverloadedError carrying `retry_after_s`).
 
         Leaving the loop early cancels the request on the server; wrap the iterator in
         `contextlib.aclosing` to have that happen at once rather than when it is collected.
@@ -371,6 +386,8 @@ class AsyncClient:
             return_token_ids=return_token_ids,
             n=n,
             echo=echo,
+            ttft_slo_s=ttft_slo_s,
+            tpot_slo_s=tpot_slo_s,
         )
         return self._generate(request, self._timeout(timeout_s))
 
@@ -419,13 +436,16 @@ class AsyncClient:
         prompt_logprobs: int | None = None,
         n: int = 1,
         echo: bool = False,
+        ttft_slo_s: float | None = None,
+        tpot_slo_s: float | None = None,
         return_token_ids: bool = False,
         request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> Completion:
         """Run a completion and return it whole (the gateway's unary ``Complete``).
 
-        Takes the same arguments as `generate`. Retried on UNAVAILABLE. With `n` > 1 the
+        Takes the same arguments as `generate` (`usage.slo` reports the SLOs). Retried on
+        UNAVAILABLE. With `n` > 1 the
         choices are in `Completion.choices` (the top-level text is choice 0's) and `usage` counts
         the prompt once and the completion tokens of every choice.
 
@@ -458,6 +478,8 @@ class AsyncClient:
             return_token_ids=return_token_ids,
             n=n,
             echo=echo,
+            ttft_slo_s=ttft_slo_s,
+            tpot_slo_s=tpot_slo_s,
         )
         reply = await self._unary(
             self._stubs()[0].Complete,

@@ -27,6 +27,7 @@ from blitzmesh.types import (
     PolicyState,
     SamplingParams,
     ScaleResult,
+    SLOAttainment,
     TokenChunk,
     TokenLogprob,
     TopLogprob,
@@ -207,10 +208,13 @@ def generate_request_to_proto(
     return_token_ids: bool = False,
     n: int = 1,
     echo: bool = False,
+    ttft_slo_s: float | None = None,
+    tpot_slo_s: float | None = None,
 ) -> inference_pb2.GenerateRequest:
     """Build a GenerateRequest (also the request of Complete). The caller validates the
-    exactly-one-of rule for prompt, messages and prompt_token_ids."""
-    return inference_pb2.GenerateRequest(
+    exactly-one-of rule for prompt, messages and prompt_token_ids. The SLO objectives travel
+    only when given (unset: the deployment's defaults apply)."""
+    msg = inference_pb2.GenerateRequest(
         model=model,
         prompt=prompt or "",
         messages=[chat_message_to_proto(m) for m in messages or ()],
@@ -221,14 +225,59 @@ def generate_request_to_proto(
         n=n,
         echo=echo,
     )
+    msg.slo.CopyFrom(request_slo_to_proto(ttft_slo_s, tpot_slo_s))
+    if not msg.slo.ListFields():
+        msg.ClearField("slo")
+    return msg
+
+
+def request_slo_to_proto(ttft_s: float | None, tpot_s: float | None) -> common_pb2.RequestSLO:
+    """None stays unset: "no objective of that kind" (or the deployment's default)."""
+    msg = common_pb2.RequestSLO()
+    if ttft_s is not None:
+        msg.ttft_s = ttft_s
+    if tpot_s is not None:
+        msg.tpot_s = tpot_s
+    return msg
+
+
+def request_slo_from_proto(msg: common_pb2.RequestSLO) -> tuple[float | None, float | None]:
+    """(ttft_s, tpot_s), None where unset; values are not range-checked here."""
+    return (
+        msg.ttft_s if msg.HasField("ttft_s") else None,
+        msg.tpot_s if msg.HasField("tpot_s") else None,
+    )
+
+
+def slo_attainment_to_proto(slo: SLOAttainment) -> common_pb2.SLOAttainment:
+    msg = common_pb2.SLOAttainment(ttft_observed_s=slo.ttft_observed_s, tpot_observed_s=slo.tpot_observed_s)
+    for name in ("ttft_s", "tpot_s", "ttft_met", "tpot_met"):
+        value = getattr(slo, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def slo_attainment_from_proto(msg: common_pb2.SLOAttainment) -> SLOAttainment:
+    return SLOAttainment(
+        ttft_s=msg.ttft_s if msg.HasField("ttft_s") else None,
+        tpot_s=msg.tpot_s if msg.HasField("tpot_s") else None,
+        ttft_met=msg.ttft_met if msg.HasField("ttft_met") else None,
+        tpot_met=msg.tpot_met if msg.HasField("tpot_met") else None,
+        ttft_observed_s=msg.ttft_observed_s,
+        tpot_observed_s=msg.tpot_observed_s,
+    )
 
 
 def usage_to_proto(usage: Usage) -> common_pb2.Usage:
-    return common_pb2.Usage(
+    msg = common_pb2.Usage(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
     )
+    if usage.slo is not None:
+        msg.slo.CopyFrom(slo_attainment_to_proto(usage.slo))
+    return msg
 
 
 def usage_from_proto(msg: common_pb2.Usage) -> Usage:
@@ -236,6 +285,7 @@ def usage_from_proto(msg: common_pb2.Usage) -> Usage:
         prompt_tokens=msg.prompt_tokens,
         completion_tokens=msg.completion_tokens,
         total_tokens=msg.total_tokens,
+        slo=slo_attainment_from_proto(msg.slo) if msg.HasField("slo") else None,
     )
 
 
@@ -377,6 +427,11 @@ def load_report_to_proto(load: LoadReport) -> common_pb2.LoadReport:
         zigzag_running=load.zigzag_running,
         zigzag_relayed_total=load.zigzag_relayed_total,
         zigzag_continued_total=load.zigzag_continued_total,
+        est_tpot_s=load.est_tpot_s,
+        slo_rejected_total=load.slo_rejected_total,
+        preempted_total=load.preempted_total,
+        prefix_hit_tokens=load.prefix_hit_tokens,
+        prefix_query_tokens=load.prefix_query_tokens,
     )
 
 
@@ -397,6 +452,11 @@ def load_report_from_proto(msg: common_pb2.LoadReport) -> LoadReport:
         zigzag_running=msg.zigzag_running,
         zigzag_relayed_total=msg.zigzag_relayed_total,
         zigzag_continued_total=msg.zigzag_continued_total,
+        est_tpot_s=msg.est_tpot_s,
+        slo_rejected_total=msg.slo_rejected_total,
+        preempted_total=msg.preempted_total,
+        prefix_hit_tokens=msg.prefix_hit_tokens,
+        prefix_query_tokens=msg.prefix_query_tokens,
     )
 
 

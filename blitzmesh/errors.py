@@ -7,9 +7,15 @@ status codes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import grpc
+
+RETRY_AFTER_METADATA_KEY = "retry-after-s"
+"""Trailing metadata of a RESOURCE_EXHAUSTED status: seconds until the server expects room."""
+SLO_METADATA_KEY = "slo-kind"
+"""Trailing metadata naming the objective ("ttft" or "tpot") a refused request could not meet."""
 
 __all__ = [
     "AuthenticationError",
@@ -20,6 +26,7 @@ __all__ = [
     "NotFoundError",
     "OverloadedError",
     "RequestCancelledError",
+    "SLOUnattainableError",
     "UnavailableError",
     "UnimplementedError",
     "from_rpc_error",
@@ -72,7 +79,37 @@ class AuthenticationError(BlitzmeshError):
 
 
 class OverloadedError(BlitzmeshError):
-    """The gateway refused the request for lack of capacity; try again later."""
+    """The gateway refused the request for lack of capacity; try again later.
+
+    Attributes:
+        retry_after_s: when the server expects room, in seconds, if it said (else ``None``).
+    """
+
+    def __init__(
+        self,
+        details: str,
+        *,
+        code: str = "RESOURCE_EXHAUSTED",
+        request_id: str | None = None,
+        retry_after_s: float | None = None,
+    ):
+        super().__init__(details, code=code, request_id=request_id)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_overloaded, (type(self), self.details, self.code, self.request_id, self.retry_after_s))
+
+
+def _rebuild_overloaded(
+    cls: type[OverloadedError], details: str, code: str, request_id: str | None, retry_after_s: float | None
+) -> OverloadedError:
+    return cls(details, code=code, request_id=request_id, retry_after_s=retry_after_s)
+
+
+class SLOUnattainableError(OverloadedError):
+    """The request's latency objective (``ttft_slo_s`` or ``tpot_slo_s``) cannot be met now: the
+    instances that could serve it are too busy. Retry after `retry_after_s`, or relax the
+    objective. The message names the objective and its value."""
 
 
 class UnavailableError(BlitzmeshError):
@@ -134,4 +171,33 @@ def from_rpc_error(e: grpc.RpcError, *, request_id: str | None = None) -> Blitzm
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
     cls = _BY_CODE.get(code, InternalError)
+    if cls is OverloadedError:
+        trailing = _trailing(e)
+        retry_after_s = _retry_after_s(trailing.get(RETRY_AFTER_METADATA_KEY))
+        if trailing.get(SLO_METADATA_KEY):
+            cls = SLOUnattainableError
+        return cls(details or code.name, code=code.name, request_id=request_id, retry_after_s=retry_after_s)
     return cls(details or code.name, code=code.name, request_id=request_id)
+
+
+def _trailing(e: grpc.RpcError) -> dict[str, str]:
+    fn = getattr(e, "trailing_metadata", None)
+    try:
+        pairs = fn() if callable(fn) else None
+    except Exception:  # an error object that cannot say: treat as none
+        return {}
+    out: dict[str, str] = {}
+    for pair in pairs or ():
+        key, value = pair
+        out[str(key).lower()] = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+    return out
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None

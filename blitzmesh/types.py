@@ -24,6 +24,7 @@ __all__ = [
     "LoadReport",
     "ModelInfo",
     "PolicyState",
+    "SLOAttainment",
     "SamplingParams",
     "ScaleResult",
     "TokenChunk",
@@ -164,13 +165,49 @@ class ChatMessage:
     content: str
 
 
+def check_slo_s(name: str, value: object) -> None:
+    """A latency objective must be a positive finite number of seconds (or None: none given).
+
+    Raises:
+        ValueError: quoting the value.
+    """
+    if value is None:
+        return
+    if not _is_number(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SLOAttainment:
+    """Whether a finished request met its latency objectives, as the gateway measured them.
+
+    TTFT runs from the gateway accepting the request to its first token; TPOT is the mean time
+    per output token after the first. With n > 1 choices the worst choice counts (a request met
+    an objective only if every choice did). An objective the request did not have is ``None``,
+    and so is its ``*_met``.
+    """
+
+    ttft_s: float | None = None
+    """The TTFT objective, seconds (the request's, or the deployment's default)."""
+    tpot_s: float | None = None
+    """The TPOT objective, seconds."""
+    ttft_met: bool | None = None
+    tpot_met: bool | None = None
+    """Met when the observed TPOT is within the objective; a choice with fewer than two tokens
+    has no gap to miss and counts as met."""
+    ttft_observed_s: float = 0.0
+    tpot_observed_s: float = 0.0
+    """0 with fewer than two tokens."""
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts of one request."""
+    """Token counts of one request, and its SLO attainment when it had an objective."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    slo: SLOAttainment | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +325,16 @@ class LoadReport:
     """ZigZag requests a full partner took over from this (loading) instance so far."""
     zigzag_continued_total: int = 0
     """ZigZag requests this (full) instance took over from a loading one so far."""
+    est_tpot_s: float = 0.0
+    """SLO-aware engine: its estimated time per output token for the running set (0 = none yet)."""
+    slo_rejected_total: int = 0
+    """Requests refused so far because their SLO could not be met here."""
+    preempted_total: int = 0
+    """Requests paused so far so that others could go on."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens served from cached KV blocks since start."""
+    prefix_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache since start."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,11 @@ CHANNEL_OPTIONS = [
 # Trailing metadata of a worker's Generate that ended ABORTED because the request was released
 # to another instance (rebalancing), not because anything failed; its value is the reason.
 MOVED_METADATA_KEY = "blitzmesh-moved"
+# Trailing metadata of a RESOURCE_EXHAUSTED status refusing a request for its latency objective
+# (a worker's Generate, the gateway's Inference calls): seconds until room is expected, and the
+# objective ("ttft" or "tpot"). The SDK reads the same keys (blitzmesh.errors).
+RETRY_AFTER_METADATA_KEY = "retry-after-s"
+SLO_METADATA_KEY = "slo-kind"
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from blitzmesh.convert import finish_reason_from_proto, sampling_to_proto
+from blitzmesh.convert import finish_reason_from_proto, request_slo_to_proto, sampling_to_proto
 from blitzmesh.v1 import (
     admin_pb2,
     common_pb2,
@@ -46,7 +47,7 @@ from blitzmesh.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.grpc_util import MOVED_METADATA_KEY, channel
+from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
 from services.gateway import logprobs as lp
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
@@ -56,12 +57,16 @@ from services.gateway.schema import (
     FINISH_LENGTH,
     FINISH_STOP,
     INT64_MIN,
+    SLO,
     Event,
     Finish,
     InferenceRequest,
+    SLOAttainment,
     TokenDelta,
     TokenLogprob,
     Usage,
+    combine_attainment,
+    slo_attainment,
     validate_request,
 )
 from services.gateway.tokenization import ModelAssets, ModelCache
@@ -106,7 +111,14 @@ class _WorkerFailedError(Exception):
     """One attempt on one instance failed; the caller decides between retry and error."""
 
     def __init__(
-        self, instance_id: str, code: grpc.StatusCode, detail: str, tokens_received: int, moved: str | None = None
+        self,
+        instance_id: str,
+        code: grpc.StatusCode,
+        detail: str,
+        tokens_received: int,
+        moved: str | None = None,
+        slo_kind: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(f"{code.name}: {detail}")
         self.instance_id = instance_id
@@ -114,6 +126,10 @@ class _WorkerFailedError(Exception):
         self.detail = detail
         self.tokens_received = tokens_received
         self.moved = moved  # the instance released the queued request (rebalancing): the reason
+        # The instance refused the request for an SLO it cannot meet ("ttft"/"tpot"), and when
+        # it expects room (its RESOURCE_EXHAUSTED status's trailing metadata).
+        self.slo_kind = slo_kind
+        self.retry_after_s = retry_after_s
 
 
 class _LostGuard:
@@ -300,8 +316,13 @@ class Backend:
         sent_any = False
         finished = 0
         bound = log.bind(request_id=req.request_id, model=req.model, api=req.api)
+        # Per choice: when its first token went out (TTFT counts from `arrived_s`), and the
+        # attainment of each finished choice when the request has an SLO.
+        first_token_s: dict[int, float] = {}
+        attained: list[SLOAttainment] = []
         try:
             validate_request(req)
+            req = replace(req, slo=resolve_slo(self.config, req), arrived_s=arrived_s)
             if req.n > self.config.max_n:
                 raise invalid(f"n must be at most max_n={self.config.max_n} on this gateway, got {quote(req.n)}", "n")
             assets = await self._models.get(req.model)
@@ -320,13 +341,19 @@ class Backend:
                     async for event in events:
                         if not sent_any and isinstance(event, TokenDelta):
                             self.metrics.ttft_s.observe(time.monotonic() - arrived_s)
+                        if isinstance(event, TokenDelta):
+                            first_token_s.setdefault(event.index, time.monotonic())
                         if isinstance(event, Finish):
+                            event = self._with_attainment(req, event, arrived_s, first_token_s, attained)
                             finished += 1
                             if finished == 1:  # the prompt is one prompt, however many choices
                                 self.metrics.tokens.labels("prompt").inc(event.usage.prompt_tokens)
                             self.metrics.tokens.labels("completion").inc(event.usage.completion_tokens)
                             if finished == req.n:
                                 outcome = event.finish_reason
+                                total = combine_attainment(attained)
+                                if total is not None:
+                                    self.metrics.observe_slo(total)
                         sent_any = True
                         yield event
         except GatewayError as e:
@@ -346,6 +373,27 @@ class Backend:
             raise GatewayError(kind, f"internal error in the gateway ({type(e).__name__}: {e})") from e
         finally:
             self.metrics.requests.labels(req.api, outcome).inc()
+
+    @staticmethod
+    def _with_attainment(
+        req: InferenceRequest,
+        event: Finish,
+        arrived_s: float,
+        first_token_s: dict[int, float],
+        attained: list[SLOAttainment],
+    ) -> Finish:
+        """The choice's Finish with its SLO attainment in its usage (unchanged without an SLO).
+        TTFT: from the gateway accepting the request to the choice's first token sent; TPOT: the
+        mean time per token after that one, up to the finish."""
+        now_s = time.monotonic()
+        first_s = first_token_s.get(event.index, now_s)
+        tokens = event.usage.completion_tokens
+        tpot_s = (now_s - first_s) / (tokens - 1) if tokens >= 2 else 0.0
+        attainment = slo_attainment(req.slo, first_s - arrived_s, tpot_s, tokens)
+        if attainment is None:
+            return event
+        attained.append(attainment)
+        return replace(event, usage=replace(event.usage, slo=attainment))
 
     async def _tokenize(self, assets: ModelAssets, req: InferenceRequest) -> list[int]:
         if req.prompt_token_ids:
@@ -463,6 +511,7 @@ class Backend:
         last_code = grpc.StatusCode.UNAVAILABLE
         retries = migrations = moves = 0
         released_by: list[str] = []  # kept off the next route only: that instance is busy, not broken
+        slo_refusals: list[_WorkerFailedError] = []  # instances that refused it for its SLO
         while True:
             try:
                 hops = await self._schedule(
@@ -470,6 +519,9 @@ class Backend:
                 )
                 released_by = []
             except GatewayError as e:
+                if slo_refusals and not state.generated and e.kind != ErrorKind.TIMEOUT:
+                    # No other instance to ask: the SLO refusal is the answer, not "no instance".
+                    raise _slo_error(req, slo_refusals, failures) from None
                 if not state.generated or e.kind == ErrorKind.TIMEOUT:
                     raise
                 raise GatewayError(
@@ -568,6 +620,19 @@ class Backend:
                     continue
                 if f.code == grpc.StatusCode.INVALID_ARGUMENT and not resumed:
                     raise invalid(f"instance {f.instance_id} rejected the request: {f.detail}") from None
+                if f.slo_kind is not None and not resumed:
+                    # Refused for its SLO before its first token: one other instance may have
+                    # room (the manager prefers those whose estimate meets it); after that the
+                    # client hears 429 with Retry-After rather than waiting on a busy cluster.
+                    slo_refusals.append(f)
+                    excluded.append(f.instance_id)
+                    failures.append(f"{f.instance_id}: {f.code.name}: {f.detail}")
+                    if len(slo_refusals) > 1 or retries >= self.config.retries_before_first_token:
+                        raise _slo_error(req, slo_refusals, failures) from None
+                    retries += 1
+                    self.metrics.retries.labels(f.code.name).inc()
+                    bound.info("slo_refused_rerouting", instance_id=f.instance_id, slo=f.slo_kind, detail=f.detail)
+                    continue
                 if f.code not in _RETRYABLE:
                     raise GatewayError(
                         ErrorKind.MID_STREAM if resumed else ErrorKind.INTERNAL,
@@ -618,6 +683,8 @@ class Backend:
                     # The decode instance produced nothing (it failed, or the client left): the
                     # prefill instance frees the KV it offered now rather than when it expires.
                     self._abort_later(handed_off_by.address, req.request_id)
+        if slo_refusals:
+            raise _slo_error(req, slo_refusals, failures)
         # Every instance tried was full rather than broken: that is back-pressure, not an outage.
         kind = ErrorKind.OVERLOADED if last_code == grpc.StatusCode.RESOURCE_EXHAUSTED else ErrorKind.UNAVAILABLE
         raise GatewayError(
@@ -684,6 +751,8 @@ class Backend:
             max_tokens=max_tokens,
             exclude_instance_ids=excluded,
         )
+        if not req.slo.is_empty:
+            request.slo.CopyFrom(request_slo_to_proto(req.slo.ttft_s, req.slo.tpot_s))
         wait_s = 0.0 if excluded else self.config.schedule_wait_s
         give_up_s = min(deadline_s, time.monotonic() + wait_s)
         backoff_s = 0.05
@@ -755,6 +824,7 @@ class Backend:
                 kv_source=kv_source,
                 zigzag_source=zigzag_source,
                 layer_start=hop.layer_start if zigzag_source is not None else 0,
+                slo=worker_slo(req, resumed=bool(resume)),
             ),
             timeout=max(deadline_s - time.monotonic(), 0.001),
         )
@@ -887,9 +957,16 @@ class Backend:
                         return
             except grpc.aio.AioRpcError as e:
                 worker_done = True
-                moved = dict(e.trailing_metadata() or ()).get(MOVED_METADATA_KEY)
+                trailing = dict(e.trailing_metadata() or ())
+                slo_kind = trailing.get(SLO_METADATA_KEY) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
                 raise _WorkerFailedError(
-                    instance, e.code(), e.details() or "", len(state.generated), moved=moved
+                    instance,
+                    e.code(),
+                    e.details() or "",
+                    len(state.generated),
+                    moved=trailing.get(MOVED_METADATA_KEY),
+                    slo_kind=str(slo_kind) if slo_kind else None,
+                    retry_after_s=_seconds(trailing.get(RETRY_AFTER_METADATA_KEY)),
                 ) from None
             worker_done = True
             raise _WorkerFailedError(
@@ -962,6 +1039,72 @@ class Backend:
         except grpc.aio.AioRpcError as e:
             # The cancelled call already freed the KV; Abort is the belt to those braces.
             log.debug("abort_failed", request_id=request_id, address=address, code=e.code().name)
+
+
+def resolve_slo(config: GatewayConfig, req: InferenceRequest) -> SLO:
+    """The request's objectives, each kind on its own: the request's, else its model's default
+    (`model_slo_defaults`), else the gateway's (`default_ttft_slo_s`, `default_tpot_slo_s`)."""
+    model = config.model_slo_defaults.get(req.model)
+
+    def pick(given: float | None, per_model: float | None, default: float | None) -> float | None:
+        if given is not None:
+            return given
+        return per_model if per_model is not None else default
+
+    return SLO(
+        ttft_s=pick(req.slo.ttft_s, model.ttft_s if model else None, config.default_ttft_slo_s),
+        tpot_s=pick(req.slo.tpot_s, model.tpot_s if model else None, config.default_tpot_slo_s),
+    )
+
+
+# A TTFT budget the gateway has already spent (queue, tokenizer, a refused attempt) still goes to
+# the worker as this much: it must refuse it (or serve it at once), never read it as "no objective".
+_MIN_TTFT_BUDGET_S = 1e-3
+
+
+def worker_slo(req: InferenceRequest, *, resumed: bool, now_s: float | None = None) -> common_pb2.RequestSLO | None:
+    """The objectives a worker schedules by. TTFT: what is left of the request's budget (the
+    engine counts from its own arrival; the gateway counted from accepting the request), and
+    none once tokens exist (a resumed stream's first token went out long ago). None without any."""
+    ttft_s = req.slo.ttft_s
+    if ttft_s is not None:
+        if resumed:
+            ttft_s = None
+        elif req.arrived_s is not None:
+            elapsed_s = (time.monotonic() if now_s is None else now_s) - req.arrived_s
+            ttft_s = max(ttft_s - elapsed_s, _MIN_TTFT_BUDGET_S)
+    if ttft_s is None and req.slo.tpot_s is None:
+        return None
+    return request_slo_to_proto(ttft_s, req.slo.tpot_s)
+
+
+def _slo_error(req: InferenceRequest, refusals: list[_WorkerFailedError], failures: list[str]) -> GatewayError:
+    """429 for a request whose objective no instance tried could meet: names the objective and
+    its value, and when to retry (the soonest any of them expects room, at least 1 s)."""
+    kind = refusals[-1].slo_kind or "ttft"
+    value = req.slo.value(kind)
+    objective = f"{kind}_slo_s={quote(value)}" if value is not None else f"its {kind} SLO"
+    waits = [f.retry_after_s for f in refusals if f.retry_after_s is not None]
+    retry_after_s = max(min(waits), 1.0) if waits else 1.0
+    return GatewayError(
+        ErrorKind.SLO_UNATTAINABLE,
+        f"request {req.request_id}: the {kind.upper()} objective {objective} cannot be met now"
+        f" ({'; '.join(failures)}); retry after {math.ceil(retry_after_s)} s or relax the objective",
+        param=f"{kind}_slo_s",
+        code=429,
+        retry_after_s=retry_after_s,
+        slo_kind=kind,
+    )
+
+
+def _seconds(value: str | bytes | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _split_route(

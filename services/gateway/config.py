@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field, model_validator
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.config import ServiceConfig
 from services.gateway.auth import masked
+
+
+class ModelSLODefaults(BaseModel):
+    """One model's default latency objectives; a field left unset falls back to the gateway-wide
+    default of its kind."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_s: float | None = Field(None, gt=0, description="default TTFT objective of the model, seconds")
+    tpot_s: float | None = Field(None, gt=0, description="default TPOT objective of the model, seconds")
 
 
 class GatewayConfig(ServiceConfig):
@@ -77,6 +89,24 @@ class GatewayConfig(ServiceConfig):
         "or has no SERVING instance yet (a scale-out filling), retrying with backoff within the request's "
         "deadline; 0 = fail at once",
     )
+    default_ttft_slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="TTFT objective (gateway accepting a request -> its first token, seconds) of requests that set "
+        "no ttft_slo_s; None = no objective. Per-model values in model_slo_defaults win over it",
+    )
+    default_tpot_slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="TPOT objective (mean seconds per output token after the first) of requests that set no "
+        "tpot_slo_s; None = no objective",
+    )
+    model_slo_defaults: dict[str, ModelSLODefaults] = Field(
+        default_factory=dict,
+        description='per-model default objectives by model id (the request\'s "model"), e.g. '
+        '{"tiny": {"ttft_s": 2.0, "tpot_s": 0.1}} (JSON on the CLI); a kind a model leaves unset takes '
+        "default_ttft_slo_s / default_tpot_slo_s",
+    )
     ready_timeout_s: float = Field(
         0.0, ge=0, description="give up (exit) if the managers are not reachable by then; 0 = wait forever"
     )
@@ -98,6 +128,16 @@ class GatewayConfig(ServiceConfig):
             )
         if self.port != 0 and self.http_port == self.port and self.http_host == self.host:
             raise ValueError(f"http_port={self.http_port} equals the gRPC port={self.port} on {self.host!r}")
+        for name in ("default_ttft_slo_s", "default_tpot_slo_s"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+        for model, slo in self.model_slo_defaults.items():
+            if not model:
+                raise ValueError("model_slo_defaults holds an empty model id")
+            for kind, value in (("ttft_s", slo.ttft_s), ("tpot_s", slo.tpot_s)):
+                if value is not None and not math.isfinite(value):
+                    raise ValueError(f"model_slo_defaults[{model!r}].{kind} must be finite, got {value!r}")
         if not self.global_manager or not self.param_manager:
             raise ValueError(
                 f"global_manager={self.global_manager!r} and param_manager={self.param_manager!r} are both required"

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+from services.common.grpc_util import RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,9 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = _Mapping(404, grpc.StatusCode.NOT_FOUND, "invalid_request_error", "not_found")
     TOO_LARGE = _Mapping(413, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error", "invalid")
     OVERLOADED = _Mapping(429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error", "overloaded")
+    # The request's latency objective cannot be met by any instance tried (they refused it
+    # before its first token); retryable after `retry_after_s`.
+    SLO_UNATTAINABLE = _Mapping(429, grpc.StatusCode.RESOURCE_EXHAUSTED, "slo_unattainable", "slo_rejected")
     INTERNAL = _Mapping(500, grpc.StatusCode.INTERNAL, "server_error", "internal")
     # The stream already started: reported in-band (SSE error event / INTERNAL status).
     MID_STREAM = _Mapping(500, grpc.StatusCode.INTERNAL, "server_error", "mid_stream_error")
@@ -56,15 +62,42 @@ class GatewayError(Exception):
     """A request failed in a way the client must be told about, with a message quoting values.
 
     `param` names the offending request field (OpenAI's `error.param`); `code` is OpenAI's
-    machine-readable `error.code` (e.g. "model_not_found").
+    machine-readable `error.code` (e.g. "model_not_found"). `retry_after_s` (a 429 that knows
+    when room is expected) becomes HTTP's `Retry-After` and gRPC's `retry-after-s` trailing
+    metadata; `slo_kind` ("ttft" or "tpot") names the objective an SLO refusal is about.
     """
 
-    def __init__(self, kind: ErrorKind, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | int | None = None,
+        retry_after_s: float | None = None,
+        slo_kind: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
+        self.slo_kind = slo_kind
+
+    def http_headers(self) -> dict[str, str]:
+        """`Retry-After` in whole seconds (rounded up, at least 1) when the error knows it."""
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(retry_after_header_s(self.retry_after_s))}
+
+    def grpc_trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        out: list[tuple[str, str]] = []
+        if self.retry_after_s is not None:
+            out.append((RETRY_AFTER_METADATA_KEY, f"{self.retry_after_s:.3f}"))
+        if self.slo_kind is not None:
+            out.append((SLO_METADATA_KEY, self.slo_kind))
+        return tuple(out)
 
     def openai_body(self) -> dict[str, Any]:
         """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
@@ -79,6 +112,14 @@ class GatewayError(Exception):
 
     def __repr__(self) -> str:
         return f"GatewayError({self.kind.name}, {self.message!r})"
+
+
+def retry_after_header_s(seconds: float) -> int:
+    """HTTP's Retry-After holds whole seconds: rounded up, and never 0 (a client would retry at
+    once, into the same refusal)."""
+    if not math.isfinite(seconds):
+        return 1
+    return max(1, math.ceil(seconds))
 
 
 def quote(value: Any) -> str:

@@ -24,6 +24,7 @@ from services.gateway.backend import Backend
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError, invalid
 from services.gateway.schema import (
+    SLO,
     ChatMessage,
     Finish,
     InferenceRequest,
@@ -45,6 +46,7 @@ def request_from_proto(msg: inference_pb2.GenerateRequest) -> InferenceRequest:
         sampling = convert.sampling_from_proto(msg.sampling)  # the SDK's converter: one per wire type
     except ValueError as e:
         raise invalid(str(e)) from e
+    ttft_s, tpot_s = convert.request_slo_from_proto(msg.slo)
     req = InferenceRequest(
         model=msg.model,
         request_id=msg.request_id or "gen-" + uuid.uuid4().hex,
@@ -57,6 +59,7 @@ def request_from_proto(msg: inference_pb2.GenerateRequest) -> InferenceRequest:
         api="grpc",
         n=msg.n or 1,  # proto3: 0 is "unset"
         echo=msg.echo,
+        slo=SLO(ttft_s, tpot_s),  # validate_request checks the values
     )
     validate_request(req)
     return req
@@ -73,13 +76,16 @@ def logprobs_to_proto(entries: Sequence[TokenLogprob]) -> list[common_pb2.TokenL
 
 
 def usage_to_proto(usage: Usage) -> common_pb2.Usage:
-    return common_pb2.Usage(
+    msg = common_pb2.Usage(
         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens
     )
+    if usage.slo is not None:
+        msg.slo.CopyFrom(convert.slo_attainment_to_proto(usage.slo))
+    return msg
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: GatewayError) -> NoReturn:
-    await context.abort(err.kind.grpc_code, err.message)
+    await context.abort(err.kind.grpc_code, err.message, trailing_metadata=err.grpc_trailing_metadata())
     raise AssertionError("context.abort returned")  # it always raises
 
 

@@ -40,6 +40,7 @@ _OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no
 
 def error_response(err: GatewayError, request_id: str | None = None) -> web.Response:
     headers = {"X-Request-Id": request_id} if request_id else {}
+    headers.update(err.http_headers())
     if err.kind is ErrorKind.UNAUTHENTICATED:
         headers["WWW-Authenticate"] = "Bearer"
     return web.json_response(err.openai_body(), status=err.kind.http_status, headers=headers)

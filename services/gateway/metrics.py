@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from blitzmesh.types import SLOAttainment
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TBT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+def slo_label(seconds: float) -> str:
+    """An objective's value as a label: up to 6 significant digits, no trailing zeros ('0.5',
+    '2', '0.001'), so equal objectives share one series however the client wrote them."""
+    return format(seconds, "g")
 
 
 class GatewayMetrics:
@@ -77,6 +85,23 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+
+        self.slo_requests = Counter(
+            "blitzmesh_gateway_slo_requests",
+            "Finished requests with a latency objective, by kind (ttft, tpot), the objective's value in seconds"
+            " (its class, e.g. '0.5') and whether it was met",
+            ["kind", "slo", "met"],
+            registry=r,
+        )
+
+    def observe_slo(self, attainment: SLOAttainment) -> None:
+        """Count a finished request's attainment, one sample per objective it had."""
+        for kind, objective, met in (
+            ("ttft", attainment.ttft_s, attainment.ttft_met),
+            ("tpot", attainment.tpot_s, attainment.tpot_met),
+        ):
+            if objective is not None and met is not None:
+                self.slo_requests.labels(kind, slo_label(objective), "true" if met else "false").inc()
 
     def set_admission(self, in_flight: int, waiting: int) -> None:
         self.in_flight.set(in_flight)

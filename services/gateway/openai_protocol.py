@@ -14,6 +14,9 @@ Supported beyond the basics, as OpenAI (and vLLM, for its extensions) define the
   (vLLM's, > 0, over prompt + generated tokens), `logit_bias` (token id -> -100..100).
 - completions `echo`: the prompt text starts each choice's text; with `logprobs`, the prompt
   tokens' log-probs come first (the first token's is null), computed in the same prefill.
+- Blitzmesh's per-request SLOs: `ttft_slo_s` and `tpot_slo_s` (positive seconds; unset ones take
+  the deployment's defaults). With an SLO, `usage.slo` reports whether each was met; a request no
+  instance can serve within its objective gets a 429 with `Retry-After`.
 Still refused with a 400: `best_of` other than n, `suffix`, tools, non-text response_format.
 """
 
@@ -29,8 +32,10 @@ from services.gateway.errors import invalid, quote
 from services.gateway.schema import (
     MAX_N,
     MAX_TOP_LOGPROBS,
+    SLO,
     ChatMessage,
     InferenceRequest,
+    SLOAttainment,
     TokenLogprob,
     Usage,
     build_sampling,
@@ -45,7 +50,7 @@ _COMMON_FIELDS = frozenset(
     {
         "model", "stream", "stream_options", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed",
         "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "user", "ignore_eos",
-        "stop_token_ids", "logprobs", "metadata", "store", "service_tier",
+        "stop_token_ids", "logprobs", "metadata", "store", "service_tier", "ttft_slo_s", "tpot_slo_s",
     }
 )  # fmt: skip
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix"}
@@ -182,7 +187,8 @@ def _finish(
         },
         max_tokens_param=max_tokens_param,
     )
-    req = InferenceRequest(model=model, request_id=request_id, sampling=sampling, api="http", **inputs)
+    slo = SLO(_slo_s(body, "ttft_slo_s"), _slo_s(body, "tpot_slo_s"))
+    req = InferenceRequest(model=model, request_id=request_id, sampling=sampling, api="http", slo=slo, **inputs)
     validate_request(req)
     return OpenAIRequest(kind, req, stream, include_usage)
 
@@ -236,6 +242,16 @@ def _number(body: dict[str, Any], name: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise invalid(f"{name} must be a number, got {quote(value)}", name)
+    return float(value)
+
+
+def _slo_s(body: dict[str, Any], name: str) -> float | None:
+    """A latency objective: a positive number of seconds (range checked by validate_request)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(f"{name} must be a positive number of seconds, got {quote(value)}", name)
     return float(value)
 
 
@@ -340,11 +356,26 @@ def _message_text(i: int, content: Any) -> str:
 # ---- results -> response objects ---------------------------------------------------------
 
 
-def usage_json(usage: Usage) -> dict[str, int]:
-    return {
+def usage_json(usage: Usage) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+    }
+    if usage.slo is not None:
+        out["slo"] = slo_json(usage.slo)
+    return out
+
+
+def slo_json(slo: SLOAttainment) -> dict[str, Any]:
+    """`usage.slo`: the objectives (null when not set), whether each was met, and what was seen."""
+    return {
+        "ttft_s": slo.ttft_s,
+        "tpot_s": slo.tpot_s,
+        "ttft_met": slo.ttft_met,
+        "tpot_met": slo.tpot_met,
+        "ttft_observed_s": round(slo.ttft_observed_s, 6),
+        "tpot_observed_s": round(slo.tpot_observed_s, 6),
     }
 
 

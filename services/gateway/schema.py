@@ -14,9 +14,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from blitzmesh.types import SamplingParams as Sampling
+from blitzmesh.types import SLOAttainment
 from services.gateway.errors import invalid, quote
 
-__all__ = ["Sampling"]  # re-exported: the gateway's name for the SDK's SamplingParams
+# re-exported: the gateway's names for the SDK's SamplingParams and SLOAttainment
+__all__ = ["SLOAttainment", "Sampling"]
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -36,6 +38,23 @@ class ChatMessage:
 
 
 @dataclass(frozen=True)
+class SLO:
+    """A request's latency objectives in seconds; None = none of that kind. `ttft_s`: from the
+    gateway accepting the request to its first token; `tpot_s`: mean time per output token
+    after the first. Checked by `validate_request` (positive, finite)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.ttft_s is None and self.tpot_s is None
+
+    def value(self, kind: str) -> float | None:
+        return self.ttft_s if kind == "ttft" else self.tpot_s
+
+
+@dataclass(frozen=True)
 class InferenceRequest:
     """One generation request; exactly one of prompt, messages, prompt_token_ids is set."""
 
@@ -49,12 +68,15 @@ class InferenceRequest:
     api: str = "http"  # which front end took it; a metrics label
     n: int = 1  # independent choices; choice i of a seeded request samples with seed + i
     echo: bool = False  # prepend the prompt text to each choice (prompts only, not messages)
+    slo: SLO = field(default_factory=SLO)  # as given; the backend fills in the deployment's defaults
+    arrived_s: float | None = None  # time.monotonic() when the backend accepted it (the TTFT clock)
 
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    slo: SLOAttainment | None = None  # set when the request had an SLO
 
     @property
     def total_tokens(self) -> int:
@@ -62,8 +84,49 @@ class Usage:
 
 
 def total_usage(usages: Sequence[Usage]) -> Usage:
-    """The usage of a request with n choices: the prompt once, every choice's completion tokens."""
-    return Usage(max((u.prompt_tokens for u in usages), default=0), sum(u.completion_tokens for u in usages))
+    """The usage of a request with n choices: the prompt once, every choice's completion tokens,
+    and the worst choice's SLO attainment."""
+    return Usage(
+        max((u.prompt_tokens for u in usages), default=0),
+        sum(u.completion_tokens for u in usages),
+        combine_attainment([u.slo for u in usages if u.slo is not None]),
+    )
+
+
+def slo_attainment(slo: SLO, ttft_observed_s: float, tpot_observed_s: float, tokens: int) -> SLOAttainment | None:
+    """One choice's attainment: TTFT met if within its objective; TPOT met if within its
+    objective, or trivially with fewer than two tokens (no gap to miss). None without an SLO."""
+    if slo.is_empty:
+        return None
+    return SLOAttainment(
+        ttft_s=slo.ttft_s,
+        tpot_s=slo.tpot_s,
+        ttft_met=None if slo.ttft_s is None else ttft_observed_s <= slo.ttft_s,
+        tpot_met=None if slo.tpot_s is None else tokens < 2 or tpot_observed_s <= slo.tpot_s,
+        ttft_observed_s=ttft_observed_s,
+        tpot_observed_s=tpot_observed_s if tokens >= 2 else 0.0,
+    )
+
+
+def combine_attainment(parts: Sequence[SLOAttainment]) -> SLOAttainment | None:
+    """A request of several choices met an objective only if every choice did; the observed
+    figures are the worst choice's."""
+    if not parts:
+        return None
+    first = parts[0]
+
+    def met(name: str) -> bool | None:
+        values = [getattr(p, name) for p in parts if getattr(p, name) is not None]
+        return all(values) if values else None
+
+    return SLOAttainment(
+        ttft_s=first.ttft_s,
+        tpot_s=first.tpot_s,
+        ttft_met=met("ttft_met"),
+        tpot_met=met("tpot_met"),
+        ttft_observed_s=max(p.ttft_observed_s for p in parts),
+        tpot_observed_s=max(p.tpot_observed_s for p in parts),
+    )
 
 
 @dataclass(frozen=True)
@@ -180,6 +243,16 @@ def validate_sampling(s: Sampling, *, max_tokens_param: str = "max_tokens") -> N
     _check_sampling({f.name: getattr(s, f.name) for f in fields(s)}, max_tokens_param)
 
 
+def validate_slo(slo: SLO) -> None:
+    """Each objective, when given, a positive finite number of seconds; GatewayError(INVALID)
+    naming the field (`ttft_slo_s`, `tpot_slo_s`) and quoting the value."""
+    for name, value in (("ttft_slo_s", slo.ttft_s), ("tpot_slo_s", slo.tpot_s)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise invalid(f"{name} must be a positive number of seconds, got {quote(value)}", name)
+
+
 def validate_request(req: InferenceRequest) -> None:
     """Shape checks that need no model: model named, one kind of input, sane sampling."""
     if not req.model:
@@ -208,3 +281,4 @@ def validate_request(req: InferenceRequest) -> None:
     if req.echo and req.messages:
         raise invalid("echo needs a prompt (or prompt_token_ids): chat messages have no prompt text to echo", "echo")
     validate_sampling(req.sampling)
+    validate_slo(req.slo)

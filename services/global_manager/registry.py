@@ -75,6 +75,11 @@ def sample_from_proto(instance_id: str, now_s: float, msg: common_pb2.LoadReport
         zigzag_running=load.zigzag_running,
         zigzag_relayed_total=load.zigzag_relayed_total,
         zigzag_continued_total=load.zigzag_continued_total,
+        est_tpot_s=opt(load.est_tpot_s),
+        slo_rejected_total=load.slo_rejected_total,
+        preempted_total=load.preempted_total,
+        prefix_hit_tokens=load.prefix_hit_tokens,
+        prefix_query_tokens=load.prefix_query_tokens,
     )
 
 
@@ -96,6 +101,11 @@ def sample_to_proto(sample: LoadSample) -> common_pb2.LoadReport:
             zigzag_running=sample.zigzag_running,
             zigzag_relayed_total=sample.zigzag_relayed_total,
             zigzag_continued_total=sample.zigzag_continued_total,
+            est_tpot_s=sample.est_tpot_s or 0.0,
+            slo_rejected_total=sample.slo_rejected_total,
+            preempted_total=sample.preempted_total,
+            prefix_hit_tokens=sample.prefix_hit_tokens,
+            prefix_query_tokens=sample.prefix_query_tokens,
         )
     )
 

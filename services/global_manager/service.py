@@ -273,6 +273,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 exclude_ids=excluded,
                 kv_block_size_tokens=self.cfg.kv_block_size_tokens,
                 leaves=self.leaves,
+                tpot_slo_s=request.slo.tpot_s if request.slo.HasField("tpot_s") else None,
             )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request.request_id!r}: {e}")

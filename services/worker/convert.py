@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from blitzmesh.v1 import common_pb2, kv_pb2
 from services.worker.engine.sampling import PromptLogprob, SamplingParams, TopLogprobs
+from services.worker.engine.slo import RequestSLO
 from services.worker.kv_transfer import KVDescriptor
 
 
@@ -36,6 +37,25 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
+
+
+def slo_from_proto(msg: common_pb2.RequestSLO) -> RequestSLO | None:
+    """The request's latency objectives for the engine; None when it has none. Raises
+    ValueError (quoting the value) for one that is not a positive finite number of seconds."""
+    slo = RequestSLO(
+        ttft_s=msg.ttft_s if msg.HasField("ttft_s") else None,
+        tpot_s=msg.tpot_s if msg.HasField("tpot_s") else None,
+    )
+    return None if slo.is_empty else slo
+
+
+def slo_to_proto(slo: RequestSLO | None) -> common_pb2.RequestSLO:
+    msg = common_pb2.RequestSLO()
+    if slo is not None and slo.ttft_s is not None:
+        msg.ttft_s = slo.ttft_s
+    if slo is not None and slo.tpot_s is not None:
+        msg.tpot_s = slo.tpot_s
+    return msg
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:

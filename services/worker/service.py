@@ -16,7 +16,7 @@ from prometheus_client import Counter, Gauge
 from blitzmesh.convert import finish_reason_to_proto, instance_info_to_proto, instance_role_from_proto
 from blitzmesh.types import InstanceInfo, InstanceState, LoadReport
 from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.grpc_util import MOVED_METADATA_KEY, channel
+from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
 from services.common.server import ServeContext
 from services.dataplane.chain import GroupServer, GroupStore, TransferResult, default_allocate, receive_groups
 from services.dataplane.errors import DataPlaneError, InsufficientMemory
@@ -31,6 +31,7 @@ from services.worker.convert import (
     kv_descriptor_to_proto,
     prompt_logprobs_to_proto,
     sampling_from_proto,
+    slo_from_proto,
     token_logprob_to_proto,
 )
 from services.worker.engine.engine import (
@@ -47,6 +48,7 @@ from services.worker.engine.engine import (
     RequestTooLarge,
 )
 from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.slo import RequestSLO, SLOUnattainable
 from services.worker.kv_transfer import KVDescriptor, KVOffer, KVServer, KVTransferConfig, receive_kv
 from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, pinned_allocate, plan_pulls
 from services.worker.model.llama import LlamaForCausalLM, resolve_dtype
@@ -75,6 +77,13 @@ KV_HANDOFFS = Counter(
     "Prefill/decode KV hand-offs: offered/pulled/expired on the prefill side, pulled/recomputed on the decode side",
     ["side", "outcome"],
 )
+
+
+def slo_refusal_message(instance_id: str, e: SLOUnattainable, slo: RequestSLO | None) -> str:
+    """The details of an SLO refusal: the objective, its value as this worker got it, and why."""
+    value = None if slo is None else (slo.ttft_s if e.slo == "ttft" else slo.tpot_s)
+    objective = f"{e.slo.upper()} SLO" + (f" of {value:g} s" if value is not None else "")
+    return f"instance {instance_id}: {objective} unattainable: {e} (retry after {e.retry_after_s:.3f} s)"
 
 
 class Instance:
@@ -151,6 +160,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             zigzag_running=s.zigzag_running,
             zigzag_relayed_total=s.zigzag_relayed_total,
             zigzag_continued_total=s.zigzag_continued_total,
+            est_tpot_s=s.est_tpot_s or 0.0,
+            slo_rejected_total=s.slo_rejected_total,
+            preempted_total=s.preempted_total,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            prefix_query_tokens=s.prefix_query_tokens,
         )
 
     async def GetStatus(self, request, context):
@@ -184,8 +198,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
         kv_fill: KVFill | None = None
         relay_fill: RelayFill | None = None
+        slo: RequestSLO | None = None
         try:
             sampling = sampling_from_proto(request.sampling, default_max_tokens=16)
+            if request.HasField("slo"):
+                slo = slo_from_proto(request.slo)
             if request.HasField("zigzag_source"):
                 if not request.zigzag_source.dataplane_address:
                     raise ValueError("zigzag_source.dataplane_address is empty")
@@ -220,6 +237,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_fill=kv_fill,
             zigzag=request.zigzag,
             relay_fill=relay_fill,
+            slo=slo,
         )
         try:
             async for ev in stream:
@@ -251,6 +269,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             outcome = "moved"
             context.set_trailing_metadata(((MOVED_METADATA_KEY, "rebalance"),))
             await context.abort(grpc.StatusCode.ABORTED, f"instance {self.instance_id}: {e}")
+        except SLOUnattainable as e:
+            # Refused before its first token: the gateway may try another instance, else tells
+            # its client 429 with Retry-After.
+            outcome = "slo_rejected"
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                slo_refusal_message(self.instance_id, e, slo),
+                trailing_metadata=(
+                    (RETRY_AFTER_METADATA_KEY, f"{e.retry_after_s:.3f}"),
+                    (SLO_METADATA_KEY, e.slo),
+                ),
+            )
         except RequestTooLarge as e:
             outcome = "rejected"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -120,6 +120,14 @@ def _eligible(view: InstanceView, exclude_ids: Collection[str], role: Role | Non
     )
 
 
+def meets_tpot(view: InstanceView, tpot_slo_s: float | None) -> bool:
+    """Whether the instance's TPOT estimate meets the objective; no objective, or no estimate
+    yet (no report, or 0 on the wire), counts as meeting it."""
+    if tpot_slo_s is None or view.load is None or not view.load.est_tpot_s:
+        return True
+    return view.load.est_tpot_s <= tpot_slo_s
+
+
 def choose_instance(
     instances: Iterable[InstanceView],
     request_tokens: int = 0,
@@ -128,6 +136,7 @@ def choose_instance(
     role: Role | None = None,
     model: str | None = None,
     kv_block_size_tokens: int | None = None,
+    tpot_slo_s: float | None = None,
 ) -> InstanceView | None:
     """The least-loaded SERVING instance, or None if there is none.
 
@@ -135,15 +144,24 @@ def choose_instance(
     and `model` when given. Ties break on the smaller instance_id so the choice is
     deterministic. With `kv_block_size_tokens`, instances whose free KV blocks can hold the
     request's `request_tokens` are preferred; if none can, the least loaded still gets it and
-    queues it, because refusing would only move the wait to the client.
+    queues it, because refusing would only move the wait to the client. With `tpot_slo_s` (the
+    request's TPOT objective), instances whose reported `est_tpot_s` meets it come first (see
+    `meets_tpot`); if none does, the choice is as without it (the instance may refuse it).
     """
+    if tpot_slo_s is not None and not (math.isfinite(tpot_slo_s) and tpot_slo_s > 0):
+        raise ValueError(f"tpot_slo_s must be a positive number of seconds, got {tpot_slo_s!r}")
     blocks_needed = _blocks_needed(request_tokens, kv_block_size_tokens)
     best: InstanceView | None = None
-    best_key: tuple[int, float, str] | None = None
+    best_key: tuple[int, int, float, str] | None = None
     for view in instances:
         if not _eligible(view, exclude_ids, role, model):
             continue
-        key = (0 if not blocks_needed or _fits(view, blocks_needed) else 1, instance_load(view), view.instance_id)
+        key = (
+            0 if meets_tpot(view, tpot_slo_s) else 1,
+            0 if not blocks_needed or _fits(view, blocks_needed) else 1,
+            instance_load(view),
+            view.instance_id,
+        )
         if best_key is None or key < best_key:
             best, best_key = view, key
     return best
@@ -241,12 +259,14 @@ def plan_route(
     kv_block_size_tokens: int | None = None,
     leaves: Mapping[str, str] | None = None,
     load_slack: float = NEAR_EQUAL_LOAD,
+    tpot_slo_s: float | None = None,
 ) -> tuple[InstanceView, ...]:
     """The instances one request runs on, in order; empty when none serves.
 
     (prefill, decode) whenever the model has SERVING instances of both roles (after
     `exclude_ids`), even if colocated instances serve too: the split deployment is what the
-    operator asked for. Otherwise one instance, the least loaded SERVING one of any role.
+    operator asked for. Otherwise one instance, the least loaded SERVING one of any role,
+    preferring those whose TPOT estimate meets `tpot_slo_s` (`choose_instance`).
     """
     if prompt_tokens < 0 or max_tokens < 0:
         raise ValueError(f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens!r} and {max_tokens!r}")
@@ -268,7 +288,14 @@ def plan_route(
     # instance dead, drained or excluded after failing this request). A prefill- or
     # decode-role worker still runs whole requests, so one hop to any SERVING instance keeps
     # requests from failing until the pool is back.
-    single = choose_instance(pool, request_tokens, exclude_ids, model=model, kv_block_size_tokens=kv_block_size_tokens)
+    single = choose_instance(
+        pool,
+        request_tokens,
+        exclude_ids,
+        model=model,
+        kv_block_size_tokens=kv_block_size_tokens,
+        tpot_slo_s=tpot_slo_s,
+    )
     return () if single is None else (single,)
 
 

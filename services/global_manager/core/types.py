@@ -67,6 +67,13 @@ class LoadSample:
     zigzag_running: int = 0  # ZigZag requests running their first layers there (a loading instance)
     zigzag_relayed_total: int = 0
     zigzag_continued_total: int = 0
+    # SLO-aware engine: its TPOT estimate for the running set (None = no estimate yet), and the
+    # requests it refused for an SLO or paused so far.
+    est_tpot_s: float | None = None
+    slo_rejected_total: int = 0
+    preempted_total: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens served from cached KV blocks, since start
+    prefix_query_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Cheap checks only: heartbeats arrive at (instances x Hz) and a bad one must be loud.

@@ -1,0 +1,226 @@
+"""The SLO refusal path through real services in this process: the `openai` client -> gateway ->
+a real global manager -> a real worker (engine, tiny synthetic model, weights from a real
+parameter manager), over real gRPC.
+
+`test_worker_refusal_reaches_the_client` makes the worker's engine refuse a request the way an
+SLO-aware engine does (it raises `SLOUnattainable` from the request's stream before its first
+token); the refusal is injected around the real engine, since this branch's engine (FCFS) never
+refuses. Everything around it is real: the worker's conversion of the objective, its
+RESOURCE_EXHAUSTED status with `retry-after-s`, the gateway's one re-route, its 429 +
+`Retry-After`, the client's RateLimitError. `test_unattainable_ttft_behind_queued_work_is_429`
+is the same with a real reason (SCORPIO behind queued work on an emulated accelerator); it runs
+once the engine has `scheduling_policy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+
+from blitzmesh.v1 import admin_pb2, common_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.grpc_util import RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
+from services.common.waiting import wait_until
+from services.gateway.config import GatewayConfig
+from services.gateway.service import GatewayService
+from services.global_manager.config import GlobalManagerConfig
+from services.global_manager.service import GlobalManagerService
+from services.param_manager.service import ParamManagerConfig, ParamManagerService
+from services.worker.config import WorkerConfig
+from services.worker.engine.engine import EngineConfig
+from services.worker.engine.slo import RequestSLO, SLOUnattainable
+from services.worker.service import REQUESTS, WorkerService
+
+ServeFactory = Any  # tests/integration/conftest.py: serve_in_process
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("error")]
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+
+
+@dataclass
+class Mesh:
+    http: str
+    worker: WorkerService
+    worker_address: str
+
+
+@contextlib.asynccontextmanager
+async def mesh(tiny_models: Path, serve_in_process: ServeFactory, **worker_extra: Any) -> AsyncIterator[Mesh]:
+    async with contextlib.AsyncExitStack() as stack:
+        pm = ParamManagerService(ParamManagerConfig(port=0, model_dir=tiny_models, dataplane="tcp"))
+        pm_ctx = await stack.enter_async_context(serve_in_process(pm, pm.servicer.config))
+        gm = GlobalManagerService(GlobalManagerConfig(port=0, param_manager=pm_ctx.address))
+        gm_ctx = await stack.enter_async_context(serve_in_process(gm, gm.servicer.cfg))
+        wk = WorkerService(
+            WorkerConfig(
+                port=0,
+                instance_id="w-0",
+                param_manager=pm_ctx.address,
+                global_manager=gm_ctx.address,
+                preload_model=MODEL,
+                kv_cache_tokens=4096,
+                heartbeat_interval_s=0.2,
+                dataplane="tcp",
+                **worker_extra,
+            )
+        )
+        wk_ctx = await stack.enter_async_context(serve_in_process(wk, wk.cfg))
+        ch = await stack.enter_async_context(channel(gm_ctx.address))
+
+        async def serving() -> bool:
+            cluster = await global_manager_pb2_grpc.GlobalManagerStub(ch).GetCluster(
+                admin_pb2.GetClusterRequest(), timeout=5
+            )
+            return any(i.state == common_pb2.INSTANCE_STATE_SERVING for i in cluster.instances)
+
+        await wait_until(serving, 30, interval_s=0.05, what="the worker SERVING in the global manager")
+        cfg = GatewayConfig(
+            port=0, http_port=0, global_manager=gm_ctx.address, param_manager=pm_ctx.address, shutdown_grace_s=0.5
+        )
+        gw_ctx = await stack.enter_async_context(
+            serve_in_process(GatewayService(cfg, registry=CollectorRegistry()), cfg)
+        )
+        yield Mesh(f"http://127.0.0.1:{gw_ctx.extra_ports['http_port']}/v1", wk, wk_ctx.address)
+
+
+def refuse_tight_ttft(wk: WorkerService, seen: list[RequestSLO | None]) -> None:
+    """Wrap the real engine's generate: record each request's objectives, and refuse (as an
+    SLO-aware engine would) any TTFT objective under 10 ms before the first token."""
+    inst = wk.servicer.instance
+    assert inst is not None and inst.engine is not None
+    engine = inst.engine
+    real: Callable[..., AsyncIterator[Any]] = engine.generate
+
+    async def generate(*args: Any, slo: RequestSLO | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+        seen.append(slo)
+        if slo is not None and slo.ttft_s is not None and slo.ttft_s < 0.01:
+            raise SLOUnattainable(
+                f"injected refusal: TTFT {slo.ttft_s:g} s cannot be met", slo="ttft", retry_after_s=1.7
+            )
+        async for event in real(*args, slo=slo, **kwargs):
+            yield event
+
+    engine.generate = generate  # type: ignore[method-assign]
+
+
+async def test_worker_refusal_reaches_the_client(tiny_models: Path, serve_in_process: ServeFactory) -> None:
+    seen: list[RequestSLO | None] = []
+    async with mesh(tiny_models, serve_in_process) as m:
+        refuse_tight_ttft(m.worker, seen)
+        rejected_before = REQUESTS.labels("slo_rejected")._value.get()
+
+        # The worker's own API: RESOURCE_EXHAUSTED naming the objective, with the retry hint.
+        async with channel(m.worker_address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            refused = stub.Generate(
+                worker_pb2.WorkerGenerateRequest(
+                    request_id="direct-1",
+                    model_id=MODEL,
+                    prompt_token_ids=[1, 5, 9],
+                    sampling=common_pb2.SamplingParams(max_tokens=2),
+                    slo=common_pb2.RequestSLO(ttft_s=0.001),
+                ),
+                timeout=10,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in refused:
+                    pass
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "TTFT SLO of 0.001 s unattainable" in (err.value.details() or "")
+            trailing = dict(err.value.trailing_metadata() or ())
+            assert trailing[RETRY_AFTER_METADATA_KEY] == "1.700" and trailing[SLO_METADATA_KEY] == "ttft"
+            assert seen[-1] == RequestSLO(ttft_s=0.001)
+            # An objective that is not a positive number is the caller's mistake.
+            bad = stub.Generate(
+                worker_pb2.WorkerGenerateRequest(
+                    request_id="direct-2",
+                    model_id=MODEL,
+                    prompt_token_ids=[1, 5, 9],
+                    sampling=common_pb2.SamplingParams(max_tokens=2),
+                    slo=common_pb2.RequestSLO(tpot_s=0.0),
+                ),
+                timeout=10,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in bad:
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tpot_s" in (err.value.details() or "")
+        assert REQUESTS.labels("slo_rejected")._value.get() == rejected_before + 1
+
+        client = openai.AsyncOpenAI(base_url=m.http, api_key="unused", max_retries=0)
+        try:
+            with pytest.raises(openai.RateLimitError) as rate:
+                await client.chat.completions.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"ttft_slo_s": 0.001}
+                )
+            assert rate.value.status_code == 429 and rate.value.response.headers["Retry-After"] == "2"
+            error = rate.value.response.json()["error"]
+            assert error["type"] == "slo_unattainable" and "ttft_slo_s=0.001" in error["message"]
+
+            # A reachable objective is served, its attainment in usage.
+            done = await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"ttft_slo_s": 60, "tpot_slo_s": 30}
+            )
+        finally:
+            await client.close()
+        assert done.usage is not None
+        slo = (done.usage.model_extra or {})["slo"]
+        assert slo["ttft_met"] is True and slo["tpot_met"] is True and slo["ttft_s"] == 60
+        last = seen[-1]
+        assert last is not None and last.tpot_s == 30 and last.ttft_s is not None and 0 < last.ttft_s <= 60
+        assert REQUESTS.labels("slo_rejected")._value.get() == rejected_before + 2
+
+
+def _scorpio_ready() -> None:
+    if "scheduling_policy" not in EngineConfig.model_fields or "scheduling_policy" not in WorkerConfig.model_fields:
+        pytest.skip("needs scheduling_policy=scorpio")
+
+
+async def test_unattainable_ttft_behind_queued_work_is_429(tiny_models: Path, serve_in_process: ServeFactory) -> None:
+    _scorpio_ready()
+    pacing = {"step_time_a_s": 0.05, "step_time_b_s": 0.002, "max_batch_size": 2, "scheduling_policy": "scorpio"}
+    async with mesh(tiny_models, serve_in_process, **pacing) as m:
+        client = openai.AsyncOpenAI(base_url=m.http, api_key="unused", max_retries=0)
+        try:
+            # Queued work: long generations filling the batch, more waiting behind them.
+            backlog = [
+                asyncio.create_task(
+                    client.chat.completions.create(
+                        model=MODEL, messages=MESSAGES, max_tokens=48, extra_body={"ignore_eos": True}
+                    )
+                )
+                for _ in range(6)
+            ]
+
+            async def busy() -> bool:
+                inst = m.worker.servicer.instance
+                return inst is not None and inst.engine is not None and inst.engine.stats().waiting > 0
+
+            await wait_until(busy, 30, interval_s=0.02, what="requests queued on the worker")
+            with pytest.raises(openai.RateLimitError) as rate:
+                await asyncio.wait_for(
+                    client.chat.completions.create(
+                        model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"ttft_slo_s": 0.001}
+                    ),
+                    30,
+                )
+            assert rate.value.status_code == 429
+            retry_after = rate.value.response.headers["Retry-After"]
+            assert retry_after.isdigit() and int(retry_after) >= 1
+            assert "ttft" in rate.value.response.json()["error"]["message"].lower()
+            # The queued work itself is unharmed.
+            done = await asyncio.wait_for(asyncio.gather(*backlog), 60)
+            assert all(d.choices[0].finish_reason == "length" for d in done)
+        finally:
+            await client.close()
