@@ -62,6 +62,12 @@ class WorkerConfig(ServiceConfig):
         description="ZigZag partner: take requests relayed from a loading instance in arrival order with its own "
         "waiting ones, or before them (relay_first: more requests split while loading, a worse tail)",
     )
+    scheduling_policy: str = Field(
+        "fcfs",
+        pattern="^(fcfs|scorpio)$",
+        description="engine scheduling: fcfs (arrival order, every decode every iteration) or scorpio (SLO-aware,"
+        " ALGORITHMS.md 4: deadline order, TPOT-gated admission, decodes by credits, SLOUnattainable refusals)",
+    )
     device: str = Field(
         "cpu",
         pattern=r"^(cpu|cuda(:[0-9]+)?)$",

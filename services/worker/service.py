@@ -579,6 +579,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_kv_blocks=num_blocks,
             pacing=pacing,
             zigzag_partner_order=cfg.zigzag_partner_order,
+            scheduling_policy=cfg.scheduling_policy,
         )
         log.info("kv_cache", blocks=num_blocks, tokens=kv.capacity_tokens, bytes=kv.nbytes)
         return Engine(model, kv, eos_token_ids, engine_cfg, on_dead=lambda _exc: self.engine_died.set())

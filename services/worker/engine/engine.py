@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 import torch
@@ -35,11 +35,23 @@ from services.worker.engine.sampling import (
 from services.worker.engine.scheduler import (
     CapacityPolicy,
     RunningSeq,
+    Schedule,
     SchedulerLimits,
     WaitingSeq,
     schedule,
 )
-from services.worker.engine.slo import RequestSLO
+from services.worker.engine.scorpio import (
+    Member,
+    ScorpioState,
+    SLOTicket,
+    TPOTDecision,
+    deadline_s,
+    judge_tpot,
+    judge_ttft,
+    trp,
+    vbs,
+)
+from services.worker.engine.slo import RequestSLO, SLOKind, SLOUnattainable
 from services.worker.model import native
 from services.worker.model.attention import ForwardBatch
 from services.worker.model.llama import LlamaForCausalLM
@@ -52,6 +64,8 @@ FinishReason = Literal["stop", "length", "abort"]
 _PROMPT_LOGITS_ROWS = 256
 # ZigZag relays remembered for requests that have not arrived yet (bounded: most never come).
 _MAX_EARLY_RELAYS = 1024
+# SCORPIO logs its fits (scorpio_fit) once per this many steps.
+_SCORPIO_LOG_EVERY_STEPS = 1000
 
 
 class RequestTooLarge(ValueError):
@@ -176,6 +190,12 @@ class EngineConfig(BaseModel):
         description="ZigZag partner: admit requests taken over from a loading instance in arrival order with its"
         " own waiting ones (arrival), or before them (relay_first: more split requests, a worse tail)",
     )
+    scheduling_policy: Literal["fcfs", "scorpio"] = Field(
+        "fcfs",
+        description="fcfs: requests start in arrival order, every decode runs every iteration; scorpio"
+        " (ALGORITHMS.md 4): queued by TTFT deadline, admitted only when the fitted TPOT estimate meets the"
+        " SLOs, decodes run by TPOT credits, SLOUnattainable for what cannot be met",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -285,6 +305,7 @@ class _Seq:
     relay_waiters: list[asyncio.Future[RelayOutcome]] = field(default_factory=list)
     migrate: bool = False  # live migration asked: leave with its KV between steps
     slo: RequestSLO | None = None  # latency objectives (SCORPIO schedules by them; FCFS ignores them)
+    scorpio: SLOTicket | None = None  # SCORPIO's view of it (scheduling_policy="scorpio" only)
 
     @property
     def num_tokens(self) -> int:
@@ -469,6 +490,7 @@ class Engine:
         self._in_step: set[str] = set()  # requests the compute thread works on right now
         # Relayed before they arrived: they end at once when they do (the oldest forgotten first).
         self._relayed_early: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._scorpio = ScorpioState() if self.config.scheduling_policy == "scorpio" else None
 
     @classmethod
     def create(
@@ -644,6 +666,8 @@ class Engine:
                 f"the model is still loading ({self.model.num_layers_loaded} of"
                 f" {self.model.config.num_hidden_layers} layers): only ZigZag requests run yet"
             )
+        # SCORPIO refuses only requests that have sent nothing yet and need nothing from a peer.
+        plain = not (handoff or kv_fill is not None or zigzag or relay_fill is not None or resumed)
         if relay_fill is not None and (
             sampling.prompt_logprobs is not None
             or (not self.config.enable_chunked_prefill and len(prompt) > self.config.max_num_tokens)
@@ -701,6 +725,8 @@ class Engine:
         if seq.history is not None:
             for token in resumed:
                 seq.history.add(token)
+        if self._scorpio is not None:
+            self._scorpio_arrive(seq, plain)
         self._by_id[request_id] = seq
         self._waiting.append(seq)
         self._wake.set()
@@ -988,13 +1014,20 @@ class Engine:
         # TTFT p99 was 9.0 and 10.7 s against 6.4 and 6.0 s in arrival order (stop-the-world:
         # 7.4). BlitzScale's partner takes such work only when it has none of its own; measured
         # on bench.autoscale that was worse still (SLO 0.47-0.54 against 0.59-0.62).
-        waiting = list(self._waiting)
+        waiting = list(self._waiting) if self._scorpio is None else self._scorpio_waiting()
         if self.config.zigzag_partner_order == "relay_first":
             waiting.sort(key=lambda s: s.relay_fill is None)  # stable: arrival order within each
+        # SCORPIO: decode rows short of a credit sit this iteration out.
+        held = self._scorpio_held() if self._scorpio is not None else frozenset()
         plan = schedule(
             # A request whose KV is arriving holds its batch slot and blocks but has no work yet,
             # and a ZigZag request on a loading instance is run layer by layer outside the plan.
-            [RunningSeq(s.request_id, 0 if s.fill_task is not None or s.zigzag else s.pending) for s in self._running],
+            [
+                RunningSeq(
+                    s.request_id, 0 if s.fill_task is not None or s.zigzag or s.request_id in held else s.pending
+                )
+                for s in self._running
+            ],
             [
                 WaitingSeq(
                     s.request_id,
@@ -1006,6 +1039,8 @@ class Engine:
             self._available_blocks(),
             self._limits,
         )
+        if self._scorpio is not None:
+            plan = self._scorpio_admit(plan)
         filling: set[str] = set()
         for request_id in plan.admitted:
             seq = self._by_id[request_id]
@@ -1106,6 +1141,8 @@ class Engine:
             if remaining > 0:
                 await asyncio.sleep(remaining)
         now = self._clock()
+        if self._scorpio is not None and not inp.partials and not inp.continuations:
+            self._scorpio_observe(seqs, counts, prefill_tokens, now - t0)
 
         for part, hidden in zip(inp.partials, partial_out, strict=True):
             seq = part.seq
@@ -1234,6 +1271,8 @@ class Engine:
             return
         seq.queue.put_nowait(TokenEvent(token, reason, len(seq.prompt), len(seq.output), logprob, top, prompt_lps))
         if reason is not None:
+            if self._scorpio is not None and seq.scorpio is not None:
+                self._scorpio.lengths.observe(len(seq.prompt), len(seq.output), seq.scorpio.predicted_output_tokens)
             self._finish(seq, reason, notify=False)
 
     def _execute(
@@ -1303,6 +1342,204 @@ class Engine:
         logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat(logits_parts)
         return sample(logits, inp.params, inp.generators, inp.histories), prompt_out, partial_out
 
+    # ---- SCORPIO (scheduling_policy="scorpio", ALGORITHMS.md 4) ----------------------------------
+    # The pure part (credits, fits, the checks) is services/worker/engine/scorpio.py. Refusals:
+    # at arrival when the TPOT SLO is out of reach even alone, or the first token cannot come by
+    # the deadline behind the prefill work queued ahead; while queued once the deadline is lost
+    # (its own prefill would end past it); at admission when the running set with it would
+    # miss the set's tightest TPOT SLO. Only plain requests that have sent no token are refused.
+    # Credits are taken over the decode rows of each iteration (TRP against the tightest of
+    # them, so one always runs); prefills are not subject to them. A request without SLOs is
+    # never refused, is queued after those with a deadline and decodes every iteration (TRP 1).
+    # The mean length L an admission estimates with is each request's prompt plus the output it
+    # is expected to reach (predicted, or what it has if more): the set's length near its end.
+
+    def _scorpio_member(self, seq: _Seq) -> Member:
+        """`seq` in an admission's set: its TPOT SLO and the length it is expected to reach."""
+        t = seq.scorpio
+        if t is None:
+            return Member(None, seq.num_tokens)
+        return Member(t.tpot_s, len(seq.prompt) + max(len(seq.output), t.predicted_output_tokens))
+
+    def _scorpio_running_tpot(self) -> float | None:
+        """The fitted step time of the running set: the TPOT of its tightest request."""
+        assert self._scorpio is not None
+        fit = self._scorpio.tpot.fit()
+        if fit is None or not self._running:
+            return None
+        members = [self._scorpio_member(s) for s in self._running]
+        return fit.estimate(vbs(m.tpot_s for m in members), sum(m.length_tokens for m in members) / len(members))
+
+    def _scorpio_refusal(self, seq: _Seq, kind: SLOKind, message: str, retry_after_s: float) -> SLOUnattainable:
+        assert self._scorpio is not None
+        self._scorpio.rejected[kind] += 1
+        log.info("slo_rejected", request_id=seq.request_id, slo=kind, retry_after_s=retry_after_s, reason=message)
+        return SLOUnattainable(message, slo=kind, retry_after_s=retry_after_s)
+
+    def _scorpio_reject_waiting(self, seq: _Seq, error: SLOUnattainable) -> None:
+        # Queued: no KV, no token sent; its stream raises the error.
+        self._waiting.remove(seq)
+        seq.finished = True
+        self._by_id.pop(seq.request_id, None)
+        seq.queue.put_nowait(error)
+
+    def _scorpio_tpot_retry_s(self, step_s: float) -> float:
+        """When the running set is expected to lose a member: the soonest expected finish, each
+        request's remaining predicted tokens at one per 1/TRP iterations of `step_s`."""
+        members = {s.request_id: self._scorpio_member(s) for s in self._running}
+        if not members or step_s <= 0:
+            return step_s
+        rates = trp({r: m.tpot_s for r, m in members.items()})
+        return min(
+            max(1.0, m.length_tokens - self._by_id[r].num_tokens) / rates[r] * step_s
+            for r, m in members.items()
+            if r in self._by_id
+        )
+
+    def _scorpio_tpot_message(self, seq: _Seq, decision: TPOTDecision, others: int) -> str:
+        assert seq.scorpio is not None and decision.est_tpot_s is not None and decision.min_tpot_s is not None
+        where = "even alone" if others == 0 else f"with the {others} running"
+        return (
+            f"request {seq.request_id!r} refused: TPOT SLO {seq.scorpio.tpot_s:.4g} s; the estimated TPOT"
+            f" {decision.est_tpot_s:.4g} s {where} (VBS {decision.vbs:.3g}, mean length {decision.mean_len:.0f}"
+            f" tokens) exceeds the set's tightest TPOT SLO {decision.min_tpot_s:.4g} s"
+        )
+
+    def _scorpio_arrive(self, seq: _Seq, plain: bool) -> None:
+        """Give `seq` its ticket; raise SLOUnattainable for a plain request whose SLO is out of
+        reach at once (see the section's comment)."""
+        sc = self._scorpio
+        assert sc is not None
+        slo = seq.slo
+        seq.scorpio = ticket = SLOTicket(
+            deadline_s=deadline_s(seq.arrival_s, slo.ttft_s if slo is not None and plain else None),
+            # Hand-offs and ZigZag requests on a loading instance never decode here.
+            tpot_s=slo.tpot_s if slo is not None and not (seq.handoff or seq.zigzag) else None,
+            predicted_output_tokens=sc.lengths.predict(len(seq.prompt), seq.params.max_tokens),
+            refusable=plain and slo is not None,
+        )
+        if not ticket.refusable:
+            return
+        if ticket.tpot_s is not None:
+            alone = judge_tpot(self._scorpio_member(seq), [], sc.tpot.fit())
+            if not alone.admit:
+                assert alone.est_tpot_s is not None
+                raise self._scorpio_refusal(seq, "tpot", self._scorpio_tpot_message(seq, alone, 0), alone.est_tpot_s)
+        if math.isfinite(ticket.deadline_s):
+            ahead = sum(
+                s.prefill_len
+                for s in self._waiting
+                if s.scorpio is not None and s.scorpio.deadline_s <= ticket.deadline_s
+            ) + sum(max(0, s.prefill_len - s.num_computed) for s in self._running)
+            rate = sc.prefill.tokens_per_s
+            guard = judge_ttft(
+                seq.arrival_s, ticket.deadline_s, ahead, seq.prefill_len, rate, self._scorpio_running_tpot() or 0.0
+            )
+            if not guard.admit:
+                assert slo is not None and slo.ttft_s is not None
+                est = "unknown" if guard.est_ttft_s is None else f"{guard.est_ttft_s:.4g} s"
+                raise self._scorpio_refusal(
+                    seq,
+                    "ttft",
+                    f"request {seq.request_id!r} refused: TTFT SLO {slo.ttft_s:.4g} s; estimated TTFT {est}"
+                    f" ({ahead} prompt tokens queued ahead of its {seq.prefill_len}, at {rate or 0:.4g} tokens/s)",
+                    guard.retry_after_s,
+                )
+
+    def _scorpio_waiting(self) -> list[_Seq]:
+        """The queue in least-deadline-first order (arrival order among equal deadlines and those
+        without one), after refusing the requests whose deadline is lost: even started now,
+        their own prefill at the measured rate (without one: nothing) would end past it."""
+        sc = self._scorpio
+        assert sc is not None
+        now = self._clock()
+        rate = sc.prefill.tokens_per_s
+        step_s = self._scorpio_running_tpot() or 0.0
+        ordered = sorted(self._waiting, key=lambda s: s.scorpio.deadline_s if s.scorpio is not None else math.inf)
+        kept: list[_Seq] = []
+        ahead = sum(max(0, s.prefill_len - s.num_computed) for s in self._running)
+        for seq in ordered:
+            t = seq.scorpio
+            if t is not None and t.refusable and math.isfinite(t.deadline_s):
+                if not judge_ttft(now, t.deadline_s, 0, seq.prefill_len, rate, 0.0).admit:
+                    assert seq.slo is not None and seq.slo.ttft_s is not None
+                    retry = judge_ttft(now, t.deadline_s, ahead, seq.prefill_len, rate, step_s).retry_after_s
+                    message = (
+                        f"request {seq.request_id!r} refused: TTFT SLO {seq.slo.ttft_s:.4g} s cannot be met any"
+                        f" more: queued {now - seq.arrival_s:.4g} s, its {seq.prefill_len} prompt tokens not started"
+                        f" (prefill rate {rate or 0:.4g} tokens/s)"
+                    )
+                    self._scorpio_reject_waiting(seq, self._scorpio_refusal(seq, "ttft", message, retry))
+                    continue
+            ahead += seq.prefill_len
+            kept.append(seq)
+        return kept
+
+    def _scorpio_held(self) -> frozenset[str]:
+        """This iteration's credits: the decode rows that sit it out. Prefills are not subject
+        to credits; a decode row of a request without a TPOT SLO runs every iteration."""
+        assert self._scorpio is not None
+        decoding = {
+            s.request_id: s.scorpio.tpot_s if s.scorpio is not None else None
+            for s in self._running
+            if s.pending == 1 and s.num_computed >= s.prefill_len and s.fill_task is None and not s.zigzag
+        }
+        chosen = self._scorpio.batcher.step(decoding)
+        return frozenset(decoding.keys() - set(chosen))
+
+    def _scorpio_admit(self, plan: Schedule) -> Schedule:
+        """Gate the requests the capacity scheduler would start, in its order: one with a TPOT
+        SLO starts only if the fitted step time of the running set with it (and those started
+        before it in this step) meets the set's tightest TPOT SLO; otherwise it is refused."""
+        assert self._scorpio is not None
+        fit = self._scorpio.tpot.fit()
+        if fit is None or not plan.admitted:
+            return plan  # no measurement yet: admitted blind
+        members = [self._scorpio_member(s) for s in self._running]
+        refused: set[str] = set()
+        for request_id in plan.admitted:
+            seq = self._by_id[request_id]
+            member = self._scorpio_member(seq)
+            t = seq.scorpio
+            if t is not None and t.refusable and t.tpot_s is not None:
+                decision = judge_tpot(member, members, fit)
+                if not decision.admit:
+                    assert decision.est_tpot_s is not None
+                    message = self._scorpio_tpot_message(seq, decision, len(members))
+                    retry = self._scorpio_tpot_retry_s(self._scorpio_running_tpot() or decision.est_tpot_s)
+                    self._scorpio_reject_waiting(seq, self._scorpio_refusal(seq, "tpot", message, retry))
+                    refused.add(request_id)
+                    continue
+            members.append(member)
+        if not refused:
+            return plan
+        return replace(
+            plan,
+            admitted=tuple(r for r in plan.admitted if r not in refused),
+            work=tuple(w for w in plan.work if w[0] not in refused),
+        )
+
+    def _scorpio_observe(self, seqs: Sequence[_Seq], counts: Sequence[int], prefill_tokens: int, step_s: float) -> None:
+        """Feed the fits from a step (before its rows' `num_computed` advance): B is the step's
+        tokens (a decode row is 1; under pacing a step costs base + per_token * tokens, exactly
+        the model's b*B + d), L the mean context length of its rows, the time measured."""
+        assert self._scorpio is not None
+        contexts = [seq.num_computed + n for seq, n in zip(seqs, counts, strict=True) if n > 0]
+        if not contexts:
+            return
+        self._scorpio.tpot.observe(sum(counts), sum(contexts) / len(contexts), step_s)
+        self._scorpio.prefill.observe(prefill_tokens, step_s)
+        if (self._steps + 1) % _SCORPIO_LOG_EVERY_STEPS == 0:
+            log.info("scorpio_fit", **self._scorpio.report())
+
+    def scorpio_report(self) -> dict[str, Any] | None:
+        """SCORPIO's fits and counters (None under FCFS): the TPOT model (coefficients, terms,
+        points, R^2, mean absolute error), the prefill rate, the output-length predictor's mean
+        absolute error, refusals by kind and the running set's estimated TPOT."""
+        if self._scorpio is None:
+            return None
+        return {**self._scorpio.report(), "est_tpot_s": self._scorpio_running_tpot()}
+
     # ---- observability ------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -1335,4 +1572,6 @@ class Engine:
             total_generated_tokens=self._total_generated,
             total_prompt_tokens=self._total_prompt,
             window_s=window,
+            est_tpot_s=self._scorpio_running_tpot() if self._scorpio is not None else None,
+            slo_rejected_total=self._scorpio.rejected_total if self._scorpio is not None else 0,
         )
