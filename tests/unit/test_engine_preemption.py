@@ -196,3 +196,31 @@ def test_kv_copy_out_and_in_round_trip() -> None:
     assert torch.equal(v_all[:, new_table], v)
     with pytest.raises(ValueError, match="does not fit a pool"):
         cache.copy_in("c", k[:, :, :2], v[:, :, :2])
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+async def test_many_requests_through_a_tiny_pool(model: LlamaForCausalLM, mode: str) -> None:
+    """Ten requests of mixed lengths, batches of 6, a pool that holds about two of them, chunks of
+    8: many pauses, and every request still gives the tokens it gives alone."""
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(3, 30, (10,), generator=g).tolist()
+    prompts = [prompt_of(n, 50 + i) for i, n in enumerate(lengths)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(10)]
+
+    async def run(engine: Engine) -> list[list[int | None]]:
+        async def one(i: int) -> list[int | None]:
+            events = [ev async for ev in engine.generate(f"q{i}", prompts[i], params[i])]
+            check_stream(events, params[i].max_tokens)
+            return [e.token_id for e in events]
+
+        async with engine:
+            out = await asyncio.gather(*(one(i) for i in range(10)))
+            assert engine.kv_cache.used_blocks == 0
+        return list(out)
+
+    reference = await run(make_engine(model))
+    engine = make_engine(
+        model, capacity_policy=MAX_UTIL, num_kv_blocks=16, max_batch_size=6, max_num_tokens=8, preemption_mode=mode
+    )
+    assert await run(engine) == reference
+    assert engine.stats().preempted_total >= 3

@@ -1207,26 +1207,33 @@ class Engine:
         step needs (`blocks_reserved`, which `_available_blocks` and the scheduler count)."""
         cache = self.kv_cache
         bs = cache.block_size
-        active: list[ActiveSeq] = []
-        for seq in self._running:
-            held = cache.num_blocks_of(seq.request_id)
-            pausable = self._pausable(seq)
-            if pausable:
-                nxt = next_step_blocks(
-                    computed_tokens=seq.num_computed,
-                    pending_tokens=seq.pending,
-                    blocks_held=held,
-                    block_size=bs,
-                    limits=self._limits,
-                )
-                seq.blocks_reserved = held + nxt
-            else:
-                nxt = max(0, seq.blocks_reserved - held)
-            active.append(ActiveSeq(seq.request_id, held, nxt, pausable))
-        victims = pick_victims(active, cache.free_blocks)
-        for request_id in victims:  # the most recently started first: each goes to the queue's front
-            self._pause(self._by_id[request_id])
-        if not victims:
+        paused = False
+        # Again after each round of pauses, from the blocks actually free: a victim's blocks may
+        # not all come back (e.g. shared with another sequence by an allocator that shares).
+        while True:
+            active: list[ActiveSeq] = []
+            for seq in self._running:
+                held = cache.num_blocks_of(seq.request_id)
+                pausable = self._pausable(seq)
+                if pausable:
+                    nxt = next_step_blocks(
+                        computed_tokens=seq.num_computed,
+                        pending_tokens=seq.pending,
+                        blocks_held=held,
+                        block_size=bs,
+                        limits=self._limits,
+                    )
+                    seq.blocks_reserved = held + nxt
+                else:
+                    nxt = max(0, seq.blocks_reserved - held)
+                active.append(ActiveSeq(seq.request_id, held, nxt, pausable))
+            victims = pick_victims(active, cache.free_blocks)
+            if not victims:
+                break
+            for request_id in victims:  # the most recently started first: each goes to the queue's front
+                self._pause(self._by_id[request_id])
+            paused = True
+        if not paused:
             self._swap_in()
         for seq in self._waiting:
             if seq.swapped is not None:
