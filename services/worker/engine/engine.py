@@ -839,9 +839,10 @@ class Engine:
     def release_waiting(self, max_requests: int, reason: str) -> list[str]:
         """Give up to `max_requests` queued (not yet admitted) requests to another instance: the
         most recently queued first, as they would wait longest here. Each one's stream raises
-        RequestMovedError; none had KV here, so nothing is lost. Returns their ids."""
+        RequestMovedError; none had KV here, so nothing is lost. A request MAX_UTILIZATION paused
+        is queued too but has streamed tokens from here: it stays, and resumes here. Returns
+        their ids."""
         released: list[str] = []
-        # A paused request has streamed tokens from here: it stays (it resumes here).
         for seq in [s for s in reversed(self._waiting) if not s.paused][:max_requests]:
             self._waiting.remove(seq)
             seq.finished = True
