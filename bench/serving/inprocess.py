@@ -13,17 +13,14 @@ from services.model_format.generation import eos_token_ids_in
 from services.worker.config import WorkerConfig
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.sampling import SamplingParams
+from services.worker.kv_pool import engine_config
 from services.worker.model.llama import load_model
 
 
 def worker_engine_config(worker: WorkerConfig) -> EngineConfig:
-    """The EngineConfig a worker with these options builds (see WorkerServicer._make_engine)."""
-    return EngineConfig(
-        max_batch_size=worker.max_batch_size,
-        max_num_tokens=worker.max_num_tokens,
-        block_size=worker.block_size,
-        num_kv_blocks=worker.kv_cache_tokens // worker.block_size,
-    )
+    """The EngineConfig a worker with these options builds (see WorkerServicer._make_engine), with
+    the pool at its cap, kv_cache_tokens (what a worker gets when memory is not short)."""
+    return engine_config(worker, worker.kv_cache_tokens // worker.block_size)
 
 
 def greedy(n: int) -> SamplingParams:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -29,7 +30,35 @@ class WorkerConfig(ServiceConfig):
     max_batch_size: int = Field(32, gt=0, description="most requests in one engine iteration")
     max_num_tokens: int = Field(1024, gt=0, description="most tokens (prefill + decode) in one iteration")
     block_size: int = Field(16, gt=0, description="tokens per KV block")
-    kv_cache_tokens: int = Field(32768, gt=0, description="KV cache capacity in tokens")
+    kv_cache_tokens: int = Field(
+        32768,
+        gt=0,
+        description="most tokens the KV pool holds; it holds fewer when kv_cache_free_mem_fraction of the memory "
+        "free after the model is loaded is less. The default keeps 3-4 workers of the default model on a 24 GiB "
+        "host (1.4 GiB of float32 KV each); raise it on an accelerator",
+    )
+    kv_cache_free_mem_fraction: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="share of the memory free after the model is loaded (packed weight copies counted) that the KV "
+        "pool may take: CUDA's free memory, else memory_budget_bytes minus the weights when set, else the host's "
+        "MemAvailable",
+    )
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="split long prompts over iterations of max_num_tokens; off, a prompt longer than max_num_tokens "
+        "is refused",
+    )
+    capacity_policy: Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"] = Field(
+        "GUARANTEED_NO_EVICT",
+        description="KV admission: GUARANTEED_NO_EVICT reserves prompt + max_tokens and never pauses; "
+        "MAX_UTILIZATION reserves the next step and pauses the most recently started request when blocks run out",
+    )
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        "recompute",
+        description="MAX_UTILIZATION: a paused request's KV is dropped and recomputed, or swapped to host memory",
+    )
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
     step_time_a_s: float | None = Field(None, ge=0, description="emulated accelerator: fixed step time")
     step_time_b_s: float | None = Field(None, ge=0, description="emulated accelerator: step time per batch token")

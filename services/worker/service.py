@@ -36,12 +36,10 @@ from services.worker.convert import (
 )
 from services.worker.engine.engine import (
     Engine,
-    EngineConfig,
     EngineDeadError,
     EngineStoppedError,
     KVBlocks,
     KVFill,
-    PacingProfile,
     Relayed,
     RelayFill,
     RequestMovedError,
@@ -49,6 +47,7 @@ from services.worker.engine.engine import (
 )
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.slo import RequestSLO, SLOUnattainable
+from services.worker.kv_pool import engine_config, free_memory_bytes, kv_pool_blocks
 from services.worker.kv_transfer import KVDescriptor, KVOffer, KVServer, KVTransferConfig, receive_kv
 from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, pinned_allocate, plan_pulls
 from services.worker.model.llama import LlamaForCausalLM, resolve_dtype
@@ -563,25 +562,47 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _make_engine(self, model: LlamaForCausalLM, eos_token_ids: frozenset[int]) -> Engine:
         cfg = self.cfg
-        num_blocks = cfg.kv_cache_tokens // cfg.block_size
-        kv = KVCache.for_model(
-            model.config, num_blocks=num_blocks, block_size=cfg.block_size, dtype=model.dtype, device=model.device
+        mcfg = model.config
+        # Sized once the model is loaded (or, for a ZigZag start, counting the layers to come).
+        weight_bytes = model.weight_bytes()
+        free_bytes = free_memory_bytes(
+            model.device,
+            weight_bytes=weight_bytes,
+            weight_bytes_to_come=weight_bytes - model.weight_bytes(loaded_only=True),
+            memory_budget_bytes=cfg.memory_budget_bytes,
         )
-        pacing = (
-            None
-            if cfg.step_time_a_s is None or cfg.step_time_b_s is None
-            else PacingProfile(base_s=cfg.step_time_a_s, per_token_s=cfg.step_time_b_s)
-        )
-        engine_cfg = EngineConfig(
-            max_batch_size=cfg.max_batch_size,
-            max_num_tokens=cfg.max_num_tokens,
+        size = kv_pool_blocks(
+            free_bytes=free_bytes,
+            fraction=cfg.kv_cache_free_mem_fraction,
+            bytes_per_token=mcfg.kv_bytes_per_token(model.dtype),
             block_size=cfg.block_size,
-            num_kv_blocks=num_blocks,
-            pacing=pacing,
-            zigzag_partner_order=cfg.zigzag_partner_order,
-            scheduling_policy=cfg.scheduling_policy,
+            max_tokens=cfg.kv_cache_tokens,
+            min_tokens=mcfg.max_context_tokens,
         )
-        log.info("kv_cache", blocks=num_blocks, tokens=kv.capacity_tokens, bytes=kv.nbytes)
+        if size.limited_by == "floor":
+            log.warning(
+                "kv_cache_memory_short",
+                free_bytes=free_bytes,
+                fraction=cfg.kv_cache_free_mem_fraction,
+                tokens=size.num_blocks * cfg.block_size,
+                reason="the free memory holds less than one full-context request; the pool holds one anyway",
+            )
+        kv = KVCache.for_model(
+            mcfg, num_blocks=size.num_blocks, block_size=cfg.block_size, dtype=model.dtype, device=model.device
+        )
+        log.info(
+            "kv_cache",
+            blocks=size.num_blocks,
+            tokens=kv.capacity_tokens,
+            bytes=kv.nbytes,
+            limited_by=size.limited_by,
+            free_bytes=free_bytes,
+            weight_bytes=weight_bytes,
+            fraction=cfg.kv_cache_free_mem_fraction,
+            capacity_policy=cfg.capacity_policy,
+            chunked_prefill=cfg.enable_chunked_prefill,
+        )
+        engine_cfg = engine_config(cfg, size.num_blocks)
         return Engine(model, kv, eos_token_ids, engine_cfg, on_dead=lambda _exc: self.engine_died.set())
 
     async def supervise_engine(self) -> None:

@@ -23,7 +23,7 @@ from services.worker.engine.engine import (
 )
 from services.worker.engine.kv_cache import KVCache, OutOfBlocks
 from services.worker.engine.sampling import SamplingParams
-from services.worker.engine.scheduler import RunningSeq, SchedulerLimits, WaitingSeq, schedule
+from services.worker.engine.scheduler import CapacityPolicy, RunningSeq, SchedulerLimits, WaitingSeq, schedule
 from services.worker.model.llama import LlamaForCausalLM, load_model
 
 EOS = 2
@@ -142,8 +142,13 @@ def test_scheduler_kv_reservation_and_fcfs() -> None:
     assert plan.work == (("dec", 1), ("mid", 9)) and plan.admitted == ()
 
 
-async def test_capacity_vector_in_the_engine(model: LlamaForCausalLM) -> None:
-    engine = make_engine(model, max_batch_size=4, max_num_tokens=12)
+@pytest.mark.parametrize("policy", list(CapacityPolicy))
+async def test_capacity_vector_in_the_engine(model: LlamaForCausalLM, policy: CapacityPolicy) -> None:
+    # The vector is TensorRT-LLM's without chunked prefill (with it, request 3 would take the
+    # budget's last 2 tokens as a first chunk); with KV to spare both policies batch alike.
+    engine = make_engine(
+        model, max_batch_size=4, max_num_tokens=12, enable_chunked_prefill=False, capacity_policy=policy
+    )
     async with engine:
         tasks = [
             asyncio.create_task(
@@ -462,7 +467,8 @@ async def test_cancelling_many_consumers_leaks_nothing(model: LlamaForCausalLM) 
 
 
 async def test_requests_that_can_never_fit_fail_at_once(model: LlamaForCausalLM) -> None:
-    async with make_engine(model, num_kv_blocks=8, max_num_tokens=64) as engine:  # 128 tokens of KV
+    # 128 tokens of KV; without chunked prefill a prompt longer than max_num_tokens cannot run.
+    async with make_engine(model, num_kv_blocks=8, max_num_tokens=64, enable_chunked_prefill=False) as engine:
         with pytest.raises(
             RequestTooLarge,
             match=r"\(100 tokens\) \+ max_tokens \(50\) = 150 tokens need 10 KV blocks, the cache has 8",

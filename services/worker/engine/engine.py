@@ -33,12 +33,18 @@ from services.worker.engine.sampling import (
     sample,
 )
 from services.worker.engine.scheduler import (
+    ActiveSeq,
     CapacityPolicy,
     RunningSeq,
     Schedule,
     SchedulerLimits,
     WaitingSeq,
+    blocks_for,
+    fold_paused_prompt,
+    next_step_blocks,
+    pick_victims,
     schedule,
+    start_blocks,
 )
 from services.worker.engine.scorpio import (
     Member,
@@ -178,7 +184,14 @@ class EngineConfig(BaseModel):
         CapacityPolicy.GUARANTEED_NO_EVICT, description="admission rule against KV capacity"
     )
     enable_chunked_prefill: bool = Field(
-        False, description="split prompts over iterations to fill max_num_tokens (else whole prompts)"
+        True,
+        description="split prompts over iterations to fill max_num_tokens (else whole prompts, and a prompt"
+        " longer than max_num_tokens is refused)",
+    )
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        "recompute",
+        description="MAX_UTILIZATION, how a paused request gives its KV back: recompute (drop it; prompt and"
+        " generated tokens are prefilled again on resume) or swap (copy it to host memory and back)",
     )
     pacing: PacingProfile | None = Field(None, description="emulated accelerator step time; off by default")
     num_threads: int | None = Field(
@@ -291,7 +304,7 @@ class _Seq:
     history: TokenHistory | None = None  # logit_bias and penalty state; None when unused
     prompt_logprobs: list[PromptLogprob] | None = None  # filled during the prefill when asked for
     output: list[int] = field(default_factory=list)
-    resumed: int = 0  # tokens of `output` generated on another instance before a migration
+    resumed: int = 0  # tokens of `output` generated before a migration, or before a pause (recompute)
     num_computed: int = 0  # tokens whose K/V are in the cache
     last_token_s: float | None = None
     finished: bool = False
@@ -306,6 +319,8 @@ class _Seq:
     migrate: bool = False  # live migration asked: leave with its KV between steps
     slo: RequestSLO | None = None  # latency objectives (SCORPIO schedules by them; FCFS ignores them)
     scorpio: SLOTicket | None = None  # SCORPIO's view of it (scheduling_policy="scorpio" only)
+    paused: bool = False  # MAX_UTILIZATION paused it at least once: it has streamed tokens from here
+    swapped: _Swapped | None = None  # a paused request's KV in host memory (preemption_mode="swap")
 
     @property
     def num_tokens(self) -> int:
@@ -328,6 +343,16 @@ class _Seq:
         if start >= p:
             return self.output[start - p : start - p + n]
         return self.prompt[start:] + self.output[: start + n - p]
+
+
+@dataclass(frozen=True)
+class _Swapped:
+    """The KV of a paused request's first `num_tokens` tokens, copied out of the pool
+    (`KVCache.copy_out`), until it is copied back into fresh blocks."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -491,6 +516,7 @@ class Engine:
         # Relayed before they arrived: they end at once when they do (the oldest forgotten first).
         self._relayed_early: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._scorpio = ScorpioState() if self.config.scheduling_policy == "scorpio" else None
+        self.preemptions = {"recompute": 0, "swap": 0}  # MAX_UTILIZATION: pauses so far, by how
 
     @classmethod
     def create(
@@ -839,10 +865,12 @@ class Engine:
     def release_waiting(self, max_requests: int, reason: str) -> list[str]:
         """Give up to `max_requests` queued (not yet admitted) requests to another instance: the
         most recently queued first, as they would wait longest here. Each one's stream raises
-        RequestMovedError; none had KV here, so nothing is lost. Returns their ids."""
+        RequestMovedError; none had KV here, so nothing is lost. A request MAX_UTILIZATION paused
+        is queued too but has streamed tokens from here: it stays, and resumes here. Returns
+        their ids."""
         released: list[str] = []
-        while self._waiting and len(released) < max_requests:
-            seq = self._waiting.pop()
+        for seq in [s for s in reversed(self._waiting) if not s.paused][:max_requests]:
+            self._waiting.remove(seq)
             seq.finished = True
             self._by_id.pop(seq.request_id, None)
             seq.queue.put_nowait(
@@ -1007,6 +1035,8 @@ class Engine:
 
     async def _step(self) -> None:
         self._migrate_flagged()
+        if self.config.capacity_policy is CapacityPolicy.MAX_UTILIZATION:
+            self._make_room()
         # A request taken over from a loading instance queues in arrival order with this
         # instance's own requests by default (`zigzag_partner_order`). Taken first instead
         # ("relay_first"), more requests split (their first layers ran while loading) but the
@@ -1179,6 +1209,149 @@ class Engine:
         self._prefill_window.add(now, prefill_tokens)
         self._steps += 1
         self.step_log.append(StepRecord(self._steps, plan.admitted, plan.work, compute_s, now - t0))
+
+    # ---- MAX_UTILIZATION ----------------------------------------------------------------------
+
+    @staticmethod
+    def _pausable(seq: _Seq) -> bool:
+        """Whether MAX_UTILIZATION may pause `seq` (and so lets it reserve only its next step).
+
+        Requests whose KV is not simply theirs to recompute are never paused and keep the
+        GUARANTEED_NO_EVICT reservation they got in `_add`: a hand-off (it ends after its first
+        token anyway), a ZigZag request on a loading instance (its KV is pulled by its partner),
+        one whose KV is arriving or whose ZigZag continuation has not run yet (a pull writes into
+        its blocks), and one leaving by live migration."""
+        return not (
+            seq.handoff
+            or seq.zigzag
+            or seq.kv_fill is not None
+            or seq.relay_fill is not None
+            or seq.fill_task is not None
+            or seq.zz_hidden is not None
+            or seq.migrate
+        )
+
+    @property
+    def _max_input_len(self) -> int:
+        """The longest prompt a paused request can be recomputed from: the model's context, or
+        without chunked prefill one iteration's tokens."""
+        context = self.model.config.max_context_tokens
+        return context if self.config.enable_chunked_prefill else min(context, self.config.max_num_tokens)
+
+    def _make_room(self) -> None:
+        """MAX_UTILIZATION, between steps: pause running requests (the most recently started
+        first) until every other one's next step fits in the free blocks, swap paused requests
+        back in when they fit, and set each pausable request's reservation to what its next
+        step needs (`blocks_reserved`, which `_available_blocks` and the scheduler count)."""
+        cache = self.kv_cache
+        bs = cache.block_size
+        paused = False
+        # Again after each round of pauses, from the blocks actually free: a victim's blocks may
+        # not all come back (e.g. shared with another sequence by an allocator that shares).
+        while True:
+            active: list[ActiveSeq] = []
+            for seq in self._running:
+                held = cache.num_blocks_of(seq.request_id)
+                pausable = self._pausable(seq)
+                if pausable:
+                    nxt = next_step_blocks(
+                        computed_tokens=seq.num_computed,
+                        pending_tokens=seq.pending,
+                        blocks_held=held,
+                        block_size=bs,
+                        limits=self._limits,
+                    )
+                    seq.blocks_reserved = held + nxt
+                else:
+                    nxt = max(0, seq.blocks_reserved - held)
+                active.append(ActiveSeq(seq.request_id, held, nxt, pausable))
+            victims = pick_victims(active, cache.free_blocks)
+            if not victims:
+                break
+            for request_id in victims:  # the most recently started first: each goes to the queue's front
+                self._pause(self._by_id[request_id])
+            paused = True
+        if not paused:
+            self._swap_in()
+        for seq in self._waiting:
+            if seq.swapped is not None:
+                # Never admitted by the scheduler (which would prefill it from scratch): the
+                # queue stops at it until `_swap_in` restores it.
+                seq.blocks_reserved = cache.total_blocks + 1
+            elif seq.paused:
+                # Back only when all of its recomputed tokens fit: started on a first chunk, it
+                # would be the most recent again and the first to be paused again.
+                seq.blocks_reserved = blocks_for(seq.num_tokens, bs)
+            elif self._pausable(seq):
+                seq.blocks_reserved = start_blocks(
+                    CapacityPolicy.MAX_UTILIZATION,
+                    prefill_tokens=seq.prefill_len,
+                    total_tokens=len(seq.prompt) + seq.params.max_tokens,
+                    block_size=bs,
+                    limits=self._limits,
+                )
+
+    def _pause(self, seq: _Seq) -> None:
+        """Stop a running request and put it at the front of the queue with its generated tokens.
+
+        Recompute (the default): its KV is dropped and its output folded into the prompt it is
+        prefilled from again (`resumed`, as a request migrated here resumes), so the stream goes
+        on with no token repeated or lost: a seeded sampler keeps its state, penalties their
+        history. The engine's input limit is the model's context, which prompt + max_tokens never
+        exceeds, so the fold never cuts; without chunked prefill a fold longer than
+        max_num_tokens could never be prefilled again, and such a request is swapped instead.
+        Swap: its KV is copied to host memory and restored into fresh blocks by `_swap_in`."""
+        computed = seq.num_computed
+        generated = len(seq.output)
+        folded = fold_paused_prompt(len(seq.prompt), generated, self._max_input_len)
+        swap = computed > 0 and (self.config.preemption_mode == "swap" or folded < seq.num_tokens)
+        if swap:
+            k, v = self.kv_cache.copy_out(seq.request_id, computed)
+            seq.swapped = _Swapped(k, v, computed)
+        else:
+            seq.resumed = generated
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt):
+                del seq.prompt_logprobs[1:]  # computed again with the prompt
+        self.kv_cache.free(seq.request_id)
+        seq.num_computed = 0
+        seq.paused = True
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+        self.preemptions["swap" if swap else "recompute"] += 1
+        log.info(
+            "request_paused",
+            request_id=seq.request_id,
+            mode="swap" if swap else "recompute",
+            kv_tokens=computed,
+            generated=generated,
+        )
+
+    def _swap_in(self) -> None:
+        """Restore swapped requests at the front of the queue, in order, while the batch has room
+        and the blocks for their KV and next step are free; they go on as running requests."""
+        bs = self.kv_cache.block_size
+        while self._waiting and len(self._running) < self.config.max_batch_size:
+            seq = self._waiting[0]
+            swapped = seq.swapped
+            if swapped is None:
+                return
+            held = blocks_for(swapped.num_tokens, bs)
+            need = held + next_step_blocks(
+                computed_tokens=swapped.num_tokens,
+                pending_tokens=seq.num_tokens - swapped.num_tokens,
+                blocks_held=held,
+                block_size=bs,
+                limits=self._limits,
+            )
+            if need > self._available_blocks():
+                return
+            self._waiting.popleft()
+            self.kv_cache.copy_in(seq.request_id, swapped.k, swapped.v)
+            seq.num_computed = swapped.num_tokens
+            seq.swapped = None
+            seq.blocks_reserved = need
+            self._running.append(seq)
+            log.info("request_swapped_in", request_id=seq.request_id, kv_tokens=swapped.num_tokens)
 
     def _zigzag_work(self) -> list[_Partial]:
         """ZigZag on a loading instance: the running ZigZag requests whose next layer is loaded,
@@ -1574,4 +1747,5 @@ class Engine:
             window_s=window,
             est_tpot_s=self._scorpio_running_tpot() if self._scorpio is not None else None,
             slo_rejected_total=self._scorpio.rejected_total if self._scorpio is not None else 0,
+            preempted_total=sum(self.preemptions.values()),
         )

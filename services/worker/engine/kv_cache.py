@@ -292,3 +292,40 @@ class KVCache:
     def sequences(self) -> Sequence[str]:
         """Ids of sequences holding blocks."""
         return list(self._tables)
+
+    # ---- swapping (preemption to host memory) ---------------------------------------------------
+
+    def copy_out(
+        self, seq_id: str, num_tokens: int, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the K and V of `seq_id`'s first `num_tokens` tokens (whole blocks), every
+        layer cached here: `[num_layers, blocks, block_size, kv_heads, head_dim]` each, on
+        `device` (host memory by default). The sequence keeps its blocks; free them after."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            raise KeyError(f"sequence {seq_id!r} has no blocks")
+        n = self.blocks_needed(num_tokens)
+        if n > len(table):
+            raise ValueError(f"sequence {seq_id!r} holds {len(table)} blocks, {num_tokens} tokens need {n}")
+        index = torch.tensor(table[:n], dtype=torch.long, device=self._k.device)
+        # index_select copies, so the result never aliases the pool, even on the same device.
+        return self._k.index_select(1, index).to(device), self._v.index_select(1, index).to(device)
+
+    def copy_in(self, seq_id: str, k: torch.Tensor, v: torch.Tensor) -> list[int]:
+        """Give the new sequence `seq_id` fresh blocks holding `k, v` as `copy_out` returned them;
+        returns its block table (OutOfBlocks if the pool lacks them)."""
+        expected = (self.num_layers, self.num_kv_heads, self.head_dim, self._block_size)
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 5 or (t.shape[0], t.shape[3], t.shape[4], t.shape[2]) != expected:
+                raise ValueError(
+                    f"copy_in {name} of shape {tuple(t.shape)} does not fit a pool of [layers, blocks, block_size,"
+                    f" kv_heads, head_dim] = [{self.num_layers}, *, {self._block_size}, {self.num_kv_heads},"
+                    f" {self.head_dim}]"
+                )
+        if k.shape != v.shape:
+            raise ValueError(f"copy_in k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+        table = self.allocate(seq_id, int(k.shape[1]) * self._block_size)
+        index = torch.tensor(table, dtype=torch.long, device=self._k.device)
+        self._k.index_copy_(1, index, k.to(device=self._k.device, dtype=self._k.dtype))
+        self._v.index_copy_(1, index, v.to(device=self._v.device, dtype=self._v.dtype))
+        return table

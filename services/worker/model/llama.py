@@ -165,6 +165,31 @@ class LlamaForCausalLM:
         """True when every group is loaded and a full forward can run."""
         return len(self._loaded) == self.config.num_hidden_layers + 2
 
+    @property
+    def packs_weights(self) -> bool:
+        """Whether matmul weights get a oneDNN-packed second copy (CPU float32, see `Linear`)."""
+        return self.pack_weights and _ONEDNN and self.device.type == "cpu" and self.dtype == torch.float32
+
+    def weight_bytes(self, *, loaded_only: bool = False) -> int:
+        """Bytes the weights take here, of every group (or of the groups loaded so far), counting
+        the packed copy of the matmul weights where there is one: what sizing the KV pool from
+        the memory left must subtract. From the config's shapes: a group's tensors arrive whole."""
+        cfg = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for group in param_groups(cfg):
+            if loaded_only and group not in self._loaded:
+                continue
+            for name, shape in group_tensor_shapes(cfg, group).items():
+                n = 1
+                for d in shape:
+                    n *= d
+                # Packed: every 2-D weight that a `Linear` holds (the layers' projections, the LM
+                # head, and the embedding when the head reuses it).
+                packed = len(shape) == 2 and self.packs_weights and (name != EMBED_WEIGHT or cfg.tie_word_embeddings)
+                total += n * elem * (2 if packed else 1)
+        return total
+
     def _take(self, tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
         return tensors[name].to(device=self.device, dtype=self.dtype)
 
