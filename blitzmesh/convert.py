@@ -377,6 +377,11 @@ def load_report_to_proto(load: LoadReport) -> common_pb2.LoadReport:
         zigzag_running=load.zigzag_running,
         zigzag_relayed_total=load.zigzag_relayed_total,
         zigzag_continued_total=load.zigzag_continued_total,
+        est_tpot_s=load.est_tpot_s,
+        slo_rejected_total=load.slo_rejected_total,
+        preempted_total=load.preempted_total,
+        prefix_hit_tokens=load.prefix_hit_tokens,
+        prefix_query_tokens=load.prefix_query_tokens,
     )
 
 
@@ -397,6 +402,11 @@ def load_report_from_proto(msg: common_pb2.LoadReport) -> LoadReport:
         zigzag_running=msg.zigzag_running,
         zigzag_relayed_total=msg.zigzag_relayed_total,
         zigzag_continued_total=msg.zigzag_continued_total,
+        est_tpot_s=msg.est_tpot_s,
+        slo_rejected_total=msg.slo_rejected_total,
+        preempted_total=msg.preempted_total,
+        prefix_hit_tokens=msg.prefix_hit_tokens,
+        prefix_query_tokens=msg.prefix_query_tokens,
     )
 
 

@@ -288,6 +288,16 @@ class LoadReport:
     """ZigZag requests a full partner took over from this (loading) instance so far."""
     zigzag_continued_total: int = 0
     """ZigZag requests this (full) instance took over from a loading one so far."""
+    est_tpot_s: float = 0.0
+    """SLO-aware engine: the fitted TPOT estimate for the running set (0 = no estimate yet)."""
+    slo_rejected_total: int = 0
+    """Requests refused because an SLO could not be met, so far."""
+    preempted_total: int = 0
+    """Requests paused (KV dropped or swapped) so others could go on, so far."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens whose KV was found in the prefix cache, since the engine started."""
+    prefix_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache, since the engine started."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1380,6 +1380,12 @@ class Engine:
 
     # ---- observability ------------------------------------------------------------------------
 
+    @property
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """(prompt tokens found cached, prompt tokens looked up) since start: plain ints, safe to
+        read from another thread (a metrics scrape), unlike `stats()`."""
+        return self._prefix_hit_tokens, self._prefix_query_tokens
+
     def stats(self) -> EngineStats:
         now = self._clock()
         window = self.config.stats_window_s
