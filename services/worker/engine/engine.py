@@ -93,6 +93,8 @@ class KVBlocks:
             raise ValueError(
                 f"request {seq_id!r} holds {len(table)} blocks for its KV; {num_tokens} tokens were offered"
             )
+        # The fill writes every block it is given: none may be a cached block others read.
+        self._cache.check_writable(seq_id, 0)
         return table
 
     def free(self, seq_id: str) -> int:
@@ -1055,6 +1057,7 @@ class Engine:
                 continue
             prefix = matches.get(request_id, [])
             self.kv_cache.allocate(request_id, 0, prefix_blocks=prefix)
+            seq.num_registered = len(prefix)
             if seq.prefix_lookup:
                 seq.num_computed = bs * len(prefix)
                 self._prefix_hit_tokens += seq.num_computed
