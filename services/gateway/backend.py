@@ -48,6 +48,7 @@ from blitzmesh.v1 import (
     worker_pb2_grpc,
 )
 from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
+from services.common.prefix import block_hashes
 from services.gateway import logprobs as lp
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
@@ -512,10 +513,17 @@ class Backend:
         retries = migrations = moves = 0
         released_by: list[str] = []  # kept off the next route only: that instance is busy, not broken
         slo_refusals: list[_WorkerFailedError] = []  # instances that refused it for its SLO
+        # The prompt's first KV blocks, for the manager to route to an instance that has them cached.
+        try:
+            prefix_hashes = block_hashes(
+                prompt_ids, self.config.kv_block_size_tokens, max_blocks=self.config.prefix_routing_max_blocks
+            )
+        except ValueError:
+            prefix_hashes = []  # a token id past 2**32: the worker refuses it against its vocabulary
         while True:
             try:
                 hops = await self._schedule(
-                    req, len(prompt_ids), max_tokens, [*excluded, *released_by], failures, deadline_s
+                    req, len(prompt_ids), max_tokens, [*excluded, *released_by], failures, deadline_s, prefix_hashes
                 )
                 released_by = []
             except GatewayError as e:
@@ -702,6 +710,7 @@ class Backend:
         excluded: list[str],
         failures: list[str],
         deadline_s: float,
+        prefix_hashes: list[int] | None = None,
     ) -> list[global_manager_pb2.RouteHop]:
         remaining_s = deadline_s - time.monotonic()
         if remaining_s <= 0:
@@ -710,7 +719,7 @@ class Backend:
                 f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}",
             )
         try:
-            route = await self._schedule_rpc(req, prompt_tokens, max_tokens, excluded, deadline_s)
+            route = await self._schedule_rpc(req, prompt_tokens, max_tokens, excluded, deadline_s, prefix_hashes)
         except grpc.aio.AioRpcError as e:
             code, detail = e.code(), e.details() or ""
             if code == grpc.StatusCode.NOT_FOUND:
@@ -739,7 +748,13 @@ class Backend:
         return list(route.hops)
 
     async def _schedule_rpc(
-        self, req: InferenceRequest, prompt_tokens: int, max_tokens: int, excluded: list[str], deadline_s: float
+        self,
+        req: InferenceRequest,
+        prompt_tokens: int,
+        max_tokens: int,
+        excluded: list[str],
+        deadline_s: float,
+        prefix_hashes: list[int] | None = None,
     ) -> global_manager_pb2.Route:
         """Schedule, retried on UNAVAILABLE (manager restarting, no SERVING instance yet) with
         capped backoff for up to `schedule_wait_s`, never past the request's deadline. A re-route
@@ -750,6 +765,7 @@ class Backend:
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             exclude_instance_ids=excluded,
+            prefix_block_hashes=prefix_hashes or (),
         )
         if not req.slo.is_empty:
             request.slo.CopyFrom(request_slo_to_proto(req.slo.ttft_s, req.slo.tpot_s))

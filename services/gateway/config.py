@@ -110,6 +110,18 @@ class GatewayConfig(ServiceConfig):
     ready_timeout_s: float = Field(
         0.0, ge=0, description="give up (exit) if the managers are not reachable by then; 0 = wait forever"
     )
+    kv_block_size_tokens: int = Field(
+        16,
+        gt=0,
+        description="tokens per KV block on the workers (their --block-size): the prompt's block hashes sent to the "
+        "global manager for prefix-affinity routing are over blocks of this size",
+    )
+    prefix_routing_max_blocks: int = Field(
+        128,
+        ge=0,
+        description="prefix-affinity routing: hashes of at most this many of the prompt's first KV blocks go with "
+        "each Schedule call; 0 = none (the manager routes by load alone)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:

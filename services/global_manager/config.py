@@ -108,6 +108,17 @@ class GlobalManagerConfig(ServiceConfig):
     decision_repeat_s: float = Field(
         30.0, gt=0, description="a 'no change' decision is reported when its reason changes, or this often"
     )
+    prefix_overlap_weight: float = Field(
+        1.0,
+        ge=0,
+        description="prefix-affinity routing (Dynamo's KV router cost): the instance that runs a prompt is the one "
+        "with the least overlap_weight * (prompt blocks not cached there) + KV blocks in use (held, queued "
+        "prompts', routed since its heartbeat), once some instance holds part of the prompt; cache hits are "
+        "estimated from the block hashes of prompts routed to each instance; 0 = plain least-loaded routing",
+    )
+    prefix_index_blocks: int = Field(
+        4096, gt=0, description="prefix-affinity routing: block hashes remembered per instance (least recent dropped)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GlobalManagerConfig:

@@ -50,7 +50,9 @@ from services.global_manager.core.decisions import DecisionThrottle, bounded_del
 from services.global_manager.core.load_monitor import LoadMonitor
 from services.global_manager.core.multicast import SendingLinks, Topology, traffic_from_instances
 from services.global_manager.core.policies import Policy, make_policy
+from services.global_manager.core.prefix_index import PrefixIndex
 from services.global_manager.core.router import (
+    PrefixAffinity,
     assign_idle,
     choose_idle,
     pick_scale_in_victim,
@@ -174,6 +176,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self._wake = asyncio.Event()
         # Models whose scale from zero is being decided (a parameter-manager lookup in flight).
         self._waking: set[str] = set()
+        # Prefix-affinity routing: block hashes of the prompts routed to each SERVING instance.
+        self.prefix_index = PrefixIndex(cfg.prefix_index_blocks)
 
     def _make_policy(self, name: str, params: dict[str, Any]) -> Policy:
         """The manager's own bounds are the policy's defaults, so the policy does not ask for
@@ -274,6 +278,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 kv_block_size_tokens=self.cfg.kv_block_size_tokens,
                 leaves=self.leaves,
                 tpot_slo_s=request.slo.tpot_s if request.slo.HasField("tpot_s") else None,
+                affinity=self._prefix_affinity(request, views),
             )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request.request_id!r}: {e}")
@@ -301,12 +306,31 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         for view in hops:
             # Until its next heartbeat shows the request, routing counts it here.
             self.table.registry.note_routed(view.instance_id)
+        if request.prefix_block_hashes and self.cfg.prefix_overlap_weight > 0:
+            # The first hop computes the prompt and caches its blocks (a decode hop pulls them).
+            self.prefix_index.record(hops[0].instance_id, hops[0].model, request.prefix_block_hashes)
         SCHEDULED.labels("pd_pair" if len(hops) == 2 else "one_hop").inc()
         return global_manager_pb2.Route(
             request_id=request.request_id,
             # A pair is [PREFILL, DECODE]; a single hop keeps its instance's role (a prefill- or
             # decode-role instance serving alone while the other pool is gone).
             hops=[self._hop(view) for view in hops],
+        )
+
+    def _prefix_affinity(
+        self, request: global_manager_pb2.ScheduleRequest, views: list[InstanceView]
+    ) -> PrefixAffinity | None:
+        """What each instance probably has cached of the request's prompt (None: no affinity)."""
+        hashes = list(request.prefix_block_hashes)
+        if not hashes or self.cfg.prefix_overlap_weight <= 0:
+            return None
+        self.prefix_index.sync(self.table.registry)
+        bs = self.cfg.kv_block_size_tokens
+        return PrefixAffinity(
+            matched_blocks=self.prefix_index.overlaps(views, hashes),
+            prompt_blocks=max(len(hashes), math.ceil(request.prompt_tokens / bs)),
+            overlap_weight=self.cfg.prefix_overlap_weight,
+            block_size=bs,
         )
 
     async def _scale_from_zero(self, model: str, request_id: str) -> str:
@@ -914,6 +938,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                     self.ctx.tasks.spawn(self._update_location(model, iid, present=False), name="location")
         for state in S:
             INSTANCES.labels(state.value).set(len(self.table.registry.views(state=state)))
+        # An instance that left SERVING takes its cached prefixes with it (between two routes too).
+        self.prefix_index.sync(self.table.registry)
         model = self.cfg.default_model
         if model:
             self.top_up(model)

@@ -112,6 +112,11 @@ class WorkerConfig(ServiceConfig):
             "checkpoint's (float16 computed as float32 on CPU); bfloat16 halves the model's and the KV cache's memory"
         ),
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="automatic prefix caching: full KV blocks stay cached after their request ends (until the pool "
+        "needs them) and a request whose first tokens are cached skips computing them",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:

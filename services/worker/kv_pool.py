@@ -110,4 +110,5 @@ def engine_config(cfg: WorkerConfig, num_kv_blocks: int) -> EngineConfig:
         pacing=pacing,
         zigzag_partner_order=cfg.zigzag_partner_order,
         scheduling_policy=cfg.scheduling_policy,
+        enable_prefix_caching=cfg.enable_prefix_caching,
     )

@@ -41,6 +41,7 @@ from blitzmesh.v1 import (
     worker_pb2_grpc,
 )
 from services.common.grpc_util import MOVED_METADATA_KEY
+from services.common.prefix import block_hashes
 from services.common.server import ServeContext, serve, wait_for_serving
 from services.common.waiting import wait_until
 from services.gateway.config import GatewayConfig
@@ -432,6 +433,22 @@ async def test_openai_client_completion_length_and_params(cluster: Cluster, star
     sampling = worker.requests[0].sampling
     assert sampling.max_tokens == 5 and sampling.seed == 7 and sampling.top_k == 3
     assert sampling.temperature == pytest.approx(0.5) and sampling.top_p == pytest.approx(0.9)
+
+
+async def test_schedule_carries_the_prompts_block_hashes(cluster: Cluster, start_gateway) -> None:
+    """For prefix-affinity routing: the chained hashes of the prompt's first full KV blocks."""
+    worker = await cluster.add_worker("w-1")
+    gw = await start_gateway(prefix_routing_max_blocks=2)
+    client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="unused", max_retries=0)
+    try:
+        await client.completions.create(model=MODEL, prompt="Hello there " * 12, max_tokens=2)
+        await client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    finally:
+        await client.close()
+    long_ids, short_ids = (list(r.prompt_token_ids) for r in worker.requests)
+    assert len(long_ids) > 3 * 16
+    assert list(cluster.gm.schedules[0].prefix_block_hashes) == block_hashes(long_ids, 16)[:2]
+    assert len(short_ids) < 16 and list(cluster.gm.schedules[1].prefix_block_hashes) == []
 
 
 async def test_sse_shape_of_completions(cluster: Cluster, start_gateway) -> None:

@@ -24,6 +24,8 @@ __all__ = [
     "RegistryError",
     "UnknownInstanceError",
     "NEAR_EQUAL_LOAD",
+    "PrefixAffinity",
+    "affinity_cost",
     "assign_idle",
     "choose_idle",
     "choose_instance",
@@ -111,6 +113,44 @@ def _blocks_needed(request_tokens: int, kv_block_size_tokens: int | None) -> int
     return math.ceil(request_tokens / kv_block_size_tokens) if kv_block_size_tokens else 0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixAffinity:
+    """Prefix-affinity routing (Dynamo's KV-aware router cost, see `affinity_cost`) for one
+    request: how many of its prompt's first KV blocks each instance probably has cached."""
+
+    matched_blocks: Mapping[str, int]  # instance id -> leading prompt blocks cached there (absent: 0)
+    prompt_blocks: int  # blocks the whole prompt fills
+    overlap_weight: float  # what one prompt block to compute costs against one block in use
+    block_size: int  # tokens per KV block
+
+    def __post_init__(self) -> None:
+        if self.overlap_weight < 0 or self.prompt_blocks < 0 or self.block_size <= 0:
+            raise ValueError(
+                f"PrefixAffinity needs overlap_weight >= 0, prompt_blocks >= 0 and block_size > 0, got "
+                f"{self.overlap_weight!r}, {self.prompt_blocks!r}, {self.block_size!r}"
+            )
+
+
+def affinity_cost(view: InstanceView, affinity: PrefixAffinity, request_tokens: int) -> float:
+    """Dynamo's KV router cost, lower is better:
+
+        overlap_weight * (prompt_blocks - matched_blocks) + active_blocks
+
+    the prompt blocks the instance would compute (those not cached there), weighed against the
+    KV blocks its decodes hold: active_blocks = kv_blocks_used + the blocks of its queued prompt
+    tokens (waiting_prefill_tokens) + routes since its last heartbeat x this request's blocks
+    (prompt + max_tokens; a route the report cannot show yet holds about as much). Each cached
+    block thus saves `overlap_weight` blocks' worth of load: weight 1 trades one block of
+    prefill for one block of decode."""
+    cached = min(affinity.matched_blocks.get(view.instance_id, 0), affinity.prompt_blocks)
+    prefill = affinity.prompt_blocks - cached
+    bs = affinity.block_size
+    active = view.routes_since_heartbeat * math.ceil(request_tokens / bs)
+    if view.load is not None:
+        active += view.load.kv_blocks_used + math.ceil(view.load.waiting_prefill_tokens / bs)
+    return affinity.overlap_weight * prefill + active
+
+
 def _eligible(view: InstanceView, exclude_ids: Collection[str], role: Role | None, model: str | None) -> bool:
     return (
         view.state is S.SERVING
@@ -137,6 +177,7 @@ def choose_instance(
     model: str | None = None,
     kv_block_size_tokens: int | None = None,
     tpot_slo_s: float | None = None,
+    affinity: PrefixAffinity | None = None,
 ) -> InstanceView | None:
     """The least-loaded SERVING instance, or None if there is none.
 
@@ -147,19 +188,27 @@ def choose_instance(
     queues it, because refusing would only move the wait to the client. With `tpot_slo_s` (the
     request's TPOT objective), instances whose reported `est_tpot_s` meets it come first (see
     `meets_tpot`); if none does, the choice is as without it (the instance may refuse it).
+
+    With `affinity` (and a weight > 0) and some candidate holding part of the prompt cached,
+    "least loaded" is `affinity_cost` instead; with no overlap anywhere it stays `instance_load`.
     """
     if tpot_slo_s is not None and not (math.isfinite(tpot_slo_s) and tpot_slo_s > 0):
         raise ValueError(f"tpot_slo_s must be a positive number of seconds, got {tpot_slo_s!r}")
     blocks_needed = _blocks_needed(request_tokens, kv_block_size_tokens)
+    candidates = [v for v in instances if _eligible(v, exclude_ids, role, model)]
+    by_affinity = (
+        affinity is not None
+        and affinity.overlap_weight > 0
+        and any(affinity.matched_blocks.get(v.instance_id, 0) > 0 for v in candidates)
+    )
     best: InstanceView | None = None
     best_key: tuple[int, int, float, str] | None = None
-    for view in instances:
-        if not _eligible(view, exclude_ids, role, model):
-            continue
+    for view in candidates:
+        load = affinity_cost(view, affinity, request_tokens) if by_affinity and affinity else instance_load(view)
         key = (
             0 if meets_tpot(view, tpot_slo_s) else 1,
             0 if not blocks_needed or _fits(view, blocks_needed) else 1,
-            instance_load(view),
+            load,
             view.instance_id,
         )
         if best_key is None or key < best_key:
@@ -220,6 +269,7 @@ def choose_pair(
     prompt_tokens: int = 0,
     leaves: Mapping[str, str] | None = None,
     load_slack: float = NEAR_EQUAL_LOAD,
+    affinity: PrefixAffinity | None = None,
 ) -> tuple[InstanceView, InstanceView] | None:
     """A (prefill, decode) pair for a split deployment; None unless both roles serve.
 
@@ -227,11 +277,18 @@ def choose_pair(
     (`prompt_tokens`), which it keeps until the decode side has pulled it. Decode: by load with
     the KV preference for the whole request (`request_tokens`, prompt + max tokens: the decode
     side keeps the cache to the end), and among nearly equal loads the one closest to the chosen
-    prefill instance (`choose_near`), so the KV transfer takes the shortest path.
+    prefill instance (`choose_near`), so the KV transfer takes the shortest path. `affinity`
+    weighs the prefill side only: the decode side pulls the prompt's KV, it computes none.
     """
     pool = list(instances)
     prefill = choose_instance(
-        pool, prompt_tokens, exclude_ids, role=Role.PREFILL, model=model, kv_block_size_tokens=kv_block_size_tokens
+        pool,
+        prompt_tokens,
+        exclude_ids,
+        role=Role.PREFILL,
+        model=model,
+        kv_block_size_tokens=kv_block_size_tokens,
+        affinity=affinity,
     )
     if prefill is None:
         return None
@@ -260,6 +317,7 @@ def plan_route(
     leaves: Mapping[str, str] | None = None,
     load_slack: float = NEAR_EQUAL_LOAD,
     tpot_slo_s: float | None = None,
+    affinity: PrefixAffinity | None = None,
 ) -> tuple[InstanceView, ...]:
     """The instances one request runs on, in order; empty when none serves.
 
@@ -267,6 +325,7 @@ def plan_route(
     `exclude_ids`), even if colocated instances serve too: the split deployment is what the
     operator asked for. Otherwise one instance, the least loaded SERVING one of any role,
     preferring those whose TPOT estimate meets `tpot_slo_s` (`choose_instance`).
+    `affinity`: prefix-affinity routing of the instance that runs the prompt (`choose_instance`).
     """
     if prompt_tokens < 0 or max_tokens < 0:
         raise ValueError(f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens!r} and {max_tokens!r}")
@@ -281,6 +340,7 @@ def plan_route(
         prompt_tokens=prompt_tokens,
         leaves=leaves,
         load_slack=load_slack,
+        affinity=affinity,
     )
     if pair is not None:
         return pair
@@ -295,6 +355,7 @@ def plan_route(
         model=model,
         kv_block_size_tokens=kv_block_size_tokens,
         tpot_slo_s=tpot_slo_s,
+        affinity=affinity,
     )
     return () if single is None else (single,)
 

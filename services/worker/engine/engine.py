@@ -22,6 +22,7 @@ import structlog
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.common.prefix import ROOT_HASH, block_hashes, chain_hash
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.sampling import (
     PromptLogprob,
@@ -112,6 +113,8 @@ class KVBlocks:
             raise ValueError(
                 f"request {seq_id!r} holds {len(table)} blocks for its KV; {num_tokens} tokens were offered"
             )
+        # The fill writes every block it is given: none may be a cached block others read.
+        self._cache.check_writable(seq_id, 0)
         return table
 
     def free(self, seq_id: str) -> int:
@@ -208,6 +211,11 @@ class EngineConfig(BaseModel):
         description="fcfs: requests start in arrival order, every decode runs every iteration; scorpio"
         " (ALGORITHMS.md 4): queued by TTFT deadline, admitted only when the fitted TPOT estimate meets the"
         " SLOs, decodes run by TPOT credits, SLOUnattainable for what cannot be met",
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="automatic prefix caching: full KV blocks stay cached (shared, read-only) under the hash of"
+        " their tokens and everything before them, and a request starting with cached blocks skips computing them",
     )
 
     @model_validator(mode="after")
@@ -321,6 +329,11 @@ class _Seq:
     scorpio: SLOTicket | None = None  # SCORPIO's view of it (scheduling_policy="scorpio" only)
     paused: bool = False  # MAX_UTILIZATION paused it at least once: it has streamed tokens from here
     swapped: _Swapped | None = None  # a paused request's KV in host memory (preemption_mode="swap")
+    # Prefix caching: look its first tokens up when admitted / cache its full blocks once computed.
+    prefix_lookup: bool = False
+    prefix_register: bool = False
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its first full blocks
+    num_registered: int = 0  # blocks of its table offered to the prefix cache so far
 
     @property
     def num_tokens(self) -> int:
@@ -513,6 +526,9 @@ class Engine:
         self.kv_fills = {"pulled": 0, "recomputed": 0}  # decode side: how each KV fill ended
         self.zigzag = {"relayed": 0, "continued": 0, "recomputed": 0}  # ZigZag outcomes, both sides
         self._in_step: set[str] = set()  # requests the compute thread works on right now
+        # Prefix caching: tokens of looked-up prompts found cached / looked up, since start.
+        self._prefix_hit_tokens = 0
+        self._prefix_query_tokens = 0
         # Relayed before they arrived: they end at once when they do (the oldest forgotten first).
         self._relayed_early: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._scorpio = ScorpioState() if self.config.scheduling_policy == "scorpio" else None
@@ -738,6 +754,17 @@ class Engine:
         )
         if zigzag:
             seq.blocks_reserved = self.kv_cache.blocks_needed(len(prompt))
+        # Prefix caching skips computing a request's first tokens, so it is off where those must
+        # run here or arrive from elsewhere: a ZigZag request on a loading instance runs its prompt
+        # through some layers only (its blocks never hold every layer's KV), one taken over from a
+        # loading instance runs the remaining layers over the whole prompt, and a KV fill writes
+        # the pulled KV into all of the request's blocks (a shared block must never be written).
+        # Prompt log-probs need every prompt position's hidden state, so such a request computes
+        # its whole prompt, but its blocks may be cached for others.
+        seq.prefix_register = (
+            self.config.enable_prefix_caching and not zigzag and relay_fill is None and kv_fill is None
+        )
+        seq.prefix_lookup = seq.prefix_register and sampling.prompt_logprobs is None
         if zigzag and request_id in self._relayed_early:
             # Its partner already took it over (the relay outran this request): nothing runs here.
             del self._relayed_early[request_id]
@@ -1049,6 +1076,15 @@ class Engine:
             waiting.sort(key=lambda s: s.relay_fill is None)  # stable: arrival order within each
         # SCORPIO: decode rows short of a credit sit this iteration out.
         held = self._scorpio_held() if self._scorpio is not None else frozenset()
+        # Cached prefixes of the requests that could be admitted now (no more than the free
+        # batch slots): their prompts count only the tokens left to compute, their reservations
+        # only the blocks they do not share with a running request.
+        matches = {
+            s.request_id: self._match_prefix(s)
+            for s in waiting[: max(0, self.config.max_batch_size - len(self._running))]
+            if s.prefix_lookup
+        }
+        bs = self.kv_cache.block_size
         plan = schedule(
             # A request whose KV is arriving holds its batch slot and blocks but has no work yet,
             # and a ZigZag request on a loading instance is run layer by layer outside the plan.
@@ -1061,8 +1097,10 @@ class Engine:
             [
                 WaitingSeq(
                     s.request_id,
-                    0 if s.kv_fill is not None or s.relay_fill is not None else s.prefill_len,
-                    s.blocks_reserved,
+                    0
+                    if s.kv_fill is not None or s.relay_fill is not None
+                    else s.prefill_len - bs * len(matches.get(s.request_id, ())),
+                    s.blocks_reserved - sum(1 for b in matches.get(s.request_id, ()) if self.kv_cache.ref_count(b) > 0),
                 )
                 for s in waiting
             ],
@@ -1072,10 +1110,25 @@ class Engine:
         if self._scorpio is not None:
             plan = self._scorpio_admit(plan)
         filling: set[str] = set()
+        # Requests that take blocks from the pool now are given them after those starting from
+        # cached prefixes have taken theirs, so that no allocation evicts a block just matched.
+        deferred: list[_Seq] = []
         for request_id in plan.admitted:
             seq = self._by_id[request_id]
             self._waiting.remove(seq)
             self._running.append(seq)
+            if seq.kv_fill is not None or seq.relay_fill is not None or seq.zigzag:
+                deferred.append(seq)
+                continue
+            prefix = matches.get(request_id, [])
+            self.kv_cache.allocate(request_id, 0, prefix_blocks=prefix)
+            seq.num_registered = len(prefix)
+            if seq.prefix_lookup:
+                seq.num_computed = bs * len(prefix)
+                self._prefix_hit_tokens += seq.num_computed
+                self._prefix_query_tokens += seq.prefill_len
+        for seq in deferred:
+            request_id = seq.request_id
             fill = seq.kv_fill or seq.relay_fill
             if fill is not None:
                 # Its blocks are taken now, between steps: blocks freed while a step computes
@@ -1083,11 +1136,9 @@ class Engine:
                 self.kv_cache.allocate(request_id, seq.num_tokens - 1 if seq.kv_fill is not None else seq.num_tokens)
                 filling.add(request_id)
                 seq.fill_task = asyncio.get_running_loop().create_task(self._fill(seq), name=f"kv-fill-{request_id}")
-            elif seq.zigzag:
+            else:
                 self.kv_cache.allocate(request_id, len(seq.prompt))
                 filling.add(request_id)  # its work is picked below, by layer
-            else:
-                self.kv_cache.allocate(request_id, 0)
         if filling:
             plan = replace(plan, work=tuple(w for w in plan.work if w[0] not in filling))
         partials = self._zigzag_work()
@@ -1130,6 +1181,7 @@ class Engine:
             inp.query_lens.append(n)
             inp.context_lens.append(start)
             self.kv_cache.extend(request_id, start + n)
+            self.kv_cache.check_writable(request_id, start)
             inp.block_tables.append(self.kv_cache.block_table(request_id))
             if start + n == seq.num_tokens:
                 inp.logits_local.append(local)
@@ -1196,6 +1248,8 @@ class Engine:
             if seq.finished or n == 0:
                 continue  # aborted while the step ran (its blocks are already back in the pool), or deferred
             seq.num_computed += n
+            if seq.prefix_register:
+                self._register_prefix(seq)
             if seq.zz_hidden is not None:
                 seq.zz_hidden = None
                 self.zigzag["continued"] += 1
@@ -1352,6 +1406,30 @@ class Engine:
             seq.blocks_reserved = need
             self._running.append(seq)
             log.info("request_swapped_in", request_id=seq.request_id, kv_tokens=swapped.num_tokens)
+
+    def _match_prefix(self, seq: _Seq) -> list[int]:
+        """The cached blocks `seq` may start from: the longest cached run of its first full
+        blocks, short of its last token (the step that computes it samples the next one)."""
+        bs = self.kv_cache.block_size
+        n = (seq.prefill_len - 1) // bs
+        if len(seq.block_hashes) < n:
+            seq.block_hashes = block_hashes(seq.tokens(0, n * bs), bs)
+        return self.kv_cache.match_prefix(seq.tokens(0, n * bs), seq.block_hashes[:n])
+
+    def _register_prefix(self, seq: _Seq) -> None:
+        """Offer `seq`'s full blocks whose KV is now computed to the prefix cache."""
+        bs = self.kv_cache.block_size
+        full = seq.num_computed // bs
+        if full <= seq.num_registered:
+            return
+        hashes = seq.block_hashes
+        while len(hashes) < full:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(chain_hash(parent, seq.tokens(len(hashes) * bs, bs)))
+        start = seq.num_registered
+        tokens = seq.tokens(start * bs, (full - start) * bs)
+        self.kv_cache.register(seq.request_id, start, hashes[:full], tokens)
+        seq.num_registered = full
 
     def _zigzag_work(self) -> list[_Partial]:
         """ZigZag on a loading instance: the running ZigZag requests whose next layer is loaded,
@@ -1715,6 +1793,12 @@ class Engine:
 
     # ---- observability ------------------------------------------------------------------------
 
+    @property
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """(prompt tokens found cached, prompt tokens looked up) since start: plain ints, safe to
+        read from another thread (a metrics scrape), unlike `stats()`."""
+        return self._prefix_hit_tokens, self._prefix_query_tokens
+
     def stats(self) -> EngineStats:
         now = self._clock()
         window = self.config.stats_window_s
@@ -1748,4 +1832,6 @@ class Engine:
             est_tpot_s=self._scorpio_running_tpot() if self._scorpio is not None else None,
             slo_rejected_total=self._scorpio.rejected_total if self._scorpio is not None else 0,
             preempted_total=sum(self.preemptions.values()),
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            prefix_query_tokens=self._prefix_query_tokens,
         )

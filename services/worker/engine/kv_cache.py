@@ -1,20 +1,39 @@
-"""Paged KV cache: fixed-size blocks of K/V storage per layer, a free-list allocator and block tables.
+"""Paged KV cache: fixed-size blocks of K/V storage per layer, a reference-counted allocator with a
+prefix cache, and block tables.
 
 A sequence's tokens live in whichever blocks it was given, in block-table order, so memory is
-handed out in `block_size` steps and returned the moment a sequence ends.
+handed out in `block_size` steps and returned the moment a sequence ends. A full block whose KV
+is computed can be registered under its chained hash (`services.common.prefix`); it is then
+shared, read-only, by later sequences that start with the same tokens (`match_prefix`, then
+`allocate(..., prefix_blocks=...)`), and when no sequence holds it any more it stays cached
+until the pool runs out of never-cached blocks and evicts it, least recently freed first
+(vLLM's automatic prefix caching).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from services.common.prefix import ROOT_HASH, chain_hash
 from services.model_format.config import LlamaConfig
 
 
 class OutOfBlocks(RuntimeError):
     """The allocator has fewer free blocks than a request asked for."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Cached:
+    """A registered block: where its KV is and what it was computed from. The parent hash and
+    tokens are compared on every match, so a 64-bit hash collision cannot hand out wrong KV."""
+
+    block: int
+    parent: int
+    tokens: tuple[int, ...]
 
 
 class KVCache:
@@ -57,9 +76,17 @@ class KVCache:
         # would still poison the output.
         self._k = torch.zeros(shape, dtype=dtype, device=device)
         self._v = torch.zeros(shape, dtype=dtype, device=device)
-        # LIFO free list: a just-freed block is handed out first (warm in cache).
+        # LIFO free list of blocks that cache nothing: a just-freed block is handed out first
+        # (warm in cache). Blocks that cache a prefix wait in `_evictable` instead, and are only
+        # reused once this list is empty.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
+        # Sequences holding each block: > 1 only for shared (registered, full, read-only) blocks.
+        self._refs: list[int] = [0] * num_blocks
+        self._cached: dict[int, _Cached] = {}  # chained hash -> registered block
+        self._hash_of: dict[int, int] = {}  # registered block -> its hash
+        # Registered blocks no sequence holds, least recently freed first: the eviction order.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         # Reused destination of `gather`: a fresh multi-MB tensor per layer per step costs page
         # faults that took as long as the copy itself. Grows to the largest gather seen.
         self._scratch_k = torch.empty(0, dtype=dtype, device=device)
@@ -217,11 +244,32 @@ class KVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can be given now: never-cached ones plus cached ones no sequence
+        holds (evicted when taken)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, held by a sequence or evictable."""
+        return len(self._cached)
+
+    @property
+    def evictable_blocks(self) -> int:
+        """Registered blocks no sequence holds (counted in `free_blocks`)."""
+        return len(self._evictable)
+
+    def ref_count(self, block: int) -> int:
+        """Sequences holding `block`."""
+        return self._refs[block]
+
+    def block_hash(self, block: int) -> int | None:
+        """The hash `block` is registered under, None if it caches nothing."""
+        return self._hash_of.get(block)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
@@ -233,7 +281,7 @@ class KVCache:
         return seq_id in self._tables
 
     def num_blocks_of(self, seq_id: str) -> int:
-        """Blocks `seq_id` holds (0 if none)."""
+        """Blocks `seq_id` holds (0 if none), shared ones included."""
         return len(self._tables.get(seq_id, ()))
 
     def block_table(self, seq_id: str) -> list[int]:
@@ -244,23 +292,52 @@ class KVCache:
             raise KeyError(f"sequence {seq_id!r} has no blocks") from None
 
     def _take(self, n: int, seq_id: str) -> list[int]:
-        if n > len(self._free):
+        if n > self.free_blocks:
             raise OutOfBlocks(
-                f"sequence {seq_id!r} needs {n} more blocks, {len(self._free)} of {self.num_blocks} are free"
+                f"sequence {seq_id!r} needs {n} more blocks, {self.free_blocks} of {self.num_blocks} are free"
             )
-        taken = self._free[len(self._free) - n :][::-1]
-        del self._free[len(self._free) - n :]
+        k = min(n, len(self._free))
+        taken = self._free[len(self._free) - k :][::-1]
+        del self._free[len(self._free) - k :]
+        for _ in range(n - k):
+            block, _none = self._evictable.popitem(last=False)
+            del self._cached[self._hash_of.pop(block)]
+            taken.append(block)
+        for block in taken:
+            self._refs[block] = 1
         return taken
 
-    def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
-        """Give a new sequence the blocks for `num_tokens` tokens; returns its block table."""
+    def allocate(self, seq_id: str, num_tokens: int, *, prefix_blocks: Sequence[int] = ()) -> list[int]:
+        """Give a new sequence the blocks for `num_tokens` tokens; returns its block table.
+
+        `prefix_blocks` (from `match_prefix`) start the table: cached blocks whose KV the
+        sequence reads as its first tokens instead of computing them. They are shared and must
+        never be written; the blocks after them are the sequence's own."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
-        self._tables[seq_id] = self._take(self.blocks_needed(num_tokens), seq_id)
+        shared = list(prefix_blocks)
+        for block in shared:
+            if block not in self._hash_of:
+                raise ValueError(f"sequence {seq_id!r}: block {block} caches no prefix and cannot be shared")
+        if len(set(shared)) != len(shared):
+            raise ValueError(f"sequence {seq_id!r}: prefix blocks {shared!r} repeat a block")
+        missing = max(0, self.blocks_needed(num_tokens) - len(shared))
+        # Acquire the prefix first: taking fresh blocks must not evict one of them.
+        for block in shared:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        try:
+            added = self._take(missing, seq_id)
+        except OutOfBlocks:
+            self._release(shared)
+            raise
+        self._tables[seq_id] = shared + added
         return list(self._tables[seq_id])
 
     def extend(self, seq_id: str, num_tokens: int) -> list[int]:
-        """Grow `seq_id`'s table to hold `num_tokens` tokens in all; returns the blocks added."""
+        """Grow `seq_id`'s table to hold `num_tokens` tokens in all; returns the blocks added
+        (always fresh ones, held by `seq_id` alone)."""
         table = self._tables.get(seq_id)
         if table is None:
             raise KeyError(f"sequence {seq_id!r} has no blocks")
@@ -271,9 +348,21 @@ class KVCache:
         table.extend(added)
         return added
 
+    def check_writable(self, seq_id: str, start_token: int) -> None:
+        """Raise RuntimeError unless every block of `seq_id` from token `start_token` on is its
+        own and caches nothing: what a step is about to write must not be KV others read."""
+        table = self._tables.get(seq_id, [])
+        for block in table[start_token // self._block_size :]:
+            if self._refs[block] != 1 or block in self._hash_of:
+                raise RuntimeError(
+                    f"sequence {seq_id!r} would write token {start_token}+ into block {block}, which is shared "
+                    f"(held by {self._refs[block]}, hash {self._hash_of.get(block)})"
+                )
+
     def rename(self, seq_id: str, new_id: str) -> None:
         """Hand `seq_id`'s blocks, unchanged, to `new_id` (e.g. KV parked for a hand-off, so the
-        request's id is free to run again while the blocks are still being sent)."""
+        request's id is free to run again while the blocks are still being sent). Shared blocks
+        stay shared: the holder changes its name, not its count."""
         if new_id in self._tables:
             raise ValueError(f"sequence {new_id!r} already has blocks")
         try:
@@ -281,12 +370,25 @@ class KVCache:
         except KeyError:
             raise KeyError(f"sequence {seq_id!r} has no blocks") from None
 
+    def _release(self, blocks: Sequence[int]) -> None:
+        # Last block first: of one sequence's cached blocks the later ones are evicted first, as
+        # a chain is only matched up to its first missing block.
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] > 0:
+                continue
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
     def free(self, seq_id: str) -> int:
-        """Return all of `seq_id`'s blocks to the pool (reusable at once); 0 if it had none."""
+        """Drop `seq_id`'s hold on its blocks; those no other sequence holds are free at once
+        (cached ones stay matchable until evicted). Returns the blocks it held, 0 if none."""
         table = self._tables.pop(seq_id, None)
         if not table:
             return 0
-        self._free.extend(reversed(table))
+        self._release(table)
         return len(table)
 
     def sequences(self) -> Sequence[str]:
@@ -329,3 +431,51 @@ class KVCache:
         self._k.index_copy_(1, index, k.to(device=self._k.device, dtype=self._k.dtype))
         self._v.index_copy_(1, index, v.to(device=self._v.device, dtype=self._v.dtype))
         return table
+
+    # ---- prefix cache -------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int], hashes: Sequence[int] | None = None) -> list[int]:
+        """The cached blocks holding the KV of `token_ids`' longest prefix of full blocks, in
+        order (the caller caps `token_ids` at what it may skip). `hashes`: the chained hashes of
+        those blocks if already known (`services.common.prefix.block_hashes`), else computed."""
+        bs = self._block_size
+        blocks: list[int] = []
+        parent = ROOT_HASH
+        for i in range(len(token_ids) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = hashes[i] if hashes is not None and i < len(hashes) else chain_hash(parent, tokens)
+            entry = self._cached.get(h)
+            if entry is None or entry.parent != parent or entry.tokens != tokens:
+                break
+            blocks.append(entry.block)
+            parent = h
+        return blocks
+
+    def register(self, seq_id: str, start: int, hashes: Sequence[int], token_ids: Sequence[int]) -> int:
+        """Cache blocks [start, len(hashes)) of `seq_id`'s table, whose KV is computed.
+
+        `hashes` are the chained hashes of the sequence's full blocks from its first (those
+        before `start` give the parent); `token_ids` are the tokens of blocks [start,
+        len(hashes)) only. A block already cached, or whose hash another block holds (the same
+        prefix computed by two sequences at once), is left as it is. Returns how many blocks
+        were registered."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            raise KeyError(f"sequence {seq_id!r} has no blocks")
+        bs = self._block_size
+        if not 0 <= start <= len(hashes) <= len(table) or len(token_ids) != (len(hashes) - start) * bs:
+            raise ValueError(
+                f"sequence {seq_id!r}: blocks [{start}, {len(hashes)}) of a table of {len(table)} "
+                f"with {len(token_ids)} tokens"
+            )
+        added = 0
+        for i in range(start, len(hashes)):
+            block, h = table[i], hashes[i]
+            if block in self._hash_of or h in self._cached:
+                continue
+            parent = hashes[i - 1] if i > 0 else ROOT_HASH
+            j = (i - start) * bs
+            self._cached[h] = _Cached(block, parent, tuple(token_ids[j : j + bs]))
+            self._hash_of[block] = h
+            added += 1
+        return added
