@@ -131,8 +131,11 @@ async def test_chat_logprobs_streamed_and_not(mesh: Mesh) -> None:
     # out as U+FFFD in the text, as in the bytes decoded with errors="replace").
     data = bytes(b for e in content for b in (e.bytes or []))
     assert data.decode(errors="replace") == choice.message.content
-    # Streaming carries the same entries, chunk by chunk.
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # Streaming carries the same entries, chunk by chunk: the same tokens, and log-probs equal up
+    # to float rounding (the second request starts from the first's cached prompt blocks, whose
+    # attention sums in another order than a whole prefill's).
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
 
 
 async def test_completions_logprobs_with_echo(mesh: Mesh) -> None:
