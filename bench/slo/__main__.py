@@ -46,6 +46,7 @@ import torch
 
 from bench.serving.workload import Request, WorkloadSpec, build
 from bench.slo.summary import SloRecord, compare, rate_key, summarize
+from services.common.log import configure_logging
 from services.model_format import synth
 from services.model_format.generation import eos_token_ids_in
 from services.worker.engine.engine import Engine, EngineConfig, PacingProfile
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--rates must be positive, got {rate!r}")
     if not args.trace.is_file():
         p.error(f"--trace {str(args.trace)!r} does not exist")
+    configure_logging("bench.slo", "warning")  # a refusal is logged per request; the table says enough
     out = args.out or REPO_ROOT / "bench" / "results" / ("slo_quick.json" if args.quick else "slo.json")
     result = asyncio.run(run(args))
     out.parent.mkdir(parents=True, exist_ok=True)

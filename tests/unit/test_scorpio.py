@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from services.worker.engine.scorpio import (
+    BacklogRate,
     CreditBatcher,
     Member,
     OutputLengthPredictor,
@@ -311,6 +312,7 @@ def test_state_report_shape() -> None:
     assert state.report() == {
         "tpot_model": {"points": 0},
         "prefill_tokens_per_s": None,
+        "queue_tokens_per_s": None,
         "output_length": {"mae_tokens": None, "scored": 0, "buckets": 0},
         "rejected": {"ttft": 0, "tpot": 0},
     }
@@ -318,3 +320,19 @@ def test_state_report_shape() -> None:
     state.rejected["ttft"] += 2
     report = state.report()
     assert report["tpot_model"]["terms"] == ["B"] and state.rejected_total == 2
+
+
+def test_backlog_rate_is_what_the_queue_was_served_at_bounded_by_the_marginal_rate() -> None:
+    backlog = BacklogRate(window=16, min_steps=4, floor_share=0.05)
+    assert backlog.tokens_per_s(2000.0) == 2000.0  # too few steps: the marginal rate
+    # A full batch: decode steps serve no prompt for 3 of every 4 steps.
+    for tokens in (400, 0, 0, 0) * 4:
+        backlog.observe(tokens, 0.1)
+    assert backlog.tokens_per_s(2000.0) == pytest.approx(1000.0)  # 1600 tokens in 1.6 s
+    assert backlog.tokens_per_s(500.0) == 500.0  # never above the marginal rate
+    for _ in range(16):
+        backlog.observe(0, 0.1)  # a stretch that served no prompt at all
+    assert backlog.tokens_per_s(2000.0) == pytest.approx(100.0)  # the floor, not "never"
+    assert backlog.tokens_per_s(None) is None
+    backlog.observe(1, -1.0)  # ignored
+    assert backlog.tokens_per_s(2000.0) == pytest.approx(100.0)

@@ -1061,6 +1061,8 @@ class Engine:
         return self.kv_cache.free_blocks - outstanding
 
     async def _step(self) -> None:
+        step_began = self._clock()
+        backlogged = bool(self._waiting)
         self._migrate_flagged()
         if self.config.capacity_policy is CapacityPolicy.MAX_UTILIZATION:
             self._make_room()
@@ -1225,6 +1227,9 @@ class Engine:
         now = self._clock()
         if self._scorpio is not None and not inp.partials and not inp.continuations:
             self._scorpio_observe(seqs, counts, prefill_tokens, now - t0)
+        if self._scorpio is not None and backlogged:
+            # What the queue was served at, the step's scheduling and any wait for a KV pull in.
+            self._scorpio.backlog.observe(prefill_tokens, now - step_began)
 
         for part, hidden in zip(inp.partials, partial_out, strict=True):
             seq = part.seq
@@ -1682,7 +1687,7 @@ class Engine:
                 for s in self._waiting
                 if s.scorpio is not None and s.scorpio.deadline_s <= ticket.deadline_s
             ) + sum(max(0, s.prefill_len - s.num_computed) for s in self._running)
-            rate = sc.prefill.tokens_per_s
+            rate = sc.queue_tokens_per_s
             guard = judge_ttft(
                 seq.arrival_s, ticket.deadline_s, ahead, seq.prefill_len, rate, self._scorpio_running_tpot() or 0.0
             )
@@ -1699,12 +1704,15 @@ class Engine:
 
     def _scorpio_waiting(self) -> list[_Seq]:
         """The queue in least-deadline-first order (arrival order among equal deadlines and those
-        without one), after refusing the requests whose deadline is lost: even started now,
-        their own prefill at the measured rate (without one: nothing) would end past it."""
+        without one), after refusing the requests whose deadline is lost: the current step, the
+        prefill queued ahead of it in this order and its own, at the rate the queue has been
+        served at (`ScorpioState.queue_tokens_per_s`), would end past it. Refused as soon as
+        that is so, not when the deadline has passed: a request that waits out its budget and
+        then misses it held nothing, but one admitted late takes the batch from others."""
         sc = self._scorpio
         assert sc is not None
         now = self._clock()
-        rate = sc.prefill.tokens_per_s
+        rate = sc.queue_tokens_per_s
         step_s = self._scorpio_running_tpot() or 0.0
         ordered = sorted(self._waiting, key=lambda s: s.scorpio.deadline_s if s.scorpio is not None else math.inf)
         kept: list[_Seq] = []
@@ -1712,14 +1720,15 @@ class Engine:
         for seq in ordered:
             t = seq.scorpio
             if t is not None and t.refusable and math.isfinite(t.deadline_s):
-                if not judge_ttft(now, t.deadline_s, 0, seq.prefill_len, rate, 0.0).admit:
+                guard = judge_ttft(now, t.deadline_s, ahead, seq.prefill_len, rate, step_s)
+                if not guard.admit:
                     assert seq.slo is not None and seq.slo.ttft_s is not None
-                    retry = judge_ttft(now, t.deadline_s, ahead, seq.prefill_len, rate, step_s).retry_after_s
                     message = (
                         f"request {seq.request_id!r} refused: TTFT SLO {seq.slo.ttft_s:.4g} s cannot be met any"
-                        f" more: queued {now - seq.arrival_s:.4g} s, its {seq.prefill_len} prompt tokens not started"
-                        f" (prefill rate {rate or 0:.4g} tokens/s)"
+                        f" more: queued {now - seq.arrival_s:.4g} s, {ahead} prompt tokens ahead of its"
+                        f" {seq.prefill_len} (queue served at {rate or 0:.4g} tokens/s)"
                     )
+                    retry = guard.retry_after_s
                     self._scorpio_reject_waiting(seq, self._scorpio_refusal(seq, "ttft", message, retry))
                     continue
             ahead += seq.prefill_len

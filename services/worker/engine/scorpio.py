@@ -222,6 +222,34 @@ class PrefillRate:
         return 1.0 / slope if slope > 0 and 1.0 / slope > ratio else ratio
 
 
+class BacklogRate:
+    """Prompt tokens per second of step time actually served while requests were queued: what a
+    queued request's wait is measured against. Lower than `PrefillRate` when a backlog is held
+    back by more than prefill compute (batch slots, KV blocks, decodes sharing the steps, the
+    token budget), which is when the TTFT guard matters. None before `min_steps` backlogged steps;
+    floored at `floor_share` of the marginal rate so that a stretch of steps that served no prompt
+    (a full batch) does not read as "never"."""
+
+    def __init__(self, window: int = 64, min_steps: int = 8, floor_share: float = 0.05) -> None:
+        self._obs: deque[tuple[int, float]] = deque(maxlen=window)
+        self._min_steps = min_steps
+        self._floor_share = floor_share
+
+    def observe(self, prefill_tokens: int, step_s: float) -> None:
+        if prefill_tokens >= 0 and step_s > 0 and math.isfinite(step_s):
+            self._obs.append((prefill_tokens, step_s))
+
+    def tokens_per_s(self, marginal: float | None) -> float | None:
+        if len(self._obs) < self._min_steps:
+            return marginal
+        tokens = sum(t for t, _ in self._obs)
+        seconds = sum(s for _, s in self._obs)
+        rate = tokens / seconds
+        if marginal is None:
+            return rate if rate > 0 else None
+        return min(marginal, max(rate, self._floor_share * marginal))
+
+
 # ---- output length -----------------------------------------------------------------------------
 
 
@@ -370,6 +398,7 @@ class ScorpioState:
         self.batcher = CreditBatcher()
         self.tpot = TPOTFitter()
         self.prefill = PrefillRate()
+        self.backlog = BacklogRate()
         self.lengths = OutputLengthPredictor(default_tokens=default_output_tokens)
         self.rejected: dict[str, int] = {"ttft": 0, "tpot": 0}
 
@@ -377,11 +406,18 @@ class ScorpioState:
     def rejected_total(self) -> int:
         return sum(self.rejected.values())
 
+    @property
+    def queue_tokens_per_s(self) -> float | None:
+        """The rate the TTFT guard drains the queue at: the backlog's served rate, at most the
+        marginal prefill rate."""
+        return self.backlog.tokens_per_s(self.prefill.tokens_per_s)
+
     def report(self) -> dict[str, Any]:
         fit = self.tpot.fit()
         return {
             "tpot_model": fit.report() if fit is not None else {"points": self.tpot.points},
             "prefill_tokens_per_s": self.prefill.tokens_per_s,
+            "queue_tokens_per_s": self.queue_tokens_per_s,
             "output_length": self.lengths.report(),
             "rejected": dict(self.rejected),
         }
