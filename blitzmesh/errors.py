@@ -173,7 +173,7 @@ def from_rpc_error(e: grpc.RpcError, *, request_id: str | None = None) -> Blitzm
     cls = _BY_CODE.get(code, InternalError)
     if cls is OverloadedError:
         trailing = _trailing(e)
-        retry_after_s = _retry_after_s(trailing.get(RETRY_AFTER_METADATA_KEY))
+        retry_after_s = parse_retry_after_s(trailing.get(RETRY_AFTER_METADATA_KEY))
         if trailing.get(SLO_METADATA_KEY):
             cls = SLOUnattainableError
         return cls(details or code.name, code=code.name, request_id=request_id, retry_after_s=retry_after_s)
@@ -193,7 +193,8 @@ def _trailing(e: grpc.RpcError) -> dict[str, str]:
     return out
 
 
-def _retry_after_s(value: str | None) -> float | None:
+def parse_retry_after_s(value: str | bytes | None) -> float | None:
+    """A `retry-after-s` metadata value as seconds; None when absent or not a finite number >= 0."""
     if value is None:
         return None
     try:

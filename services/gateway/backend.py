@@ -36,6 +36,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blitzmesh.convert import finish_reason_from_proto, request_slo_to_proto, sampling_to_proto
+from blitzmesh.errors import parse_retry_after_s
 from blitzmesh.v1 import (
     admin_pb2,
     common_pb2,
@@ -982,7 +983,7 @@ class Backend:
                     len(state.generated),
                     moved=trailing.get(MOVED_METADATA_KEY),
                     slo_kind=str(slo_kind) if slo_kind else None,
-                    retry_after_s=_seconds(trailing.get(RETRY_AFTER_METADATA_KEY)),
+                    retry_after_s=parse_retry_after_s(trailing.get(RETRY_AFTER_METADATA_KEY)),
                 ) from None
             worker_done = True
             raise _WorkerFailedError(
@@ -1111,16 +1112,6 @@ def _slo_error(req: InferenceRequest, refusals: list[_WorkerFailedError], failur
         retry_after_s=retry_after_s,
         slo_kind=kind,
     )
-
-
-def _seconds(value: str | bytes | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _split_route(
