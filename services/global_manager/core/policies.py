@@ -23,6 +23,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from services.common.worker_profile import load_profile
+
 from .types import ClusterSnapshot, PoolSnapshot, Role, ScaleAction, ScaleDecision
 
 __all__ = [
@@ -308,6 +310,22 @@ class HeteroScaleConfig(_BaseConfig):
         "lagging decode-TPS window right after a panic scale-out, does not undo the scale-out. 0 = off, "
         "as in ALGORITHMS.md 1",
     )
+    worker_profile: str | None = Field(
+        None,
+        description="path of a worker profile (python -m bench.profile writes profiles/<model>.json); when set "
+        "and target_decode_tps_per_instance is not, the target is the profile's recommended value, 0.7 x the "
+        "decode TPS at which one measured instance saturates. Read once, when the parameters are validated",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _target_from_profile(cls, data: Any) -> Any:
+        # An explicit target wins; the profile only supplies the default.
+        if isinstance(data, Mapping) and data.get("worker_profile") and "target_decode_tps_per_instance" not in data:
+            profile = load_profile(data["worker_profile"])
+            target = profile.recommended.target_decode_tps_per_instance
+            return {**data, "target_decode_tps_per_instance": target}
+        return data
 
 
 class HeteroScalePolicy(_PolicyBase):
