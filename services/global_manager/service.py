@@ -46,29 +46,23 @@ from blitzmesh.v1 import (
 from services.common.grpc_util import channel
 from services.common.server import ServeContext
 from services.global_manager.config import GlobalManagerConfig
+from services.global_manager.convert import role_from_proto, role_to_proto, sample_from_proto, state_from_proto
 from services.global_manager.core.decisions import DecisionThrottle, bounded_delta
 from services.global_manager.core.load_monitor import LoadMonitor
 from services.global_manager.core.multicast import SendingLinks, Topology, traffic_from_instances
-from services.global_manager.core.policies import Policy, make_policy
-from services.global_manager.core.prefix_index import PrefixIndex
-from services.global_manager.core.router import (
-    PrefixAffinity,
+from services.global_manager.core.placement import (
     assign_idle,
     choose_idle,
     pick_scale_in_victim,
     plan_live_migration,
     plan_rebalance,
-    plan_route,
 )
+from services.global_manager.core.policies import Policy, make_policy
+from services.global_manager.core.prefix_index import PrefixIndex
+from services.global_manager.core.routing import PrefixAffinity, plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, Role, ScaleDecision
 from services.global_manager.core.zigzag import choose_live_instance, choose_zigzag_partner, should_zigzag
-from services.global_manager.registry import (
-    InstanceTable,
-    role_from_proto,
-    role_to_proto,
-    sample_from_proto,
-    state_from_proto,
-)
+from services.global_manager.instance_table import InstanceTable
 from services.global_manager.transfer import Node, build_plan
 
 log = structlog.get_logger(__name__)
