@@ -27,7 +27,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import grpc
@@ -136,8 +136,11 @@ class EventBus:
 
 
 class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
-    def __init__(self, cfg: GlobalManagerConfig) -> None:
+    def __init__(self, cfg: GlobalManagerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: seconds on a monotonic clock; every time the control path reads goes through
+        it, so tests (and a simulator) can drive the manager on a fake clock."""
         self.cfg = cfg
+        self.clock = clock
         self.table = InstanceTable()
         self.monitor = LoadMonitor(window_s=cfg.window_s, lost_after_s=cfg.lost_after_s)
         self.policy_name = cfg.policy
@@ -166,7 +169,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self._zigzag_progress: dict[str, tuple[int, float]] = {}
         self.zigzag_partner: dict[str, str] = {}
         self._migrated_at: dict[str, float] = {}  # live migration: last move off each instance
-        self._t0 = time.monotonic()
+        self._t0 = clock()
         self._wake = asyncio.Event()
         # Models whose scale from zero is being decided (a parameter-manager lookup in flight).
         self._waking: set[str] = set()
@@ -185,7 +188,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         return make_policy(name, bounded)
 
     def now_s(self) -> float:
-        return time.monotonic() - self._t0
+        return self.clock() - self._t0
 
     def emit(
         self, action: str, target: str, status: str, reason: str, instance_id: str = "", time_s: float | None = None
@@ -726,7 +729,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         plan: asyncio.Future[worker_pb2.TransferPlan | None],
     ) -> None:
         address = self.table.addresses[iid]
-        started = time.perf_counter()
+        started = self.now_s()
         error = ""
         try:
             done = False
@@ -781,7 +784,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 )
                 return
         if not error:
-            load_s = time.perf_counter() - started
+            load_s = self.now_s() - started
             await self._update_location(model_id, iid, present=True)
             ACTIONS.labels("load", "ok").inc()
             self.emit("load_result", model_id, "ok", f"load_s={load_s:.3f}", iid)
@@ -911,6 +914,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             self._wake.set()
 
     async def control_loop(self) -> None:
+        """Tick every `tick_s` of real time (or when woken). A simulator calls `tick()` itself."""
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.cfg.tick_s)
@@ -1010,6 +1014,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
 
     def autoscale(self, now: float, model: str) -> ScaleDecision:
         """One policy decision for `model`: reported (see the module docstring) and acted on."""
+        # The time the decision costs is measured on the wall clock, whatever `clock` says.
         started = time.perf_counter()
         # A configured split is split even before its first instance serves; otherwise the
         # monitor tells from the instances' roles.
@@ -1090,8 +1095,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
 class GlobalManagerService:
     name = "blitzmesh.v1.GlobalManager"
 
-    def __init__(self, cfg: GlobalManagerConfig) -> None:
-        self.servicer = GlobalManagerServicer(cfg)
+    def __init__(self, cfg: GlobalManagerConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.servicer = GlobalManagerServicer(cfg, clock=clock)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         global_manager_pb2_grpc.add_GlobalManagerServicer_to_server(self.servicer, server)
