@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.control_plane import schedule_rpc
+from services.global_manager.core.instances import Registry
 from services.global_manager.core.load_monitor import LoadMonitor
 from services.global_manager.core.multicast import (
     Source,
@@ -44,7 +45,7 @@ from services.global_manager.core.multicast import (
     validate_plan,
 )
 from services.global_manager.core.policies import make_policy, policy_names
-from services.global_manager.core.router import Registry, choose_instance
+from services.global_manager.core.routing import choose_instance
 from services.global_manager.core.types import InstanceState, LoadSample, Role
 
 SIZES = (10, 100, 1000, 10000)

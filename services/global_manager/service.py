@@ -1,8 +1,11 @@
-"""Global manager: instance registry, heartbeats, the execution scheduler (routing), and the
-actuator that turns scaling decisions into worker and parameter-manager calls.
+"""Global manager servicer: instance registry (registration, heartbeats), the execution
+scheduler (routing), admin RPCs, and the control loop around the reconcile core.
 
-The decisions themselves come from the pure core (services/global_manager/core); this module
-only adapts protobuf, owns the clock and performs the I/O.
+Each control tick observes (the load monitor, what the actuator owns), asks the pure core
+(`core.reconcile.Reconciler`) what to do and hands the actions to the actuator (`actuator.
+GrpcActuator` by default, a `core.actuator.RecordingActuator` in tests and simulators); the
+actuator reports outcomes back here (the servicer is its `ActionSink`), and the core decides
+the follow-ups. This module adapts protobuf, owns the clock (injected) and publishes events.
 
 Autoscaling: every control tick the policy decides on a snapshot of the load monitor. Each
 decision carries its reason; changes are always reported, "no change" only when its reason
@@ -23,53 +26,48 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import json
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import grpc
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
-from blitzmesh.v1 import (
-    admin_pb2,
-    global_manager_pb2,
-    global_manager_pb2_grpc,
-    param_manager_pb2,
-    param_manager_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
-)
-from services.common.grpc_util import channel
+from blitzmesh.v1 import admin_pb2, global_manager_pb2, global_manager_pb2_grpc
 from services.common.server import ServeContext
+from services.global_manager.actuator import GrpcActuator
 from services.global_manager.config import GlobalManagerConfig
-from services.global_manager.core.decisions import DecisionThrottle, bounded_delta
+from services.global_manager.convert import role_from_proto, role_to_proto, sample_from_proto, state_from_proto
+from services.global_manager.core.actions import (
+    Action,
+    Count,
+    DrainInstance,
+    LoadInstances,
+    MigrateRequests,
+    Report,
+    UpdateLocation,
+)
+from services.global_manager.core.actuator import Actuator
+from services.global_manager.core.decisions import DecisionThrottle
 from services.global_manager.core.load_monitor import LoadMonitor
-from services.global_manager.core.multicast import SendingLinks, Topology, traffic_from_instances
+from services.global_manager.core.multicast import Topology
 from services.global_manager.core.policies import Policy, make_policy
 from services.global_manager.core.prefix_index import PrefixIndex
-from services.global_manager.core.router import (
-    PrefixAffinity,
-    assign_idle,
-    choose_idle,
-    pick_scale_in_victim,
-    plan_live_migration,
-    plan_rebalance,
-    plan_route,
+from services.global_manager.core.reconcile import (
+    Observations,
+    Reconciler,
+    ReconcileSettings,
+    decision_roles,
+    live,
+    release_report,
 )
+from services.global_manager.core.routing import PrefixAffinity, plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, Role, ScaleDecision
 from services.global_manager.core.zigzag import choose_live_instance, choose_zigzag_partner, should_zigzag
-from services.global_manager.registry import (
-    InstanceTable,
-    role_from_proto,
-    role_to_proto,
-    sample_from_proto,
-    state_from_proto,
-)
-from services.global_manager.transfer import Node, build_plan
+from services.global_manager.instance_table import InstanceTable
 
 log = structlog.get_logger(__name__)
 
@@ -101,9 +99,7 @@ ACTIONS = Counter("blitzmesh_gm_scale_actions_total", "Actuator outcomes", ["kin
 MOVED = Counter(
     "blitzmesh_gm_requests_moved_total", "Requests moved between instances by the manager, by reason", ["reason"]
 )
-RELEASE_TIMEOUT_S = 5.0
 ADVISORY = Gauge("blitzmesh_gm_advisory", "1 while the policy only advises")
-LOCATION_RETRIES = 3
 
 
 def _param_from_proto(value: str) -> Any:
@@ -119,6 +115,24 @@ def _param_from_proto(value: str) -> Any:
 
 def _param_to_proto(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
+
+
+def reconcile_settings(cfg: GlobalManagerConfig) -> ReconcileSettings:
+    """The settings the reconcile core reads, from the manager's config."""
+    return ReconcileSettings(
+        default_model=cfg.default_model,
+        pool_floors=cfg.pool_floors(),
+        max_instances=cfg.max_instances,
+        disaggregated=cfg.disaggregated,
+        autoscale=cfg.autoscale,
+        lost_after_s=cfg.lost_after_s,
+        load_retries=cfg.load_retries,
+        rebalance=cfg.rebalance,
+        live_migration=cfg.live_migration,
+        migration_kv_high=cfg.migration_kv_high,
+        migration_tbt_slo_s=cfg.migration_tbt_slo_s,
+        migration_cooldown_s=cfg.migration_cooldown_s,
+    )
 
 
 class EventBus:
@@ -142,37 +156,45 @@ class EventBus:
 
 
 class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
-    def __init__(self, cfg: GlobalManagerConfig) -> None:
+    def __init__(
+        self,
+        cfg: GlobalManagerConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        actuator: Callable[[GlobalManagerServicer], Actuator] | None = None,
+    ) -> None:
+        """`clock`: seconds on a monotonic clock; every time the control path reads goes through
+        it, so tests (and a simulator) can drive the manager on a fake clock. `actuator`: builds
+        the actuator from the servicer (its sink); the gRPC one by default."""
         self.cfg = cfg
+        self.clock = clock
         self.table = InstanceTable()
         self.monitor = LoadMonitor(window_s=cfg.window_s, lost_after_s=cfg.lost_after_s)
-        self.policy_name = cfg.policy
         self.policy_params = dict(cfg.policy_params)
-        self.policy = self._make_policy(cfg.policy, cfg.policy_params)
-        self.policy_name = self.policy.name
-        self.advisory = cfg.advisory
+        self.reconciler = Reconciler(
+            reconcile_settings(cfg),
+            self._make_policy(cfg.policy, cfg.policy_params),
+            advisory=cfg.advisory,
+            decision_repeat_s=cfg.decision_repeat_s,
+        )
         ADVISORY.set(1 if self.advisory else 0)
-        self.throttle = DecisionThrottle(repeat_s=cfg.decision_repeat_s)
         # The reported decisions as `time,action,target,status,reason` lines (newest last).
         self.decision_log: collections.deque[str] = collections.deque(maxlen=10_000)
-        self.last_decision: ScaleDecision | None = None
         self.events = EventBus()
+        self.actuator: Actuator = actuator(self) if actuator is not None else GrpcActuator(cfg, self.table, sink=self)
+        self._load_started: dict[str, float] = {}  # instance id -> when its load began
         # Host -> leaf switch, for routing the decode side of a P/D pair near its prefill side.
         # Hosts the topology does not name share one default leaf, as in the multicast planner.
         topology = Topology.from_dict(cfg.topology) if cfg.topology else Topology(hosts={})
         self.leaves: dict[str, str] = {host: link.leaf for host, link in topology.hosts.items()}
         self.ctx: ServeContext | None = None
-        self._actions: dict[str, asyncio.Task[None]] = {}  # instance id -> load/drain in progress
         # ZigZag live scaling: the tails of this manager's transfer chains (they go live), when
         # each went live, when its layer count last grew, and the partner it was last paired with.
         self._chain_tails: set[str] = set()
-        # Chain senders of loads still in flight: the next plan keeps off their links.
-        self._sending = SendingLinks()
         self.zigzag_started: dict[str, float] = {}
         self._zigzag_progress: dict[str, tuple[int, float]] = {}
         self.zigzag_partner: dict[str, str] = {}
-        self._migrated_at: dict[str, float] = {}  # live migration: last move off each instance
-        self._t0 = time.monotonic()
+        self._t0 = clock()
         self._wake = asyncio.Event()
         # Models whose scale from zero is being decided (a parameter-manager lookup in flight).
         self._waking: set[str] = set()
@@ -190,8 +212,28 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         }
         return make_policy(name, bounded)
 
+    @property
+    def policy(self) -> Policy:
+        return self.reconciler.policy
+
+    @property
+    def policy_name(self) -> str:
+        return self.reconciler.policy.name
+
+    @property
+    def advisory(self) -> bool:
+        return self.reconciler.advisory
+
+    @property
+    def throttle(self) -> DecisionThrottle:
+        return self.reconciler.throttle
+
+    @property
+    def last_decision(self) -> ScaleDecision | None:
+        return self.reconciler.last_decision
+
     def now_s(self) -> float:
-        return time.monotonic() - self._t0
+        return self.clock() - self._t0
 
     def emit(
         self, action: str, target: str, status: str, reason: str, instance_id: str = "", time_s: float | None = None
@@ -220,10 +262,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.emit(
             "instance_registered", view.model or "-", view.state.value, f"address={info.address}", view.instance_id
         )
-        if view.state is S.SERVING and view.model and self.ctx is not None:
+        if view.state is S.SERVING and view.model and self.actuator.ready:
             # Re-registration after a manager restart (or a LOST comeback): the parameter
             # manager must list what the instance holds again.
-            self.ctx.tasks.spawn(self._update_location(view.model, view.instance_id, present=True), name="location")
+            self._execute([UpdateLocation(view.model, view.instance_id, present=True)])
         self._wake_reconcile()
         return global_manager_pb2.RegisterInstanceResponse(heartbeat_interval_s=self.cfg.heartbeat_interval_s)
 
@@ -235,7 +277,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         state = state_from_proto(request.state)
         before_view = self.table.registry.get(iid)
         before = before_view.state
-        if iid not in self._actions:
+        busy = self.actuator.busy()
+        if iid not in busy:
             # While the actuator loads or drains an instance it owns the transitions; a
             # heartbeat sent before the worker heard the command would only move it back.
             self.table.follow(iid, state, request.model_id, request.layers_loaded, request.num_layers)
@@ -246,11 +289,11 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.monitor.observe(sample_from_proto(iid, now, request.load))
         if before is not state:
             self.emit("instance_state", request.model_id or "-", state.value, f"{before.value}->{state.value}", iid)
-            if before is S.SERVING and before_view.model and iid not in self._actions and self.ctx is not None:
+            if before is S.SERVING and before_view.model and iid not in busy and self.actuator.ready:
                 # The worker left SERVING on its own (its engine died, or it drains on SIGTERM):
                 # no route goes there from now on (it is no longer SERVING here), and no transfer
                 # may pick it as a source. The pool is topped up by the next tick.
-                self.ctx.tasks.spawn(self._update_location(before_view.model, iid, present=False), name="location")
+                self._execute([UpdateLocation(before_view.model, iid, present=False)])
             self._wake_reconcile()
         return global_manager_pb2.HeartbeatResponse()
 
@@ -260,6 +303,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             self.table.registry.mark_lost(iid)
             self.table.registry.remove(iid)
             self.monitor.forget(iid)
+            self.actuator.forget(iid)
             self.emit("instance_deregistered", "-", "removed", "worker stopping", iid)
             self._wake_reconcile()
         return global_manager_pb2.DeregisterInstanceResponse()
@@ -340,7 +384,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         within the request's deadline (its `schedule_wait_s`) until the instance serves. At most
         one such load per model: the next request sees it LOADING. Returns a note for the
         UNAVAILABLE details ('' when nothing is loading for it)."""
-        if not self.cfg.scale_from_zero or not model or self.ctx is None or not self.cfg.param_manager:
+        if not self.cfg.scale_from_zero or not model or not self.actuator.ready or not self.cfg.param_manager:
             return ""
         if self._has_capacity(model):
             return self._loading_note(model)
@@ -384,7 +428,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
 
     def _idle_free(self) -> list[InstanceView]:
         """IDLE workers no action owns."""
-        return [v for v in self.table.registry.views(state=S.IDLE) if v.instance_id not in self._actions]
+        busy = self.actuator.busy()
+        return [v for v in self.table.registry.views(state=S.IDLE) if v.instance_id not in busy]
 
     def _hop(self, view: InstanceView) -> global_manager_pb2.RouteHop:
         """A hop running every layer on `view`'s instance."""
@@ -540,7 +585,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                     grpc.StatusCode.FAILED_PRECONDITION, f"no SERVING instance of {request.model_id!r} to drain"
                 )
         if request.wait:
-            await asyncio.gather(*(self._actions[i] for i in chosen if i in self._actions), return_exceptions=True)
+            await self.actuator.wait(chosen)
         return admin_pb2.ScaleResponse(
             instance_ids=chosen, reason=f"{len(chosen)} instance(s) {'loading' if request.delta > 0 else 'draining'}"
         )
@@ -559,9 +604,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         policy.cooldown = self.policy.cooldown
-        self.policy, self.policy_name, self.policy_params = policy, policy.name, params
+        self.reconciler.policy, self.policy_params = policy, params
         if request.HasField("advisory"):
-            self.advisory = request.advisory
+            self.reconciler.advisory = request.advisory
             ADVISORY.set(1 if self.advisory else 0)
         self.throttle.reset()
         self.emit(
@@ -582,334 +627,89 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         finally:
             self.events.unsubscribe(q)
 
-    # ---- actuator -----------------------------------------------------------------------
+    # ---- acting: the reconcile core's actions, the actuator's outcomes ----------------------
     async def _check_model(self, model_id: str) -> None:
-        if not self.cfg.param_manager:
-            return
-        async with channel(self.cfg.param_manager) as ch:
-            models = await param_manager_pb2_grpc.ParamManagerStub(ch).ListModels(
-                admin_pb2.ListModelsRequest(), timeout=5
-            )
-        known = [m.model_id for m in models.models]
-        if model_id not in known:
+        known = await self.actuator.list_models()
+        if known is not None and model_id not in known:
             raise LookupError(f"unknown model {model_id!r}; registered: {known}")
-
-    def _spawn(self, iid: str, coro) -> None:
-        assert self.ctx is not None
-        task = self.ctx.tasks.spawn(coro, name=f"action-{iid}")
-        self._actions[iid] = task
-
-        def done(t: asyncio.Task[None], iid: str = iid) -> None:
-            if self._actions.get(iid) is t:
-                del self._actions[iid]
-
-        task.add_done_callback(done)
 
     def live(self, model_id: str, role: Role | None = None) -> list[str]:
         """Instances of `model_id` that count as capacity: LOADING + SERVING."""
-        return [
-            v.instance_id
-            for v in self.table.registry.views(model=model_id, role=role)
-            if v.state in (S.LOADING, S.SERVING)
-        ]
+        return live(self.table.registry, model_id, role)
 
-    def scale_out(
-        self,
-        model_id: str,
-        n: int,
-        role: Role,
-        reason: str,
-        *,
-        exclude: frozenset[str] = frozenset(),
-        attempt: int = 0,
-        only: Collection[str] | None = None,
-    ) -> list[str]:
-        """Assign up to n IDLE workers (of `only` when given) to `model_id` as `role`; each loads
-        in the background."""
-        room = max(0, self.cfg.max_instances - len(self.live(model_id)))
-        candidates = [v for v in self.table.registry.views(state=S.IDLE) if only is None or v.instance_id in only]
-        idle = choose_idle(candidates, min(n, room), role, {*self._actions, *exclude})
-        for v in idle:
-            self.table.registry.transition(v.instance_id, S.LOADING, model=model_id, role=role)
-            self.emit("scale_out", model_id, "loading", reason, v.instance_id)
-        # One multicast plan for the whole batch: chains make n targets cost about one.
-        plan = asyncio.ensure_future(self._plan(model_id, [v.instance_id for v in idle])) if idle else None
-        for v in idle:
-            assert plan is not None
-            self._spawn(
-                v.instance_id, self._load(v.instance_id, model_id, role, exclude | {v.instance_id}, attempt, plan)
-            )
-        return [v.instance_id for v in idle]
+    def _busy(self) -> set[str]:
+        return set(self.actuator.busy())
 
-    def _drop_stale_holders(self, where: param_manager_pb2.LocateResponse) -> None:
-        """Keep instances that are not SERVING here out of a plan's sources: the index hears of an
-        instance leaving (its engine died, it drains, it went LOST) only when our UpdateLocation
-        lands, and a chain from a dropped instance stalls its targets for the whole stall timeout."""
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, LoadInstances):
+                for iid in action.instance_ids:
+                    self._load_started[iid] = self.now_s()
+        self.actuator.execute(actions)
 
-        def stale(holder_id: str, kind: str) -> bool:
-            if holder_id in self.table.registry:
-                return self.table.registry.get(holder_id).state is not S.SERVING
-            return kind == "instance"
-
-        for loc in where.locations:
-            kinds = {h.holder_id: h.kind for h in loc.holder_info}
-            gone = {h for h in loc.holders if stale(h, kinds.get(h, ""))} | {
-                h.holder_id for h in loc.holder_info if stale(h.holder_id, h.kind)
-            }
-            if not gone:
-                continue
-            holders = [h for h in loc.holders if h not in gone]
-            infos = [h for h in loc.holder_info if h.holder_id not in gone]
-            del loc.holders[:]
-            loc.holders.extend(holders)
-            del loc.holder_info[:]
-            loc.holder_info.extend(infos)
-
-    async def _plan(self, model_id: str, targets: list[str]) -> worker_pb2.TransferPlan | None:
-        """The chain plan for `targets`; None (each target pulls from the pool) if it cannot be made."""
-        if not self.cfg.param_manager or not self.cfg.transfer_plans:
-            return None
-        try:
-            async with channel(self.cfg.param_manager) as ch:
-                where = await param_manager_pb2_grpc.ParamManagerStub(ch).Locate(
-                    param_manager_pb2.LocateRequest(model_id=model_id), timeout=10
-                )
-            self._drop_stale_holders(where)
-            nodes = []
-            for iid in targets:
-                dp_address, dp_kind = self.table.dataplane.get(iid, (b"", ""))
-                host = self.table.registry.get(iid).host or iid
-                nodes.append(Node(iid, host, self.table.addresses[iid], dp_address, dp_kind))
-            # Serving traffic by role (prefill sends KV out, decode takes it in), so parameters
-            # come from decode instances, then host shards, and off the prefill side's busy links.
-            # And links already sending parameters to an earlier scale-out's targets.
-            traffic = self._sending.traffic(traffic_from_instances(self.table.registry.views(model=model_id)))
-            plan, planned = build_plan(
-                nodes,
-                where,
-                [loc.group for loc in where.locations],
-                self.cfg.topology,
-                self.cfg.load_timeout_s,
-                serving_traffic=traffic,
-            )
-        except (grpc.aio.AioRpcError, ValueError, KeyError) as e:
-            log.warning("transfer_plan_failed", model=model_id, targets=targets, error=repr(e))
-            return None
-        # The last target of each chain loads last (the lowest bandwidth): it goes live (ZigZag).
-        self._chain_tails |= {c.hops[-1] for c in planned.chains if c.hops}
-        self._sending.start(planned, targets)
-        chains = "; ".join(f"{c.source}->{'->'.join(c.hops)} ({len(c.groups)} groups)" for c in planned.chains)
-        self.emit("transfer_plan", model_id, plan.plan_id, f"chains: {chains}")
-        return plan
-
-    def scale_in(
-        self, model_id: str, n: int, reason: str, role: Role | None = None, *, keep_serving: int = 0
-    ) -> list[str]:
-        """Drain the n least-loaded SERVING instances of `model_id` (of `role` if given), leaving
-        at least `keep_serving` SERVING: capacity still loading cannot take requests yet."""
-        chosen: list[str] = []
-        for _ in range(n):
-            views = [v for v in self.table.registry.views(model=model_id) if v.instance_id not in self._actions]
-            serving = [v for v in views if v.state is S.SERVING and (role is None or v.role is role)]
-            if len(serving) <= keep_serving:
-                break
-            victim = pick_scale_in_victim(views, model=model_id, role=role)
-            if victim is None:
-                break
-            self.table.registry.transition(victim.instance_id, S.DRAINING)
-            self.emit("scale_in", model_id, "draining", reason, victim.instance_id)
-            self._spawn(victim.instance_id, self._drain(victim.instance_id, model_id))
-            chosen.append(victim.instance_id)
+    def scale_out(self, model_id: str, n: int, role: Role, reason: str) -> list[str]:
+        """Assign up to n IDLE workers to `model_id` as `role`; each loads in the background."""
+        chosen, actions = self.reconciler.scale_out(self.table.registry, self._busy(), model_id, n, role, reason)
+        self._execute(actions)
         return chosen
 
-    async def _load(
-        self,
-        iid: str,
-        model_id: str,
-        role: Role,
-        tried: frozenset[str],
-        attempt: int,
-        plan: asyncio.Future[worker_pb2.TransferPlan | None],
-    ) -> None:
-        address = self.table.addresses[iid]
-        started = time.perf_counter()
-        error = ""
-        try:
-            done = False
-            # The role travels with the load: the worker serves as what the manager counts it as.
-            request = worker_pb2.LoadParametersRequest(
-                model_id=model_id, param_manager_address=self.cfg.param_manager, role=role_to_proto(role)
-            )
-            transfer_plan = await plan
-            if transfer_plan is not None:
-                request.plan.CopyFrom(transfer_plan)
-            else:
-                self._chain_tails.add(iid)  # it pulls from the pool alone: a chain of its own
-            async with channel(address) as ch:
-                stub = worker_pb2_grpc.WorkerStub(ch)
-                call = stub.LoadParameters(request, timeout=self.cfg.load_timeout_s)
-                async for p in call:
-                    done = done or p.done
-                    self.monitor.mark_seen(iid, self.now_s())  # progress proves it is alive
-                    if iid in self.table.registry and self.table.registry.get(iid).state is S.LOADING:
-                        if p.groups_total > 2:  # embed + L layers + head: the model's size, known now
-                            self.table.learn_num_layers(iid, model_id, p.groups_total - 2)
-                        view = self.table.registry.get(iid)
-                        with contextlib.suppress(ValueError):
-                            view = self.table.registry.set_layers_loaded(iid, min(p.layers_loaded, view.num_layers))
-                        if not p.done:
-                            self._zigzag_load_progress(iid, model_id, view.layers_loaded, view.num_layers)
+    def scale_in(self, model_id: str, n: int, reason: str, role: Role | None = None) -> list[str]:
+        """Drain the n least-loaded SERVING instances of `model_id` (of `role` if given)."""
+        chosen, actions = self.reconciler.scale_in(self.table.registry, self._busy(), model_id, n, reason, role)
+        self._execute(actions)
+        return chosen
+
+    # ActionSink: what the actuator reports back.
+    def report(self, action: Report | Count) -> None:
+        if isinstance(action, Count):
+            ACTIONS.labels(action.kind, action.outcome).inc()
+            return
+        if action.log_line:
+            self.decision_log.append(action.log_line)
+            if action.action == "autoscaling_decision":
+                log.info("autoscaling_decision", line=action.log_line, advisory=self.advisory)
+        self.emit(action.action, action.target, action.status, action.reason, action.instance_id, action.time_s)
+
+    def chain_tails(self, instance_ids: Collection[str]) -> None:
+        self._chain_tails |= set(instance_ids)
+
+    def load_progress(self, load: LoadInstances, iid: str, layers_loaded: int, groups_total: int, done: bool) -> None:
+        self.monitor.mark_seen(iid, self.now_s())  # progress proves it is alive
+        if iid in self.table.registry and self.table.registry.get(iid).state is S.LOADING:
+            if groups_total > 2:  # embed + L layers + head: the model's size, known now
+                self.table.learn_num_layers(iid, load.model, groups_total - 2)
+            view = self.table.registry.get(iid)
+            with contextlib.suppress(ValueError):
+                view = self.table.registry.set_layers_loaded(iid, min(layers_loaded, view.num_layers))
             if not done:
-                error = "LoadParameters ended before the load was done"
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as e:
-            error = f"{e.code().name}: {e.details()}"
-        except Exception as e:
-            error = repr(e)
-        self.monitor.mark_seen(iid, self.now_s())  # its silence clock restarts after the action
+                self._zigzag_load_progress(iid, load.model, view.layers_loaded, view.num_layers)
+
+    def load_finished(self, load: LoadInstances, iid: str, error: str) -> list[Action]:
+        now = self.now_s()
+        self.monitor.mark_seen(iid, now)  # its silence clock restarts after the action
         self._zigzag_done(iid)
-        self._sending.finish(iid)
-        if not error:
-            state = self.table.registry.get(iid).state if iid in self.table.registry else None
-            if state is S.LOADING:
-                self.table.registry.transition(iid, S.SERVING)
-            elif state is not S.SERVING:
-                # Written off (deregistered) meanwhile: the worker re-registers in the state it
-                # reports, so there is nothing to roll back here.
-                self.emit(
-                    "load_result",
-                    model_id,
-                    "orphaned",
-                    f"loaded, but the instance is {state.value if state else 'unregistered'} here; "
-                    "it re-registers in the state it reports",
-                    iid,
-                )
-                return
-        if not error:
-            load_s = time.perf_counter() - started
-            await self._update_location(model_id, iid, present=True)
-            ACTIONS.labels("load", "ok").inc()
-            self.emit("load_result", model_id, "ok", f"load_s={load_s:.3f}", iid)
-            if self.cfg.rebalance:
-                await self._rebalance(model_id, iid)
-            return
-        # Roll back this instance: the worker returns itself to IDLE on failure; mirror that.
-        ACTIONS.labels("load", "failed").inc()
-        self.emit("load_result", model_id, "failed", error, iid)
-        self._reset_idle(iid)
-        if attempt < self.cfg.load_retries:
-            # Another worker, not this one: whatever broke its load may break it again.
-            retry = self.scale_out(
-                model_id,
-                1,
-                role,
-                f"retry {attempt + 1}/{self.cfg.load_retries} after {iid} failed: {error}",
-                exclude=tried,
-                attempt=attempt + 1,
-            )
-            if retry:
-                ACTIONS.labels("load", "retried").inc()
-                return
-        ACTIONS.labels("load", "rolled_back").inc()
-        self.emit(
-            "scale_out",
-            model_id,
-            "rolled_back",
-            f"load on {iid} failed ({error}); it is IDLE again and no other IDLE worker is left to retry on"
-            if attempt < self.cfg.load_retries
-            else f"load on {iid} failed ({error}); it is IDLE again after {attempt} retries",
-            iid,
-        )
-
-    async def _rebalance(self, model_id: str, iid: str) -> None:
-        """`iid` just became SERVING: busier instances of its pool release queued requests above
-        an even share (`plan_rebalance`); the gateway re-routes each, and routing sends them to
-        the least loaded instance, the new one."""
-        for source, n in plan_rebalance(self.table.registry.views(model=model_id), iid):
-            moved = await self._release(source, n, f"scale_out: {iid} is SERVING", running=False)
-            if moved is None:
-                continue
-            self.emit(
-                "rebalance",
-                model_id,
-                "moved" if moved else "none",
-                f"scale_out: {iid} is SERVING; {source} released {moved} of the {n} queued requests above an even"
-                " share",
-                source,
-            )
-
-    async def _drain(self, iid: str, model_id: str) -> None:
-        address = self.table.addresses[iid]
-        error = ""
-        resp = worker_pb2.DrainResponse()
-        try:
-            async with channel(address) as ch:
-                stub = worker_pb2_grpc.WorkerStub(ch)
-                resp = await stub.Drain(
-                    worker_pb2.DrainRequest(timeout_s=self.cfg.drain_timeout_s), timeout=self.cfg.drain_timeout_s + 10
-                )
-                # Out of the location index before its weights go, so no transfer picks it as a source.
-                await self._update_location(model_id, iid, present=False)
-                await self._unload(stub)
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as e:
-            error = f"{e.code().name}: {e.details()}"
-        except Exception as e:
-            error = repr(e)
-        self.monitor.mark_seen(iid, self.now_s())
+        started = self._load_started.pop(iid, now)
         if error:
-            # From here the worker's own heartbeats decide where it is (SERVING again, or LOST).
-            ACTIONS.labels("drain", "failed").inc()
-            self.emit("drain_result", model_id, "failed", f"{error}; following the worker's reports", iid)
-            return
-        if iid in self.table.registry and self.table.registry.get(iid).state is S.DRAINING:
-            self.table.registry.transition(iid, S.IDLE)
-        ACTIONS.labels("drain", "ok").inc()
-        self.emit("drain_result", model_id, "idle", f"finished={resp.finished} aborted={resp.aborted}", iid)
-        self._wake_reconcile()
+            return self.reconciler.load_failed(self.table.registry, self._busy(), load, iid, error)
+        follow = self.reconciler.load_succeeded(self.table.registry, load, iid, now - started)
+        for action in follow:
+            if isinstance(action, LoadInstances):
+                for target in action.instance_ids:
+                    self._load_started[target] = now
+        return follow
 
-    async def _unload(self, stub: worker_pb2_grpc.WorkerStub) -> None:
-        # Drain returns once the requests it aborted have unwound, so one call suffices; a
-        # refusal (still in flight) fails the drain and the worker's reports take over.
-        await stub.Unload(worker_pb2.UnloadRequest(), timeout=30)
+    def drain_finished(self, drain: DrainInstance, error: str, finished: int, aborted: int) -> list[Action]:
+        self.monitor.mark_seen(drain.instance_id, self.now_s())
+        follow = self.reconciler.drain_finished(self.table.registry, drain, error, finished, aborted)
+        if not error:
+            self._wake_reconcile()
+        return follow
 
-    def _reset_idle(self, iid: str) -> None:
-        if iid not in self.table.registry:
-            return
-        if self.table.registry.get(iid).state is S.LOADING:
-            self.table.registry.transition(iid, S.IDLE)
-
-    async def _update_location(self, model_id: str, iid: str, present: bool) -> None:
-        if not self.cfg.param_manager:
-            return
-        dp_address, dp_kind = self.table.dataplane.get(iid, (b"", ""))
-        host = self.table.registry.get(iid).host if iid in self.table.registry else ""
-        request = param_manager_pb2.UpdateLocationRequest(
-            model_id=model_id,
-            holder=iid,
-            present=present,
-            holder_address=self.table.addresses.get(iid, ""),
-            dataplane_address=dp_address,
-            dataplane_kind=dp_kind,
-            host=host,
-        )
-        for attempt in range(LOCATION_RETRIES):
-            try:
-                async with channel(self.cfg.param_manager) as ch:
-                    await param_manager_pb2_grpc.ParamManagerStub(ch).UpdateLocation(request, timeout=5)
-                return
-            except grpc.aio.AioRpcError as e:
-                if attempt + 1 == LOCATION_RETRIES or e.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                ):
-                    ACTIONS.labels("location", "failed").inc()
-                    log.warning("location_update_failed", model=model_id, instance_id=iid, code=e.code().name)
-                    self.emit("location", model_id, "failed", f"present={present}: {e.code().name}: {e.details()}", iid)
-                    return
-            await asyncio.sleep(0.2 * 2**attempt)
+    def released(self, action: MigrateRequests, moved: int | None) -> list[Action]:
+        if moved is not None:
+            MOVED.labels("live_migration" if action.running else "scale_out").inc(moved)
+        report = release_report(action, moved)
+        return [report] if report is not None else []
 
     # ---- control loop -------------------------------------------------------------------
     def _wake_reconcile(self) -> None:
@@ -917,6 +717,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             self._wake.set()
 
     async def control_loop(self) -> None:
+        """Tick every `tick_s` of real time (or when woken). A simulator calls `tick()` itself."""
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.cfg.tick_s)
@@ -924,113 +725,31 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             self.tick()
 
     def tick(self) -> None:
+        """Observe, reconcile, act."""
         now = self.now_s()
-        for iid in self.monitor.lost(now):
-            if iid in self._actions:
-                # A load or drain RPC is in flight: its own deadline judges the worker (a busy
-                # worker may miss heartbeats while it unpacks parameters).
-                continue
-            if iid in self.table.registry and self.table.registry.get(iid).state is not S.LOST:
-                model = self.table.registry.get(iid).model
-                self.table.registry.mark_lost(iid)
-                self.emit("instance_lost", "-", "LOST", f"no heartbeat for {self.cfg.lost_after_s}s", iid)
-                if model and self.ctx is not None:
-                    self.ctx.tasks.spawn(self._update_location(model, iid, present=False), name="location")
+        # The time the decision costs is measured on the wall clock, whatever `clock` says.
+        started = time.perf_counter()
+        previous = self.reconciler.last_decision
+        lost = {v.instance_id for v in self.table.registry.views(state=S.LOST)}
+        actions = self.reconciler.reconcile(
+            now, self.table.registry, Observations(monitor=self.monitor, busy=self.actuator.busy())
+        )
+        decision = self.reconciler.last_decision
+        if decision is not None and decision is not previous:
+            DECIDE_SECONDS.observe(time.perf_counter() - started)
+            self._decision_metrics(self.cfg.default_model, decision)
+        for view in self.table.registry.views(state=S.LOST):
+            if view.instance_id not in lost:
+                self.actuator.forget(view.instance_id)
+        self._execute(actions)
         for state in S:
             INSTANCES.labels(state.value).set(len(self.table.registry.views(state=state)))
         # An instance that left SERVING takes its cached prefixes with it (between two routes too).
         self.prefix_index.sync(self.table.registry)
-        model = self.cfg.default_model
-        if model:
-            self.top_up(model)
-        if self.cfg.autoscale and model:
-            self.autoscale(now, model)
-        if self.cfg.live_migration and model and self.ctx is not None:
-            self.migrate_running(now, model)
 
-    def migrate_running(self, now: float, model: str) -> None:
-        """Live migration: instances over their KV or TBT target release running requests, which
-        the gateway resumes elsewhere with their KV (`plan_live_migration`)."""
-        plan = plan_live_migration(
-            self.table.registry.views(model=model),
-            model,
-            kv_high=self.cfg.migration_kv_high,
-            tbt_slo_s=self.cfg.migration_tbt_slo_s,
-        )
-        for source, n, why in plan:
-            if now - self._migrated_at.get(source, -math.inf) < self.cfg.migration_cooldown_s:
-                continue
-            if source in self._actions or source not in self.table.addresses:
-                continue
-            self._migrated_at[source] = now
-            assert self.ctx is not None
-            self.ctx.tasks.spawn(self._release_running(model, source, n, why), name=f"migrate-{source}")
-
-    async def _release(self, source: str, n: int, reason: str, *, running: bool) -> int | None:
-        """Ask `source` to let up to `n` requests go (queued ones, or with `running` decoding ones
-        with their KV) for the gateway to re-route; how many it released, None if it could not
-        be asked. Counted in MOVED by cause."""
-        address = self.table.addresses.get(source)
-        if address is None:
-            return None
-        rpc = "ReleaseRunning" if running else "ReleaseWaiting"
-        request_type = worker_pb2.ReleaseRunningRequest if running else worker_pb2.ReleaseWaitingRequest
-        try:
-            async with channel(address) as ch:
-                resp = await getattr(worker_pb2_grpc.WorkerStub(ch), rpc)(
-                    request_type(max_requests=n, reason=reason), timeout=RELEASE_TIMEOUT_S
-                )
-        except grpc.aio.AioRpcError as e:
-            log.warning("release_failed", rpc=rpc, instance_id=source, code=e.code().name, details=e.details())
-            return None
-        moved = len(resp.request_ids)
-        MOVED.labels("live_migration" if running else "scale_out").inc(moved)
-        return moved
-
-    async def _release_running(self, model: str, source: str, n: int, why: str) -> None:
-        moved = await self._release(source, n, f"live migration: {why}", running=True)
-        if moved is None:
-            return
-        self.emit(
-            "live_migration",
-            model,
-            "moved" if moved else "none",
-            f"{why}: released {moved} of {n} running requests with their KV",
-            source,
-        )
-
-    def top_up(self, model: str) -> None:
-        """Bring each pool of `model` (colocated, or prefill and decode) up to its floor from the
-        IDLE pool (`assign_idle`: workers started for a role fill that pool; scarce others form
-        a P/D pair first)."""
-        floors = {role: n for role, n in self.cfg.pool_floors().items() if n > 0}
-        if not floors:
-            return
-        live = {role: len(self.live(model, role)) for role in floors}
-        if all(live[role] >= n for role, n in floors.items()):
-            return
-        idle = [v for v in self.table.registry.views(state=S.IDLE) if v.instance_id not in self._actions]
-        for role, views in assign_idle(floors, live, idle).items():
-            reason = f"{self.cfg.floor_name(role)}={floors[role]}"
-            self.scale_out(model, len(views), role, reason, only={v.instance_id for v in views})
-
-    def autoscale(self, now: float, model: str) -> ScaleDecision:
-        """One policy decision for `model`: reported (see the module docstring) and acted on."""
-        started = time.perf_counter()
-        # A configured split is split even before its first instance serves; otherwise the
-        # monitor tells from the instances' roles.
-        snapshot = self.monitor.snapshot(
-            now,
-            self.table.registry.views(model=model),
-            model=model,
-            disaggregated=True if self.cfg.disaggregated and model == self.cfg.default_model else None,
-        )
-        decision: ScaleDecision = self.policy.decide(now, snapshot)
-        DECIDE_SECONDS.observe(time.perf_counter() - started)
-        self.last_decision = decision
+    def _decision_metrics(self, model: str, decision: ScaleDecision) -> None:
         DECISIONS.labels(decision.policy, decision.action).inc()
-        roles = (Role.PREFILL, Role.DECODE) if not decision.is_colocated else (Role.COLOCATED,)
-        for role in roles:
+        for role in decision_roles(decision):
             before = (
                 decision.instances_from
                 if role is Role.COLOCATED
@@ -1040,64 +759,19 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             DESIRED.labels(model, role.value).set((before or 0) + decision.delta(role))
         for name, value in decision.extra.items():
             SIGNALS.labels(model, name).set(value)
-        reported = self.throttle.should_report(decision)
-        if reported:
-            if self.advisory and decision.action != "no_change":
-                decision = dataclasses.replace(decision, reason=f"{decision.reason}; ADVISORY: not acted on")
-            line = decision.to_log_line()
-            self.decision_log.append(line)
-            log.info("autoscaling_decision", line=line, model=model, advisory=self.advisory)
-            self.emit("autoscaling_decision", decision.action, decision.target_str(), decision.reason, time_s=now)
-        if self.advisory or decision.action == "no_change":
-            return decision
-        for role in roles:
-            self._act(model, role, decision, reported)
-        return decision
-
-    def _act(self, model: str, role: Role, decision: ScaleDecision, reported: bool) -> None:
-        """Carry out one pool's part of a decision. Shortfalls (a manager bound, no IDLE worker)
-        are told when the decision is, so a change that cannot happen is not told every tick."""
-        current = len(self.live(model, role))
-        low = self.cfg.pool_floors().get(role, 0) if model == self.cfg.default_model else 0
-        delta, note = bounded_delta(
-            current,
-            current + decision.delta(role),
-            low=low,
-            high=self.cfg.max_instances,
-            low_name=self.cfg.floor_name(role),
-        )
-        wanted = current + delta
-        if note and reported:
-            self.emit("autoscaling_bound", model, role.value, note)
-        if delta > 0:
-            chosen = self.scale_out(model, delta, role, reason=decision.reason)
-            if len(chosen) < delta and reported:
-                ACTIONS.labels("load", "short").inc()
-                self.emit(
-                    "scale_out",
-                    model,
-                    "partial",
-                    f"wanted {delta} more {role.value} instances, assigned {len(chosen)}: no more IDLE workers",
-                )
-        elif delta < 0:
-            chosen = self.scale_in(
-                model, -delta, reason=decision.reason, role=role, keep_serving=1 if wanted > 0 else 0
-            )
-            if len(chosen) < -delta and reported:
-                self.emit(
-                    "scale_in",
-                    model,
-                    "partial",
-                    f"wanted {-delta} fewer {role.value} instances, draining {len(chosen)}: "
-                    "the rest are loading or busy with another action",
-                )
 
 
 class GlobalManagerService:
     name = "blitzmesh.v1.GlobalManager"
 
-    def __init__(self, cfg: GlobalManagerConfig) -> None:
-        self.servicer = GlobalManagerServicer(cfg)
+    def __init__(
+        self,
+        cfg: GlobalManagerConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        actuator: Callable[[GlobalManagerServicer], Actuator] | None = None,
+    ) -> None:
+        self.servicer = GlobalManagerServicer(cfg, clock=clock, actuator=actuator)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         global_manager_pb2_grpc.add_GlobalManagerServicer_to_server(self.servicer, server)
@@ -1105,8 +779,10 @@ class GlobalManagerService:
 
     async def start(self, ctx: ServeContext) -> None:
         self.servicer.ctx = ctx
+        if isinstance(self.servicer.actuator, GrpcActuator):
+            self.servicer.actuator.bind(ctx.tasks.spawn)
         ctx.tasks.spawn(self.servicer.control_loop(), name="control-loop")
         await ctx.set_serving()
 
     async def stop(self) -> None:
-        return None
+        await self.servicer.actuator.aclose()

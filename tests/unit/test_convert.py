@@ -7,8 +7,9 @@ import torch
 
 from blitzmesh.v1 import common_pb2
 from services.dataplane.manifest import pack_groups
+from services.global_manager.convert import sample_from_proto
 from services.global_manager.core.types import InstanceState, Role
-from services.global_manager.registry import InstanceTable, sample_from_proto
+from services.global_manager.instance_table import InstanceTable
 from services.param_manager.convert import group_to_proto
 from services.param_manager.store import partition
 

@@ -9,6 +9,7 @@ import pytest
 from blitzmesh.v1 import common_pb2, param_manager_pb2
 from services.global_manager.config import GlobalManagerConfig
 from services.global_manager.core.decisions import bounded_delta, plan_top_up
+from services.global_manager.core.instances import Registry
 from services.global_manager.core.multicast import (
     HostLink,
     Source,
@@ -19,15 +20,8 @@ from services.global_manager.core.multicast import (
     plan_multicast,
     traffic_from_instances,
 )
-from services.global_manager.core.router import (
-    Registry,
-    assign_idle,
-    choose_idle,
-    choose_near,
-    choose_pair,
-    instance_load,
-    plan_route,
-)
+from services.global_manager.core.placement import assign_idle, choose_idle
+from services.global_manager.core.routing import choose_near, choose_pair, instance_load, plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
 from services.global_manager.transfer import Node, build_plan
 

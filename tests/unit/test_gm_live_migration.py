@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.global_manager.core.router import plan_live_migration
+from services.global_manager.core.placement import plan_live_migration
 from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from services.common.prefix import block_hashes
 from services.global_manager.core.prefix_index import PrefixIndex
-from services.global_manager.core.router import PrefixAffinity, affinity_cost, choose_instance, plan_route
+from services.global_manager.core.routing import PrefixAffinity, affinity_cost, choose_instance, plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
 
 S = InstanceState

@@ -29,9 +29,9 @@ from services.gateway.metrics import GatewayMetrics, slo_label
 from services.gateway.openai_protocol import parse_chat, parse_completion, usage_json
 from services.gateway.schema import SLO, InferenceRequest, combine_attainment, slo_attainment, total_usage
 from services.gateway.schema import Usage as GatewayUsage
-from services.global_manager.core.router import choose_instance, meets_tpot, plan_route
+from services.global_manager.convert import sample_from_proto, sample_to_proto
+from services.global_manager.core.routing import choose_instance, meets_tpot, plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
-from services.global_manager.registry import sample_from_proto, sample_to_proto
 from services.worker.convert import slo_from_proto, slo_to_proto
 from services.worker.engine.slo import RequestSLO
 

@@ -1,5 +1,5 @@
 """The wire enums (finish reason, instance state, instance role) and LoadReport have one converter
-pair each, in `blitzmesh.convert`; the global manager's registry and the worker go through it.
+pair each, in `blitzmesh.convert`; the global manager's wire converters and the worker go through it.
 
 Every enum value is checked both ways, and so is what happens to UNSPECIFIED and to a value this
 build does not know:
@@ -21,8 +21,9 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from blitzmesh import convert, types
 from blitzmesh.v1 import common_pb2
-from services.global_manager import registry
+from services.global_manager import convert as gm_convert
 from services.global_manager.core.types import InstanceState, LoadSample, Role
+from services.global_manager.instance_table import InstanceTable
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerServicer
 
@@ -103,21 +104,21 @@ def test_load_report_every_field_both_ways():
 
 def test_manager_state_every_value_both_ways():
     for state in InstanceState:
-        value = registry.state_to_proto(state)
+        value = gm_convert.state_to_proto(state)
         assert common_pb2.InstanceState.Name(value) == f"INSTANCE_STATE_{state.value}"
-        assert registry.state_from_proto(value) is state
-    assert registry.state_from_proto(common_pb2.INSTANCE_STATE_UNSPECIFIED) is InstanceState.IDLE
-    assert registry.state_from_proto(UNKNOWN) is InstanceState.IDLE
+        assert gm_convert.state_from_proto(value) is state
+    assert gm_convert.state_from_proto(common_pb2.INSTANCE_STATE_UNSPECIFIED) is InstanceState.IDLE
+    assert gm_convert.state_from_proto(UNKNOWN) is InstanceState.IDLE
 
 
 def test_manager_role_every_value_both_ways():
     for role in Role:
-        value = registry.role_to_proto(role)
+        value = gm_convert.role_to_proto(role)
         assert common_pb2.InstanceRole.Name(value) == f"INSTANCE_ROLE_{role.value}"
-        assert registry.role_from_proto(value) is role
-    assert registry.role_from_proto(common_pb2.INSTANCE_ROLE_UNSPECIFIED) is Role.COLOCATED
+        assert gm_convert.role_from_proto(value) is role
+    assert gm_convert.role_from_proto(common_pb2.INSTANCE_ROLE_UNSPECIFIED) is Role.COLOCATED
     with pytest.raises(ValueError, match=str(UNKNOWN)):
-        registry.role_from_proto(UNKNOWN)
+        gm_convert.role_from_proto(UNKNOWN)
 
 
 def test_manager_load_sample_every_field_both_ways():
@@ -136,21 +137,21 @@ def test_manager_load_sample_every_field_both_ways():
         kv_blocks_used=700,
         kv_blocks_total=1024,
     )
-    msg = registry.sample_to_proto(sample)
+    msg = gm_convert.sample_to_proto(sample)
     # The core does not keep the worker's lifetime token count; everything else travels.
     assert msg.tokens_generated_total == 0
-    assert registry.sample_from_proto("w", 3.0, msg) == sample
+    assert gm_convert.sample_from_proto("w", 3.0, msg) == sample
 
 
 def test_manager_load_sample_no_observation_is_zero_on_the_wire():
     empty = LoadSample(instance_id="w", now_s=1.0)
-    msg = registry.sample_to_proto(empty)
+    msg = gm_convert.sample_to_proto(empty)
     assert msg == common_pb2.LoadReport()
-    assert registry.sample_from_proto("w", 1.0, msg) == empty
+    assert gm_convert.sample_from_proto("w", 1.0, msg) == empty
 
 
 def test_manager_table_reports_the_load_it_was_sent():
-    table = registry.InstanceTable()
+    table = InstanceTable()
     info = common_pb2.InstanceInfo(
         instance_id="w1",
         state=common_pb2.INSTANCE_STATE_SERVING,
@@ -161,7 +162,7 @@ def test_manager_table_reports_the_load_it_was_sent():
     )
     table.upsert(info, now_s=1.0)
     load = common_pb2.LoadReport(decode_tps=7.5, ttft_p99_s=0.25, running=2, kv_blocks_used=3, kv_blocks_total=8)
-    view = table.registry.heartbeat(registry.sample_from_proto("w1", 2.0, load))
+    view = table.registry.heartbeat(gm_convert.sample_from_proto("w1", 2.0, load))
     back = table.to_proto(view, now_s=2.0)
     assert back.load == load
     assert back.state == common_pb2.INSTANCE_STATE_SERVING and back.role == common_pb2.INSTANCE_ROLE_PREFILL

@@ -6,18 +6,15 @@ import itertools
 
 import pytest
 
-from services.global_manager.core.router import (
+from services.global_manager.core.instances import (
     IllegalTransitionError,
     Registry,
     RegistryError,
     UnknownInstanceError,
-    choose_instance,
-    choose_pair,
-    instance_load,
     is_legal_transition,
-    pick_scale_in_victim,
-    plan_rebalance,
 )
+from services.global_manager.core.placement import pick_scale_in_victim, plan_rebalance
+from services.global_manager.core.routing import choose_instance, choose_pair, instance_load
 from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
 
 S = InstanceState

@@ -1,0 +1,94 @@
+"""What the reconcile core asks for: plain, frozen data that an `Actuator` carries out.
+
+The core decides and updates its registry at once (an instance it loads is LOADING from the
+decision on, one it drains DRAINING); the actions are the I/O that follows. `Report` is the
+exception: an event to publish (and, with `log_line`, a line of the decision log), not I/O on a
+worker; nor is `Count`, an outcome for the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .types import Role
+
+__all__ = ["Action", "Count", "DrainInstance", "LoadInstances", "MigrateRequests", "Report", "UpdateLocation"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadInstances:
+    """Load `model` as `role` on each of `instance_ids` (already LOADING in the registry), all
+    from one multicast transfer plan, so n targets cost about one. The actuator makes the plan:
+    it needs the parameter manager's location index, which is I/O.
+
+    `attempt` counts retries of a failed load; `tried` holds the workers it failed on, which
+    a retry does not pick again."""
+
+    model: str
+    role: Role
+    instance_ids: tuple[str, ...]
+    reason: str
+    attempt: int = 0
+    tried: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DrainInstance:
+    """Drain `instance_id` (already DRAINING: no new requests, in-flight ones finish), take it
+    out of the parameter manager's locations, then unload it."""
+
+    instance_id: str
+    model: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UpdateLocation:
+    """Tell the parameter manager that `instance_id` holds `model` (or no longer does)."""
+
+    model: str
+    instance_id: str
+    present: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MigrateRequests:
+    """Ask `source` to release up to `n` requests for the gateway to re-route: running ones with
+    their KV (live migration, `why` the target it is over) or, with `running=False`, queued ones
+    (a rebalance after a scale-out, `why` the instance that joined)."""
+
+    source: str
+    model: str
+    n: int
+    running: bool
+    why: str
+
+    @property
+    def reason(self) -> str:
+        """What the worker is told (it logs it with each request it lets go)."""
+        return f"live migration: {self.why}" if self.running else f"scale_out: {self.why}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Report:
+    """A cluster event (`Admin.WatchEvents` columns). `log_line`: also a line of the decision
+    log. `time_s`: the event's time when it is not the time it is published."""
+
+    action: str
+    target: str
+    status: str
+    reason: str
+    instance_id: str = ""
+    time_s: float | None = None
+    log_line: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Count:
+    """One actuator outcome for the metrics (`kind`: load, drain, scale_from_zero; `outcome`)."""
+
+    kind: str
+    outcome: str
+
+
+Action = LoadInstances | DrainInstance | UpdateLocation | MigrateRequests | Report | Count

@@ -1,0 +1,398 @@
+"""The global manager's control loop as a pure core: `Reconciler.reconcile(now_s, registry,
+observations) -> actions`, plus the decisions an action's outcome calls for (a retry, a rollback,
+a rebalance).
+
+No asyncio, no gRPC, no clock reads: the caller passes the time and what it observed, the core
+moves its registry through the transitions it commands (an instance it loads is LOADING from the
+decision on) and returns the I/O as `actions` for an `Actuator`. The live manager and a
+simulator run the same core.
+
+One tick (`reconcile`): instances silent for `lost_after_s` (and no action in flight) become
+LOST and leave the parameter manager's locations; each pool of the default model is topped up
+to its floor from the IDLE workers; the policy decides on the load monitor's snapshot (reported
+when `DecisionThrottle` says so, acted on unless advisory), each pool's part bounded by the
+manager's own floor and `max_instances`, a scale-in keeping one instance SERVING while any is
+wanted (capacity still loading cannot take requests); and instances over their KV or TBT target
+release running requests (live migration, at most once per `migration_cooldown_s` each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping
+
+from .actions import Action, Count, DrainInstance, LoadInstances, MigrateRequests, Report, UpdateLocation
+from .decisions import DecisionThrottle, bounded_delta
+from .instances import Registry
+from .load_monitor import LoadMonitor
+from .placement import assign_idle, choose_idle, pick_scale_in_victim, plan_live_migration, plan_rebalance
+from .policies import Policy
+from .types import InstanceState, Role, ScaleDecision
+
+__all__ = ["Observations", "ReconcileSettings", "Reconciler", "floor_name", "release_report"]
+
+S = InstanceState
+
+
+def floor_name(role: Role) -> str:
+    """The setting behind a pool's floor, for messages."""
+    return {Role.PREFILL: "min_prefill", Role.DECODE: "min_decode"}.get(role, "min_instances")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReconcileSettings:
+    """The manager settings the core reads (see `GlobalManagerConfig` for each)."""
+
+    default_model: str = ""
+    pool_floors: Mapping[Role, int] = dataclasses.field(default_factory=lambda: {Role.COLOCATED: 0})
+    max_instances: int = 8
+    disaggregated: bool = False
+    autoscale: bool = False
+    lost_after_s: float = 10.0
+    load_retries: int = 1
+    rebalance: bool = True
+    live_migration: bool = False
+    migration_kv_high: float = 0.95
+    migration_tbt_slo_s: float | None = None
+    migration_cooldown_s: float = 5.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Observations:
+    """What the manager saw since the last tick. `monitor`: the heartbeat windows (silence and
+    load); `busy`: instances whose load or drain is in flight (the actuator owns them: their own
+    RPC deadline judges them, not their heartbeats)."""
+
+    monitor: LoadMonitor
+    busy: frozenset[str] = frozenset()
+
+
+def live(registry: Registry, model: str, role: Role | None = None) -> list[str]:
+    """Instances of `model` that count as capacity: LOADING + SERVING."""
+    return [v.instance_id for v in registry.views(model=model, role=role) if v.state in (S.LOADING, S.SERVING)]
+
+
+def release_report(action: MigrateRequests, moved: int | None) -> Report | None:
+    """The event for a release's outcome (None: the worker could not be asked)."""
+    if moved is None:
+        return None
+    status = "moved" if moved else "none"
+    if action.running:
+        reason = f"{action.why}: released {moved} of {action.n} running requests with their KV"
+        return Report("live_migration", action.model, status, reason, action.source)
+    reason = (
+        f"scale_out: {action.why}; {action.source} released {moved} of the {action.n} queued requests above an "
+        "even share"
+    )
+    return Report("rebalance", action.model, status, reason, action.source)
+
+
+class Reconciler:
+    """The control loop's decisions and the state it keeps between ticks: the policy (swapped by
+    `Admin.SetPolicy`, cooldowns carried over), advisory mode, the report throttle, the latest
+    decision and when each instance last shed requests."""
+
+    def __init__(
+        self, settings: ReconcileSettings, policy: Policy, *, advisory: bool = False, decision_repeat_s: float = 30.0
+    ) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.advisory = advisory
+        self.throttle = DecisionThrottle(repeat_s=decision_repeat_s)
+        self.last_decision: ScaleDecision | None = None
+        self.migrated_at: dict[str, float] = {}
+
+    # ---- one tick -------------------------------------------------------------------------
+    def reconcile(self, now_s: float, registry: Registry, observations: Observations) -> list[Action]:
+        """One control tick; `registry` takes the transitions the returned actions follow from."""
+        busy = set(observations.busy)
+        actions: list[Action] = []
+        for iid in observations.monitor.lost(now_s):
+            if iid in busy:
+                # A load or drain RPC is in flight: its own deadline judges the worker (a busy
+                # worker may miss heartbeats while it unpacks parameters).
+                continue
+            if iid in registry and registry.get(iid).state is not S.LOST:
+                model = registry.get(iid).model
+                registry.mark_lost(iid)
+                actions.append(
+                    Report("instance_lost", "-", "LOST", f"no heartbeat for {self.settings.lost_after_s}s", iid)
+                )
+                if model:
+                    actions.append(UpdateLocation(model, iid, present=False))
+        model = self.settings.default_model
+        if model:
+            actions += self.top_up(registry, busy, model)
+        if self.settings.autoscale and model:
+            actions += self.autoscale(now_s, registry, observations.monitor, busy, model)
+        if self.settings.live_migration and model:
+            actions += self.migrate_running(now_s, registry, busy, model)
+        return actions
+
+    def top_up(self, registry: Registry, busy: set[str], model: str) -> list[Action]:
+        """Bring each pool of `model` (colocated, or prefill and decode) up to its floor from the
+        IDLE pool (`assign_idle`: workers started for a role fill that pool; scarce others form
+        a P/D pair first)."""
+        floors = {role: n for role, n in self.settings.pool_floors.items() if n > 0}
+        if not floors:
+            return []
+        have = {role: len(live(registry, model, role)) for role in floors}
+        if all(have[role] >= n for role, n in floors.items()):
+            return []
+        idle = [v for v in registry.views(state=S.IDLE) if v.instance_id not in busy]
+        actions: list[Action] = []
+        for role, views in assign_idle(floors, have, idle).items():
+            reason = f"{floor_name(role)}={floors[role]}"
+            actions += self.scale_out(
+                registry, busy, model, len(views), role, reason, only={v.instance_id for v in views}
+            )[1]
+        return actions
+
+    def autoscale(
+        self, now_s: float, registry: Registry, monitor: LoadMonitor, busy: set[str], model: str
+    ) -> list[Action]:
+        """One policy decision for `model` (kept in `last_decision`): reported, then acted on
+        unless advisory or "no change"."""
+        # A configured split is split even before its first instance serves; otherwise the
+        # monitor tells from the instances' roles.
+        snapshot = monitor.snapshot(
+            now_s,
+            registry.views(model=model),
+            model=model,
+            disaggregated=True if self.settings.disaggregated and model == self.settings.default_model else None,
+        )
+        decision: ScaleDecision = self.policy.decide(now_s, snapshot)
+        self.last_decision = decision
+        actions: list[Action] = []
+        reported = self.throttle.should_report(decision)
+        if reported:
+            if self.advisory and decision.action != "no_change":
+                decision = dataclasses.replace(decision, reason=f"{decision.reason}; ADVISORY: not acted on")
+            actions.append(
+                Report(
+                    "autoscaling_decision",
+                    decision.action,
+                    decision.target_str(),
+                    decision.reason,
+                    time_s=now_s,
+                    log_line=decision.to_log_line(),
+                )
+            )
+        if self.advisory or decision.action == "no_change":
+            return actions
+        for role in decision_roles(decision):
+            actions += self._act(registry, busy, model, role, decision, reported)
+        return actions
+
+    def _act(
+        self, registry: Registry, busy: set[str], model: str, role: Role, decision: ScaleDecision, reported: bool
+    ) -> list[Action]:
+        """One pool's part of a decision. Shortfalls (a manager bound, no IDLE worker) are told
+        when the decision is, so a change that cannot happen is not told every tick."""
+        current = len(live(registry, model, role))
+        low = self.settings.pool_floors.get(role, 0) if model == self.settings.default_model else 0
+        delta, note = bounded_delta(
+            current,
+            current + decision.delta(role),
+            low=low,
+            high=self.settings.max_instances,
+            low_name=floor_name(role),
+        )
+        wanted = current + delta
+        actions: list[Action] = []
+        if note and reported:
+            actions.append(Report("autoscaling_bound", model, role.value, note))
+        if delta > 0:
+            chosen, acts = self.scale_out(registry, busy, model, delta, role, reason=decision.reason)
+            actions += acts
+            if len(chosen) < delta and reported:
+                actions.append(Count("load", "short"))
+                actions.append(
+                    Report(
+                        "scale_out",
+                        model,
+                        "partial",
+                        f"wanted {delta} more {role.value} instances, assigned {len(chosen)}: no more IDLE workers",
+                    )
+                )
+        elif delta < 0:
+            # Keep one SERVING while any instance is wanted: capacity still loading serves nothing.
+            chosen, acts = self.scale_in(
+                registry, busy, model, -delta, reason=decision.reason, role=role, keep_serving=1 if wanted > 0 else 0
+            )
+            actions += acts
+            if len(chosen) < -delta and reported:
+                actions.append(
+                    Report(
+                        "scale_in",
+                        model,
+                        "partial",
+                        f"wanted {-delta} fewer {role.value} instances, draining {len(chosen)}: "
+                        "the rest are loading or busy with another action",
+                    )
+                )
+        return actions
+
+    def migrate_running(self, now_s: float, registry: Registry, busy: Collection[str], model: str) -> list[Action]:
+        """Live migration: instances over their KV or TBT target release running requests, which
+        the gateway resumes elsewhere with their KV (`plan_live_migration`)."""
+        plan = plan_live_migration(
+            registry.views(model=model),
+            model,
+            kv_high=self.settings.migration_kv_high,
+            tbt_slo_s=self.settings.migration_tbt_slo_s,
+        )
+        actions: list[Action] = []
+        for source, n, why in plan:
+            if now_s - self.migrated_at.get(source, -math.inf) < self.settings.migration_cooldown_s:
+                continue
+            if source in busy:
+                continue
+            self.migrated_at[source] = now_s
+            actions.append(MigrateRequests(source, model, n, running=True, why=why))
+        return actions
+
+    # ---- commands (the tick, Admin.Scale, scale from zero) ----------------------------------
+    def scale_out(
+        self,
+        registry: Registry,
+        busy: set[str],
+        model: str,
+        n: int,
+        role: Role,
+        reason: str,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        attempt: int = 0,
+        only: Collection[str] | None = None,
+    ) -> tuple[list[str], list[Action]]:
+        """Assign up to n IDLE workers (of `only` when given, none of `busy` or `exclude`) to
+        `model` as `role`, within `max_instances`: they are LOADING from here on, and `busy`
+        holds them. Returns their ids and the actions (one `LoadInstances` for the batch)."""
+        room = max(0, self.settings.max_instances - len(live(registry, model)))
+        candidates = [v for v in registry.views(state=S.IDLE) if only is None or v.instance_id in only]
+        idle = choose_idle(candidates, min(n, room), role, {*busy, *exclude})
+        actions: list[Action] = []
+        for v in idle:
+            registry.transition(v.instance_id, S.LOADING, model=model, role=role)
+            busy.add(v.instance_id)
+            actions.append(Report("scale_out", model, "loading", reason, v.instance_id))
+        ids = tuple(v.instance_id for v in idle)
+        if ids:
+            actions.append(LoadInstances(model, role, ids, reason, attempt=attempt, tried=exclude))
+        return list(ids), actions
+
+    def scale_in(
+        self,
+        registry: Registry,
+        busy: set[str],
+        model: str,
+        n: int,
+        reason: str,
+        role: Role | None = None,
+        *,
+        keep_serving: int = 0,
+    ) -> tuple[list[str], list[Action]]:
+        """Drain the n least-loaded SERVING instances of `model` (of `role` if given) that no
+        action owns, leaving at least `keep_serving` SERVING. Returns their ids and actions."""
+        chosen: list[str] = []
+        actions: list[Action] = []
+        for _ in range(n):
+            views = [v for v in registry.views(model=model) if v.instance_id not in busy]
+            serving = [v for v in views if v.state is S.SERVING and (role is None or v.role is role)]
+            if len(serving) <= keep_serving:
+                break
+            victim = pick_scale_in_victim(views, model=model, role=role)
+            if victim is None:
+                break
+            registry.transition(victim.instance_id, S.DRAINING)
+            busy.add(victim.instance_id)
+            actions.append(Report("scale_in", model, "draining", reason, victim.instance_id))
+            actions.append(DrainInstance(victim.instance_id, model, reason))
+            chosen.append(victim.instance_id)
+        return chosen, actions
+
+    # ---- outcomes ---------------------------------------------------------------------------
+    def load_succeeded(self, registry: Registry, load: LoadInstances, iid: str, load_s: float) -> list[Action]:
+        """`iid` finished loading: SERVING, listed at the parameter manager, and (with
+        `rebalance`) the busier instances of its pool release queued requests above an even
+        share (`plan_rebalance`), which routing then sends to the new one."""
+        state = registry.get(iid).state if iid in registry else None
+        if state is S.LOADING:
+            registry.transition(iid, S.SERVING)
+        elif state is not S.SERVING:
+            # Written off (deregistered) meanwhile: the worker re-registers in the state it
+            # reports, so there is nothing to roll back here.
+            return [
+                Report(
+                    "load_result",
+                    load.model,
+                    "orphaned",
+                    f"loaded, but the instance is {state.value if state else 'unregistered'} here; "
+                    "it re-registers in the state it reports",
+                    iid,
+                )
+            ]
+        actions: list[Action] = [
+            UpdateLocation(load.model, iid, present=True),
+            Count("load", "ok"),
+            Report("load_result", load.model, "ok", f"load_s={load_s:.3f}", iid),
+        ]
+        if self.settings.rebalance:
+            for source, n in plan_rebalance(registry.views(model=load.model), iid):
+                actions.append(MigrateRequests(source, load.model, n, running=False, why=f"{iid} is SERVING"))
+        return actions
+
+    def load_failed(
+        self, registry: Registry, busy: set[str], load: LoadInstances, iid: str, error: str
+    ) -> list[Action]:
+        """`iid`'s load failed: IDLE again (the worker drops the half-loaded model), and the load
+        is retried on another IDLE worker (`load_retries`), else rolled back and reported."""
+        actions: list[Action] = [Count("load", "failed"), Report("load_result", load.model, "failed", error, iid)]
+        if iid in registry and registry.get(iid).state is S.LOADING:
+            registry.transition(iid, S.IDLE)
+        retries = self.settings.load_retries
+        if load.attempt < retries:
+            # Another worker, not this one: whatever broke its load may break it again.
+            chosen, acts = self.scale_out(
+                registry,
+                busy,
+                load.model,
+                1,
+                load.role,
+                f"retry {load.attempt + 1}/{retries} after {iid} failed: {error}",
+                exclude=load.tried | {iid},
+                attempt=load.attempt + 1,
+            )
+            if chosen:
+                return [*actions, *acts, Count("load", "retried")]
+        reason = (
+            f"load on {iid} failed ({error}); it is IDLE again and no other IDLE worker is left to retry on"
+            if load.attempt < retries
+            else f"load on {iid} failed ({error}); it is IDLE again after {load.attempt} retries"
+        )
+        return [*actions, Count("load", "rolled_back"), Report("scale_out", load.model, "rolled_back", reason, iid)]
+
+    def drain_finished(
+        self, registry: Registry, drain: DrainInstance, error: str, finished: int = 0, aborted: int = 0
+    ) -> list[Action]:
+        """A drain ended: IDLE (unloaded), or on failure the worker's own reports decide where it
+        is (SERVING again, or LOST)."""
+        iid = drain.instance_id
+        if error:
+            return [
+                Count("drain", "failed"),
+                Report("drain_result", drain.model, "failed", f"{error}; following the worker's reports", iid),
+            ]
+        if iid in registry and registry.get(iid).state is S.DRAINING:
+            registry.transition(iid, S.IDLE)
+        return [
+            Count("drain", "ok"),
+            Report("drain_result", drain.model, "idle", f"finished={finished} aborted={aborted}", iid),
+        ]
+
+
+def decision_roles(decision: ScaleDecision) -> tuple[Role, ...]:
+    """The pools a decision speaks for: prefill and decode, or the colocated one."""
+    return (Role.PREFILL, Role.DECODE) if not decision.is_colocated else (Role.COLOCATED,)

@@ -1,0 +1,182 @@
+"""The reconcile core alone: a registry, a load monitor and a time in, actions out."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.global_manager.core.actions import (
+    Count,
+    DrainInstance,
+    LoadInstances,
+    MigrateRequests,
+    Report,
+    UpdateLocation,
+)
+from services.global_manager.core.instances import Registry
+from services.global_manager.core.load_monitor import LoadMonitor
+from services.global_manager.core.policies import make_policy
+from services.global_manager.core.reconcile import Observations, Reconciler, ReconcileSettings, release_report
+from services.global_manager.core.types import InstanceState, LoadSample, Role
+
+pytestmark = [pytest.mark.timeout(10), pytest.mark.filterwarnings("error")]
+
+S = InstanceState
+M = "m"
+
+
+def cluster(serving: int, idle: int, *, role: Role = Role.COLOCATED) -> tuple[Registry, LoadMonitor]:
+    registry = Registry()
+    monitor = LoadMonitor(window_s=1.0, lost_after_s=5.0)
+    for i in range(serving + idle):
+        state = S.SERVING if i < serving else S.IDLE
+        registry.register(
+            f"w{i}", model=M if i < serving else "", role=role, host="h", num_layers=2, now_s=0.0, state=state
+        )
+        monitor.mark_seen(f"w{i}", 0.0)
+    return registry, monitor
+
+
+def reconciler(**settings: object) -> Reconciler:
+    params = {"target_decode_tps_per_instance": 10, "scale_out_cooldown_s": 0, "scale_in_cooldown_s": 0}
+    params.update(settings.pop("policy_params", {}))  # type: ignore[arg-type]
+    base = {"default_model": M, "pool_floors": {Role.COLOCATED: 1}, "max_instances": 3, "autoscale": True}
+    return Reconciler(
+        ReconcileSettings(**{**base, **settings}),  # type: ignore[arg-type]
+        make_policy("heteroscale", {"min_instances": 1, "max_instances": 3, "enable_latency_trigger": False, **params}),
+    )
+
+
+def observe(registry: Registry, monitor: LoadMonitor, now_s: float, decode_tps: float, running: int = 1) -> None:
+    for v in registry.views(state=S.SERVING):
+        sample = LoadSample(v.instance_id, now_s, decode_tps=decode_tps, running=running)
+        registry.heartbeat(sample)
+        monitor.observe(sample)
+
+
+def of(actions: list, kind: type) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_reconcile_is_pure_and_quiet_at_target() -> None:
+    registry, monitor = cluster(serving=1, idle=2)
+    rec = reconciler()
+    observe(registry, monitor, 0.5, decode_tps=10)
+    actions = rec.reconcile(1.0, registry, Observations(monitor))
+    assert not of(actions, LoadInstances) and not of(actions, DrainInstance)
+    (report,) = of(actions, Report)
+    assert report.action == "autoscaling_decision" and report.target == "no_change" and report.log_line
+    # The same inputs give the same decision; a repeat is not reported again.
+    assert not of(rec.reconcile(1.0, registry, Observations(monitor)), Report)
+
+
+def test_scale_out_is_bounded_by_max_instances_and_told_once() -> None:
+    registry, monitor = cluster(serving=1, idle=4)
+    rec = reconciler(max_instances=3, policy_params={"max_instances": 10})
+    observe(registry, monitor, 0.5, decode_tps=100)  # need 10
+    actions = rec.reconcile(1.0, registry, Observations(monitor))
+    (load,) = of(actions, LoadInstances)
+    assert load.instance_ids == ("w1", "w2") and load.role is Role.COLOCATED
+    assert [registry.get(i).state for i in load.instance_ids] == [S.LOADING, S.LOADING]
+    (bound,) = [r for r in of(actions, Report) if r.action == "autoscaling_bound"]
+    assert "max_instances" in bound.reason
+
+
+def test_scale_out_short_of_idle_workers_is_partial() -> None:
+    registry, monitor = cluster(serving=1, idle=1)
+    rec = reconciler()
+    observe(registry, monitor, 0.5, decode_tps=100)
+    actions = rec.reconcile(1.0, registry, Observations(monitor))
+    assert of(actions, LoadInstances)[0].instance_ids == ("w1",)
+    assert Count("load", "short") in actions
+    assert [r.status for r in of(actions, Report) if r.action == "scale_out"] == ["loading", "partial"]
+
+
+def test_busy_instances_are_neither_loaded_nor_drained_nor_written_off() -> None:
+    registry, monitor = cluster(serving=2, idle=1)
+    rec = reconciler(autoscale=False)
+    # Silent past lost_after_s, but an action owns w1 and w2: its own deadline judges them.
+    actions = rec.reconcile(6.0, registry, Observations(monitor, busy=frozenset({"w1", "w2"})))
+    assert registry.get("w1").state is S.SERVING and registry.get("w2").state is S.IDLE
+    assert registry.get("w0").state is S.LOST
+    assert [r.instance_id for r in of(actions, Report) if r.action == "instance_lost"] == ["w0"]
+    assert UpdateLocation(M, "w0", present=False) in actions
+    # w1 still serves, so the floor holds: nothing loads (w2 is busy anyway).
+    assert not of(actions, LoadInstances)
+
+
+def test_lost_instance_is_replaced_in_the_same_tick() -> None:
+    registry, monitor = cluster(serving=1, idle=1)
+    rec = reconciler(autoscale=False)
+    monitor.mark_seen("w1", 5.0)  # only w0 went silent
+    actions = rec.reconcile(6.0, registry, Observations(monitor))
+    kinds = [type(a).__name__ for a in actions]
+    assert kinds == ["Report", "UpdateLocation", "Report", "LoadInstances"]
+    assert of(actions, LoadInstances)[0] == LoadInstances(M, Role.COLOCATED, ("w1",), "min_instances=1")
+
+
+def test_split_floors_fill_each_pool() -> None:
+    registry, monitor = cluster(serving=0, idle=3)
+    rec = reconciler(autoscale=False, disaggregated=True, pool_floors={Role.PREFILL: 1, Role.DECODE: 1})
+    actions = rec.reconcile(0.1, registry, Observations(monitor))
+    loads = {a.role: a.instance_ids for a in of(actions, LoadInstances)}
+    assert sorted(loads) == [Role.DECODE, Role.PREFILL]
+    assert sorted(r.reason for r in of(actions, Report) if r.action == "scale_out") == ["min_decode=1", "min_prefill=1"]
+
+
+def test_scale_in_drains_the_least_loaded_and_keeps_one_serving() -> None:
+    registry, monitor = cluster(serving=3, idle=0)
+    rec = reconciler(pool_floors={Role.COLOCATED: 0})
+    for iid, running in (("w0", 3), ("w1", 0), ("w2", 1)):
+        sample = LoadSample(iid, 0.5, decode_tps=0, running=running)
+        registry.heartbeat(sample)
+        monitor.observe(sample)
+    actions = rec.reconcile(1.0, registry, Observations(monitor))
+    # need 0 -> the policy's own floor of 1; the least loaded go first.
+    assert [a.instance_id for a in of(actions, DrainInstance)] == ["w1", "w2"]
+    assert registry.get("w0").state is S.SERVING
+    # The keep-serving rule: with one SERVING and one LOADING, a scale-in of 1 drains nothing.
+    registry2, _ = cluster(serving=1, idle=1)
+    registry2.transition("w1", S.LOADING, model=M)
+    chosen, acts = rec.scale_in(registry2, set(), M, 1, "test", keep_serving=1)
+    assert chosen == [] and acts == []
+
+
+def test_load_outcomes_retry_then_roll_back_and_rebalance_on_success() -> None:
+    registry, monitor = cluster(serving=1, idle=2)
+    rec = reconciler(load_retries=1)
+    registry.heartbeat(LoadSample("w0", 0.5, waiting=6))
+    chosen, actions = rec.scale_out(registry, set(), M, 1, Role.COLOCATED, "test")
+    (load,) = of(actions, LoadInstances)
+    failed = rec.load_failed(registry, {"w1"}, load, "w1", "DATA_LOSS: crc")
+    assert registry.get("w1").state is S.IDLE
+    (retry,) = of(failed, LoadInstances)
+    assert retry.instance_ids == ("w2",) and retry.attempt == 1 and retry.tried == {"w1"}
+    assert Count("load", "retried") in failed
+    ok = rec.load_succeeded(registry, retry, "w2", 1.5)
+    assert registry.get("w2").state is S.SERVING
+    assert ok[0] == UpdateLocation(M, "w2", present=True)
+    assert [r.reason for r in of(ok, Report)] == ["load_s=1.500"]
+    (move,) = of(ok, MigrateRequests)
+    assert (move.source, move.n, move.running, move.reason) == ("w0", 3, False, "scale_out: w2 is SERVING")
+    report = release_report(move, 2)
+    assert report is not None and report.action == "rebalance" and "released 2 of the 3 queued" in report.reason
+    # A second failure with no retries left rolls back.
+    registry.transition("w1", S.LOADING, model=M)
+    again = rec.load_failed(registry, set(), retry, "w1", "boom")
+    assert not of(again, LoadInstances)
+    assert [r.status for r in of(again, Report)] == ["failed", "rolled_back"]
+
+
+def test_live_migration_respects_its_cooldown() -> None:
+    registry, monitor = cluster(serving=2, idle=0)
+    rec = reconciler(autoscale=False, live_migration=True, migration_cooldown_s=5.0)
+    registry.heartbeat(LoadSample("w0", 0.5, running=9, kv_blocks_used=97, kv_blocks_total=100))
+    registry.heartbeat(LoadSample("w1", 0.5, running=1, kv_blocks_used=10, kv_blocks_total=100))
+    for v in registry:
+        monitor.mark_seen(v.instance_id, 0.5)
+    first = of(rec.reconcile(1.0, registry, Observations(monitor)), MigrateRequests)
+    assert [(m.source, m.n) for m in first] == [("w0", 4)]
+    for v in registry:
+        monitor.mark_seen(v.instance_id, 5.5)
+    assert not of(rec.reconcile(5.9, registry, Observations(monitor)), MigrateRequests)
+    assert of(rec.reconcile(6.0, registry, Observations(monitor)), MigrateRequests) == first
