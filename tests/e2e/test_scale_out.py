@@ -13,7 +13,14 @@ import pytest
 import pytest_asyncio
 
 import blitzmesh
-from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
+from blitzmesh.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    param_manager_pb2,
+    param_manager_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from services.common.grpc_util import channel
 from services.common.waiting import wait_until
 from services.mesh.launcher import Mesh, MeshConfig
@@ -40,6 +47,21 @@ async def scale_mesh(
         await m.stop()
 
 
+async def watch_is_live(mesh: Mesh, events: list[blitzmesh.ClusterEvent]) -> None:
+    """Return once the watch that fills `events` receives events: a SetPolicy that names nothing
+    changes nothing and emits a "policy" event; it is sent until the watch has seen one. (A
+    watch subscribes over two hops; a scale-out started before that loses its first events.)"""
+    async with channel(mesh.gateway_grpc) as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+
+        async def seen() -> bool:
+            await admin.SetPolicy(admin_pb2.SetPolicyRequest(), timeout=10)
+            await asyncio.sleep(0.2)
+            return any(e.action == "policy" for e in events)
+
+        await wait_until(seen, 30, interval_s=0.1, what="the event watch to receive events")
+
+
 async def test_scale_out_while_serving(scale_mesh: Mesh) -> None:
     async with blitzmesh.AsyncClient(scale_mesh.gateway_grpc, timeout_s=120) as client:
         reference = await client.complete("The quick brown fox", model=MODEL, max_tokens=8, temperature=0)
@@ -56,7 +78,7 @@ async def test_scale_out_while_serving(scale_mesh: Mesh) -> None:
             )
 
         watcher = asyncio.create_task(watch())
-        await asyncio.sleep(0)  # let the watch subscribe before the scale-out starts
+        await watch_is_live(scale_mesh, events)  # the watch must see the scale-out's first events
         flowing = asyncio.create_task(traffic())
         result = await client.scale(MODEL, 2, wait=True, timeout_s=120)
         assert len(result.instance_ids) == 2
@@ -108,7 +130,7 @@ async def test_middle_hop_killed_mid_transfer_tail_finishes_from_host_shard(scal
                     plan_seen.set()
 
         watcher = asyncio.create_task(watch())
-        await asyncio.sleep(0)
+        await watch_is_live(scale_mesh, events)  # the transfer plan is among the first events
         result = await client.scale(MODEL, 3, timeout_s=30)
         assert len(result.instance_ids) == 3
         async with asyncio.timeout(30):
