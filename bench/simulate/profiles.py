@@ -1,0 +1,146 @@
+"""Step-time models of simulated workers: this project's measured profile, and published-spec
+estimates for an 8B-class model on A100 and H100 for the paper-scale runs.
+
+PUBLISHED_PROFILES are ESTIMATES, not fits to published step-time measurements: no such
+coefficients are in /work/shared, so each term is a roofline from public spec sheets with an
+assumed efficiency, and the derivation is written next to it. The model is Llama-3-8B
+(Meta's config.json: 8.03e9 parameters, 32 layers, hidden 4096, 8 KV heads x head_dim 128,
+vocabulary 128,256) in bf16: 16.06 GB of weights, 2 x 32 x 8 x 128 x 2 B = 131,072 B of KV per
+token. Devices (NVIDIA data sheets): H100 SXM5 80GB, 3.35 TB/s HBM3, 989 TFLOPS dense BF16;
+A100 SXM4 80GB, 2.039 TB/s HBM2e, 312 TFLOPS dense BF16. Assumed: 70% of peak memory
+bandwidth, 50% of peak FLOPS (typical of vLLM-class engines; our assumption, not a citation).
+- base_s: the weights are read once per iteration: 16.06e9 B / (BW x 0.7).
+- prefill_token_s = decode_row_s: 2 x 8.03e9 FLOP per token / (FLOPS x 0.5).
+- prefill_attn_pair_s: 4 x hidden x layers = 524,288 FLOP per causal (q, k) pair / (FLOPS x 0.5).
+- prefill_seq_s: the LM head, 2 x 4096 x 128,256 FLOP / (FLOPS x 0.5).
+- decode_context_s: a decode row reads 131,072 B of KV per context token / (BW x 0.7).
+- loop_overhead_s: 0.5 ms of scheduling per iteration (assumed).
+Validating these against a real GPU run is a later slice's job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.worker_profile import StepTimeModel, load_profile
+
+__all__ = ["PUBLISHED_PROFILES", "FastStep", "ModelSpec", "SimProfile", "measured_profile"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+_LLAMA3_8B_PARAMS = 8.03e9
+_LLAMA3_8B_BYTES = 2 * _LLAMA3_8B_PARAMS
+_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+_ATTN_FLOP_PER_PAIR = 4 * 4096 * 32
+_LM_HEAD_FLOP = 2 * 4096 * 128_256
+MEM_EFFICIENCY = 0.7
+FLOP_EFFICIENCY = 0.5
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a load moves and what a request's KV weighs."""
+
+    name: str
+    size_bytes: float
+    num_layers: int
+    kv_bytes_per_token: float
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """Parameter groups in load order: one per layer (embeddings and head folded in)."""
+        return tuple(f"layer.{i:03d}" for i in range(self.num_layers))
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    device: str
+    model: ModelSpec
+    step: StepTimeModel
+    max_batch: int
+    max_num_tokens: int
+    kv_blocks: int
+    block_size: int
+    source: str
+    source_ref: str
+
+
+def _roofline(device: str, hbm_bytes_per_s: float, flops: float, kv_blocks: int) -> SimProfile:
+    bw, fl = hbm_bytes_per_s * MEM_EFFICIENCY, flops * FLOP_EFFICIENCY
+    per_token = 2 * _LLAMA3_8B_PARAMS / fl
+    step = StepTimeModel(
+        base_s=_LLAMA3_8B_BYTES / bw,
+        prefill_token_s=per_token,
+        prefill_attn_pair_s=_ATTN_FLOP_PER_PAIR / fl,
+        prefill_seq_s=_LM_HEAD_FLOP / fl,
+        decode_row_s=per_token,
+        decode_context_s=_KV_BYTES_PER_TOKEN / bw,
+        loop_overhead_s=0.0005,
+    )
+    return SimProfile(
+        device=device,
+        model=ModelSpec("llama-3-8b", _LLAMA3_8B_BYTES, 32, _KV_BYTES_PER_TOKEN),
+        step=step,
+        max_batch=128,
+        max_num_tokens=8192,
+        kv_blocks=kv_blocks,
+        block_size=16,
+        source="published",
+        source_ref="ESTIMATE: roofline from NVIDIA data sheets and Llama-3-8B config.json (bench/simulate/profiles.py)",
+    )
+
+
+# KV blocks of 16 tokens: (80 GB x 0.9 - 16.06 GB weights) / 131,072 B per token / 16 ~ 26,700.
+PUBLISHED_PROFILES: dict[str, SimProfile] = {
+    "h100-llama3-8b": _roofline("NVIDIA H100 SXM5 80GB", 3.35e12, 989e12, 26_000),
+    "a100-llama3-8b": _roofline("NVIDIA A100 SXM4 80GB", 2.039e12, 312e12, 26_000),
+}
+
+
+def measured_profile(path: str | Path = REPO_ROOT / "profiles" / "smollm2-135m-instruct.json") -> SimProfile:
+    """This project's engine on this CPU (`python -m bench.profile`): SmolLM2-135M in float32,
+    30 layers, 538 MB; KV per token 2 x 30 layers x 3 KV heads x 64 x 4 B."""
+    p = load_profile(path)
+    engine = p.engine
+    model = ModelSpec(p.model, 538e6, 30, 2 * 30 * 3 * 64 * 4)
+    return SimProfile(
+        device=p.device,
+        model=model,
+        step=p.step_time,
+        max_batch=int(engine.get("max_batch_size", 32)),  # type: ignore[call-overload]
+        max_num_tokens=int(engine.get("max_num_tokens", 1024)),  # type: ignore[call-overload]
+        kv_blocks=int(engine.get("num_kv_blocks", 2048)),  # type: ignore[call-overload]
+        block_size=int(engine.get("block_size", 16)),  # type: ignore[call-overload]
+        source=p.source,
+        source_ref=f"{Path(path).name}: {p.source_ref}",
+    )
+
+
+class FastStep:
+    """`StepTimeModel.step_s` without building a pydantic `StepFeatures` per iteration (the
+    simulator runs hundreds of thousands); the same formula, pinned by a unit test."""
+
+    __slots__ = ("base", "ctx", "overhead", "pair", "ptok", "row", "seq")
+
+    def __init__(self, m: StepTimeModel) -> None:
+        self.base, self.ptok, self.pair = m.base_s, m.prefill_token_s, m.prefill_attn_pair_s
+        self.seq, self.row, self.ctx = m.prefill_seq_s, m.decode_row_s, m.decode_context_s
+        self.overhead = m.loop_overhead_s
+
+    def __call__(self, ptok: float, pairs: float, seqs: float, rows: float, ctx: float) -> float:
+        t = self.base + self.ptok * ptok + self.pair * pairs + self.seq * seqs + self.row * rows + self.ctx * ctx
+        return max(0.0, t) + self.overhead
+
+
+def decode_capacity(profile: SimProfile, prompt_tokens: float, output_tokens: float, batch: int) -> float:
+    """Requests/s one colocated instance sustains at `batch` running, all its time spent on them:
+    each request's prefill plus its decode rows at that batch (mean context: prompt + half the
+    output). The sizing rule for targets and fixed pools."""
+    step = FastStep(profile.step)
+    ctx = prompt_tokens + output_tokens / 2
+    decode_step = step(0, 0, 0, batch, batch * ctx)
+    per_request_s = step(prompt_tokens, prompt_tokens * (prompt_tokens + 1) / 2, 1, 0, 0) - step.base
+    per_request_s += max(0.0, output_tokens - 1) * decode_step / batch
+    return 1.0 / per_request_s if per_request_s > 0 else math.inf

@@ -1,0 +1,229 @@
+"""Named scenarios: a workload, a cluster, a profile, and the variants compared on them.
+
+Variants (`VARIANTS`): `blitzmesh` (HeteroScale, the GM's multicast chains, ZigZag while
+loading), `hpa` (the HPA-style `utilization` policy, same data plane), `serverlessllm` (the same
+policy, ServerlessLLM loading: a per-host cache with keep-alive, a miss reads the SSD, no
+ZigZag), `fixed_peak` (DistServe/vLLM style: a fixed pool sized for the busiest 5 s, no
+scaling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
+from bench.replay.summary import Slo
+from bench.replay.trace import read_azure_trace
+
+from .cluster import RunConfig
+from .links import ClusterSpec
+from .profiles import PUBLISHED_PROFILES, FastStep, SimProfile, decode_capacity, measured_profile
+
+__all__ = ["SCENARIOS", "VARIANTS", "Scenario", "build_runs"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _traces_dir() -> Path:
+    # ../shared/traces beside the checkout (bench.autoscale's default), looked for upward so
+    # a git worktree nested deeper finds the same copy.
+    for parent in REPO_ROOT.parents:
+        if (parent / "shared" / "traces").is_dir():
+            return parent / "shared" / "traces"
+    return REPO_ROOT.parent / "shared" / "traces"
+
+
+TRACES = _traces_dir()
+VARIANTS = ("blitzmesh", "hpa", "serverlessllm", "fixed_peak")
+TARGET_UTILIZATION = 0.7
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    profile: Callable[[], SimProfile]
+    cluster: ClusterSpec
+    arrivals: Callable[[], list[Arrival]]
+    slo: Slo
+    initial: int | None  # None: sized for the mean rate
+    max_instances: int
+    batch_for_sizing: int
+    scale_out_cooldown_s: float
+    scale_in_cooldown_s: float
+    keep_alive_s: float = 60.0
+
+
+def peak_rps(arrivals: list[Arrival], bin_s: float = 5.0) -> float:
+    counts: dict[int, int] = {}
+    for a in arrivals:
+        counts[int(a.t_s // bin_s)] = counts.get(int(a.t_s // bin_s), 0) + 1
+    return max(counts.values(), default=0) / bin_s
+
+
+def overlay(arrivals: list[Arrival], copies: int, span_s: float, seed: int) -> list[Arrival]:
+    """`copies` copies of a trace slice, each rotated by a seeded offset within the slice: the
+    rate times `copies`, the request mix and the slice's shape kept, the bursts smeared."""
+    rng = random.Random(seed)
+    out = list(arrivals)
+    for _ in range(copies - 1):
+        shift = rng.uniform(0, span_s)
+        out += [dataclasses.replace(a, t_s=(a.t_s + shift) % span_s) for a in arrivals]
+    out.sort(key=lambda a: (a.t_s, a.index))
+    return [Arrival(i, a.t_s, a.prompt_tokens, a.output_tokens) for i, a in enumerate(out)]
+
+
+def burst(arrivals: list[Arrival], start_s: float, end_s: float, extra: int, span_s: float, seed: int) -> list[Arrival]:
+    """`arrivals` plus `extra` rotated copies of them kept only inside [start_s, end_s): the
+    rate is (1 + extra) times higher there, a step up and down for the autoscaler."""
+    more = [a for a in overlay(arrivals, extra + 1, span_s, seed)[len(arrivals) :] if start_s <= a.t_s < end_s]
+    merged = sorted([*arrivals, *more], key=lambda a: (a.t_s, a.index))
+    return [Arrival(i, a.t_s, a.prompt_tokens, a.output_tokens) for i, a in enumerate(merged)]
+
+
+def _smoke_arrivals() -> list[Arrival]:
+    # The code trace around its busiest minute (trace seconds 2400-2460 hold a 30+ req/s
+    # burst), every 4th request, prompts scaled as bench.autoscale does for the small model.
+    rows = read_azure_trace(TRACES / "azure_llm_2023_code.csv")
+    window = TraceWindow(start_s=_busiest_start(rows) - 20.0, span_s=60.0, thin=4)
+    return from_trace(rows, window, TokenScaling(prompt_scale=1 / 16, max_prompt_tokens=256, max_output_tokens=64))
+
+
+def _busiest_start(rows: Any, bin_s: float = 10.0) -> float:
+    counts: dict[int, int] = {}
+    for r in rows:
+        counts[int(r.t_s // bin_s)] = counts.get(int(r.t_s // bin_s), 0) + 1
+    best = max(sorted(counts), key=lambda b: counts[b])
+    return max(20.0, best * bin_s)
+
+
+def _conv_arrivals() -> list[Arrival]:
+    # A 10-minute slice of the conversation trace at 8x its rate (8 rotated copies, ~44 req/s),
+    # 3x that from minute 4 to 6 (a step the trace itself lacks: its busiest 10 s are only 1.8x
+    # its mean); full-size prompts and outputs (Llama-3-8B context 8192).
+    rows = read_azure_trace(TRACES / "azure_llm_2023_conv.csv")
+    base = from_trace(
+        rows,
+        TraceWindow(start_s=600.0, span_s=600.0),
+        TokenScaling(
+            prompt_scale=1.0, max_prompt_tokens=6144, output_scale=1.0, max_output_tokens=2048, context_tokens=8192
+        ),
+    )
+    steady = overlay(base, 8, 600.0, seed=1)
+    return burst(steady, 240.0, 360.0, extra=2, span_s=600.0, seed=2)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "smoke": Scenario(
+        name="smoke",
+        description="8 CPU workers (the measured SmolLM2-135M profile), 2 hosts x 4 on 2 leaves, 100 Gbps "
+        "RDMA; the code trace's busiest minute, every 4th request; one instance at first",
+        profile=measured_profile,
+        cluster=ClusterSpec(hosts=2, gpus_per_host=4, hosts_per_leaf=1, rdma_gbps=100.0, nvlink_gbps=1600.0),
+        arrivals=_smoke_arrivals,
+        slo=Slo(ttft_s=1.5, tbt_s=0.2),
+        initial=1,
+        max_instances=8,
+        batch_for_sizing=8,
+        scale_out_cooldown_s=2.0,
+        scale_in_cooldown_s=10.0,
+        keep_alive_s=10.0,
+    ),
+    "conv64": Scenario(
+        name="conv64",
+        description="64 H100s (published-spec Llama-3-8B estimate), 8 hosts x 8 on 2 leaves, 200 Gbps RDMA per "
+        "GPU, NVLink 3.6 Tbps, PCIe 400 Gbps, SSD 10 Gbps; a 10-minute conversation-trace slice at 8x rate, 24x in "
+        "minutes 4-6; the autoscaled pools start sized for the mean rate",
+        profile=lambda: PUBLISHED_PROFILES["h100-llama3-8b"],
+        cluster=ClusterSpec(hosts=8, gpus_per_host=8, hosts_per_leaf=4, rdma_gbps=200.0, nvlink_gbps=3600.0),
+        arrivals=_conv_arrivals,
+        slo=Slo(ttft_s=1.0, tbt_s=0.1),
+        initial=None,
+        max_instances=64,
+        batch_for_sizing=32,
+        scale_out_cooldown_s=5.0,
+        scale_in_cooldown_s=60.0,
+        keep_alive_s=60.0,
+    ),
+}
+
+
+def sizing(sc: Scenario, profile: SimProfile, arrivals: list[Arrival]) -> dict[str, Any]:
+    """Per-instance capacity and the pool sizes and policy targets that follow from it."""
+    n = max(1, len(arrivals))
+    prompt = sum(a.prompt_tokens for a in arrivals) / n
+    output = sum(a.output_tokens for a in arrivals) / n
+    cap_rps = decode_capacity(profile, prompt, output, sc.batch_for_sizing)
+    step = FastStep(profile.step)
+    b = sc.batch_for_sizing
+    latency_s = step(prompt, prompt * (prompt + 1) / 2, 1, b, 0) + (output - 1) * step(
+        0, 0, 0, b, b * (prompt + output / 2)
+    )
+    peak = peak_rps(arrivals)
+
+    def pool(rps: float) -> int:
+        return min(sc.max_instances, max(1, math.ceil(rps / (cap_rps * TARGET_UTILIZATION) - 1e-9)))
+
+    return {
+        "mean_prompt_tokens": round(prompt, 1),
+        "mean_output_tokens": round(output, 1),
+        "capacity_rps_per_instance": round(cap_rps, 3),
+        "peak_rps_5s": peak,
+        "mean_rps": round(n / max(a.t_s for a in arrivals), 3) if arrivals else 0.0,
+        "fixed_peak": pool(peak),
+        "fixed_mean": pool(n / max(a.t_s for a in arrivals) if arrivals else 0.0),
+        "target_decode_tps_per_instance": round(cap_rps * TARGET_UTILIZATION * output, 2),
+        "target_requests_per_instance": round(cap_rps * TARGET_UTILIZATION * latency_s, 2),
+    }
+
+
+def build_runs(
+    sc: Scenario, variants: tuple[str, ...] = VARIANTS, seed: int = 0
+) -> tuple[list[RunConfig], dict[str, Any]]:
+    profile = sc.profile()
+    arrivals = tuple(sc.arrivals())
+    size = sizing(sc, profile, list(arrivals))
+    hetero = {
+        "target_decode_tps_per_instance": size["target_decode_tps_per_instance"],
+        "target_requests_per_instance": size["target_requests_per_instance"],
+        "scale_out_cooldown_s": sc.scale_out_cooldown_s,
+        "scale_in_cooldown_s": sc.scale_in_cooldown_s,
+        "scale_in_stabilization_s": sc.scale_in_cooldown_s,
+        "hold_scale_in_on_panic": True,
+        "ttft_slo_s": sc.slo.ttft_s,
+        "tbt_slo_s": sc.slo.tbt_s,
+    }
+    hpa = {
+        "scale_out_cooldown_s": 0.0,
+        "scale_in_cooldown_s": sc.scale_in_cooldown_s,
+        "colocated_metric": "tps",
+        "decode_capacity_tps_per_instance": round(size["capacity_rps_per_instance"] * size["mean_output_tokens"], 2),
+    }
+    initial = size["fixed_mean"] if sc.initial is None else sc.initial
+    common = {
+        "profile": profile,
+        "cluster": sc.cluster,
+        "arrivals": arrivals,
+        "slo": sc.slo,
+        "max_instances": sc.max_instances,
+        "keep_alive_s": sc.keep_alive_s,
+        "seed": seed,
+    }
+    table = {
+        "blitzmesh": RunConfig(name="blitzmesh", initial=initial, policy_params=hetero, **common),
+        "hpa": RunConfig(name="hpa", initial=initial, policy="utilization", policy_params=hpa, **common),
+        "serverlessllm": RunConfig(
+            name="serverlessllm", initial=initial, policy_params=hetero, loader="serverless", zigzag=False, **common
+        ),
+        "fixed_peak": RunConfig(name="fixed_peak", initial=size["fixed_peak"], autoscale=False, **common),
+    }
+    unknown = sorted(set(variants) - set(table))
+    if unknown:
+        raise ValueError(f"unknown variants {unknown!r}; known: {sorted(table)!r}")
+    return [table[v] for v in variants], {"sizing": size, "policy_params": {"heteroscale": hetero, "utilization": hpa}}
