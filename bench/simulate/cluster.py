@@ -46,7 +46,7 @@ from services.global_manager.core.multicast import (
     traffic_from_instances,
 )
 from services.global_manager.core.policies import make_policy
-from services.global_manager.core.reconcile import Observations, Reconciler, ReconcileSettings
+from services.global_manager.core.reconcile import Observations, Reconciler, ReconcileSettings, release_report
 from services.global_manager.core.routing import plan_route
 from services.global_manager.core.types import InstanceState, Role
 from services.global_manager.core.zigzag import choose_zigzag_partner, pair_throughput, should_zigzag
@@ -57,17 +57,38 @@ from .profiles import SimProfile
 from .transfer import Transfer
 from .worker import SimRequest, SimWorker
 
-__all__ = ["RunConfig", "SimActuator", "Simulation"]
+__all__ = ["Kill", "RunConfig", "SimActuator", "Simulation"]
 
 S = InstanceState
 Loader = Literal["blitz", "serverless"]
 
 
 @dataclass(frozen=True)
+class Kill:
+    """A failure injected at `at_s`: `instance_id`, or when empty the busiest SERVING instance
+    (of `role` if given; running + waiting, then id). `mode` "sigkill": the process dies, its
+    streams break at once and the gateway resumes them elsewhere; a connection to it fails at
+    once. "hang" (SIGSTOP): it stops stepping and heartbeating but still accepts requests, which
+    queue there until the core marks it LOST and the gateway (following the `instance_lost`
+    event) resumes everything it held. Either way its heartbeats stop, so the real Reconciler
+    marks it LOST after `lost_after_s` and tops its pool up to the floor."""
+
+    at_s: float
+    instance_id: str = ""
+    role: Role | None = None
+    mode: Literal["sigkill", "hang"] = "sigkill"
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """One variant of a scenario: the cluster, the workload, and how it is scaled.
 
-    `autoscale` False is a fixed pool of `initial` instances. `loader`: "blitz" (the GM's
+    `autoscale` False is a fixed pool of `initial` instances (its floor: a lost one is replaced).
+    `disaggregated`: `initial_prefill` + `initial_decode` instances instead, the core run with
+    `disaggregated=True` and those pool floors; `pd_layout` "mixed" alternates prefill and
+    decode GPUs on every host (KV mostly over NVLink), "split_hosts" puts the prefill GPUs first
+    (KV over RDMA). `kills`: failures to inject. `live_migration`: the core's `MigrateRequests`
+    of running requests are carried out with their KV. `loader`: "blitz" (the GM's
     multicast chains from serving instances and the parameter manager's one host-memory copy
     spread over the hosts) or "serverless" (ServerlessLLM: each host caches the model in its
     memory while an instance there holds it and `keep_alive_s` after; a miss reads the SSD).
@@ -94,6 +115,17 @@ class RunConfig:
     grace_s: float = 600.0
     slo: Slo = Slo()
     seed: int = 0
+    disaggregated: bool = False
+    initial_prefill: int = 0
+    initial_decode: int = 0
+    min_prefill: int | None = None  # pool floors of a split deployment (None: the initial size)
+    min_decode: int | None = None
+    pd_layout: Literal["mixed", "split_hosts"] = "mixed"
+    kills: tuple[Kill, ...] = ()
+    stall_timeout_s: float = 10.0
+    live_migration: bool = False
+    migration_kv_high: float = 0.95
+    migration_tbt_slo_s: float | None = None
 
 
 class SimActuator:
@@ -153,13 +185,23 @@ class Simulation:
         self.group_bytes = {g: self.model.size_bytes / self.model.num_layers for g in self.model.groups}
         self.registry = Registry()
         self.monitor = LoadMonitor(window_s=cfg.window_s, lost_after_s=cfg.lost_after_s)
-        floor = cfg.min_instances if cfg.autoscale else 0
+        floor = cfg.min_instances if cfg.autoscale else cfg.initial
+        floors: dict[Role, int] = {Role.COLOCATED: floor}
+        if cfg.disaggregated:
+            floors = {
+                Role.PREFILL: cfg.initial_prefill if cfg.min_prefill is None else cfg.min_prefill,
+                Role.DECODE: cfg.initial_decode if cfg.min_decode is None else cfg.min_decode,
+            }
         settings = ReconcileSettings(
             default_model=self.model.name,
-            pool_floors={Role.COLOCATED: floor},
+            pool_floors=floors,
             max_instances=cfg.max_instances,
+            disaggregated=cfg.disaggregated,
             autoscale=cfg.autoscale,
             lost_after_s=cfg.lost_after_s,
+            live_migration=cfg.live_migration,
+            migration_kv_high=cfg.migration_kv_high,
+            migration_tbt_slo_s=cfg.migration_tbt_slo_s,
         )
         # The manager's own bounds are the policy's defaults (GlobalManagerServicer._make_policy).
         params = {"min_instances": max(1, floor), "max_instances": cfg.max_instances, **cfg.policy_params}
@@ -174,20 +216,29 @@ class Simulation:
         self.leaves = {host: link.leaf for host, link in self.topology.hosts.items()}
         self.workers: dict[str, SimWorker] = {}
         gpus = self.fabric.gpus
-        if cfg.initial > len(gpus) or cfg.max_instances > len(gpus):
+        roles = self._initial_roles(gpus)
+        if len(roles) > len(gpus) or cfg.max_instances > len(gpus):
             raise ValueError(
-                f"{cfg.name}: initial={cfg.initial} / max_instances={cfg.max_instances} exceed the {len(gpus)} GPUs"
+                f"{cfg.name}: initial={len(roles)} / max_instances={cfg.max_instances} exceed the {len(gpus)} GPUs"
             )
-        for i, gpu in enumerate(gpus):
+        for gpu in gpus:
             host = self.fabric.host_of[gpu]
             self.workers[gpu] = SimWorker(
-                gpu, host, cfg.profile, self.loop, self._first_token, self._finished, self._worker_empty
+                gpu,
+                host,
+                cfg.profile,
+                self.loop,
+                self._first_token,
+                self._finished,
+                self._worker_empty,
+                on_handoff=self._handoff,
+                on_pull=self._pull,
             )
-            serving = i < cfg.initial
+            serving = gpu in roles
             self.registry.register(
                 gpu,
                 model=self.model.name if serving else "",
-                role=Role.COLOCATED,
+                role=roles.get(gpu, Role.COLOCATED),
                 host=host,
                 num_layers=self.model.num_layers,
                 now_s=0.0,
@@ -201,7 +252,7 @@ class Simulation:
             self.pm_shards.setdefault(f"mem@{hosts[i % len(hosts)]}", []).append(g)
         # ServerlessLLM: host -> time its cached copy expires (inf while an instance holds it).
         self.host_cache: dict[str, float] = {}
-        for gpu in gpus[: cfg.initial]:
+        for gpu in roles:
             self.host_cache[self.fabric.host_of[gpu]] = math.inf
         self.requests: list[SimRequest] = [
             SimRequest(a.index, a.t_s, a.prompt_tokens, a.output_tokens) for a in cfg.arrivals
@@ -220,6 +271,36 @@ class Simulation:
         self.boosted: dict[str, float] = {}
         self.zigzag_boost_s = 0.0
         self.reached_serving: list[tuple[float, str]] = []
+        # P/D hand-offs and live migrations: the decode instance chosen with each prefill hop,
+        # the KV pulls in flight (request index -> flow id, source, destination, start), and
+        # what they cost.
+        self.decode_hop: dict[int, str] = {}
+        self.pulls: dict[int, tuple[int, str, str, float]] = {}
+        self.kv_times: dict[str, list[float]] = {}
+        self.kv_paths: dict[str, int] = {}
+        # Failures: killed (the gateway knows at once) and hung (it learns from instance_lost).
+        self.dead: set[str] = set()
+        self.hung: set[str] = set()
+        self.killed: list[dict[str, Any]] = []
+        self.lost_at: dict[str, float] = {}
+        self.failover: dict[str, int] = {}
+
+    def _initial_roles(self, gpus: list[str]) -> dict[str, Role]:
+        """The GPUs serving at the start and their roles."""
+        cfg = self.cfg
+        if not cfg.disaggregated:
+            return dict.fromkeys(gpus[: cfg.initial], Role.COLOCATED)
+        p, d = cfg.initial_prefill, cfg.initial_decode
+        if cfg.pd_layout == "split_hosts":
+            order = [Role.PREFILL] * p + [Role.DECODE] * d
+        else:
+            order = []
+            while len(order) < p + d:
+                if order.count(Role.PREFILL) < p:
+                    order.append(Role.PREFILL)
+                if order.count(Role.DECODE) < d:
+                    order.append(Role.DECODE)
+        return dict(zip(gpus, order, strict=False))
 
     # ---- running ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -230,6 +311,8 @@ class Simulation:
         self.loop.every(cfg.heartbeat_s, self._heartbeats, start_s=cfg.heartbeat_s)
         self.loop.every(cfg.tick_s, self._tick, start_s=cfg.tick_s)
         self.loop.every(cfg.sample_s, self._sample)
+        for kill in cfg.kills:
+            self.loop.at(kill.at_s, lambda kill=kill: self._kill(kill))
         last = max((r.arrival_s for r in self.requests), default=0.0)
         total = len(self.requests)
         self.loop.run(last + cfg.grace_s, stop=lambda: self.done >= total and self.loop.now_s >= last)
@@ -249,6 +332,20 @@ class Simulation:
                 },
                 "actions": dict(sorted(self.counts.items())),
                 "zigzag_boost_instance_s": round(self.zigzag_boost_s, 2),
+                "kv_transfers": {
+                    kind: {
+                        "count": len(ts),
+                        "mean_ms": _r(1e3 * sum(ts) / len(ts)),
+                        "p99_ms": _r(1e3 * (percentile(ts, 0.99) or 0.0)),
+                    }
+                    for kind, ts in sorted(self.kv_times.items())
+                },
+                "kv_paths": dict(sorted(self.kv_paths.items())),
+                "failures": {
+                    "killed": self.killed,
+                    "lost_at_s": {k: round(v, 3) for k, v in sorted(self.lost_at.items())},
+                    "failover": dict(sorted(self.failover.items())),
+                },
                 "bytes_moved_gb": {k or "other": round(v / 1e9, 2) for k, v in sorted(self.net.bytes_by_kind.items())},
                 "sim_events": self.loop.events_run,
                 "sim_wall_s": round(time.perf_counter() - wall, 2),
@@ -277,22 +374,53 @@ class Simulation:
             self.pending.append(req)
 
     def _route(self, req: SimRequest, exclude: Collection[str] = ()) -> bool:
-        route = plan_route(
-            self.registry.views(model=self.model.name),
-            model=self.model.name,
-            prompt_tokens=req.prompt,
-            max_tokens=req.output,
-            exclude_ids=exclude,
-            kv_block_size_tokens=self.cfg.profile.block_size,
-            leaves=self.leaves,
-        )
+        """The gateway: a route from the core's `plan_route`, then the request's first hop.
+
+        A hop on a killed instance refuses the connection at once, and the gateway plans again
+        without it (as it excludes instances that failed a request). A fresh request on a
+        (prefill, decode) route runs its prompt on the prefill instance, which hands its KV to
+        the decode instance; a resumed one (tokens already streamed) goes to the route's last
+        hop, the one that decodes, and pulls the KV it left behind when that is still offered
+        (a hand-off, a live migration), else recomputes the prompt plus its tokens there."""
+        excluded = set(exclude)
+        while True:
+            route = plan_route(
+                self.registry.views(model=self.model.name),
+                model=self.model.name,
+                prompt_tokens=req.prompt,
+                max_tokens=req.output,
+                exclude_ids=excluded,
+                kv_block_size_tokens=self.cfg.profile.block_size,
+                leaves=self.leaves,
+            )
+            refused = {hop.instance_id for hop in route} & self.dead
+            if not refused:
+                break
+            excluded |= refused
+            self._bump("connect_refused")
         if not route:
             return False
-        iid = route[0].instance_id
-        self.registry.note_routed(iid)
         req.routed += 1
-        self.workers[iid].submit(req)
+        for hop in route:
+            # Until its next heartbeat shows the request, routing counts it (as `Schedule` does).
+            self.registry.note_routed(hop.instance_id)
+        if len(route) == 2 and req.generated == 0:
+            prefill, decode = route[0].instance_id, route[1].instance_id
+            self.decode_hop[req.index] = decode
+            self.workers[prefill].submit(req, "prefill")
+            return True
+        iid = route[-1].instance_id
+        holder = self.workers.get(req.kv_from)
+        if req.generated and holder is not None and req.index in holder.offered:
+            req.kv_tokens = req.prompt + req.generated - 1
+            self.workers[iid].submit(req, "decode")
+        else:
+            req.kv_from = ""
+            self.workers[iid].submit(req)
         return True
+
+    def _bump(self, key: str, n: int = 1) -> None:
+        self.failover[key] = self.failover.get(key, 0) + n
 
     def _flush_pending(self) -> None:
         while self.pending:
@@ -305,11 +433,143 @@ class Simulation:
 
     def _finished(self, req: SimRequest) -> None:
         self.done += 1
+        self.decode_hop.pop(req.index, None)
+
+    # ---- KV: P/D hand-offs and live migrations -----------------------------------------------------
+    def _handoff(self, req: SimRequest) -> None:
+        """The prefill instance emitted the first token and offers the prompt's KV: the gateway
+        sends the request on to the decode hop chosen with it, which pulls the KV once admitted.
+        A decode hop that died meanwhile refuses, and the request is resumed elsewhere (the
+        offer goes with it)."""
+        prefill = req.worker
+        decode = self.decode_hop.pop(req.index, "")
+        req.kv_from, req.kv_kind = prefill, "kv"
+        if not decode or decode in self.dead or self.registry.get(decode).state is not S.SERVING:
+            self._bump("handoff_rerouted")
+            if not self._route(req, exclude=(prefill,)):
+                self.pending.append(req)
+            return
+        req.kv_tokens = req.prompt + req.generated - 1
+        self.workers[decode].submit(req, "decode")
+
+    def _pull(self, req: SimRequest) -> None:
+        """Admitted on its new instance: pull the KV from its holder over the links (NVLink on
+        one host, else RDMA through the leaf-spine), sharing them with loads and other pulls.
+        A dead holder refuses at once; a hung one stalls the pull until `stall_timeout_s`; then
+        the context is recomputed here."""
+        src, dst = req.kv_from, req.worker
+        holder = self.workers[src]
+        if not holder.alive or req.index not in holder.offered:
+            delay = 0.0 if src in self.dead or holder.alive else self.cfg.stall_timeout_s
+            self.loop.after(delay, lambda: self._pull_failed(req, dst))
+            return
+        size = req.kv_tokens * self.model.kv_bytes_per_token
+        s_host, d_host = self.fabric.host_of[src], self.fabric.host_of[dst]
+        path = (
+            "nvlink"
+            if s_host == d_host
+            else ("rdma_leaf" if self.leaves[s_host] == self.leaves[d_host] else "rdma_spine")
+        )
+        self.kv_paths[path] = self.kv_paths.get(path, 0) + 1
+        started = self.loop.now_s
+        fid = self.net.start(
+            self.fabric.path(src, dst), size, lambda: self._pulled(req, src, dst, started), kind=req.kv_kind
+        )
+        self.pulls[req.index] = (fid, src, dst, started)
+
+    def _pulled(self, req: SimRequest, src: str, dst: str, started: float) -> None:
+        self.pulls.pop(req.index, None)
+        self.kv_times.setdefault(req.kv_kind, []).append(self.loop.now_s - started)
+        self.workers[src].release_offer(req)
+        req.kv_from = ""
+        self.workers[dst].kv_landed(req)
+
+    def _pull_failed(self, req: SimRequest, dst: str) -> None:
+        if req.worker != dst or not self.workers[dst].alive:
+            return  # the puller itself is gone: its own failover has the request
+        self._bump("kv_recomputed")
+        req.kv_from = ""
+        self.workers[dst].pull_failed(req)
+
+    # ---- failures ------------------------------------------------------------------------------
+    def _kill(self, kill: Kill) -> None:
+        iid = kill.instance_id or self._busiest(kill.role)
+        if not iid:
+            self.killed.append({"at_s": kill.at_s, "instance_id": None, "mode": kill.mode, "note": "nothing serving"})
+            return
+        view = self.registry.get(iid)
+        worker = self.workers[iid]
+        self.killed.append(
+            {
+                "at_s": kill.at_s,
+                "instance_id": iid,
+                "role": view.role.value.lower(),
+                "mode": kill.mode,
+                "running": worker.running,
+                "waiting": len(worker.waiting),
+            }
+        )
+        # Its KV pulls stop both ways: those into it belong to its own requests (resumed
+        # below, or when it is found LOST); a puller whose source it was recomputes.
+        for index, (fid, src, dst, _) in sorted(self.pulls.items()):
+            if iid not in (src, dst):
+                continue
+            self.net.cancel(fid)
+            del self.pulls[index]
+            if src == iid and dst != iid:
+                req = self.workers[dst].pulling.get(index)
+                if req is not None:
+                    delay = 0.0 if kill.mode == "sigkill" else self.cfg.stall_timeout_s
+                    self.loop.after(delay, lambda req=req, dst=dst: self._pull_failed(req, dst))
+        if kill.mode == "hang":
+            self.hung.add(iid)
+            worker.freeze()
+            return
+        self.dead.add(iid)
+        owned, _ = worker.kill()
+        self._resume_all(iid, owned)
+
+    def _busiest(self, role: Role | None) -> str:
+        serving = [
+            v
+            for v in self.registry.views(model=self.model.name, role=role, state=S.SERVING)
+            if self.workers[v.instance_id].alive
+        ]
+        if not serving:
+            return ""
+        w = self.workers
+        return min(
+            serving, key=lambda v: (-(w[v.instance_id].running + len(w[v.instance_id].waiting)), v.instance_id)
+        ).instance_id
+
+    def _resume_all(self, iid: str, reqs: list[SimRequest]) -> None:
+        """The gateway fails over every stream the instance held: retried from the prompt if no
+        token came yet, else resumed from the prompt plus its tokens (with the KV it left on a
+        live peer, if any)."""
+        for req in reqs:
+            self.decode_hop.pop(req.index, None)
+            holder = self.workers.get(req.kv_from)
+            if holder is None or req.kv_from == iid or req.index not in holder.offered:
+                req.kv_from = ""
+            self._bump("resumed" if req.generated else "retried")
+            if req.generated:
+                req.resumed += 1
+            if not self._route(req, exclude=(iid,)):
+                self.pending.append(req)
+
+    def _lost(self, iid: str) -> None:
+        """The core marked `iid` LOST (the `instance_lost` event the gateway follows)."""
+        self.lost_at[iid] = self.loop.now_s
+        if iid in self.hung:
+            owned, _ = self.workers[iid].kill()
+            self._resume_all(iid, owned)
 
     # ---- the control loop ----------------------------------------------------------------------
     def _heartbeats(self) -> None:
         now = self.loop.now_s
         for view in self.registry:
+            if not self.workers[view.instance_id].alive:
+                continue  # killed or hung: silent, so the core finds it LOST
             if view.state in (S.SERVING, S.LOADING, S.DRAINING):
                 sample = self.workers[view.instance_id].sample(
                     now, self.cfg.heartbeat_s, serving=view.state is not S.LOADING
@@ -343,6 +603,8 @@ class Simulation:
         else:
             key = action.action
             self.events.append(action)
+            if action.action == "instance_lost" and action.instance_id in self.workers:
+                self._lost(action.instance_id)
             if action.log_line:
                 self.decision_log.append(action.log_line)
         self.counts[key] = self.counts.get(key, 0) + 1
@@ -366,7 +628,7 @@ class Simulation:
         sources = [
             Source(v.instance_id, v.host)
             for v in views
-            if v.state is S.SERVING and v.instance_id not in load.instance_ids
+            if v.state is S.SERVING and v.instance_id not in load.instance_ids and self.workers[v.instance_id].alive
         ]
         sources += [
             Source(node, node.split("@", 1)[1], SourceKind.HOST_CACHE, frozenset(groups))
@@ -450,6 +712,12 @@ class Simulation:
     # ---- drains, releases, locations -------------------------------------------------------------
     def start_drain(self, drain: DrainInstance) -> None:
         worker = self.workers[drain.instance_id]
+        if not worker.alive:
+            # The Drain RPC fails (modelled at once, not after its deadline): the core follows
+            # the worker's reports, i.e. its silence, to LOST.
+            del self.actuator.draining[drain.instance_id]
+            self.actuator.execute(self.reconciler.drain_finished(self.registry, drain, "worker unreachable"))
+            return
         if not worker.busy and worker.empty:
             self.loop.after(0.0, lambda: self._drain_done(drain))
 
@@ -476,13 +744,28 @@ class Simulation:
         self.actuator.execute(follow)
 
     def release(self, action: MigrateRequests) -> None:
-        """A rebalance: the source lets queued requests go and the gateway routes them again."""
+        """A rebalance (queued requests: the gateway routes them again) or a live migration
+        (running ones: each leaves with its KV offered, the gateway resumes it on the route's
+        decoding hop, which pulls the KV over the links and decodes on)."""
+        source = self.workers[action.source]
+        if not source.alive:
+            return
         if action.running:
-            return  # live migration of running requests is not simulated yet
-        moved = self.workers[action.source].release_waiting(action.n)
+            moved = source.release_running(action.n)
+            for req in moved:
+                req.kv_from, req.kv_kind = action.source, "migration"
+                req.resumed += 1
+                if not self._route(req, exclude=(action.source,)):
+                    self.pending.append(req)
+            self._bump("migrated", len(moved))
+            report = release_report(action, len(moved))
+            if report is not None:
+                self.report(report)
+            return
+        moved = source.release_waiting(action.n)
         for req in moved:
             if not self._route(req, exclude=(action.source,)):
-                self.workers[action.source].submit(req)
+                source.submit(req, req.phase)
         self.report(Count("rebalance", "moved" if moved else "none"))
 
     def locations_changed(self, action: UpdateLocation) -> None:

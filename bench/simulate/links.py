@@ -84,6 +84,19 @@ class Network:
         self._reschedule()
         return fid
 
+    def cancel(self, fid: int) -> bool:
+        """Stop a flow where it is (its sender or receiver died); `on_done` never runs. Returns
+        whether it was still moving."""
+        self._advance()
+        flow = self.flows.pop(fid, None)
+        if flow is None:
+            return False
+        for li in flow.links:
+            self.links[li].flows.discard(fid)
+        self.bytes_by_kind[flow.kind] -= max(0.0, flow.remaining)
+        self._reschedule()
+        return True
+
     # ---- internals -----------------------------------------------------------------------
     def _advance(self) -> None:
         """Move every flow forward by the time since the last change, at its current rate."""

@@ -21,18 +21,42 @@ Validating these against a real GPU run is a later slice's job.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from services.common.worker_profile import StepTimeModel, load_profile
 
-__all__ = ["PUBLISHED_PROFILES", "FastStep", "ModelSpec", "SimProfile", "measured_profile"]
+__all__ = ["PUBLISHED_PROFILES", "FastStep", "ModelSpec", "SimProfile", "kv_bytes_per_token", "measured_profile"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+
+def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int) -> int:
+    """What one token's KV weighs, from a Hugging Face `config.json`: K and V for every layer,
+    2 x num_hidden_layers x num_key_value_heads x head_dim x bytes per element (head_dim,
+    when absent, is hidden_size / num_attention_heads; no KV-head field means multi-head)."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+
+
+# The fields of the models' config.json that size their KV (Meta's Llama-3-8B; SmolLM2-135M as
+# in models/smollm2-135m-instruct/config.json, pinned by a test).
+LLAMA3_8B_CONFIG = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+SMOLLM2_135M_CONFIG = {
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_size": 576,
+}
+
 _LLAMA3_8B_PARAMS = 8.03e9
 _LLAMA3_8B_BYTES = 2 * _LLAMA3_8B_PARAMS
-_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+_KV_BYTES_PER_TOKEN = kv_bytes_per_token(LLAMA3_8B_CONFIG, 2)  # 2 x 32 x 8 x 128 x 2 B
 _ATTN_FLOP_PER_PAIR = 4 * 4096 * 32
 _LM_HEAD_FLOP = 2 * 4096 * 128_256
 MEM_EFFICIENCY = 0.7
@@ -104,7 +128,7 @@ def measured_profile(path: str | Path = REPO_ROOT / "profiles" / "smollm2-135m-i
     30 layers, 538 MB; KV per token 2 x 30 layers x 3 KV heads x 64 x 4 B."""
     p = load_profile(path)
     engine = p.engine
-    model = ModelSpec(p.model, 538e6, 30, 2 * 30 * 3 * 64 * 4)
+    model = ModelSpec(p.model, 538e6, 30, kv_bytes_per_token(SMOLLM2_135M_CONFIG, 4))
     return SimProfile(
         device=p.device,
         model=model,

@@ -4,9 +4,17 @@ Each iteration admits waiting requests FCFS while the batch has room and their K
 (GUARANTEED_NO_EVICT: blocks for prompt + output reserved at admission), gives the token budget
 (`max_num_tokens`) to every decoding row first and the rest to prompt chunks (chunked prefill),
 and lasts `FastStep(features) / speedup` (`speedup` > 1 while a ZigZag partner on a loading
-instance runs part of its layers). A prompt's last chunk samples the first token; then one token
-per iteration. Decoding rows are kept in a heap by the iteration they finish at, so an iteration
+instance runs part of its layers). A prompt's last chunk samples a token; then one token per
+iteration. Decoding rows are kept in a heap by the iteration they finish at, so an iteration
 costs O(requests that start or end), not O(batch).
+
+A request runs here in one of three phases. "full": prompt and decode. "prefill" (the prefill
+side of a P/D pair): the prompt and the first token, then its KV is offered (`on_handoff`) and
+its blocks held until the peer has pulled it (`release_offer`). "decode" (the decode side, or
+a live-migrated request): admitted like any other, then it waits for its KV to land
+(`on_pull`, `kv_landed`) and decodes the rest; a pull that fails recomputes the context here
+(`pull_failed`). A resumed request (`generated` > 0) prefills its prompt plus the tokens it
+already has, which yields its next token.
 """
 
 from __future__ import annotations
@@ -16,13 +24,16 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from services.global_manager.core.types import LoadSample
 
 from .events import EventLoop
 from .profiles import FastStep, SimProfile
 
-__all__ = ["SimRequest", "SimWorker"]
+__all__ = ["Phase", "SimRequest", "SimWorker"]
+
+Phase = Literal["full", "prefill", "decode"]
 
 
 @dataclass(slots=True)
@@ -39,6 +50,17 @@ class SimRequest:
     step0: int = 0
     worker: str = ""
     routed: int = 0
+    phase: Phase = "full"
+    generated: int = 0  # tokens produced so far (the first one included), on any instance
+    ctx: int = 0  # tokens this instance prefills: the prompt plus `generated` when resumed
+    kv_from: str = ""  # decode phase: the instance whose KV this one pulls
+    kv_tokens: int = 0  # decode phase: tokens of KV to pull
+    kv_kind: str = "kv"  # what the pull's bytes are counted as: "kv" (P/D hand-off), "migration"
+    resumed: int = 0  # times the gateway carried it to another instance
+
+    @property
+    def remaining(self) -> int:
+        return self.output - self.generated
 
 
 @dataclass
@@ -56,6 +78,10 @@ def _q(values: list[float], q: float) -> float | None:
     return xs[min(len(xs), max(1, math.ceil(q * len(xs) - 1e-9))) - 1]
 
 
+def _nothing(r: SimRequest) -> None:
+    return None
+
+
 class SimWorker:
     def __init__(
         self,
@@ -66,6 +92,8 @@ class SimWorker:
         on_first_token: Callable[[SimRequest], None],
         on_finish: Callable[[SimRequest], None],
         on_empty: Callable[[str], None],
+        on_handoff: Callable[[SimRequest], None] = _nothing,
+        on_pull: Callable[[SimRequest], None] = _nothing,
     ) -> None:
         self.iid, self.host, self.loop = iid, host, loop
         self.step = FastStep(profile.step)
@@ -74,9 +102,13 @@ class SimWorker:
         self.kv_total = profile.kv_blocks
         self.block_size = profile.block_size
         self.on_first_token, self.on_finish, self.on_empty = on_first_token, on_finish, on_empty
+        self.on_handoff, self.on_pull = on_handoff, on_pull
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
         self.decoding: list[tuple[int, int, SimRequest]] = []  # (finish step, index, request)
+        self.pulling: dict[int, SimRequest] = {}  # admitted, their KV on its way here
+        # KV held here until a peer pulls it, with its blocks (the puller reserves its own).
+        self.offered: dict[int, tuple[SimRequest, int]] = {}
         self.ctx_sum = 0
         self.kv_used = 0
         self.step_no = 0
@@ -84,23 +116,30 @@ class SimWorker:
         self.speedup = 1.0
         self.stats = _Stats()
         self.busy_s = 0.0
+        self.alive = True  # False once killed or hung: no more steps, no heartbeats
+        self._epoch = 0  # a step scheduled before a kill ends in nothing
 
     # ---- requests ----------------------------------------------------------------------------
     @property
     def running(self) -> int:
-        return len(self.prefilling) + len(self.decoding)
+        return len(self.prefilling) + len(self.decoding) + len(self.pulling)
 
     @property
     def empty(self) -> bool:
-        return not (self.waiting or self.prefilling or self.decoding)
+        return not (self.waiting or self.prefilling or self.decoding or self.pulling or self.offered)
 
-    def submit(self, req: SimRequest) -> None:
+    def submit(self, req: SimRequest, phase: Phase = "full") -> None:
+        """Queue `req` here in `phase`; for "decode", `kv_from` and `kv_tokens` say what to pull."""
         req.worker = self.iid
-        req.blocks = -(-(req.prompt + req.output) // self.block_size)
+        req.phase = phase
+        req.prefilled = 0
+        req.ctx = req.prompt + req.generated
+        tokens = req.ctx if phase == "prefill" else req.prompt + req.output
+        req.blocks = -(-tokens // self.block_size)
         if req.blocks > self.kv_total:
             raise ValueError(f"request {req.index} needs {req.blocks} KV blocks, {self.iid} has {self.kv_total}")
         self.waiting.append(req)
-        if not self.busy:
+        if not self.busy and self.alive:
             self._start_step()
 
     def release_waiting(self, n: int) -> list[SimRequest]:
@@ -110,13 +149,83 @@ class SimWorker:
             out.append(self.waiting.pop())
         return out
 
+    def release_running(self, n: int) -> list[SimRequest]:
+        """Live migration: up to n decoding rows, the most recently started first (the least KV
+        to move), leave between steps; their KV stays offered here until the new instance has
+        pulled it (`release_offer`). Each one's `generated` is brought up to date."""
+        rows = sorted(self.decoding, key=lambda e: (-e[2].step0, -e[2].index))[:n]
+        out = []
+        for entry in rows:
+            r = entry[2]
+            self.decoding.remove(entry)
+            done = self.step_no - r.step0
+            self.ctx_sum -= r.ctx0 + done
+            r.generated += done
+            self.offered[r.index] = (r, r.blocks)
+            out.append(r)
+        if out:
+            heapq.heapify(self.decoding)
+        return out
+
+    def release_offer(self, r: SimRequest) -> None:
+        """The peer has pulled `r`'s KV (or never will): its blocks are free."""
+        held = self.offered.pop(r.index, None)
+        if held is not None:
+            self.kv_used -= held[1]
+            if self.alive and not self.busy:
+                self._start_step()
+
+    def kv_landed(self, r: SimRequest) -> None:
+        """`r`'s KV is here: it decodes from the next iteration on."""
+        if self.pulling.pop(r.index, None) is None:
+            return
+        self._join_decode(r)
+        if self.alive and not self.busy:
+            self._start_step()
+
+    def pull_failed(self, r: SimRequest) -> None:
+        """The KV could not be pulled (its holder died): recompute the context here."""
+        if self.pulling.pop(r.index, None) is None:
+            return
+        r.phase, r.prefilled, r.ctx = "full", 0, r.prompt + r.generated
+        self.prefilling.append(r)
+        if self.alive and not self.busy:
+            self._start_step()
+
+    def freeze(self) -> None:
+        """The process hangs (SIGSTOP): the step under way never ends, no new one starts;
+        requests it is sent queue here. `kill` later collects them."""
+        self.alive = False
+        self.busy = False
+        self._epoch += 1
+
+    def kill(self) -> tuple[list[SimRequest], list[SimRequest]]:
+        """The process dies (or hangs for good); no step, heartbeat or callback from here on.
+        Returns the requests it ran or queued (`generated` up to date), and those whose KV it
+        only held for a peer (the peer owns them; its pull fails)."""
+        self.freeze()
+        out = list(self.waiting) + self.prefilling + list(self.pulling.values())
+        for _, _, r in self.decoding:
+            r.generated += self.step_no - r.step0
+            out.append(r)
+        offered = sorted((r for r, _ in self.offered.values()), key=lambda r: r.index)
+        self.waiting.clear()
+        self.prefilling, self.decoding = [], []
+        self.pulling, self.offered = {}, {}
+        self.ctx_sum = self.kv_used = 0
+        return sorted(out, key=lambda r: r.index), offered
+
     # ---- iterations --------------------------------------------------------------------------
     def _start_step(self) -> None:
         waiting = self.waiting
         while waiting and self.running < self.max_batch and self.kv_used + waiting[0].blocks <= self.kv_total:
             r = waiting.popleft()
             self.kv_used += r.blocks
-            self.prefilling.append(r)
+            if r.phase == "decode":
+                self.pulling[r.index] = r
+                self.on_pull(r)
+            else:
+                self.prefilling.append(r)
         rows = len(self.decoding)
         budget = self.max_num_tokens - rows
         ptok = 0
@@ -126,12 +235,12 @@ class SimWorker:
         for r in self.prefilling:
             if budget <= 0:
                 break
-            n = min(budget, r.prompt - r.prefilled)
+            n = min(budget, r.ctx - r.prefilled)
             pairs += n * (r.prefilled + (n + 1) / 2)
             ptok += n
             budget -= n
             plan.append((r, n))
-            if r.prefilled + n == r.prompt:
+            if r.prefilled + n == r.ctx:
                 seqs += 1
         if ptok == 0 and rows == 0:
             self.busy = False
@@ -140,9 +249,12 @@ class SimWorker:
         self.busy = True
         dt = self.step(ptok, pairs, seqs, rows, self.ctx_sum) / self.speedup
         self.busy_s += dt
-        self.loop.after(dt, lambda: self._end_step(plan, rows, ptok, dt))
+        epoch = self._epoch
+        self.loop.after(dt, lambda: self._end_step(plan, rows, ptok, dt, epoch))
 
-    def _end_step(self, plan: list[tuple[SimRequest, int]], rows: int, ptok: int, dt: float) -> None:
+    def _end_step(self, plan: list[tuple[SimRequest, int]], rows: int, ptok: int, dt: float, epoch: int) -> None:
+        if epoch != self._epoch:
+            return
         now = self.loop.now_s
         self.step_no += 1
         stats = self.stats
@@ -154,24 +266,35 @@ class SimWorker:
             while heap and heap[0][0] <= self.step_no:
                 _, _, r = heapq.heappop(heap)
                 self.ctx_sum -= r.ctx0 + (self.step_no - r.step0)
+                r.generated = r.output
                 self._finish(r, now)
         stats.prefill_tokens += ptok
         for r, n in plan:
             r.prefilled += n
-            if r.prefilled < r.prompt:
+            if r.prefilled < r.ctx:
                 continue
             self.prefilling.remove(r)
-            r.first_token_s = now
+            r.generated += 1
             stats.tokens += 1
-            stats.ttfts.append(now - r.arrival_s)
-            self.on_first_token(r)
-            if r.output <= 1:
+            if r.first_token_s is None:
+                r.first_token_s = now
+                stats.ttfts.append(now - r.arrival_s)
+                self.on_first_token(r)
+            if r.remaining <= 0:
                 self._finish(r, now)
+            elif r.phase == "prefill":
+                self.offered[r.index] = (r, r.blocks)
+                self.on_handoff(r)
             else:
-                r.ctx0, r.step0 = r.prompt + 1, self.step_no
-                self.ctx_sum += r.ctx0
-                heapq.heappush(self.decoding, (self.step_no + r.output - 1, r.index, r))
+                self._join_decode(r)
         self._start_step()
+
+    def _join_decode(self, r: SimRequest) -> None:
+        """Decode `r`'s remaining tokens from the next iteration on, its context the prompt plus
+        what it has generated."""
+        r.ctx0, r.step0 = r.prompt + r.generated, self.step_no
+        self.ctx_sum += r.ctx0
+        heapq.heappush(self.decoding, (self.step_no + r.remaining, r.index, r))
 
     def _finish(self, r: SimRequest, now: float) -> None:
         r.end_s = now
@@ -193,8 +316,8 @@ class SimWorker:
             tbt_p99_s=_q(s.tbts, 0.99),
             running=self.running,
             waiting=len(self.waiting),
-            waiting_prefill_tokens=sum(r.prompt for r in self.waiting)
-            + sum(r.prompt - r.prefilled for r in self.prefilling),
+            waiting_prefill_tokens=sum(r.ctx for r in self.waiting if r.phase != "decode")
+            + sum(r.ctx - r.prefilled for r in self.prefilling),
             kv_blocks_used=self.kv_used if serving else 0,
             kv_blocks_total=self.kv_total if serving else 0,
         )
