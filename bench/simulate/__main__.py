@@ -1,11 +1,12 @@
 """Discrete-event cluster simulator driving the global manager's reconcile core.
 
 Usage:
-    python -m bench.simulate --scenario smoke [--variants blitzmesh,fixed_peak] [--seed 0]
-        [--out bench/results/simulate_smoke.json]
+    python -m bench.simulate --scenario smoke|conv64|disagg16 [--variants blitzmesh,fixed_peak]
+        [--seed 0] [--out bench/results/simulate_smoke.json]
 
 Runs each variant of the scenario (`bench.simulate.scenarios`: blitzmesh, hpa, serverlessllm,
-fixed_peak) on simulated workers and links, and writes one JSON: per variant the
+fixed_peak; for the disaggregated disagg16 pd_mixed, pd_split_hosts, pd_kill, pd_migrate,
+colocated) on simulated workers and links, and writes one JSON: per variant the
 `bench.replay.summary` figures (TTFT p50/p99, SLO attainment, instance-seconds = GPU-seconds,
 lost) plus loads, actions and the simulator's own cost, and the scenario's sizing.
 """
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 
 from .cluster import Simulation
-from .scenarios import SCENARIOS, VARIANTS, build_runs
+from .scenarios import PD_VARIANTS, SCENARIOS, VARIANTS, build_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,12 +27,19 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.splitlines()[0])
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="smoke")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    p.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated (default: all of the scenario's): "
+        + ", ".join(VARIANTS)
+        + "; or "
+        + ", ".join(PD_VARIANTS),
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="default bench/results/simulate_<scenario>.json")
     args = p.parse_args(argv)
     sc = SCENARIOS[args.scenario]
-    variants = tuple(v for v in args.variants.split(",") if v)
+    variants = sc.variants if args.variants is None else tuple(v for v in args.variants.split(",") if v)
     runs, meta = build_runs(sc, variants, seed=args.seed)
     out = args.out or REPO_ROOT / "bench" / "results" / f"simulate_{sc.name}.json"
     result = {

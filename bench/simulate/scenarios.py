@@ -1,10 +1,17 @@
 """Named scenarios: a workload, a cluster, a profile, and the variants compared on them.
 
-Variants (`VARIANTS`): `blitzmesh` (HeteroScale, the GM's multicast chains, ZigZag while
-loading), `hpa` (the HPA-style `utilization` policy, same data plane), `serverlessllm` (the same
-policy, ServerlessLLM loading: a per-host cache with keep-alive, a miss reads the SSD, no
-ZigZag), `fixed_peak` (DistServe/vLLM style: a fixed pool sized for the busiest 5 s, no
-scaling).
+Variants of the autoscaling scenarios (`VARIANTS`): `blitzmesh` (HeteroScale, the GM's
+multicast chains, ZigZag while loading), `hpa` (the HPA-style `utilization` policy, same data
+plane), `serverlessllm` (the same policy, ServerlessLLM loading: a per-host cache with
+keep-alive, a miss reads the SSD, no ZigZag), `fixed_peak` (DistServe/vLLM style: a fixed pool
+sized for the busiest 5 s, no scaling).
+
+Variants of a disaggregated scenario (`PD_VARIANTS`, fixed pools of `pd` prefill + decode
+instances, IDLE spares beside them): `pd_mixed` (prefill and decode GPUs alternate on each
+host: KV mostly over NVLink), `pd_split_hosts` (prefill GPUs on their own hosts: every KV
+transfer over RDMA), `pd_kill` (`pd_mixed` with the busiest decode instance SIGKILLed and the
+busiest prefill instance hung mid-burst), `pd_migrate` (`pd_mixed` with the core's live
+migration on), `colocated` (the same GPUs as whole-request instances).
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ from typing import Any
 from bench.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
 from bench.replay.summary import Slo
 from bench.replay.trace import read_azure_trace
+from services.global_manager.core.types import Role
 
-from .cluster import RunConfig
+from .cluster import Kill, RunConfig
 from .links import ClusterSpec
 from .profiles import PUBLISHED_PROFILES, FastStep, SimProfile, decode_capacity, measured_profile
 
-__all__ = ["SCENARIOS", "VARIANTS", "Scenario", "build_runs"]
+__all__ = ["PD_VARIANTS", "SCENARIOS", "VARIANTS", "Scenario", "build_runs"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +49,7 @@ def _traces_dir() -> Path:
 
 TRACES = _traces_dir()
 VARIANTS = ("blitzmesh", "hpa", "serverlessllm", "fixed_peak")
+PD_VARIANTS = ("pd_mixed", "pd_split_hosts", "pd_kill", "pd_migrate", "colocated")
 TARGET_UTILIZATION = 0.7
 
 
@@ -58,6 +67,12 @@ class Scenario:
     scale_out_cooldown_s: float
     scale_in_cooldown_s: float
     keep_alive_s: float = 60.0
+    pd: tuple[int, int] | None = None  # a disaggregated scenario: (prefill, decode) instances
+    kills_at_s: tuple[float, float] = (0.0, 0.0)  # pd_kill: decode SIGKILLed, prefill hung
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return PD_VARIANTS if self.pd else VARIANTS
 
 
 def peak_rps(arrivals: list[Arrival], bin_s: float = 5.0) -> float:
@@ -119,6 +134,21 @@ def _conv_arrivals() -> list[Arrival]:
     return burst(steady, 240.0, 360.0, extra=2, span_s=600.0, seed=2)
 
 
+def _code_burst_arrivals() -> list[Arrival]:
+    # The code trace's busiest 90 s (from 30 s before its busiest 10 s), full-size prompts
+    # (mean ~2,000 tokens) and outputs (mean ~26), 4 rotated copies: 3,140 requests, ~35 req/s
+    # on average and 67 in the busiest 5 s (the rotation smears the trace's own burst).
+    rows = read_azure_trace(TRACES / "azure_llm_2023_code.csv")
+    base = from_trace(
+        rows,
+        TraceWindow(start_s=_busiest_start(rows) - 30.0, span_s=90.0),
+        TokenScaling(
+            prompt_scale=1.0, max_prompt_tokens=6144, output_scale=1.0, max_output_tokens=2048, context_tokens=8192
+        ),
+    )
+    return overlay(base, 4, 90.0, seed=3)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "smoke": Scenario(
         name="smoke",
@@ -150,6 +180,24 @@ SCENARIOS: dict[str, Scenario] = {
         scale_out_cooldown_s=5.0,
         scale_in_cooldown_s=60.0,
         keep_alive_s=60.0,
+    ),
+    "disagg16": Scenario(
+        name="disagg16",
+        description="16 H100s (published-spec Llama-3-8B estimate) serving as 8 prefill + 8 decode instances, "
+        "8 IDLE spares: 3 hosts x 8 on 2 leaves (hosts 0-1 serve, host 2 spare), 200 Gbps RDMA per GPU, NVLink "
+        "3.6 Tbps; the code trace's busiest 90 s at 2x, full-size prompts; fixed pools (the floors), so a lost "
+        "instance is replaced from the spares",
+        profile=lambda: PUBLISHED_PROFILES["h100-llama3-8b"],
+        cluster=ClusterSpec(hosts=3, gpus_per_host=8, hosts_per_leaf=2, rdma_gbps=200.0, nvlink_gbps=3600.0),
+        arrivals=_code_burst_arrivals,
+        slo=Slo(ttft_s=1.0, tbt_s=0.1),
+        initial=16,
+        max_instances=24,
+        batch_for_sizing=32,
+        scale_out_cooldown_s=5.0,
+        scale_in_cooldown_s=60.0,
+        pd=(8, 8),
+        kills_at_s=(35.0, 45.0),
     ),
 }
 
@@ -189,6 +237,8 @@ def build_runs(
     profile = sc.profile()
     arrivals = tuple(sc.arrivals())
     size = sizing(sc, profile, list(arrivals))
+    if sc.pd is not None:
+        return _pd_runs(sc, profile, arrivals, variants, seed), {"sizing": size}
     hetero = {
         "target_decode_tps_per_instance": size["target_decode_tps_per_instance"],
         "target_requests_per_instance": size["target_requests_per_instance"],
@@ -227,3 +277,36 @@ def build_runs(
     if unknown:
         raise ValueError(f"unknown variants {unknown!r}; known: {sorted(table)!r}")
     return [table[v] for v in variants], {"sizing": size, "policy_params": {"heteroscale": hetero, "utilization": hpa}}
+
+
+def _pd_runs(
+    sc: Scenario, profile: SimProfile, arrivals: tuple[Arrival, ...], variants: tuple[str, ...], seed: int
+) -> list[RunConfig]:
+    assert sc.pd is not None
+    p, d = sc.pd
+    common: dict[str, Any] = {
+        "profile": profile,
+        "cluster": sc.cluster,
+        "arrivals": arrivals,
+        "slo": sc.slo,
+        "max_instances": sc.max_instances,
+        "autoscale": False,
+        "seed": seed,
+    }
+    pd: dict[str, Any] = {**common, "disaggregated": True, "initial_prefill": p, "initial_decode": d}
+    decode_at, prefill_at = sc.kills_at_s
+    table = {
+        "pd_mixed": RunConfig(name="pd_mixed", **pd),
+        "pd_split_hosts": RunConfig(name="pd_split_hosts", pd_layout="split_hosts", **pd),
+        "pd_kill": RunConfig(
+            name="pd_kill",
+            kills=(Kill(decode_at, role=Role.DECODE), Kill(prefill_at, role=Role.PREFILL, mode="hang")),
+            **pd,
+        ),
+        "pd_migrate": RunConfig(name="pd_migrate", live_migration=True, migration_tbt_slo_s=sc.slo.tbt_s, **pd),
+        "colocated": RunConfig(name="colocated", initial=p + d, **common),
+    }
+    unknown = sorted(set(variants) - set(table))
+    if unknown:
+        raise ValueError(f"unknown variants {unknown!r}; known: {sorted(table)!r}")
+    return [table[v] for v in variants]

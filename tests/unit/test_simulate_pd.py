@@ -272,3 +272,27 @@ def test_live_migration_moves_running_requests_with_their_kv() -> None:
     assert all(r.end_s is not None for r in sim.requests)
     stayed = [r for r in sim.requests if r.worker == "h00g0"]
     assert max(r.end_s for r in moved) < max(r.end_s for r in stayed)  # type: ignore[type-var]
+
+
+# ---- the disagg16 scenario ----------------------------------------------------------------------------------
+def test_disagg16_runs_in_seconds_and_its_failures_are_replaced() -> None:
+    import time
+
+    from bench.simulate.scenarios import SCENARIOS, build_runs
+
+    started = time.perf_counter()
+    (mixed, kill), _ = build_runs(SCENARIOS["disagg16"], ("pd_mixed", "pd_kill"))
+    base = Simulation(mixed).run()
+    sim = Simulation(kill)
+    summary = sim.run()
+    assert time.perf_counter() - started < 20
+    for s in (base, summary):
+        assert s["requests_sent"] > 3000 and s["lost"] == 0 and s["completed"] == s["requests_sent"]
+        assert s["kv_transfers"]["kv"]["count"] > 3000
+    assert base["kv_paths"]["nvlink"] > base["kv_paths"].get("rdma_leaf", 0)
+    killed = summary["failures"]["killed"]
+    assert [(k["role"], k["mode"]) for k in killed] == [("decode", "sigkill"), ("prefill", "hang")]
+    loads = [a for a in sim.actuator.executed if isinstance(a, LoadInstances)]
+    assert sorted(a.reason for a in loads) == ["min_decode=8", "min_prefill=8"]
+    for role in (Role.PREFILL, Role.DECODE):
+        assert len(sim.registry.views(role=role, state=InstanceState.SERVING)) == 8
