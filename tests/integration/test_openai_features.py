@@ -17,20 +17,10 @@ from typing import Any
 
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
 
 import blitzmesh
-from blitzmesh.v1 import admin_pb2, common_pb2, global_manager_pb2_grpc
-from services.common.grpc_util import channel
-from services.common.waiting import wait_until
-from services.gateway.config import GatewayConfig
-from services.gateway.service import GatewayService
-from services.global_manager.config import GlobalManagerConfig
-from services.global_manager.service import GlobalManagerService
 from services.model_format.tokenizer import Tokenizer
-from services.param_manager.service import ParamManagerConfig, ParamManagerService
-from services.worker.config import WorkerConfig
-from services.worker.service import WorkerService
+from tests.integration.mini_mesh import mini_mesh
 
 ServeFactory = Any  # tests/integration/conftest.py: serve_in_process
 
@@ -49,42 +39,8 @@ class Mesh:
 
 @pytest.fixture
 async def mesh(tiny_models: Path, serve_in_process: ServeFactory) -> AsyncIterator[Mesh]:
-    async with contextlib.AsyncExitStack() as stack:
-        pm = ParamManagerService(ParamManagerConfig(port=0, model_dir=tiny_models, dataplane="tcp"))
-        pm_ctx = await stack.enter_async_context(serve_in_process(pm, pm.servicer.config))
-        gm = GlobalManagerService(GlobalManagerConfig(port=0, param_manager=pm_ctx.address))
-        gm_ctx = await stack.enter_async_context(serve_in_process(gm, gm.servicer.cfg))
-        wk = WorkerService(
-            WorkerConfig(
-                port=0,
-                instance_id="w-0",
-                param_manager=pm_ctx.address,
-                global_manager=gm_ctx.address,
-                preload_model=MODEL,
-                kv_cache_tokens=4096,
-                heartbeat_interval_s=0.2,
-                dataplane="tcp",  # ucxx allows one worker per process; UCX is covered elsewhere
-            )
-        )
-        await stack.enter_async_context(serve_in_process(wk, wk.cfg))
-        ch = await stack.enter_async_context(channel(gm_ctx.address))
-
-        async def serving() -> bool:
-            cluster = await global_manager_pb2_grpc.GlobalManagerStub(ch).GetCluster(
-                admin_pb2.GetClusterRequest(), timeout=5
-            )
-            return any(i.state == common_pb2.INSTANCE_STATE_SERVING for i in cluster.instances)
-
-        await wait_until(serving, 30, interval_s=0.05, what="the worker SERVING in the global manager")
-        cfg = GatewayConfig(
-            port=0, http_port=0, global_manager=gm_ctx.address, param_manager=pm_ctx.address, shutdown_grace_s=0.5
-        )
-        gw_ctx = await stack.enter_async_context(
-            serve_in_process(GatewayService(cfg, registry=CollectorRegistry()), cfg)
-        )
-        yield Mesh(
-            f"http://127.0.0.1:{gw_ctx.extra_ports['http_port']}/v1", gw_ctx.address, Tokenizer(tiny_models / MODEL)
-        )
+    async with mini_mesh(tiny_models, serve_in_process) as m:
+        yield Mesh(m.http, m.grpc_address, Tokenizer(tiny_models / MODEL))
 
 
 @contextlib.asynccontextmanager

@@ -13,9 +13,7 @@ real reason; the worker's RESOURCE_EXHAUSTED carries `retry-after-s` and `slo-ki
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +21,13 @@ import grpc
 import grpc.aio
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
 
-from blitzmesh.v1 import admin_pb2, common_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
+from blitzmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
 from services.common.waiting import wait_until
-from services.gateway.config import GatewayConfig
-from services.gateway.service import GatewayService
-from services.global_manager.config import GlobalManagerConfig
-from services.global_manager.service import GlobalManagerService
-from services.param_manager.service import ParamManagerConfig, ParamManagerService
-from services.worker.config import WorkerConfig
 from services.worker.engine.slo import RequestSLO
 from services.worker.service import REQUESTS, WorkerService
+from tests.integration.mini_mesh import mini_mesh
 
 ServeFactory = Any  # tests/integration/conftest.py: serve_in_process
 
@@ -43,52 +35,6 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("error")]
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
-
-
-@dataclass
-class Mesh:
-    http: str
-    worker: WorkerService
-    worker_address: str
-
-
-@contextlib.asynccontextmanager
-async def mesh(tiny_models: Path, serve_in_process: ServeFactory, **worker_extra: Any) -> AsyncIterator[Mesh]:
-    async with contextlib.AsyncExitStack() as stack:
-        pm = ParamManagerService(ParamManagerConfig(port=0, model_dir=tiny_models, dataplane="tcp"))
-        pm_ctx = await stack.enter_async_context(serve_in_process(pm, pm.servicer.config))
-        gm = GlobalManagerService(GlobalManagerConfig(port=0, param_manager=pm_ctx.address))
-        gm_ctx = await stack.enter_async_context(serve_in_process(gm, gm.servicer.cfg))
-        wk = WorkerService(
-            WorkerConfig(
-                port=0,
-                instance_id="w-0",
-                param_manager=pm_ctx.address,
-                global_manager=gm_ctx.address,
-                preload_model=MODEL,
-                kv_cache_tokens=4096,
-                heartbeat_interval_s=0.2,
-                dataplane="tcp",
-                **worker_extra,
-            )
-        )
-        wk_ctx = await stack.enter_async_context(serve_in_process(wk, wk.cfg))
-        ch = await stack.enter_async_context(channel(gm_ctx.address))
-
-        async def serving() -> bool:
-            cluster = await global_manager_pb2_grpc.GlobalManagerStub(ch).GetCluster(
-                admin_pb2.GetClusterRequest(), timeout=5
-            )
-            return any(i.state == common_pb2.INSTANCE_STATE_SERVING for i in cluster.instances)
-
-        await wait_until(serving, 30, interval_s=0.05, what="the worker SERVING in the global manager")
-        cfg = GatewayConfig(
-            port=0, http_port=0, global_manager=gm_ctx.address, param_manager=pm_ctx.address, shutdown_grace_s=0.5
-        )
-        gw_ctx = await stack.enter_async_context(
-            serve_in_process(GatewayService(cfg, registry=CollectorRegistry()), cfg)
-        )
-        yield Mesh(f"http://127.0.0.1:{gw_ctx.extra_ports['http_port']}/v1", wk, wk_ctx.address)
 
 
 def record_slos(wk: WorkerService, seen: list[RequestSLO | None]) -> None:
@@ -108,7 +54,7 @@ def record_slos(wk: WorkerService, seen: list[RequestSLO | None]) -> None:
 
 async def test_slo_reaches_the_engine_and_usage_reports_it(tiny_models: Path, serve_in_process: ServeFactory) -> None:
     seen: list[RequestSLO | None] = []
-    async with mesh(tiny_models, serve_in_process) as m:
+    async with mini_mesh(tiny_models, serve_in_process) as m:
         record_slos(m.worker, seen)
         async with channel(m.worker_address) as ch:
             # An objective that is not a positive number is the caller's mistake.
@@ -143,7 +89,7 @@ async def test_slo_reaches_the_engine_and_usage_reports_it(tiny_models: Path, se
 
 async def test_unattainable_ttft_behind_queued_work_is_429(tiny_models: Path, serve_in_process: ServeFactory) -> None:
     pacing = {"step_time_a_s": 0.05, "step_time_b_s": 0.002, "max_batch_size": 2, "scheduling_policy": "scorpio"}
-    async with mesh(tiny_models, serve_in_process, **pacing) as m:
+    async with mini_mesh(tiny_models, serve_in_process, **pacing) as m:
         client = openai.AsyncOpenAI(base_url=m.http, api_key="unused", max_retries=0)
         try:
             # Queued work: long generations filling the batch, more waiting behind them.
