@@ -343,3 +343,30 @@ async def test_zigzag_on_a_prefill_instance_hands_the_whole_kv_to_decode(ckpt: P
             prefill.release_parked(head.parked_kv)
     finally:
         await new.stop()
+
+
+async def test_a_relayed_prompt_longer_than_one_iteration_is_computed_whole(ckpt: Path) -> None:
+    """The partner runs a relayed prompt's remaining layers in one step. With chunked prefill (the
+    default) a prompt longer than `max_num_tokens` never gets such a step: it is computed here
+    whole instead of waiting forever (the gateway then aborts the loading instance's part)."""
+    full = full_model(ckpt)
+    prompt = prompt_of(40, 7)
+    expected = await whole_run(full, prompt)
+    model, _ = partial_model(ckpt, 2)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        config = EngineConfig(max_batch_size=4, max_num_tokens=32, num_kv_blocks=64, num_threads=1)
+        async with Engine.create(full, [2], config) as old:
+            assert old.config.enable_chunked_prefill
+            first = asyncio.create_task(collect_stream(new.generate("long", prompt, PARAMS, zigzag=True)))
+            await wait_until(lambda: "long" in new._by_id, 5, what="the zigzag request on the loading instance")
+            rest = await asyncio.wait_for(
+                collect_stream(old.generate("long", prompt, PARAMS, relay_fill=relay_from(new, "long"))), 60
+            )
+            assert [e.token_id for e in rest] == expected
+            assert old.zigzag == {"relayed": 0, "continued": 0, "recomputed": 0}
+            new.abort("long")  # what the gateway does once the partner's stream has ended
+            assert [e.finish_reason for e in await asyncio.wait_for(first, 10)] == ["abort"]
+    finally:
+        await new.stop()

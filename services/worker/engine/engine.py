@@ -711,10 +711,10 @@ class Engine:
         # SCORPIO refuses only requests that have sent nothing yet and need nothing from a peer.
         plain = not (handoff or kv_fill is not None or zigzag or relay_fill is not None or resumed)
         if relay_fill is not None and (
-            sampling.prompt_logprobs is not None
-            or (not self.config.enable_chunked_prefill and len(prompt) > self.config.max_num_tokens)
+            sampling.prompt_logprobs is not None or len(prompt) > self.config.max_num_tokens
         ):
-            # The continuation runs the prompt's remaining layers in one step; prompt log-probs
+            # The continuation runs the prompt's remaining layers in one step, which a prompt
+            # longer than one iteration never gets (chunked prefill or not); prompt log-probs
             # need every layer here. Computing the prompt here whole is always correct.
             relay_fill = None
         self.check_request(len(prompt), sampling, handoff=handoff)
