@@ -3,6 +3,7 @@
 Usage:
     python -m bench.simulate --scenario smoke|conv64|disagg16 [--variants blitzmesh,fixed_peak]
         [--seed 0] [--out bench/results/simulate_smoke.json]
+    python -m bench.simulate --validate [--out bench/results/simulator.json]
 
 Runs each variant of the scenario (`bench.simulate.scenarios`: blitzmesh, hpa, serverlessllm,
 fixed_peak; for the disaggregated disagg16 pd_mixed, pd_split_hosts, pd_kill, pd_migrate,
@@ -37,7 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="default bench/results/simulate_<scenario>.json")
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="replay bench.autoscale --quick's stored runs (bench/results/autoscale_quick.json) in the simulator "
+        "and write the comparison to bench/results/simulator.json `validation`",
+    )
     args = p.parse_args(argv)
+    if args.validate:
+        return _validate(args.out or REPO_ROOT / "bench" / "results" / "simulator.json")
     sc = SCENARIOS[args.scenario]
     variants = sc.variants if args.variants is None else tuple(v for v in args.variants.split(",") if v)
     runs, meta = build_runs(sc, variants, seed=args.seed)
@@ -70,6 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {out}")
+    return 0
+
+
+def _validate(out: Path) -> int:
+    from .validation import table, validate
+
+    validation = validate()
+    for line in table(validation):
+        print(line)
+    existing = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
+    existing["validation"] = validation
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(existing, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {out} (validation)")
     return 0
 
 

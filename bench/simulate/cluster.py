@@ -55,7 +55,7 @@ from .events import EventLoop
 from .links import ClusterSpec, LeafSpine, Network
 from .profiles import SimProfile
 from .transfer import Transfer
-from .worker import SimRequest, SimWorker
+from .worker import SimRequest, SimWorker, WindowStats
 
 __all__ = ["Kill", "RunConfig", "SimActuator", "Simulation"]
 
@@ -126,6 +126,11 @@ class RunConfig:
     live_migration: bool = False
     migration_kv_high: float = 0.95
     migration_tbt_slo_s: float | None = None
+    rebalance: bool = True  # the core's rebalancing of queued requests onto a new instance
+    decision_repeat_s: float = 30.0  # a 'no change' decision is reported this often (GM default)
+    # None: each LoadReport covers the last heartbeat period, one TBT sample per step; seconds:
+    # as the real engine reports, over a sliding window, one TBT sample per token.
+    report_window_s: float | None = None
 
 
 class SimActuator:
@@ -202,10 +207,11 @@ class Simulation:
             live_migration=cfg.live_migration,
             migration_kv_high=cfg.migration_kv_high,
             migration_tbt_slo_s=cfg.migration_tbt_slo_s,
+            rebalance=cfg.rebalance,
         )
         # The manager's own bounds are the policy's defaults (GlobalManagerServicer._make_policy).
         params = {"min_instances": max(1, floor), "max_instances": cfg.max_instances, **cfg.policy_params}
-        self.reconciler = Reconciler(settings, make_policy(cfg.policy, params))
+        self.reconciler = Reconciler(settings, make_policy(cfg.policy, params), decision_repeat_s=cfg.decision_repeat_s)
         self.actuator = SimActuator(self)
         self.topology = Topology(
             hosts={
@@ -234,6 +240,8 @@ class Simulation:
                 on_handoff=self._handoff,
                 on_pull=self._pull,
             )
+            if cfg.report_window_s is not None:
+                self.workers[gpu].window = WindowStats(cfg.report_window_s)
             serving = gpu in roles
             self.registry.register(
                 gpu,

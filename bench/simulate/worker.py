@@ -31,7 +31,7 @@ from services.global_manager.core.types import LoadSample
 from .events import EventLoop
 from .profiles import FastStep, SimProfile
 
-__all__ = ["Phase", "SimRequest", "SimWorker"]
+__all__ = ["Phase", "SimRequest", "SimWorker", "WindowStats"]
 
 Phase = Literal["full", "prefill", "decode"]
 
@@ -69,6 +69,38 @@ class _Stats:
     prefill_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
     tbts: list[float] = field(default_factory=list)
+
+
+@dataclass
+class WindowStats:
+    """The real engine's load statistics (`services/worker/engine`): rates and percentiles over
+    a sliding `window_s`, one TBT sample per token (each request's gap), not one per step."""
+
+    window_s: float
+    tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    prefill: deque[tuple[float, int]] = field(default_factory=deque)
+    ttfts: deque[tuple[float, float]] = field(default_factory=deque)
+    tbts: deque[tuple[float, float, int]] = field(default_factory=deque)
+
+    def prune(self, now_s: float) -> None:
+        edge = now_s - self.window_s
+        for d in (self.tokens, self.prefill, self.ttfts, self.tbts):
+            while d and d[0][0] <= edge:
+                d.popleft()
+
+
+def _wq(samples: list[tuple[float, int]], q: float) -> float | None:
+    """Nearest-rank percentile of values each repeated `weight` times."""
+    total = sum(w for _, w in samples)
+    if total <= 0:
+        return None
+    rank = max(1, math.ceil(q * total - 1e-9))
+    seen = 0
+    for v, w in sorted(samples):
+        seen += w
+        if seen >= rank:
+            return v
+    return samples[-1][0]
 
 
 def _q(values: list[float], q: float) -> float | None:
@@ -115,6 +147,8 @@ class SimWorker:
         self.busy = False
         self.speedup = 1.0
         self.stats = _Stats()
+        # Set (seconds) to report as the real engine does: a sliding window, TBT per token.
+        self.window: WindowStats | None = None
         self.busy_s = 0.0
         self.alive = True  # False once killed or hung: no more steps, no heartbeats
         self._epoch = 0  # a step scheduled before a kill ends in nothing
@@ -258,9 +292,13 @@ class SimWorker:
         now = self.loop.now_s
         self.step_no += 1
         stats = self.stats
+        win = self.window
         if rows:
             stats.tokens += rows
             stats.tbts.append(dt)
+            if win is not None:
+                win.tokens.append((now, rows))
+                win.tbts.append((now, dt, rows))
             self.ctx_sum += rows
             heap = self.decoding
             while heap and heap[0][0] <= self.step_no:
@@ -269,6 +307,8 @@ class SimWorker:
                 r.generated = r.output
                 self._finish(r, now)
         stats.prefill_tokens += ptok
+        if win is not None and ptok:
+            win.prefill.append((now, ptok))
         for r, n in plan:
             r.prefilled += n
             if r.prefilled < r.ctx:
@@ -276,9 +316,13 @@ class SimWorker:
             self.prefilling.remove(r)
             r.generated += 1
             stats.tokens += 1
+            if win is not None:
+                win.tokens.append((now, 1))
             if r.first_token_s is None:
                 r.first_token_s = now
                 stats.ttfts.append(now - r.arrival_s)
+                if win is not None:
+                    win.ttfts.append((now, now - r.arrival_s))
                 self.on_first_token(r)
             if r.remaining <= 0:
                 self._finish(r, now)
@@ -305,6 +349,28 @@ class SimWorker:
     def sample(self, now_s: float, period_s: float, *, serving: bool) -> LoadSample:
         """The LoadReport the real worker sends, from what happened since the last one."""
         s, self.stats = self.stats, _Stats()
+        win = self.window
+        if win is not None:
+            win.prune(now_s)
+            span = max(1e-3, min(win.window_s, now_s))
+            ttfts = [v for _, v in win.ttfts]
+            tbts = [(v, w) for _, v, w in win.tbts]
+            return LoadSample(
+                instance_id=self.iid,
+                now_s=now_s,
+                decode_tps=sum(n for _, n in win.tokens) / span,
+                prefill_tps=sum(n for _, n in win.prefill) / span,
+                ttft_p50_s=_q(ttfts, 0.5),
+                ttft_p99_s=_q(ttfts, 0.99),
+                tbt_p50_s=_wq(tbts, 0.5),
+                tbt_p99_s=_wq(tbts, 0.99),
+                running=self.running,
+                waiting=len(self.waiting),
+                waiting_prefill_tokens=sum(r.ctx for r in self.waiting if r.phase != "decode")
+                + sum(r.ctx - r.prefilled for r in self.prefilling),
+                kv_blocks_used=self.kv_used if serving else 0,
+                kv_blocks_total=self.kv_total if serving else 0,
+            )
         return LoadSample(
             instance_id=self.iid,
             now_s=now_s,
