@@ -10,7 +10,8 @@ serves). Loads follow the core's multicast plan (`plan_multicast`, sources prune
 `SendingLinks` like the live actuator) timed on the links, or for the ServerlessLLM baseline a
 per-host cache: a miss reads the SSD. While a chain tail loads, the core's ZigZag gate
 (`should_zigzag`, `choose_zigzag_partner`) pairs it with an overloaded SERVING instance, whose
-throughput grows by the layer-level model (`pair_throughput`).
+throughput grows by the layer-level model (`pair_throughput`; `partner_speedup` when several
+loading instances share one partner).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from services.global_manager.core.policies import make_policy
 from services.global_manager.core.reconcile import Observations, Reconciler, ReconcileSettings, release_report
 from services.global_manager.core.routing import plan_route
 from services.global_manager.core.types import InstanceState, Role
-from services.global_manager.core.zigzag import choose_zigzag_partner, pair_throughput, should_zigzag
+from services.global_manager.core.zigzag import choose_zigzag_partner, should_zigzag
 
 from .events import EventLoop
 from .links import ClusterSpec, LeafSpine, Network
@@ -57,7 +58,7 @@ from .profiles import SimProfile
 from .transfer import Transfer
 from .worker import SimRequest, SimWorker, WindowStats
 
-__all__ = ["Kill", "RunConfig", "SimActuator", "Simulation"]
+__all__ = ["Kill", "RunConfig", "SimActuator", "Simulation", "partner_speedup"]
 
 S = InstanceState
 Loader = Literal["blitz", "serverless"]
@@ -131,6 +132,15 @@ class RunConfig:
     # None: each LoadReport covers the last heartbeat period, one TBT sample per step; seconds:
     # as the real engine reports, over a sliding window, one TBT sample per token.
     report_window_s: float | None = None
+    # ZigZag as the live GM runs it (`service.py` `_zigzag_route`, config `zigzag_live`,
+    # `zigzag_ttft_s`): "tails" (the default here) pairs only chain tails; "all" (the live GM's
+    # default) every LOADING target from its first layer. `zigzag_ttft_s`: the gate also opens
+    # when every SERVING instance's TTFT p50 is at least this (the live GM's default is 1.0 s).
+    zigzag_live: Literal["tails", "all"] = "tails"
+    zigzag_ttft_s: float | None = None
+    # "always": pair every live loading instance whatever the gate says (an upper bound of the
+    # layer-level model, not what the live GM does).
+    zigzag_gate: Literal["all_overloaded", "always"] = "all_overloaded"
 
 
 class SimActuator:
@@ -278,6 +288,11 @@ class Simulation:
         self.tails: set[str] = set()
         self.boosted: dict[str, float] = {}
         self.zigzag_boost_s = 0.0
+        # Prefills finished on a boosted partner, and the share of them the loading instances
+        # ran (1 - 1/speedup each): the request-equivalents served while loading.
+        self.zigzag_assisted = 0
+        self.zigzag_served_while_loading = 0.0
+        self.zigzag_paired: set[str] = set()
         self.reached_serving: list[tuple[float, str]] = []
         # P/D hand-offs and live migrations: the decode instance chosen with each prefill hop,
         # the KV pulls in flight (request index -> flow id, source, destination, start), and
@@ -340,6 +355,11 @@ class Simulation:
                 },
                 "actions": dict(sorted(self.counts.items())),
                 "zigzag_boost_instance_s": round(self.zigzag_boost_s, 2),
+                "zigzag": {
+                    "assisted_requests": self.zigzag_assisted,
+                    "served_while_loading": round(self.zigzag_served_while_loading, 2),
+                    "loading_instances_paired": len(self.zigzag_paired),
+                },
                 "kv_transfers": {
                     kind: {
                         "count": len(ts),
@@ -437,7 +457,10 @@ class Simulation:
             self.pending.popleft()
 
     def _first_token(self, req: SimRequest) -> None:
-        pass
+        speedup = self.workers[req.worker].speedup
+        if speedup > 1:
+            self.zigzag_assisted += 1
+            self.zigzag_served_while_loading += 1 - 1 / speedup
 
     def _finished(self, req: SimRequest) -> None:
         self.done += 1
@@ -698,7 +721,7 @@ class Simulation:
         if k > view.layers_loaded:
             self.registry.set_layers_loaded(iid, min(k, view.num_layers))
             self.monitor.mark_seen(iid, self.loop.now_s)
-            if iid in self.tails:
+            if iid in self.tails or self.cfg.zigzag_live == "all":
                 self._update_zigzag()
 
     def _load_done(self, load: LoadInstances, iid: str) -> None:
@@ -782,34 +805,76 @@ class Simulation:
 
     # ---- ZigZag ----------------------------------------------------------------------------
     def _update_zigzag(self) -> None:
-        """Pair each loading chain tail with an overloaded SERVING instance while the core's gate
-        says every SERVING instance is overloaded; the partner's throughput follows the
-        layer-level model: x `L * pair_throughput(L, k)`."""
+        """While the core's gate says every SERVING instance is overloaded, give each live
+        LOADING instance (chain tails, or every target with `zigzag_live="all"`; most layers
+        first) a partner by the core's `choose_zigzag_partner`; once every SERVING instance has
+        one, the next live instances share partners in the same order. A partner's throughput
+        follows the layer-level model (`partner_speedup`): with one loading instance at k of L,
+        x `L * pair_throughput(L, k)`."""
         for iid in self.boosted:
             self.workers[iid].speedup = 1.0
         self.boosted = {}
-        if not self.cfg.zigzag or not self.tails:
+        if not self.cfg.zigzag:
             return
         views = self.registry.views(model=self.model.name)
-        cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
-        if not should_zigzag(views, model=self.model.name, max_running_by_instance=cap).zigzag:
-            return
         by_id = {v.instance_id: v for v in views}
+        candidates = (
+            self.tails if self.cfg.zigzag_live == "tails" else {v.instance_id for v in views if v.state is S.LOADING}
+        )
         live = sorted(
-            (by_id[t] for t in self.tails if t in by_id),
+            (
+                by_id[t]
+                for t in candidates
+                if t in by_id and by_id[t].state is S.LOADING and 1 <= by_id[t].layers_loaded < by_id[t].num_layers
+            ),
             key=lambda v: (-v.layers_loaded, v.instance_id),
         )
+        if not live:
+            return
+        cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
+        gate = should_zigzag(views, model=self.model.name, max_running_by_instance=cap, ttft_s=self.cfg.zigzag_ttft_s)
+        if not gate.zigzag and self.cfg.zigzag_gate != "always":
+            return
+        paired: dict[str, list[int]] = {}
         for v in live:
-            if v.state is not S.LOADING or not 1 <= v.layers_loaded < v.num_layers:
-                continue
             choice = choose_zigzag_partner(
-                views, v.instance_id, self.model.name, exclude_ids=set(self.boosted), max_running_by_instance=cap
+                views, v.instance_id, self.model.name, exclude_ids=set(paired), max_running_by_instance=cap
             )
+            if choice is None and paired:
+                # Every SERVING instance has a partner already: share those with the fewest.
+                least = min(len(ks) for ks in paired.values())
+                busier = {p for p, ks in paired.items() if len(ks) > least}
+                choice = choose_zigzag_partner(
+                    views, v.instance_id, self.model.name, exclude_ids=busier, max_running_by_instance=cap
+                )
             if choice is None:
                 break
-            factor = v.num_layers * pair_throughput(v.num_layers, v.layers_loaded)
-            self.boosted[choice.partner.instance_id] = factor
-            self.workers[choice.partner.instance_id].speedup = factor
+            paired.setdefault(choice.partner.instance_id, []).append(v.layers_loaded)
+            self.zigzag_paired.add(v.instance_id)
+        for partner, ks in paired.items():
+            factor = partner_speedup(self.model.num_layers, ks)
+            self.boosted[partner] = factor
+            self.workers[partner].speedup = factor
+
+
+def partner_speedup(num_layers: int, k_layers: Sequence[int]) -> float:
+    """How much faster a full instance serves prefills with loading instances holding
+    `k_layers` (each in [1, L)) running the first layers of its requests, by the fluid
+    layer-level model of `core.zigzag.pair_throughput` extended to several loading instances:
+    the partner spends its time on split requests of the loading instance with the most layers
+    first (each costs it L - k layer-times instead of L), at most (L - k) / k of its time per
+    loading instance (that one's own rate, 1/k requests per layer-time), and the rest on whole
+    requests. One loading instance: exactly `L * pair_throughput(L, k)`."""
+    L = num_layers
+    left, rate = 1.0, 0.0
+    for k in sorted(k_layers, reverse=True):
+        share = min(left, (L - k) / k)
+        rate += share / (L - k)
+        left -= share
+        if left <= 0:
+            break
+    rate += max(0.0, left) / L
+    return L * rate
 
 
 def _r(x: float | None) -> float | None:

@@ -1,0 +1,118 @@
+"""The simulator's ZigZag is honest: a loading instance at k of L paired with a saturated partner
+serves exactly the layer-level model's throughput, nothing more; with ZigZag off (or the live
+GM's gate shut) a loading instance serves nothing; and the live8b scenario's stop-the-world run
+never serves a request on an instance before it is SERVING."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.simulate.cluster import RunConfig, Simulation, partner_speedup
+from bench.simulate.links import ClusterSpec
+from bench.simulate.live_scaling import live8b_runs
+from bench.simulate.profiles import PUBLISHED_PROFILES
+from bench.simulate.worker import SimRequest
+from bench.simulate.zigzag import layer_level_throughput
+from services.global_manager.core.types import InstanceState
+from services.global_manager.core.zigzag import pair_throughput
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("error")]
+
+PROFILE = PUBLISHED_PROFILES["h100-llama3-8b"]
+L = PROFILE.model.num_layers
+OLD, NEW = "h00g0", "h00g1"
+
+
+def _pair(zigzag: bool, k: int, queued: int = 1500, gate: str = "all_overloaded") -> tuple[Simulation, float, float]:
+    """One SERVING instance with `queued` prefill-only requests (2,048-token prompts, 1 output
+    token) and one LOADING instance holding k of L layers, ZigZag as the live GM runs it.
+    Returns the simulation, the partner's speedup, and the requests per second the pair
+    completes over 20 s of saturation."""
+    cfg = RunConfig(
+        name="pair",
+        profile=PROFILE,
+        cluster=ClusterSpec(hosts=1, gpus_per_host=2, hosts_per_leaf=1),
+        arrivals=(),
+        initial=1,
+        autoscale=False,
+        max_instances=2,
+        zigzag=zigzag,
+        zigzag_live="all",
+        zigzag_ttft_s=1.0,
+        zigzag_gate=gate,  # type: ignore[arg-type]
+    )
+    sim = Simulation(cfg)
+    sim.registry.transition(NEW, InstanceState.LOADING, model=PROFILE.model.name, num_layers=L)
+    if k:
+        sim.registry.set_layers_loaded(NEW, k)
+    reqs = [SimRequest(i, 0.0, 2048, 1) for i in range(queued)]
+    for r in reqs:
+        sim.workers[OLD].submit(r)
+    sim.loop.run(1.0)
+    sim._heartbeats()  # the LoadReports the gate reads
+    sim._update_zigzag()
+    speedup = sim.workers[OLD].speedup
+    t0, done0 = sim.loop.now_s, sim.done
+    sim.loop.run(t0 + 20.0)
+    assert queued < 100 or sim.done < queued, "the partner must stay saturated over the window"
+    return sim, speedup, (sim.done - done0) / 20.0
+
+
+@pytest.mark.parametrize("k", [1, 4, 8, 16, 24, 31])
+def test_a_loading_instance_at_k_of_l_gives_the_pair_the_layer_level_throughput(k: int) -> None:
+    _, off_speedup, alone = _pair(zigzag=False, k=k)
+    sim, speedup, paired = _pair(zigzag=True, k=k)
+    expected = L * pair_throughput(L, k)  # the fluid optimum, relative to one instance alone
+    assert off_speedup == 1.0
+    assert speedup == pytest.approx(expected)
+    assert paired / alone == pytest.approx(expected, rel=0.01)
+    # The discrete layer-time simulation of the heuristic reaches the same figure.
+    assert L * layer_level_throughput(L, k, horizon=50_000) == pytest.approx(expected, rel=3e-3)
+    # Every prefill finished on the boosted partner; the loading instance's share of each is
+    # 1 - 1/speedup, and no request ever sits on the loading instance itself.
+    assert sim.zigzag_assisted > 0
+    assert sim.zigzag_served_while_loading == pytest.approx(sim.zigzag_assisted * (1 - 1 / expected))
+    assert sim.workers[NEW].stats.prefill_tokens == 0 and sim.workers[NEW].empty
+
+
+def test_zigzag_off_or_gate_shut_or_no_layer_serves_nothing_while_loading() -> None:
+    off, speedup, _ = _pair(zigzag=False, k=16)
+    assert speedup == 1.0 and off.zigzag_assisted == 0 and off.zigzag_served_while_loading == 0
+    assert not off.boosted
+    # The live GM's gate: one request on the partner, nothing waiting, TTFT well under 1 s.
+    idle, speedup, _ = _pair(zigzag=True, k=16, queued=1)
+    assert speedup == 1.0 and idle.zigzag_assisted == 0
+    # No layer yet: nothing to run.
+    empty, speedup, _ = _pair(zigzag=True, k=0)
+    assert speedup == 1.0 and empty.zigzag_assisted == 0
+    # The ungated upper bound pairs regardless of the gate.
+    _, speedup, _ = _pair(zigzag=True, k=16, queued=1, gate="always")
+    assert speedup == pytest.approx(2.0)
+
+
+def test_partner_speedup_extends_the_pair_model_to_shared_partners() -> None:
+    for k in range(1, L):
+        assert partner_speedup(L, [k]) == pytest.approx(L * pair_throughput(L, k))
+    # Below L/2 the partner is the bottleneck: a second loading instance adds nothing.
+    assert partner_speedup(L, [8, 8]) == pytest.approx(partner_speedup(L, [8]))
+    # Near L each loading instance is a whole one: it runs k layers, the partner L - k.
+    assert partner_speedup(L, [30, 30, 30]) == pytest.approx(4.0)
+    # Never more than the instances involved, all busy.
+    assert all(partner_speedup(L, [k] * n) <= 1 + n + 1e-12 for k in range(1, L) for n in (1, 2, 3, 8))
+
+
+def test_live8b_stop_the_world_serves_only_on_serving_instances() -> None:
+    (cfg,), meta = live8b_runs(("stop_the_world",), gbps=10.0)
+    sim = Simulation(cfg)
+    summary = sim.run()
+    assert summary["lost"] == 0 and summary["completed"] == summary["requests_sent"]
+    assert summary["loads"]["count"] > 20 and summary["loads"]["mean_s"] > 1.0  # loads take seconds
+    assert summary["zigzag"] == {"assisted_requests": 0, "served_while_loading": 0.0, "loading_instances_paired": 0}
+    assert summary["zigzag_boost_instance_s"] == 0
+    assert all(w.speedup == 1.0 for w in sim.workers.values())
+    serving_at = {iid: t for t, iid in sim.reached_serving}
+    for r in sim.requests:
+        # Initially serving (no entry), or SERVING before this request's first token.
+        assert r.first_token_s is not None
+        assert serving_at.get(r.worker, 0.0) <= r.first_token_s
+    assert meta["sizing"]["initial"] == 8
