@@ -12,6 +12,10 @@ from collections.abc import AsyncIterator, Callable
 
 from services.gateway.errors import ErrorKind, GatewayError
 
+# The `Retry-After` of a 429 for a full or slow queue: a slot frees whenever any request in flight
+# ends, which the gateway cannot foresee; a second is a hint for a well-behaved client, not a promise.
+QUEUE_RETRY_AFTER_S = 1.0
+
 
 class Admission:
     def __init__(
@@ -70,6 +74,7 @@ class Admission:
                 f"server overloaded: {self._in_flight} requests in flight (max_concurrency={self.max_concurrency})"
                 f" and {len(self._waiters)} waiting (max_queue={self.max_queue}); retry later",
                 code="queue_full",
+                retry_after_s=QUEUE_RETRY_AFTER_S,
             )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
@@ -92,6 +97,7 @@ class Admission:
                     f"no capacity within queue_timeout_s={self.queue_timeout_s}: {self._in_flight} requests in"
                     f" flight (max_concurrency={self.max_concurrency}), {len(self._waiters)} waiting; retry later",
                     code="queue_timeout",
+                    retry_after_s=QUEUE_RETRY_AFTER_S,
                 ) from None
             raise
         self._changed()

@@ -701,8 +701,9 @@ async def test_queue_full_is_429_and_queued_requests_run(cluster: Cluster, start
         if gw.service.backend.admission.waiting == 1:
             break
         await asyncio.sleep(0.01)
-    status, body = await post(url, {"model": MODEL, "prompt": "Hi"})
-    assert status == 429
+    async with aiohttp.ClientSession() as session, session.post(url, json={"model": MODEL, "prompt": "Hi"}) as resp:
+        status, body, retry_after = resp.status, await resp.json(), resp.headers.get("Retry-After")
+    assert status == 429 and retry_after == "1"  # a hint for the client: a slot frees when any request ends
     assert body["error"]["type"] == "rate_limit_error"
     assert "max_queue=1" in body["error"]["message"] and "max_concurrency=1" in body["error"]["message"]
     worker.gate.set()
