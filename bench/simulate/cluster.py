@@ -52,6 +52,7 @@ from services.global_manager.core.routing import plan_route
 from services.global_manager.core.types import InstanceState, Role
 from services.global_manager.core.zigzag import choose_zigzag_partner, should_zigzag
 
+from .cpu import HostCpu
 from .events import EventLoop
 from .links import ClusterSpec, LeafSpine, Network
 from .profiles import SimProfile
@@ -141,6 +142,14 @@ class RunConfig:
     # "always": pair every live loading instance whatever the gate says (an upper bound of the
     # layer-level model, not what the live GM does).
     zigzag_gate: Literal["all_overloaded", "always"] = "all_overloaded"
+    # CPU contention (opt-in; None: off, every step lasts exactly its paced time). Each host has
+    # `host_cpu_cores` cores, `host_cpu_reserved` of them busy with other processes; a step
+    # computes cpu_step_base_s + cpu_step_token_s x batch tokens CPU-seconds, shared among the
+    # host's workers computing at once (processor sharing, `cpu.py`), and lasts max(pace, compute).
+    host_cpu_cores: float | None = None
+    host_cpu_reserved: float = 0.0
+    cpu_step_base_s: float = 0.0
+    cpu_step_token_s: float = 0.0
 
 
 class SimActuator:
@@ -237,6 +246,10 @@ class Simulation:
             raise ValueError(
                 f"{cfg.name}: initial={len(roles)} / max_instances={cfg.max_instances} exceed the {len(gpus)} GPUs"
             )
+        self.host_cpus: dict[str, HostCpu] = {}
+        if cfg.host_cpu_cores is not None:
+            for h in sorted(set(self.fabric.host_of.values())):
+                self.host_cpus[h] = HostCpu(self.loop, cfg.host_cpu_cores, cfg.host_cpu_reserved)
         for gpu in gpus:
             host = self.fabric.host_of[gpu]
             self.workers[gpu] = SimWorker(
@@ -249,6 +262,8 @@ class Simulation:
                 self._worker_empty,
                 on_handoff=self._handoff,
                 on_pull=self._pull,
+                cpu=self.host_cpus.get(host),
+                cpu_step=(cfg.cpu_step_base_s, cfg.cpu_step_token_s),
             )
             if cfg.report_window_s is not None:
                 self.workers[gpu].window = WindowStats(cfg.report_window_s)

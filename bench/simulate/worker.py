@@ -28,6 +28,7 @@ from typing import Literal
 
 from services.global_manager.core.types import LoadSample
 
+from .cpu import HostCpu
 from .events import EventLoop
 from .profiles import FastStep, SimProfile
 
@@ -126,8 +127,14 @@ class SimWorker:
         on_empty: Callable[[str], None],
         on_handoff: Callable[[SimRequest], None] = _nothing,
         on_pull: Callable[[SimRequest], None] = _nothing,
+        cpu: HostCpu | None = None,
+        cpu_step: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.iid, self.host, self.loop = iid, host, loop
+        # Opt-in CPU contention (`cpu.py`): each step computes cpu_step[0] + cpu_step[1] x batch
+        # tokens CPU-seconds on the host's shared cores and lasts max(pace, that compute).
+        self.cpu = cpu
+        self.cpu_step = cpu_step
         self.step = FastStep(profile.step)
         self.max_batch = profile.max_batch
         self.max_num_tokens = profile.max_num_tokens
@@ -232,6 +239,8 @@ class SimWorker:
         self.alive = False
         self.busy = False
         self._epoch += 1
+        if self.cpu is not None:
+            self.cpu.cancel(self.iid)
 
     def kill(self) -> tuple[list[SimRequest], list[SimRequest]]:
         """The process dies (or hangs for good); no step, heartbeat or callback from here on.
@@ -282,9 +291,23 @@ class SimWorker:
             return
         self.busy = True
         dt = self.step(ptok, pairs, seqs, rows, self.ctx_sum) / self.speedup
-        self.busy_s += dt
         epoch = self._epoch
-        self.loop.after(dt, lambda: self._end_step(plan, rows, ptok, dt, epoch))
+        if self.cpu is None:
+            self.busy_s += dt
+            self.loop.after(dt, lambda: self._end_step(plan, rows, ptok, dt, epoch))
+            return
+        # The real engine's pacing: compute, then sleep out what is left of the pace.
+        t0 = self.loop.now_s
+        work = (self.cpu_step[0] + self.cpu_step[1] * (ptok + rows)) / self.speedup
+
+        def computed() -> None:
+            if epoch != self._epoch:
+                return
+            end = max(t0 + dt, self.loop.now_s)
+            self.busy_s += end - t0
+            self.loop.at(end, lambda: self._end_step(plan, rows, ptok, end - t0, epoch))
+
+        self.cpu.start(self.iid, work, computed)
 
     def _end_step(self, plan: list[tuple[SimRequest, int]], rows: int, ptok: int, dt: float, epoch: int) -> None:
         if epoch != self._epoch:
