@@ -245,9 +245,9 @@ NOTES = {
     "(compute <= pace), so fixed_average's TTFT p99 (-24%, the real t=30 s burst at ~4.0 s) is left to what is not "
     "modelled: the gateway, manager and parameter manager's own CPU (a reserved share of 0.25 core fitted no better).",
     "slo_tbt": "SLO attainment needs TTFT <= 1.5 s AND mean TBT <= 0.2 s; the real TBT-mean p50 is 0.09-0.18 s, close "
-    "to the line (simulated 0.06-0.12 s; equal, 0.10 s, only with 2 instances on the 2 cores), so the same missing per-step CPU overhead that lowers TTFT pushes many simulated requests just "
-    "under 0.2 s that were just over it on the real mesh: attainment is the metric most sensitive to the step-time "
-    "term (autoscaled: 0.16 real, the lowest, because its one instance served the first burst alone for 18 s).",
+    "to the line (simulated with the contention term 0.10-0.16 s), so a small error in the step-time term moves "
+    "many requests across 0.2 s: attainment is the metric most sensitive to it (autoscaled: 0.16 real, the lowest, "
+    "because its one instance served the first burst alone for 18 s; 0.35 simulated).",
     "load_time": "load time: one link rate for every load, set so the small model (87.6 MB) loads in the mean of the "
     "real runs' load_s (2.55 s); the real ones range 0.29-6.19 s (CPU contention again), which moves when each new "
     "instance serves by +-2 s.",
