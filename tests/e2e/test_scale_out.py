@@ -53,13 +53,14 @@ async def watch_is_live(mesh: Mesh, events: list[blitzmesh.ClusterEvent]) -> Non
     watch subscribes over two hops; a scale-out started before that loses its first events.)"""
     async with channel(mesh.gateway_grpc) as ch:
         admin = admin_pb2_grpc.AdminStub(ch)
-
-        async def seen() -> bool:
+        for _ in range(30):  # one SetPolicy a second, for 30 s at most
             await admin.SetPolicy(admin_pb2.SetPolicyRequest(), timeout=10)
-            await asyncio.sleep(0.2)
-            return any(e.action == "policy" for e in events)
-
-        await wait_until(seen, 30, interval_s=0.1, what="the event watch to receive events")
+            with contextlib.suppress(TimeoutError):
+                await wait_until(
+                    lambda: any(e.action == "policy" for e in events), 1.0, interval_s=0.02, what="a policy event"
+                )
+                return
+    raise TimeoutError("the event watch received no event within 30 s")
 
 
 async def test_scale_out_while_serving(scale_mesh: Mesh) -> None:
