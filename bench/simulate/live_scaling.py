@@ -31,6 +31,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -280,27 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     result["seeds"] = []
     for seed in [int(x) for x in args.seeds.split(",") if x]:
         pair, _ = live8b_runs(PAIR, args.gbps, seed)
-        row: dict[str, Any] = {"seed": seed}
-        for cfg in pair:
-            out = run_variant(cfg)
-            row[cfg.name] = _short(out)
-            print(_line(f"seed{seed}@{args.gbps:g}/{cfg.name}", out), flush=True)
-        row["ratios"] = _ratios(row)
-        result["seeds"].append(row)
-        print(f"seed {seed}: {row['ratios']}", flush=True)
+        result["seeds"].append(_run_pair(pair, {"seed": seed}, f"seed{seed}@{args.gbps:g}"))
 
     # The load time: link bandwidth per GPU NIC and host NIC.
     result["sweep"] = []
     for gbps in [float(g) for g in args.sweep.split(",") if g]:
         pair, _ = live8b_runs(PAIR[:3], gbps, 0, arrivals)
         row = {"gbps": gbps, "one_link_16gb_s": round(16.06e9 * 8 / (gbps * 1e9), 2)}
-        for cfg in pair:
-            out = run_variant(cfg)
-            row[cfg.name] = _short(out)
-            print(_line(f"sweep@{gbps:g}/{cfg.name}", out), flush=True)
-        row["ratios"] = _ratios(row)
-        result["sweep"].append(row)
-        print(f"sweep@{gbps:g}: {row['ratios']}", flush=True)
+        result["sweep"].append(_run_pair(pair, row, f"sweep@{gbps:g}"))
 
     # The policy as shipped (latency panic x1.2): a slower ramp, so more of the burst is spent
     # loading while every SERVING instance is overloaded.
@@ -308,19 +296,24 @@ def main(argv: list[str] | None = None) -> int:
     for seed in [int(x) for x in args.seeds.split(",") if x]:
         pair, _ = live8b_runs(PAIR, args.gbps, seed, policy_overrides={})
         row = {"seed": seed, "policy_overrides": {}}
-        for cfg in pair:
-            out = run_variant(cfg)
-            row[cfg.name] = _short(out)
-            print(_line(f"policy_default seed{seed}@{args.gbps:g}/{cfg.name}", out), flush=True)
-        row["ratios"] = _ratios(row)
-        result["policy_default"].append(row)
-        print(f"policy_default seed {seed}: {row['ratios']}", flush=True)
+        result["policy_default"].append(_run_pair(pair, row, f"policy_default seed{seed}@{args.gbps:g}"))
 
     result["sim_wall_s"] = round(time.perf_counter() - wall, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out} ({result['sim_wall_s']} s)")
     return 0
+
+
+def _run_pair(pair: Sequence[RunConfig], row: dict[str, Any], tag: str) -> dict[str, Any]:
+    """Run each variant, add its short summary and the ratios to `row`, print as it goes."""
+    for cfg in pair:
+        out = run_variant(cfg)
+        row[cfg.name] = _short(out)
+        print(_line(f"{tag}/{cfg.name}", out), flush=True)
+    row["ratios"] = _ratios(row)
+    print(f"{tag}: {row['ratios']}", flush=True)
+    return row
 
 
 def _line(tag: str, out: dict[str, Any]) -> str:
