@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,9 +62,13 @@ POLICY = {
 }
 BULKY = ("timeline", "events", "tokens_per_s", "loading")
 SETUPS = ("stop_the_world", "zigzag", "sllm_hit", "sllm_miss", "fixed_peak")
-# Ablation, run on request: ZigZag with the partner taking relayed requests before its own
-# (the worker's --zigzag-partner-order relay_first) instead of in arrival order.
-ABLATIONS = ("zigzag_relay_first",)
+# Ablations, run on request: ZigZag with the partner taking relayed requests before its own
+# (the worker's --zigzag-partner-order relay_first) instead of in arrival order; and
+# `instant_load`, stop-the-world with every link INSTANT_OVER_RDMA times faster, so a load takes a
+# fraction of a second: the same decisions with no loading window, the floor no live-scaling
+# scheme can go below (ZigZag only ever makes the loading window behave more like no window).
+ABLATIONS = ("zigzag_relay_first", "instant_load")
+INSTANT_OVER_RDMA = 100.0
 
 
 # Request shapes (prompt tokens, output tokens), uniform in each range. `code` follows the Azure
@@ -95,6 +100,8 @@ def _links(setup: str, rdma_gbps: float) -> tuple[float, float]:
         return rdma_gbps, rdma_gbps * PCIE_OVER_RDMA
     if setup == "sllm_miss":
         return rdma_gbps, rdma_gbps * SSD_OVER_RDMA
+    if setup == "instant_load":
+        return rdma_gbps * INSTANT_OVER_RDMA, rdma_gbps * INSTANT_OVER_RDMA
     return rdma_gbps, rdma_gbps
 
 
@@ -134,6 +141,108 @@ def load_overheads(events: list[dict[str, Any]], model_bytes: int, link_gbps: fl
     return out
 
 
+def run_setup(
+    setup: str,
+    arrivals: list[Any],
+    run_args: argparse.Namespace,
+    model_dir: Path,
+    model_bytes: int,
+    rdma_gbps: float,
+) -> dict[str, Any]:
+    """Replay `arrivals` once against a fresh mesh in `setup`; the figures of that one run."""
+    worker_gbps, pm_gbps = _links(setup, rdma_gbps)
+    os.environ["BLITZMESH_WORKER_DATAPLANE"] = "tcp"
+    os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE"] = "tcp"
+    os.environ["BLITZMESH_WORKER_DATAPLANE_LINK_GBPS"] = str(worker_gbps)
+    os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"] = str(pm_gbps)
+    # ServerlessLLM keeps a copy on every host: each new instance reads its own at that pace.
+    os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_PER_PEER"] = "1" if setup.startswith("sllm") else "0"
+    cfg = MeshConfig(
+        workers=WORKERS,
+        initial_instances=1,
+        model=MODEL,
+        model_dir=model_dir,
+        run_dir=REPO_ROOT / "run" / f"bench-live-scaling-{setup}",
+        http_port=0,
+        grpc_port=0,
+        # The first instance loads over the host-cache link too: at the SSD pace that takes minutes.
+        ready_timeout_s=240.0 + 2 * model_bytes * 8 / (pm_gbps * 1e9),
+        worker_args=[
+            "--step-time-a-s",
+            str(STEP_A_S),
+            "--step-time-b-s",
+            str(STEP_B_S),
+            *(["--zigzag-partner-order", "relay_first"] if setup == "zigzag_relay_first" else []),
+        ],
+        manager_args=_manager_args(setup),
+    )
+    # The peak pool: every worker loaded from the start.
+    name = "fixed_peak" if setup == "fixed_peak" else "autoscaled"
+    pools = {"autoscaled": 1, "fixed_peak": WORKERS}
+    policies = {"autoscaled": ("heteroscale", POLICY)}
+    print(f"--- {setup}: worker link {worker_gbps} Gbit/s, host cache {pm_gbps} Gbit/s ---", flush=True)
+    run = asyncio.run(run_all([name], cfg, pools, arrivals, run_args, policies, 40.0))[name]
+    s = run["summary"]
+    loads = (
+        []
+        if setup == "fixed_peak"
+        else load_overheads(run["events"], model_bytes, pm_gbps if setup.startswith("sllm") else worker_gbps)
+    )
+    result = {
+        "ttft_p50_s": s["ttft_s"]["p50"],
+        "ttft_p99_s": s["ttft_s"]["p99"],
+        "tbt_p99_s": s["tbt_mean_s"]["p99"],
+        "slo_attainment": s["slo_attainment"],
+        "instance_seconds": s["instance_seconds"],
+        "lost": s["lost"],
+        "completed": s["completed"],
+        "requests_sent": s["requests_sent"],
+        "host_memory_cached_bytes": (WORKERS if setup.startswith("sllm") else 1) * model_bytes,
+        "served_while_loading": s.get("zigzag_requests", {}).get('outcome="relayed"', 0),
+        "zigzag_requests": s.get("zigzag_requests", {}),
+        "load_overhead": loads,
+        "load_overhead_median": percentile(loads, 0.5),
+        "timeline": run["timeline"],
+        "tokens_per_s": run["tokens_per_s"],
+        "loading": run["loading"],
+        "events": [e for e in run["events"] if e["action"] != "autoscaling_decision" or e["target"] != "no_change"],
+    }
+    print(f"[{setup}] {json.dumps({k: v for k, v in result.items() if k not in BULKY})}", flush=True)
+    return result
+
+
+MEDIAN_KEYS = ("ttft_p50_s", "ttft_p99_s", "tbt_p99_s", "slo_attainment", "instance_seconds", "served_while_loading")
+SUMMED_KEYS = ("lost", "completed", "requests_sent")
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One setup's figures over its repeats: the median of each of MEDIAN_KEYS, the sums of
+    SUMMED_KEYS, every load's overhead, and the series of the first repeat (for the figure).
+    `runs` lists each repeat's scalar figures. A single run is returned as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for key in MEDIAN_KEYS:
+        out[key] = round(statistics.median(r[key] for r in runs), 4)
+    for key in SUMMED_KEYS:
+        out[key] = sum(r[key] for r in runs)
+    out["load_overhead"] = [x for r in runs for x in r["load_overhead"]]
+    out["load_overhead_median"] = percentile(out["load_overhead"], 0.5)
+    out["runs"] = [{k: v for k, v in r.items() if k not in BULKY} for r in runs]
+    return out
+
+
+def paired_ratio(num: list[dict[str, Any]], den: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
+    """p99 TTFT of `num` over `den`, repeat by repeat (the runs taken side by side), and their
+    median; `met` when a target is given and the median is at most it."""
+    ratios = [round(a["ttft_p99_s"] / b["ttft_p99_s"], 3) for a, b in zip(num, den, strict=True)]
+    value = round(statistics.median(ratios), 3)
+    out: dict[str, Any] = {"value": value, "per_repeat": ratios}
+    if target is not None:
+        out.update(target=target, met=value <= target)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.live_scaling", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a 45 s burst instead of 90 s")
@@ -146,8 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {SETUPS + ABLATIONS}")
     p.add_argument("--shape", choices=sorted(SHAPES), default="code", help="request shape of the burst (see SHAPES)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the setups this many times, alternating (a b c a b c); figures are medians over the"
+        " repeats and each ratio target is the median of the per-repeat ratios, with all of them listed",
+    )
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "live_scaling.json")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     unknown = set(setups) - set(SETUPS + ABLATIONS)
     if unknown:
@@ -161,79 +279,26 @@ def main(argv: list[str] | None = None) -> int:
     run_args = argparse.Namespace(
         model=MODEL, vocab_size=8000, ttft_slo_s=1.5, tbt_slo_s=0.2, bin_s=2.5, quick=args.quick
     )
-    # The peak pool: the burst's peak rate over one instance's rate at the target concurrency.
-    peak_pool = WORKERS
-    results: dict[str, Any] = {}
     started = time.monotonic()
-    for setup in setups:
-        worker_gbps, pm_gbps = _links(setup, args.rdma_gbps)
-        os.environ["BLITZMESH_WORKER_DATAPLANE"] = "tcp"
-        os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE"] = "tcp"
-        os.environ["BLITZMESH_WORKER_DATAPLANE_LINK_GBPS"] = str(worker_gbps)
-        os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"] = str(pm_gbps)
-        # ServerlessLLM keeps a copy on every host: each new instance reads its own at that pace.
-        os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_PER_PEER"] = "1" if setup.startswith("sllm") else "0"
-        cfg = MeshConfig(
-            workers=WORKERS,
-            initial_instances=1,
-            model=MODEL,
-            model_dir=model_dir,
-            run_dir=REPO_ROOT / "run" / f"bench-live-scaling-{setup}",
-            http_port=0,
-            grpc_port=0,
-            # The first instance loads over the host-cache link too: at the SSD pace that takes minutes.
-            ready_timeout_s=240.0 + 2 * model_bytes * 8 / (pm_gbps * 1e9),
-            worker_args=[
-                "--step-time-a-s",
-                str(STEP_A_S),
-                "--step-time-b-s",
-                str(STEP_B_S),
-                *(["--zigzag-partner-order", "relay_first"] if setup == "zigzag_relay_first" else []),
-            ],
-            manager_args=_manager_args(setup),
-        )
-        name = "fixed_peak" if setup == "fixed_peak" else "autoscaled"
-        pools = {"autoscaled": 1, "fixed_peak": peak_pool}
-        policies = {} if setup == "fixed_peak" else {"autoscaled": ("heteroscale", POLICY)}
-        print(f"--- {setup}: worker link {worker_gbps} Gbit/s, host cache {pm_gbps} Gbit/s ---", flush=True)
-        runs = asyncio.run(
-            run_all([name], cfg, pools, arrivals, run_args, policies or {"autoscaled": ("heteroscale", POLICY)}, 40.0)
-        )
-        run = runs[name]
-        s = run["summary"]
-        loads = (
-            []
-            if setup == "fixed_peak"
-            else load_overheads(run["events"], model_bytes, pm_gbps if setup.startswith("sllm") else worker_gbps)
-        )
-        copies = WORKERS if setup.startswith("sllm") else 1
-        results[setup] = {
-            "ttft_p50_s": s["ttft_s"]["p50"],
-            "ttft_p99_s": s["ttft_s"]["p99"],
-            "tbt_p99_s": s["tbt_mean_s"]["p99"],
-            "slo_attainment": s["slo_attainment"],
-            "instance_seconds": s["instance_seconds"],
-            "lost": s["lost"],
-            "completed": s["completed"],
-            "requests_sent": s["requests_sent"],
-            "host_memory_cached_bytes": copies * model_bytes,
-            "served_while_loading": s.get("zigzag_requests", {}).get('outcome="relayed"', 0),
-            "zigzag_requests": s.get("zigzag_requests", {}),
-            "load_overhead": loads,
-            "load_overhead_median": percentile(loads, 0.5),
-            "timeline": run["timeline"],
-            "tokens_per_s": run["tokens_per_s"],
-            "loading": run["loading"],
-            "events": [e for e in run["events"] if e["action"] != "autoscaling_decision" or e["target"] != "no_change"],
-        }
-        print(f"[{setup}] {json.dumps({k: v for k, v in results[setup].items() if k not in BULKY})}")
+    # Repeats alternate the setups (a b c a b c ...), so a slow patch of the shared machine lands
+    # on every setup rather than on one.
+    by_setup: dict[str, list[dict[str, Any]]] = {}
+    for i in range(args.repeats):
+        for setup in setups:
+            print(f"--- repeat {i + 1}/{args.repeats} ---", flush=True)
+            by_setup.setdefault(setup, []).append(
+                run_setup(setup, arrivals, run_args, model_dir, model_bytes, args.rdma_gbps)
+            )
+    results = {setup: combine(runs) for setup, runs in by_setup.items()}
     targets: dict[str, Any] = {}
-    if "zigzag" in results and "stop_the_world" in results:
-        r = results["zigzag"]["ttft_p99_s"] / results["stop_the_world"]["ttft_p99_s"]
-        targets["ttft_p99_zigzag_over_stop_the_world"] = {"value": round(r, 3), "target": 0.5, "met": r <= 0.5}
-    if "zigzag" in results and "sllm_miss" in results:
-        r = results["zigzag"]["ttft_p99_s"] / results["sllm_miss"]["ttft_p99_s"]
-        targets["ttft_p99_zigzag_over_sllm_miss"] = {"value": round(r, 3), "target": 0.5, "met": r <= 0.5}
+    for num, den, target in (
+        ("zigzag", "stop_the_world", 0.5),
+        ("zigzag", "sllm_miss", 0.5),
+        ("instant_load", "stop_the_world", None),
+        ("zigzag", "instant_load", None),
+    ):
+        if num in by_setup and den in by_setup:
+            targets[f"ttft_p99_{num}_over_{den}"] = paired_ratio(by_setup[num], by_setup[den], target)
     overheads = [x for k in ("stop_the_world", "zigzag") if k in results for x in results[k]["load_overhead"]]
     if overheads:
         med = percentile(overheads, 0.5)
@@ -244,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets,
         "setup": {
             "quick": args.quick,
+            "repeats": args.repeats,
             "model": MODEL,
             "model_bytes": model_bytes,
             "workers": WORKERS,

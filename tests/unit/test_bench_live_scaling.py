@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.live_scaling.__main__ import _links, _manager_args, load_overheads
+from bench.live_scaling.__main__ import _links, _manager_args, combine, load_overheads, paired_ratio
 from bench.live_scaling.plot import loading_series
 from bench.replay import RequestRecord, token_rate
 
@@ -14,6 +14,7 @@ def test_links_follow_blitzscale_testbed_ratios() -> None:
     assert _links("zigzag", 0.4) == (0.4, 0.4)
     assert _links("sllm_hit", 0.4) == (0.4, pytest.approx(0.512))  # PCIe 256 : RDMA 200
     assert _links("sllm_miss", 0.4) == (0.4, pytest.approx(0.02))  # SSD 10 : RDMA 200
+    assert _links("instant_load", 0.4) == (pytest.approx(40.0), pytest.approx(40.0))  # the floor: loads ~free
 
 
 def test_setups_switch_zigzag_and_chains() -> None:
@@ -46,3 +47,37 @@ def test_token_rate_counts_the_prompt_at_the_first_token_and_spreads_the_output(
 def test_loading_series_follows_each_instance() -> None:
     samples = [(1.0, {"w1": 0.25}), (1.5, {"w1": 0.5, "w2": 0.0}), (2.0, {"w2": 0.5})]
     assert loading_series(samples) == {"w1": ([1.0, 1.5], [0.25, 0.5]), "w2": ([1.5, 2.0], [0.0, 0.5])}
+
+
+def _run(p99: float, lost: int = 0, overheads: tuple[float, ...] = (1.0,)) -> dict[str, object]:
+    fields = dict.fromkeys(
+        ("ttft_p50_s", "tbt_p99_s", "slo_attainment", "instance_seconds", "served_while_loading"), 1.0
+    )
+    return {
+        **fields,
+        "ttft_p99_s": p99,
+        "lost": lost,
+        "completed": 10,
+        "requests_sent": 10,
+        "load_overhead": list(overheads),
+        "tokens_per_s": [p99],
+    }
+
+
+def test_repeats_combine_to_medians_and_sums_and_keep_every_run() -> None:
+    runs = [_run(8.0, overheads=(1.1,)), _run(6.0, lost=1, overheads=(1.0, 1.2)), _run(7.0)]
+    out = combine(runs)
+    assert out["ttft_p99_s"] == 7.0 and out["lost"] == 1 and out["completed"] == 30
+    assert out["load_overhead"] == [1.1, 1.0, 1.2, 1.0]
+    assert out["tokens_per_s"] == [8.0]  # the figure's series: the first repeat's
+    assert [r["ttft_p99_s"] for r in out["runs"]] == [8.0, 6.0, 7.0] and "tokens_per_s" not in out["runs"][0]
+    assert combine([runs[0]]) is runs[0]
+    # Two repeats: the mean of the two, not the lower one.
+    assert combine(runs[:2])["ttft_p99_s"] == 7.0
+
+
+def test_ratio_targets_pair_the_repeats_run_side_by_side() -> None:
+    zz, stw = [_run(4.0), _run(9.0)], [_run(8.0), _run(10.0)]
+    out = paired_ratio(zz, stw, 0.5)
+    assert out["per_repeat"] == [0.5, 0.9] and out["value"] == 0.7 and out["met"] is False
+    assert "met" not in paired_ratio(zz, stw, None)
