@@ -168,6 +168,13 @@ async def _settle(admin: blitzmesh.AsyncClient, model: str, serving: int, timeou
         await asyncio.sleep(0.5)
 
 
+async def _zigzag_continued(admin: blitzmesh.AsyncClient, model: str) -> int:
+    """ZigZag requests the model's instances have taken over from loading ones so far (from
+    their load reports, up to a heartbeat old)."""
+    cluster = await admin.cluster()
+    return sum(i.load.zigzag_continued_total for i in cluster.instances if i.model_id == model)
+
+
 async def _resize(admin: blitzmesh.AsyncClient, model: str, n: int) -> None:
     cluster = await admin.cluster()
     live = [i for i in cluster.instances if i.model_id == model and i.state in ("loading", "serving")]
@@ -201,6 +208,7 @@ async def run_all(
                     await admin.set_policy(policy, params, advisory=False)
                 print(f"[{name}] {pools[name]} serving; replaying {len(arrivals)} requests", flush=True)
                 zigzag_before = await _gateway_counter(mesh, "blitzmesh_gateway_zigzag_total")
+                continued_before = await _zigzag_continued(admin, args.model)
                 result = await replay(
                     arrivals,
                     http_url=mesh.gateway_http,
@@ -217,6 +225,9 @@ async def run_all(
                         "initial_instances": pools[name],
                         "notes": result.notes,
                         "zigzag_requests": {k: round(v - zigzag_before.get(k, 0.0)) for k, v in zigzag_after.items()},
+                        # Taken over by a partner after their first layers ran on a loading
+                        # instance, however they got there (routed, or pulled from the queue).
+                        "zigzag_continued": await _zigzag_continued(admin, args.model) - continued_before,
                     }
                 )
                 print(

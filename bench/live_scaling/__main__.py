@@ -63,11 +63,13 @@ POLICY = {
 BULKY = ("timeline", "events", "tokens_per_s", "loading")
 SETUPS = ("stop_the_world", "zigzag", "sllm_hit", "sllm_miss", "fixed_peak")
 # Ablations, run on request: ZigZag with the partner taking relayed requests before its own
-# (the worker's --zigzag-partner-order relay_first) instead of in arrival order; and
+# (the worker's --zigzag-partner-order relay_first) instead of in arrival order; ZigZag pulled
+# (the manager's --zigzag-dispatch pull: loading instances run the first layers of the requests
+# queued on their partner, BlitzScale's NewPrefill); and
 # `instant_load`, stop-the-world with every link INSTANT_OVER_RDMA times faster, so a load takes a
 # fraction of a second: the same decisions with no loading window, the floor no live-scaling
 # scheme can go below (ZigZag only ever makes the loading window behave more like no window).
-ABLATIONS = ("zigzag_relay_first", "instant_load")
+ABLATIONS = ("zigzag_relay_first", "zigzag_pull", "instant_load")
 INSTANT_OVER_RDMA = 100.0
 
 
@@ -107,6 +109,8 @@ def _links(setup: str, rdma_gbps: float) -> tuple[float, float]:
 
 def _manager_args(setup: str) -> list[str]:
     flags = ["--zigzag" if setup.startswith("zigzag") else "--no-zigzag"]
+    if setup == "zigzag_pull":
+        flags += ["--zigzag-dispatch", "pull"]
     if setup.startswith("sllm"):
         flags.append("--no-transfer-plans")
     return [
@@ -198,7 +202,9 @@ def run_setup(
         "completed": s["completed"],
         "requests_sent": s["requests_sent"],
         "host_memory_cached_bytes": (WORKERS if setup.startswith("sllm") else 1) * model_bytes,
-        "served_while_loading": s.get("zigzag_requests", {}).get('outcome="relayed"', 0),
+        "served_while_loading": max(
+            s.get("zigzag_requests", {}).get('outcome="relayed"', 0), s.get("zigzag_continued", 0)
+        ),
         "zigzag_requests": s.get("zigzag_requests", {}),
         "load_overhead": loads,
         "load_overhead_median": percentile(loads, 0.5),
@@ -296,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         ("zigzag", "sllm_miss", 0.5),
         ("instant_load", "stop_the_world", None),
         ("zigzag", "instant_load", None),
+        ("zigzag_pull", "stop_the_world", None),
+        ("zigzag_pull", "zigzag", None),
     ):
         if num in by_setup and den in by_setup:
             targets[f"ttft_p99_{num}_over_{den}"] = paired_ratio(by_setup[num], by_setup[den], target)

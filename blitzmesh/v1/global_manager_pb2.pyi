@@ -102,20 +102,68 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REREGISTER_FIELD_NUMBER: _builtins.int
+    ZIGZAG_PEERS_FIELD_NUMBER: _builtins.int
     reregister: _builtins.bool
     """True when the manager does not know this instance (e.g. it restarted): register again."""
+    @_builtins.property
+    def zigzag_peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ZigzagPeer]:
+        """ZigZag pulled by loading instances (the manager's --zigzag-dispatch pull): the LOADING
+        instances paired with this SERVING one. It lets each run the first layers of up to
+        `inflight_limit` of its waiting requests ahead, and takes them over when it admits them.
+        """
+
     def __init__(
         self,
         *,
         reregister: _builtins.bool = ...,
+        zigzag_peers: _abc.Iterable[Global___ZigzagPeer] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reregister", b"reregister"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reregister", b"reregister", "zigzag_peers", b"zigzag_peers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class ZigzagPeer(_message.Message):
+    """A live LOADING instance as its SERVING partner sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    DATAPLANE_ADDRESS_FIELD_NUMBER: _builtins.int
+    LAYERS_LOADED_FIELD_NUMBER: _builtins.int
+    NUM_LAYERS_FIELD_NUMBER: _builtins.int
+    INFLIGHT_LIMIT_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    address: _builtins.str
+    """its gRPC address (Generate with zigzag = true)"""
+    dataplane_address: _builtins.bytes
+    """where its partner relays the requests from"""
+    layers_loaded: _builtins.int
+    num_layers: _builtins.int
+    inflight_limit: _builtins.int
+    """zigzag_req_limit now (BlitzScale: 4, minus 1 per 200 ms, >= 2)"""
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        dataplane_address: _builtins.bytes = ...,
+        layers_loaded: _builtins.int = ...,
+        num_layers: _builtins.int = ...,
+        inflight_limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "dataplane_address", b"dataplane_address", "inflight_limit", b"inflight_limit", "instance_id", b"instance_id", "layers_loaded", b"layers_loaded", "num_layers", b"num_layers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ZigzagPeer: _TypeAlias = ZigzagPeer  # noqa: Y015
 
 @_typing.final
 class DeregisterInstanceRequest(_message.Message):

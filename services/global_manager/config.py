@@ -80,6 +80,14 @@ class GlobalManagerConfig(ServiceConfig):
         "crowds its steps even with no request waiting: a split takes the first layers of prompts off it); "
         "None = only requests waiting open it",
     )
+    zigzag_dispatch: str = Field(
+        "route",
+        pattern="^(route|pull)$",
+        description="how ZigZag work reaches a LOADING instance: 'route' (Schedule sends a new request to it and its "
+        "partner, two hops) or 'pull' (as BlitzScale's NewPrefill: each live LOADING instance is paired with a SERVING "
+        "one, which hands it the requests at the head of its own queue to run ahead and takes them over when it "
+        "admits them)",
+    )
     zigzag_stall_s: float = Field(
         5.0, gt=0, description="a LOADING instance whose layer count has not grown for this long gets no ZigZag work"
     )

@@ -66,7 +66,13 @@ from services.global_manager.core.reconcile import (
 )
 from services.global_manager.core.routing import PrefixAffinity, plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, Role, ScaleDecision
-from services.global_manager.core.zigzag import choose_live_instance, choose_zigzag_partner, should_zigzag
+from services.global_manager.core.zigzag import (
+    choose_live_instance,
+    choose_pull_partner,
+    choose_zigzag_partner,
+    should_zigzag,
+    zigzag_req_limit,
+)
 from services.global_manager.instance_table import InstanceTable
 
 log = structlog.get_logger(__name__)
@@ -295,7 +301,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 # may pick it as a source. The pool is topped up by the next tick.
                 self._execute([UpdateLocation(before_view.model, iid, present=False)])
             self._wake_reconcile()
-        return global_manager_pb2.HeartbeatResponse()
+        return global_manager_pb2.HeartbeatResponse(zigzag_peers=self._zigzag_pull_peers(iid))
 
     async def DeregisterInstance(self, request, context):
         iid = request.instance_id
@@ -454,20 +460,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         hops before it have forwarded it; measured on bench.autoscale (3 targets, 0.2 Gbit/s
         links) the tail had its first layer 4 s after the decision, when the chain's head was
         already SERVING, so tails alone left no window to serve in."""
+        if self.cfg.zigzag_dispatch != "route":
+            return None
         now = self.now_s()
-        for iid, (_, grew_s) in list(self._zigzag_progress.items()):
-            if iid in self.zigzag_started and now - grew_s > self.cfg.zigzag_stall_s:
-                # A stalled load: no more ZigZag work for it (what it holds is relayed as usual).
-                del self.zigzag_started[iid]
-                with contextlib.suppress(KeyError):
-                    ZIGZAG_LAYERS.remove(iid)
-                self.emit(
-                    "zigzag_stopped",
-                    model,
-                    "stalled",
-                    f"no new layer for {now - grew_s:.1f}s > zigzag_stall_s={self.cfg.zigzag_stall_s}",
-                    iid,
-                )
+        self._expire_stalled_zigzag(model, now)
         live = {iid: t for iid, t in self.zigzag_started.items() if iid not in excluded}
         if not live:
             return None
@@ -517,6 +513,76 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 role=role_to_proto(old.role),
             ),
         ]
+
+    def _expire_stalled_zigzag(self, model: str, now: float) -> None:
+        for iid, (_, grew_s) in list(self._zigzag_progress.items()):
+            if iid in self.zigzag_started and now - grew_s > self.cfg.zigzag_stall_s:
+                # A stalled load: no more ZigZag work for it (what it holds is relayed as usual).
+                del self.zigzag_started[iid]
+                self.zigzag_partner.pop(iid, None)
+                with contextlib.suppress(KeyError):
+                    ZIGZAG_LAYERS.remove(iid)
+                self.emit(
+                    "zigzag_stopped",
+                    model,
+                    "stalled",
+                    f"no new layer for {now - grew_s:.1f}s > zigzag_stall_s={self.cfg.zigzag_stall_s}",
+                    iid,
+                )
+
+    def _zigzag_pull_peers(self, iid: str) -> list[global_manager_pb2.ZigzagPeer]:
+        """`--zigzag-dispatch pull`: the live LOADING instances that pull queued requests from
+        SERVING instance `iid`, each with its in-flight cap now (`zigzag_req_limit`).
+
+        Every live LOADING instance (>= 1 layer, not all, its data plane known) keeps one
+        partner until that partner stops SERVING: an overloaded instance of its model and role
+        that no other one pulls from yet if there is one, else the overloaded one with the fewest
+        used KV blocks (`choose_pull_partner`). No request is routed to the pair: the partner's
+        own queue is the work (it only hands over requests it has waiting), so an instance with
+        nothing queued costs nothing to pair."""
+        if not (self.cfg.zigzag and self.cfg.zigzag_dispatch == "pull" and self.zigzag_started):
+            return []
+        registry = self.table.registry
+        me = registry.get(iid)
+        if me.state is not S.SERVING or not me.model:
+            return []
+        now = self.now_s()
+        self._expire_stalled_zigzag(me.model, now)
+        views = list(registry)
+        peers: list[global_manager_pb2.ZigzagPeer] = []
+        for new_id, started_s in sorted(self.zigzag_started.items()):
+            if new_id not in registry:
+                continue
+            new = registry.get(new_id)
+            dataplane = self.table.dataplane.get(new_id, (b"", ""))[0]
+            address = self.table.addresses.get(new_id, "")
+            if new.model != me.model or new.role is not me.role or not 1 <= new.layers_loaded < new.num_layers:
+                continue
+            if not (dataplane and address):
+                continue
+            partner_id = self.zigzag_partner.get(new_id)
+            if partner_id is None or partner_id not in registry or registry.get(partner_id).state is not S.SERVING:
+                taken = {p for n, p in self.zigzag_partner.items() if n != new_id}
+                pair = choose_pull_partner(views, new_id, me.model, taken)
+                if pair is None:
+                    continue
+                partner_id = self.zigzag_partner[new_id] = pair.partner.instance_id
+                reason = f"pulls queued requests from {partner_id}: {pair.reason}"
+                self.decision_log.append(f"{now:.1f},zigzag_pair,{new_id},{partner_id},{reason}")
+                self.emit("zigzag_pair", me.model, partner_id, reason, new_id)
+            if partner_id != iid:
+                continue
+            peers.append(
+                global_manager_pb2.ZigzagPeer(
+                    instance_id=new_id,
+                    address=address,
+                    dataplane_address=dataplane,
+                    layers_loaded=new.layers_loaded,
+                    num_layers=new.num_layers,
+                    inflight_limit=zigzag_req_limit(now, started_s),
+                )
+            )
+        return peers
 
     def _zigzag_load_progress(self, iid: str, model_id: str, layers: int, num_layers: int) -> None:
         """A load reported `layers` of `num_layers`: a chain tail goes live with its first layer;

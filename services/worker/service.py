@@ -52,6 +52,7 @@ from services.worker.kv_transfer import KVDescriptor, KVOffer, KVServer, KVTrans
 from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, pinned_allocate, plan_pulls
 from services.worker.model.llama import LlamaForCausalLM, resolve_dtype
 from services.worker.zigzag import RelayServer, take_over
+from services.worker.zigzag_pull import Peer, ZigzagOffloader
 
 log = structlog.get_logger(__name__)
 
@@ -130,6 +131,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.ctx: ServeContext | None = None  # set by WorkerService.start (health, owned tasks)
         self.transport: Transport | None = None
         self.group_server: GroupServer | None = None
+        # ZigZag pulled by loading peers (manager --zigzag-dispatch pull): hands them the
+        # first layers of this instance's waiting requests to run ahead.
+        self.offloader = ZigzagOffloader(self._serving_engine, self._offload_relay_fill)
 
     # ---- status -------------------------------------------------------------------------
     def info(self) -> common_pb2.InstanceInfo:
@@ -309,6 +313,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with contextlib.suppress(Exception):
                 await stream.aclose()
             REQUESTS.labels(outcome).inc()
+            self.offloader.request_done(request_id)
             self._inflight.pop(request_id, None)
             if not self._inflight:
                 self._idle.set()
@@ -374,6 +379,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return result
 
         return fill
+
+    def _serving_engine(self) -> Engine | None:
+        inst = self.instance
+        return inst.engine if inst is not None and self.state == "serving" else None
+
+    def _offload_relay_fill(self, request_id: str, address: bytes) -> RelayFill:
+        assert self.instance is not None
+        return self._relay_fill(self.instance, request_id, address)
 
     def _relay_fill(self, inst: Instance, request_id: str, address: bytes) -> RelayFill:
         """ZigZag, the full partner: take `request_id` over from the loading instance at `address`
@@ -815,6 +828,8 @@ class WorkerService:
         if self.cfg.preload_model:
             async for _ in self.servicer.load(self.cfg.preload_model, self.cfg.param_manager):
                 pass
+        # Idle until a pairing names a loading peer (from the manager's heartbeat answers).
+        ctx.tasks.spawn(self.servicer.offloader.run(), name="zigzag-offloader")
         if self.cfg.global_manager:
             self._heartbeat = ctx.tasks.spawn(self._heartbeat_loop(), name="heartbeat")
         # The process serves its API even while IDLE: readiness of the *model* is the
@@ -851,6 +866,7 @@ class WorkerService:
                         # The manager restarted: it rebuilds its registry from re-registration.
                         registered = False
                         continue
+                    s.offloader.set_peers([Peer.from_proto(p) for p in hb.zigzag_peers], info.model_id)
                     if sent_state == s.state:
                         s.heartbeat_sent.set()
                 except grpc.aio.AioRpcError as e:
@@ -883,6 +899,7 @@ class WorkerService:
             except grpc.aio.AioRpcError as e:
                 # The manager writes it off as LOST after its heartbeat timeout instead.
                 log.warning("deregister_failed", code=e.code().name, details=e.details())
+        await self.servicer.offloader.close()
         await self.servicer._drop_instance()
         if self.servicer.group_server is not None:
             await self.servicer.group_server.close()

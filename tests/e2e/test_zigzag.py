@@ -31,9 +31,12 @@ LINK_GBPS = "0.02"
 
 
 @contextlib.asynccontextmanager
-async def slow_mesh(tmp_path_factory: pytest.TempPathFactory, name: str, **layout: int) -> AsyncIterator[Mesh]:
+async def slow_mesh(
+    tmp_path_factory: pytest.TempPathFactory, name: str, manager_args: tuple[str, ...] = (), **layout: int
+) -> AsyncIterator[Mesh]:
     """A mesh of the 6-layer model whose data plane is shaped to LINK_GBPS, with `layout`'s
-    workers (MeshConfig fields: workers, initial_instances, prefill, decode)."""
+    workers (MeshConfig fields: workers, initial_instances, prefill, decode) and the manager's
+    ZigZag flags plus `manager_args`."""
     models = tmp_path_factory.mktemp(f"{name}-models")
     synthesize(models / MODEL, "tiny", seed=0, overrides={"num_hidden_layers": 6})
     cfg = MeshConfig(
@@ -56,7 +59,7 @@ async def slow_mesh(tmp_path_factory: pytest.TempPathFactory, name: str, **layou
         ],
         # The gate opens on the TTFT signal as soon as an instance has served anything, so the
         # test does not race a heartbeat to see requests waiting.
-        manager_args=["--zigzag-stall-s", "30", "--zigzag-ttft-s", "0.001"],
+        manager_args=["--zigzag-stall-s", "30", "--zigzag-ttft-s", "0.001", *manager_args],
         **layout,  # type: ignore[arg-type]
     )
     key = "BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"
@@ -118,19 +121,41 @@ async def test_requests_split_with_a_loading_instance_give_whole_run_tokens(zz_m
         await split_during_scale_out(client, prompts, None)
         zigzag = await _metric(zz_mesh, "blitzmesh_gateway_zigzag_total")
         assert zigzag.get('outcome="relayed"', 0) >= 1, zigzag
-
-        async def counted() -> bool:
-            # Load reports are up to a heartbeat old: wait for both sides' counts to show.
-            state = await client.cluster()
-            continued = sum(i.load.zigzag_continued_total for i in state.instances)
-            relayed = sum(i.load.zigzag_relayed_total for i in state.instances)
-            return continued >= 1 and relayed >= continued
-
-        await wait_until(counted, 10, interval_s=0.2, what="ZigZag relays counted by loading instance and partner")
+        await _zigzag_counted(client)
         # The new instance finishes loading and serves whole requests on its own.
         await wait_until(
             lambda: _serving_count(client, 2), 120, interval_s=0.2, what="both instances SERVING after the load"
         )
+
+
+async def _zigzag_counted(client: blitzmesh.AsyncClient) -> None:
+    async def counted() -> bool:
+        # Load reports are up to a heartbeat old: wait for both sides' counts to show.
+        state = await client.cluster()
+        continued = sum(i.load.zigzag_continued_total for i in state.instances)
+        relayed = sum(i.load.zigzag_relayed_total for i in state.instances)
+        return continued >= 1 and relayed >= continued
+
+    await wait_until(counted, 10, interval_s=0.2, what="ZigZag relays counted by loading instance and partner")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def zz_pull_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    async with slow_mesh(
+        tmp_path_factory, "zigzag-pull", ("--zigzag-dispatch", "pull"), workers=2, initial_instances=1
+    ) as m:
+        yield m
+
+
+async def test_a_loading_instance_pulls_queued_requests_and_the_tokens_match(zz_pull_mesh: Mesh) -> None:
+    """--zigzag-dispatch pull: no request is routed to the loading instance; its partner hands it
+    the first layers of requests waiting in its own queue and takes them over when it admits them."""
+    prompts = [f"pulled {i} " * (1 + i % 5) for i in range(WAVE_1 + WAVE_2)]
+    async with blitzmesh.AsyncClient(zz_pull_mesh.gateway_grpc, timeout_s=180, max_retries=0) as client:
+        await split_during_scale_out(client, prompts, None)
+        await _zigzag_counted(client)
+        routed = await _metric(zz_pull_mesh, "blitzmesh_gateway_zigzag_total")
+        assert routed.get('outcome="routed"', 0) == 0, routed
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

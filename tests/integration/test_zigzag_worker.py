@@ -21,6 +21,7 @@ from services.model_format import synth
 from services.param_manager.service import ParamManagerConfig, ParamManagerService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
+from services.worker.zigzag_pull import Peer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,10 +49,16 @@ def request(rid: str, prompt: list[int], **kw: Any) -> worker_pb2.WorkerGenerate
 
 @contextlib.asynccontextmanager
 async def pair(
-    models: Path, serve_in_process: ServeFactory, link_gbps: float, *, decode: bool = False
+    models: Path,
+    serve_in_process: ServeFactory,
+    link_gbps: float,
+    *,
+    decode: bool = False,
+    old: dict[str, Any] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """A parameter manager behind a slow link, a full worker (loaded first; with `decode`, a
-    full decode worker too) and a second worker whose load is left running in the background."""
+    """A parameter manager behind a slow link, a full worker (loaded first, its config with the
+    fields in `old`; with `decode`, a full decode worker too) and a second worker whose load is
+    left running in the background."""
     pm_cfg = ParamManagerConfig(
         port=0, model_dir=models, chunk_bytes=64 * 1024, dataplane="tcp", dataplane_link_gbps=link_gbps
     )
@@ -61,7 +68,12 @@ async def pair(
         out: dict[str, Any] = {}
         for iid in ("old", "new", "decode") if decode else ("old", "new"):
             cfg = WorkerConfig(
-                port=0, param_manager=pm_ctx.address, instance_id=iid, kv_cache_tokens=4096, dataplane="tcp"
+                port=0,
+                param_manager=pm_ctx.address,
+                instance_id=iid,
+                kv_cache_tokens=4096,
+                dataplane="tcp",
+                **((old or {}) if iid == "old" else {}),
             )
             wk = WorkerService(cfg)
             ctx = await stack.enter_async_context(serve_in_process(wk, cfg))
@@ -191,3 +203,37 @@ async def test_disaggregated_zigzag_hands_the_whole_kv_to_decode(models: Path, s
         assert (await first)[-1].zigzag_layers >= 1
         assert engine_of(old_svc).zigzag["continued"] == 1
         assert engine_of(dec_svc).kv_fills == {"pulled": 1, "recomputed": 0}
+
+
+@pytest.mark.parametrize("peer_dies", [False, True], ids=["pulled", "peer-dies"])
+async def test_a_partner_hands_its_queued_requests_to_a_loading_peer(
+    models: Path, serve_in_process: ServeFactory, peer_dies: bool
+) -> None:
+    """ZigZag pulled (manager --zigzag-dispatch pull), between real workers: the full worker,
+    told its loading peer, hands that peer its waiting requests to run ahead and takes each over
+    when it admits it, with the tokens of a whole run. If the peer's load fails meanwhile, every
+    request is recomputed on the partner, none lost."""
+    prompts = [[1, *range(9 + i, 50 + i)] for i in range(6)]
+    busy = {"max_batch_size": 1, "step_time_a_s": 0.03, "step_time_b_s": 0.0}
+    async with pair(models, serve_in_process, link_gbps=0.02, old=busy) as p:
+        (old_svc, old), (new_svc, _) = p["old"], p["new"]
+        expected = [await tokens(old.Generate(request(f"w{i}", pr), timeout=30)) for i, pr in enumerate(prompts)]
+        await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
+        transport = new_svc.servicer.transport
+        assert transport is not None
+        peer = Peer("new", new_svc.servicer.address, transport.address(), 1, 6, inflight_limit=2)
+        old_svc.servicer.offloader.set_peers([peer], MODEL)
+        calls = [
+            asyncio.create_task(tokens(old.Generate(request(f"r{i}", pr), timeout=60))) for i, pr in enumerate(prompts)
+        ]
+        if peer_dies:
+            await wait_until(lambda: bool(engine_of(new_svc)._by_id), 10, what="a request run ahead on the peer")
+            p["load"].cancel()
+            await asyncio.gather(p["load"], return_exceptions=True)
+        assert await asyncio.gather(*calls) == expected
+        zigzag = engine_of(old_svc).zigzag
+        if peer_dies:
+            assert zigzag["recomputed"] >= 1, zigzag
+        else:
+            assert zigzag["continued"] >= 2 and zigzag["recomputed"] == 0, zigzag
+        assert not old_svc.servicer.offloader._ahead  # every run-ahead ended with its request

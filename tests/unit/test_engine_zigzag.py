@@ -370,3 +370,46 @@ async def test_a_relayed_prompt_longer_than_one_iteration_is_computed_whole(ckpt
             assert [e.finish_reason for e in await asyncio.wait_for(first, 10)] == ["abort"]
     finally:
         await new.stop()
+
+
+async def test_a_queued_request_pulled_ahead_by_a_loading_instance_gives_whole_run_tokens(ckpt: Path) -> None:
+    """ZigZag pulled (BlitzScale's NewPrefill): while the partner is busy, its own waiting
+    requests are offered in admission order; one marked a continuation (`attach_relay`) has its
+    first layers run ahead by the loading engine and is taken over when admitted, with exactly the
+    tokens of a whole run. A request already running, or one asking for prompt log-probs, is
+    never offered, and one no longer waiting cannot be attached."""
+    full = full_model(ckpt)
+    prompts = {rid: prompt_of(n, seed) for seed, (rid, n) in enumerate((("busy", 9), ("a", 17), ("b", 30)))}
+    async with make_engine(full) as whole:
+        expected = {rid: [e.token_id for e in await collect(whole, rid, p, PARAMS)] for rid, p in prompts.items()}
+    model, _ = partial_model(ckpt, 2)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    pacing = PacingProfile(base_s=0.05, per_token_s=0)
+    try:
+        async with make_engine(full, max_batch_size=1, pacing=pacing) as old:
+            streams = {"busy": asyncio.create_task(collect_stream(old.generate("busy", prompts["busy"], PARAMS)))}
+            await wait_until(lambda: old.stats().running == 1, 5, what="the partner busy")
+            logprobs = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
+            streams["lp"] = asyncio.create_task(collect_stream(old.generate("lp", prompts["a"], logprobs)))
+            for rid in ("a", "b"):
+                streams[rid] = asyncio.create_task(collect_stream(old.generate(rid, prompts[rid], PARAMS)))
+            await wait_until(lambda: old.stats().waiting == 3, 5, what="three requests queued on the partner")
+            offered = old.offload_candidates(4)
+            assert [rid for rid, _, _ in offered] == ["a", "b"]
+            assert old.offload_candidates(4, exclude={"a"})[0][0] == "b"
+            assert not old.attach_relay("busy", relay_from(new, "busy"))  # running, not waiting
+            ahead = {}
+            for rid, prompt, params in offered:
+                ahead[rid] = asyncio.create_task(collect_stream(new.generate(rid, prompt, params, zigzag=True)))
+                assert old.attach_relay(rid, relay_from(new, rid))
+            assert old.offload_candidates(4) == []  # attached ones are continuations now
+            outputs = {rid: await task for rid, task in streams.items()}
+            firsts = {rid: await task for rid, task in ahead.items()}
+        for rid in ("busy", "a", "b"):
+            assert [e.token_id for e in outputs[rid]] == expected[rid], rid
+        assert all(len(f) == 1 and f[0].zigzag_layers == 2 for f in firsts.values()), firsts
+        assert old.zigzag["continued"] == 2 and old.zigzag["recomputed"] == 0
+        assert old.kv_cache.used_blocks == 0 and new.kv_cache.used_blocks == 0
+    finally:
+        await new.stop()

@@ -110,24 +110,28 @@ class Mesh:
                 global_manager_pb2.RegisterInstanceRequest(instance=self.info(iid)), Context()
             )
 
+    async def heartbeat(self, iid: str) -> global_manager_pb2.HeartbeatResponse:
+        info = self.info(iid)
+        return await self.gm.Heartbeat(
+            global_manager_pb2.HeartbeatRequest(
+                instance_id=iid,
+                state=info.state,
+                model_id=info.model_id,
+                layers_loaded=info.layers_loaded,
+                num_layers=info.num_layers,
+                load=self.loads[iid],
+            ),
+            Context(),
+        )
+
     async def heartbeats(self) -> None:
         for iid in self.workers:
             if iid in self.mute:
                 continue
-            info = self.info(iid)
-            resp = await self.gm.Heartbeat(
-                global_manager_pb2.HeartbeatRequest(
-                    instance_id=iid,
-                    state=info.state,
-                    model_id=info.model_id,
-                    layers_loaded=info.layers_loaded,
-                    num_layers=info.num_layers,
-                    load=self.loads[iid],
-                ),
-                Context(),
-            )
-            if resp.reregister:
-                await self.gm.RegisterInstance(global_manager_pb2.RegisterInstanceRequest(instance=info), Context())
+            if (await self.heartbeat(iid)).reregister:
+                await self.gm.RegisterInstance(
+                    global_manager_pb2.RegisterInstanceRequest(instance=self.info(iid)), Context()
+                )
 
     async def run(self, seconds: float) -> None:
         """Heartbeat and tick every TICK_S for `seconds` of fake time."""

@@ -353,6 +353,7 @@ class PartnerChoice:
 
     partner: InstanceView
     reason: str
+    overloaded: bool = False  # whether the partner was picked among overloaded instances
 
 
 def choose_zigzag_partner(
@@ -405,7 +406,21 @@ def choose_zigzag_partner(
     used = "no load report yet" if best.load is None else str(best.load.kv_blocks_used)
     kind = "overloaded SERVING" if overloaded else "SERVING (none overloaded)"
     reason = f"fewest used KV blocks ({used}) among {len(group)} {kind} {new.role.value} instances of {model!r}"
-    return PartnerChoice(partner=best, reason=reason)
+    return PartnerChoice(partner=best, reason=reason, overloaded=bool(overloaded))
+
+
+def choose_pull_partner(
+    views: Iterable[InstanceView], new_instance_id: str, model: str, taken: Collection[str] = ()
+) -> PartnerChoice | None:
+    """The partner a live LOADING instance pulls work from (`--zigzag-dispatch pull`): as
+    `choose_zigzag_partner`, preferring an overloaded instance no other loading instance pulls
+    from yet (`taken`), so that new instances spread over the overloaded ones; when every
+    overloaded instance is taken, several share the best one (its queue feeds them all)."""
+    pool = list(views)
+    spread = choose_zigzag_partner(pool, new_instance_id, model, exclude_ids=taken) if taken else None
+    if spread is not None and spread.overloaded:
+        return spread
+    return choose_zigzag_partner(pool, new_instance_id, model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -853,6 +853,56 @@ class Engine:
             if not seq.finished:
                 self._finish(seq, "abort", notify=False)
 
+    def offload_candidates(self, n: int, exclude: Collection[str] = ()) -> list[tuple[str, list[int], SamplingParams]]:
+        """ZigZag pulled by a loading instance (BlitzScale's NewPrefill takes the old instance's
+        queued prefills FIFO): up to `n` waiting requests, in the order this engine admits them,
+        whose first layers a loading instance may run ahead (`attach_relay`): (id, prompt,
+        sampling). Eligible: a plain request that has not started (nothing computed, no output,
+        no KV arriving, not itself split), without prompt log-probs (they need every layer
+        here), and whose prompt fits one iteration (the continuation runs the remaining layers
+        over the whole prompt in one step). `exclude`: ids already offloaded."""
+        if n <= 0:
+            return []
+        waiting = list(self._waiting) if self._scorpio is None else self._scorpio_waiting()
+        out: list[tuple[str, list[int], SamplingParams]] = []
+        for seq in waiting:
+            if seq.request_id in exclude or not self._offloadable(seq):
+                continue
+            out.append((seq.request_id, seq.prompt, seq.params))
+            if len(out) >= n:
+                break
+        return out
+
+    def _offloadable(self, seq: _Seq) -> bool:
+        return not (
+            seq.finished
+            or seq.num_computed
+            or seq.output
+            or seq.resumed
+            or seq.kv_fill is not None
+            or seq.relay_fill is not None
+            or seq.fill_task is not None
+            or seq.zigzag
+            or seq.migrate
+            or seq.swapped is not None
+            or seq.params.prompt_logprobs is not None
+            or len(seq.prompt) > self.config.max_num_tokens
+        )
+
+    def attach_relay(self, request_id: str, relay_fill: RelayFill) -> bool:
+        """Make a waiting request a ZigZag continuation: when admitted it takes its first layers
+        over through `relay_fill` (from the loading instance running them ahead) instead of
+        computing them. False, and nothing changes, when the request is no longer waiting or not
+        eligible (see `offload_candidates`); a relay that brings no layer computes it whole."""
+        seq = self._by_id.get(request_id)
+        if seq is None or seq not in self._waiting or not self._offloadable(seq):
+            return False
+        seq.relay_fill = relay_fill
+        # As for a request routed to its partner: it runs the remaining layers over the whole
+        # prompt, so no cached prefix may stand in for its first tokens (see `_add`).
+        seq.prefix_register = seq.prefix_lookup = False
+        return True
+
     def abort(self, request_id: str) -> None:
         """Abort a request: its stream ends with an "abort" event and its KV is freed now.
         Unknown or finished ids are ignored (the request may just have finished)."""
