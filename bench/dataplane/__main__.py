@@ -34,7 +34,7 @@ Four parts, measured in one run, every transfer between separate real processes
      n = 1..3, best of 2 rounds. On 2 cores these are CPU-bound, so they do not show the
      chain's independence of n (that is part 2's job).
 2. Chain over shaped links: hosts are network namespaces behind a bridge, each with a
-   `tc tbf` uplink (800 Mbit by default; bench/dataplane/netns.py), payload 512 MiB (128 MiB
+   `tc tbf` uplink (800 Mbit by default; services/mesh/netns.py), payload 512 MiB (128 MiB
    with --quick), 4 MiB chunks. chain_fill_s[n], n = 1..4: source h0 -> h1 -> ... -> hn, all
    started at once, seconds until the last target holds every byte. unicast_fill_s[n]: h0
    sends to h1..h4 one after the other; [n] is when the n-th is full (one sequential run).
@@ -77,12 +77,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.dataplane import hostmem, links, netns
+from bench.dataplane import hostmem, links
 from bench.dataplane.checksums import checksum_rates
 from bench.dataplane.plot import plot
 from services.dataplane.checksum import CHECKSUM_ALGOS, DEFAULT_CHECKSUM_ALGO
 from services.dataplane.testing import ModelSpec, NodeProcess, NodeSpec, start_nodes
 from services.dataplane.transport import ucx_available
+from services.mesh import netns
 
 MIB = 1 << 20
 NUM_LAYERS = 8  # plus embed and head, half a layer each: 9 layer-sizes in all

@@ -15,8 +15,7 @@ from typing import Any
 
 from services.dataplane.manifest import Manifest
 from services.dataplane.testing import ModelSpec, NodeProcess, NodeSpec, start_nodes
-
-from .netns import NetnsHost, ShapedNetwork
+from services.mesh.netns import NetnsHost, ShapedNetwork
 
 SHAPED_LAYERS = 32  # 33 layer-sizes: g = 2, 4 shards balance within 3%
 

@@ -121,7 +121,7 @@ class NodeSpec:
     # Options for `make_transport` (e.g. {"host": "10.77.0.2"} for TCP inside a namespace).
     transport_options: dict[str, Any] = field(default_factory=dict)
     # A network namespace (name under /var/run/netns) the node enters before it opens any
-    # socket: an emulated host (see bench/dataplane/netns.py). Needs root.
+    # socket: an emulated host (see services/mesh/netns.py). Needs root.
     netns: str | None = None
     # Without a GroupServer the node's transport is free for `stream_bytes` (the transport
     # alone: no manifest, no checksums), which needs the incoming connection for itself.

@@ -1,7 +1,7 @@
 """A link's rate collapsed to 1% mid-transfer (`tc change` on a real shaped link).
 
 This fault is injected where real links exist: data-plane node processes on network-namespace
-hosts, each behind a `tc tbf` uplink (bench/dataplane/netns.py), not the in-process emulated
+hosts, each behind a `tc tbf` uplink (services/mesh/netns.py), not the in-process emulated
 links of the mesh. A chain S -> A -> B loads a model, each hop with a fallback source F (a host
 cache holding it). Once a third of the model has left S, S's uplink drops to 1% of its rate:
 A's chunks stop arriving within its stall timeout, so A re-sources the missing bytes from F and
@@ -17,8 +17,8 @@ import time
 import pytest
 
 from bench.dataplane.links import node_spec
-from bench.dataplane.netns import ShapedNetwork, plan, unavailable_reason
 from services.dataplane.testing import ModelSpec, start_nodes
+from services.mesh.netns import ShapedNetwork, plan, unavailable_reason
 from tests.chaos.harness import write_row
 
 REASON = unavailable_reason()

@@ -1,4 +1,4 @@
-"""Node processes in network namespaces behind tc-shaped links (bench/dataplane/netns.py):
+"""Node processes in network namespaces behind tc-shaped links (services/mesh/netns.py):
 a transfer crosses the shaped veth, is paced by it, arrives bit-identical, and the namespaces
 are gone afterwards. Needs root and iproute2; skipped otherwise."""
 
@@ -11,9 +11,9 @@ import time
 import pytest
 
 from bench.dataplane.links import node_spec
-from bench.dataplane.netns import ShapedNetwork, plan, unavailable_reason
 from services.dataplane.testing import ModelSpec, start_nodes
 from services.dataplane.transport import ucx_available
+from services.mesh.netns import ShapedNetwork, plan, unavailable_reason
 
 REASON = unavailable_reason()
 UCX_OK, UCX_REASON = ucx_available()

@@ -8,7 +8,7 @@ import pytest
 
 from bench.dataplane.hostmem import proc_status_kib, reported_host_bytes
 from bench.dataplane.links import split_groups
-from bench.dataplane.netns import plan
+from services.mesh.netns import plan
 
 
 def test_plan_names_addresses_and_shaping() -> None:

@@ -1,4 +1,4 @@
-"""Emulated hosts for the data-plane benchmark: network namespaces behind one switch, with a
+"""Emulated hosts for the data-plane benchmark and for a mesh on network-namespace hosts: network
 rate-limited (tc tbf) uplink each, so that the network and not the CPU is the bottleneck.
 
 Topology for `n` hosts (names unique per run: `<prefix>-sw`, `<prefix>-h0` ...)::
