@@ -42,6 +42,7 @@ from bench.live_scaling.plot import plot
 from bench.replay import describe, piecewise_pattern
 from bench.replay.summary import percentile
 from services.mesh.launcher import MeshConfig
+from services.mesh.netns import unavailable_reason
 from services.model_format.synth import PRESETS, synthesize
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -152,13 +153,20 @@ def run_setup(
     model_dir: Path,
     model_bytes: int,
     rdma_gbps: float,
+    use_netns: bool = False,
 ) -> dict[str, Any]:
-    """Replay `arrivals` once against a fresh mesh in `setup`; the figures of that one run."""
+    """Replay `arrivals` once against a fresh mesh in `setup`; the figures of that one run.
+    `use_netns`: every worker and the host cache on a network-namespace host behind a `tc tbf`
+    uplink at the setup's rate (one link per host: not for the ServerlessLLM setups, whose
+    every host reads its own copy), instead of pacing each sender in process."""
     worker_gbps, pm_gbps = _links(setup, rdma_gbps)
+    if use_netns and worker_gbps != pm_gbps:
+        raise ValueError(f"{setup}: its hosts' links differ ({worker_gbps} / {pm_gbps} Gbit/s); run it without --netns")
     os.environ["BLITZMESH_WORKER_DATAPLANE"] = "tcp"
     os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE"] = "tcp"
-    os.environ["BLITZMESH_WORKER_DATAPLANE_LINK_GBPS"] = str(worker_gbps)
-    os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"] = str(pm_gbps)
+    # 0 turns in-process pacing off: the namespaces' qdiscs shape the links instead.
+    os.environ["BLITZMESH_WORKER_DATAPLANE_LINK_GBPS"] = "0" if use_netns else str(worker_gbps)
+    os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"] = "0" if use_netns else str(pm_gbps)
     # ServerlessLLM keeps a copy on every host: each new instance reads its own at that pace.
     os.environ["BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_PER_PEER"] = "1" if setup.startswith("sllm") else "0"
     cfg = MeshConfig(
@@ -179,6 +187,7 @@ def run_setup(
             *(["--zigzag-partner-order", "relay_first"] if setup == "zigzag_relay_first" else []),
         ],
         manager_args=_manager_args(setup),
+        netns_rate_mbit=worker_gbps * 1000 if use_netns else None,
     )
     # The peak pool: every worker loaded from the start.
     name = "fixed_peak" if setup == "fixed_peak" else "autoscaled"
@@ -262,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {SETUPS + ABLATIONS}")
     p.add_argument("--shape", choices=sorted(SHAPES), default="code", help="request shape of the burst (see SHAPES)")
     p.add_argument(
+        "--netns",
+        action="store_true",
+        help="put every worker and the host cache on a network-namespace host behind a tc tbf uplink at the"
+        " RDMA rate (needs root), instead of pacing each sender in process; not for the sllm setups",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -272,7 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.netns and (reason := unavailable_reason()) is not None:
+        p.error(f"--netns: {reason}")
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    if args.netns and (sllm := [s for s in setups if s.startswith("sllm")]):
+        p.error(
+            f"--netns gives every host one link; {sllm} read a copy on each host at another rate: run them without it"
+        )
     unknown = set(setups) - set(SETUPS + ABLATIONS)
     if unknown:
         p.error(f"unknown setups {sorted(unknown)}, known: {list(SETUPS + ABLATIONS)}")
@@ -293,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         for setup in setups:
             print(f"--- repeat {i + 1}/{args.repeats} ---", flush=True)
             by_setup.setdefault(setup, []).append(
-                run_setup(setup, arrivals, run_args, model_dir, model_bytes, args.rdma_gbps)
+                run_setup(setup, arrivals, run_args, model_dir, model_bytes, args.rdma_gbps, args.netns)
             )
     results = {setup: combine(runs) for setup, runs in by_setup.items()}
     targets: dict[str, Any] = {}
@@ -329,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             },
             "pacing": {"emulated": True, "step_a_s": STEP_A_S, "step_b_s_per_token": STEP_B_S},
             "links": {
-                "emulated": "app-level pacing of each sender (not netns + tc tbf)",
+                "emulated": "network-namespace hosts, each uplink a tc tbf qdisc"
+                if args.netns
+                else "app-level pacing of each sender (not netns + tc tbf)",
                 "rdma_gbps": args.rdma_gbps,
                 "pcie_gbps": round(args.rdma_gbps * PCIE_OVER_RDMA, 4),
                 "ssd_gbps": round(args.rdma_gbps * SSD_OVER_RDMA, 4),

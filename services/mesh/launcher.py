@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.server import wait_for_serving
+from services.mesh import netns
 from services.mesh.supervision import ChildHistory, GiveUp, RestartPolicy, decide, describe_exit
 from services.model_format.default_model import DEFAULT_MODEL_ID
 
@@ -60,6 +61,11 @@ class MeshConfig:
     # Restart children that exit once the mesh is up (`run_forever` always does).
     supervise: bool = False
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # Network-namespace hosts (needs root): every worker and host cache on its own emulated host
+    # behind a `tc tbf` uplink of this many Mbit/s (services/mesh/netns.py); the manager and the
+    # gateway stay in this namespace, which joins the hosts' switch unshaped. None: all on
+    # loopback, unshaped.
+    netns_rate_mbit: float | None = None
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or (self.prefill > 0) != (self.decode > 0):
@@ -71,6 +77,8 @@ class MeshConfig:
             raise ValueError(f"workers must be >= 0, got {self.workers!r}")
         if self.schedule_wait_s is not None and self.schedule_wait_s < 0:
             raise ValueError(f"schedule_wait_s must be >= 0, got {self.schedule_wait_s!r}")
+        if self.netns_rate_mbit is not None and not self.netns_rate_mbit > 0:
+            raise ValueError(f"netns_rate_mbit must be > 0, got {self.netns_rate_mbit!r}")
 
     @property
     def disaggregated(self) -> bool:
@@ -127,10 +135,12 @@ class Proc:
     args: list[str] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
     started_s: float = 0.0  # the event loop's clock when the process was spawned
+    host: str = "127.0.0.1"  # the address its gRPC server binds (an emulated host's, in netns)
+    netns: str | None = None  # the network namespace it runs in (None: this one)
 
     @property
     def grpc_address(self) -> str:
-        return f"127.0.0.1:{self.ports['grpc_port']}"
+        return f"{self.host}:{self.ports['grpc_port']}"
 
 
 class Mesh:
@@ -148,6 +158,7 @@ class Mesh:
         # Set the moment a stop is asked for: children exiting from then on are not restarted
         # (Ctrl-C reaches the whole process group, so they may exit before stop() runs).
         self.stopping = False
+        self.network: netns.ShapedNetwork | None = None  # the emulated hosts (cfg.netns_rate_mbit)
 
     @property
     def gateway_http(self) -> str:
@@ -157,6 +168,24 @@ class Mesh:
     def gateway_grpc(self) -> str:
         return f"{self.cfg.host}:{self.procs['gateway'].ports['grpc_port']}"
 
+    def placement(self, name: str) -> tuple[str | None, str]:
+        """(network namespace, bind address) of process `name`: worker i on emulated host i,
+        host caches (the parameter manager first) on the hosts after the workers', the manager
+        and the gateway here, the manager on this namespace's address on the switch."""
+        net = self.network
+        if net is None:
+            return None, "127.0.0.1"
+        hosts = net.hosts
+        if name.startswith("worker-"):
+            h = hosts[int(name.split("-", 1)[1])]
+        elif name == "param_manager" or name.startswith("host_cache-"):
+            slot = 0 if name == "param_manager" else int(name.split("-", 1)[1])
+            h = hosts[self.cfg.worker_count + slot]
+        else:
+            assert net.plan.root_address is not None
+            return None, net.plan.root_address
+        return h.netns, h.address
+
     async def spawn(self, name: str, module: str, args: list[str]) -> Proc:
         run_dir = self.cfg.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +193,12 @@ class Mesh:
         port_file.unlink(missing_ok=True)
         # A local append-mode open; not worth a thread hop at start-up.
         out = open(run_dir / f"{name}.log", "ab") if self.cfg.log_to_files else None  # noqa: ASYNC230
+        space, host = self.placement(name)
+        # On emulated hosts `--host` binds gRPC and the data plane, and is what a process
+        # advertises (the gateway binds the public address it is given).
+        placed = ["--host", host] if self.network is not None and name != "gateway" else []
         process = await asyncio.create_subprocess_exec(
+            *(["ip", "netns", "exec", space] if space is not None else []),
             sys.executable,
             "-m",
             "services.mesh.child",
@@ -173,13 +207,23 @@ class Mesh:
             "--port-file",
             str(port_file),
             *args,
+            *placed,
             stdout=out,
             stderr=asyncio.subprocess.STDOUT if out else None,
             env=child_env(),
         )
         if out is not None:
             out.close()  # the child holds its own descriptor
-        proc = Proc(name, process, port_file, module, args, started_s=asyncio.get_running_loop().time())
+        proc = Proc(
+            name,
+            process,
+            port_file,
+            module,
+            args,
+            started_s=asyncio.get_running_loop().time(),
+            host=host if name != "gateway" else self.cfg.host,
+            netns=space,
+        )
         self.procs[name] = proc
         return proc
 
@@ -239,6 +283,8 @@ class Mesh:
     async def start(self) -> None:
         cfg = self.cfg
         await asyncio.to_thread(ensure_model, cfg.model_dir, cfg.model)
+        if cfg.netns_rate_mbit is not None:
+            self.network = await asyncio.to_thread(open_network, cfg)
         pm = await self.spawn(
             "param_manager",
             "services.param_manager",
@@ -455,6 +501,9 @@ class Mesh:
                 with contextlib.suppress(ProcessLookupError):
                     proc.process.kill()
                 await proc.process.wait()
+        if self.network is not None:
+            await asyncio.to_thread(self.network.close)
+            self.network = None
 
     async def run_forever(self) -> int:
         """`make up`: serve until Ctrl-C or SIGTERM (0), or a child exceeds its restart limit (1)."""
@@ -500,6 +549,25 @@ class ChildFailed(Exception):
 
 # Port-file keys and the flag that binds each again on restart (every service takes these).
 FIXED_PORT_FLAGS = {"grpc_port": "--port", "http_port": "--http-port", "metrics_port": "--metrics-port"}
+
+
+def open_network(cfg: MeshConfig) -> netns.ShapedNetwork:
+    """The emulated hosts of `cfg`: one per worker and per host cache, the root namespace joined,
+    in a subnet of their own (10.78.x, x from this process id) so that meshes do not collide.
+    Namespaces left by a run killed with SIGKILL are removed first."""
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"netns_rate_mbit={cfg.netns_rate_mbit} needs network namespaces: {reason}")
+    assert cfg.netns_rate_mbit is not None
+    netns.remove_stale(prefix="bmesh-")
+    plan = netns.plan(
+        cfg.worker_count + cfg.host_caches,
+        prefix=f"bmesh-{os.getpid()}",
+        subnet=f"10.78.{os.getpid() % 250}",
+        rate_mbit=cfg.netns_rate_mbit,
+        join_root=True,
+    )
+    return netns.ShapedNetwork(plan).__enter__()
 
 
 def child_env() -> dict[str, str]:

@@ -1,5 +1,6 @@
-"""Emulated hosts for the data-plane benchmark and for a mesh on network-namespace hosts: network
-rate-limited (tc tbf) uplink each, so that the network and not the CPU is the bottleneck.
+"""Emulated hosts, for the data-plane benchmark and for a mesh on network-namespace hosts (the
+launcher's `MeshConfig.netns`): network namespaces behind one switch, with a rate-limited
+(tc tbf) uplink each, so that the network and not the CPU is the bottleneck.
 
 Topology for `n` hosts (names unique per run: `<prefix>-sw`, `<prefix>-h0` ...)::
 
@@ -10,8 +11,11 @@ Topology for `n` hosts (names unique per run: `<prefix>-sw`, `<prefix>-h0` ...):
 Every host's `bm0` has `tbf rate <rate>mbit` as its root qdisc: its egress (uplink) is
 shaped, as a NIC's line rate would be. The switch side (a host's downlink) is not shaped, so a
 host receiving from g sources at once can take g uplinks' worth of bytes (sharded transfer).
-The addresses exist only inside these namespaces. `plan()` is pure (it only builds the command
-lines); `ShapedNetwork` runs them and always deletes the namespaces again (also on Ctrl-C).
+The addresses exist only inside these namespaces, unless the plan has a `root_address`: then
+the root namespace joins the switch too (a veth `<prefix>-r`, unshaped), so processes left there (a
+mesh's manager and gateway, its clients) reach the hosts and are reached by them. `plan()` is
+pure (it only builds the command lines); `ShapedNetwork` runs them and always deletes the
+namespaces again (also on Ctrl-C); deleting the switch takes the root link with it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 
 DEVICE = "bm0"  # the host side of every host's veth (same name in every namespace)
 BRIDGE = "br0"
+ROOT_PORT = "proot"  # the switch side of the root namespace's veth
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,12 @@ class NetnsPlan:
     burst_kbit: int
     latency_ms: int
     prefix_len: int = 24
+    root_address: str | None = None  # the root namespace's address on the switch (None: not joined)
+
+    @property
+    def root_device(self) -> str:
+        """The root namespace's end of its veth (unique per plan: the root namespace is shared)."""
+        return f"{self.prefix[-12:]}-r"
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -83,6 +94,15 @@ class NetnsPlan:
                 ["ip", "-n", sw, "link", "set", port, "up"],
                 ["tc", "-n", h.netns, "qdisc", "add", "dev", h.device, "root", *self.tbf_args()],
             ]
+        if self.root_address is not None:
+            root = self.root_device
+            cmds += [
+                ["ip", "link", "add", root, "type", "veth", "peer", "name", ROOT_PORT, "netns", sw],
+                ["ip", "addr", "add", f"{self.root_address}/{self.prefix_len}", "dev", root],
+                ["ip", "link", "set", root, "up"],
+                ["ip", "-n", sw, "link", "set", ROOT_PORT, "master", BRIDGE],
+                ["ip", "-n", sw, "link", "set", ROOT_PORT, "up"],
+            ]
         return cmds
 
     def teardown_commands(self) -> list[list[str]]:
@@ -98,8 +118,10 @@ def plan(
     rate_mbit: float = 800,
     burst_kbit: int = 2048,
     latency_ms: int = 50,
+    join_root: bool = False,
 ) -> NetnsPlan:
-    """The plan for `n_hosts` hosts named `<prefix>-h<i>` at `<subnet>.<i+1>`."""
+    """The plan for `n_hosts` hosts named `<prefix>-h<i>` at `<subnet>.<i+1>`; with `join_root`,
+    the root namespace joins the switch at `<subnet>.254`."""
     if not 1 <= n_hosts <= 250:
         raise ValueError(f"n_hosts must be in [1, 250], got {n_hosts}")
     if not rate_mbit > 0:
@@ -111,7 +133,8 @@ def plan(
     if len(prefix) > 40 or not all(c.isalnum() or c in "-_" for c in prefix):
         raise ValueError(f"bad namespace prefix {prefix!r}")
     hosts = tuple(NetnsHost(i, f"{prefix}-h{i}", f"{subnet}.{i + 1}") for i in range(n_hosts))
-    return NetnsPlan(prefix, f"{prefix}-sw", hosts, rate_mbit, burst_kbit, latency_ms)
+    root = f"{subnet}.254" if join_root else None
+    return NetnsPlan(prefix, f"{prefix}-sw", hosts, rate_mbit, burst_kbit, latency_ms, root_address=root)
 
 
 def unavailable_reason() -> str | None:

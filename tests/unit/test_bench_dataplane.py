@@ -30,6 +30,20 @@ def test_plan_names_addresses_and_shaping() -> None:
     assert sorted(c[-1] for c in p.teardown_commands()) == sorted([p.switch, *(h.netns for h in p.hosts)])
 
 
+def test_a_joined_root_namespace_gets_an_unshaped_port_on_the_switch() -> None:
+    assert plan(2, prefix="bmesh-1").root_address is None  # by default nothing touches this namespace
+    p = plan(2, prefix="bmesh-12345", subnet="10.78.3", join_root=True)
+    assert p.root_address == "10.78.3.254" and p.root_device == "bmesh-12345-r"
+    assert len(p.root_device) <= 15  # a Linux interface name
+    cmds = [" ".join(c) for c in p.setup_commands()]
+    assert "ip link add bmesh-12345-r type veth peer name proot netns bmesh-12345-sw" in cmds
+    assert "ip addr add 10.78.3.254/24 dev bmesh-12345-r" in cmds
+    assert "ip -n bmesh-12345-sw link set proot master br0" in cmds
+    assert not any("qdisc" in c and "bmesh-12345-r" in c for c in cmds)  # unshaped
+    # Deleting the switch namespace removes the root end too: teardown is unchanged.
+    assert sorted(c[-1] for c in p.teardown_commands()) == sorted([p.switch, *(h.netns for h in p.hosts)])
+
+
 def test_plan_default_prefix_is_unique_per_process() -> None:
     assert plan(1).hosts[0].netns == f"bmdp-{os.getpid()}-h0"
 
