@@ -863,7 +863,11 @@ class Engine:
         over the whole prompt in one step). `exclude`: ids already offloaded."""
         if n <= 0:
             return []
-        waiting = list(self._waiting) if self._scorpio is None else self._scorpio_waiting()
+        waiting = list(self._waiting)
+        if self._scorpio is not None:
+            # SCORPIO admits least-deadline-first; its refusals are left to the next step (this
+            # runs between and during steps, and must not change the queue).
+            waiting.sort(key=lambda s: s.scorpio.deadline_s if s.scorpio is not None else math.inf)
         out: list[tuple[str, list[int], SamplingParams]] = []
         for seq in waiting:
             if seq.request_id in exclude or not self._offloadable(seq):
