@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -177,3 +178,43 @@ async def test_a_disaggregated_mesh_splits_prompts_with_a_loading_prefill_instan
 
 async def _serving_count(client: blitzmesh.AsyncClient, n: int) -> bool:
     return sum(i.state == "serving" for i in (await client.cluster()).instances) >= n
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def zz_kill_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    async with slow_mesh(tmp_path_factory, "zigzag-kill", workers=2, initial_instances=1) as m:
+        yield m
+
+
+async def test_a_loading_instance_killed_mid_zigzag_loses_no_request(zz_kill_mesh: Mesh) -> None:
+    """The loading instance is SIGKILLed while it runs the first layers of split requests: their
+    partner finds nothing to relay and computes them whole, with the tokens of a whole run."""
+    prompts = [f"killed {i} " * (1 + i % 5) for i in range(WAVE_1 + WAVE_2)]
+    async with blitzmesh.AsyncClient(zz_kill_mesh.gateway_grpc, timeout_s=180, max_retries=0) as client:
+        references = [(await client.complete(p, **ARGS)).token_ids for p in prompts]
+        first = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[:WAVE_1]]
+
+        async def reporting() -> bool:
+            return any(i.state == "serving" and i.load.ttft_p50_s > 0 for i in (await client.cluster()).instances)
+
+        await wait_until(reporting, 30, interval_s=0.05, what="the serving instance reporting its TTFT")
+        await client.scale(MODEL, 1)
+
+        async def live() -> bool:
+            return any(i.state == "loading" and 1 <= i.layers_loaded for i in (await client.cluster()).instances)
+
+        await wait_until(live, 60, interval_s=0.05, what="the new instance LOADING with its first layers")
+        second = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[WAVE_1:]]
+        victim: list[str] = []
+
+        async def splitting() -> bool:
+            for i in (await client.cluster()).instances:
+                if i.state == "loading" and i.load.zigzag_running >= 1:
+                    victim.append(i.instance_id)
+                    return True
+            return False
+
+        await wait_until(splitting, 30, interval_s=0.05, what="the loading instance running split requests")
+        zz_kill_mesh.procs[victim[0]].process.send_signal(signal.SIGKILL)
+        done = await asyncio.gather(*first, *second)
+        assert [c.token_ids for c in done] == references
