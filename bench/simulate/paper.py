@@ -25,7 +25,9 @@ chains, ZigZag), `serverlessllm` (the same policy; per-host cache with 60 s keep
 reads the host's SSD), `hpa` (the HPA-style `utilization` policy on decode TPS with Kubernetes
 HPA's cooldowns: scale out at once, 300 s before a scale-in), `fixed_peak` (DistServe/vLLM: no
 scaling, a pool sized for the busiest 5 s), and `fixed_same_slo`: the smallest fixed pool whose
-SLO attainment is at least blitzmesh's (bisection between the mean-rate and busiest-5 s sizes).
+SLO attainment is at least blitzmesh's (bisection over 1 to the busiest-5 s size, in steps of a
+sixteenth of it), and `hpa_same_slo`: HPA at the highest target utilization of 0.7, 0.6, ..., 0.1
+whose SLO attainment is at least blitzmesh's.
 
 Claims (`PAPER`), each `{paper, ours, ratio = ours / paper}`:
 - `tail_ttft`: 1 - p99 TTFT(blitzmesh) / p99 TTFT(serverlessllm), the largest over settings
@@ -202,9 +204,9 @@ def scenario(setting: Setting, scale: float, minutes: float, seed: int = 0) -> t
     # so the factor is set once on the trace and corrected once on its copies.
     cap = sizing(make(base), profile, base)["capacity_rps_per_instance"]
     want = PEAK_FILL * slots * cap * TARGET_UTILIZATION
-    factor = want / peak_rps(base)
+    factor = want / max(peak_rps(base), 1e-9)
     arrivals = replicate(base, factor, JITTER_S, seed)
-    factor *= want / peak_rps(arrivals)
+    factor *= want / max(peak_rps(arrivals), 1e-9)
     arrivals = replicate(base, factor, JITTER_S, seed)
     return make(arrivals), {"rate_factor": round(factor, 3), "trace_requests": len(base)}
 
@@ -349,8 +351,8 @@ def run_setting(name: str, scale: float, minutes: float, seed: int = 0) -> dict[
             return systems["fixed_peak"]
         return run_system(dataclasses.replace(fixed, name="fixed_same_slo", initial=k), setting.tp)
 
-    lo, hi = min(meta["sizing"]["fixed_mean"], fixed.initial), fixed.initial
-    pools = sorted({*range(lo, hi, max(1, (hi - lo) // 16)), hi})
+    hi = fixed.initial
+    pools = sorted({*range(1, hi, max(1, (hi - 1) // 16)), hi})
     n, res, tried = first_passing(pools, fixed_run, ok)
     systems["fixed_same_slo"] = {**res, "instances": n}
     print(_line(f"{name}/fixed_same_slo({n})", res), flush=True)
@@ -475,6 +477,33 @@ def table(paper: dict[str, Any]) -> list[str]:
     return lines
 
 
+def markdown(paper: dict[str, Any]) -> list[str]:
+    """The README's tables: the claims, then each setting's systems."""
+    lines = ["| claim | paper | ours | ours / paper |", "| --- | --- | --- | --- |"]
+    for key, c in paper["claims"].items():
+        ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}{'' if c['within_25pct'] else ' *'}"
+        ours = "-" if c["ours"] is None else f"{c['ours']:.3g}"
+        lines.append(f"| {key} | {c['paper']:g} | {ours} | {ratio} |")
+    for name, s in paper["settings"].items():
+        lines += [
+            "",
+            f"`{name}` ({s['gpus']:,} GPUs, {s['requests']:,} requests, rate x{s['rate_factor']:g}, {s['wall_s']} s):",
+            "",
+            "| system | TTFT p50 / p99 s | SLO | GPU-h | GPUs max | util | host copies (peak / mean) | loads (mean s) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for system, r in s["systems"].items():
+            size = r.get("instances") or r.get("target_utilization")
+            tag = f"{system} ({size:g})" if system in ("fixed_peak", "fixed_same_slo", "hpa_same_slo") else system
+            copies = r["host_copies"]
+            lines.append(
+                f"| {tag} | {r['ttft_p50_s']} / {r['ttft_p99_s']} | {r['slo_attainment']} | "
+                f"{r['gpu_seconds'] / 3600:,.1f} | {r['gpus_max']} | {r['gpu_utilization']} | "
+                f"{copies['peak']:g} / {copies['mean']:g} | {r['loads']['count']} ({r['loads']['mean_s']}) |"
+            )
+    return lines
+
+
 def _line(tag: str, r: dict[str, Any]) -> str:
     return (
         f"{tag}: ttft p50 {r['ttft_p50_s']} p99 {r['ttft_p99_s']} slo {r['slo_attainment']} gpu_s {r['gpu_seconds']} "
@@ -531,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": settings,
         "wall_s": round(time.perf_counter() - wall, 1),
     }
-    for line in table(paper):
+    for line in [*table(paper), "", *markdown(paper)]:
         print(line)
     write_paper(args.out, paper)
     print(f"wrote {args.out} (paper, {paper['wall_s']} s)")

@@ -20,6 +20,7 @@ COLORS = {
     "hpa": "tab:orange",
     "fixed_peak": "tab:gray",
     "fixed_same_slo": "tab:green",
+    "hpa_same_slo": "tab:purple",
 }
 TIMELINE_PNG = "simulator_paper_timeline.png"
 CDF_PNG = "simulator_paper_ttft_cdf.png"
@@ -53,7 +54,7 @@ def plot_timeline(paper: dict[str, Any], out: Path) -> Path:
                 rate_ax.fill_between(ts, tl["rps"], step="post", color="0.85", zorder=0)
                 rate_ax.set_ylabel("requests/s", color="0.4")
                 drawn_rate = True
-            label = f"{system} ({r['gpu_seconds'] / 3600:.0f} GPU-h, p99 {r['ttft_p99_s']} s)"
+            label = f"{system} ({r['gpu_seconds'] / 3600:,.1f} GPU-h, TTFT p99 {r['ttft_p99_s']} s)"
             ax.step(ts, tl["gpus"], where="post", color=COLORS.get(system), linewidth=1.3, label=label)
         ax.set_zorder(rate_ax.get_zorder() + 1)
         ax.patch.set_visible(False)
