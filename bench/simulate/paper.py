@@ -20,8 +20,9 @@ The rate: each request of the trace `factor` times (the fraction by a seeded coi
 delayed by a seeded uniform [0, `JITTER_S`), `factor` chosen so that a pool sized for the
 busiest 5 s at the policies' 70% target is `PEAK_FILL` of the cluster.
 
-Systems (the `scenarios.build_runs` variants): `blitzmesh` (HeteroScale, the GM's multicast
-chains, ZigZag), `serverlessllm` (the same policy; per-host cache with 60 s keep-alive, a miss
+Systems (the `scenarios.build_runs` variants): `blitzmesh` (HeteroScale with live8b's settings:
+a 2 s scale-out cooldown and a latency panic that doubles the pool; the GM's multicast chains,
+ZigZag), `serverlessllm` (the same policy; per-host cache with 60 s keep-alive, a miss
 reads the host's SSD), `hpa` (the HPA-style `utilization` policy on decode TPS with Kubernetes
 HPA's cooldowns: scale out at once, 300 s before a scale-in), `fixed_peak` (DistServe/vLLM: no
 scaling, a pool sized for the busiest 5 s), and `fixed_same_slo`: the smallest fixed pool whose
@@ -67,6 +68,7 @@ from bench.replay.trace import read_azure_trace
 
 from .cluster import RunConfig, Simulation
 from .links import ClusterSpec
+from .live_scaling import POLICY_OVERRIDES
 from .profiles import PUBLISHED_PROFILES
 from .scenarios import TARGET_UTILIZATION, TRACES, Scenario, build_runs, peak_rps, sizing
 
@@ -195,7 +197,7 @@ def scenario(setting: Setting, scale: float, minutes: float, seed: int = 0) -> t
             initial=None,
             max_instances=slots,
             batch_for_sizing=32,
-            scale_out_cooldown_s=5.0,
+            scale_out_cooldown_s=2.0,
             scale_in_cooldown_s=60.0,
             keep_alive_s=60.0,
         )
@@ -319,9 +321,15 @@ def run_setting(name: str, scale: float, minutes: float, seed: int = 0) -> dict[
     setting = SETTINGS[name]
     sc, rate = scenario(setting, scale, minutes, seed)
     runs, meta = build_runs(sc, SYSTEMS, seed=seed)
+    # HeteroScale's latency panic doubles the pool (as in live8b): at x1.2 per cooldown it
+    # pre-empts the concurrency signal's jump and a burst after a lull queues for ~60 s.
+    hetero = {**meta["policy_params"]["heteroscale"], **POLICY_OVERRIDES}
     # HPA as Kubernetes ships it: scale out at once, a 300 s window before scaling in.
     hpa_params = {k: v for k, v in meta["policy_params"]["utilization"].items() if "cooldown" not in k}
-    runs = [dataclasses.replace(r, policy_params=hpa_params) if r.name == "hpa" else r for r in runs]
+    runs = [
+        dataclasses.replace(r, policy_params=hpa_params if r.name == "hpa" else hetero) if r.autoscale else r
+        for r in runs
+    ]
     out: dict[str, Any] = {
         "description": sc.description,
         "profile": {"key": setting.profile, "source_ref": runs[0].profile.source_ref},
@@ -331,7 +339,7 @@ def run_setting(name: str, scale: float, minutes: float, seed: int = 0) -> dict[
         "requests": len(runs[0].arrivals),
         **rate,
         "sizing": meta["sizing"],
-        "policy_params": {"heteroscale": meta["policy_params"]["heteroscale"], "utilization": hpa_params},
+        "policy_params": {"heteroscale": hetero, "utilization": hpa_params},
         "systems": {},
     }
     systems = out["systems"]
