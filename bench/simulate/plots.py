@@ -22,13 +22,15 @@ COLORS = {
     "fixed_same_slo": "tab:green",
     "hpa_same_slo": "tab:purple",
 }
+# The timeline leaves out plain `hpa` (its tuned `hpa_same_slo` is the one compared).
+TIMELINE_SYSTEMS = ("fixed_peak", "fixed_same_slo", "hpa_same_slo", "serverlessllm", "blitzmesh")
 TIMELINE_PNG = "simulator_paper_timeline.png"
 CDF_PNG = "simulator_paper_ttft_cdf.png"
 
 
 def _panels(paper: dict[str, Any], height: float) -> tuple[Any, list[tuple[Any, str, dict[str, Any]]]]:
     settings = paper["settings"]
-    fig, axes = plt.subplots(len(settings), 1, figsize=(11, height * len(settings) + 0.8), squeeze=False)
+    fig, axes = plt.subplots(len(settings), 1, figsize=(14, height * len(settings) + 0.8), squeeze=False)
     return fig, [(ax, name, s) for ax, (name, s) in zip(axes[:, 0], settings.items(), strict=True)]
 
 
@@ -47,12 +49,16 @@ def plot_timeline(paper: dict[str, Any], out: Path) -> Path:
     for ax, name, s in panels:
         rate_ax = ax.twinx()
         drawn_rate = False
-        for system, r in s["systems"].items():
+        for system in TIMELINE_SYSTEMS:  # blitzmesh last, on top
+            r = s["systems"].get(system)
+            if r is None:
+                continue
             tl = r["timeline"]
             ts = [i * tl["bin_s"] / 60 for i in range(len(tl["gpus"]))]
             if not drawn_rate:
                 rate_ax.fill_between(ts, tl["rps"], step="post", color="0.85", zorder=0)
                 rate_ax.set_ylabel("requests/s", color="0.4")
+                rate_ax.set_ylim(bottom=0)
                 drawn_rate = True
             label = f"{system} ({r['gpu_seconds'] / 3600:,.1f} GPU-h, TTFT p99 {r['ttft_p99_s']} s)"
             ax.step(ts, tl["gpus"], where="post", color=COLORS.get(system), linewidth=1.3, label=label)
@@ -61,7 +67,7 @@ def plot_timeline(paper: dict[str, Any], out: Path) -> Path:
         ax.set_ylabel("GPUs held")
         ax.set_ylim(bottom=0)
         ax.set_title(f"{name}: {s['description']}", fontsize=8, loc="left")
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.07, 1.0))
         ax.set_xlabel("minutes")
     title = f"Scaling timeline (simulated, scale {paper['scale']:g} of {paper['gpus_at_scale_1']:,} GPUs)"
     return _save(fig, title, out)
@@ -84,7 +90,7 @@ def plot_ttft_cdf(paper: dict[str, Any], out: Path) -> Path:
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{name}: {s['description']}", fontsize=8, loc="left")
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     title = f"TTFT CDF (simulated, scale {paper['scale']:g} of {paper['gpus_at_scale_1']:,} GPUs)"
     return _save(fig, title, out)
 
