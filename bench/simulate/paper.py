@@ -114,6 +114,21 @@ PAPER: dict[str, dict[str, Any]] = {
 }
 
 
+# What our setting assumes where it may differ from the paper's (README: which one moves a claim).
+ASSUMPTIONS = {
+    "tail_ttft": "the same HeteroScale policy for both; ServerlessLLM's misses read the host's 10 Gbps SSD and its "
+    "cache keeps the model 60 s after the host's last instance; the largest reduction over the settings ('up to')",
+    "gpu_time": "baseline: the smallest fixed pool that reaches blitzmesh's SLO attainment, below the peak-sized "
+    "pool's where blitzmesh loses the first seconds of bursts (detail: reduction_vs_fixed_peak is against the pool "
+    "sized for the busiest 5 s); the conversation trace's busiest 5 s are ~2x its mean and a 70B instance is 8 GPUs",
+    "gpu_utilization": "busy time over held time (nvidia-smi-like), ~100% for a 70B instance with any request "
+    "decoding; HPA is this project's decode-TPS utilization policy tuned to the same SLO, not a production baseline "
+    "(P/D pools, SM activity)",
+    "host_memory": "one model per run; ServerlessLLM's copies counted on the hosts holding the model or within its "
+    "keep-alive, sampled every second",
+}
+
+
 @dataclass(frozen=True)
 class Setting:
     """One model on one trace: `tp` GPUs per instance (an instance of tp > 1 is one host)."""
@@ -397,6 +412,7 @@ def _claim(key: str, ours: float | None, detail: dict[str, Any]) -> dict[str, An
         "ours": ours,
         "ratio": ratio,
         "within_25pct": ratio is not None and abs(ratio - 1.0) <= 0.25 + 1e-9,
+        "assumptions": ASSUMPTIONS[key],
         "detail": detail,
     }
 
@@ -452,7 +468,14 @@ def claims(settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "gpu_time": _claim(
             "gpu_time",
             _reduction(total("blitzmesh", "gpu_seconds"), total("fixed_same_slo", "gpu_seconds")),
-            gpu,
+            {
+                **gpu,
+                "all": {
+                    "reduction_vs_fixed_peak": _reduction(
+                        total("blitzmesh", "gpu_seconds"), total("fixed_peak", "gpu_seconds")
+                    )
+                },
+            },
         ),
         "gpu_utilization": _claim(
             "gpu_utilization",

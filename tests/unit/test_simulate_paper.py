@@ -187,7 +187,7 @@ def test_claims_arithmetic() -> None:
     c = claims(settings)
     assert set(c) == set(PAPER)
     for claim in c.values():
-        assert {"paper", "ours", "ratio", "within_25pct", "detail", "source", "unit"} <= set(claim)
+        assert {"paper", "ours", "ratio", "within_25pct", "assumptions", "detail", "source", "unit"} <= set(claim)
         assert claim["ratio"] == pytest.approx(claim["ours"] / claim["paper"], abs=1e-3)
     # Tail: "up to": the largest reduction, 1 - 0.5/5.0 in a (b: 0.5).
     assert c["tail_ttft"]["ours"] == pytest.approx(0.9)
@@ -196,6 +196,7 @@ def test_claims_arithmetic() -> None:
     assert c["gpu_time"]["ours"] == pytest.approx(0.5)
     assert c["gpu_time"]["within_25pct"]
     assert c["gpu_time"]["detail"]["a"]["reduction_vs_fixed_peak"] == pytest.approx(0.75)
+    assert c["gpu_time"]["detail"]["all"]["reduction_vs_fixed_peak"] == pytest.approx(1 - 200 / 600, abs=1e-4)
     # Utilization, GPU-weighted: 140/200 - 160/400 = 0.3 -> 30 pp.
     assert c["gpu_utilization"]["ours"] == pytest.approx(30.0)
     assert c["gpu_utilization"]["ratio"] == pytest.approx(30.0 / 26.6, abs=1e-3)
