@@ -7,12 +7,12 @@ Usage:
 
 The paper's setting: an hour of the Azure LLM inference traces (2023; `../shared/traces`, read
 with `bench.replay`), models of 8B to 70B on up to 1,000 GPUs. `--scale` is the share of that:
-1.0 is 1,000 GPUs and the request rate that fills them, 0.1 is 100 GPUs at a tenth of the rate
-(the trace's shape kept), so a run sized for today reruns at full scale by changing one number.
+1.0 is 1,000 GPUs and the request rate that fills them, 0.1 is 104 GPUs (13 hosts of 8) at a
+tenth of the rate (the trace's shape kept), so a run sized for today reruns at full scale by changing one number.
 Settings (`SETTINGS`):
 - `code8b`: Llama-3-8B on single H100s (the published-spec ESTIMATE of `profiles.py`), hosts of
-  8 GPUs, the code trace (mean prompt ~2,000 tokens, ~28 output tokens, a 20x burst in its
-  41st minute).
+  8 GPUs, the code trace (mean prompt ~2,000 tokens, ~28 output tokens, bursts of a few minutes
+  between minutes of silence, its busiest 5 s ~20x its mean).
 - `conv70b`: Llama-3-70B with tensor parallelism 8, one instance per 8-GPU host (modelled as a
   host of one 8x-wide slot: 8 RDMA NICs and 8 PCIe lanes), the conversation trace (~1,150
   prompt tokens, ~210 output tokens, its busiest 5 s ~2x its mean).
