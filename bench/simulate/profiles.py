@@ -1,5 +1,5 @@
 """Step-time models of simulated workers: this project's measured profile, and published-spec
-estimates for an 8B-class model on A100 and H100 for the paper-scale runs.
+estimates for an 8B-class model on A100 and H100 and a 70B-class one on 8 H100s, for the paper-scale runs.
 
 PUBLISHED_PROFILES are ESTIMATES, not fits to published step-time measurements: no such
 coefficients are in /work/shared, so each term is a roofline from public spec sheets with an
@@ -15,6 +15,12 @@ bandwidth, 50% of peak FLOPS (typical of vLLM-class engines; our assumption, not
 - prefill_seq_s: the LM head, 2 x 4096 x 128,256 FLOP / (FLOPS x 0.5).
 - decode_context_s: a decode row reads 131,072 B of KV per context token / (BW x 0.7).
 - loop_overhead_s: 0.5 ms of scheduling per iteration (assumed).
+The 70B-class entry (`h100x8-llama3-70b`, for the paper-scale runs) is the same roofline for
+Llama-3-70B (Meta's config.json: 70.55e9 parameters, 80 layers, hidden 8192, 8 KV heads x
+head_dim 128, vocabulary 128,256; 141.1 GB of bf16 weights, 2 x 80 x 8 x 128 x 2 B = 327,680 B
+of KV per token) served with tensor parallelism 8 on one host of 8 H100s: the bandwidth and
+FLOPS of the 8 GPUs, times a further 80% for the two all-reduces per layer (assumed, not
+measured), and KV blocks from 8 x 80 GB x 0.9 less the weights.
 Validating these against a real GPU run is a later slice's job.
 """
 
@@ -54,13 +60,9 @@ SMOLLM2_135M_CONFIG = {
     "hidden_size": 576,
 }
 
-_LLAMA3_8B_PARAMS = 8.03e9
-_LLAMA3_8B_BYTES = 2 * _LLAMA3_8B_PARAMS
-_KV_BYTES_PER_TOKEN = kv_bytes_per_token(LLAMA3_8B_CONFIG, 2)  # 2 x 32 x 8 x 128 x 2 B
-_ATTN_FLOP_PER_PAIR = 4 * 4096 * 32
-_LM_HEAD_FLOP = 2 * 4096 * 128_256
 MEM_EFFICIENCY = 0.7
 FLOP_EFFICIENCY = 0.5
+TP_EFFICIENCY = 0.8  # tensor-parallel instances: what the all-reduces leave (assumed)
 
 
 @dataclass(frozen=True)
@@ -91,35 +93,65 @@ class SimProfile:
     source_ref: str
 
 
-def _roofline(device: str, hbm_bytes_per_s: float, flops: float, kv_blocks: int) -> SimProfile:
-    bw, fl = hbm_bytes_per_s * MEM_EFFICIENCY, flops * FLOP_EFFICIENCY
-    per_token = 2 * _LLAMA3_8B_PARAMS / fl
+@dataclass(frozen=True)
+class _Arch:
+    """A dense decoder's sizes for the roofline: parameters and the config.json fields."""
+
+    name: str
+    title: str
+    params: float
+    config: Mapping[str, int]
+    vocab: int
+
+    @property
+    def weight_bytes(self) -> float:
+        return 2 * self.params  # bf16
+
+
+LLAMA3_70B_CONFIG = {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192}
+_LLAMA3_8B = _Arch("llama-3-8b", "Llama-3-8B", 8.03e9, LLAMA3_8B_CONFIG, 128_256)
+_LLAMA3_70B = _Arch("llama-3-70b", "Llama-3-70B", 70.55e9, LLAMA3_70B_CONFIG, 128_256)
+
+
+def _roofline(
+    device: str, hbm_bytes_per_s: float, flops: float, kv_blocks: int, arch: _Arch = _LLAMA3_8B, tp: int = 1
+) -> SimProfile:
+    """Step-time terms of `arch` on `tp` GPUs of `device` (per-GPU bandwidth and FLOPS)."""
+    scale = tp * (TP_EFFICIENCY if tp > 1 else 1.0)
+    bw, fl = hbm_bytes_per_s * MEM_EFFICIENCY * scale, flops * FLOP_EFFICIENCY * scale
+    hidden, layers = arch.config["hidden_size"], arch.config["num_hidden_layers"]
+    kv = kv_bytes_per_token(arch.config, 2)
+    per_token = 2 * arch.params / fl
     step = StepTimeModel(
-        base_s=_LLAMA3_8B_BYTES / bw,
+        base_s=arch.weight_bytes / bw,
         prefill_token_s=per_token,
-        prefill_attn_pair_s=_ATTN_FLOP_PER_PAIR / fl,
-        prefill_seq_s=_LM_HEAD_FLOP / fl,
+        prefill_attn_pair_s=4 * hidden * layers / fl,
+        prefill_seq_s=2 * hidden * arch.vocab / fl,  # the LM head
         decode_row_s=per_token,
-        decode_context_s=_KV_BYTES_PER_TOKEN / bw,
+        decode_context_s=kv / bw,
         loop_overhead_s=0.0005,
     )
+    tp_note = f", TP={tp} at {TP_EFFICIENCY:.0%}" if tp > 1 else ""
     return SimProfile(
         device=device,
-        model=ModelSpec("llama-3-8b", _LLAMA3_8B_BYTES, 32, _KV_BYTES_PER_TOKEN),
+        model=ModelSpec(arch.name, arch.weight_bytes, layers, kv),
         step=step,
         max_batch=128,
         max_num_tokens=8192,
         kv_blocks=kv_blocks,
         block_size=16,
         source="published",
-        source_ref="ESTIMATE: roofline from NVIDIA data sheets and Llama-3-8B config.json (bench/simulate/profiles.py)",
+        source_ref=f"ESTIMATE: roofline from NVIDIA data sheets and {arch.title} config.json{tp_note} "
+        "(bench/simulate/profiles.py)",
     )
 
 
-# KV blocks of 16 tokens: (80 GB x 0.9 - 16.06 GB weights) / 131,072 B per token / 16 ~ 26,700.
+# KV blocks of 16 tokens: (80 GB x 0.9 - 16.06 GB weights) / 131,072 B per token / 16 ~ 26,700;
+# 70B on 8 GPUs: (8 x 80 GB x 0.9 - 141.1 GB) / 327,680 B per token / 16 ~ 82,900.
 PUBLISHED_PROFILES: dict[str, SimProfile] = {
     "h100-llama3-8b": _roofline("NVIDIA H100 SXM5 80GB", 3.35e12, 989e12, 26_000),
     "a100-llama3-8b": _roofline("NVIDIA A100 SXM4 80GB", 2.039e12, 312e12, 26_000),
+    "h100x8-llama3-70b": _roofline("8x NVIDIA H100 SXM5 80GB (TP=8)", 3.35e12, 989e12, 82_000, _LLAMA3_70B, tp=8),
 }
 
 
