@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,11 +49,12 @@ from services.global_manager.core.multicast import (
 from services.global_manager.core.policies import make_policy
 from services.global_manager.core.reconcile import Observations, Reconciler, ReconcileSettings, release_report
 from services.global_manager.core.routing import plan_route
-from services.global_manager.core.types import InstanceState, Role
+from services.global_manager.core.types import InstanceState, InstanceView, Role
 from services.global_manager.core.zigzag import choose_zigzag_partner, should_zigzag
 
 from .cpu import HostCpu
 from .events import EventLoop
+from .fastroute import IndexedRegistry
 from .links import ClusterSpec, LeafSpine, Network
 from .profiles import SimProfile
 from .transfer import Transfer
@@ -150,6 +151,11 @@ class RunConfig:
     host_cpu_reserved: float = 0.0
     cpu_step_base_s: float = 0.0
     cpu_step_token_s: float = 0.0
+    # The simulator's fast paths, the same results (pinned by tests against False): workers skip
+    # the events of uniform decode steps (`worker.py`), the gateway's choice comes from an index
+    # of the least-loaded instance when `plan_route` would give the same (`fastroute.py`), and
+    # arrivals are fed to the event loop one at a time. False: the step-by-step reference.
+    fast_path: bool = True
 
 
 class SimActuator:
@@ -207,7 +213,7 @@ class Simulation:
         self.fabric = LeafSpine(self.net, cfg.cluster)
         self.model = cfg.profile.model
         self.group_bytes = {g: self.model.size_bytes / self.model.num_layers for g in self.model.groups}
-        self.registry = Registry()
+        self.registry = IndexedRegistry(self.model.name) if cfg.fast_path else Registry()
         self.monitor = LoadMonitor(window_s=cfg.window_s, lost_after_s=cfg.lost_after_s)
         floor = cfg.min_instances if cfg.autoscale else cfg.initial
         floors: dict[Role, int] = {Role.COLOCATED: floor}
@@ -264,6 +270,7 @@ class Simulation:
                 on_pull=self._pull,
                 cpu=self.host_cpus.get(host),
                 cpu_step=(cfg.cpu_step_base_s, cfg.cpu_step_token_s),
+                skip=cfg.fast_path,
             )
             if cfg.report_window_s is not None:
                 self.workers[gpu].window = WindowStats(cfg.report_window_s)
@@ -344,8 +351,12 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         wall = time.perf_counter()
-        for req in self.requests:
-            self.loop.at(req.arrival_s, lambda req=req: self._arrive(req))
+        if cfg.fast_path:
+            requests = self.requests
+            self.loop.stream([r.arrival_s for r in requests], lambda i: self._arrive(requests[i]))
+        else:
+            for req in self.requests:
+                self.loop.at(req.arrival_s, lambda req=req: self._arrive(req))
         self.loop.every(cfg.heartbeat_s, self._heartbeats, start_s=cfg.heartbeat_s)
         self.loop.every(cfg.tick_s, self._tick, start_s=cfg.tick_s)
         self.loop.every(cfg.sample_s, self._sample)
@@ -426,7 +437,12 @@ class Simulation:
         hop, the one that decodes, and pulls the KV it left behind when that is still offered
         (a hand-off, a live migration), else recomputes the prompt plus its tokens there."""
         excluded = set(exclude)
-        while True:
+        route = None
+        if not excluded and isinstance(self.registry, IndexedRegistry):
+            route = self.registry.index.route(req.prompt + req.output, self.cfg.profile.block_size)
+            if route and route[0].instance_id in self.dead:
+                route = None  # refused: plan again without it, as below
+        while route is None:
             route = plan_route(
                 self.registry.views(model=self.model.name),
                 model=self.model.name,
@@ -437,10 +453,10 @@ class Simulation:
                 leaves=self.leaves,
             )
             refused = {hop.instance_id for hop in route} & self.dead
-            if not refused:
-                break
-            excluded |= refused
-            self._bump("connect_refused")
+            if refused:
+                excluded |= refused
+                self._bump("connect_refused")
+                route = None
         if not route:
             return False
         req.routed += 1
@@ -613,7 +629,13 @@ class Simulation:
     # ---- the control loop ----------------------------------------------------------------------
     def _heartbeats(self) -> None:
         now = self.loop.now_s
-        for view in self.registry:
+        registry = self.registry
+        views: Iterable[InstanceView] = registry
+        if isinstance(registry, IndexedRegistry):
+            # The same calls in the same order, the IDLE instances' in one batch.
+            self.monitor.mark_seen_many(registry.idle - self.dead - self.hung, now)
+            views = registry.active()
+        for view in views:
             if not self.workers[view.instance_id].alive:
                 continue  # killed or hung: silent, so the core finds it LOST
             if view.state in (S.SERVING, S.LOADING, S.DRAINING):
@@ -829,7 +851,7 @@ class Simulation:
         for iid in self.boosted:
             self.workers[iid].speedup = 1.0
         self.boosted = {}
-        if not self.cfg.zigzag:
+        if not self.cfg.zigzag or (self.cfg.zigzag_live == "tails" and not self.tails):
             return
         views = self.registry.views(model=self.model.name)
         by_id = {v.instance_id: v for v in views}

@@ -1,0 +1,120 @@
+"""The gateway's routing choice without a pass over every instance per request.
+
+`plan_route` (the core's) looks at every view for each request: at 1,000 instances and
+thousands of requests a second that is most of a simulation's time. For a colocated deployment
+asked with no exclusions its answer is the SERVING instance with the smallest
+(fits, `instance_load`, instance_id), fits meaning its free KV blocks hold the request. That
+load changes only when the instance's view does (a heartbeat, a route noted, a transition), so
+`IndexedRegistry` (the core's `Registry`, its view table watched) keeps those instances in a
+heap by (load, id) with stale entries dropped when they surface. `LeastLoaded.route` answers
+from the heap top when it fits, and says "ask `plan_route`" (None) in every other case: some
+PREFILL or DECODE instance serving, the top short of KV, or (the caller's part) exclusions.
+The answer is the very view `plan_route` would return; a unit test runs both side by side.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from services.global_manager.core.instances import Registry
+from services.global_manager.core.routing import instance_load
+from services.global_manager.core.types import InstanceState, InstanceView, Role
+
+__all__ = ["IndexedRegistry", "LeastLoaded"]
+
+
+class LeastLoaded:
+    """SERVING instances of one model by (instance_load, instance_id), kept as views change."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.current: dict[str, InstanceView] = {}  # SERVING colocated views, by id
+        self.split: set[str] = set()  # SERVING prefill or decode instances
+        self._heap: list[tuple[float, str, int, InstanceView]] = []
+        self._n = 0
+
+    def update(self, iid: str, view: InstanceView | None) -> None:
+        """`iid`'s view is now `view` (None: removed)."""
+        self.current.pop(iid, None)
+        self.split.discard(iid)
+        if view is None or view.state is not InstanceState.SERVING or view.model != self.model:
+            return
+        if view.role is not Role.COLOCATED:
+            self.split.add(iid)
+            return
+        self.current[iid] = view
+        self._n += 1
+        heapq.heappush(self._heap, (instance_load(view), iid, self._n, view))
+        if len(self._heap) > 4 * len(self.current) + 256:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._n += 1
+        self._heap = [(instance_load(v), iid, self._n, v) for iid, v in self.current.items()]
+        heapq.heapify(self._heap)
+
+    def route(self, request_tokens: int, block_size: int) -> tuple[InstanceView, ...] | None:
+        """What `plan_route` returns for a request of `request_tokens` (prompt + max tokens) with
+        no exclusions, or None when only `plan_route` can tell."""
+        if self.split:
+            return None
+        heap, current = self._heap, self.current
+        while heap and current.get(heap[0][1]) is not heap[0][3]:
+            heapq.heappop(heap)
+        if not heap:
+            return ()
+        top = heap[0][3]
+        load = top.load
+        if load is None or load.kv_blocks_total == 0:
+            return (top,)
+        if load.kv_blocks_total - load.kv_blocks_used >= math.ceil(request_tokens / block_size):
+            return (top,)
+        return None
+
+
+class _Watched(dict[str, InstanceView]):
+    """The registry's table, telling its owner of every view stored or removed."""
+
+    def __init__(self, owner: IndexedRegistry) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __setitem__(self, iid: str, view: InstanceView) -> None:
+        super().__setitem__(iid, view)
+        self.owner.changed(iid, view)
+
+    def __delitem__(self, iid: str) -> None:
+        super().__delitem__(iid)
+        self.owner.changed(iid, None)
+
+
+class IndexedRegistry(Registry):
+    """The core's `Registry`, unchanged in behaviour, with a `LeastLoaded` index of `model` and
+    the instances that are not IDLE, so a heartbeat round need not visit a thousand idle ones."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        self.index = LeastLoaded(model)
+        self.idle: set[str] = set()
+        self._active: set[str] = set()
+        self._position: dict[str, int] = {}  # the table's order: dicts keep insertion order
+        self._added = 0
+        self._views = _Watched(self)
+
+    def changed(self, iid: str, view: InstanceView | None) -> None:
+        self.index.update(iid, view)
+        self.idle.discard(iid)
+        self._active.discard(iid)
+        if view is None:
+            self._position.pop(iid, None)  # back at the end of the table if it comes back
+            return
+        if iid not in self._position:
+            self._position[iid] = self._added
+            self._added += 1
+        (self.idle if view.state is InstanceState.IDLE else self._active).add(iid)
+
+    def active(self) -> list[InstanceView]:
+        """The views not IDLE, in the order iterating the registry gives them."""
+        views = self._views
+        return [views[iid] for iid in sorted(self._active, key=self._position.__getitem__)]
