@@ -408,19 +408,22 @@ class Simulation:
         return summary
 
     def _record(self, r: SimRequest) -> RequestRecord:
-        rec = RequestRecord(index=r.index, scheduled_s=r.arrival_s, prompt_tokens=r.prompt, max_tokens=r.output)
-        rec.sent_s = r.arrival_s
-        if r.end_s is None:
-            return rec  # outcome "lost": not finished by the run's bound
+        if r.end_s is None:  # outcome "lost": not finished by the run's bound
+            return RequestRecord(r.index, r.arrival_s, r.prompt, r.output, sent_s=r.arrival_s)
         assert r.first_token_s is not None
-        rec.outcome = "ok"
-        rec.ttft_s = r.first_token_s - r.arrival_s
-        rec.completion_tokens = r.output
-        rec.finish_reason = "length"
-        rec.end_s = r.end_s
-        if r.output > 1:
-            rec.tbt_mean_s = (r.end_s - r.first_token_s) / (r.output - 1)
-        return rec
+        return RequestRecord(
+            r.index,
+            r.arrival_s,
+            r.prompt,
+            r.output,
+            sent_s=r.arrival_s,
+            outcome="ok",
+            ttft_s=r.first_token_s - r.arrival_s,
+            tbt_mean_s=(r.end_s - r.first_token_s) / (r.output - 1) if r.output > 1 else None,
+            completion_tokens=r.output,
+            finish_reason="length",
+            end_s=r.end_s,
+        )
 
     # ---- requests --------------------------------------------------------------------------
     def _arrive(self, req: SimRequest) -> None:

@@ -11,6 +11,7 @@ ends, and one timer waits for the next flow to finish.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -111,26 +112,40 @@ class Network:
                 self.links[li].bytes_carried += moved
 
     def _rates(self) -> None:
-        """Max-min fair rates by progressive filling, ties broken by link index (deterministic)."""
-        cap = {}
-        left = {}
+        """Max-min fair rates by progressive filling, ties broken by link index (deterministic).
+
+        The most contended link (least capacity left per unfixed flow on it, then the lowest
+        index) is found from a heap of (share, link) entries, one pushed whenever a link's share
+        changes and stale ones dropped as they surface: the same links in the same order, and
+        the same arithmetic, as scanning every link each round, without the rounds x links."""
+        cap: dict[int, float] = {}
+        left: dict[int, int] = {}
+        links = self.links
         for flow in self.flows.values():
             for li in flow.links:
                 if li not in cap:
-                    cap[li] = self.links[li].bytes_per_s
+                    cap[li] = links[li].bytes_per_s
                     left[li] = 0
                 left[li] += 1
+        heap = [(cap[li] / n, li) for li, n in left.items()]
+        heapq.heapify(heap)
         unfixed = set(self.flows)
         while unfixed:
-            li = min((li for li in cap if left[li] > 0), key=lambda i: (cap[i] / left[i], i))
-            share = cap[li] / left[li]
-            for fid in sorted(self.links[li].flows & unfixed):
+            share, li = heapq.heappop(heap)
+            if left[li] <= 0 or cap[li] / left[li] != share:
+                continue  # stale: the link's share changed since this entry
+            touched = set()
+            for fid in sorted(links[li].flows & unfixed):
                 flow = self.flows[fid]
                 flow.rate = share
                 unfixed.discard(fid)
                 for lj in flow.links:
                     cap[lj] = max(0.0, cap[lj] - share)
                     left[lj] -= 1
+                    touched.add(lj)
+            for lj in touched:
+                if left[lj] > 0:
+                    heapq.heappush(heap, (cap[lj] / left[lj], lj))
 
     def _reschedule(self) -> None:
         self._rates()

@@ -14,8 +14,8 @@ busiest prefill instance hung mid-burst), `pd_migrate` (`pd_mixed` with the core
 migration on), `colocated` (the same GPUs as whole-request instances).
 
 `hour1000` is the control plane at cluster scale: the whole hour of the Azure code trace,
-rate-scaled x`HOUR_COPIES` (seeded copies, each shifted by up to a minute), on 1,024 A100s with
-the autoscaled pool bounded at 1,000; it runs HeteroScale only unless asked for more, and
+rate-scaled x`HOUR_COPIES` (seeded copies, each shifted by up to `HOUR_SHIFT_S`), on 1,024 A100s
+with the autoscaled pool bounded at 1,000; it runs HeteroScale only unless asked for more, and
 `python -m bench.simulate --scenario hour1000` also writes its wall time to
 bench/results/simulator.json `wall_s_1h_1000` (`Scenario.wall_key`).
 """
@@ -179,20 +179,20 @@ def _code_burst_arrivals() -> list[Arrival]:
     return overlay(base, 4, 90.0, seed=3)
 
 
-HOUR_COPIES = 290
-HOUR_SHIFT_S = 60.0
+# The code trace is bursty: minutes with no request, 10 s at 33 req/s. Copies shifted by up to
+# 10 s keep that shape (10-s bins), and x80 is what makes its bursts take the autoscaled pool to
+# its bound of 1,000 instances (the busiest 10 s at ~2,600 req/s, ~3 req/s per A100 instance at
+# the 0.7 target); copies shifted by up to a minute would smear the bursts and need x290 (2.6M
+# requests instead of 0.7M) for the same peak pool.
+HOUR_COPIES = 80
+HOUR_SHIFT_S = 10.0
 
 
 def _code_hour_arrivals() -> list[Arrival]:
     # The code trace's whole hour (8,819 requests over 57 min: mean 2.6 req/s, busiest minute
-    # 10.5 req/s, quietest 0), full-size prompts (mean ~2,000 tokens) and outputs (mean 28),
-    # HOUR_COPIES copies each shifted by up to a minute: minute-scale shape kept.
+    # 10.5 req/s, quietest 0), full-size prompts (mean ~2,000 tokens) and outputs (mean 28).
     rows = read_azure_trace(TRACES / "azure_llm_2023_code.csv")
-    base = from_trace(
-        rows,
-        TraceWindow(),
-        FULL_SIZE,
-    )
+    base = from_trace(rows, TraceWindow(), FULL_SIZE)
     return replicate(base, HOUR_COPIES, HOUR_SHIFT_S, seed=5)
 
 
@@ -249,7 +249,7 @@ SCENARIOS: dict[str, Scenario] = {
     "hour1000": Scenario(
         name="hour1000",
         description="1,024 A100s (published-spec Llama-3-8B estimate), 128 hosts x 8 on 16 leaves, 200 Gbps RDMA "
-        "per GPU, NVLink 2.4 Tbps; the Azure code trace's whole hour at x290 (copies shifted by up to 60 s), "
+        "per GPU, NVLink 2.4 Tbps; the Azure code trace's whole hour at x80 (copies shifted by up to 10 s), "
         "full-size prompts; HeteroScale bounded at 1,000 instances, starting sized for the mean rate",
         profile=lambda: PUBLISHED_PROFILES["a100-llama3-8b"],
         cluster=ClusterSpec(hosts=128, gpus_per_host=8, hosts_per_leaf=8, rdma_gbps=200.0, nvlink_gbps=2400.0),

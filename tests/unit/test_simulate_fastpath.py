@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 
 from bench.replay.schedule import Arrival
+from bench.replay.summary import Slo
 from bench.simulate.__main__ import _write_key
 from bench.simulate.cluster import RunConfig, Simulation
 from bench.simulate.events import EventLoop
 from bench.simulate.fastroute import IndexedRegistry
+from bench.simulate.links import ClusterSpec, Network, gbps
 from bench.simulate.profiles import PUBLISHED_PROFILES
 from bench.simulate.scenarios import SCENARIOS, build_runs, replicate
 from bench.simulate.worker import SimRequest, SimWorker
@@ -62,9 +64,6 @@ def test_fast_path_gives_the_reference_results_with_report_windows_and_zigzag() 
     # The engine-faithful reports (per-step appends to a sliding window) and ZigZag's speedups
     # changing under running spans: a small H100 cluster under a burst, every target live.
     arrivals = [Arrival(i, 0.02 * i, 1500 + 37 * (i % 11), 20 + 13 * (i % 7)) for i in range(1500)]
-    from bench.replay.summary import Slo
-    from bench.simulate.links import ClusterSpec
-
     cfg = RunConfig(
         name="zz",
         profile=H100,
@@ -216,3 +215,36 @@ def test_write_key_keeps_the_other_keys(tmp_path: Path) -> None:
     path.write_text(json.dumps({"validation": {"a": 1}}), encoding="utf-8")
     _write_key(path, "wall_s_1h_1000", {"wall_s": 1.5})
     assert json.loads(path.read_text(encoding="utf-8")) == {"validation": {"a": 1}, "wall_s_1h_1000": {"wall_s": 1.5}}
+
+
+# ---- link sharing -----------------------------------------------------------------------------
+def _scan_rates(net: Network) -> dict[int, float]:
+    """Progressive filling as first written: every round scans every link for the least share."""
+    cap: dict[int, float] = {}
+    left: dict[int, int] = {}
+    for flow in net.flows.values():
+        for li in flow.links:
+            cap.setdefault(li, net.links[li].bytes_per_s)
+            left[li] = left.get(li, 0) + 1
+    rates: dict[int, float] = {}
+    while len(rates) < len(net.flows):
+        li = min((i for i in cap if left[i] > 0), key=lambda i: (cap[i] / left[i], i))
+        share = cap[li] / left[li]
+        for fid in sorted(net.links[li].flows - set(rates)):
+            rates[fid] = share
+            for lj in net.flows[fid].links:
+                cap[lj] = max(0.0, cap[lj] - share)
+                left[lj] -= 1
+    return rates
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_link_rates_from_the_heap_match_scanning_every_link(seed: int) -> None:
+    rng = random.Random(seed)
+    net = Network(EventLoop())
+    n = rng.randint(1, 30)
+    for i in range(n):
+        net.add_link(f"l{i}", rng.choice([50.0, 100.0, 200.0, 33.3, gbps(200.0)]))
+    for _ in range(rng.randint(1, 60)):
+        net.start(tuple(rng.sample(range(n), rng.randint(1, min(4, n)))), rng.uniform(1, 1000), lambda: None)
+    assert {fid: f.rate for fid, f in net.flows.items()} == _scan_rates(net)
