@@ -50,7 +50,7 @@ from services.global_manager.core.policies import make_policy
 from services.global_manager.core.reconcile import Observations, Reconciler, ReconcileSettings, release_report
 from services.global_manager.core.routing import plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, Role
-from services.global_manager.core.zigzag import choose_zigzag_partner, should_zigzag
+from services.global_manager.core.zigzag import ZigzagGate, choose_zigzag_partner, should_zigzag
 
 from .cpu import HostCpu
 from .events import EventLoop
@@ -209,7 +209,7 @@ class Simulation:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.loop = EventLoop(cfg.seed)
-        self.net = Network(self.loop)
+        self.net = Network(self.loop, batch=cfg.fast_path)
         self.fabric = LeafSpine(self.net, cfg.cluster)
         self.model = cfg.profile.model
         self.group_bytes = {g: self.model.size_bytes / self.model.num_layers for g in self.model.groups}
@@ -315,6 +315,7 @@ class Simulation:
         self.zigzag_assisted = 0
         self.zigzag_served_while_loading = 0.0
         self.zigzag_paired: set[str] = set()
+        self._gate: tuple[int | None, ZigzagGate] | None = None  # the ZigZag gate at a registry version
         self.reached_serving: list[tuple[float, str]] = []
         # P/D hand-offs and live migrations: the decode instance chosen with each prefill hop,
         # the KV pulls in flight (request index -> flow id, source, destination, start), and
@@ -440,26 +441,26 @@ class Simulation:
         hop, the one that decodes, and pulls the KV it left behind when that is still offered
         (a hand-off, a live migration), else recomputes the prompt plus its tokens there."""
         excluded = set(exclude)
-        route = None
-        if not excluded and isinstance(self.registry, IndexedRegistry):
-            route = self.registry.index.route(req.prompt + req.output, self.cfg.profile.block_size)
-            if route and route[0].instance_id in self.dead:
-                route = None  # refused: plan again without it, as below
-        while route is None:
-            route = plan_route(
-                self.registry.views(model=self.model.name),
-                model=self.model.name,
-                prompt_tokens=req.prompt,
-                max_tokens=req.output,
-                exclude_ids=excluded,
-                kv_block_size_tokens=self.cfg.profile.block_size,
-                leaves=self.leaves,
+        index = self.registry.index if isinstance(self.registry, IndexedRegistry) else None
+        while True:
+            route = (
+                None if index is None else index.route(req.prompt + req.output, self.cfg.profile.block_size, excluded)
             )
+            if route is None:
+                route = plan_route(
+                    self.registry.views(model=self.model.name),
+                    model=self.model.name,
+                    prompt_tokens=req.prompt,
+                    max_tokens=req.output,
+                    exclude_ids=excluded,
+                    kv_block_size_tokens=self.cfg.profile.block_size,
+                    leaves=self.leaves,
+                )
             refused = {hop.instance_id for hop in route} & self.dead
-            if refused:
-                excluded |= refused
-                self._bump("connect_refused")
-                route = None
+            if not refused:
+                break
+            excluded |= refused
+            self._bump("connect_refused")
         if not route:
             return False
         req.routed += 1
@@ -856,25 +857,37 @@ class Simulation:
         self.boosted = {}
         if not self.cfg.zigzag or (self.cfg.zigzag_live == "tails" and not self.tails):
             return
-        views = self.registry.views(model=self.model.name)
-        by_id = {v.instance_id: v for v in views}
-        candidates = (
-            self.tails if self.cfg.zigzag_live == "tails" else {v.instance_id for v in views if v.state is S.LOADING}
-        )
+        registry, model = self.registry, self.model.name
+        views: list[InstanceView] | None = None
+        if self.cfg.zigzag_live == "tails":
+            candidates = [registry.get(t) for t in self.tails if t in registry]
+        else:
+            views = registry.views(model=model)
+            candidates = [v for v in views if v.state is S.LOADING]
         live = sorted(
             (
-                by_id[t]
-                for t in candidates
-                if t in by_id and by_id[t].state is S.LOADING and 1 <= by_id[t].layers_loaded < by_id[t].num_layers
+                v
+                for v in candidates
+                if v.model == model and v.state is S.LOADING and 1 <= v.layers_loaded < v.num_layers
             ),
             key=lambda v: (-v.layers_loaded, v.instance_id),
         )
         if not live:
             return
-        cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
-        gate = should_zigzag(views, model=self.model.name, max_running_by_instance=cap, ttft_s=self.cfg.zigzag_ttft_s)
+        # The gate reads the SERVING instances' states and load reports only: between two
+        # heartbeat rounds (many layers land) it is asked the same question again.
+        version = registry.version if isinstance(registry, IndexedRegistry) else None
+        if version is not None and self._gate is not None and self._gate[0] == version:
+            gate = self._gate[1]
+        else:
+            views = registry.views(model=model) if views is None else views
+            cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
+            gate = should_zigzag(views, model=model, max_running_by_instance=cap, ttft_s=self.cfg.zigzag_ttft_s)
+            self._gate = (version, gate)
         if not gate.zigzag and self.cfg.zigzag_gate != "always":
             return
+        views = registry.views(model=model) if views is None else views
+        cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
         paired: dict[str, list[int]] = {}
         for v in live:
             choice = choose_zigzag_partner(

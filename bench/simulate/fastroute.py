@@ -7,8 +7,8 @@ asked with no exclusions its answer is the SERVING instance with the smallest
 load changes only when the instance's view does (a heartbeat, a route noted, a transition), so
 `IndexedRegistry` (the core's `Registry`, its view table watched) keeps those instances in a
 heap by (load, id) with stale entries dropped when they surface. `LeastLoaded.route` answers
-from the heap top when it fits, and says "ask `plan_route`" (None) in every other case: some
-PREFILL or DECODE instance serving, the top short of KV, or (the caller's part) exclusions.
+from the heap top (the first not excluded) when it fits, and says "ask `plan_route`" (None) in every
+other case: some PREFILL or DECODE instance serving, or that instance short of KV.
 The answer is the very view `plan_route` would return; a unit test runs both side by side.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Collection
 
 from services.global_manager.core.instances import Registry
 from services.global_manager.core.routing import instance_load
@@ -54,17 +55,29 @@ class LeastLoaded:
         self._heap = [(instance_load(v), iid, self._n, v) for iid, v in self.current.items()]
         heapq.heapify(self._heap)
 
-    def route(self, request_tokens: int, block_size: int) -> tuple[InstanceView, ...] | None:
+    def route(
+        self, request_tokens: int, block_size: int, exclude: Collection[str] = ()
+    ) -> tuple[InstanceView, ...] | None:
         """What `plan_route` returns for a request of `request_tokens` (prompt + max tokens) with
-        no exclusions, or None when only `plan_route` can tell."""
+        `exclude` left out, or None when only `plan_route` can tell."""
         if self.split:
             return None
         heap, current = self._heap, self.current
-        while heap and current.get(heap[0][1]) is not heap[0][3]:
-            heapq.heappop(heap)
-        if not heap:
+        passed = []  # current entries of excluded instances, put back after
+        top = None
+        while heap:
+            entry = heap[0]
+            if current.get(entry[1]) is not entry[3]:
+                heapq.heappop(heap)  # stale
+            elif entry[1] in exclude:
+                passed.append(heapq.heappop(heap))
+            else:
+                top = entry[3]
+                break
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        if top is None:
             return ()
-        top = heap[0][3]
         load = top.load
         if load is None or load.kv_blocks_total == 0:
             return (top,)
@@ -81,12 +94,14 @@ class _Watched(dict[str, InstanceView]):
         self.owner = owner
 
     def __setitem__(self, iid: str, view: InstanceView) -> None:
+        old = self.get(iid)
         super().__setitem__(iid, view)
-        self.owner.changed(iid, view)
+        self.owner.changed(iid, old, view)
 
     def __delitem__(self, iid: str) -> None:
+        old = self.get(iid)
         super().__delitem__(iid)
-        self.owner.changed(iid, None)
+        self.owner.changed(iid, old, None)
 
 
 class IndexedRegistry(Registry):
@@ -100,9 +115,21 @@ class IndexedRegistry(Registry):
         self._active: set[str] = set()
         self._position: dict[str, int] = {}  # the table's order: dicts keep insertion order
         self._added = 0
+        # Bumped when an instance comes or goes or its state, model or load report changes (not
+        # on a route noted or a layer landed): what the ZigZag gate reads is the same until then.
+        self.version = 0
         self._views = _Watched(self)
 
-    def changed(self, iid: str, view: InstanceView | None) -> None:
+    def changed(self, iid: str, old: InstanceView | None, view: InstanceView | None) -> None:
+        if (
+            old is None
+            or view is None
+            or old.state is not view.state
+            or old.load is not view.load
+            or old.model != view.model
+            or old.role is not view.role
+        ):
+            self.version += 1
         self.index.update(iid, view)
         self.idle.discard(iid)
         self._active.discard(iid)

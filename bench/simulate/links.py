@@ -48,8 +48,14 @@ class Flow:
 class Network:
     """Links and the flows crossing them, on an event loop."""
 
-    def __init__(self, loop: EventLoop) -> None:
+    def __init__(self, loop: EventLoop, *, batch: bool = False) -> None:
         self.loop = loop
+        # Batch the rate recomputations of one instant: flows started or cancelled by one event
+        # (a group landing starts the next hop and the all-gather to 7 peers) are priced once,
+        # after it, instead of once each. Nothing moves between them (no time passes), so the
+        # rates and completion times are those of pricing after each.
+        self.batch = batch
+        self._pending = False
         self.links: list[Link] = []
         self._by_name: dict[str, int] = {}
         self.flows: dict[int, Flow] = {}
@@ -82,7 +88,7 @@ class Network:
         for li in links:
             self.links[li].flows.add(fid)
         self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0.0) + size_bytes
-        self._reschedule()
+        self._changed()
         return fid
 
     def cancel(self, fid: int) -> bool:
@@ -95,7 +101,7 @@ class Network:
         for li in flow.links:
             self.links[li].flows.discard(fid)
         self.bytes_by_kind[flow.kind] -= max(0.0, flow.remaining)
-        self._reschedule()
+        self._changed()
         return True
 
     # ---- internals -----------------------------------------------------------------------
@@ -146,6 +152,21 @@ class Network:
             for lj in touched:
                 if left[lj] > 0:
                     heapq.heappush(heap, (cap[lj] / left[lj], lj))
+
+    def _changed(self) -> None:
+        if not self.batch:
+            self._reschedule()
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._pending:
+            self._pending = True
+            self.loop.at(self.loop.now_s, self._flush)
+
+    def _flush(self) -> None:
+        self._pending = False
+        self._reschedule()
 
     def _reschedule(self) -> None:
         self._rates()

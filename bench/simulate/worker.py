@@ -171,6 +171,7 @@ class SimWorker:
         self.on_first_token, self.on_finish, self.on_empty = on_first_token, on_finish, on_empty
         self.on_handoff, self.on_pull = on_handoff, on_pull
         self.waiting: deque[SimRequest] = deque()
+        self._waiting_tokens = 0  # prompt tokens queued in `waiting` (decode-phase ones: none)
         self.prefilling: list[SimRequest] = []
         self.decoding: list[tuple[int, int, SimRequest]] = []  # (finish step, index, request)
         self.pulling: dict[int, SimRequest] = {}  # admitted, their KV on its way here
@@ -228,6 +229,8 @@ class SimWorker:
         ):
             self._interrupt()  # admitted when the step under way ends; else it waits behind the batch
         self.waiting.append(req)
+        if phase != "decode":
+            self._waiting_tokens += req.ctx
         if not self.busy and self.alive:
             self._start_step()
 
@@ -236,7 +239,10 @@ class SimWorker:
         self._interrupt()
         out = []
         while self.waiting and len(out) < n:
-            out.append(self.waiting.pop())
+            r = self.waiting.pop()
+            if r.phase != "decode":
+                self._waiting_tokens -= r.ctx
+            out.append(r)
         return out
 
     def release_running(self, n: int) -> list[SimRequest]:
@@ -313,6 +319,7 @@ class SimWorker:
             out.append(r)
         offered = sorted((r for r, _ in self.offered.values()), key=lambda r: r.index)
         self.waiting.clear()
+        self._waiting_tokens = 0
         self.prefilling, self.decoding = [], []
         self.pulling, self.offered = {}, {}
         self.ctx_sum = self.kv_used = 0
@@ -328,6 +335,7 @@ class SimWorker:
                 self.pulling[r.index] = r
                 self.on_pull(r)
             else:
+                self._waiting_tokens -= r.ctx
                 self.prefilling.append(r)
         rows = len(self.decoding)
         budget = self.max_num_tokens - rows
@@ -524,8 +532,7 @@ class SimWorker:
                 tbt_p99_s=_wq(tbts, 0.99),
                 running=self.running,
                 waiting=len(self.waiting),
-                waiting_prefill_tokens=sum(r.ctx for r in self.waiting if r.phase != "decode")
-                + sum(r.ctx - r.prefilled for r in self.prefilling),
+                waiting_prefill_tokens=self._waiting_tokens + sum(r.ctx - r.prefilled for r in self.prefilling),
                 kv_blocks_used=self.kv_used if serving else 0,
                 kv_blocks_total=self.kv_total if serving else 0,
             )
@@ -542,8 +549,7 @@ class SimWorker:
             tbt_p99_s=tbt_p99,
             running=self.running,
             waiting=len(self.waiting),
-            waiting_prefill_tokens=sum(r.ctx for r in self.waiting if r.phase != "decode")
-            + sum(r.ctx - r.prefilled for r in self.prefilling),
+            waiting_prefill_tokens=self._waiting_tokens + sum(r.ctx - r.prefilled for r in self.prefilling),
             kv_blocks_used=self.kv_used if serving else 0,
             kv_blocks_total=self.kv_total if serving else 0,
         )
