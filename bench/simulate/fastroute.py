@@ -122,14 +122,19 @@ class IndexedRegistry(Registry):
 
     def changed(self, iid: str, old: InstanceView | None, view: InstanceView | None) -> None:
         if (
-            old is None
-            or view is None
-            or old.state is not view.state
-            or old.load is not view.load
-            or old.model != view.model
-            or old.role is not view.role
+            old is not None
+            and view is not None
+            and old.state is view.state
+            and old.model == view.model
+            and old.role is view.role
         ):
-            self.version += 1
+            # A report, a route noted, a layer landed: the instance stays in the same sets.
+            if old.load is not view.load:
+                self.version += 1
+            if iid in self.index.current:
+                self.index.update(iid, view)
+            return
+        self.version += 1
         self.index.update(iid, view)
         self.idle.discard(iid)
         self._active.discard(iid)
