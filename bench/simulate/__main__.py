@@ -1,7 +1,7 @@
 """Discrete-event cluster simulator driving the global manager's reconcile core.
 
 Usage:
-    python -m bench.simulate --scenario smoke|conv64|disagg16 [--variants blitzmesh,fixed_peak]
+    python -m bench.simulate --scenario smoke|conv64|disagg16|hour1000 [--variants blitzmesh,fixed_peak]
         [--seed 0] [--out bench/results/simulate_smoke.json]
     python -m bench.simulate --validate [--out bench/results/simulator.json]
 
@@ -9,15 +9,22 @@ Runs each variant of the scenario (`bench.simulate.scenarios`: blitzmesh, hpa, s
 fixed_peak; for the disaggregated disagg16 pd_mixed, pd_split_hosts, pd_kill, pd_migrate,
 colocated) on simulated workers and links, and writes one JSON: per variant the
 `bench.replay.summary` figures (TTFT p50/p99, SLO attainment, instance-seconds = GPU-seconds,
-lost) plus loads, actions and the simulator's own cost, and the scenario's sizing.
+lost) plus loads, actions and the simulator's own cost, and the scenario's sizing. A scenario
+with a `wall_key` (hour1000: `wall_s_1h_1000`) also writes its first variant's wall time (trace
+read and replicated, simulated, summarized), size and machine to bench/results/simulator.json
+under that key, keeping the file's other keys.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from .cluster import Simulation
 from .scenarios import PD_VARIANTS, SCENARIOS, VARIANTS, build_runs
@@ -47,9 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.validate:
         return _validate(args.out or REPO_ROOT / "bench" / "results" / "simulator.json")
+    started = time.perf_counter()
+    load_before = os.getloadavg()
     sc = SCENARIOS[args.scenario]
     variants = sc.variants if args.variants is None else tuple(v for v in args.variants.split(",") if v)
     runs, meta = build_runs(sc, variants, seed=args.seed)
+    build_s = time.perf_counter() - started
     out = args.out or REPO_ROOT / "bench" / "results" / f"simulate_{sc.name}.json"
     result = {
         "scenario": sc.name,
@@ -76,10 +86,51 @@ def main(argv: list[str] | None = None) -> int:
             f"loads {summary['loads']['count']} (mean {summary['loads']['mean_s']} s) wall {summary['sim_wall_s']} s",
             flush=True,
         )
+        if sc.wall_key and cfg is runs[0]:
+            wall = {
+                "wall_s": round(build_s + summary["sim_wall_s"], 2),
+                "build_s": round(build_s, 2),
+                "sim_wall_s": summary["sim_wall_s"],
+                "scenario": sc.name,
+                "variant": cfg.name,
+                "requests": len(cfg.arrivals),
+                "events": summary["sim_events"],
+                "instances_max": summary["instances_max"],
+                "machine": _machine(load_before),
+                "command": f"python -m bench.simulate --scenario {sc.name}",
+            }
+            _write_key(REPO_ROOT / "bench" / "results" / "simulator.json", sc.wall_key, wall)
+            print(f"{sc.wall_key}: {wall['wall_s']} s ({build_s:.1f} s building the workload)", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {out}")
     return 0
+
+
+def _machine(load_before: tuple[float, float, float]) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_avg_1m_before": round(load_before[0], 2),
+        "load_avg_1m_after": round(os.getloadavg()[0], 2),
+    }
+
+
+def _write_key(path: Path, key: str, value: Any) -> None:
+    """Set one key of a JSON object file, keeping the others (read, modify, write)."""
+    existing = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    existing[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(existing, indent=2) + "\n", encoding="utf-8")
 
 
 def _validate(out: Path) -> int:
@@ -88,10 +139,7 @@ def _validate(out: Path) -> int:
     validation = validate()
     for line in table(validation):
         print(line)
-    existing = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
-    existing["validation"] = validation
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(existing, indent=2) + "\n", encoding="utf-8")
+    _write_key(out, "validation", validation)
     print(f"wrote {out} (validation)")
     return 0
 

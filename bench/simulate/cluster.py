@@ -16,10 +16,11 @@ loading instances share one partner).
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,11 +50,12 @@ from services.global_manager.core.multicast import (
 from services.global_manager.core.policies import make_policy
 from services.global_manager.core.reconcile import Observations, Reconciler, ReconcileSettings, release_report
 from services.global_manager.core.routing import plan_route
-from services.global_manager.core.types import InstanceState, Role
-from services.global_manager.core.zigzag import choose_zigzag_partner, should_zigzag
+from services.global_manager.core.types import InstanceState, InstanceView, Role
+from services.global_manager.core.zigzag import ZigzagGate, choose_zigzag_partner, should_zigzag
 
 from .cpu import HostCpu
 from .events import EventLoop
+from .fastroute import IndexedRegistry
 from .links import ClusterSpec, LeafSpine, Network
 from .profiles import SimProfile
 from .transfer import Transfer
@@ -150,6 +152,11 @@ class RunConfig:
     host_cpu_reserved: float = 0.0
     cpu_step_base_s: float = 0.0
     cpu_step_token_s: float = 0.0
+    # The simulator's fast paths, the same results (pinned by tests against False): workers skip
+    # the events of uniform decode steps (`worker.py`), the gateway's choice comes from an index
+    # of the least-loaded instance when `plan_route` would give the same (`fastroute.py`), and
+    # arrivals are fed to the event loop one at a time. False: the step-by-step reference.
+    fast_path: bool = True
 
 
 class SimActuator:
@@ -203,11 +210,11 @@ class Simulation:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.loop = EventLoop(cfg.seed)
-        self.net = Network(self.loop)
+        self.net = Network(self.loop, batch=cfg.fast_path)
         self.fabric = LeafSpine(self.net, cfg.cluster)
         self.model = cfg.profile.model
         self.group_bytes = {g: self.model.size_bytes / self.model.num_layers for g in self.model.groups}
-        self.registry = Registry()
+        self.registry = IndexedRegistry(self.model.name) if cfg.fast_path else Registry()
         self.monitor = LoadMonitor(window_s=cfg.window_s, lost_after_s=cfg.lost_after_s)
         floor = cfg.min_instances if cfg.autoscale else cfg.initial
         floors: dict[Role, int] = {Role.COLOCATED: floor}
@@ -264,6 +271,7 @@ class Simulation:
                 on_pull=self._pull,
                 cpu=self.host_cpus.get(host),
                 cpu_step=(cfg.cpu_step_base_s, cfg.cpu_step_token_s),
+                skip=cfg.fast_path,
             )
             if cfg.report_window_s is not None:
                 self.workers[gpu].window = WindowStats(cfg.report_window_s)
@@ -308,6 +316,7 @@ class Simulation:
         self.zigzag_assisted = 0
         self.zigzag_served_while_loading = 0.0
         self.zigzag_paired: set[str] = set()
+        self._gate: tuple[int | None, ZigzagGate] | None = None  # the ZigZag gate at a registry version
         self.reached_serving: list[tuple[float, str]] = []
         # P/D hand-offs and live migrations: the decode instance chosen with each prefill hop,
         # the KV pulls in flight (request index -> flow id, source, destination, start), and
@@ -344,8 +353,12 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         wall = time.perf_counter()
-        for req in self.requests:
-            self.loop.at(req.arrival_s, lambda req=req: self._arrive(req))
+        if cfg.fast_path:
+            requests = self.requests
+            self.loop.stream([r.arrival_s for r in requests], lambda i: self._arrive(requests[i]))
+        else:
+            for req in self.requests:
+                self.loop.at(req.arrival_s, lambda req=req: self._arrive(req))
         self.loop.every(cfg.heartbeat_s, self._heartbeats, start_s=cfg.heartbeat_s)
         self.loop.every(cfg.tick_s, self._tick, start_s=cfg.tick_s)
         self.loop.every(cfg.sample_s, self._sample)
@@ -353,7 +366,15 @@ class Simulation:
             self.loop.at(kill.at_s, lambda kill=kill: self._kill(kill))
         last = max((r.arrival_s for r in self.requests), default=0.0)
         total = len(self.requests)
-        self.loop.run(last + cfg.grace_s, stop=lambda: self.done >= total and self.loop.now_s >= last)
+        if cfg.fast_path:
+            # The cluster and every request live to the end: keep the collector's full passes
+            # from walking them again and again (millions of objects at 1,000 instances).
+            gc.freeze()
+        try:
+            self.loop.run(last + cfg.grace_s, stop=lambda: self.done >= total and self.loop.now_s >= last)
+        finally:
+            if cfg.fast_path:
+                gc.unfreeze()
         end_s = self.loop.now_s
         self._sample()
         records = [self._record(r) for r in self.requests]
@@ -397,19 +418,22 @@ class Simulation:
         return summary
 
     def _record(self, r: SimRequest) -> RequestRecord:
-        rec = RequestRecord(index=r.index, scheduled_s=r.arrival_s, prompt_tokens=r.prompt, max_tokens=r.output)
-        rec.sent_s = r.arrival_s
-        if r.end_s is None:
-            return rec  # outcome "lost": not finished by the run's bound
+        if r.end_s is None:  # outcome "lost": not finished by the run's bound
+            return RequestRecord(r.index, r.arrival_s, r.prompt, r.output, sent_s=r.arrival_s)
         assert r.first_token_s is not None
-        rec.outcome = "ok"
-        rec.ttft_s = r.first_token_s - r.arrival_s
-        rec.completion_tokens = r.output
-        rec.finish_reason = "length"
-        rec.end_s = r.end_s
-        if r.output > 1:
-            rec.tbt_mean_s = (r.end_s - r.first_token_s) / (r.output - 1)
-        return rec
+        return RequestRecord(
+            r.index,
+            r.arrival_s,
+            r.prompt,
+            r.output,
+            sent_s=r.arrival_s,
+            outcome="ok",
+            ttft_s=r.first_token_s - r.arrival_s,
+            tbt_mean_s=(r.end_s - r.first_token_s) / (r.output - 1) if r.output > 1 else None,
+            completion_tokens=r.output,
+            finish_reason="length",
+            end_s=r.end_s,
+        )
 
     # ---- requests --------------------------------------------------------------------------
     def _arrive(self, req: SimRequest) -> None:
@@ -426,16 +450,21 @@ class Simulation:
         hop, the one that decodes, and pulls the KV it left behind when that is still offered
         (a hand-off, a live migration), else recomputes the prompt plus its tokens there."""
         excluded = set(exclude)
+        index = self.registry.index if isinstance(self.registry, IndexedRegistry) else None
         while True:
-            route = plan_route(
-                self.registry.views(model=self.model.name),
-                model=self.model.name,
-                prompt_tokens=req.prompt,
-                max_tokens=req.output,
-                exclude_ids=excluded,
-                kv_block_size_tokens=self.cfg.profile.block_size,
-                leaves=self.leaves,
+            route = (
+                None if index is None else index.route(req.prompt + req.output, self.cfg.profile.block_size, excluded)
             )
+            if route is None:
+                route = plan_route(
+                    self.registry.views(model=self.model.name),
+                    model=self.model.name,
+                    prompt_tokens=req.prompt,
+                    max_tokens=req.output,
+                    exclude_ids=excluded,
+                    kv_block_size_tokens=self.cfg.profile.block_size,
+                    leaves=self.leaves,
+                )
             refused = {hop.instance_id for hop in route} & self.dead
             if not refused:
                 break
@@ -613,7 +642,13 @@ class Simulation:
     # ---- the control loop ----------------------------------------------------------------------
     def _heartbeats(self) -> None:
         now = self.loop.now_s
-        for view in self.registry:
+        registry = self.registry
+        views: Iterable[InstanceView] = registry
+        if isinstance(registry, IndexedRegistry):
+            # The same calls in the same order, the IDLE instances' in one batch.
+            self.monitor.mark_seen_many(registry.idle - self.dead - self.hung, now)
+            views = registry.active()
+        for view in views:
             if not self.workers[view.instance_id].alive:
                 continue  # killed or hung: silent, so the core finds it LOST
             if view.state in (S.SERVING, S.LOADING, S.DRAINING):
@@ -829,27 +864,39 @@ class Simulation:
         for iid in self.boosted:
             self.workers[iid].speedup = 1.0
         self.boosted = {}
-        if not self.cfg.zigzag:
+        if not self.cfg.zigzag or (self.cfg.zigzag_live == "tails" and not self.tails):
             return
-        views = self.registry.views(model=self.model.name)
-        by_id = {v.instance_id: v for v in views}
-        candidates = (
-            self.tails if self.cfg.zigzag_live == "tails" else {v.instance_id for v in views if v.state is S.LOADING}
-        )
+        registry, model = self.registry, self.model.name
+        views: list[InstanceView] | None = None
+        if self.cfg.zigzag_live == "tails":
+            candidates = [registry.get(t) for t in self.tails if t in registry]
+        else:
+            views = registry.views(model=model)
+            candidates = [v for v in views if v.state is S.LOADING]
         live = sorted(
             (
-                by_id[t]
-                for t in candidates
-                if t in by_id and by_id[t].state is S.LOADING and 1 <= by_id[t].layers_loaded < by_id[t].num_layers
+                v
+                for v in candidates
+                if v.model == model and v.state is S.LOADING and 1 <= v.layers_loaded < v.num_layers
             ),
             key=lambda v: (-v.layers_loaded, v.instance_id),
         )
         if not live:
             return
-        cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
-        gate = should_zigzag(views, model=self.model.name, max_running_by_instance=cap, ttft_s=self.cfg.zigzag_ttft_s)
+        # The gate reads the SERVING instances' states and load reports only: between two
+        # heartbeat rounds (many layers land) it is asked the same question again.
+        version = registry.version if isinstance(registry, IndexedRegistry) else None
+        if version is not None and self._gate is not None and self._gate[0] == version:
+            gate = self._gate[1]
+        else:
+            views = registry.views(model=model) if views is None else views
+            cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
+            gate = should_zigzag(views, model=model, max_running_by_instance=cap, ttft_s=self.cfg.zigzag_ttft_s)
+            self._gate = (version, gate)
         if not gate.zigzag and self.cfg.zigzag_gate != "always":
             return
+        views = registry.views(model=model) if views is None else views
+        cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
         paired: dict[str, list[int]] = {}
         for v in live:
             choice = choose_zigzag_partner(

@@ -11,6 +11,7 @@ ends, and one timer waits for the next flow to finish.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,8 +48,14 @@ class Flow:
 class Network:
     """Links and the flows crossing them, on an event loop."""
 
-    def __init__(self, loop: EventLoop) -> None:
+    def __init__(self, loop: EventLoop, *, batch: bool = False) -> None:
         self.loop = loop
+        # Batch the rate recomputations of one instant: flows started or cancelled by one event
+        # (a group landing starts the next hop and the all-gather to 7 peers) are priced once,
+        # after it, instead of once each. Nothing moves between them (no time passes), so the
+        # rates and completion times are those of pricing after each.
+        self.batch = batch
+        self._pending = False
         self.links: list[Link] = []
         self._by_name: dict[str, int] = {}
         self.flows: dict[int, Flow] = {}
@@ -81,7 +88,7 @@ class Network:
         for li in links:
             self.links[li].flows.add(fid)
         self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0.0) + size_bytes
-        self._reschedule()
+        self._changed()
         return fid
 
     def cancel(self, fid: int) -> bool:
@@ -94,7 +101,7 @@ class Network:
         for li in flow.links:
             self.links[li].flows.discard(fid)
         self.bytes_by_kind[flow.kind] -= max(0.0, flow.remaining)
-        self._reschedule()
+        self._changed()
         return True
 
     # ---- internals -----------------------------------------------------------------------
@@ -111,26 +118,55 @@ class Network:
                 self.links[li].bytes_carried += moved
 
     def _rates(self) -> None:
-        """Max-min fair rates by progressive filling, ties broken by link index (deterministic)."""
-        cap = {}
-        left = {}
+        """Max-min fair rates by progressive filling, ties broken by link index (deterministic).
+
+        The most contended link (least capacity left per unfixed flow on it, then the lowest
+        index) is found from a heap of (share, link) entries, one pushed whenever a link's share
+        changes and stale ones dropped as they surface: the same links in the same order, and
+        the same arithmetic, as scanning every link each round, without the rounds x links."""
+        cap: dict[int, float] = {}
+        left: dict[int, int] = {}
+        links = self.links
         for flow in self.flows.values():
             for li in flow.links:
                 if li not in cap:
-                    cap[li] = self.links[li].bytes_per_s
+                    cap[li] = links[li].bytes_per_s
                     left[li] = 0
                 left[li] += 1
+        heap = [(cap[li] / n, li) for li, n in left.items()]
+        heapq.heapify(heap)
         unfixed = set(self.flows)
         while unfixed:
-            li = min((li for li in cap if left[li] > 0), key=lambda i: (cap[i] / left[i], i))
-            share = cap[li] / left[li]
-            for fid in sorted(self.links[li].flows & unfixed):
+            share, li = heapq.heappop(heap)
+            if left[li] <= 0 or cap[li] / left[li] != share:
+                continue  # stale: the link's share changed since this entry
+            touched = set()
+            for fid in sorted(links[li].flows & unfixed):
                 flow = self.flows[fid]
                 flow.rate = share
                 unfixed.discard(fid)
                 for lj in flow.links:
                     cap[lj] = max(0.0, cap[lj] - share)
                     left[lj] -= 1
+                    touched.add(lj)
+            for lj in touched:
+                if left[lj] > 0:
+                    heapq.heappush(heap, (cap[lj] / left[lj], lj))
+
+    def _changed(self) -> None:
+        if not self.batch:
+            self._reschedule()
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._pending:
+            self._pending = True
+            self.loop.at(self.loop.now_s, self._flush)
+
+    def _flush(self) -> None:
+        self._pending = False
+        self._reschedule()
 
     def _reschedule(self) -> None:
         self._rates()

@@ -35,14 +35,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
+from bench.replay.schedule import Arrival, TraceWindow, from_trace
 from bench.replay.summary import Slo, percentile
 from bench.replay.trace import read_azure_trace
 
 from .cluster import RunConfig, Simulation
 from .links import ClusterSpec
 from .profiles import PUBLISHED_PROFILES
-from .scenarios import TARGET_UTILIZATION, TRACES, Scenario, build_runs, burst, overlay
+from .scenarios import FULL_SIZE, TARGET_UTILIZATION, TRACES, Scenario, build_runs, burst, overlay
 
 __all__ = ["VARIANTS", "live8b_runs", "main", "run_variant"]
 
@@ -72,9 +72,7 @@ def live8b_arrivals(seed: int = 0) -> list[Arrival]:
     base = from_trace(
         rows,
         TraceWindow(start_s=TRACE_START_S, span_s=SPAN_S),
-        TokenScaling(
-            prompt_scale=1.0, max_prompt_tokens=6144, output_scale=1.0, max_output_tokens=2048, context_tokens=8192
-        ),
+        FULL_SIZE,
     )
     steady = overlay(base, COPIES, SPAN_S, seed=11 + 2 * seed)
     return burst(steady, BURST[0], BURST[1], extra=BURST_FACTOR - 1, span_s=SPAN_S, seed=12 + 2 * seed)

@@ -12,6 +12,12 @@ host: KV mostly over NVLink), `pd_split_hosts` (prefill GPUs on their own hosts:
 transfer over RDMA), `pd_kill` (`pd_mixed` with the busiest decode instance SIGKILLed and the
 busiest prefill instance hung mid-burst), `pd_migrate` (`pd_mixed` with the core's live
 migration on), `colocated` (the same GPUs as whole-request instances).
+
+`hour1000` is the control plane at cluster scale: the whole hour of the Azure code trace,
+rate-scaled x`HOUR_COPIES` (seeded copies, each shifted by up to `HOUR_SHIFT_S`), on 1,024 A100s
+with the autoscaled pool bounded at 1,000; it runs HeteroScale only unless asked for more, and
+`python -m bench.simulate --scenario hour1000` also writes its wall time to
+bench/results/simulator.json `wall_s_1h_1000` (`Scenario.wall_key`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from bench.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
 from bench.replay.summary import Slo
@@ -51,6 +59,10 @@ TRACES = _traces_dir()
 VARIANTS = ("blitzmesh", "hpa", "serverlessllm", "fixed_peak")
 PD_VARIANTS = ("pd_mixed", "pd_split_hosts", "pd_kill", "pd_migrate", "colocated")
 TARGET_UTILIZATION = 0.7
+# Prompts and outputs as the trace has them, within Llama-3-8B's 8,192-token context.
+FULL_SIZE = TokenScaling(
+    prompt_scale=1.0, max_prompt_tokens=6144, output_scale=1.0, max_output_tokens=2048, context_tokens=8192
+)
 
 
 @dataclass(frozen=True)
@@ -69,10 +81,12 @@ class Scenario:
     keep_alive_s: float = 60.0
     pd: tuple[int, int] | None = None  # a disaggregated scenario: (prefill, decode) instances
     kills_at_s: tuple[float, float] = (0.0, 0.0)  # pd_kill: decode SIGKILLed, prefill hung
+    default_variants: tuple[str, ...] = ()  # run unless --variants says otherwise (empty: all)
+    wall_key: str = ""  # also write the run's wall time to bench/results/simulator.json under this key
 
     @property
     def variants(self) -> tuple[str, ...]:
-        return PD_VARIANTS if self.pd else VARIANTS
+        return self.default_variants or (PD_VARIANTS if self.pd else VARIANTS)
 
 
 def peak_rps(arrivals: list[Arrival], bin_s: float = 5.0) -> float:
@@ -92,6 +106,26 @@ def overlay(arrivals: list[Arrival], copies: int, span_s: float, seed: int) -> l
         out += [dataclasses.replace(a, t_s=(a.t_s + shift) % span_s) for a in arrivals]
     out.sort(key=lambda a: (a.t_s, a.index))
     return [Arrival(i, a.t_s, a.prompt_tokens, a.output_tokens) for i, a in enumerate(out)]
+
+
+def replicate(arrivals: list[Arrival], copies: int, shift_s: float, seed: int) -> list[Arrival]:
+    """`copies` copies of the arrivals, each later by its own seeded offset in [0, shift_s): the
+    rate times `copies`, the shape at scales longer than `shift_s` kept, bursts shorter than it
+    smeared over it. Ties in time keep (copy, index) order. Numpy, for millions of requests."""
+    rng = random.Random(seed)
+    shifts = np.array([0.0] + [rng.uniform(0, shift_s) for _ in range(copies - 1)])
+    t = np.array([a.t_s for a in arrivals], dtype=np.float64)
+    prompt = np.array([a.prompt_tokens for a in arrivals], dtype=np.int64)
+    output = np.array([a.output_tokens for a in arrivals], dtype=np.int64)
+    times = (t[None, :] + shifts[:, None]).ravel()
+    order = np.argsort(times, kind="stable")
+    n = len(arrivals)
+    return [
+        Arrival(i, ts, p, o)
+        for i, (ts, p, o) in enumerate(
+            zip(times[order].tolist(), prompt[order % n].tolist(), output[order % n].tolist(), strict=True)
+        )
+    ]
 
 
 def burst(arrivals: list[Arrival], start_s: float, end_s: float, extra: int, span_s: float, seed: int) -> list[Arrival]:
@@ -126,9 +160,7 @@ def _conv_arrivals() -> list[Arrival]:
     base = from_trace(
         rows,
         TraceWindow(start_s=600.0, span_s=600.0),
-        TokenScaling(
-            prompt_scale=1.0, max_prompt_tokens=6144, output_scale=1.0, max_output_tokens=2048, context_tokens=8192
-        ),
+        FULL_SIZE,
     )
     steady = overlay(base, 8, 600.0, seed=1)
     return burst(steady, 240.0, 360.0, extra=2, span_s=600.0, seed=2)
@@ -142,11 +174,26 @@ def _code_burst_arrivals() -> list[Arrival]:
     base = from_trace(
         rows,
         TraceWindow(start_s=_busiest_start(rows) - 30.0, span_s=90.0),
-        TokenScaling(
-            prompt_scale=1.0, max_prompt_tokens=6144, output_scale=1.0, max_output_tokens=2048, context_tokens=8192
-        ),
+        FULL_SIZE,
     )
     return overlay(base, 4, 90.0, seed=3)
+
+
+# The code trace is bursty: minutes with no request, 10 s at 33 req/s. Copies shifted by up to
+# 10 s keep that shape (10-s bins), and x80 is what makes its bursts take the autoscaled pool to
+# its bound of 1,000 instances (measured: 705,520 requests, 2,759 req/s in the busiest 5 s, the
+# pool at 1,000 at the peak and 309 on average); copies shifted by up to a minute would smear the
+# bursts and need x290 (2.6M requests) for the same peak pool.
+HOUR_COPIES = 80
+HOUR_SHIFT_S = 10.0
+
+
+def _code_hour_arrivals() -> list[Arrival]:
+    # The code trace's whole hour (8,819 requests over 57 min: mean 2.6 req/s, busiest minute
+    # 10.5 req/s, quietest 0), full-size prompts (mean ~2,000 tokens) and outputs (mean 28).
+    rows = read_azure_trace(TRACES / "azure_llm_2023_code.csv")
+    base = from_trace(rows, TraceWindow(), FULL_SIZE)
+    return replicate(base, HOUR_COPIES, HOUR_SHIFT_S, seed=5)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -198,6 +245,24 @@ SCENARIOS: dict[str, Scenario] = {
         scale_in_cooldown_s=60.0,
         pd=(8, 8),
         kills_at_s=(35.0, 45.0),
+    ),
+    "hour1000": Scenario(
+        name="hour1000",
+        description="1,024 A100s (published-spec Llama-3-8B estimate), 128 hosts x 8 on 16 leaves, 200 Gbps RDMA "
+        "per GPU, NVLink 2.4 Tbps; the Azure code trace's whole hour at x80 (copies shifted by up to 10 s), "
+        "full-size prompts; HeteroScale bounded at 1,000 instances, starting sized for the mean rate",
+        profile=lambda: PUBLISHED_PROFILES["a100-llama3-8b"],
+        cluster=ClusterSpec(hosts=128, gpus_per_host=8, hosts_per_leaf=8, rdma_gbps=200.0, nvlink_gbps=2400.0),
+        arrivals=_code_hour_arrivals,
+        slo=Slo(ttft_s=1.0, tbt_s=0.1),
+        initial=None,
+        max_instances=1000,
+        batch_for_sizing=32,
+        scale_out_cooldown_s=5.0,
+        scale_in_cooldown_s=60.0,
+        keep_alive_s=60.0,
+        default_variants=("blitzmesh",),
+        wall_key="wall_s_1h_1000",
     ),
 }
 

@@ -39,6 +39,7 @@ class Transfer:
     on_done: Callable[[str], None]
     kind: str = "load"
     edges: list[Edge] = field(default_factory=list)
+    _sent_by: dict[str, list[Edge]] = field(default_factory=dict)  # sender -> its edges, in order
     have: dict[str, set[str]] = field(default_factory=dict)
     targets: set[str] = field(default_factory=set)
     gather_peers: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -51,7 +52,9 @@ class Transfer:
     def add_edge(self, sender: str, receiver: str, groups: Sequence[str]) -> None:
         self.have.setdefault(sender, set())
         self.have.setdefault(receiver, set())
-        self.edges.append(Edge(sender, receiver, tuple(groups)))
+        edge = Edge(sender, receiver, tuple(groups))
+        self.edges.append(edge)
+        self._sent_by.setdefault(sender, []).append(edge)
 
     def add_target(self, node: str) -> None:
         self.targets.add(node)
@@ -126,9 +129,8 @@ class Transfer:
         held.add(group)
         if node in self.targets:
             self.on_group(node, group)
-        for edge in self.edges:
-            if edge.sender == node:
-                self._pump(edge)
+        for edge in self._sent_by.get(node, ()):
+            self._pump(edge)
         if not gathered:
             for peer in self.gather_peers.get(node, ()):
                 if group not in self.have[peer] and (peer, group) not in self._gather_sent:

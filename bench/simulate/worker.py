@@ -15,6 +15,15 @@ a live-migrated request): admitted like any other, then it waits for its KV to l
 (`on_pull`, `kv_landed`) and decodes the rest; a pull that fails recomputes the context here
 (`pull_failed`). A resumed request (`generated` > 0) prefills its prompt plus the tokens it
 already has, which yields its next token.
+
+Event skipping (`skip`, on by default; the step-by-step model stays the reference and a test
+pins them equal): while no prompt is in the batch, no request can be admitted and nothing
+outside changes, every iteration until the next row finishes is a decode step of the same rows,
+so their times are computed in one loop (each exactly as its own step would be) and one event
+is scheduled at the end of the last. Whatever touches the worker before then (a request it
+could admit, a KV landing or freed, a speedup, a release, a kill, a heartbeat) first brings it
+to the state it would have at that moment: the steps ended so far are counted, and the one
+under way becomes an ordinary step again.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from typing import Literal
 from services.global_manager.core.types import LoadSample
 
 from .cpu import HostCpu
-from .events import EventLoop
+from .events import EventLoop, Timer
 from .profiles import FastStep, SimProfile
 
 __all__ = ["Phase", "SimRequest", "SimWorker", "WindowStats"]
@@ -104,15 +113,33 @@ def _wq(samples: list[tuple[float, int]], q: float) -> float | None:
     return samples[-1][0]
 
 
-def _q(values: list[float], q: float) -> float | None:
+def _p50_p99(values: list[float]) -> tuple[float | None, float | None]:
+    """Nearest-rank p50 and p99 of `values` (None, None for none), sorting once."""
     if not values:
-        return None
+        return None, None
     xs = sorted(values)
-    return xs[min(len(xs), max(1, math.ceil(q * len(xs) - 1e-9))) - 1]
+    n = len(xs)
+    return xs[min(n, max(1, math.ceil(0.5 * n - 1e-9))) - 1], xs[min(n, max(1, math.ceil(0.99 * n - 1e-9))) - 1]
 
 
 def _nothing(r: SimRequest) -> None:
     return None
+
+
+_MIN_CHUNK, _MAX_CHUNK = 8, 512  # decode steps a span computes ahead
+
+
+@dataclass(slots=True)
+class _Span:
+    """Decode steps of the same rows computed ahead: step i lasts dts[i] and ends at ends[i];
+    the first `done` of them are counted in the worker's state."""
+
+    rows: int
+    ends: list[float]
+    dts: list[float]
+    epoch: int
+    timer: Timer
+    done: int = 0
 
 
 class SimWorker:
@@ -129,6 +156,7 @@ class SimWorker:
         on_pull: Callable[[SimRequest], None] = _nothing,
         cpu: HostCpu | None = None,
         cpu_step: tuple[float, float] = (0.0, 0.0),
+        skip: bool = True,
     ) -> None:
         self.iid, self.host, self.loop = iid, host, loop
         # Opt-in CPU contention (`cpu.py`): each step computes cpu_step[0] + cpu_step[1] x batch
@@ -143,6 +171,7 @@ class SimWorker:
         self.on_first_token, self.on_finish, self.on_empty = on_first_token, on_finish, on_empty
         self.on_handoff, self.on_pull = on_handoff, on_pull
         self.waiting: deque[SimRequest] = deque()
+        self._waiting_tokens = 0  # prompt tokens queued in `waiting` (decode-phase ones: none)
         self.prefilling: list[SimRequest] = []
         self.decoding: list[tuple[int, int, SimRequest]] = []  # (finish step, index, request)
         self.pulling: dict[int, SimRequest] = {}  # admitted, their KV on its way here
@@ -152,7 +181,10 @@ class SimWorker:
         self.kv_used = 0
         self.step_no = 0
         self.busy = False
-        self.speedup = 1.0
+        self._speedup = 1.0
+        self.skip = skip and cpu is None
+        self._span: _Span | None = None
+        self._chunk = _MIN_CHUNK
         self.stats = _Stats()
         # Set (seconds) to report as the real engine does: a sliding window, TBT per token.
         self.window: WindowStats | None = None
@@ -161,6 +193,16 @@ class SimWorker:
         self._epoch = 0  # a step scheduled before a kill ends in nothing
 
     # ---- requests ----------------------------------------------------------------------------
+    @property
+    def speedup(self) -> float:
+        return self._speedup
+
+    @speedup.setter
+    def speedup(self, value: float) -> None:
+        if value != self._speedup:
+            self._interrupt()  # the step under way keeps the old speedup, the next ones take this
+            self._speedup = value
+
     @property
     def running(self) -> int:
         return len(self.prefilling) + len(self.decoding) + len(self.pulling)
@@ -179,21 +221,35 @@ class SimWorker:
         req.blocks = -(-tokens // self.block_size)
         if req.blocks > self.kv_total:
             raise ValueError(f"request {req.index} needs {req.blocks} KV blocks, {self.iid} has {self.kv_total}")
+        if (
+            self._span is not None
+            and not self.waiting
+            and self.running < self.max_batch
+            and self.kv_used + req.blocks <= self.kv_total
+        ):
+            self._interrupt()  # admitted when the step under way ends; else it waits behind the batch
         self.waiting.append(req)
+        if phase != "decode":
+            self._waiting_tokens += req.ctx
         if not self.busy and self.alive:
             self._start_step()
 
     def release_waiting(self, n: int) -> list[SimRequest]:
         """Up to n queued (not yet admitted) requests, newest first, for the gateway to re-route."""
+        self._interrupt()
         out = []
         while self.waiting and len(out) < n:
-            out.append(self.waiting.pop())
+            r = self.waiting.pop()
+            if r.phase != "decode":
+                self._waiting_tokens -= r.ctx
+            out.append(r)
         return out
 
     def release_running(self, n: int) -> list[SimRequest]:
         """Live migration: up to n decoding rows, the most recently started first (the least KV
         to move), leave between steps; their KV stays offered here until the new instance has
         pulled it (`release_offer`). Each one's `generated` is brought up to date."""
+        self._interrupt()
         rows = sorted(self.decoding, key=lambda e: (-e[2].step0, -e[2].index))[:n]
         out = []
         for entry in rows:
@@ -212,22 +268,27 @@ class SimWorker:
         """The peer has pulled `r`'s KV (or never will): its blocks are free."""
         held = self.offered.pop(r.index, None)
         if held is not None:
+            self._interrupt()
             self.kv_used -= held[1]
             if self.alive and not self.busy:
                 self._start_step()
 
     def kv_landed(self, r: SimRequest) -> None:
         """`r`'s KV is here: it decodes from the next iteration on."""
-        if self.pulling.pop(r.index, None) is None:
+        if r.index not in self.pulling:
             return
+        self._interrupt()
+        del self.pulling[r.index]
         self._join_decode(r)
         if self.alive and not self.busy:
             self._start_step()
 
     def pull_failed(self, r: SimRequest) -> None:
         """The KV could not be pulled (its holder died): recompute the context here."""
-        if self.pulling.pop(r.index, None) is None:
+        if r.index not in self.pulling:
             return
+        self._interrupt()
+        del self.pulling[r.index]
         r.phase, r.prefilled, r.ctx = "full", 0, r.prompt + r.generated
         self.prefilling.append(r)
         if self.alive and not self.busy:
@@ -236,6 +297,11 @@ class SimWorker:
     def freeze(self) -> None:
         """The process hangs (SIGSTOP): the step under way never ends, no new one starts;
         requests it is sent queue here. `kill` later collects them."""
+        span = self._span
+        if span is not None:
+            self._advance(self.loop.now_s)
+            span.timer.cancel()
+            self._span = None
         self.alive = False
         self.busy = False
         self._epoch += 1
@@ -253,6 +319,7 @@ class SimWorker:
             out.append(r)
         offered = sorted((r for r, _ in self.offered.values()), key=lambda r: r.index)
         self.waiting.clear()
+        self._waiting_tokens = 0
         self.prefilling, self.decoding = [], []
         self.pulling, self.offered = {}, {}
         self.ctx_sum = self.kv_used = 0
@@ -268,6 +335,7 @@ class SimWorker:
                 self.pulling[r.index] = r
                 self.on_pull(r)
             else:
+                self._waiting_tokens -= r.ctx
                 self.prefilling.append(r)
         rows = len(self.decoding)
         budget = self.max_num_tokens - rows
@@ -290,8 +358,11 @@ class SimWorker:
             self.on_empty(self.iid)
             return
         self.busy = True
-        dt = self.step(ptok, pairs, seqs, rows, self.ctx_sum) / self.speedup
+        dt = self.step(ptok, pairs, seqs, rows, self.ctx_sum) / self._speedup
         epoch = self._epoch
+        if self.skip and not plan and self.decoding[0][0] - self.step_no > 1:
+            self._start_span(rows, dt)
+            return
         if self.cpu is None:
             self.busy_s += dt
             self.loop.after(dt, lambda: self._end_step(plan, rows, ptok, dt, epoch))
@@ -356,6 +427,76 @@ class SimWorker:
                 self._join_decode(r)
         self._start_step()
 
+    # ---- event skipping ------------------------------------------------------------------------
+    def _start_span(self, rows: int, dt: float) -> None:
+        """Decode steps of these `rows` up to the one the first of them finishes at (several:
+        nothing else can change meanwhile), each timed as `_start_step` times it, one event at
+        the end of the last. At most `_chunk` steps at once (its last one's end starts the next
+        span), doubled after a span that ran to its end and reset when one is interrupted, so
+        little is computed ahead that an arrival throws away."""
+        n = min(self.decoding[0][0] - self.step_no, self._chunk)
+        self._chunk = min(2 * self._chunk, _MAX_CHUNK)
+        # FastStep(0, 0.0, 0, rows, ctx) / speedup, its sum in its own order: the prompt terms
+        # add zeros, so (base + row x rows) + ctx_coeff x ctx, bit for bit.
+        step, speedup = self.step, self._speedup
+        head, per_ctx, overhead = step.base + step.row * rows, step.ctx, step.overhead
+        ctx = self.ctx_sum
+        t = self.loop.now_s + dt
+        ends, dts = [t], [dt]
+        for _ in range(n - 1):
+            ctx += rows
+            x = head + per_ctx * ctx
+            dt = ((x if x > 0.0 else 0.0) + overhead) / speedup
+            t = t + dt
+            ends.append(t)
+            dts.append(dt)
+        epoch = self._epoch
+        self._span = _Span(rows, ends, dts, epoch, self.loop.at(t, self._end_span))
+        self.busy_s += dts[0]
+
+    def _advance(self, now_s: float) -> None:
+        """Count the span's steps that ended before `now_s` (all but its last), as `_end_step`
+        would. A step ending at `now_s` itself is still under way: its end event would have been
+        scheduled after whatever runs now (a heartbeat, an arrival)."""
+        span = self._span
+        assert span is not None
+        i, last = span.done, len(span.ends) - 1
+        ends, dts, rows = span.ends, span.dts, span.rows
+        stats, win = self.stats, self.window
+        while i < last and ends[i] < now_s:
+            dt = dts[i]
+            self.step_no += 1
+            stats.tokens += rows
+            stats.tbts.append(dt)
+            if win is not None:
+                win.tokens.append((ends[i], rows))
+                win.tbts.append((ends[i], dt, rows))
+            self.ctx_sum += rows
+            i += 1
+            self.busy_s += dts[i]
+        span.done = i
+
+    def _end_span(self) -> None:
+        span = self._span
+        assert span is not None
+        self._advance(math.inf)
+        self._span = None
+        self._end_step([], span.rows, 0, span.dts[-1], span.epoch)
+
+    def _interrupt(self) -> None:
+        """Something outside changes the worker now: count the span's steps ended so far and
+        make the one under way an ordinary step (its end runs `_end_step`, then `_start_step`)."""
+        span = self._span
+        if span is None:
+            return
+        self._advance(self.loop.now_s)
+        span.timer.cancel()
+        self._span = None
+        self._chunk = _MIN_CHUNK
+        i, rows, epoch = span.done, span.rows, span.epoch
+        dt = span.dts[i]
+        self.loop.at(span.ends[i], lambda: self._end_step([], rows, 0, dt, epoch))
+
     def _join_decode(self, r: SimRequest) -> None:
         """Decode `r`'s remaining tokens from the next iteration on, its context the prompt plus
         what it has generated."""
@@ -371,42 +512,44 @@ class SimWorker:
     # ---- heartbeat -----------------------------------------------------------------------------
     def sample(self, now_s: float, period_s: float, *, serving: bool) -> LoadSample:
         """The LoadReport the real worker sends, from what happened since the last one."""
+        if self._span is not None:
+            self._advance(now_s)
         s, self.stats = self.stats, _Stats()
         win = self.window
         if win is not None:
             win.prune(now_s)
             span = max(1e-3, min(win.window_s, now_s))
-            ttfts = [v for _, v in win.ttfts]
+            ttft_p50, ttft_p99 = _p50_p99([v for _, v in win.ttfts])
             tbts = [(v, w) for _, v, w in win.tbts]
             return LoadSample(
                 instance_id=self.iid,
                 now_s=now_s,
                 decode_tps=sum(n for _, n in win.tokens) / span,
                 prefill_tps=sum(n for _, n in win.prefill) / span,
-                ttft_p50_s=_q(ttfts, 0.5),
-                ttft_p99_s=_q(ttfts, 0.99),
+                ttft_p50_s=ttft_p50,
+                ttft_p99_s=ttft_p99,
                 tbt_p50_s=_wq(tbts, 0.5),
                 tbt_p99_s=_wq(tbts, 0.99),
                 running=self.running,
                 waiting=len(self.waiting),
-                waiting_prefill_tokens=sum(r.ctx for r in self.waiting if r.phase != "decode")
-                + sum(r.ctx - r.prefilled for r in self.prefilling),
+                waiting_prefill_tokens=self._waiting_tokens + sum(r.ctx - r.prefilled for r in self.prefilling),
                 kv_blocks_used=self.kv_used if serving else 0,
                 kv_blocks_total=self.kv_total if serving else 0,
             )
+        ttft_p50, ttft_p99 = _p50_p99(s.ttfts)
+        tbt_p50, tbt_p99 = _p50_p99(s.tbts)
         return LoadSample(
             instance_id=self.iid,
             now_s=now_s,
             decode_tps=s.tokens / period_s,
             prefill_tps=s.prefill_tokens / period_s,
-            ttft_p50_s=_q(s.ttfts, 0.5),
-            ttft_p99_s=_q(s.ttfts, 0.99),
-            tbt_p50_s=_q(s.tbts, 0.5),
-            tbt_p99_s=_q(s.tbts, 0.99),
+            ttft_p50_s=ttft_p50,
+            ttft_p99_s=ttft_p99,
+            tbt_p50_s=tbt_p50,
+            tbt_p99_s=tbt_p99,
             running=self.running,
             waiting=len(self.waiting),
-            waiting_prefill_tokens=sum(r.ctx for r in self.waiting if r.phase != "decode")
-            + sum(r.ctx - r.prefilled for r in self.prefilling),
+            waiting_prefill_tokens=self._waiting_tokens + sum(r.ctx - r.prefilled for r in self.prefilling),
             kv_blocks_used=self.kv_used if serving else 0,
             kv_blocks_total=self.kv_total if serving else 0,
         )

@@ -119,6 +119,18 @@ def test_lost_detection() -> None:
     assert mon.lost(16.0) == ["b"]
 
 
+def test_mark_seen_many_is_mark_seen_for_each() -> None:
+    one, many = LoadMonitor(window_s=5.0, lost_after_s=10.0), LoadMonitor(window_s=5.0, lost_after_s=10.0)
+    for mon in (one, many):
+        mon.mark_seen("a", 3.0)
+        mon.mark_seen("b", 9.0)  # later than the batch: kept
+    for iid in ("a", "b", "c"):
+        one.mark_seen(iid, 5.0)
+    many.mark_seen_many(["a", "b", "c"], 5.0)
+    assert [many.last_seen_s(i) for i in "abc"] == [one.last_seen_s(i) for i in "abc"] == [5.0, 9.0, 5.0]
+    assert many.lost(16.0) == one.lost(16.0) == ["a", "c"]
+
+
 def test_snapshot_filters_model_and_detects_colocated() -> None:
     mon = LoadMonitor(window_s=5.0, lost_after_s=3.0)
     mon.observe(sample("x", 1.0, decode_tps=10.0))

@@ -133,6 +133,14 @@ class LoadMonitor:
         """Start (or restart) an instance's silence clock without a sample, e.g. on registration."""
         self._last_seen_s[instance_id] = max(self._last_seen_s.get(instance_id, -math.inf), now_s)
 
+    def mark_seen_many(self, instance_ids: Iterable[str], now_s: float) -> None:
+        """`mark_seen` for each of `instance_ids` at one time (many silent-but-alive workers at
+        once, e.g. a thousand IDLE ones heartbeating)."""
+        seen = self._last_seen_s
+        for iid in instance_ids:
+            if seen.get(iid, -math.inf) < now_s:
+                seen[iid] = now_s
+
     def forget(self, instance_id: str) -> None:
         """Drop everything about an instance (after it is marked LOST or removed)."""
         self._index.pop(instance_id, None)
