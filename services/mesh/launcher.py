@@ -171,8 +171,11 @@ class Mesh:
     def placement(self, name: str) -> tuple[str | None, str]:
         """(network namespace, bind address) of process `name`: worker i on emulated host i,
         host caches (the parameter manager first) on the hosts after the workers', the manager
-        and the gateway here, the manager on this namespace's address on the switch."""
+        and the gateway here, the manager on this namespace's address on the switch, the gateway
+        on the public address it is given."""
         net = self.network
+        if name == "gateway":
+            return None, self.cfg.host
         if net is None:
             return None, "127.0.0.1"
         hosts = net.hosts
@@ -221,7 +224,7 @@ class Mesh:
             module,
             args,
             started_s=asyncio.get_running_loop().time(),
-            host=host if name != "gateway" else self.cfg.host,
+            host=host,
             netns=space,
         )
         self.procs[name] = proc

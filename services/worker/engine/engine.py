@@ -710,13 +710,8 @@ class Engine:
             )
         # SCORPIO refuses only requests that have sent nothing yet and need nothing from a peer.
         plain = not (handoff or kv_fill is not None or zigzag or relay_fill is not None or resumed)
-        if relay_fill is not None and (
-            sampling.prompt_logprobs is not None or len(prompt) > self.config.max_num_tokens
-        ):
-            # The continuation runs the prompt's remaining layers in one step, which a prompt
-            # longer than one iteration never gets (chunked prefill or not); prompt log-probs
-            # need every layer here. Computing the prompt here whole is always correct.
-            relay_fill = None
+        if relay_fill is not None and not self._can_continue(len(prompt), sampling):
+            relay_fill = None  # computed here whole, which is always correct
         self.check_request(len(prompt), sampling, handoff=handoff)
         if (
             resumed
@@ -889,9 +884,14 @@ class Engine:
             or seq.zigzag
             or seq.migrate
             or seq.swapped is not None
-            or seq.params.prompt_logprobs is not None
-            or len(seq.prompt) > self.config.max_num_tokens
+            or not self._can_continue(len(seq.prompt), seq.params)
         )
+
+    def _can_continue(self, prompt_len: int, params: SamplingParams) -> bool:
+        """Whether a prompt can be taken over from a loading instance (ZigZag): the continuation
+        runs its remaining layers in one step, which a prompt longer than one iteration never
+        gets (chunked prefill or not), and prompt log-probs need every layer here."""
+        return params.prompt_logprobs is None and prompt_len <= self.config.max_num_tokens
 
     def attach_relay(self, request_id: str, relay_fill: RelayFill) -> bool:
         """Make a waiting request a ZigZag continuation: when admitted it takes its first layers
