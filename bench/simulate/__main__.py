@@ -10,9 +10,10 @@ fixed_peak; for the disaggregated disagg16 pd_mixed, pd_split_hosts, pd_kill, pd
 colocated) on simulated workers and links, and writes one JSON: per variant the
 `bench.replay.summary` figures (TTFT p50/p99, SLO attainment, instance-seconds = GPU-seconds,
 lost) plus loads, actions and the simulator's own cost, and the scenario's sizing. A scenario
-with a `wall_key` (hour1000: `wall_s_1h_1000`) also writes its first variant's wall time (trace
-read and replicated, simulated, summarized), size and machine to bench/results/simulator.json
-under that key, keeping the file's other keys.
+with a `wall_key` (hour1000: `wall_s_1h_1000`) also records its first variant's wall time (trace
+read and replicated, simulated, summarized), size and machine under that key: in its own JSON,
+and, unless `--out` names another file, in bench/results/simulator.json, keeping that file's
+other keys (so a trial or profiled run with `--out` leaves the published figure alone).
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": _machine(load_before),
                 "command": f"python -m bench.simulate --scenario {sc.name}",
             }
-            _write_key(REPO_ROOT / "bench" / "results" / "simulator.json", sc.wall_key, wall)
+            result[sc.wall_key] = wall
+            if args.out is None:
+                _write_key(REPO_ROOT / "bench" / "results" / "simulator.json", sc.wall_key, wall)
             print(f"{sc.wall_key}: {wall['wall_s']} s ({build_s:.1f} s building the workload)", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -64,6 +64,7 @@ from .worker import SimRequest, SimWorker, WindowStats
 __all__ = ["Kill", "RunConfig", "SimActuator", "Simulation", "partner_speedup"]
 
 S = InstanceState
+_STATE_NAMES = {state: state.value.lower() for state in InstanceState}
 Loader = Literal["blitz", "serverless"]
 
 
@@ -317,6 +318,8 @@ class Simulation:
         self.zigzag_served_while_loading = 0.0
         self.zigzag_paired: set[str] = set()
         self._gate: tuple[int | None, ZigzagGate] | None = None  # the ZigZag gate at a registry version
+        # The pairs (partner, loading instance) at a registry version and order of live instances.
+        self._pairs: tuple[tuple[int, tuple[str, ...]], list[tuple[str, str]]] | None = None
         self.reached_serving: list[tuple[float, str]] = []
         # P/D hand-offs and live migrations: the decode instance chosen with each prefill hop,
         # the KV pulls in flight (request index -> flow id, source, destination, start), and
@@ -673,7 +676,8 @@ class Simulation:
         counts: dict[str, int] = {}
         loading: dict[str, float] = {}
         for v in self.registry.views(model=self.model.name):
-            counts[v.state.value.lower()] = counts.get(v.state.value.lower(), 0) + 1
+            name = _STATE_NAMES[v.state]
+            counts[name] = counts.get(name, 0) + 1
             if v.state is S.LOADING:
                 loading[v.instance_id] = round(v.layers_loaded / v.num_layers, 3)
         self.samples.append(InstanceSample(self.loop.now_s, counts, loading))
@@ -861,12 +865,22 @@ class Simulation:
         one, the next live instances share partners in the same order. A partner's throughput
         follows the layer-level model (`partner_speedup`): with one loading instance at k of L,
         x `L * pair_throughput(L, k)`."""
+        registry, model = self.registry, self.model.name
+        version = registry.version if isinstance(registry, IndexedRegistry) else None
+        if (
+            not self.boosted
+            and version is not None
+            and self._gate is not None
+            and self._gate[0] == version
+            and not self._gate[1].zigzag
+            and self.cfg.zigzag_gate != "always"
+        ):
+            return  # nothing is paired and the gate is shut at this version: nothing changes
         for iid in self.boosted:
             self.workers[iid].speedup = 1.0
         self.boosted = {}
         if not self.cfg.zigzag or (self.cfg.zigzag_live == "tails" and not self.tails):
             return
-        registry, model = self.registry, self.model.name
         views: list[InstanceView] | None = None
         if self.cfg.zigzag_live == "tails":
             candidates = [registry.get(t) for t in self.tails if t in registry]
@@ -885,7 +899,6 @@ class Simulation:
             return
         # The gate reads the SERVING instances' states and load reports only: between two
         # heartbeat rounds (many layers land) it is asked the same question again.
-        version = registry.version if isinstance(registry, IndexedRegistry) else None
         if version is not None and self._gate is not None and self._gate[0] == version:
             gate = self._gate[1]
         else:
@@ -895,28 +908,48 @@ class Simulation:
             self._gate = (version, gate)
         if not gate.zigzag and self.cfg.zigzag_gate != "always":
             return
-        views = registry.views(model=model) if views is None else views
-        cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
+        # The pairing reads the SERVING instances' states and reports and the live instances'
+        # order, not their layer counts: as a layer lands, only the speedups change.
+        key = None if version is None else (version, tuple(v.instance_id for v in live))
+        if key is not None and self._pairs is not None and self._pairs[0] == key:
+            pairs = self._pairs[1]
+        else:
+            pairs = self._pair(live, views)
+            if key is not None:
+                self._pairs = (key, pairs)
         paired: dict[str, list[int]] = {}
+        for partner, iid in pairs:
+            paired.setdefault(partner, []).append(registry.get(iid).layers_loaded)
+            self.zigzag_paired.add(iid)
+        for partner, ks in paired.items():
+            factor = partner_speedup(self.model.num_layers, ks)
+            self.boosted[partner] = factor
+            self.workers[partner].speedup = factor
+
+    def _pair(self, live: list[InstanceView], views: list[InstanceView] | None) -> list[tuple[str, str]]:
+        """(partner, loading instance) for the `live` instances in order, by the core's
+        `choose_zigzag_partner`, sharing partners once each SERVING instance has one."""
+        views = self.registry.views(model=self.model.name) if views is None else views
+        cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
+        pairs: list[tuple[str, str]] = []
+        paired: dict[str, int] = {}
         for v in live:
             choice = choose_zigzag_partner(
                 views, v.instance_id, self.model.name, exclude_ids=set(paired), max_running_by_instance=cap
             )
             if choice is None and paired:
                 # Every SERVING instance has a partner already: share those with the fewest.
-                least = min(len(ks) for ks in paired.values())
-                busier = {p for p, ks in paired.items() if len(ks) > least}
+                least = min(paired.values())
+                busier = {p for p, n in paired.items() if n > least}
                 choice = choose_zigzag_partner(
                     views, v.instance_id, self.model.name, exclude_ids=busier, max_running_by_instance=cap
                 )
             if choice is None:
                 break
-            paired.setdefault(choice.partner.instance_id, []).append(v.layers_loaded)
-            self.zigzag_paired.add(v.instance_id)
-        for partner, ks in paired.items():
-            factor = partner_speedup(self.model.num_layers, ks)
-            self.boosted[partner] = factor
-            self.workers[partner].speedup = factor
+            partner = choice.partner.instance_id
+            paired[partner] = paired.get(partner, 0) + 1
+            pairs.append((partner, v.instance_id))
+        return pairs
 
 
 def partner_speedup(num_layers: int, k_layers: Sequence[int]) -> float:

@@ -44,6 +44,11 @@ class LeastLoaded:
         if view.role is not Role.COLOCATED:
             self.split.add(iid)
             return
+        self.refresh(iid, view)
+
+    def refresh(self, iid: str, view: InstanceView) -> None:
+        """`iid`, indexed, has a new view of the same state, role and model (a report, a route
+        noted): the new load goes in, the old entry goes stale."""
         self.current[iid] = view
         self._n += 1
         heapq.heappush(self._heap, (instance_load(view), iid, self._n, view))
@@ -96,6 +101,19 @@ class _Watched(dict[str, InstanceView]):
     def __setitem__(self, iid: str, view: InstanceView) -> None:
         old = self.get(iid)
         super().__setitem__(iid, view)
+        if (
+            old is not None
+            and old.state is view.state
+            and old.load is view.load
+            and old.role is view.role
+            and old.model == view.model
+        ):
+            # A route noted or a layer landed (the hot case; `changed` in short): the instance
+            # stays in the same sets and what the ZigZag gate reads is unchanged.
+            index = self.owner.index
+            if iid in index.current:
+                index.refresh(iid, view)
+            return
         self.owner.changed(iid, old, view)
 
     def __delitem__(self, iid: str) -> None:
@@ -132,7 +150,7 @@ class IndexedRegistry(Registry):
             if old.load is not view.load:
                 self.version += 1
             if iid in self.index.current:
-                self.index.update(iid, view)
+                self.index.refresh(iid, view)
             return
         self.version += 1
         self.index.update(iid, view)

@@ -173,6 +173,7 @@ class SimWorker:
         self.waiting: deque[SimRequest] = deque()
         self._waiting_tokens = 0  # prompt tokens queued in `waiting` (decode-phase ones: none)
         self.prefilling: list[SimRequest] = []
+        self._prefill_left = 0  # prompt tokens of `prefilling` not prefilled yet
         self.decoding: list[tuple[int, int, SimRequest]] = []  # (finish step, index, request)
         self.pulling: dict[int, SimRequest] = {}  # admitted, their KV on its way here
         # KV held here until a peer pulls it, with its blocks (the puller reserves its own).
@@ -291,6 +292,7 @@ class SimWorker:
         del self.pulling[r.index]
         r.phase, r.prefilled, r.ctx = "full", 0, r.prompt + r.generated
         self.prefilling.append(r)
+        self._prefill_left += r.ctx
         if self.alive and not self.busy:
             self._start_step()
 
@@ -321,6 +323,7 @@ class SimWorker:
         self.waiting.clear()
         self._waiting_tokens = 0
         self.prefilling, self.decoding = [], []
+        self._prefill_left = 0
         self.pulling, self.offered = {}, {}
         self.ctx_sum = self.kv_used = 0
         return sorted(out, key=lambda r: r.index), offered
@@ -337,6 +340,7 @@ class SimWorker:
             else:
                 self._waiting_tokens -= r.ctx
                 self.prefilling.append(r)
+                self._prefill_left += r.ctx - r.prefilled
         rows = len(self.decoding)
         budget = self.max_num_tokens - rows
         ptok = 0
@@ -405,6 +409,7 @@ class SimWorker:
             win.prefill.append((now, ptok))
         for r, n in plan:
             r.prefilled += n
+            self._prefill_left -= n
             if r.prefilled < r.ctx:
                 continue
             self.prefilling.remove(r)
@@ -532,7 +537,7 @@ class SimWorker:
                 tbt_p99_s=_wq(tbts, 0.99),
                 running=self.running,
                 waiting=len(self.waiting),
-                waiting_prefill_tokens=self._waiting_tokens + sum(r.ctx - r.prefilled for r in self.prefilling),
+                waiting_prefill_tokens=self._waiting_tokens + self._prefill_left,
                 kv_blocks_used=self.kv_used if serving else 0,
                 kv_blocks_total=self.kv_total if serving else 0,
             )
@@ -549,7 +554,7 @@ class SimWorker:
             tbt_p99_s=tbt_p99,
             running=self.running,
             waiting=len(self.waiting),
-            waiting_prefill_tokens=self._waiting_tokens + sum(r.ctx - r.prefilled for r in self.prefilling),
+            waiting_prefill_tokens=self._waiting_tokens + self._prefill_left,
             kv_blocks_used=self.kv_used if serving else 0,
             kv_blocks_total=self.kv_total if serving else 0,
         )

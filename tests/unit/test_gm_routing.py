@@ -213,3 +213,63 @@ def test_failed_load_rolls_back_to_idle() -> None:
     reg.set_layers_loaded("w", 2)
     view = reg.transition("w", S.IDLE)
     assert view.state is S.IDLE and view.layers_loaded == 0 and view.load is None
+
+
+def test_registry_updates_keep_every_other_field() -> None:
+    """The hot-path copies (a route noted, a report, a layer landed) are written out field by
+    field: each must change only its own fields and carry every other one over unchanged."""
+    import dataclasses
+
+    reg = Registry()
+    reg.register("w1", model="m", role=Role.PREFILL, host="h7", num_layers=8, now_s=3.5)
+    reg.transition("w1", S.LOADING)
+    before = reg.set_layers_loaded("w1", 2)
+    sample = LoadSample("w1", 4.0, running=2, kv_blocks_used=1, kv_blocks_total=9)
+    steps = [
+        (lambda: reg.note_routed("w1"), {"routes_since_heartbeat": 1}),
+        (lambda: reg.set_layers_loaded("w1", 5), {"layers_loaded": 5}),
+        (lambda: reg.heartbeat(sample), {"routes_since_heartbeat": 0, "last_heartbeat_s": 4.0, "load": sample}),
+        (lambda: reg.note_routed("w1"), {"routes_since_heartbeat": 1}),
+    ]
+    for update, changed in steps:
+        after = update()
+        assert after == dataclasses.replace(before, **changed)
+        assert reg.get("w1") is after
+        before = after
+    # Every field went through a value other than its default, so a dropped one would show.
+    assert {f.name for f in dataclasses.fields(InstanceView)} <= {
+        "instance_id", "model", "role", "state", "layers_loaded", "num_layers", "host",
+        "last_heartbeat_s", "load", "routes_since_heartbeat",
+    }  # fmt: skip
+
+
+def test_scale_in_order_is_the_routers_choice_repeated() -> None:
+    """n victims sorted once are the n the router's least-loaded choice (`choose_instance`)
+    would give one after another, each drained one removed: on random pools with ties."""
+    import random
+
+    from services.global_manager.core.placement import scale_in_order
+
+    rng = random.Random(7)
+    for _ in range(200):
+        pool = [
+            inst(
+                f"i{j}",
+                state=rng.choice([S.SERVING, S.SERVING, S.LOADING, S.DRAINING, S.IDLE]),
+                role=rng.choice([Role.COLOCATED, Role.DECODE]),
+                running=rng.randrange(3),
+                waiting=rng.randrange(2),
+                kv_used=rng.choice([0, 10, 50]),
+                model=rng.choice(["m", "m", "x"]),
+                loaded=rng.random() < 0.9,
+            )
+            for j in range(rng.randrange(1, 12))
+        ]
+        role = rng.choice([None, Role.COLOCATED])
+        order = scale_in_order(pool, role=role, model="m")
+        left, repeated = list(pool), []
+        while (pick := choose_instance(left, role=role, model="m")) is not None:
+            repeated.append(pick)
+            left.remove(pick)
+        assert order == repeated
+        assert pick_scale_in_victim(pool, role=role, model="m") == (order[0] if order else None)

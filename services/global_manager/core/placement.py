@@ -9,7 +9,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping
 
 from .decisions import plan_top_up
-from .routing import choose_instance
+from .routing import instance_load
 from .types import InstanceState, InstanceView, Role
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "pick_scale_in_victim",
     "plan_live_migration",
     "plan_rebalance",
+    "scale_in_order",
 ]
 
 S = InstanceState
@@ -69,8 +70,24 @@ def assign_idle(
 def pick_scale_in_victim(
     instances: Iterable[InstanceView], *, role: Role | None = None, model: str | None = None
 ) -> InstanceView | None:
-    """The SERVING instance to drain: the least loaded (least work to finish or migrate)."""
-    return choose_instance(instances, role=role, model=model)
+    """The SERVING instance to drain: the least loaded (least work to finish or migrate), as
+    the router would choose it (`instance_load`, then the smaller id)."""
+    order = scale_in_order(instances, role=role, model=model)
+    return order[0] if order else None
+
+
+def scale_in_order(
+    instances: Iterable[InstanceView], *, role: Role | None = None, model: str | None = None
+) -> list[InstanceView]:
+    """The SERVING instances of `model` (and `role`, when given) in the order a scale-in drains
+    them: `pick_scale_in_victim`'s choice, then its choice with that one gone, and so on.
+    Draining one changes no other's load, so n victims are the first n, sorted once."""
+    serving = [
+        v
+        for v in instances
+        if v.state is S.SERVING and (role is None or v.role is role) and (model is None or v.model == model)
+    ]
+    return sorted(serving, key=lambda v: (instance_load(v), v.instance_id))
 
 
 def plan_live_migration(

@@ -26,7 +26,7 @@ from .actions import Action, Count, DrainInstance, LoadInstances, MigrateRequest
 from .decisions import DecisionThrottle, bounded_delta
 from .instances import Registry
 from .load_monitor import LoadMonitor
-from .placement import assign_idle, choose_idle, pick_scale_in_victim, plan_live_migration, plan_rebalance
+from .placement import assign_idle, choose_idle, plan_live_migration, plan_rebalance, scale_in_order
 from .policies import Policy
 from .types import InstanceState, Role, ScaleDecision
 
@@ -298,14 +298,10 @@ class Reconciler:
         action owns, leaving at least `keep_serving` SERVING. Returns their ids and actions."""
         chosen: list[str] = []
         actions: list[Action] = []
-        for _ in range(n):
-            views = [v for v in registry.views(model=model) if v.instance_id not in busy]
-            serving = [v for v in views if v.state is S.SERVING and (role is None or v.role is role)]
-            if len(serving) <= keep_serving:
-                break
-            victim = pick_scale_in_victim(views, model=model, role=role)
-            if victim is None:
-                break
+        order = scale_in_order(
+            (v for v in registry.views(model=model) if v.instance_id not in busy), model=model, role=role
+        )
+        for victim in order[: max(0, min(n, len(order) - keep_serving))]:
             registry.transition(victim.instance_id, S.DRAINING)
             busy.add(victim.instance_id)
             actions.append(Report("scale_in", model, "draining", reason, victim.instance_id))

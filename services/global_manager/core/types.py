@@ -79,6 +79,15 @@ class LoadSample:
         # Cheap checks only: heartbeats arrive at (instances x Hz) and a bad one must be loud.
         if not self.instance_id:
             raise ValueError("LoadSample.instance_id must be non-empty")
+        if (
+            self.decode_tps >= 0
+            and self.prefill_tps >= 0
+            and self.running >= 0
+            and self.waiting >= 0
+            and self.waiting_prefill_tokens >= 0
+            and 0 <= self.kv_blocks_used <= self.kv_blocks_total
+        ):
+            return  # the common case, without the loop below that names the bad field
         for name in (
             "decode_tps",
             "prefill_tps",
