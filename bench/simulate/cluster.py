@@ -484,7 +484,33 @@ class Simulation:
             self.decode_hop[req.index] = decode
             self.workers[prefill].submit(req, "prefill")
             return True
-        iid = route[-1].instance_id
+        self._submit(req, route[-1].instance_id)
+        return True
+
+    def _route_batch(self, reqs: list[SimRequest], exclude: str) -> list[SimRequest]:
+        """`_route` for each of `reqs` (queued requests a rebalance released, `exclude` their
+        old instance) one after another, as the routing index's `route_many` answers them
+        together, each instance's routes noted at once. Returns the rest, from the first only
+        `plan_route` can answer, for `_route` one by one."""
+        registry = self.registry
+        if len(reqs) < 2 or not isinstance(registry, IndexedRegistry):
+            return reqs
+        hops = registry.index.route_many(
+            [r.prompt + r.output for r in reqs], self.cfg.profile.block_size, (exclude,), self.dead
+        )
+        counts: dict[str, int] = {}
+        for hop in hops:
+            counts[hop.instance_id] = counts.get(hop.instance_id, 0) + 1
+        for iid, n in counts.items():
+            registry.note_routed(iid, n)
+        for req, hop in zip(reqs, hops, strict=False):  # hops may stop short of reqs
+            req.routed += 1
+            self._submit(req, hop.instance_id)
+        return reqs[len(hops) :]
+
+    def _submit(self, req: SimRequest, iid: str) -> None:
+        """Send `req` to `iid`, the hop that runs it whole or decodes it: a resumed request
+        pulls the KV it left behind when that is still offered, else recomputes it there."""
         holder = self.workers.get(req.kv_from)
         if req.generated and holder is not None and req.index in holder.offered:
             req.kv_tokens = req.prompt + req.generated - 1
@@ -492,7 +518,6 @@ class Simulation:
         else:
             req.kv_from = ""
             self.workers[iid].submit(req)
-        return True
 
     def _bump(self, key: str, n: int = 1) -> None:
         self.failover[key] = self.failover.get(key, 0) + n
@@ -848,7 +873,7 @@ class Simulation:
                 self.report(report)
             return
         moved = source.release_waiting(action.n)
-        for req in moved:
+        for req in self._route_batch(moved, action.source):
             if not self._route(req, exclude=(action.source,)):
                 source.submit(req, req.phase)
         self.report(Count("rebalance", "moved" if moved else "none"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from services.global_manager.core.instances import Registry
 from services.global_manager.core.routing import instance_load
@@ -32,8 +32,11 @@ class LeastLoaded:
         self.model = model
         self.current: dict[str, InstanceView] = {}  # SERVING colocated views, by id
         self.split: set[str] = set()  # SERVING prefill or decode instances
-        self._heap: list[tuple[float, str, int, InstanceView]] = []
+        # (instance_load, id, sequence, view, routes noted in a `route_many` batch): an entry is
+        # current while its view is and, in a batch, its count of routes noted there is too.
+        self._heap: list[tuple[float, str, int, InstanceView, int]] = []
         self._n = 0
+        self._noted: dict[str, int] = {}  # empty outside `route_many`
 
     def update(self, iid: str, view: InstanceView | None) -> None:
         """`iid`'s view is now `view` (None: removed)."""
@@ -51,13 +54,16 @@ class LeastLoaded:
         noted): the new load goes in, the old entry goes stale."""
         self.current[iid] = view
         self._n += 1
-        heapq.heappush(self._heap, (instance_load(view), iid, self._n, view))
+        heapq.heappush(self._heap, (instance_load(view), iid, self._n, view, 0))
         if len(self._heap) > 4 * len(self.current) + 256:
             self._rebuild()
 
     def _rebuild(self) -> None:
         self._n += 1
-        self._heap = [(instance_load(v), iid, self._n, v) for iid, v in self.current.items()]
+        noted = self._noted
+        self._heap = [
+            (instance_load(v, noted.get(iid, 0)), iid, self._n, v, noted.get(iid, 0)) for iid, v in self.current.items()
+        ]
         heapq.heapify(self._heap)
 
     def route(
@@ -67,12 +73,12 @@ class LeastLoaded:
         `exclude` left out, or None when only `plan_route` can tell."""
         if self.split:
             return None
-        heap, current = self._heap, self.current
+        heap, current, noted = self._heap, self.current, self._noted
         passed = []  # current entries of excluded instances, put back after
         top = None
         while heap:
             entry = heap[0]
-            if current.get(entry[1]) is not entry[3]:
+            if current.get(entry[1]) is not entry[3] or entry[4] != (noted.get(entry[1], 0) if noted else 0):
                 heapq.heappop(heap)  # stale
             elif entry[1] in exclude:
                 passed.append(heapq.heappop(heap))
@@ -83,12 +89,47 @@ class LeastLoaded:
             heapq.heappush(heap, entry)
         if top is None:
             return ()
-        load = top.load
-        if load is None or load.kv_blocks_total == 0:
-            return (top,)
-        if load.kv_blocks_total - load.kv_blocks_used >= math.ceil(request_tokens / block_size):
-            return (top,)
-        return None
+        return (top,) if _fits(top, request_tokens, block_size) else None
+
+    def route_many(
+        self, request_tokens: Sequence[int], block_size: int, exclude: Collection[str], dead: Collection[str]
+    ) -> list[InstanceView]:
+        """The instances `route` answers for requests of `request_tokens` asked one after another,
+        each counted (`Registry.note_routed`) before the next is asked: the rebalance after a
+        load re-routes dozens of queued requests at once, and this answers them with one heap
+        entry per request instead of a new view, a registry write and an entry. Each answer's
+        load is `instance_load` with the batch's routes added, the float the noted view would
+        give. The registry is not touched: the caller notes the routes (`note_routed(iid, n)`),
+        which puts the exact entries in. Stops before the first request the index cannot
+        answer alone (the least loaded instance short of KV room, a split pool) or whose
+        answer is in `dead` (a refused connection): that one and the rest are the caller's."""
+        chosen: list[InstanceView] = []
+        noted = self._noted
+        try:
+            for tokens in request_tokens:
+                top = self.route(tokens, block_size, exclude)
+                if not top or top[0].instance_id in dead:
+                    break
+                view = top[0]
+                iid = view.instance_id
+                chosen.append(view)
+                n = noted[iid] = noted.get(iid, 0) + 1
+                self._n += 1
+                heapq.heappush(self._heap, (instance_load(view, n), iid, self._n, view, n))
+        finally:
+            noted.clear()  # the batch's entries go stale; the caller's notes replace them
+        return chosen
+
+
+def _fits(view: InstanceView, request_tokens: int, block_size: int) -> bool:
+    """The router's KV check: free blocks hold the request, or the instance reported no cache."""
+    load = view.load
+    if load is None or load.kv_blocks_total == 0:
+        return True
+    return load.kv_blocks_total - load.kv_blocks_used >= math.ceil(request_tokens / block_size)
+
+
+_dict_get, _dict_set = dict.get, dict.__setitem__  # unbound: cheaper than super() per write
 
 
 class _Watched(dict[str, InstanceView]):
@@ -99,8 +140,8 @@ class _Watched(dict[str, InstanceView]):
         self.owner = owner
 
     def __setitem__(self, iid: str, view: InstanceView) -> None:
-        old = self.get(iid)
-        super().__setitem__(iid, view)
+        old = _dict_get(self, iid)
+        _dict_set(self, iid, view)
         if (
             old is not None
             and old.state is view.state

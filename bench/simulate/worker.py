@@ -73,12 +73,17 @@ class SimRequest:
         return self.output - self.generated
 
 
-@dataclass
 class _Stats:
-    tokens: int = 0
-    prefill_tokens: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    tbts: list[float] = field(default_factory=list)
+    """What happened since the last heartbeat (a fresh one per heartbeat: a plain slotted class,
+    since a dataclass's default factories cost more than the report itself here)."""
+
+    __slots__ = ("tokens", "prefill_tokens", "ttfts", "tbts")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.prefill_tokens = 0
+        self.ttfts: list[float] = []
+        self.tbts: list[float] = []
 
 
 @dataclass
@@ -237,6 +242,8 @@ class SimWorker:
 
     def release_waiting(self, n: int) -> list[SimRequest]:
         """Up to n queued (not yet admitted) requests, newest first, for the gateway to re-route."""
+        if not self.waiting:
+            return []  # nothing changes here: the steps under way go on as planned
         self._interrupt()
         out = []
         while self.waiting and len(out) < n:

@@ -273,3 +273,19 @@ def test_scale_in_order_is_the_routers_choice_repeated() -> None:
             left.remove(pick)
         assert order == repeated
         assert pick_scale_in_victim(pool, role=role, model="m") == (order[0] if order else None)
+
+
+def test_registry_count_filters_and_stops_early() -> None:
+    reg = Registry()
+    for iid, role in (("a", Role.COLOCATED), ("b", Role.COLOCATED), ("c", Role.DECODE), ("d", Role.COLOCATED)):
+        reg.register(iid, model="m", role=role, host="h", num_layers=4, now_s=0.0)
+    reg.transition("a", S.LOADING)
+    reg.transition("b", S.LOADING)
+    reg.transition("b", S.SERVING)
+    live = (S.LOADING, S.SERVING)
+    assert reg.count() == 4
+    assert reg.count(model="m", role=Role.COLOCATED, states=live) == 2
+    assert reg.count(model="m", role=Role.COLOCATED, states=live, up_to=1) == 1
+    assert reg.count(model="m", role=Role.COLOCATED, states=live, up_to=5) == 2
+    assert reg.count(model="x") == 0
+    assert reg.count(states=(S.IDLE,)) == 2

@@ -103,7 +103,21 @@ def _drive(skip: bool, seed: int) -> tuple[list[tuple[Any, ...]], list[LoadSampl
         loop.at(r.arrival_s, lambda r=r: w.submit(r))
     for k in range(12):
         loop.at(0.41 * k + 0.2, lambda k=k: setattr(w, "speedup", 1.0 + (k % 3) / 2))
-    loop.every(0.25, lambda: samples.append(w.sample(loop.now_s, 0.25, serving=True)), start_s=0.25)
+
+    def heartbeat() -> None:
+        sample = w.sample(loop.now_s, 0.25, serving=True)
+        # The queued prompt tokens, kept as they change, against a count from scratch.
+        queued = sum(r.ctx for r in w.waiting if r.phase != "decode")
+        assert sample.waiting_prefill_tokens == queued + sum(r.ctx - r.prefilled for r in w.prefilling)
+        samples.append(sample)
+
+    def rebalance() -> None:  # queued requests leave and (no better instance) come back
+        for r in w.release_waiting(2):
+            w.submit(r)
+
+    loop.every(0.25, heartbeat, start_s=0.25)
+    for k in range(8):
+        loop.at(0.63 * k + 0.1, rebalance)
     loop.run(30.0)
     ends = [(r.index, r.first_token_s, r.end_s) for r in requests]
     return ends, samples, [w.busy_s, w.step_no]
@@ -177,6 +191,81 @@ def test_least_loaded_index_agrees_with_plan_route() -> None:
     # A serving prefill instance: only plan_route can say (it may pair).
     reg.register("p", model="m", role=Role.PREFILL, host="h0", num_layers=4, now_s=0.0, state=InstanceState.SERVING)
     assert reg.index.route(16, 16) is None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_route_many_answers_as_plan_route_one_after_another(seed: int) -> None:
+    """A rebalance's batch: `route_many` gives what `plan_route` gives for each request in
+    turn with the previous ones noted, up to where it stops, and stops only where the index
+    could not answer or the answer is dead; the registry is left as noting each would."""
+    rng = random.Random(seed)
+    batches = stopped_early = 0
+    for _ in range(300):
+        reg = IndexedRegistry("m")
+        ids = [f"i{n:02d}" for n in range(rng.randint(1, 8))]
+        for iid in ids:
+            reg.register(iid, model="m", role=Role.COLOCATED, host="h0", num_layers=4, now_s=0.0)
+            if rng.random() < 0.8:
+                reg.transition(iid, InstanceState.LOADING, model="m")
+                reg.transition(iid, InstanceState.SERVING)
+                if rng.random() < 0.8:
+                    total = rng.choice([0, 40, 100])
+                    reg.heartbeat(
+                        LoadSample(
+                            iid,
+                            now_s=1.0,
+                            running=rng.randint(0, 3),
+                            waiting=rng.randint(0, 3),
+                            kv_blocks_used=rng.randint(0, total),
+                            kv_blocks_total=total,
+                        )
+                    )
+                for _ in range(rng.randint(0, 3)):
+                    reg.note_routed(iid)
+        exclude = set(rng.sample(ids, rng.choice([0, 1])))
+        dead = set(rng.sample(ids, rng.choice([0, 0, 1])))
+        sizes = [rng.choice([16, 160, 400, 900]) for _ in range(rng.randint(2, 12))]
+        hops = reg.index.route_many(sizes, 16, exclude, dead)
+        expected = IndexedRegistry("m")  # the same registry, noted one request at a time
+        for v in reg:
+            expected.register(v.instance_id, model="m", role=v.role, host=v.host, num_layers=4, now_s=0.0)
+            if v.state is InstanceState.SERVING:
+                expected.transition(v.instance_id, InstanceState.LOADING, model="m")
+                expected.transition(v.instance_id, InstanceState.SERVING)
+                if v.load is not None:
+                    expected.heartbeat(v.load)
+                for _ in range(v.routes_since_heartbeat):
+                    expected.note_routed(v.instance_id)
+        for i, tokens in enumerate(sizes):
+            want = plan_route(
+                expected.views(model="m"),
+                model="m",
+                prompt_tokens=tokens,
+                max_tokens=0,
+                exclude_ids=exclude,
+                kv_block_size_tokens=16,
+            )
+            if i == len(hops):
+                # It stopped here, and only where the index asked alone would not answer (only
+                # `plan_route` can say), nothing serves, or the answer is dead.
+                alone = expected.index.route(tokens, 16, exclude)
+                assert alone is None or alone == () or alone[0].instance_id in dead
+                if alone is not None:
+                    assert alone == want
+                stopped_early += 1
+                break
+            assert want and hops[i].instance_id == want[0].instance_id
+            expected.note_routed(want[0].instance_id)
+        counts: dict[str, int] = {}
+        for hop in hops:
+            counts[hop.instance_id] = counts.get(hop.instance_id, 0) + 1
+        for iid, n in counts.items():
+            reg.note_routed(iid, n)
+        assert [(v.instance_id, v.routes_since_heartbeat) for v in reg] == [
+            (v.instance_id, v.routes_since_heartbeat) for v in expected
+        ]
+        batches += bool(hops)
+    assert batches > 100 and stopped_early > 20
 
 
 # ---- event loop, workload, results file ------------------------------------------------------

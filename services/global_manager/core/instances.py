@@ -10,7 +10,7 @@ zigzag planner, DRAINING ones take no new work, IDLE ones hold no model and LOST
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from .types import InstanceState, InstanceView, LoadSample, Role
 
@@ -94,6 +94,28 @@ class Registry:
             and (role is None or v.role is role)
             and (state is None or v.state is state)
         ]
+
+    def count(
+        self,
+        *,
+        model: str | None = None,
+        role: Role | None = None,
+        states: Collection[InstanceState] = (),
+        up_to: int | None = None,
+    ) -> int:
+        """How many views are of `model`, `role` and one of `states` (any, when not given);
+        with `up_to`, counting stops once it reaches that many."""
+        count = 0
+        for v in self._views.values():
+            if (
+                (model is None or v.model == model)
+                and (role is None or v.role is role)
+                and (not states or v.state in states)
+            ):
+                count += 1
+                if count == up_to:
+                    break
+        return count
 
     def register(
         self,
@@ -238,10 +260,12 @@ class Registry:
         self._views[sample.instance_id] = view
         return view
 
-    def note_routed(self, instance_id: str) -> InstanceView:
-        """Count one request routed to the instance since its last heartbeat (see `instance_load`)."""
+    def note_routed(self, instance_id: str, n: int = 1) -> InstanceView:
+        """Count `n` requests routed to the instance since its last heartbeat (see `instance_load`)."""
+        if n < 1:
+            raise ValueError(f"instance {instance_id!r}: n must be >= 1 routes, got {n!r}")
         old = self.get(instance_id)
-        view = _evolve(old, routes_since_heartbeat=old.routes_since_heartbeat + 1)
+        view = _evolve(old, routes_since_heartbeat=old.routes_since_heartbeat + n)
         self._views[instance_id] = view
         return view
 

@@ -73,6 +73,12 @@ def live(registry: Registry, model: str, role: Role | None = None) -> list[str]:
     return [v.instance_id for v in registry.views(model=model, role=role) if v.state in (S.LOADING, S.SERVING)]
 
 
+def _has_live(registry: Registry, model: str, role: Role, n: int) -> bool:
+    """Whether `live(registry, model, role)` holds at least n, counting only until it does (a
+    floor of one in a pool of a thousand is met by the first instance found)."""
+    return registry.count(model=model, role=role, states=(S.LOADING, S.SERVING), up_to=n) >= n
+
+
 def release_report(action: MigrateRequests, moved: int | None) -> Report | None:
     """The event for a release's outcome (None: the worker could not be asked)."""
     if moved is None:
@@ -135,11 +141,9 @@ class Reconciler:
         IDLE pool (`assign_idle`: workers started for a role fill that pool; scarce others form
         a P/D pair first)."""
         floors = {role: n for role, n in self.settings.pool_floors.items() if n > 0}
-        if not floors:
+        if not floors or all(_has_live(registry, model, role, n) for role, n in floors.items()):
             return []
         have = {role: len(live(registry, model, role)) for role in floors}
-        if all(have[role] >= n for role, n in floors.items()):
-            return []
         idle = [v for v in registry.views(state=S.IDLE) if v.instance_id not in busy]
         actions: list[Action] = []
         for role, views in assign_idle(floors, have, idle).items():

@@ -32,15 +32,17 @@ S = InstanceState
 NEAR_EQUAL_LOAD = 1.0
 
 
-def instance_load(view: InstanceView) -> float:
+def instance_load(view: InstanceView, more_routes: int = 0) -> float:
     """running + waiting + routes since the last heartbeat + KV utilisation.
 
     The KV fraction (< 1) only separates instances with equal queues, preferring the one with
     more free cache. Routes handed out since the heartbeat are requests the report cannot show
     yet. No heartbeat yet counts as idle, plus what was routed to it since it registered.
+    `more_routes`: the load once that many more are noted (the same arithmetic, so the same
+    float, as the view `Registry.note_routed` would then hold).
     """
     load = view.load
-    routed = view.routes_since_heartbeat
+    routed = view.routes_since_heartbeat + more_routes
     if load is None:
         return float(routed)
     return load.running + load.waiting + routed + load.kv_utilization
