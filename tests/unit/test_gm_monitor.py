@@ -226,3 +226,13 @@ def test_matches_brute_force_through_growth_compaction_and_forget() -> None:
                     got = getattr(pool, name)
                     assert got == (pytest.approx(expected) if expected is not None else None), (step, role, name)
     assert mon._end <= 2 * 60 * 8  # bounded: about one window of rows, plus slack
+
+
+def test_table_stays_bounded_without_snapshots() -> None:
+    """With autoscaling off nothing reads the window, yet heartbeats keep coming: the samples
+    held (table plus those not yet appended) stay about a window's worth."""
+    mon = LoadMonitor(window_s=5.0, lost_after_s=5.0)
+    for step in range(1, 2000):  # 40,000 heartbeats, 100 in a window
+        for k in range(20):
+            mon.observe(sample(f"i{k}", float(step), decode_tps=1.0))
+    assert len(mon._pending) < 1024 and mon._rows.shape[1] <= 4 * 1024

@@ -82,6 +82,11 @@ class LoadMonitor:
         self._rows = np.empty((len(_COLUMNS), _INITIAL_ROWS), dtype=np.float64)
         self._owner = np.empty(_INITIAL_ROWS, dtype=np.int64)  # row -> instance index
         self._end = 0
+        # Samples observed since the last read, appended to the table in one block when a
+        # snapshot needs them: a numpy column write per heartbeat costs more than the rest of
+        # `observe` (a thousand instances heartbeat every second).
+        self._pending: list[tuple[float, ...]] = []
+        self._pending_owner: list[int] = []
         # Instance id -> index into per-instance arrays. `forget` drops the id, so its old rows
         # belong to an index nobody maps to any more and vanish at the next compaction.
         self._index: dict[str, int] = {}
@@ -106,25 +111,26 @@ class LoadMonitor:
         if index is None:
             index = self._index[iid] = self._next_index
             self._next_index += 1
-        if self._end == self._rows.shape[1]:
-            self._make_room()
         nan = math.nan
-        self._rows[:, self._end] = (
-            sample.now_s,
-            sample.decode_tps,
-            sample.prefill_tps,
-            sample.running,
-            sample.waiting,
-            sample.waiting_prefill_tokens,
-            sample.kv_blocks_used,
-            sample.kv_blocks_total,
-            nan if sample.ttft_p50_s is None else sample.ttft_p50_s,
-            nan if sample.ttft_p99_s is None else sample.ttft_p99_s,
-            nan if sample.tbt_p50_s is None else sample.tbt_p50_s,
-            nan if sample.tbt_p99_s is None else sample.tbt_p99_s,
+        self._pending.append(
+            (
+                sample.now_s,
+                sample.decode_tps,
+                sample.prefill_tps,
+                sample.running,
+                sample.waiting,
+                sample.waiting_prefill_tokens,
+                sample.kv_blocks_used,
+                sample.kv_blocks_total,
+                nan if sample.ttft_p50_s is None else sample.ttft_p50_s,
+                nan if sample.ttft_p99_s is None else sample.ttft_p99_s,
+                nan if sample.tbt_p50_s is None else sample.tbt_p50_s,
+                nan if sample.tbt_p99_s is None else sample.tbt_p99_s,
+            )
         )
-        self._owner[self._end] = index
-        self._end += 1
+        self._pending_owner.append(index)
+        if len(self._pending) >= _INITIAL_ROWS:
+            self._flush()  # bounded without snapshots too (autoscaling off): the table compacts
         self._last_sample_s[iid] = sample.now_s
         self._last_seen_s[iid] = max(self._last_seen_s.get(iid, -math.inf), sample.now_s)
         self._newest_s = max(self._newest_s, sample.now_s)
@@ -200,6 +206,7 @@ class LoadMonitor:
                 fed_indices.append(i)
                 fed_codes.append(_ROLE_CODE[role])
 
+        self._flush()
         aggregates = self._aggregate(now_s, horizon_s, fed_indices, fed_codes)
         self._maybe_compact(horizon_s)
         pools = {}
@@ -261,12 +268,25 @@ class LoadMonitor:
             out[role] = fields
         return out
 
-    def _make_room(self) -> None:
+    def _flush(self) -> None:
+        """Append the samples observed since the last read to the table, in their order."""
+        k = len(self._pending)
+        if k == 0:
+            return
+        while self._end + k > self._rows.shape[1]:
+            self._make_room(k)
+        self._rows[:, self._end : self._end + k] = np.array(self._pending, dtype=np.float64).T
+        self._owner[self._end : self._end + k] = self._pending_owner
+        self._end += k
+        self._pending.clear()
+        self._pending_owner.clear()
+
+    def _make_room(self, k: int = 1) -> None:
         # Drop rows no window can reach any more (older than the newest sample's window), and
         # grow only if that frees less than half the table.
         self._compact(self._newest_s - self.window_s)
         capacity = self._rows.shape[1]
-        if self._end > capacity // 2:
+        if self._end + k > capacity // 2:
             rows = np.empty((len(_COLUMNS), capacity * 2), dtype=np.float64)
             rows[:, : self._end] = self._rows[:, : self._end]
             owner = np.empty(capacity * 2, dtype=np.int64)
