@@ -5,7 +5,7 @@ thousands of requests a second that is most of a simulation's time. For a coloca
 asked with no exclusions its answer is the SERVING instance with the smallest
 (fits, `instance_load`, instance_id), fits meaning its free KV blocks hold the request. That
 load changes only when the instance's view does (a heartbeat, a route noted, a transition), so
-`IndexedRegistry` (the core's `Registry`, its view table watched) keeps those instances in a
+`IndexedRegistry` (the core's `Registry`, told of every view it stores) keeps those instances in a
 heap by (load, id) with stale entries dropped when they surface. `LeastLoaded.route` answers
 from the heap top (the first not excluded) when it fits, and says "ask `plan_route`" (None) in every
 other case: some PREFILL or DECODE instance serving, or that instance short of KV.
@@ -129,40 +129,6 @@ def _fits(view: InstanceView, request_tokens: int, block_size: int) -> bool:
     return load.kv_blocks_total - load.kv_blocks_used >= math.ceil(request_tokens / block_size)
 
 
-_dict_get, _dict_set = dict.get, dict.__setitem__  # unbound: cheaper than super() per write
-
-
-class _Watched(dict[str, InstanceView]):
-    """The registry's table, telling its owner of every view stored or removed."""
-
-    def __init__(self, owner: IndexedRegistry) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def __setitem__(self, iid: str, view: InstanceView) -> None:
-        old = _dict_get(self, iid)
-        _dict_set(self, iid, view)
-        if (
-            old is not None
-            and old.state is view.state
-            and old.load is view.load
-            and old.role is view.role
-            and old.model == view.model
-        ):
-            # A route noted or a layer landed (the hot case; `changed` in short): the instance
-            # stays in the same sets and what the ZigZag gate reads is unchanged.
-            index = self.owner.index
-            if iid in index.current:
-                index.refresh(iid, view)
-            return
-        self.owner.changed(iid, old, view)
-
-    def __delitem__(self, iid: str) -> None:
-        old = self.get(iid)
-        super().__delitem__(iid)
-        self.owner.changed(iid, old, None)
-
-
 class IndexedRegistry(Registry):
     """The core's `Registry`, unchanged in behaviour, with a `LeastLoaded` index of `model` and
     the instances that are not IDLE, so a heartbeat round need not visit a thousand idle ones."""
@@ -177,22 +143,24 @@ class IndexedRegistry(Registry):
         # Bumped when an instance comes or goes or its state, model or load report changes (not
         # on a route noted or a layer landed): what the ZigZag gate reads is the same until then.
         self.version = 0
-        self._views = _Watched(self)
 
-    def changed(self, iid: str, old: InstanceView | None, view: InstanceView | None) -> None:
-        if (
-            old is not None
-            and view is not None
-            and old.state is view.state
-            and old.model == view.model
-            and old.role is view.role
-        ):
-            # A report, a route noted, a layer landed: the instance stays in the same sets.
+    def _put(self, iid: str, old: InstanceView | None, view: InstanceView) -> None:
+        self._views[iid] = view
+        if old is not None and old.state is view.state and old.role is view.role and old.model == view.model:
+            # A report, a route noted, a layer landed (the hot case): the same sets.
             if old.load is not view.load:
                 self.version += 1
             if iid in self.index.current:
                 self.index.refresh(iid, view)
             return
+        self._changed(iid, view)
+
+    def _drop(self, iid: str, old: InstanceView) -> None:
+        del self._views[iid]
+        self._changed(iid, None)
+
+    def _changed(self, iid: str, view: InstanceView | None) -> None:
+        """`iid` came, went, or changed state, role or model."""
         self.version += 1
         self.index.update(iid, view)
         self.idle.discard(iid)

@@ -117,6 +117,14 @@ class Registry:
                     break
         return count
 
+    def _put(self, instance_id: str, old: InstanceView | None, view: InstanceView) -> None:
+        """Store `view` (replacing `old`, None for a new instance): every write goes through here
+        and `_drop`, so a subclass can keep an index of the table in step."""
+        self._views[instance_id] = view
+
+    def _drop(self, instance_id: str, old: InstanceView) -> None:
+        del self._views[instance_id]
+
     def register(
         self,
         instance_id: str,
@@ -168,7 +176,7 @@ class Registry:
             last_heartbeat_s=now_s,
             load=None,
         )
-        self._views[instance_id] = view
+        self._put(instance_id, old, view)
         return view
 
     def transition(
@@ -205,7 +213,7 @@ class Registry:
             changes["load"] = None  # an idle worker holds no model, so its old load means nothing
             changes["routes_since_heartbeat"] = 0
         view = dataclasses.replace(old, **changes)  # type: ignore[arg-type]
-        self._views[instance_id] = view
+        self._put(instance_id, old, view)
         return view
 
     def mark_lost(self, instance_id: str) -> InstanceView:
@@ -224,7 +232,7 @@ class Registry:
                 f"[{old.layers_loaded}, {old.num_layers}] (progress does not go backwards)"
             )
         view = _evolve(old, layers_loaded=layers_loaded)
-        self._views[instance_id] = view
+        self._put(instance_id, old, view)
         return view
 
     def set_num_layers(self, instance_id: str, num_layers: int) -> InstanceView:
@@ -240,7 +248,7 @@ class Registry:
             raise ValueError(f"instance {instance_id!r}: num_layers must be > 0, got {num_layers!r}")
         loaded = min(old.layers_loaded, num_layers) if old.state is S.LOADING else num_layers
         view = dataclasses.replace(old, num_layers=num_layers, layers_loaded=loaded)
-        self._views[instance_id] = view
+        self._put(instance_id, old, view)
         return view
 
     def heartbeat(self, sample: LoadSample) -> InstanceView:
@@ -257,7 +265,7 @@ class Registry:
         view = _evolve(
             old, last_heartbeat_s=max(old.last_heartbeat_s, sample.now_s), load=sample, routes_since_heartbeat=0
         )
-        self._views[sample.instance_id] = view
+        self._put(sample.instance_id, old, view)
         return view
 
     def note_routed(self, instance_id: str, n: int = 1) -> InstanceView:
@@ -266,7 +274,7 @@ class Registry:
             raise ValueError(f"instance {instance_id!r}: n must be >= 1 routes, got {n!r}")
         old = self.get(instance_id)
         view = _evolve(old, routes_since_heartbeat=old.routes_since_heartbeat + n)
-        self._views[instance_id] = view
+        self._put(instance_id, old, view)
         return view
 
     def remove(self, instance_id: str) -> InstanceView:
@@ -276,7 +284,7 @@ class Registry:
             raise RegistryError(
                 f"instance {instance_id!r} is {old.state.value}; only IDLE or LOST instances can be removed"
             )
-        del self._views[instance_id]
+        self._drop(instance_id, old)
         return old
 
 
