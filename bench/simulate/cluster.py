@@ -302,6 +302,7 @@ class Simulation:
         self.pending: deque[SimRequest] = deque()
         self.done = 0
         self.samples: list[InstanceSample] = []
+        self.records: list[RequestRecord] = []  # every request's record, once the run is over
         self.events: list[Report] = []
         self.decision_log: list[str] = []
         self.counts: dict[str, int] = {}
@@ -380,7 +381,7 @@ class Simulation:
                 gc.unfreeze()
         end_s = self.loop.now_s
         self._sample()
-        records = [self._record(r) for r in self.requests]
+        self.records = records = [self._record(r) for r in self.requests]
         summary = summarize(records, self.samples, end_s, cfg.slo)
         summary.update(
             {

@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bench.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
-from bench.replay.summary import Slo, percentile, timeline
+from bench.replay.summary import Slo, percentiles, timeline
 from bench.replay.trace import read_azure_trace
 
 from .cluster import RunConfig, Simulation
@@ -271,7 +271,7 @@ def run_system(cfg: RunConfig, tp: int) -> dict[str, Any]:
     sim = PaperSimulation(cfg)
     s = sim.run()
     busy = sum(w.busy_s for w in sim.workers.values())
-    records = [sim._record(r) for r in sim.requests]
+    records = sim.records
     tl = timeline(records, sim.samples, TIMELINE_BIN_S, s["duration_s"])
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
     copies = host_copies(sim)
@@ -298,7 +298,7 @@ def run_system(cfg: RunConfig, tp: int) -> dict[str, Any]:
             "rps": [round(x, 2) for x in tl["rps"]],
             "gpus": [None if x is None else x * tp for x in tl["instances"]],
         },
-        "ttft_quantiles_s": [round(percentile(ttfts, q) or 0.0, 4) for q in CDF_QUANTILES] if ttfts else [],
+        "ttft_quantiles_s": [round(x or 0.0, 4) for x in percentiles(ttfts, CDF_QUANTILES)] if ttfts else [],
     }
 
 

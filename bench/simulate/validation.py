@@ -283,7 +283,7 @@ def validate(real_path: Path = REAL_RESULT, *, engine_reports: bool = True, cont
         sim = Simulation(cfg)
         summary = sim.run()
         per_run[cfg.name] = compare(summary, real[cfg.name])
-        records = [sim._record(r) for r in sim.requests]
+        records = sim.records
         tl = timeline(records, sim.samples, 2.5, summary["duration_s"])
         real_tl = real.get("timelines", {}).get(cfg.name, {})
         detail[cfg.name] = {
