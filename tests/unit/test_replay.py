@@ -25,6 +25,7 @@ from bench.replay import (
     parse_timestamp,
     parse_timestamp_ns,
     percentile,
+    percentiles,
     piecewise_pattern,
     prompt_ids,
     rate_per_bin,
@@ -200,6 +201,9 @@ def test_percentile_and_instance_seconds() -> None:
     assert percentile([], 0.5) is None
     assert percentile([3, 1, 2], 0.5) == 2
     assert percentile(range(1, 101), 0.99) == 99
+    # Several levels from one sort: each the nearest rank of its own.
+    assert percentiles([5, 1, 4, 2, 3], (0.0, 0.2, 0.5, 0.61, 1.0)) == [1, 1, 3, 4, 5]
+    assert percentiles([], (0.5, 0.9)) == [None, None]
     samples = [
         InstanceSample(0.0, {"serving": 1}),
         InstanceSample(10.0, {"serving": 2, "loading": 1, "idle": 3}),
