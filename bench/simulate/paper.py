@@ -3,7 +3,7 @@
 
 Usage:
     python -m bench.simulate.paper [--scale 0.1] [--minutes 60] [--settings code8b,conv70b]
-        [--seed 0] [--jobs 2] [--out bench/results/simulator.json] [--plots bench/results]
+        [--seed 0] [--jobs 2] [--floor mean|1] [--out bench/results/simulator.json] [--plots bench/results]
 
 The paper's setting: an hour of the Azure LLM inference traces (2023; `../shared/traces`, read
 with `bench.replay`), models of 8B to 70B on up to 1,000 GPUs. `--scale` is the share of that:
@@ -28,7 +28,10 @@ HPA's cooldowns: scale out at once, 300 s before a scale-in), `fixed_peak` (Dist
 scaling, a pool sized for the busiest 5 s), and `fixed_same_slo`: the smallest fixed pool whose
 SLO attainment is at least blitzmesh's (bisection over 1 to the busiest-5 s size, in steps of a
 sixteenth of it), and `hpa_same_slo`: HPA at the highest target utilization of 0.7, 0.6, ..., 0.1
-whose SLO attainment is at least blitzmesh's.
+whose SLO attainment is at least blitzmesh's. Every autoscaled system keeps a floor (`--floor`):
+`mean` (the default), the pool the sizing rule gives for the setting's mean rate, so a burst after
+a lull starts from a warm pool; or `1`, where a burst at 1,000 GPUs meets a pool scaled in to a
+handful and the latency panic's doublings (about ten) set the tail.
 
 Claims (`PAPER`), each `{paper, ours, ratio = ours / paper}`:
 - `tail_ttft`: 1 - p99 TTFT(blitzmesh) / p99 TTFT(serverlessllm), the largest over settings
@@ -76,6 +79,7 @@ __all__ = ["PAPER", "SETTINGS", "Setting", "claims", "gpu_utilization", "main", 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FULL_GPUS = 1000
+FLOORS = ("1", "mean")
 GPUS_PER_HOST = 8
 HOSTS_PER_LEAF = 16
 PEAK_FILL = 0.8
@@ -329,9 +333,11 @@ def _search_row(value: float, r: dict[str, Any]) -> dict[str, Any]:
     return {"value": value, **{k: r[k] for k in keys}}
 
 
-def run_setting(name: str, scale: float, minutes: float, seed: int = 0) -> dict[str, Any]:
+def run_setting(name: str, scale: float, minutes: float, seed: int = 0, floor: str = "1") -> dict[str, Any]:
     """Every system on one setting, then the two tuned to blitzmesh's SLO attainment: the
-    smallest fixed pool (`fixed_same_slo`) and HPA's highest target (`hpa_same_slo`)."""
+    smallest fixed pool (`fixed_same_slo`) and HPA's highest target (`hpa_same_slo`).
+    `floor`: every autoscaled system's minimum pool, "1" or "mean" (the pool the sizing rule
+    gives for the setting's mean rate: a warm floor that a burst after a lull starts from)."""
     wall = time.perf_counter()
     setting = SETTINGS[name]
     sc, rate = scenario(setting, scale, minutes, seed)
@@ -341,8 +347,18 @@ def run_setting(name: str, scale: float, minutes: float, seed: int = 0) -> dict[
     hetero = {**meta["policy_params"]["heteroscale"], **POLICY_OVERRIDES}
     # HPA as Kubernetes ships it: scale out at once, a 300 s window before scaling in.
     hpa_params = {k: v for k, v in meta["policy_params"]["utilization"].items() if "cooldown" not in k}
+    if floor not in FLOORS:
+        raise ValueError(f"floor must be one of {FLOORS}, got {floor!r}")
+    least = meta["sizing"]["fixed_mean"] if floor == "mean" else 1
     runs = [
-        dataclasses.replace(r, policy_params=hpa_params if r.name == "hpa" else hetero) if r.autoscale else r
+        dataclasses.replace(
+            r,
+            policy_params=hpa_params if r.name == "hpa" else hetero,
+            min_instances=least,
+            initial=max(r.initial, least),
+        )
+        if r.autoscale
+        else r
         for r in runs
     ]
     out: dict[str, Any] = {
@@ -355,6 +371,7 @@ def run_setting(name: str, scale: float, minutes: float, seed: int = 0) -> dict[
         **rate,
         "sizing": meta["sizing"],
         "policy_params": {"heteroscale": hetero, "utilization": hpa_params},
+        "floor": {"rule": floor, "min_instances": least},
         "systems": {},
     }
     systems = out["systems"]
@@ -558,6 +575,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="settings run in parallel processes")
+    p.add_argument(
+        "--floor",
+        choices=FLOORS,
+        default="mean",
+        help="autoscaled systems' minimum pool: 1, or 'mean' (sized for the setting's mean rate)",
+    )
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "simulator.json")
     p.add_argument("--plots", default=str(REPO_ROOT / "bench" / "results"), help="folder for the PNGs; '' for none")
     args = p.parse_args(argv)
@@ -569,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown settings {unknown}; known: {sorted(SETTINGS)}")
     wall = time.perf_counter()
     jobs = max(1, min(args.jobs, len(names)))
-    work = [(n, args.scale, args.minutes, args.seed) for n in names]
+    work = [(n, args.scale, args.minutes, args.seed, args.floor) for n in names]
     if jobs == 1:
         results = [run_setting(*w) for w in work]
     else:
@@ -584,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus_at_scale_1": FULL_GPUS,
         "minutes": args.minutes,
         "seed": args.seed,
+        "floor": args.floor,
         "slo": {"ttft_s": SLO.ttft_s, "tbt_mean_s": SLO.tbt_s},
         "rate": {"peak_fill": PEAK_FILL, "target_utilization": TARGET_UTILIZATION, "jitter_s": JITTER_S},
         "ttft_quantile_levels": list(CDF_QUANTILES),

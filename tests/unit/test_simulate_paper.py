@@ -24,6 +24,7 @@ from bench.simulate.paper import (
     host_copies,
     main,
     replicate,
+    run_setting,
     run_system,
 )
 from bench.simulate.profiles import PUBLISHED_PROFILES, FastStep, ModelSpec, SimProfile
@@ -220,3 +221,13 @@ def test_tiny_end_to_end_run_writes_the_record_and_plots(tmp_path: Path) -> None
         assert len(systems["blitzmesh"]["ttft_quantiles_s"]) == len(paper["ttft_quantile_levels"])
     for png in ("simulator_paper_timeline.png", "simulator_paper_ttft_cdf.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The default floor: every autoscaled system starts from and keeps the mean-rate pool.
+    assert paper["floor"] == "mean"
+    for name in SETTINGS:
+        setting = paper["settings"][name]
+        assert setting["floor"] == {"rule": "mean", "min_instances": setting["sizing"]["fixed_mean"]}
+
+
+def test_floor_is_validated() -> None:
+    with pytest.raises(ValueError, match="floor must be one of .*got 'warm'"):
+        run_setting("code8b", 0.016, 1.0, floor="warm")
