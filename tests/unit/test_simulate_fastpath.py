@@ -140,6 +140,18 @@ def test_worker_does_skip_steps() -> None:
 
 
 # ---- routing index ---------------------------------------------------------------------------
+def _plan_route(reg: IndexedRegistry, tokens: int, exclude: set[str]) -> tuple[Any, ...]:
+    """The core's answer for a request of `tokens` (16-token KV blocks) on model "m"."""
+    return plan_route(
+        reg.views(model="m"),
+        model="m",
+        prompt_tokens=tokens,
+        max_tokens=0,
+        exclude_ids=exclude,
+        kv_block_size_tokens=16,
+    )
+
+
 def test_least_loaded_index_agrees_with_plan_route() -> None:
     rng = random.Random(3)
     reg = IndexedRegistry("m")
@@ -176,14 +188,7 @@ def test_least_loaded_index_agrees_with_plan_route() -> None:
         tokens = rng.choice([16, 400, 1200, 1700])
         exclude = set(rng.sample(ids, rng.choice([0, 0, 1, 3, 40])))
         got = reg.index.route(tokens, 16, exclude)
-        want = plan_route(
-            reg.views(model="m"),
-            model="m",
-            prompt_tokens=tokens,
-            max_tokens=0,
-            exclude_ids=exclude,
-            kv_block_size_tokens=16,
-        )
+        want = _plan_route(reg, tokens, exclude)
         if got is not None:
             assert got == want
             checked += 1
@@ -237,14 +242,7 @@ def test_route_many_answers_as_plan_route_one_after_another(seed: int) -> None:
                 for _ in range(v.routes_since_heartbeat):
                     expected.note_routed(v.instance_id)
         for i, tokens in enumerate(sizes):
-            want = plan_route(
-                expected.views(model="m"),
-                model="m",
-                prompt_tokens=tokens,
-                max_tokens=0,
-                exclude_ids=exclude,
-                kv_block_size_tokens=16,
-            )
+            want = _plan_route(expected, tokens, exclude)
             if i == len(hops):
                 # It stopped here, and only where the index asked alone would not answer (only
                 # `plan_route` can say), nothing serves, or the answer is dead.

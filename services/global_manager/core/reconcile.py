@@ -68,15 +68,18 @@ class Observations:
     busy: frozenset[str] = frozenset()
 
 
+LIVE_STATES = (S.LOADING, S.SERVING)  # what counts as capacity: already paid for by a scale-out
+
+
 def live(registry: Registry, model: str, role: Role | None = None) -> list[str]:
     """Instances of `model` that count as capacity: LOADING + SERVING."""
-    return [v.instance_id for v in registry.views(model=model, role=role) if v.state in (S.LOADING, S.SERVING)]
+    return [v.instance_id for v in registry.views(model=model, role=role) if v.state in LIVE_STATES]
 
 
 def _has_live(registry: Registry, model: str, role: Role, n: int) -> bool:
     """Whether `live(registry, model, role)` holds at least n, counting only until it does (a
     floor of one in a pool of a thousand is met by the first instance found)."""
-    return registry.count(model=model, role=role, states=(S.LOADING, S.SERVING), up_to=n) >= n
+    return registry.count(model=model, role=role, states=LIVE_STATES, up_to=n) >= n
 
 
 def release_report(action: MigrateRequests, moved: int | None) -> Report | None:
