@@ -289,3 +289,13 @@ def test_registry_count_filters_and_stops_early() -> None:
     assert reg.count(model="m", role=Role.COLOCATED, states=live, up_to=5) == 2
     assert reg.count(model="x") == 0
     assert reg.count(states=(S.IDLE,)) == 2
+
+
+def test_note_routed_counts_n_and_rejects_a_bad_n() -> None:
+    reg = Registry()
+    reg.register("w1", model="m", role=Role.COLOCATED, host="h", num_layers=4, now_s=0.0)
+    assert reg.note_routed("w1", 3).routes_since_heartbeat == 3
+    assert reg.note_routed("w1").routes_since_heartbeat == 4
+    with pytest.raises(ValueError, match=r"instance 'w1': n must be >= 1 routes, got 0"):
+        reg.note_routed("w1", 0)
+    assert reg.get("w1").routes_since_heartbeat == 4
