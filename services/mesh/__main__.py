@@ -107,7 +107,13 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         default=SCHEDULE_WAIT_S,
         help="how long the gateway holds a request that finds no instance (scale from zero, a load under way)",
     )
-    p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument(
+        "--worker-threads",
+        type=int,
+        default=0,
+        help="torch threads per worker; 0 (default): the cores shared among the instances loaded at start"
+        " (all of them for the default single instance)",
+    )
     p.add_argument(
         "--worker-arg",
         action="append",
@@ -150,6 +156,8 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         p.error(f"--initial-instances {initial} must be between 0 and --workers {workers}")
     if a.schedule_wait_s < 0:
         p.error(f"--schedule-wait-s must be >= 0, got {a.schedule_wait_s}")
+    if a.worker_threads < 0:
+        p.error(f"--worker-threads must be >= 0 (0 = auto), got {a.worker_threads}")
     if not isinstance(a.policy_params, dict):
         p.error(f"--policy-params must be a JSON object, got {json.dumps(a.policy_params)}")
     try:

@@ -38,6 +38,30 @@ def test_make_up_autoscales_into_idle_workers_by_default() -> None:
     assert describe_workers(cfg, {}) == "3 workers (1 loaded, 2 idle)"
 
 
+def test_make_up_gives_the_loaded_instance_the_cores_without_spinning_over_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    cfg = parse_args([])
+    assert cfg.worker_threads == 0
+    # One instance loaded at start: it gets every core.
+    assert cfg.threads_per_worker(cores=2) == 2
+    assert cfg.threads_per_worker(cores=16) == 16
+    # Three autoscaled workers x 2 threads > 2 cores: idle OpenMP threads must not spin.
+    assert cfg.worker_env(cores=2) == {"GOMP_SPINCOUNT": "1000"}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
+    assert cfg.worker_env(cores=2) == {}  # the user's value wins
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    # Two instances loaded at start share the cores; a fixed pool that fits leaves OpenMP alone.
+    fixed = parse_args(["--workers", "2", "--initial-instances", "2", "--no-autoscale"])
+    assert fixed.threads_per_worker(cores=4) == 2
+    assert fixed.worker_env(cores=4) == {}
+    assert fixed.threads_per_worker(cores=1) == 1
+    assert parse_args(["--worker-threads", "3"]).threads_per_worker(cores=2) == 3
+    split = parse_args(["--prefill", "1", "--decode", "1", "--no-autoscale"])
+    assert split.threads_per_worker(cores=8) == 4
+
+
 def test_autoscale_flags() -> None:
     off = parse_args(["--no-autoscale", "--workers", "2", "--initial-instances", "2"])
     assert not off.autoscale and off.manager_autoscale_args() == [] and off.policy_params == {}
@@ -90,6 +114,7 @@ def test_prefill_and_decode_start_both_pools() -> None:
         (["--policy-params", '{"no_such": 1}'], "no_such"),
         (["--policy-params", "[1]"], "--policy-params must be a JSON object"),
         (["--schedule-wait-s", "-1"], "--schedule-wait-s must be >= 0"),
+        (["--worker-threads", "-2"], "--worker-threads must be >= 0 (0 = auto), got -2"),
     ],
 )
 def test_bad_flags_are_refused_quoting_the_values(
