@@ -956,7 +956,16 @@ class Backend:
                             text += stops.flush()
                     text = prefix + text
                     if text or (req.return_token_ids and ids) or logprobs or prompt_logprobs:
-                        yield TokenDelta(text, ids, instance, index, logprobs, prompt_logprobs)
+                        yield TokenDelta(
+                            text,
+                            ids,
+                            instance,
+                            index,
+                            logprobs,
+                            prompt_logprobs,
+                            completion_tokens=len(state.generated),
+                            prompt_tokens=len(prompt_ids),
+                        )
                     if handed_off and not matched:
                         # The prefill instance's part is done; its stream ends right after this.
                         worker_done = True

@@ -228,14 +228,18 @@ class HttpApi:
         )
         await resp.prepare(request)
         model, kind, usage_on, n = oreq.inference.model, oreq.kind, oreq.include_usage, oreq.inference.n
+        # continuous_usage_stats: each chunk carries its choice's usage so far, as vLLM does.
+        prompt_tokens = first.prompt_tokens if isinstance(first, TokenDelta) else first.usage.prompt_tokens
 
         def chunk(
             index: int,
             text: str | None,
+            completion_tokens: int,
             finish: str | None = None,
             role: bool = False,
             logprobs: list[TokenLogprob] | None = None,
         ) -> bytes:
+            so_far = Usage(prompt_tokens, completion_tokens) if oreq.continuous_usage else None
             return sse_event(
                 stream_chunk(
                     kind,
@@ -248,6 +252,7 @@ class HttpApi:
                     role=role,
                     index=index,
                     logprobs=logprobs,
+                    usage=so_far,
                 )
             )
 
@@ -255,16 +260,18 @@ class HttpApi:
             try:
                 if kind == "chat":
                     for index in range(n):
-                        await resp.write(chunk(index, "", role=True))
+                        await resp.write(chunk(index, "", 0, role=True))
                 usages: list[Usage] = []
                 event: Event | None = first
                 while event is not None:
                     if isinstance(event, TokenDelta):
                         logprobs = _chunk_logprobs(oreq, event)
                         if event.text or logprobs:
-                            await resp.write(chunk(event.index, event.text, logprobs=logprobs))
+                            await resp.write(chunk(event.index, event.text, event.completion_tokens, logprobs=logprobs))
                     else:
-                        await resp.write(chunk(event.index, None if kind == "chat" else "", finish=event.finish_reason))
+                        text = None if kind == "chat" else ""
+                        done = event.usage.completion_tokens
+                        await resp.write(chunk(event.index, text, done, finish=event.finish_reason))
                         usages.append(event.usage)
                         if len(usages) == n:
                             if usage_on:
@@ -308,5 +315,8 @@ def _model_json(card: ModelCard) -> dict[str, Any]:
         "object": "model",
         "created": card.created_unix_s,
         "owned_by": "blitzmesh",
+        # vLLM's fields: `vllm bench serve` without --model reads the first model's root.
+        "root": card.model_id,
+        "parent": None,
         "max_model_len": card.max_context,
     }

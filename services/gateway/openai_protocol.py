@@ -17,7 +17,15 @@ Supported beyond the basics, as OpenAI (and vLLM, for its extensions) define the
 - Blitzmesh's per-request SLOs: `ttft_slo_s` and `tpot_slo_s` (positive seconds; unset ones take
   the deployment's defaults). With an SLO, `usage.slo` reports whether each was met; a request no
   instance can serve within its objective gets a 429 with `Retry-After`.
-Still refused with a 400: `best_of` other than n, `suffix`, tools, non-text response_format.
+- What the benchmark clients (GuideLLM, `vllm bench serve`, AIPerf) send, as vLLM takes it:
+  `stream_options.continuous_usage_stats` (with include_usage, every chunk carries its choice's
+  usage so far: the prompt, the completion tokens up to that chunk, their total; the role chunk
+  counts 0), `stop: null`, `logprobs: null`, and `min_tokens` where the engine's sampling can
+  guarantee it without an EOS mask: with `ignore_eos` (nothing but max_tokens ends a choice) or
+  equal to max_tokens (the gateway then sets ignore_eos); both need an explicit max_tokens and no
+  stop or stop_token_ids. `min_p` 0 (vLLM's "off") is accepted.
+Still refused with a 400: `best_of` other than n, `suffix`, tools, non-text response_format,
+`min_p` other than 0 (no min-p filter), `min_tokens` the engine cannot guarantee.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ _COMMON_FIELDS = frozenset(
         "model", "stream", "stream_options", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed",
         "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "user", "ignore_eos",
         "stop_token_ids", "logprobs", "metadata", "store", "service_tier", "ttft_slo_s", "tpot_slo_s",
+        "min_tokens", "min_p",
     }
 )  # fmt: skip
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix"}
@@ -58,16 +67,21 @@ _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls",
 }  # fmt: skip
+# include_obfuscation (OpenAI's padding of chunks against length side channels) is accepted and
+# ignored: there is no third party between a client and the gateway's stream to hide sizes from.
+_STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats", "include_obfuscation"})
 
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """A parsed request: what to generate plus how to answer (stream, usage in the stream)."""
+    """A parsed request: what to generate plus how to answer (stream, usage in the stream;
+    `continuous_usage`: usage on every chunk too, vLLM's `continuous_usage_stats`)."""
 
     kind: Kind
     inference: InferenceRequest
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
 
     @property
     def logprobs(self) -> bool:
@@ -161,24 +175,41 @@ def _finish(
             f"model must be a non-empty string naming a model from GET /v1/models, got {quote(model)}", "model"
         )
     stream = _bool(body, "stream") or False
-    include_usage = False
+    include_usage = continuous_usage = False
     options = body.get("stream_options")
     if options is not None:
         if not stream:
             raise invalid(f"stream_options is only allowed with stream=true, got {quote(options)}", "stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
-            raise invalid(f'stream_options must be {{"include_usage": bool}}, got {quote(options)}', "stream_options")
+        if not isinstance(options, dict) or set(options) - _STREAM_OPTIONS:
+            raise invalid(
+                f"stream_options takes include_usage and continuous_usage_stats (true or false), got {quote(options)}",
+                "stream_options",
+            )
         include_usage = _bool(options, "include_usage", "stream_options.include_usage") or False
+        continuous = _bool(options, "continuous_usage_stats", "stream_options.continuous_usage_stats") or False
+        continuous_usage = include_usage and continuous  # as vLLM: per-chunk usage rides on include_usage
+    _unsupported(
+        body,
+        "min_p",
+        lambda v: v is None or (not isinstance(v, bool) and v == 0),
+        "min_p is not supported (the engine has no min-p filter), only min_p=0 (off)",
+    )
+    max_tokens = _int(body, max_tokens_param)
+    stop = _parse_stop(body.get("stop"))
+    stop_token_ids = _int_list(body, "stop_token_ids")
+    ignore_eos = _min_tokens_ignore_eos(
+        body, max_tokens, max_tokens_param, bool(stop or stop_token_ids), _bool(body, "ignore_eos") or False
+    )
     sampling = build_sampling(
         {
             "temperature": _number(body, "temperature"),
             "top_p": _number(body, "top_p"),
             "top_k": _int(body, "top_k"),
-            "max_tokens": _int(body, max_tokens_param),
-            "stop": _parse_stop(body.get("stop")),
+            "max_tokens": max_tokens,
+            "stop": stop,
             "seed": _int(body, "seed"),
-            "stop_token_ids": _int_list(body, "stop_token_ids"),
-            "ignore_eos": _bool(body, "ignore_eos") or False,
+            "stop_token_ids": stop_token_ids,
+            "ignore_eos": ignore_eos,
             "presence_penalty": _number(body, "presence_penalty"),
             "frequency_penalty": _number(body, "frequency_penalty"),
             "repetition_penalty": _number(body, "repetition_penalty"),
@@ -190,7 +221,42 @@ def _finish(
     slo = SLO(_slo_s(body, "ttft_slo_s"), _slo_s(body, "tpot_slo_s"))
     req = InferenceRequest(model=model, request_id=request_id, sampling=sampling, api="http", slo=slo, **inputs)
     validate_request(req)
-    return OpenAIRequest(kind, req, stream, include_usage)
+    return OpenAIRequest(kind, req, stream, include_usage, continuous_usage)
+
+
+def _min_tokens_ignore_eos(
+    body: dict[str, Any], max_tokens: int | None, max_tokens_param: str, stops: bool, ignore_eos: bool
+) -> bool:
+    """The request's ignore_eos once vLLM's `min_tokens` is honoured. The engine has no EOS mask,
+    so a minimum is guaranteed only when nothing but max_tokens can end a choice: ignore_eos with
+    no stop strings or stop_token_ids and an explicit max_tokens (a prompt + max_tokens beyond the
+    context is refused before generating), or min_tokens == max_tokens, which asks exactly that
+    (ignore_eos is then set). Anything else is a 400 naming min_tokens."""
+    min_tokens = _int(body, "min_tokens")
+    if not min_tokens:  # None or 0: no minimum
+        return ignore_eos
+    got = f"got min_tokens={min_tokens}"
+    if min_tokens < 0:
+        raise invalid(f"min_tokens must be a non-negative integer, {got}", "min_tokens")
+    if max_tokens is None:
+        raise invalid(f"min_tokens needs an explicit {max_tokens_param} (at least min_tokens), {got}", "min_tokens")
+    if min_tokens > max_tokens:
+        raise invalid(f"min_tokens must be at most {max_tokens_param}={max_tokens}, {got}", "min_tokens")
+    if stops:
+        raise invalid(
+            f"min_tokens cannot be combined with stop or stop_token_ids (they cannot be held back until"
+            f" min_tokens here), {got} with stop={quote(body.get('stop'))},"
+            f" stop_token_ids={quote(body.get('stop_token_ids'))}",
+            "min_tokens",
+        )
+    if ignore_eos or min_tokens == max_tokens:
+        return True
+    raise invalid(
+        f"min_tokens below {max_tokens_param} needs ignore_eos=true (the engine cannot mask EOS until"
+        f" min_tokens; min_tokens equal to {max_tokens_param} also works), {got} with"
+        f" {max_tokens_param}={max_tokens}",
+        "min_tokens",
+    )
 
 
 def _n(body: dict[str, Any]) -> int:
@@ -460,9 +526,11 @@ def stream_chunk(
     role: bool = False,
     index: int = 0,
     logprobs: Sequence[TokenLogprob] | None = None,
+    usage: Usage | None = None,
 ) -> dict[str, Any]:
     """One SSE chunk of choice `index` carrying a text delta (with its tokens' log-probs when
-    asked for) and/or the finish reason."""
+    asked for) and/or the finish reason; with include_usage, `usage` is that choice's usage so
+    far (continuous_usage_stats) or null."""
     lp = None if logprobs is None else logprobs_json(kind, logprobs)
     if kind == "completion":
         choice: dict[str, Any] = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
@@ -483,7 +551,8 @@ def stream_chunk(
         "choices": [choice],
     }
     if include_usage:
-        chunk["usage"] = None  # as OpenAI does: only the last chunk carries usage
+        # As OpenAI does, only the last chunk carries usage, unless asked for on every chunk.
+        chunk["usage"] = None if usage is None else usage_json(usage)
     return chunk
 
 

@@ -158,7 +158,9 @@ class TokenDelta:
     """New text of choice `index` (possibly empty when only token ids or log-probs are asked
     for). `logprobs` has one entry per token of `token_ids` when the request asked for them;
     a choice's first delta carries `prompt_logprobs` when asked for, and the echoed prompt at
-    the start of its `text`."""
+    the start of its `text`. `completion_tokens` counts the choice's tokens generated so far,
+    these included (also those whose text is still held back, on every instance it ran on);
+    `prompt_tokens` is its prompt's length (streamed usage, continuous_usage_stats)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -166,6 +168,8 @@ class TokenDelta:
     index: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -353,6 +353,11 @@ async def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tu
         return resp.status, await resp.json()
 
 
+async def get_json(url: str) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return resp.status, await resp.json()
+
+
 async def sse_events(url: str, body: Any) -> list[Any]:
     """Every `data:` payload of an SSE response, parsed; checks the framing on the way."""
     async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
@@ -480,6 +485,169 @@ async def test_sse_shape_of_chat_with_usage(cluster: Cluster, start_gateway) -> 
     assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     assert all(c["usage"] is None for c in chunks[:-1])
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == REPLY
+
+
+# ---- the benchmark clients: GuideLLM, `vllm bench serve`, AIPerf ----------------------------------
+# Bodies as their request builders write them (GuideLLM 0.8 backends/openai/request_handlers.py,
+# vllm/benchmarks/lib/endpoint_request_func.py, AIPerf endpoints/openai_*.py with the
+# `--extra-inputs min_tokens:N ignore_eos:true` of its tutorial).
+
+CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def check_usage_so_far(cluster: Cluster, chunks: list[Any], prompt_tokens: int, text_of: Callable[[Any], str]) -> None:
+    """Each content chunk's usage: the prompt, the completion tokens up to it (strictly growing,
+    and covering the text sent so far), their total."""
+    counts, text = [], ""
+    for c in chunks:
+        usage = c["usage"]
+        text += text_of(c["choices"][0])
+        assert usage["prompt_tokens"] == prompt_tokens, c
+        assert usage["total_tokens"] == prompt_tokens + usage["completion_tokens"], c
+        assert cluster.tokenizer.decode(cluster.reply_ids[: usage["completion_tokens"]]).startswith(text), c
+        counts.append(usage["completion_tokens"])
+    assert len(counts) >= 2 and counts == sorted(set(counts)) and counts[0] >= 1, counts
+
+
+async def test_guidellm_chat_stream_carries_usage_on_every_chunk(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "stream_options": CONTINUOUS_USAGE,
+        "max_completion_tokens": 12,
+        "stop": None,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi"}]}],
+    }
+    role, *content, finish, final = (await sse_events(gw.http + "/v1/chat/completions", body))[:-1]
+    prompt = chat_prompt_tokens(cluster)
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["usage"] == {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+    check_usage_so_far(cluster, content, prompt, lambda choice: choice["delta"]["content"])
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert finish["usage"] == {"prompt_tokens": prompt, "completion_tokens": 12, "total_tokens": prompt + 12}
+    assert final["choices"] == [] and final["usage"] == finish["usage"]  # the final usage matches
+    sampling = worker.requests[0].sampling
+    assert sampling.ignore_eos and sampling.max_tokens == 12 and not sampling.stop
+
+
+async def test_guidellm_completions_usage_keeps_growing_across_a_migration(cluster: Cluster, start_gateway) -> None:
+    (await cluster.add_worker("w-1")).die_after = 4
+    other = await cluster.add_worker("w-2")
+    gw = await start_gateway()
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "stream_options": CONTINUOUS_USAGE,
+        "max_tokens": len(cluster.reply_ids),
+        "stop": None,
+        "ignore_eos": True,
+        "prompt": "Hi",
+    }
+    *content, finish, final = (await sse_events(gw.http + "/v1/completions", body))[:-1]
+    prompt = len(cluster.tokenizer.encode("Hi"))
+    check_usage_so_far(cluster, content, prompt, lambda choice: choice["text"])
+    assert "".join(c["choices"][0]["text"] for c in content) + finish["choices"][0]["text"] == REPLY
+    assert list(other.requests[0].resume_token_ids) == cluster.reply_ids[:4]  # it did move
+    n = len(cluster.reply_ids)
+    assert finish["usage"]["completion_tokens"] == final["usage"]["completion_tokens"] == n
+    assert final["usage"] == {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+
+
+async def test_continuous_usage_of_n_choices_is_per_choice(cluster: Cluster, start_gateway) -> None:
+    await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    body = chat_body(n=2, max_tokens=6, stream=True, stream_options=CONTINUOUS_USAGE)
+    chunks = (await sse_events(gw.http + "/v1/chat/completions", body))[:-1]
+    prompt = chat_prompt_tokens(cluster)
+    for i in (0, 1):
+        mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert mine[0]["usage"]["completion_tokens"] == 0  # the role chunk
+        check_usage_so_far(cluster, mine[1:-1], prompt, lambda choice: choice["delta"]["content"])
+        assert mine[-1]["choices"][0]["finish_reason"] == "length" and mine[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": prompt, "completion_tokens": 12, "total_tokens": prompt + 12}
+
+
+async def test_vllm_bench_serve_bodies_are_served(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    status, models = await get_json(gw.http + "/v1/models")
+    assert status == 200 and models["data"][0]["root"] == MODEL  # what it reads without --model
+    prompt_ids = cluster.tokenizer.encode("Hi")
+    completions = {
+        "model": MODEL,
+        "prompt": prompt_ids,  # timed_trace sends token ids; other datasets a string
+        "repetition_penalty": 1.0,
+        "max_tokens": 7,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,  # --temperature 0 (extra_body)
+    }
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi"}]}],
+        "max_completion_tokens": 7,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    for path, body, prompt in (
+        ("/v1/completions", completions, len(prompt_ids)),
+        ("/v1/chat/completions", chat, chat_prompt_tokens(cluster)),
+    ):
+        chunks = (await sse_events(gw.http + path, body))[:-1]
+        assert all(c["usage"] is None for c in chunks[:-1])  # no continuous_usage_stats asked
+        assert chunks[-1]["usage"] == {"prompt_tokens": prompt, "completion_tokens": 7, "total_tokens": prompt + 7}
+    assert [list(r.prompt_token_ids) for r in worker.requests][0] == prompt_ids
+    assert all(r.sampling.ignore_eos and r.sampling.max_tokens == 7 for r in worker.requests)
+
+
+async def test_aiperf_bodies_with_min_tokens_are_served(cluster: Cluster, start_gateway) -> None:
+    worker = await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    chat = {
+        "messages": [{"role": "user", "content": "Say hi"}],
+        "model": MODEL,
+        "stream": True,
+        "max_completion_tokens": 9,
+        "min_tokens": 9,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    chunks = (await sse_events(gw.http + "/v1/chat/completions", chat))[:-1]
+    assert chunks[-1]["usage"]["completion_tokens"] == 9
+    # Without ignore_eos, a min_tokens equal to max_tokens is honoured by setting it.
+    completions = {"prompt": ["Hi"], "model": MODEL, "stream": False, "max_tokens": 9, "min_tokens": 9}
+    status, done = await post(gw.http + "/v1/completions", completions)
+    assert status == 200, done
+    assert done["usage"]["completion_tokens"] == 9 and done["choices"][0]["finish_reason"] == "length"
+    assert [(r.sampling.ignore_eos, r.sampling.max_tokens) for r in worker.requests] == [(True, 9), (True, 9)]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "quoted"),
+    [
+        ({"min_p": 0.05}, "min_p", "min_p=0.05"),  # vllm bench serve --min-p 0.05
+        ({"min_tokens": 4}, "min_tokens", "min_tokens=4"),  # below max_tokens, no ignore_eos
+        ({"stream_options": {"include_usage": True, "continuous_usage_stats": 1}}, "stream_options", "1"),
+    ],
+)
+async def test_what_cannot_be_honoured_is_a_400_naming_the_field(
+    cluster: Cluster, start_gateway, extra: dict[str, Any], param: str, quoted: str
+) -> None:
+    worker = await cluster.add_worker("w-1")
+    gw = await start_gateway()
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 8, "stream": True, **extra}
+    status, reply = await post(gw.http + "/v1/completions", body)
+    assert status == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["param"].startswith(param)
+    assert quoted in reply["error"]["message"], reply
+    assert not worker.requests
 
 
 async def test_stop_string_cuts_text_and_aborts_worker(cluster: Cluster, start_gateway) -> None:

@@ -180,6 +180,33 @@ async def test_penalties_and_logit_bias_act(mesh: Mesh) -> None:
     assert chat.choices[0].message.content == forced_text * 4
 
 
+async def test_benchmark_usage_stream_and_min_tokens_on_a_real_worker(mesh: Mesh) -> None:
+    """What GuideLLM / AIPerf ask for: usage on every chunk (continuous_usage_stats) and a
+    min_tokens equal to max_tokens, which a real engine then runs to (ignore_eos)."""
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's key, not in the SDK's type
+    async with openai_client(mesh) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "tell me about the fox"}]}],
+            max_completion_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options=options,
+            extra_body={"min_tokens": 10},
+        )
+        chunks = [c async for c in stream]
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages)
+    prompt = usages[0].prompt_tokens if usages[0] else -1
+    counts = [u.completion_tokens if u else -1 for u in usages]
+    assert counts[0] == 0  # the role chunk
+    assert counts[1:-2] == sorted(set(counts[1:-2])) and len(counts) >= 5 and counts[-3] <= 10, counts
+    assert all(u and u.total_tokens == prompt + u.completion_tokens for u in usages)
+    # The finish chunk and the final usage chunk: exactly max_tokens, min_tokens held.
+    assert chunks[-2].choices[0].finish_reason == "length" and counts[-2:] == [10, 10]
+    assert chunks[-1].choices == [] and usages[-1] and usages[-1].prompt_tokens == prompt
+
+
 @pytest.mark.parametrize(
     ("kind", "fields", "quoted"),
     [

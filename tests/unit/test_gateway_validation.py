@@ -107,6 +107,20 @@ def test_good_body_parses() -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options", "include_usage"),
         ({"stream": True, "stream_options": {"include_usage": "y"}}, "stream_options.include_usage", '"y"'),
         ({"stream": True, "stream_options": {"bogus": 1}}, "stream_options", "bogus"),
+        (
+            {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "y"}},
+            "stream_options.continuous_usage_stats",
+            '"y"',
+        ),
+        ({"min_p": 0.05}, "min_p", "min_p=0.05"),
+        ({"min_p": True}, "min_p", "min_p=true"),
+        ({"min_tokens": "8"}, "min_tokens", '"8"'),
+        ({"min_tokens": -1, "max_tokens": 8}, "min_tokens", "min_tokens=-1"),
+        ({"min_tokens": 8}, "min_tokens", "min_tokens=8"),  # no max_tokens to hold it to
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens", "max_tokens=8"),
+        ({"min_tokens": 4, "max_tokens": 8}, "min_tokens", "min_tokens=4"),  # needs ignore_eos
+        ({"min_tokens": 4, "max_tokens": 8, "ignore_eos": True, "stop": "x"}, "min_tokens", 'stop="x"'),
+        ({"min_tokens": 8, "max_tokens": 8, "stop_token_ids": [2]}, "min_tokens", "stop_token_ids=[2]"),
         ({"presence_penalty": 2.5}, "presence_penalty", "2.5"),
         ({"presence_penalty": "high"}, "presence_penalty", '"high"'),
         ({"frequency_penalty": -2.1}, "frequency_penalty", "-2.1"),
@@ -297,6 +311,94 @@ def test_chat_text_parts_and_max_completion_tokens() -> None:
     assert [m.content for m in parsed.inference.messages] == ["Be brief.", "Hi there"]
     assert parsed.inference.sampling.max_tokens == 8
     assert not parsed.stream
+
+
+# ---- what the benchmark clients send ------------------------------------------------------------
+# The bodies as GuideLLM 0.8 (backends/openai/request_handlers.py), `vllm bench serve`
+# (vllm/benchmarks/lib/endpoint_request_func.py) and AIPerf (endpoints/openai_*.py, with the
+# `--extra-inputs min_tokens:N --extra-inputs ignore_eos:true` of its tutorial) build them.
+
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+BENCH_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "guidellm-completions": (
+        "completion",
+        {"model": MODEL, "stream": True, "stream_options": CONTINUOUS, "max_tokens": 8, "stop": None,
+         "ignore_eos": True, "prompt": "Hello"},
+    ),
+    "guidellm-chat": (
+        "chat",
+        {"model": MODEL, "stream": True, "stream_options": CONTINUOUS, "max_completion_tokens": 8, "stop": None,
+         "ignore_eos": True,
+         "messages": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
+    ),
+    "vllm-completions": (
+        "completion",
+        {"model": MODEL, "prompt": "Hello", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+         # --temperature/--top-p/--top-k/--min-p 0/... go into the body as extra_body
+         "temperature": 0.0, "top_p": 0.9, "top_k": 5, "min_p": 0.0},
+    ),
+    "vllm-chat": (
+        "chat",
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+         "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True},
+    ),
+    "aiperf-chat": (
+        "chat",
+        {"messages": [{"role": "user", "content": "Hi"}], "model": MODEL, "stream": True,
+         "max_completion_tokens": 8, "min_tokens": 8, "ignore_eos": True, "stream_options": CONTINUOUS},
+    ),
+    "aiperf-completions": (
+        "completion",
+        {"prompt": ["Hello"], "model": MODEL, "stream": False, "max_tokens": 8, "min_tokens": 8, "ignore_eos": True},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("client", sorted(BENCH_BODIES))
+def test_benchmark_client_bodies_are_accepted_as_sent(client: str) -> None:
+    kind, body = BENCH_BODIES[client]
+    parsed = (parse_completion if kind == "completion" else parse_chat)(json.loads(json.dumps(body)), "r")
+    inf, s = parsed.inference, parsed.inference.sampling
+    assert parsed.kind == kind and parsed.stream == body["stream"]
+    assert parsed.include_usage == ("stream_options" in body)
+    assert parsed.continuous_usage == (body.get("stream_options") == CONTINUOUS)
+    assert s.max_tokens == 8 and s.ignore_eos and s.stop == () and s.stop_token_ids == ()
+    assert s.logprobs is None and (inf.prompt == "Hello" if kind == "completion" else inf.messages[-1].content == "Hi")
+    if client == "vllm-completions":
+        assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.0, 0.9, 5, 1.0)
+
+
+def test_continuous_usage_needs_include_usage_as_in_vllm() -> None:
+    on = parse_chat(chat(stream=True, stream_options=CONTINUOUS), "r")
+    assert on.include_usage and on.continuous_usage
+    alone = parse_chat(chat(stream=True, stream_options={"continuous_usage_stats": True}), "r")
+    assert not alone.include_usage and not alone.continuous_usage  # vLLM sends no usage then either
+    off = parse_completion(completion(stream=True, stream_options={**CONTINUOUS, "continuous_usage_stats": False}), "r")
+    assert off.include_usage and not off.continuous_usage
+
+
+def test_min_tokens_is_honoured_through_ignore_eos() -> None:
+    # Equal to max_tokens: exactly what ignore_eos guarantees, so the gateway sets it.
+    exact = parse_completion(completion(max_tokens=8, min_tokens=8), "r").inference.sampling
+    assert exact.ignore_eos and exact.max_tokens == 8
+    # Below max_tokens with ignore_eos: nothing but max_tokens ends the choice.
+    assert parse_chat(chat(max_completion_tokens=8, min_tokens=3, ignore_eos=True), "r").inference.sampling.ignore_eos
+    # 0 (or null) asks for nothing and changes nothing.
+    assert not parse_completion(completion(max_tokens=8, min_tokens=0), "r").inference.sampling.ignore_eos
+    assert not parse_chat(chat(min_tokens=None), "r").inference.sampling.ignore_eos
+    # The chat's max_completion_tokens is the limit min_tokens is held to, and is named.
+    err = refused(parse_chat, chat(max_completion_tokens=4, min_tokens=5), "r")
+    assert err.param == "min_tokens" and "max_completion_tokens=4" in err.message
+
+
+def test_streamed_chunk_carries_usage_so_far_when_given() -> None:
+    chunk = stream_chunk(
+        "chat", "c", MODEL, 1, text="a", finish_reason=None, include_usage=True, index=1, usage=Usage(7, 3)
+    )
+    assert chunk["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert "usage" not in stream_chunk("chat", "c", MODEL, 1, text="a", finish_reason=None, include_usage=False)
 
 
 # ---- the context window ---------------------------------------------------------------------------
