@@ -156,6 +156,9 @@ class ForwardBatch:
     slot_mapping: torch.Tensor | None
     groups: tuple[AttentionGroup, ...]  # sequences with cached context
     causal: CausalSpans | None = None  # sequences without
+    # Largest entry of slot_mapping (-1 without a cache): lets kernels that write the cache
+    # directly check the slots against its size without a reduction over a tensor.
+    max_slot: int = -1
 
     @property
     def num_seqs(self) -> int:
@@ -221,6 +224,7 @@ class ForwardBatch:
         logits_indices = [starts[b] + q_lens[b] - 1 for b in rows]
 
         slot_mapping = None
+        max_slot = -1
         if paged:
             assert block_tables is not None and block_size is not None
             # Token i of sequence b sits in block table[b][(ctx_b + i) // block_size].
@@ -229,6 +233,7 @@ class ForwardBatch:
                 c, n = ctx_lens[b], q_lens[b]
                 slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(c, c + n))
             slot_mapping = torch.tensor(slots, dtype=torch.long)
+            max_slot = max(slots)
 
         decode = [b for b, n in enumerate(q_lens) if n == 1 and ctx_lens[b] > 0]
         chunked = [b for b, n in enumerate(q_lens) if n > 1 and ctx_lens[b] > 0]
@@ -264,6 +269,7 @@ class ForwardBatch:
             slot_mapping=None if slot_mapping is None else slot_mapping.to(dev),
             groups=tuple(g.to(dev) for g in groups),
             causal=causal,
+            max_slot=max_slot,
         )
 
 
@@ -428,14 +434,17 @@ def attention(
     kv: PagedKV | None,
     layer: int,
     window: int | None = None,
+    *,
+    kv_written: bool = False,
 ) -> torch.Tensor:
     """Attention for flat `q [T, H, d]`, `k, v [T, KVH, d]` (RoPE applied); returns `[T, H, d]`.
 
-    With a cache, the new K/V are first written to their slots; sequences with cached context then
-    attend over their whole context gathered through their block tables, the others over their
-    own new tokens. `window`: the layer's sliding window (keys per query, itself included).
+    With a cache, the new K/V are first written to their slots (unless the caller already did,
+    `kv_written`); sequences with cached context then attend over their whole context gathered
+    through their block tables, the others over their own new tokens. `window`: the layer's
+    sliding window (keys per query, itself included).
     """
-    if batch.uses_cache:
+    if batch.uses_cache and not kv_written:
         if kv is None:
             raise ValueError("ForwardBatch was built with block tables but no KV cache was given")
         assert batch.slot_mapping is not None

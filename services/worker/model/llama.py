@@ -29,6 +29,7 @@ from services.model_format.groups import (
     layer_index,
     param_groups,
 )
+from services.worker.model import fused
 from services.worker.model.attention import ForwardBatch, PagedKV, attention
 from services.worker.model.rope import RotaryEmbedding
 
@@ -128,6 +129,7 @@ class LlamaForCausalLM:
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         pack_weights: bool = True,
+        fused_ops: bool = True,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -135,6 +137,9 @@ class LlamaForCausalLM:
         # CPU float32 / bfloat16: keep a oneDNN-blocked copy of every matmul weight (see
         # `Linear`). Costs a second copy of those weights in memory.
         self.pack_weights = pack_weights
+        # CPU float32 / bfloat16: the layer's elementwise ops as native fused kernels (see
+        # `services.worker.model.fused`); False keeps the eager torch ops (the reference).
+        self.fused_ops = fused_ops
         self._embed: torch.Tensor | None = None
         self._norm: torch.Tensor | None = None
         self._lm_head: torch.Tensor | None = None  # None with tied embeddings
@@ -355,6 +360,9 @@ class LlamaForCausalLM:
                 f"position {int(batch.positions.max())} >= the model's context of {cfg.max_context_tokens} tokens"
             )
         cos, sin_half = self.rotary.cos_sin(batch.positions, batch.query_lens, batch.context_lens, self.dtype)
+        ops = self._fused()
+        if ops is not None:
+            return self._run_layers_fused(ops, hidden, start, end, batch, kv, cos, sin_half)
         t = batch.num_tokens
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         n_q = heads * d
@@ -375,6 +383,64 @@ class LlamaForCausalLM:
             act = F.silu(gate)
             act.mul_(up)
             hidden.add_(w.down(act))
+        return hidden
+
+    def _fused(self) -> fused.FusedOps | None:
+        if not self.fused_ops or self.device.type != "cpu" or self.dtype not in fused.DTYPES:
+            return None
+        return fused.fused_ops()
+
+    def _run_layers_fused(
+        self,
+        ops: fused.FusedOps,
+        hidden: torch.Tensor,
+        start: int,
+        end: int,
+        batch: ForwardBatch,
+        kv: PagedKV | None,
+        cos: torch.Tensor,
+        sin_half: torch.Tensor,
+    ) -> torch.Tensor:
+        """`run_layers` with the elementwise ops fused (see `fused`): per layer, norm (with the
+        previous layer's residual add), QKV GEMM, RoPE + KV write, attention, O GEMM, residual add
+        + norm, gate/up GEMM, SiLU-mul, down GEMM. Each residual sum is written into the
+        projection's fresh output, so the caller's `hidden` is left alone."""
+        cfg = self.config
+        t = batch.num_tokens
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        n_q = heads * d
+        n_qk = (heads + kv_heads) * d
+        eps = cfg.rms_norm_eps
+        cos = cos.reshape(t, d).contiguous()
+        sin_half = sin_half.reshape(t, d // 2).contiguous()
+        slots = batch.slot_mapping
+        if slots is not None and kv is None:
+            raise ValueError("ForwardBatch was built with block tables but no KV cache was given")
+        pending: torch.Tensor | None = None  # the last down projection, not yet added to hidden
+        for i in range(start, end):
+            w = self._layers[i]
+            assert w is not None
+            if pending is None:
+                x = ops.rms_norm(hidden, w.input_norm, eps)
+            else:
+                x, hidden = ops.add_rms_norm(hidden, pending, w.input_norm, eps)
+            qkv = w.qkv(x)
+            if slots is not None:
+                assert kv is not None
+                k_cache, v_cache = kv.layer_cache(i)
+                if batch.max_slot >= k_cache.shape[0] * k_cache.shape[1]:
+                    raise ValueError(f"slot {batch.max_slot} outside the KV cache of {k_cache.shape[0]} blocks")
+                ops.rope_write(qkv, heads, kv_heads, d, cos, sin_half, slots, k_cache, v_cache)
+            else:
+                ops.rope_write(qkv, heads, kv_heads, d, cos, sin_half)
+            q = qkv[:, :n_q].view(t, heads, d)
+            k = qkv[:, n_q:n_qk].view(t, kv_heads, d)
+            v = qkv[:, n_qk:].view(t, kv_heads, d)
+            a = attention(q, k, v, batch, kv, i, self._windows[i], kv_written=True)
+            x, hidden = ops.add_rms_norm(hidden, w.o(a.reshape(t, n_q)), w.post_norm, eps)
+            pending = w.down(ops.silu_mul(w.gate_up(x)))
+        if pending is not None:
+            hidden = pending.add_(hidden)
         return hidden
 
     @torch.inference_mode()

@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
@@ -313,15 +313,30 @@ def _cache_dir() -> Path:
         return Path(tempfile.gettempdir()) / f"blitzmesh-{os.getuid()}"
 
 
-def _compile() -> Path:
+def vector_flags() -> list[str]:
+    """Compiler flags for the vector extensions this CPU has that the kernels use."""
+    flags: list[str] = []
+    if platform.machine() in ("x86_64", "AMD64"):
+        cpu = _cpu_flags()
+        if {"avx2", "fma"} <= cpu:
+            flags += ["-mavx2", "-mfma", "-mf16c"] if "f16c" in cpu else ["-mavx2", "-mfma"]
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
+            flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    return flags
+
+
+def build_library(source: str, stem: str, extra_flags: Sequence[str] = ()) -> Path:
+    """Compile `source` (C, OpenMP) into `<cache>/kernels/<stem>-<hash>.so` unless it is there.
+
+    The hash covers the source, the compiler, the flags and the machine, so a cache shared by
+    different CPUs keeps one build per instruction set.
+    """
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
-    flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags():
-        flags += ["-mavx2", "-mfma"]
-    key = hashlib.sha256("\0".join([_SOURCE, cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
-    name = f"paged_attention-{key}.so"
+    flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", *extra_flags]
+    key = hashlib.sha256("\0".join([source, cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
+    name = f"{stem}-{key}.so"
     for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"blitzmesh-{os.getuid()}"):
         target = root / "kernels" / name
         if target.exists():
@@ -330,7 +345,7 @@ def _compile() -> Path:
         tmp = src.with_suffix(".so")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            src.write_text(_SOURCE)
+            src.write_text(source)
         except OSError:
             continue  # not writable: try the next directory
         try:
@@ -345,6 +360,11 @@ def _compile() -> Path:
             for leftover in (src, tmp):
                 leftover.unlink(missing_ok=True)
     raise RuntimeError("no writable cache directory for the compiled kernel")
+
+
+def _compile() -> Path:
+    flags = ["-mavx2", "-mfma"] if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags() else []
+    return build_library(_SOURCE, "paged_attention", flags)
 
 
 def _load() -> PagedDecode:
