@@ -111,8 +111,8 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         "--worker-threads",
         type=int,
         default=0,
-        help="torch threads per worker; 0 (default): the cores shared among the instances loaded at start"
-        " (all of them for the default single instance)",
+        help="torch threads per worker; 0 (default): each loaded instance takes its share of the cores among"
+        " the instances running now (all of them while one serves)",
     )
     p.add_argument(
         "--worker-arg",

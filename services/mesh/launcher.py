@@ -45,8 +45,8 @@ class MeshConfig:
     http_port: int = 8000
     grpc_port: int = 50051
     initial_instances: int = 2
-    # torch threads per worker; 0 = `auto_worker_threads()`. Meshes built in code keep 1 so tests
-    # with several busy workers do not oversubscribe the cores.
+    # torch threads per worker; 0 = each its share of the cores (`worker_thread_args`). Meshes
+    # built in code keep 1 so tests with several busy workers do not oversubscribe the cores.
     worker_threads: int = 1
     ready_timeout_s: float = 300.0
     # Autoscaling (`autoscale`: the manager's HeteroScale policy with `policy_params`, bounded by
@@ -102,33 +102,18 @@ class MeshConfig:
         """Instances that compute from the start: the pools kept loaded."""
         return self.prefill + self.decode if self.disaggregated else self.initial_instances
 
-    def threads_per_worker(self, cores: int | None = None) -> int:
-        """torch threads each worker runs with: `worker_threads`, or with 0 the cores shared among
-        the instances loaded from the start (at least 1 each).
+    def worker_thread_args(self) -> list[str]:
+        """How a worker picks its engine's torch threads: `worker_threads` fixed, or with 0 its
+        share of the machine's cores among the engines running there now (`--cpu-share-dir`).
 
-        One instance on all the cores serves at about twice the speed of one on half of them, so
-        the default mesh's one loaded instance gets both cores of a 2-core box. Instances the
-        autoscaler adds later share those cores (see `worker_env`).
+        One instance on all the cores serves at about twice the speed of one on half of them,
+        and two instances that each take all the cores at once decode at a third of the speed
+        of two that split them (OpenMP's waiting threads spin): so the default mesh's single
+        loaded instance gets every core, and instances the autoscaler adds split them.
         """
         if self.worker_threads > 0:
-            return self.worker_threads
-        cores = cores or os.cpu_count() or 1
-        return max(1, cores // max(1, self.steady_instances))
-
-    def worker_env(self, cores: int | None = None) -> dict[str, str]:
-        """Environment a worker starts with on top of the launcher's.
-
-        When the workers may together run more compute threads than there are cores (an
-        autoscaled mesh whose idle workers become instances), OpenMP's idle threads stop spinning
-        almost at once (`GOMP_SPINCOUNT`): with the default spin, two 2-thread instances on 2
-        cores decoded at a third of the tokens/s of two 1-thread ones; with 1,000 spins they kept
-        four fifths, at a cost of a few percent to a lone instance. A value set by the user wins.
-        """
-        cores = cores or os.cpu_count() or 1
-        busy = self.worker_count if self.autoscale else self.steady_instances
-        if busy * self.threads_per_worker(cores) > cores and "GOMP_SPINCOUNT" not in os.environ:
-            return {"GOMP_SPINCOUNT": "1000"}
-        return {}
+            return ["--num-threads", str(self.worker_threads)]
+        return ["--num-threads", "0", "--cpu-share-dir", str((self.run_dir / "cpu-share").resolve())]
 
     def manager_pool_args(self) -> list[str]:
         """The manager's pool floors: what it keeps loaded from the IDLE workers."""
@@ -248,7 +233,7 @@ class Mesh:
             *placed,
             stdout=out,
             stderr=asyncio.subprocess.STDOUT if out else None,
-            env={**child_env(), **(self.cfg.worker_env() if module == "services.worker" else {})},
+            env=child_env(),
         )
         if out is not None:
             out.close()  # the child holds its own descriptor
@@ -382,8 +367,7 @@ class Mesh:
                     gm.grpc_address,
                     "--param-manager",
                     pm.grpc_address,
-                    "--num-threads",
-                    str(cfg.threads_per_worker()),
+                    *cfg.worker_thread_args(),
                     "--role",
                     cfg.worker_role(i),
                     *cfg.worker_args,

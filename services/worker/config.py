@@ -59,7 +59,17 @@ class WorkerConfig(ServiceConfig):
         "recompute",
         description="MAX_UTILIZATION: a paused request's KV is dropped and recomputed, or swapped to host memory",
     )
-    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
+    num_threads: int = Field(
+        0,
+        ge=0,
+        description="torch intra-op threads of the engine's compute thread; 0: its share of the cores among the"
+        " engines in --cpu-share-dir, or every core without one",
+    )
+    cpu_share_dir: str = Field(
+        "",
+        description="directory the workers of one machine share to split its cores among the engines running"
+        " (empty: no sharing); used when num_threads is 0",
+    )
     step_time_a_s: float | None = Field(None, ge=0, description="emulated accelerator: fixed step time")
     step_time_b_s: float | None = Field(None, ge=0, description="emulated accelerator: step time per batch token")
     load_timeout_s: float = Field(300.0, gt=0, description="give up a parameter load after this long")

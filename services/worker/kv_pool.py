@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from services.worker.config import WorkerConfig
+from services.worker.engine.cpu_share import available_cores
 from services.worker.engine.engine import EngineConfig, PacingProfile
 from services.worker.engine.scheduler import CapacityPolicy
 
@@ -111,4 +112,7 @@ def engine_config(cfg: WorkerConfig, num_kv_blocks: int) -> EngineConfig:
         zigzag_partner_order=cfg.zigzag_partner_order,
         scheduling_policy=cfg.scheduling_policy,
         enable_prefix_caching=cfg.enable_prefix_caching,
+        # 0: the CpuShare's count when the worker shares the machine, else every core (the
+        # worker's own threads run torch single-threaded, so nothing is inherited from them).
+        num_threads=cfg.num_threads or (None if cfg.cpu_share_dir else available_cores()),
     )

@@ -34,6 +34,7 @@ from services.worker.convert import (
     slo_from_proto,
     token_logprob_to_proto,
 )
+from services.worker.engine.cpu_share import CpuShare
 from services.worker.engine.engine import (
     Engine,
     EngineDeadError,
@@ -640,7 +641,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         PREFIX_HIT_TOKENS.set_function(lambda: prefix_tokens()[0])
         PREFIX_QUERY_TOKENS.set_function(lambda: prefix_tokens()[1])
         PREFIX_HIT_RATE.set_function(hit_rate)
-        return Engine(model, kv, eos_token_ids, engine_cfg, on_dead=lambda _exc: self.engine_died.set())
+        share = CpuShare(cfg.cpu_share_dir) if cfg.cpu_share_dir and not cfg.num_threads else None
+        return Engine(
+            model, kv, eos_token_ids, engine_cfg, on_dead=lambda _exc: self.engine_died.set(), cpu_share=share
+        )
 
     async def supervise_engine(self) -> None:
         """Owned for the process's life: when a SERVING instance's engine loop crashes (its
@@ -802,8 +806,12 @@ class WorkerService:
         self.cfg = cfg
         self.servicer = WorkerServicer(cfg)
         self._heartbeat: asyncio.Task[None] | None = None
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        # torch compute belongs on the engine's compute thread (its thread count is set there).
+        # Other threads, this one included, run torch single-threaded: a second OpenMP team in
+        # the process (built by loading weights here) made the compute thread's decode steps
+        # ~30% slower on the 2-core development box, as libgomp throttles its spin-waits once
+        # it manages more threads than there are cores.
+        torch.set_num_threads(1)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)

@@ -11,6 +11,7 @@ from services.gateway.config import GatewayConfig
 from services.global_manager.config import GlobalManagerConfig
 from services.mesh.__main__ import LOCAL_POLICY_PARAMS, parse_args
 from services.mesh.launcher import MeshConfig, describe_workers
+from services.worker.config import WorkerConfig
 
 
 def test_make_up_autoscales_into_idle_workers_by_default() -> None:
@@ -38,28 +39,17 @@ def test_make_up_autoscales_into_idle_workers_by_default() -> None:
     assert describe_workers(cfg, {}) == "3 workers (1 loaded, 2 idle)"
 
 
-def test_make_up_gives_the_loaded_instance_the_cores_without_spinning_over_them(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+def test_make_up_workers_share_the_cores_among_loaded_instances() -> None:
     cfg = parse_args([])
     assert cfg.worker_threads == 0
-    # One instance loaded at start: it gets every core.
-    assert cfg.threads_per_worker(cores=2) == 2
-    assert cfg.threads_per_worker(cores=16) == 16
-    # Three autoscaled workers x 2 threads > 2 cores: idle OpenMP threads must not spin.
-    assert cfg.worker_env(cores=2) == {"GOMP_SPINCOUNT": "1000"}
-    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
-    assert cfg.worker_env(cores=2) == {}  # the user's value wins
-    monkeypatch.delenv("GOMP_SPINCOUNT")
-    # Two instances loaded at start share the cores; a fixed pool that fits leaves OpenMP alone.
-    fixed = parse_args(["--workers", "2", "--initial-instances", "2", "--no-autoscale"])
-    assert fixed.threads_per_worker(cores=4) == 2
-    assert fixed.worker_env(cores=4) == {}
-    assert fixed.threads_per_worker(cores=1) == 1
-    assert parse_args(["--worker-threads", "3"]).threads_per_worker(cores=2) == 3
-    split = parse_args(["--prefill", "1", "--decode", "1", "--no-autoscale"])
-    assert split.threads_per_worker(cores=8) == 4
+    args = cfg.worker_thread_args()
+    assert args[:2] == ["--num-threads", "0"] and args[2] == "--cpu-share-dir"
+    assert args[3] == str((cfg.run_dir / "cpu-share").resolve())
+    # The worker accepts exactly that.
+    worker = load_config(WorkerConfig, "worker", ["--instance-id", "w", *args], env={})
+    assert worker.num_threads == 0 and worker.cpu_share_dir == args[3]
+    assert parse_args(["--worker-threads", "3"]).worker_thread_args() == ["--num-threads", "3"]
+    assert MeshConfig().worker_thread_args() == ["--num-threads", "1"]  # meshes built in code
 
 
 def test_autoscale_flags() -> None:

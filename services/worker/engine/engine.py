@@ -23,6 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.prefix import ROOT_HASH, block_hashes, chain_hash
+from services.worker.engine.cpu_share import CpuShare
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.sampling import (
     PromptLogprob,
@@ -59,7 +60,7 @@ from services.worker.engine.scorpio import (
     vbs,
 )
 from services.worker.engine.slo import RequestSLO, SLOKind, SLOUnattainable
-from services.worker.model import native
+from services.worker.model import fused, native
 from services.worker.model.attention import ForwardBatch
 from services.worker.model.llama import LlamaForCausalLM
 
@@ -198,7 +199,10 @@ class EngineConfig(BaseModel):
     )
     pacing: PacingProfile | None = Field(None, description="emulated accelerator step time; off by default")
     num_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads of the compute thread; None = torch's default"
+        None,
+        ge=1,
+        description="torch intra-op threads of the compute thread; None = the CpuShare's, else as many as the"
+        " thread that starts the engine has",
     )
     stats_window_s: float = Field(10.0, gt=0, description="window of the rates and latency percentiles")
     zigzag_partner_order: Literal["arrival", "relay_first"] = Field(
@@ -470,8 +474,13 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         step_history: int = 64,
         on_dead: Callable[[BaseException], None] | None = None,
+        cpu_share: CpuShare | None = None,
     ) -> None:
         self.config = config or EngineConfig()
+        # With a share (and no fixed `num_threads`), the compute thread takes its share of the
+        # machine's cores among the engines running on it, re-read between steps.
+        self._cpu_share = cpu_share if self.config.num_threads is None else None
+        self._threads = 0  # the compute thread's team size, once it has started
         # Called once, on the event loop, when the loop crashes (after every request was failed):
         # the owner must hear of it, or it goes on advertising an engine that serves nothing.
         self._on_dead = on_dead
@@ -584,17 +593,22 @@ class Engine:
         if not self.model.is_complete and not (partial and "embed" in self.model.loaded_groups):
             raise RuntimeError(f"model is not complete: loaded groups {self.model.loaded_groups!r}")
         threads = self.config.num_threads
-        # With torch's OpenMP backend the thread count is per calling thread, so setting it in the
-        # compute thread's initializer leaves the rest of the process alone.
+        if self._cpu_share is not None:
+            self._cpu_share.join(f"engine{id(self)}")
+            threads = self._cpu_share.threads()
+        # With torch's OpenMP backend the team size is per calling thread, so setting it in the
+        # compute thread's initializer leaves the rest of the process alone. Set explicitly: a new
+        # thread does not reliably start with the count its creator sees.
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="engine-compute",
-            initializer=None if threads is None else torch.set_num_threads,
-            initargs=() if threads is None else (threads,),
+            initializer=self._set_threads,
+            initargs=(threads or torch.get_num_threads(),),
         )
-        # Build (or load from the cache) the native decode-attention kernel on the compute thread
-        # now, not in the first step; the torch path is used if it cannot be built.
+        # Build (or load from the cache) the native decode-attention and fused-op kernels on the
+        # compute thread now, not in the first step; the torch path is used if they cannot be built.
         self._executor.submit(native.paged_decode)
+        self._executor.submit(fused.fused_ops)
         self._started_s = self._clock()
         self._task = asyncio.create_task(self._run(), name="engine-loop")
         log.info(
@@ -605,6 +619,11 @@ class Engine:
             max_num_tokens=self.config.max_num_tokens,
         )
 
+    def _set_threads(self, n: int) -> None:
+        """On the compute thread: the size of its OpenMP team (this thread's only)."""
+        torch.set_num_threads(n)
+        self._threads = n
+
     async def stop(self) -> None:
         """Stop the loop; requests still in flight fail with EngineStoppedError."""
         self._stopped = True
@@ -614,6 +633,8 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._fail_all(lambda: EngineStoppedError("engine stopped"))
+        if self._cpu_share is not None:
+            self._cpu_share.leave()
         if self._executor is not None:
             # A step still computing finishes in its thread; its result is dropped.
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -1106,6 +1127,8 @@ class Engine:
                 return error
 
             self._fail_all(dead)
+            if self._cpu_share is not None:
+                self._cpu_share.leave()
             if self._on_dead is not None:
                 self._on_dead(exc)
 
@@ -1594,6 +1617,8 @@ class Engine:
         layers it holds and keep their hidden states."""
         model = self.model
         device = model.device
+        if self._cpu_share is not None and self._cpu_share.threads() != self._threads:
+            self._set_threads(self._cpu_share.threads())
         num_layers = model.config.num_hidden_layers
         logits_parts: list[torch.Tensor] = []
         prompt_out: list[list[tuple[float, TopLogprobs]]] = []
