@@ -28,7 +28,12 @@ class WorkerConfig(ServiceConfig):
         "are aborted, and the gateway resumes each on another instance (0 = abort at once)",
     )
     max_batch_size: int = Field(32, gt=0, description="most requests in one engine iteration")
-    max_num_tokens: int = Field(1024, gt=0, description="most tokens (prefill + decode) in one iteration")
+    max_num_tokens: int = Field(
+        2048,
+        gt=0,
+        description="most tokens (prefill + decode) in one iteration; prompts up to this long prefill in one"
+        " step (a later chunk attends over cached context, which costs more per token)",
+    )
     block_size: int = Field(16, gt=0, description="tokens per KV block")
     kv_cache_tokens: int = Field(
         32768,

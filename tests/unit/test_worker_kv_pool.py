@@ -181,24 +181,24 @@ def test_the_worker_sizes_its_pool_from_its_budget(tiny_path: Path) -> None:
 
 
 @pytest.mark.real_model
-async def test_a_1900_token_prompt_is_served_with_the_worker_defaults(real_model_dir: Path) -> None:
-    """max_num_tokens (1024) is shorter than the prompt: chunked prefill, on by default, splits it;
+async def test_a_2300_token_prompt_is_served_with_the_worker_defaults(real_model_dir: Path) -> None:
+    """max_num_tokens (2048) is shorter than the prompt: chunked prefill, on by default, splits it;
     the first token is the uncached model's greedy pick."""
     model = load_model(str(real_model_dir))
-    assert model.config.max_context_tokens >= 2048
+    assert model.config.max_context_tokens >= 2300
     cfg = WorkerConfig()
-    assert cfg.max_num_tokens < 1900
+    assert cfg.max_num_tokens < 2300
     engine = make_engine_as_the_worker(cfg, model)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, model.config.vocab_size, (1900,), generator=g).tolist()
+    prompt = torch.randint(100, model.config.vocab_size, (2300,), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     async with engine:
         events = [ev async for ev in engine.generate("long", prompt, params)]
     assert [e.completion_tokens for e in events] == [1, 2, 3] and events[-1].finish_reason == "length"
-    assert events[0].prompt_tokens == 1900
+    assert events[0].prompt_tokens == 2300
     with torch.inference_mode():
         expected = int(model(torch.tensor(prompt))[-1].argmax())
     assert events[0].token_id == expected
     # The prompt ran in two iterations of at most max_num_tokens.
     works = [dict(s.work).get("long", 0) for s in engine.step_log]
-    assert works[:2] == [1024, 876]
+    assert works[:2] == [cfg.max_num_tokens, 2300 - cfg.max_num_tokens]
