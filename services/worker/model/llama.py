@@ -355,10 +355,10 @@ class LlamaForCausalLM:
             raise ValueError(
                 f"hidden has shape {tuple(hidden.shape)}, batch expects ({batch.num_tokens}, {cfg.hidden_size})"
             )
-        if int(batch.positions.max()) >= cfg.max_context_tokens:
-            raise ValueError(
-                f"position {int(batch.positions.max())} >= the model's context of {cfg.max_context_tokens} tokens"
-            )
+        # From the layout's Python ints: no reduction over a (device) tensor, no host sync.
+        last = max(c + n for c, n in zip(batch.context_lens, batch.query_lens, strict=True)) - 1
+        if last >= cfg.max_context_tokens:
+            raise ValueError(f"position {last} >= the model's context of {cfg.max_context_tokens} tokens")
         cos, sin_half = self.rotary.cos_sin(batch.positions, batch.query_lens, batch.context_lens, self.dtype)
         ops = self._fused()
         if ops is not None:
