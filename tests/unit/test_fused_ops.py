@@ -128,3 +128,26 @@ def test_a_slot_outside_the_cache_is_refused(tiny_ckpt: Path) -> None:
     batch = ForwardBatch.build([4], [0], [[5]], 8)  # block 5 of a 2-block cache
     with pytest.raises(ValueError, match="outside the KV cache"):
         model.forward_batch(torch.tensor([1, 2, 3, 4]), batch, cache)
+
+
+def test_decode_kernel_reads_strided_queries_and_trusts_checked_bounds() -> None:
+    """The decode-attention kernel takes Q as the strided view of the fused QKV output (no copy),
+    and `checked=True` skips only the bounds reductions: same result as the checked call."""
+    from services.worker.model import native
+
+    kernel = native.paged_decode()
+    if kernel is None:
+        pytest.skip("native decode kernel unavailable")
+    g = torch.Generator().manual_seed(9)
+    heads, kvh, d, bs = 9, 3, 64, 16
+    k = torch.randn(12, bs, kvh, d, generator=g)
+    v = torch.randn(12, bs, kvh, d, generator=g)
+    qkv = torch.randn(4, (heads + 2 * kvh) * d, generator=g)
+    q = qkv[:, : heads * d].view(4, heads, d)  # row stride (heads + 2 kvh) * d
+    tables = torch.randperm(12, generator=g)[:12].view(4, 3)
+    lens = torch.tensor([1, 17, 33, 48])
+    got = kernel(q, k, v, tables, lens, 48, 0, True)
+    torch.testing.assert_close(got, kernel(q.contiguous(), k, v, tables, lens, 48, 0, False), atol=0, rtol=0)
+    for s in range(4):
+        want = native.reference_decode(q[s], k, v, tables[s], int(lens[s]))
+        torch.testing.assert_close(got[s], want, atol=1e-5, rtol=1e-5)

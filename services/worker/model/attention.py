@@ -77,6 +77,9 @@ class AttentionGroup:
     seq_lens: torch.Tensor  # [b] long: context + new tokens of each member (its keys)
     max_seq_len: int
     context_lens: torch.Tensor  # [b] long: cached tokens of each member
+    # Largest block id in block_tables: checked against the cache's size in Python, so kernels
+    # that read the cache in place need no reduction over the tables each layer.
+    max_block_id: int = 0
     # Banded masks by window size, built on first use (see `window_mask`).
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -350,6 +353,7 @@ def _build_group(
         seq_lens=torch.tensor(lens, dtype=torch.long),
         max_seq_len=max(lens),
         context_lens=ctx_t,
+        max_block_id=max(max(block_tables[b][:need]) for b, need in zip(members, needs, strict=True)),
     )
 
 
@@ -379,7 +383,10 @@ def _group_attention(
         if kernel is not None:
             k_cache, v_cache = kv.layer_cache(layer)
             if k_cache.dtype == q.dtype:
-                return kernel(q, k_cache, v_cache, g.block_tables, g.seq_lens, g.max_seq_len, window or 0)
+                # Lengths are >= 1 and covered by the tables by construction; block ids are checked
+                # here against this cache (the kernel checks them itself if they fall outside).
+                checked = g.max_block_id < k_cache.shape[0]
+                return kernel(q, k_cache, v_cache, g.block_tables, g.seq_lens, g.max_seq_len, window or 0, checked)
     qp = _pad(q, g).transpose(1, 2)  # [b, H, Q, d]
     b, max_blocks = g.block_tables.shape
     # Each sequence's whole context, copied block by block into one padded [b, S, KVH, d].

@@ -239,7 +239,7 @@ static void seq_generic_@S@(const float* qs, const @T@* k_cache, const @T@* v_ca
    head h / (H / KVH). window > 0: each query sees only the last `window` keys of its sequence.
    One task per sequence: scores of all its heads over its keys, softmax, weighted values; each
    K and V row is read once, in place. Returns -1 if scratch memory could not be allocated. */
-int paged_decode_@S@(const float* q, const @T@* k_cache, const @T@* v_cache,
+int paged_decode_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const @T@* v_cache,
                      const int64_t* tables, int64_t max_blocks, const int64_t* lens,
                      int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
                      float scale, float* out, int64_t max_len, int64_t num_threads, int64_t window) {
@@ -258,7 +258,7 @@ int paged_decode_@S@(const float* q, const @T@* k_cache, const @T@* v_cache,
         #pragma omp for schedule(dynamic, 1)
         for (int64_t s = 0; s < n; ++s) {
             if (sc == NULL || acc == NULL) continue;
-            const float* qs = q + s * H * D;
+            const float* qs = q + s * q_stride;
             const int64_t* tab = tables + s * max_blocks;
             const int64_t L = lens[s], k0 = first_key(L, window);
 #ifdef PA_AVX2
@@ -283,8 +283,11 @@ _SOURCE = _PRELUDE + "".join(
 _ENV_SWITCH = "BLITZMESH_NATIVE_ATTENTION"
 
 
-# (q, k_cache, v_cache, block_tables, seq_lens, max_len, window) -> out; see `paged_decode` in `_load`.
-PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+# (q, k_cache, v_cache, block_tables, seq_lens, max_len, window, checked) -> out; see `paged_decode`
+# in `_load`.
+PagedDecode = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, bool], torch.Tensor
+]
 
 # KV-cache dtypes the kernel reads, and the suffix of its entry point for each.
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -374,7 +377,7 @@ def _load() -> PagedDecode:
     entry = {}
     for dtype, suffix in KV_DTYPES.items():
         fn = getattr(lib, f"paged_decode_{suffix}")
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, i64]
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, i64]
         fn.restype = ctypes.c_int
         entry[dtype] = fn
 
@@ -386,6 +389,7 @@ def _load() -> PagedDecode:
         seq_lens: torch.Tensor,
         max_len: int,
         window: int = 0,
+        checked: bool = False,
     ) -> torch.Tensor:
         """Attention of one query per sequence over its paged context.
 
@@ -414,11 +418,15 @@ def _load() -> PagedDecode:
                 f"paged_decode: q {tuple(q.shape)} {q.dtype}, cache {tuple(k_cache.shape)} {k_cache.dtype} "
                 f"(float32 or bfloat16), tables {tuple(block_tables.shape)}, lens {tuple(seq_lens.shape)}"
             )
-        if n and (
-            int(block_tables.min()) < 0
-            or int(block_tables.max()) >= num_blocks
-            or int(seq_lens.min()) < 1
-            or int(seq_lens.max()) > min(max_len, block_tables.shape[1] * bs)
+        if (
+            n
+            and not checked
+            and (
+                int(block_tables.min()) < 0
+                or int(block_tables.max()) >= num_blocks
+                or int(seq_lens.min()) < 1
+                or int(seq_lens.max()) > min(max_len, block_tables.shape[1] * bs)
+            )
         ):
             # The kernel trusts these: out-of-range ids or lengths would read outside the cache.
             raise ValueError(
@@ -428,14 +436,16 @@ def _load() -> PagedDecode:
         if window < 0:
             raise ValueError(f"paged_decode: window must be >= 0, got {window}")
         out_dtype = q.dtype
-        q = q.contiguous().float()
+        # Rows may be strided (a view of the fused QKV output); heads and dims must be packed.
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+            q = q.float().contiguous()
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
         block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty((n, heads, d), dtype=torch.float32)
         if n == 0:
             return out.to(out_dtype)
         rc = fn(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], seq_lens.data_ptr(), n, heads, kv_heads, d, bs,
             d ** -0.5, out.data_ptr(), max_len, torch.get_num_threads(), window,
         )  # fmt: skip
