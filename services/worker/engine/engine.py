@@ -617,6 +617,8 @@ class Engine:
             kv_tokens=self.kv_cache.capacity_tokens,
             max_batch_size=self.config.max_batch_size,
             max_num_tokens=self.config.max_num_tokens,
+            threads=threads or torch.get_num_threads(),
+            threads_shared=self._cpu_share is not None,
         )
 
     def _set_threads(self, n: int) -> None:
