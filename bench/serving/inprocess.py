@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+import torch
+
 from bench.serving.results import RequestTiming, SystemResult
 from bench.serving.workload import Request
 from services.model_format.generation import eos_token_ids_in
@@ -14,13 +16,20 @@ from services.worker.config import WorkerConfig
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.sampling import SamplingParams
 from services.worker.kv_pool import engine_config
-from services.worker.model.llama import load_model
+from services.worker.model.llama import LlamaForCausalLM, load_model
 
 
 def worker_engine_config(worker: WorkerConfig) -> EngineConfig:
     """The EngineConfig a worker with these options builds (see WorkerServicer._make_engine), with
     the pool at its cap, kv_cache_tokens (what a worker gets when memory is not short)."""
     return engine_config(worker, worker.kv_cache_tokens // worker.block_size)
+
+
+def _load_single_threaded(path: Path) -> LlamaForCausalLM:
+    """Load as a worker does: torch single-threaded outside the engine's compute thread (a second
+    OpenMP team in the process slows the compute thread's, see services.worker.service)."""
+    torch.set_num_threads(1)
+    return load_model(str(path))
 
 
 def greedy(n: int) -> SamplingParams:
@@ -39,7 +48,7 @@ class EngineSystem:
         self._rounds = 0
 
     async def __aenter__(self) -> EngineSystem:
-        model = await asyncio.to_thread(load_model, str(self.model_path))
+        model = await asyncio.to_thread(_load_single_threaded, self.model_path)
         eos_ids = await asyncio.to_thread(eos_token_ids_in, self.model_path)
         self._engine = Engine.create(model, eos_ids, self.config)
         await self._engine.start()
