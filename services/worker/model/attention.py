@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.worker.model import native
+from services.worker.model import native, varlen
 
 
 class PagedKV(Protocol):
@@ -147,6 +147,18 @@ class CausalSpans:
 
 
 @dataclass(frozen=True)
+class PrefillSet:
+    """The sequences of a paged step that carry prompt tokens (every one but the decodes), laid
+    out for the varlen kernel (`varlen.paged_prefill`), which reads all their keys in place."""
+
+    rows: torch.Tensor  # [n] long: first flat row of each
+    query_lens: torch.Tensor  # [n] long
+    context_lens: torch.Tensor  # [n] long
+    block_tables: torch.Tensor  # [n, max_blocks] long, padded with block 0
+    max_block_id: int
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """Layout of one step: sequence b contributes `query_lens[b]` new tokens after `context_lens[b]`
     tokens already in the KV cache. Tensors are precomputed here, once, not per layer."""
@@ -162,6 +174,8 @@ class ForwardBatch:
     # Largest entry of slot_mapping (-1 without a cache): lets kernels that write the cache
     # directly check the slots against its size without a reduction over a tensor.
     max_slot: int = -1
+    # With a cache: the sequences that are not decodes, for the varlen kernel (None: none).
+    prefill: PrefillSet | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -239,6 +253,25 @@ class ForwardBatch:
             max_slot = max(slots)
 
         decode = [b for b, n in enumerate(q_lens) if n == 1 and ctx_lens[b] > 0]
+        prefill = None
+        if paged and len(decode) < len(q_lens):
+            assert block_tables is not None and block_size is not None
+            members = [b for b in range(len(q_lens)) if not (q_lens[b] == 1 and ctx_lens[b] > 0)]
+            needs = [-(-(ctx_lens[b] + q_lens[b]) // block_size) for b in members]
+            width = max(needs)
+            prefill = PrefillSet(
+                rows=torch.tensor([starts[b] for b in members], dtype=torch.long),
+                query_lens=torch.tensor([q_lens[b] for b in members], dtype=torch.long),
+                context_lens=torch.tensor([ctx_lens[b] for b in members], dtype=torch.long),
+                block_tables=torch.tensor(
+                    [
+                        list(block_tables[b][:need]) + [0] * (width - need)
+                        for b, need in zip(members, needs, strict=True)
+                    ],
+                    dtype=torch.long,
+                ),
+                max_block_id=max(max(block_tables[b][:need]) for b, need in zip(members, needs, strict=True)),
+            )
         chunked = [b for b, n in enumerate(q_lens) if n > 1 and ctx_lens[b] > 0]
         fresh = [b for b, c in enumerate(ctx_lens) if c == 0]
         dev = torch.device(device)
@@ -273,6 +306,7 @@ class ForwardBatch:
             groups=tuple(g.to(dev) for g in groups),
             causal=causal,
             max_slot=max_slot,
+            prefill=prefill,
         )
 
 
@@ -433,6 +467,30 @@ def _causal_attention(
         out[rows] = o[0].transpose(0, 1)
 
 
+def _varlen_attention(
+    q: torch.Tensor, batch: ForwardBatch, prefill: PrefillSet, kv: PagedKV, layer: int, window: int | None
+) -> torch.Tensor | None:
+    """Every sequence with prompt tokens through the varlen kernel, reading K/V in place (they
+    were written before attention); the decodes through the decode kernel's group. None when the
+    kernel cannot run here (the torch paths then do)."""
+    kernel = varlen.paged_prefill()
+    if kernel is None:
+        return None
+    k_cache, v_cache = kv.layer_cache(layer)
+    if k_cache.dtype != q.dtype or k_cache.dtype not in native.KV_DTYPES or prefill.max_block_id >= k_cache.shape[0]:
+        return None
+    out = kernel(
+        q, k_cache, v_cache, prefill.block_tables, prefill.rows, prefill.query_lens, prefill.context_lens, window or 0
+    )
+    for g in batch.groups:
+        if g.max_query_len != 1:
+            continue  # chunks after cached context: done by the kernel above
+        assert g.token_index is not None  # the step has prompt rows too
+        part = _group_attention(q.index_select(0, g.token_index), g, kv, layer, window)
+        out.index_copy_(0, g.token_index, part.to(out.dtype))
+    return out if q.dtype == out.dtype else out.to(q.dtype)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -458,6 +516,10 @@ def attention(
         kv.write(layer, batch.slot_mapping, k, v)
     if batch.groups and kv is None:
         raise ValueError("ForwardBatch has cached context but no KV cache was given")
+    if kv_written and batch.prefill is not None and kv is not None and q.device.type == "cpu":
+        out = _varlen_attention(q, batch, batch.prefill, kv, layer, window)
+        if out is not None:
+            return out
     if len(batch.groups) == 1 and batch.groups[0].token_index is None:
         assert kv is not None
         return _group_attention(q, batch.groups[0], kv, layer, window)  # every token has cached context

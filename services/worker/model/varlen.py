@@ -1,0 +1,446 @@
+"""A native (C, OpenMP) varlen attention kernel over the paged KV cache, for steps that carry
+prompt tokens: fresh prompts, later chunks of a prompt and prompts after a prefix-cache hit.
+
+Each sequence s has `q_len[s]` new tokens after `ctx[s]` cached ones, and every key, cached or
+new, is already in the paged cache (the fused RoPE kernel writes the new K/V before attention).
+The kernel reads K and V in place through the block tables: nothing is gathered into a padded
+copy and no mask is materialized. Work is split into tasks of (sequence, KV head, tile of 32
+query positions); a task packs the G query heads that share its KV head as G x 32 rows, so each
+K/V row it reads serves all of them, and visits only the key blocks its causal (or sliding)
+window reaches. Scores, the online softmax (running max and sum, as flash attention does) and
+the output accumulate in float32, whatever the cache's dtype. An AVX-512 path where the CPU has
+it, portable C otherwise.
+
+Built like the other kernels (`native.build_library`), checked against SDPA on load; with
+`BLITZMESH_VARLEN_ATTENTION=0` or where it cannot be built, `paged_prefill()` returns None and
+attention uses the torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from services.worker.model.native import KV_DTYPES, build_library, vector_flags
+
+log = structlog.get_logger(__name__)
+
+_PRELUDE = r"""
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define QT 32      /* query positions per task */
+#define KC 64      /* keys per chunk (one online-softmax update): may span blocks */
+
+static inline float bf16_to_f32(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float to_f32_f32(float x) { return x; }
+static inline float to_f32_bf16(uint16_t x) { return bf16_to_f32(x); }
+
+#ifdef __AVX512F__
+/* exp(x) for x <= 0 in 16 lanes (Cephes range reduction, degree-5 polynomial, about 1 ulp). */
+static inline __m512 exp16_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+"""
+
+_BODY = r"""
+/* One task: query rows R = G * nq (row r = position i * G + head g), keys through the table.
+   qs [R, D] (scaled), os [R, D], kt [D, KC], vc [KC, D], sc [R, KC] scratch. */
+static void task_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const @T@* v_cache,
+                     const int64_t* tab, int64_t q_row0, int64_t i0, int64_t nq, int64_t ctx, int64_t kvh,
+                     int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
+                     float* out, float* qs, float* os, float* kt, float* vc, float* sc, float* m, float* l,
+                     int64_t* lohi) {
+    const int64_t G = H / KVH, R = G * nq, row = KVH * D;
+    for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+            const float* src = q + (q_row0 + i0 + i) * q_stride + (kvh * G + g) * D;
+            float* dst = qs + (i * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+        }
+    memset(os, 0, sizeof(float) * R * D);
+    for (int64_t r = 0; r < R; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
+    const int64_t p_first = ctx + i0, p_last = ctx + i0 + nq - 1;
+    const int64_t k_lo = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
+    for (int64_t c0 = k_lo; c0 <= p_last; ) {
+        /* a chunk: keys c0 .. c0 + cn - 1, K transposed into kt [D, KC] and V into vc [KC, D] */
+        int64_t cn = p_last - c0 + 1 < KC ? p_last - c0 + 1 : KC;
+        for (int64_t j = 0; j < KC; ++j) {
+            if (j < cn) {
+                const int64_t pos = c0 + j;
+                const int64_t slot = tab[pos / bs] * bs + pos % bs;
+                const @T@* kr = k_cache + slot * row + kvh * D;
+                const @T@* vr = v_cache + slot * row + kvh * D;
+                for (int64_t d = 0; d < D; ++d) { kt[d * KC + j] = to_f32_@S@(kr[d]); vc[j * D + d] = to_f32_@S@(vr[d]); }
+            } else {
+                for (int64_t d = 0; d < D; ++d) { kt[d * KC + j] = 0.f; vc[j * D + d] = 0.f; }
+            }
+        }
+#ifdef __AVX512F__
+        if (KC == 64 && D % 16 == 0) {
+            /* scores: 4 rows x 64 keys at a time, 16 accumulators */
+            int64_t r = 0;
+            for (; r + 4 <= R; r += 4) {
+                __m512 a[4][4];
+                for (int x = 0; x < 4; ++x) for (int y = 0; y < 4; ++y) a[x][y] = _mm512_setzero_ps();
+                const float* q0 = qs + r * D;
+                for (int64_t d = 0; d < D; ++d) {
+                    const float* kd = kt + d * KC;
+                    const __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16);
+                    const __m512 k2 = _mm512_loadu_ps(kd + 32), k3 = _mm512_loadu_ps(kd + 48);
+                    for (int x = 0; x < 4; ++x) {
+                        const __m512 qv = _mm512_set1_ps(q0[x * D + d]);
+                        a[x][0] = _mm512_fmadd_ps(qv, k0, a[x][0]);
+                        a[x][1] = _mm512_fmadd_ps(qv, k1, a[x][1]);
+                        a[x][2] = _mm512_fmadd_ps(qv, k2, a[x][2]);
+                        a[x][3] = _mm512_fmadd_ps(qv, k3, a[x][3]);
+                    }
+                }
+                for (int x = 0; x < 4; ++x)
+                    for (int y = 0; y < 4; ++y) _mm512_storeu_ps(sc + (r + x) * KC + 16 * y, a[x][y]);
+            }
+            for (; r < R; ++r) {
+                __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int64_t d = 0; d < D; ++d) {
+                    const __m512 qv = _mm512_set1_ps(qs[r * D + d]);
+                    for (int y = 0; y < 4; ++y) a[y] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kt + d * KC + 16 * y), a[y]);
+                }
+                for (int y = 0; y < 4; ++y) _mm512_storeu_ps(sc + r * KC + 16 * y, a[y]);
+            }
+            /* online softmax per row over the chunk's visible keys [lo, hi) */
+            const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            int64_t* los = lohi;
+            int64_t* his = lohi + R;
+            float* alphas = l + R;
+            for (int64_t r2 = 0; r2 < R; ++r2) {
+                const int64_t p = ctx + i0 + r2 / G;
+                int64_t hi = p - c0 + 1; if (hi > cn) hi = cn;
+                int64_t lo = window > 0 ? p - window + 1 - c0 : 0; if (lo < 0) lo = 0;
+                los[r2] = lo; his[r2] = hi;
+                float* srow = sc + r2 * KC;
+                if (hi <= lo) {
+                    /* nothing visible here; zeros, as the row may share a 4-row block below */
+                    for (int y = 0; y < 4; ++y) _mm512_storeu_ps(srow + 16 * y, _mm512_setzero_ps());
+                    alphas[r2] = 1.f;
+                    los[r2] = 0; his[r2] = 0;
+                    continue;
+                }
+                __mmask16 keep[4];
+                __m512 sv[4];
+                __m512 vmax = _mm512_set1_ps(-INFINITY);
+                for (int y = 0; y < 4; ++y) {
+                    const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * y));
+                    keep[y] = _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32((int)hi), _MM_CMPINT_LT)
+                            & _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32((int)lo), _MM_CMPINT_NLT);
+                    sv[y] = _mm512_loadu_ps(srow + 16 * y);
+                    vmax = _mm512_mask_max_ps(vmax, keep[y], vmax, sv[y]);
+                }
+                const float cmax = _mm512_reduce_max_ps(vmax);
+                const float mnew = cmax > m[r2] ? cmax : m[r2];
+                const __m512 vm = _mm512_set1_ps(mnew);
+                __m512 vsum = _mm512_setzero_ps();
+                for (int y = 0; y < 4; ++y) {
+                    const __m512 e = _mm512_maskz_mov_ps(keep[y], exp16_nonpos(_mm512_sub_ps(sv[y], vm)));
+                    _mm512_storeu_ps(srow + 16 * y, e);
+                    vsum = _mm512_add_ps(vsum, e);
+                }
+                const float alpha = m[r2] == -INFINITY ? 0.f : (mnew == m[r2] ? 1.f : expf(m[r2] - mnew));
+                l[r2] = l[r2] * alpha + _mm512_reduce_add_ps(vsum);
+                m[r2] = mnew;
+                alphas[r2] = alpha;
+            }
+            /* output: o = o * alpha + P V, 4 rows x 16 lanes of D at a time */
+            for (int64_t dv = 0; dv < D; dv += 16) {
+                int64_t r3 = 0;
+                for (; r3 + 4 <= R; r3 += 4) {
+                    __m512 o[4];
+                    int64_t lo = KC, hi = 0;
+                    for (int x = 0; x < 4; ++x) {
+                        o[x] = _mm512_mul_ps(_mm512_loadu_ps(os + (r3 + x) * D + dv), _mm512_set1_ps(alphas[r3 + x]));
+                        if (his[r3 + x] > los[r3 + x]) {
+                            if (his[r3 + x] > hi) hi = his[r3 + x];
+                            if (los[r3 + x] < lo) lo = los[r3 + x];
+                        }
+                    }
+                    /* rows whose window is narrower have zeros in the wider range: exact */
+                    const float* p0 = sc + r3 * KC;
+                    for (int64_t j = lo; j < hi; ++j) {
+                        const __m512 v = _mm512_loadu_ps(vc + j * D + dv);
+                        o[0] = _mm512_fmadd_ps(_mm512_set1_ps(p0[j]), v, o[0]);
+                        o[1] = _mm512_fmadd_ps(_mm512_set1_ps(p0[KC + j]), v, o[1]);
+                        o[2] = _mm512_fmadd_ps(_mm512_set1_ps(p0[2 * KC + j]), v, o[2]);
+                        o[3] = _mm512_fmadd_ps(_mm512_set1_ps(p0[3 * KC + j]), v, o[3]);
+                    }
+                    for (int x = 0; x < 4; ++x) _mm512_storeu_ps(os + (r3 + x) * D + dv, o[x]);
+                }
+                for (; r3 < R; ++r3) {
+                    __m512 o = _mm512_mul_ps(_mm512_loadu_ps(os + r3 * D + dv), _mm512_set1_ps(alphas[r3]));
+                    for (int64_t j = los[r3]; j < his[r3]; ++j)
+                        o = _mm512_fmadd_ps(_mm512_set1_ps(sc[r3 * KC + j]), _mm512_loadu_ps(vc + j * D + dv), o);
+                    _mm512_storeu_ps(os + r3 * D + dv, o);
+                }
+            }
+            c0 += cn;
+            continue;
+        }
+#endif
+        for (int64_t r2 = 0; r2 < R; ++r2) {
+            const int64_t p = ctx + i0 + r2 / G;
+            int64_t hi = p - c0 + 1; if (hi > cn) hi = cn;
+            int64_t lo = window > 0 ? p - window + 1 - c0 : 0; if (lo < 0) lo = 0;
+            if (hi <= lo) continue;
+            float* s = sc + r2 * KC;
+            float cmax = -INFINITY;
+            for (int64_t j = lo; j < hi; ++j) {
+                float acc = 0.f;
+                for (int64_t d = 0; d < D; ++d) acc += qs[r2 * D + d] * kt[d * KC + j];
+                s[j] = acc;
+                cmax = acc > cmax ? acc : cmax;
+            }
+            const float mnew = cmax > m[r2] ? cmax : m[r2];
+            const float alpha = m[r2] == -INFINITY ? 0.f : expf(m[r2] - mnew);
+            float sum = 0.f;
+            for (int64_t j = lo; j < hi; ++j) { s[j] = expf(s[j] - mnew); sum += s[j]; }
+            l[r2] = l[r2] * alpha + sum;
+            m[r2] = mnew;
+            float* o = os + r2 * D;
+            for (int64_t d = 0; d < D; ++d) {
+                float acc = o[d] * alpha;
+                for (int64_t j = lo; j < hi; ++j) acc += s[j] * vc[j * D + d];
+                o[d] = acc;
+            }
+        }
+        c0 += cn;
+    }
+    for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = i * G + g;
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            float* dst = out + ((q_row0 + i0 + i) * H + kvh * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = os[r * D + d] * inv;
+        }
+}
+
+/* q [*, H, D] float32 rows strided by q_stride; out [*, H, D] float32 contiguous; sequence s
+   has rows q_row0[s] .. + q_len[s] at positions ctx[s] .. + q_len[s] - 1 and block table
+   tables[s * max_blocks ..]. Returns -1 if scratch memory could not be allocated. */
+int paged_prefill_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const @T@* v_cache,
+                      const int64_t* tables, int64_t max_blocks, const int64_t* q_row0, const int64_t* q_len,
+                      const int64_t* ctx, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
+                      float scale, int64_t window, float* out, int64_t nthreads) {
+    int64_t tiles = 0;
+    for (int64_t s = 0; s < n; ++s) tiles += (q_len[s] + QT - 1) / QT;
+    int64_t* task_seq = (int64_t*)malloc(sizeof(int64_t) * (tiles > 0 ? tiles : 1));
+    int64_t* task_i0 = (int64_t*)malloc(sizeof(int64_t) * (tiles > 0 ? tiles : 1));
+    if (!task_seq || !task_i0) { free(task_seq); free(task_i0); return -1; }
+    int64_t t = 0;
+    for (int64_t s = 0; s < n; ++s)
+        for (int64_t i0 = 0; i0 < q_len[s]; i0 += QT) { task_seq[t] = s; task_i0[t] = i0; ++t; }
+    const int64_t G = H / KVH, R = G * QT;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads > 0 ? (int)nthreads : 1)
+    {
+        float* buf = (float*)malloc(sizeof(float) * (2 * R * D + 2 * KC * D + R * KC + 3 * R));
+        int64_t* lohi = (int64_t*)malloc(sizeof(int64_t) * 2 * R);
+        if (!buf || !lohi) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        /* Longest tiles (latest in their sequence: most keys) are spread first by the dynamic
+           schedule walking tasks in reverse. */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t k = 0; k < tiles * KVH; ++k) {
+            if (!buf || !lohi) continue;
+            const int64_t task = tiles - 1 - k / KVH, kvh = k % KVH;
+            const int64_t s = task_seq[task], i0 = task_i0[task];
+            const int64_t nq = q_len[s] - i0 < QT ? q_len[s] - i0 : QT;
+            float* qs = buf; float* os = qs + R * D; float* kt = os + R * D; float* vc = kt + KC * D;
+            float* sc = vc + KC * D; float* m = sc + R * KC; float* l = m + R;
+            task_@S@(q, q_stride, k_cache, v_cache, tables + s * max_blocks, q_row0[s], i0, nq, ctx[s], kvh,
+                     H, KVH, D, bs, scale, window, out, qs, os, kt, vc, sc, m, l, lohi);
+        }
+        free(buf);
+        free(lohi);
+    }
+    free(task_seq); free(task_i0);
+    return failed ? -1 : 0;
+}
+"""
+
+_SOURCE = _PRELUDE + "".join(
+    _BODY.replace("@T@", t).replace("@S@", s) for t, s in (("float", "f32"), ("uint16_t", "bf16"))
+)
+
+_ENV_SWITCH = "BLITZMESH_VARLEN_ATTENTION"
+
+# (q [T, H, D], k_cache, v_cache, tables [n, max_blocks], q_row0 [n], q_len [n], ctx [n], window)
+# -> out [T, H, D] float32 (rows of no listed sequence are left unset).
+PagedPrefill = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+    torch.Tensor,
+]
+
+
+def _load() -> PagedPrefill:
+    lib = ctypes.CDLL(str(build_library(_SOURCE, "paged_prefill", vector_flags())))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    entry = {}
+    for dtype, suffix in KV_DTYPES.items():
+        fn = getattr(lib, f"paged_prefill_{suffix}")
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+        fn.argtypes += [ptr, i64]
+        fn.restype = ctypes.c_int
+        entry[dtype] = fn
+
+    def paged_prefill(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        q_row0: torch.Tensor,
+        q_len: torch.Tensor,
+        ctx: torch.Tensor,
+        window: int = 0,
+    ) -> torch.Tensor:
+        """Attention of each listed sequence's new tokens over its whole context (cached keys and
+        its own new ones, all in the cache), causal, or over the last `window` keys per query.
+
+        q `[T, H, D]` (rows may be strided); caches `[num_blocks, block_size, KVH, D]` float32 or
+        bfloat16; `tables [n, max_blocks]`, `q_row0`, `q_len`, `ctx` `[n]` int64 CPU tensors
+        whose bounds the caller has checked (tables cover ctx + q_len tokens, ids inside the
+        cache, rows inside q). Returns float32 `[T, H, D]`.
+        """
+        t, heads, d = q.shape
+        _, bs, kv_heads, d_k = k_cache.shape
+        fn = entry.get(k_cache.dtype)
+        n = int(q_len.shape[0])
+        if (
+            fn is None
+            or d_k != d
+            or heads % kv_heads
+            or v_cache.shape != k_cache.shape
+            or v_cache.dtype != k_cache.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or tables.shape[0] != n
+            or any(x.shape != (n,) or x.dtype != torch.int64 for x in (q_row0, q_len, ctx))
+            or tables.dtype != torch.int64
+        ):
+            raise ValueError(
+                f"paged_prefill: q {tuple(q.shape)} {q.dtype}, cache {tuple(k_cache.shape)} {k_cache.dtype}, "
+                f"tables {tuple(tables.shape)}, {n} sequences"
+            )
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+            q = q.float().contiguous()
+        tables, q_row0, q_len, ctx = (x.contiguous() for x in (tables, q_row0, q_len, ctx))
+        out = torch.empty((t, heads, d), dtype=torch.float32)
+        rc = fn(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+            q_row0.data_ptr(), q_len.data_ptr(), ctx.data_ptr(), n, heads, kv_heads, d, bs, d ** -0.5, window,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("paged_prefill: scratch allocation failed")
+        return out
+
+    return paged_prefill
+
+
+def reference_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: list[int], ctx: int, window: int = 0
+) -> torch.Tensor:
+    """One sequence the obvious way: gather its ctx + n keys, causal (and windowed) mask, SDPA in
+    float32. q `[n, H, D]` -> `[n, H, D]`."""
+    n, heads, d = q.shape
+    kv_heads = k_cache.shape[2]
+    total = ctx + n
+    keys = k_cache[table].reshape(-1, kv_heads, d)[:total].float().transpose(0, 1)
+    values = v_cache[table].reshape(-1, kv_heads, d)[:total].float().transpose(0, 1)
+    qpos = torch.arange(ctx, total).view(-1, 1)
+    kpos = torch.arange(total).view(1, -1)
+    mask = kpos <= qpos
+    if window > 0:
+        mask &= kpos > qpos - window
+    out: torch.Tensor = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True
+    ).transpose(0, 1)
+    return out
+
+
+def _self_check(kernel: PagedPrefill) -> None:
+    """Against `reference_prefill` on random cases: GQA, a fresh prompt, a chunk after cached
+    context that starts mid-block, a single-token row, each cache dtype, with and without a
+    sliding window, a head size the vector path takes and one only the portable path does."""
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads, d in ((6, 2, 32), (4, 2, 20)):
+        for dtype in KV_DTYPES:
+            for window in (0, 7):
+                bs, blocks = 4, 70
+                k = torch.randn(blocks, bs, kv_heads, d, generator=g).to(dtype)
+                v = torch.randn(blocks, bs, kv_heads, d, generator=g).to(dtype)
+                lens, ctxs = [37, 70, 1], [0, 18, 9]
+                q = torch.randn(sum(lens), heads, d, generator=g)
+                perm = torch.randperm(blocks, generator=g).tolist()
+                tables = [perm[0:22], perm[22:44], perm[44:66]]
+                rows = [0, 37, 107]
+                got = kernel(
+                    q, k, v, torch.tensor(tables), torch.tensor(rows), torch.tensor(lens), torch.tensor(ctxs), window
+                )
+                for s in range(3):
+                    want = reference_prefill(q[rows[s] : rows[s] + lens[s]], k, v, tables[s], ctxs[s], window)
+                    have = got[rows[s] : rows[s] + lens[s]]
+                    if not torch.allclose(have, want, atol=2e-5, rtol=2e-5):
+                        raise RuntimeError(
+                            f"self-check failed (H={heads}, KVH={kv_heads}, D={d}, {dtype}, window={window}, seq {s}): "
+                            f"max error {(have - want).abs().max().item():.3g}"
+                        )
+
+
+_lock = threading.Lock()
+_kernel: PagedPrefill | None = None
+_tried = False
+
+
+def paged_prefill() -> PagedPrefill | None:
+    """The varlen prefill kernel, built and checked on first call; None where unavailable."""
+    global _kernel, _tried
+    if os.environ.get(_ENV_SWITCH, "1") == "0":
+        return None
+    if _tried:
+        return _kernel
+    with _lock:
+        if not _tried:
+            try:
+                kernel = _load()
+                _self_check(kernel)
+                _kernel = kernel
+                log.info("native_varlen_attention_ready")
+            except Exception as e:
+                log.warning("native_varlen_attention_unavailable", error=f"{type(e).__name__}: {e}")
+                _kernel = None
+            _tried = True
+    return _kernel

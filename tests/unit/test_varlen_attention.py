@@ -1,0 +1,68 @@
+"""The varlen prefill kernel: against the obvious gather + mask + SDPA, and inside `attention`
+against the torch paths on a mixed step (fresh prompts, a chunk after unaligned cached context,
+a one-token prompt, decodes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.model_format import synth
+from services.worker.engine.kv_cache import KVCache
+from services.worker.model import varlen
+from services.worker.model.attention import ForwardBatch, attention
+
+pytestmark = pytest.mark.skipif(varlen.paged_prefill() is None, reason="no C compiler: the torch paths are used")
+
+
+def _kernel() -> varlen.PagedPrefill:
+    kernel = varlen.paged_prefill()
+    assert kernel is not None
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 50])
+def test_kernel_matches_the_reference_on_long_unaligned_chunks(dtype: torch.dtype, window: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    heads, kvh, d, bs = 9, 3, 64, 16
+    blocks = 64
+    k = torch.randn(blocks, bs, kvh, d, generator=g).to(dtype)
+    v = torch.randn(blocks, bs, kvh, d, generator=g).to(dtype)
+    lens, ctxs = [200, 131, 1], [0, 77, 300]  # tiles of 32 over chunks of 64 keys, misaligned
+    q = torch.randn(sum(lens), heads, d, generator=g)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    tables = [perm[0:20], perm[20:40], perm[40:60]]
+    rows = [0, 200, 331]
+    got = _kernel()(q, k, v, torch.tensor(tables), torch.tensor(rows), torch.tensor(lens), torch.tensor(ctxs), window)
+    for s in range(3):
+        want = varlen.reference_prefill(q[rows[s] : rows[s] + lens[s]], k, v, tables[s], ctxs[s], window)
+        torch.testing.assert_close(got[rows[s] : rows[s] + lens[s]], want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_mixed_step_matches_the_torch_paths(window: int | None) -> None:
+    cfg = synth.PRESETS["tiny"]
+    heads, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    bs = 8
+    g = torch.Generator().manual_seed(2)
+    cache = KVCache.for_model(cfg, num_blocks=80, block_size=bs)
+    # Fill every cached position first, so context keys exist.
+    for layer in range(cfg.num_hidden_layers):
+        k_cache, v_cache = cache.layer_cache(layer)
+        k_cache.copy_(torch.randn(k_cache.shape, generator=g))
+        v_cache.copy_(torch.randn(v_cache.shape, generator=g))
+    q_lens = [70, 33, 1, 1, 1, 12]
+    ctx_lens = [0, 45, 0, 60, 9, 0]
+    tables = [list(range(i * 13, i * 13 + 13)) for i in range(len(q_lens))]
+    batch = ForwardBatch.build(q_lens, ctx_lens, tables, bs)
+    t = sum(q_lens)
+    q = torch.randn(t, heads, d, generator=g)
+    k = torch.randn(t, kvh, d, generator=g)
+    v = torch.randn(t, kvh, d, generator=g)
+    assert batch.slot_mapping is not None
+    cache.write(0, batch.slot_mapping, k, v)
+    fast = attention(q, k, v, batch, cache, 0, window, kv_written=True)
+    slow = attention(q, k, v, batch, cache, 0, window)  # writes the same K/V again, torch paths
+    assert batch.prefill is not None and batch.prefill.query_lens.tolist() == [70, 33, 1, 12]
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=2e-5)
