@@ -22,16 +22,11 @@ they cannot be built, `fused_ops()` returns None and the model runs the eager op
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 
-import structlog
 import torch
 import torch.nn.functional as F
 
-from services.worker.model.native import build_library, vector_flags
-
-log = structlog.get_logger(__name__)
+from services.worker.model.native import LazyKernel, build_library, vector_flags
 
 _PRELUDE = r"""
 #include <stdint.h>
@@ -376,29 +371,13 @@ def _self_check(ops: FusedOps) -> None:
                     raise RuntimeError(f"self-check failed: {name} {dtype} rows={rows}: max error {err:.3g}")
 
 
-_lock = threading.Lock()
-_ops: FusedOps | None = None
-_tried = False
+def _load() -> FusedOps:
+    return FusedOps(ctypes.CDLL(str(build_library(_SOURCE, "fused_ops", [*vector_flags(), "-ffp-contract=off"]))))
+
+
+_FUSED = LazyKernel("native_fused_ops", _ENV_SWITCH, _load, _self_check)
 
 
 def fused_ops() -> FusedOps | None:
     """The fused kernels, built and checked on first call; None where unavailable or switched off."""
-    global _ops, _tried
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        return None
-    if _tried:
-        return _ops
-    with _lock:
-        if not _tried:
-            try:
-                ops = FusedOps(
-                    ctypes.CDLL(str(build_library(_SOURCE, "fused_ops", [*vector_flags(), "-ffp-contract=off"])))
-                )
-                _self_check(ops)
-                _ops = ops
-                log.info("native_fused_ops_ready")
-            except Exception as e:
-                log.warning("native_fused_ops_unavailable", error=f"{type(e).__name__}: {e}")
-                _ops = None
-            _tried = True
-    return _ops
+    return _FUSED.get()

@@ -28,11 +28,14 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import structlog
 import torch
 
 log = structlog.get_logger(__name__)
+
+K = TypeVar("K")
 
 _PRELUDE = r"""
 #include <stdint.h>
@@ -496,27 +499,42 @@ def _self_check(kernel: PagedDecode) -> None:
                         )
 
 
-_lock = threading.Lock()
-_kernel: PagedDecode | None = None
-_tried = False
+class LazyKernel(Generic[K]):
+    """A native kernel built and checked on first use (once, whichever thread asks first), then
+    cached; None where it cannot be built, fails its check, or `env_switch` is set to 0. A
+    failure is logged once (`<event>_unavailable`) and callers take their torch path."""
+
+    def __init__(self, event: str, env_switch: str, load: Callable[[], K], check: Callable[[K], None]) -> None:
+        self._event = event
+        self._env_switch = env_switch
+        self._load = load
+        self._check = check
+        self._lock = threading.Lock()
+        self._kernel: K | None = None
+        self._tried = False
+
+    def get(self) -> K | None:
+        if os.environ.get(self._env_switch, "1") == "0":
+            return None
+        if self._tried:
+            return self._kernel
+        with self._lock:
+            if not self._tried:
+                try:
+                    kernel = self._load()
+                    self._check(kernel)
+                    self._kernel = kernel
+                    log.info(f"{self._event}_ready")
+                except Exception as e:
+                    log.warning(f"{self._event}_unavailable", error=f"{type(e).__name__}: {e}")
+                    self._kernel = None
+                self._tried = True
+        return self._kernel
+
+
+_PAGED_DECODE = LazyKernel("native_paged_attention", _ENV_SWITCH, _load, _self_check)
 
 
 def paged_decode() -> PagedDecode | None:
     """The decode-attention kernel, built and checked on first call; None where unavailable."""
-    global _kernel, _tried
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        return None
-    if _tried:
-        return _kernel
-    with _lock:
-        if not _tried:
-            try:
-                kernel = _load()
-                _self_check(kernel)
-                _kernel = kernel
-                log.info("native_paged_attention_ready")
-            except Exception as e:
-                log.warning("native_paged_attention_unavailable", error=f"{type(e).__name__}: {e}")
-                _kernel = None
-            _tried = True
-    return _kernel
+    return _PAGED_DECODE.get()

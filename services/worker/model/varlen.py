@@ -19,17 +19,12 @@ attention uses the torch paths.
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from collections.abc import Callable
 
-import structlog
 import torch
 import torch.nn.functional as F
 
-from services.worker.model.native import KV_DTYPES, build_library, vector_flags
-
-log = structlog.get_logger(__name__)
+from services.worker.model.native import KV_DTYPES, LazyKernel, build_library, vector_flags
 
 _PRELUDE = r"""
 #include <stdint.h>
@@ -420,27 +415,9 @@ def _self_check(kernel: PagedPrefill) -> None:
                         )
 
 
-_lock = threading.Lock()
-_kernel: PagedPrefill | None = None
-_tried = False
+_PAGED_PREFILL = LazyKernel("native_varlen_attention", _ENV_SWITCH, _load, _self_check)
 
 
 def paged_prefill() -> PagedPrefill | None:
     """The varlen prefill kernel, built and checked on first call; None where unavailable."""
-    global _kernel, _tried
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        return None
-    if _tried:
-        return _kernel
-    with _lock:
-        if not _tried:
-            try:
-                kernel = _load()
-                _self_check(kernel)
-                _kernel = kernel
-                log.info("native_varlen_attention_ready")
-            except Exception as e:
-                log.warning("native_varlen_attention_unavailable", error=f"{type(e).__name__}: {e}")
-                _kernel = None
-            _tried = True
-    return _kernel
+    return _PAGED_PREFILL.get()
