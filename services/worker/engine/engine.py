@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.common.prefix import ROOT_HASH, block_hashes, chain_hash
 from services.worker.engine.cpu_share import CpuShare
 from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.request import FinishReason, RequestMode, RequestStatus
 from services.worker.engine.sampling import (
     PromptLogprob,
     SampleOutput,
@@ -65,8 +66,6 @@ from services.worker.model.attention import ForwardBatch
 from services.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
-
-FinishReason = Literal["stop", "length", "abort"]
 
 # Prompt positions whose logits are computed at once for prompt log-probs: [rows, vocab] float32.
 _PROMPT_LOGITS_ROWS = 256
@@ -313,26 +312,24 @@ class _Seq:
     blocks_reserved: int
     arrival_s: float
     queue: asyncio.Queue[TokenEvent | BaseException]
+    mode: RequestMode = RequestMode.COLOCATED
+    status: RequestStatus = RequestStatus.WAITING
     history: TokenHistory | None = None  # logit_bias and penalty state; None when unused
     prompt_logprobs: list[PromptLogprob] | None = None  # filled during the prefill when asked for
     output: list[int] = field(default_factory=list)
     resumed: int = 0  # tokens of `output` generated before a migration, or before a pause (recompute)
     num_computed: int = 0  # tokens whose K/V are in the cache
     last_token_s: float | None = None
-    finished: bool = False
-    handoff: bool = False  # prefill side: park the KV after the first token instead of decoding
-    kv_fill: KVFill | None = None  # decode side: the prompt's KV comes from another instance
-    fill_task: asyncio.Task[None] | None = None  # set while that KV is arriving
-    relay_fill: RelayFill | None = None  # a full partner: its first layers ran on a loading instance
-    zigzag: bool = False  # a loading instance: run the prompt through the layers held, until relayed
+    # The pull that brings its first tokens' KV (DECODE_FROM_KV) or first layers (ZigZag partner)
+    # from a peer, until it is started at admission.
+    fill: KVFill | RelayFill | None = None
+    fill_task: asyncio.Task[None] | None = None  # the pull, while it runs (status WAITING_FOR_KV)
     zz_layers: int = 0  # ZigZag: decoder layers of the prompt that ran (loading side) or arrived (partner)
     zz_hidden: torch.Tensor | None = None  # the prompt's hidden states after layer zz_layers
     relay_waiters: list[asyncio.Future[RelayOutcome]] = field(default_factory=list)
-    migrate: bool = False  # live migration asked: leave with its KV between steps
     slo: RequestSLO | None = None  # latency objectives (SCORPIO schedules by them; FCFS ignores them)
     scorpio: SLOTicket | None = None  # SCORPIO's view of it (scheduling_policy="scorpio" only)
-    paused: bool = False  # MAX_UTILIZATION paused it at least once: it has streamed tokens from here
-    swapped: _Swapped | None = None  # a paused request's KV in host memory (preemption_mode="swap")
+    swapped: _Swapped | None = None  # a paused request's KV in host memory (status SWAPPED)
     # Prefix caching: look its first tokens up when admitted / cache its full blocks once computed.
     prefix_lookup: bool = False
     prefix_register: bool = False
@@ -731,10 +728,13 @@ class Engine:
                 f"the model is still loading ({self.model.num_layers_loaded} of"
                 f" {self.model.config.num_hidden_layers} layers): only ZigZag requests run yet"
             )
-        # SCORPIO refuses only requests that have sent nothing yet and need nothing from a peer.
-        plain = not (handoff or kv_fill is not None or zigzag or relay_fill is not None or resumed)
-        if relay_fill is not None and not self._can_continue(len(prompt), sampling):
+        dropped_relay = relay_fill is not None and not self._can_continue(len(prompt), sampling)
+        if dropped_relay:
             relay_fill = None  # computed here whole, which is always correct
+        mode = RequestMode.of(handoff=handoff, kv_fill=kv_fill is not None, zigzag=zigzag, relay=relay_fill is not None)
+        # SCORPIO refuses only requests that have sent nothing yet and need nothing from a peer
+        # (one that came with a relay counts as relayed even when it is computed here whole).
+        plain = mode is RequestMode.COLOCATED and not resumed and not dropped_relay
         self.check_request(len(prompt), sampling, handoff=handoff)
         if (
             resumed
@@ -764,13 +764,11 @@ class Engine:
             queue=asyncio.Queue(),
             output=resumed,
             resumed=len(resumed),
-            handoff=handoff,
-            kv_fill=kv_fill,
-            zigzag=zigzag,
-            relay_fill=relay_fill,
+            mode=mode,
+            fill=kv_fill or relay_fill,
             slo=None if slo is None or slo.is_empty else slo,
         )
-        if zigzag:
+        if mode is RequestMode.ZIGZAG_FIRST_LAYERS:
             seq.blocks_reserved = self.kv_cache.blocks_needed(len(prompt))
         # Prefix caching skips computing a request's first tokens, so it is off where those must
         # run here or arrive from elsewhere: a ZigZag request on a loading instance runs its prompt
@@ -779,17 +777,15 @@ class Engine:
         # the pulled KV into all of the request's blocks (a shared block must never be written).
         # Prompt log-probs need every prompt position's hidden state, so such a request computes
         # its whole prompt, but its blocks may be cached for others.
-        seq.prefix_register = (
-            self.config.enable_prefix_caching and not zigzag and relay_fill is None and kv_fill is None
-        )
+        seq.prefix_register = self.config.enable_prefix_caching and mode.computes_prompt_here
         seq.prefix_lookup = seq.prefix_register and sampling.prompt_logprobs is None
-        if zigzag and request_id in self._relayed_early:
+        if mode is RequestMode.ZIGZAG_FIRST_LAYERS and request_id in self._relayed_early:
             # Its partner already took it over (the relay outran this request): nothing runs here.
             del self._relayed_early[request_id]
-            seq.finished = True
+            seq.status = RequestStatus.FINISHED_RELAYED
             seq.queue.put_nowait(TokenEvent(None, None, len(prompt), 0, zigzag_layers=0))
             return seq
-        if kv_fill is not None:
+        if mode is RequestMode.DECODE_FROM_KV:
             # The gap from here to its next token is a gap between tokens (the first came from
             # the prefill side), not a time to first token.
             seq.last_token_s = seq.arrival_s
@@ -868,7 +864,7 @@ class Engine:
                 if item.finish_reason is not None or item.parked_kv is not None or item.zigzag_layers is not None:
                     return
         finally:
-            if not seq.finished:
+            if not seq.status.is_finished():
                 self._finish(seq, "abort", notify=False)
 
     def offload_candidates(self, n: int, exclude: Collection[str] = ()) -> list[tuple[str, list[int], SamplingParams]]:
@@ -896,18 +892,14 @@ class Engine:
         return out
 
     def _offloadable(self, seq: _Seq) -> bool:
-        return not (
-            seq.finished
-            or seq.num_computed
-            or seq.output
-            or seq.resumed
-            or seq.kv_fill is not None
-            or seq.relay_fill is not None
-            or seq.fill_task is not None
-            or seq.zigzag
-            or seq.migrate
-            or seq.swapped is not None
-            or not self._can_continue(len(seq.prompt), seq.params)
+        # Queued and not swapped out (a request paused with nothing generated yet may go), its
+        # KV not to come from a peer, not a ZigZag request itself, and nothing of it started.
+        return (
+            seq.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            and seq.fill is None
+            and seq.mode is not RequestMode.ZIGZAG_FIRST_LAYERS
+            and not (seq.num_computed or seq.output or seq.resumed)
+            and self._can_continue(len(seq.prompt), seq.params)
         )
 
     def _can_continue(self, prompt_len: int, params: SamplingParams) -> bool:
@@ -922,9 +914,10 @@ class Engine:
         computing them. False, and nothing changes, when the request is no longer waiting or not
         eligible (see `offload_candidates`); a relay that brings no layer computes it whole."""
         seq = self._by_id.get(request_id)
-        if seq is None or seq not in self._waiting or not self._offloadable(seq):
+        if seq is None or not self._offloadable(seq):
             return False
-        seq.relay_fill = relay_fill
+        seq.fill = relay_fill
+        seq.mode = seq.mode.with_relay()
         # As for a request routed to its partner: it runs the remaining layers over the whole
         # prompt, so no cached prefix may stand in for its first tokens (see `_add`).
         seq.prefix_register = seq.prefix_lookup = False
@@ -934,7 +927,7 @@ class Engine:
         """Abort a request: its stream ends with an "abort" event and its KV is freed now.
         Unknown or finished ids are ignored (the request may just have finished)."""
         seq = self._by_id.get(request_id)
-        if seq is not None and not seq.finished:
+        if seq is not None and not seq.status.is_finished():
             self._finish(seq, "abort")
 
     def release_running(self, max_requests: int, reason: str) -> list[str]:
@@ -947,10 +940,16 @@ class Engine:
         for seq in reversed(self._running):
             if len(chosen) >= max_requests:
                 break
-            decoding = seq.output and seq.pending == 1 and not seq.handoff
-            if not decoding or seq.zigzag or seq.fill_task is not None or seq.zz_hidden is not None or seq.migrate:
+            decoding = seq.output and seq.pending == 1 and not seq.mode.hands_off
+            # Running (its KV not arriving, not already leaving), its ZigZag continuation booked.
+            if (
+                not decoding
+                or seq.status is not RequestStatus.RUNNING
+                or seq.mode is RequestMode.ZIGZAG_FIRST_LAYERS
+                or seq.zz_hidden is not None
+            ):
                 continue
-            seq.migrate = True
+            seq.status = RequestStatus.MIGRATING
             chosen.append(seq.request_id)
         if chosen:
             log.info("release_running", requests=len(chosen), reason=reason)
@@ -959,9 +958,9 @@ class Engine:
 
     def _migrate_flagged(self) -> None:
         """Between steps: park the KV of the requests `release_running` chose, ending their streams."""
-        for seq in [s for s in self._running if s.migrate]:
+        for seq in [s for s in self._running if s.status is RequestStatus.MIGRATING]:
             kv_tokens = seq.num_computed
-            parked = self._park(seq)
+            parked = self._park(seq, RequestStatus.FINISHED_HANDED_OFF)
             seq.queue.put_nowait(
                 TokenEvent(None, None, len(seq.prompt), len(seq.output), parked_kv=parked, kv_tokens=kv_tokens)
             )
@@ -973,9 +972,9 @@ class Engine:
         is queued too but has streamed tokens from here: it stays, and resumes here. Returns
         their ids."""
         released: list[str] = []
-        for seq in [s for s in reversed(self._waiting) if not s.paused][:max_requests]:
+        for seq in [s for s in reversed(self._waiting) if s.status is RequestStatus.WAITING][:max_requests]:
             self._waiting.remove(seq)
-            seq.finished = True
+            seq.status = RequestStatus.FINISHED_MOVED
             self._by_id.pop(seq.request_id, None)
             seq.queue.put_nowait(
                 RequestMovedError(f"request {seq.request_id!r} released to another instance: {reason}")
@@ -1002,16 +1001,16 @@ class Engine:
         to pull; its stream ends with `zigzag_layers`. A request not here yet ends at once when
         it arrives; one still queued, or finished, gives `layers == 0`."""
         seq = self._by_id.get(request_id)
-        if seq is None or not seq.zigzag:
+        if seq is None or seq.mode is not RequestMode.ZIGZAG_FIRST_LAYERS:
             if seq is None:
                 self._relayed_early[request_id] = None
                 while len(self._relayed_early) > _MAX_EARLY_RELAYS:
                     self._relayed_early.popitem(last=False)
             return RelayOutcome(0, 0)
-        if seq in self._waiting:
+        if seq.status is RequestStatus.WAITING:  # never paused: it holds its reservation
             self._waiting.remove(seq)
             self._by_id.pop(request_id, None)
-            seq.finished = True
+            seq.status = RequestStatus.FINISHED_RELAYED
             seq.queue.put_nowait(TokenEvent(None, None, len(seq.prompt), 0, zigzag_layers=0))
             self.zigzag["relayed"] += 1
             return RelayOutcome(0, len(seq.prompt))
@@ -1034,9 +1033,10 @@ class Engine:
 
     def _relay_now(self, seq: _Seq) -> RelayOutcome:
         layers, hidden = seq.zz_layers, seq.zz_hidden
-        parked = self._park(seq) if layers > 0 else None
+        parked = self._park(seq, RequestStatus.FINISHED_RELAYED) if layers > 0 else None
         if parked is None:
             self._finish(seq, "abort", notify=False)
+            seq.status = RequestStatus.FINISHED_RELAYED
         seq.zz_hidden = None
         outcome = RelayOutcome(layers, len(seq.prompt), parked, hidden)
         seq.queue.put_nowait(
@@ -1051,21 +1051,21 @@ class Engine:
         self.zigzag["relayed"] += 1
         return outcome
 
-    def _park(self, seq: _Seq) -> str:
-        """Stop `seq` after its first token and keep its KV under a fresh cache id, so the
+    def _park(self, seq: _Seq, status: RequestStatus) -> str:
+        """Stop `seq` (ending as `status`) and keep its KV under a fresh cache id, so the
         request id is free at once (a retry may bring it back here) while a peer pulls."""
         self._park_seq += 1
         parked = f"{seq.request_id}#handoff-{self._park_seq}"
         self.kv_cache.rename(seq.request_id, parked)
         self._parked[parked] = self.kv_cache.num_blocks_of(parked)
-        seq.finished = True
+        seq.status = status
         self._by_id.pop(seq.request_id, None)
         self._running.remove(seq)
         self._wake.set()
         return parked
 
     def _finish(self, seq: _Seq, reason: FinishReason, notify: bool = True) -> None:
-        seq.finished = True
+        seq.status = RequestStatus.finished(reason)
         seq.zz_hidden = None
         for waiter in seq.relay_waiters:
             if not waiter.done():
@@ -1091,7 +1091,7 @@ class Engine:
         # One exception object per consumer: raising a shared one from several tasks would mix
         # their tracebacks.
         for seq in [*self._running, *self._waiting]:
-            seq.finished = True
+            seq.status = RequestStatus.FINISHED_FAILED
             for waiter in seq.relay_waiters:
                 if not waiter.done():
                     waiter.set_result(RelayOutcome(0, len(seq.prompt)))
@@ -1154,7 +1154,7 @@ class Engine:
         # on bench.autoscale that was worse still (SLO 0.47-0.54 against 0.59-0.62).
         waiting = list(self._waiting) if self._scorpio is None else self._scorpio_waiting()
         if self.config.zigzag_partner_order == "relay_first":
-            waiting.sort(key=lambda s: s.relay_fill is None)  # stable: arrival order within each
+            waiting.sort(key=lambda s: s.fill is None or not s.mode.relayed)  # stable: arrival order within each
         # SCORPIO: decode rows short of a credit sit this iteration out.
         held = self._scorpio_held() if self._scorpio is not None else frozenset()
         # Cached prefixes of the requests that could be admitted now (no more than the free
@@ -1171,16 +1171,19 @@ class Engine:
             # and a ZigZag request on a loading instance is run layer by layer outside the plan.
             [
                 RunningSeq(
-                    s.request_id, 0 if s.fill_task is not None or s.zigzag or s.request_id in held else s.pending
+                    s.request_id,
+                    0
+                    if s.status is RequestStatus.WAITING_FOR_KV
+                    or s.mode is RequestMode.ZIGZAG_FIRST_LAYERS
+                    or s.request_id in held
+                    else s.pending,
                 )
                 for s in self._running
             ],
             [
                 WaitingSeq(
                     s.request_id,
-                    0
-                    if s.kv_fill is not None or s.relay_fill is not None
-                    else s.prefill_len - bs * len(matches.get(s.request_id, ())),
+                    0 if s.fill is not None else s.prefill_len - bs * len(matches.get(s.request_id, ())),
                     s.blocks_reserved - sum(1 for b in matches.get(s.request_id, ()) if self.kv_cache.ref_count(b) > 0),
                 )
                 for s in waiting
@@ -1198,7 +1201,8 @@ class Engine:
             seq = self._by_id[request_id]
             self._waiting.remove(seq)
             self._running.append(seq)
-            if seq.kv_fill is not None or seq.relay_fill is not None or seq.zigzag:
+            seq.status = RequestStatus.RUNNING
+            if seq.fill is not None or seq.mode is RequestMode.ZIGZAG_FIRST_LAYERS:
                 deferred.append(seq)
                 continue
             prefix = matches.get(request_id, [])
@@ -1210,12 +1214,13 @@ class Engine:
                 self._prefix_query_tokens += seq.prefill_len
         for seq in deferred:
             request_id = seq.request_id
-            fill = seq.kv_fill or seq.relay_fill
-            if fill is not None:
+            if seq.fill is not None:
                 # Its blocks are taken now, between steps: blocks freed while a step computes
                 # (an abort) may still be written by that step, and must not receive KV.
-                self.kv_cache.allocate(request_id, seq.num_tokens - 1 if seq.kv_fill is not None else seq.num_tokens)
+                pulls_kv = seq.mode is RequestMode.DECODE_FROM_KV
+                self.kv_cache.allocate(request_id, seq.num_tokens - 1 if pulls_kv else seq.num_tokens)
                 filling.add(request_id)
+                seq.status = RequestStatus.WAITING_FOR_KV
                 seq.fill_task = asyncio.get_running_loop().create_task(self._fill(seq), name=f"kv-fill-{request_id}")
             else:
                 self.kv_cache.allocate(request_id, len(seq.prompt))
@@ -1312,14 +1317,14 @@ class Engine:
 
         for part, hidden in zip(inp.partials, partial_out, strict=True):
             seq = part.seq
-            if seq.finished:
+            if seq.status.is_finished():
                 continue
             seq.zz_layers, seq.zz_hidden = part.layer_end, hidden
             if seq.relay_waiters:
                 self._relay_now(seq)
         for work, results in zip(inp.prompt_work, prompt_out, strict=True):
             seq = seqs[inp.regular_rows[work.row]]
-            if seq.prompt_logprobs is not None and not seq.finished:
+            if seq.prompt_logprobs is not None and not seq.status.is_finished():
                 seq.prompt_logprobs.extend(
                     PromptLogprob(t, lp, top) for t, (lp, top) in zip(work.targets, results, strict=True)
                 )
@@ -1329,7 +1334,7 @@ class Engine:
             sampled = dict(zip(inp.sample_rows, picks, strict=True))
         generated = 0
         for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
-            if seq.finished or n == 0:
+            if seq.status.is_finished() or n == 0:
                 continue  # aborted while the step ran (its blocks are already back in the pool), or deferred
             seq.num_computed += n
             if seq.prefix_register:
@@ -1360,13 +1365,11 @@ class Engine:
         one whose KV is arriving or whose ZigZag continuation has not run yet (a pull writes into
         its blocks), and one leaving by live migration."""
         return not (
-            seq.handoff
-            or seq.zigzag
-            or seq.kv_fill is not None
-            or seq.relay_fill is not None
-            or seq.fill_task is not None
+            seq.mode.hands_off
+            or seq.mode is RequestMode.ZIGZAG_FIRST_LAYERS
+            or seq.fill is not None
+            or seq.status in (RequestStatus.WAITING_FOR_KV, RequestStatus.MIGRATING)
             or seq.zz_hidden is not None
-            or seq.migrate
         )
 
     @property
@@ -1412,11 +1415,11 @@ class Engine:
         if not paused:
             self._swap_in()
         for seq in self._waiting:
-            if seq.swapped is not None:
+            if seq.status is RequestStatus.SWAPPED:
                 # Never admitted by the scheduler (which would prefill it from scratch): the
                 # queue stops at it until `_swap_in` restores it.
                 seq.blocks_reserved = cache.total_blocks + 1
-            elif seq.paused:
+            elif seq.status is RequestStatus.PREEMPTED:
                 # Back only when all of its recomputed tokens fit: started on a first chunk, it
                 # would be the most recent again and the first to be paused again.
                 seq.blocks_reserved = blocks_for(seq.num_tokens, bs)
@@ -1452,7 +1455,7 @@ class Engine:
                 del seq.prompt_logprobs[1:]  # computed again with the prompt
         self.kv_cache.free(seq.request_id)
         seq.num_computed = 0
-        seq.paused = True
+        seq.status = RequestStatus.SWAPPED if swap else RequestStatus.PREEMPTED
         self._running.remove(seq)
         self._waiting.appendleft(seq)
         self.preemptions["swap" if swap else "recompute"] += 1
@@ -1470,9 +1473,10 @@ class Engine:
         bs = self.kv_cache.block_size
         while self._waiting and len(self._running) < self.config.max_batch_size:
             seq = self._waiting[0]
-            swapped = seq.swapped
-            if swapped is None:
+            if seq.status is not RequestStatus.SWAPPED:
                 return
+            swapped = seq.swapped
+            assert swapped is not None
             held = blocks_for(swapped.num_tokens, bs)
             need = held + next_step_blocks(
                 computed_tokens=swapped.num_tokens,
@@ -1487,6 +1491,7 @@ class Engine:
             self.kv_cache.copy_in(seq.request_id, swapped.k, swapped.v)
             seq.num_computed = swapped.num_tokens
             seq.swapped = None
+            seq.status = RequestStatus.RUNNING
             seq.blocks_reserved = need
             self._running.append(seq)
             log.info("request_swapped_in", request_id=seq.request_id, kv_tokens=swapped.num_tokens)
@@ -1525,7 +1530,7 @@ class Engine:
         work: list[_Partial] = []
         # Requests a partner is waiting to take over go first, then in arrival order.
         for seq in sorted(self._running, key=lambda s: not s.relay_waiters):
-            if not seq.zigzag or seq.finished or seq.zz_layers >= loaded:
+            if seq.mode is not RequestMode.ZIGZAG_FIRST_LAYERS or seq.status.is_finished() or seq.zz_layers >= loaded:
                 continue
             n = len(seq.prompt)
             if work and n > budget:
@@ -1545,9 +1550,8 @@ class Engine:
         the hidden states (taken over from a loading instance, ZigZag). On failure fall back to
         computing it here. Cancelled when the request ends first: then its blocks are freed here,
         after the pull has unwound."""
-        fill: KVFill | RelayFill | None = seq.kv_fill or seq.relay_fill
-        relay = seq.relay_fill is not None
-        seq.kv_fill = seq.relay_fill = None
+        fill, seq.fill = seq.fill, None
+        relay = seq.mode.relayed
         assert fill is not None
         result: object = None
         ok = False
@@ -1560,9 +1564,11 @@ class Engine:
             log.warning("kv_fill_failed", request_id=seq.request_id, relay=relay, error=f"{type(e).__name__}: {e}")
         finally:
             seq.fill_task = None
-            if seq.finished:
+            if seq.status.is_finished():
                 self.kv_cache.free(seq.request_id)
-        if seq.finished:
+            else:
+                seq.status = RequestStatus.RUNNING
+        if seq.status.is_finished():
             return
         if ok and relay and isinstance(result, Relayed) and result.layers > 0 and result.hidden is not None:
             # The remaining layers run here, on the hidden states it brought (see _step).
@@ -1597,9 +1603,9 @@ class Engine:
         elif len(seq.output) >= seq.params.max_tokens:
             reason = "length"
         prompt_lps = tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else ()
-        if seq.handoff and reason is None:
+        if seq.mode.hands_off and reason is None:
             kv_tokens = seq.num_computed
-            parked = self._park(seq)
+            parked = self._park(seq, RequestStatus.FINISHED_HANDED_OFF)
             seq.queue.put_nowait(
                 TokenEvent(token, None, len(seq.prompt), len(seq.output), logprob, top, prompt_lps, parked, kv_tokens)
             )
@@ -1716,7 +1722,7 @@ class Engine:
     def _scorpio_reject_waiting(self, seq: _Seq, error: SLOUnattainable) -> None:
         # Queued: no KV, no token sent; its stream raises the error.
         self._waiting.remove(seq)
-        seq.finished = True
+        seq.status = RequestStatus.FINISHED_REJECTED
         self._by_id.pop(seq.request_id, None)
         seq.queue.put_nowait(error)
 
@@ -1751,7 +1757,9 @@ class Engine:
         seq.scorpio = ticket = SLOTicket(
             deadline_s=deadline_s(seq.arrival_s, slo.ttft_s if slo is not None and plain else None),
             # Hand-offs and ZigZag requests on a loading instance never decode here.
-            tpot_s=slo.tpot_s if slo is not None and not (seq.handoff or seq.zigzag) else None,
+            tpot_s=slo.tpot_s
+            if slo is not None and not (seq.mode.hands_off or seq.mode is RequestMode.ZIGZAG_FIRST_LAYERS)
+            else None,
             predicted_output_tokens=sc.lengths.predict(len(seq.prompt), seq.params.max_tokens),
             refusable=plain and slo is not None,
         )
@@ -1823,7 +1831,10 @@ class Engine:
         decoding = {
             s.request_id: s.scorpio.tpot_s if s.scorpio is not None else None
             for s in self._running
-            if s.pending == 1 and s.num_computed >= s.prefill_len and s.fill_task is None and not s.zigzag
+            if s.pending == 1
+            and s.num_computed >= s.prefill_len
+            and s.status is not RequestStatus.WAITING_FOR_KV
+            and s.mode is not RequestMode.ZIGZAG_FIRST_LAYERS
         }
         chosen = self._scorpio.batcher.step(decoding)
         return frozenset(decoding.keys() - set(chosen))
@@ -1907,7 +1918,7 @@ class Engine:
             kv_blocks_reserved=reserved,
             kv_blocks_total=self.kv_cache.total_blocks,
             kv_blocks_parked=sum(self._parked.values()),
-            zigzag_running=sum(1 for s in self._running if s.zigzag),
+            zigzag_running=sum(1 for s in self._running if s.mode is RequestMode.ZIGZAG_FIRST_LAYERS),
             zigzag_relayed_total=self.zigzag["relayed"],
             zigzag_continued_total=self.zigzag["continued"],
             decode_tokens_per_s=self._decode_window.total(now) / span,
