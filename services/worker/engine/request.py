@@ -7,8 +7,19 @@ then the admitted ones (holding a batch slot and KV blocks), then the finished o
 
 from __future__ import annotations
 
+import asyncio
 import enum
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from services.worker.engine.sampling import PromptLogprob, SamplingParams, TokenHistory
+from services.worker.engine.scorpio import SLOTicket
+from services.worker.engine.slo import RequestSLO
+
+if TYPE_CHECKING:
+    from services.worker.engine.engine import KVFill, RelayFill, RelayOutcome, TokenEvent
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -116,3 +127,73 @@ class RequestMode(enum.Enum):
         if zigzag:
             return RequestMode.ZIGZAG_FIRST_LAYERS
         return RequestMode.COLOCATED
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """A request as the engine holds it: its tokens, where it stands (`status`), how it runs
+    (`mode`), and the state of the features that touch it."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    blocks_reserved: int
+    arrival_s: float
+    queue: asyncio.Queue[TokenEvent | BaseException]
+    mode: RequestMode = RequestMode.COLOCATED
+    status: RequestStatus = RequestStatus.WAITING
+    history: TokenHistory | None = None  # logit_bias and penalty state; None when unused
+    prompt_logprobs: list[PromptLogprob] | None = None  # filled during the prefill when asked for
+    output: list[int] = field(default_factory=list)
+    resumed: int = 0  # tokens of `output` generated before a migration, or before a pause (recompute)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    last_token_s: float | None = None
+    # The pull that brings its first tokens' KV (DECODE_FROM_KV) or first layers (ZigZag partner)
+    # from a peer, until it is started at admission.
+    fill: KVFill | RelayFill | None = None
+    fill_task: asyncio.Task[None] | None = None  # the pull, while it runs (status WAITING_FOR_KV)
+    zz_layers: int = 0  # ZigZag: decoder layers of the prompt that ran (loading side) or arrived (partner)
+    zz_hidden: torch.Tensor | None = None  # the prompt's hidden states after layer zz_layers
+    relay_waiters: list[asyncio.Future[RelayOutcome]] = field(default_factory=list)
+    slo: RequestSLO | None = None  # latency objectives (SCORPIO schedules by them; FCFS ignores them)
+    scorpio: SLOTicket | None = None  # SCORPIO's view of it (scheduling_policy="scorpio" only)
+    swapped: SwappedKV | None = None  # a paused request's KV in host memory (status SWAPPED)
+    # Prefix caching: look its first tokens up when admitted / cache its full blocks once computed.
+    prefix_lookup: bool = False
+    prefix_register: bool = False
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its first full blocks
+    num_registered: int = 0  # blocks of its table offered to the prefix cache so far
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens present when the request arrived: its prompt plus any resumed output."""
+        return len(self.prompt) + self.resumed
+
+    @property
+    def pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        """Tokens [start, start + n) of prompt + output, without concatenating the two."""
+        p = len(self.prompt)
+        if start + n <= p:
+            return self.prompt[start : start + n]
+        if start >= p:
+            return self.output[start - p : start - p + n]
+        return self.prompt[start:] + self.output[: start + n - p]
+
+
+@dataclass(frozen=True)
+class SwappedKV:
+    """The KV of a paused request's first `num_tokens` tokens, copied out of the pool
+    (`KVCache.copy_out`), until it is copied back into fresh blocks."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    num_tokens: int
