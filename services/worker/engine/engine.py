@@ -9,6 +9,7 @@ or clock read), the model on the compute thread (`StepOutputs`), then `Engine.ap
 results). The features are components called at fixed points of it (see the step section):
 the queue policy (`policy.py`: FCFS, SCORPIO), MAX_UTILIZATION preemption (`preemption.py`),
 prefix caching, ZigZag, KV hand-off and pacing. A request's mode and status are `request.py`'s.
+docs/engine-step.md describes the step.
 """
 
 from __future__ import annotations
