@@ -13,6 +13,7 @@ from services.common.waiting import wait_until
 from services.model_format import synth
 from services.worker.engine.engine import Engine, EngineConfig, PacingProfile, TokenEvent
 from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.request import RequestStatus
 from services.worker.engine.sampling import SamplingParams
 from services.worker.engine.scheduler import CapacityPolicy
 from services.worker.model.llama import LlamaForCausalLM, load_model
@@ -147,7 +148,9 @@ async def test_a_paused_request_is_not_released_to_another_instance(model: Llama
     async with engine:
         tasks = [asyncio.create_task(collect_all(engine, f"r{i}", PROMPTS[i], GREEDY)) for i in range(len(PROMPTS))]
         paused = await wait_until(
-            lambda: [s.request_id for s in engine._waiting if s.paused], 10, what="a paused request in the queue"
+            lambda: [s.request_id for s in engine._waiting if s.status is RequestStatus.PREEMPTED],
+            10,
+            what="a paused request in the queue",
         )
         released = engine.release_waiting(10, "test")
         assert not set(paused) & set(released)

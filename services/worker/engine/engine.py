@@ -3,6 +3,13 @@
 Requests join and leave between iterations. The scheduling and bookkeeping run on the event
 loop; the model step (forward + sampling) runs on one dedicated compute thread, so gRPC handlers
 sharing the loop stay responsive while a step computes.
+
+An iteration is `Engine.plan` (decide and book the step: a `StepPlan`, with no model call, await
+or clock read), the model on the compute thread (`StepOutputs`), then `Engine.apply` (book the
+results). The features are components called at fixed points of it (see the step section):
+the queue policy (`policy.py`: FCFS, SCORPIO), MAX_UTILIZATION preemption (`preemption.py`),
+prefix caching, ZigZag, KV hand-off and pacing. A request's mode and status are `request.py`'s.
+docs/engine-step.md describes the step.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import structlog
@@ -25,9 +32,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.common.prefix import ROOT_HASH, block_hashes, chain_hash
 from services.worker.engine.cpu_share import CpuShare
 from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.policy import FcfsPolicy, QueuePolicy, ScorpioPolicy
+from services.worker.engine.preemption import Preemption
+from services.worker.engine.request import EngineRequest, FinishReason, RequestMode, RequestStatus
 from services.worker.engine.sampling import (
     PromptLogprob,
-    SampleOutput,
     SamplingParams,
     TokenHistory,
     TopLogprobs,
@@ -35,45 +44,33 @@ from services.worker.engine.sampling import (
     sample,
 )
 from services.worker.engine.scheduler import (
-    ActiveSeq,
     CapacityPolicy,
     RunningSeq,
     Schedule,
     SchedulerLimits,
     WaitingSeq,
-    blocks_for,
-    fold_paused_prompt,
-    next_step_blocks,
-    pick_victims,
     schedule,
-    start_blocks,
 )
-from services.worker.engine.scorpio import (
-    Member,
-    ScorpioState,
-    SLOTicket,
-    TPOTDecision,
-    deadline_s,
-    judge_tpot,
-    judge_ttft,
-    trp,
-    vbs,
+from services.worker.engine.slo import RequestSLO, SLOUnattainable
+from services.worker.engine.step import (
+    Continuation,
+    Partial,
+    PromptWork,
+    StepInput,
+    StepOutputs,
+    StepPlan,
+    StepRow,
 )
-from services.worker.engine.slo import RequestSLO, SLOKind, SLOUnattainable
 from services.worker.model import fused, native
 from services.worker.model.attention import ForwardBatch
 from services.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
-FinishReason = Literal["stop", "length", "abort"]
-
 # Prompt positions whose logits are computed at once for prompt log-probs: [rows, vocab] float32.
 _PROMPT_LOGITS_ROWS = 256
 # ZigZag relays remembered for requests that have not arrived yet (bounded: most never come).
 _MAX_EARLY_RELAYS = 1024
-# SCORPIO logs its fits (scorpio_fit) once per this many steps.
-_SCORPIO_LOG_EVERY_STEPS = 1000
 
 
 class RequestTooLarge(ValueError):
@@ -303,130 +300,6 @@ class StepRecord:
     step_s: float
 
 
-@dataclass(eq=False)
-class _Seq:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    stop_ids: frozenset[int]
-    blocks_reserved: int
-    arrival_s: float
-    queue: asyncio.Queue[TokenEvent | BaseException]
-    history: TokenHistory | None = None  # logit_bias and penalty state; None when unused
-    prompt_logprobs: list[PromptLogprob] | None = None  # filled during the prefill when asked for
-    output: list[int] = field(default_factory=list)
-    resumed: int = 0  # tokens of `output` generated before a migration, or before a pause (recompute)
-    num_computed: int = 0  # tokens whose K/V are in the cache
-    last_token_s: float | None = None
-    finished: bool = False
-    handoff: bool = False  # prefill side: park the KV after the first token instead of decoding
-    kv_fill: KVFill | None = None  # decode side: the prompt's KV comes from another instance
-    fill_task: asyncio.Task[None] | None = None  # set while that KV is arriving
-    relay_fill: RelayFill | None = None  # a full partner: its first layers ran on a loading instance
-    zigzag: bool = False  # a loading instance: run the prompt through the layers held, until relayed
-    zz_layers: int = 0  # ZigZag: decoder layers of the prompt that ran (loading side) or arrived (partner)
-    zz_hidden: torch.Tensor | None = None  # the prompt's hidden states after layer zz_layers
-    relay_waiters: list[asyncio.Future[RelayOutcome]] = field(default_factory=list)
-    migrate: bool = False  # live migration asked: leave with its KV between steps
-    slo: RequestSLO | None = None  # latency objectives (SCORPIO schedules by them; FCFS ignores them)
-    scorpio: SLOTicket | None = None  # SCORPIO's view of it (scheduling_policy="scorpio" only)
-    paused: bool = False  # MAX_UTILIZATION paused it at least once: it has streamed tokens from here
-    swapped: _Swapped | None = None  # a paused request's KV in host memory (preemption_mode="swap")
-    # Prefix caching: look its first tokens up when admitted / cache its full blocks once computed.
-    prefix_lookup: bool = False
-    prefix_register: bool = False
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its first full blocks
-    num_registered: int = 0  # blocks of its table offered to the prefix cache so far
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def prefill_len(self) -> int:
-        """Tokens present when the request arrived: its prompt plus any resumed output."""
-        return len(self.prompt) + self.resumed
-
-    @property
-    def pending(self) -> int:
-        return self.num_tokens - self.num_computed
-
-    def tokens(self, start: int, n: int) -> list[int]:
-        """Tokens [start, start + n) of prompt + output, without concatenating the two."""
-        p = len(self.prompt)
-        if start + n <= p:
-            return self.prompt[start : start + n]
-        if start >= p:
-            return self.output[start - p : start - p + n]
-        return self.prompt[start:] + self.output[: start + n - p]
-
-
-@dataclass(frozen=True)
-class _Swapped:
-    """The KV of a paused request's first `num_tokens` tokens, copied out of the pool
-    (`KVCache.copy_out`), until it is copied back into fresh blocks."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class _PromptWork:
-    """Prompt log-probs wanted from row `row` of a step: its new tokens, in order, predict
-    `targets` (the prompt token after each)."""
-
-    row: int
-    targets: list[int]
-    k: int
-
-
-@dataclass(frozen=True)
-class _Continuation:
-    """ZigZag, the full partner: a prompt's remaining layers [layer_start, L) from `hidden`."""
-
-    row: int
-    layer_start: int
-    hidden: torch.Tensor
-    num_tokens: int
-    block_table: list[int]
-
-
-@dataclass(frozen=True)
-class _Partial:
-    """ZigZag, a loading instance: layers [layer_start, layer_end) of `seq`'s prompt."""
-
-    seq: _Seq
-    layer_start: int
-    layer_end: int
-    num_tokens: int
-    block_table: list[int]
-    # The hidden states after layer_start (None from the embedding), taken when the step is
-    # planned: the compute thread must not read `seq`, which an abort may clear meanwhile.
-    hidden: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class _StepInput:
-    """One step's work. The regular batch is indexed locally (`regular_rows[i]` is its row in the
-    plan); `sample_rows` lists plan rows in sampling order: regular ones, then continuations."""
-
-    input_ids: list[int]
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    sample_rows: list[int]
-    params: list[SamplingParams]
-    generators: list[torch.Generator | None]
-    histories: list[TokenHistory | None] = field(default_factory=list)
-    prompt_work: list[_PromptWork] = field(default_factory=list)
-    regular_rows: list[int] = field(default_factory=list)
-    logits_local: list[int] = field(default_factory=list)
-    continuations: list[_Continuation] = field(default_factory=list)
-    partials: list[_Partial] = field(default_factory=list)
-
-
 class _Window:
     """Timestamped samples kept for `window_s` (and at most `maxlen`), for rates and percentiles."""
 
@@ -512,9 +385,9 @@ class Engine:
             max_num_tokens=self.config.max_num_tokens,
             chunked_prefill=self.config.enable_chunked_prefill,
         )
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
-        self._by_id: dict[str, _Seq] = {}
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: list[EngineRequest] = []
+        self._by_id: dict[str, EngineRequest] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -540,8 +413,21 @@ class Engine:
         self._prefix_query_tokens = 0
         # Relayed before they arrived: they end at once when they do (the oldest forgotten first).
         self._relayed_early: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._scorpio = ScorpioState() if self.config.scheduling_policy == "scorpio" else None
-        self.preemptions = {"recompute": 0, "swap": 0}  # MAX_UTILIZATION: pauses so far, by how
+        # Queue order and SLO refusals (FCFS or SCORPIO), called at fixed points of each step.
+        self._policy: QueuePolicy = ScorpioPolicy() if self.config.scheduling_policy == "scorpio" else FcfsPolicy()
+        # MAX_UTILIZATION: pauses and swap-ins, the first stage of `plan`.
+        context = cfg.max_context_tokens
+        self._preemption = Preemption(
+            kv_cache,
+            self._running,
+            self._waiting,
+            self._limits,
+            self._available_blocks,
+            mode=self.config.preemption_mode,
+            # Without chunked prefill a paused request is recomputed in one iteration.
+            max_input_len=context if self.config.enable_chunked_prefill else min(context, self.config.max_num_tokens),
+        )
+        self.preemptions = self._preemption.counts  # MAX_UTILIZATION: pauses so far, by how
 
     @classmethod
     def create(
@@ -686,11 +572,8 @@ class Engine:
         zigzag: bool = False,
         relay_fill: RelayFill | None = None,
         slo: RequestSLO | None = None,
-    ) -> _Seq:
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop crashed: {self._dead!r}") from self._dead
-        if self._stopped or self._task is None:
-            raise EngineStoppedError("engine is not running (call start())")
+    ) -> EngineRequest:
+        """Check a request and queue it (the loop must be running; `generate` checks)."""
         if request_id in self._by_id:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         prompt = list(prompt_token_ids)
@@ -731,10 +614,13 @@ class Engine:
                 f"the model is still loading ({self.model.num_layers_loaded} of"
                 f" {self.model.config.num_hidden_layers} layers): only ZigZag requests run yet"
             )
-        # SCORPIO refuses only requests that have sent nothing yet and need nothing from a peer.
-        plain = not (handoff or kv_fill is not None or zigzag or relay_fill is not None or resumed)
-        if relay_fill is not None and not self._can_continue(len(prompt), sampling):
+        dropped_relay = relay_fill is not None and not self._can_continue(len(prompt), sampling)
+        if dropped_relay:
             relay_fill = None  # computed here whole, which is always correct
+        mode = RequestMode.of(handoff=handoff, kv_fill=kv_fill is not None, zigzag=zigzag, relay=relay_fill is not None)
+        # SCORPIO refuses only requests that have sent nothing yet and need nothing from a peer
+        # (one that came with a relay counts as relayed even when it is computed here whole).
+        plain = mode is RequestMode.COLOCATED and not resumed and not dropped_relay
         self.check_request(len(prompt), sampling, handoff=handoff)
         if (
             resumed
@@ -748,7 +634,7 @@ class Engine:
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids |= self.eos_token_ids
-        seq = _Seq(
+        seq = EngineRequest(
             request_id=request_id,
             prompt=prompt,
             params=sampling,
@@ -764,13 +650,11 @@ class Engine:
             queue=asyncio.Queue(),
             output=resumed,
             resumed=len(resumed),
-            handoff=handoff,
-            kv_fill=kv_fill,
-            zigzag=zigzag,
-            relay_fill=relay_fill,
+            mode=mode,
+            fill=kv_fill or relay_fill,
             slo=None if slo is None or slo.is_empty else slo,
         )
-        if zigzag:
+        if mode is RequestMode.ZIGZAG_FIRST_LAYERS:
             seq.blocks_reserved = self.kv_cache.blocks_needed(len(prompt))
         # Prefix caching skips computing a request's first tokens, so it is off where those must
         # run here or arrive from elsewhere: a ZigZag request on a loading instance runs its prompt
@@ -779,25 +663,22 @@ class Engine:
         # the pulled KV into all of the request's blocks (a shared block must never be written).
         # Prompt log-probs need every prompt position's hidden state, so such a request computes
         # its whole prompt, but its blocks may be cached for others.
-        seq.prefix_register = (
-            self.config.enable_prefix_caching and not zigzag and relay_fill is None and kv_fill is None
-        )
+        seq.prefix_register = self.config.enable_prefix_caching and mode.computes_prompt_here
         seq.prefix_lookup = seq.prefix_register and sampling.prompt_logprobs is None
-        if zigzag and request_id in self._relayed_early:
+        if mode is RequestMode.ZIGZAG_FIRST_LAYERS and request_id in self._relayed_early:
             # Its partner already took it over (the relay outran this request): nothing runs here.
             del self._relayed_early[request_id]
-            seq.finished = True
+            seq.status = RequestStatus.FINISHED_RELAYED
             seq.queue.put_nowait(TokenEvent(None, None, len(prompt), 0, zigzag_layers=0))
             return seq
-        if kv_fill is not None:
+        if mode is RequestMode.DECODE_FROM_KV:
             # The gap from here to its next token is a gap between tokens (the first came from
             # the prefill side), not a time to first token.
             seq.last_token_s = seq.arrival_s
         if seq.history is not None:
             for token in resumed:
                 seq.history.add(token)
-        if self._scorpio is not None:
-            self._scorpio_arrive(seq, plain)
+        self._policy.arrive(seq, plain, self._waiting, self._running)
         self._by_id[request_id] = seq
         self._waiting.append(seq)
         self._wake.set()
@@ -848,6 +729,10 @@ class Engine:
 
         `slo`: the request's latency objectives. Under `scheduling_policy="scorpio"` they order
         and gate its admission (SLOUnattainable when they cannot be met); FCFS ignores them."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop crashed: {self._dead!r}") from self._dead
+        if self._stopped or self._task is None:
+            raise EngineStoppedError("engine is not running (call start())")
         seq = self._add(
             request_id,
             prompt_token_ids,
@@ -868,7 +753,7 @@ class Engine:
                 if item.finish_reason is not None or item.parked_kv is not None or item.zigzag_layers is not None:
                     return
         finally:
-            if not seq.finished:
+            if not seq.status.is_finished():
                 self._finish(seq, "abort", notify=False)
 
     def offload_candidates(self, n: int, exclude: Collection[str] = ()) -> list[tuple[str, list[int], SamplingParams]]:
@@ -881,11 +766,9 @@ class Engine:
         over the whole prompt in one step). `exclude`: ids already offloaded."""
         if n <= 0:
             return []
-        waiting = list(self._waiting)
-        if self._scorpio is not None:
-            # SCORPIO admits least-deadline-first; its refusals are left to the next step (this
-            # runs between and during steps, and must not change the queue).
-            waiting.sort(key=lambda s: s.scorpio.deadline_s if s.scorpio is not None else math.inf)
+        # The policy's admission order; its refusals are left to the next step (this runs
+        # between and during steps, and must not change the queue).
+        waiting = self._policy.offload_order(self._waiting)
         out: list[tuple[str, list[int], SamplingParams]] = []
         for seq in waiting:
             if seq.request_id in exclude or not self._offloadable(seq):
@@ -895,19 +778,15 @@ class Engine:
                 break
         return out
 
-    def _offloadable(self, seq: _Seq) -> bool:
-        return not (
-            seq.finished
-            or seq.num_computed
-            or seq.output
-            or seq.resumed
-            or seq.kv_fill is not None
-            or seq.relay_fill is not None
-            or seq.fill_task is not None
-            or seq.zigzag
-            or seq.migrate
-            or seq.swapped is not None
-            or not self._can_continue(len(seq.prompt), seq.params)
+    def _offloadable(self, seq: EngineRequest) -> bool:
+        # Queued and not swapped out (a request paused with nothing generated yet may go), its
+        # KV not to come from a peer, not a ZigZag request itself, and nothing of it started.
+        return (
+            seq.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            and seq.fill is None
+            and seq.mode is not RequestMode.ZIGZAG_FIRST_LAYERS
+            and not (seq.num_computed or seq.output or seq.resumed)
+            and self._can_continue(len(seq.prompt), seq.params)
         )
 
     def _can_continue(self, prompt_len: int, params: SamplingParams) -> bool:
@@ -922,9 +801,10 @@ class Engine:
         computing them. False, and nothing changes, when the request is no longer waiting or not
         eligible (see `offload_candidates`); a relay that brings no layer computes it whole."""
         seq = self._by_id.get(request_id)
-        if seq is None or seq not in self._waiting or not self._offloadable(seq):
+        if seq is None or not self._offloadable(seq):
             return False
-        seq.relay_fill = relay_fill
+        seq.fill = relay_fill
+        seq.mode = seq.mode.with_relay()
         # As for a request routed to its partner: it runs the remaining layers over the whole
         # prompt, so no cached prefix may stand in for its first tokens (see `_add`).
         seq.prefix_register = seq.prefix_lookup = False
@@ -934,7 +814,7 @@ class Engine:
         """Abort a request: its stream ends with an "abort" event and its KV is freed now.
         Unknown or finished ids are ignored (the request may just have finished)."""
         seq = self._by_id.get(request_id)
-        if seq is not None and not seq.finished:
+        if seq is not None and not seq.status.is_finished():
             self._finish(seq, "abort")
 
     def release_running(self, max_requests: int, reason: str) -> list[str]:
@@ -947,10 +827,16 @@ class Engine:
         for seq in reversed(self._running):
             if len(chosen) >= max_requests:
                 break
-            decoding = seq.output and seq.pending == 1 and not seq.handoff
-            if not decoding or seq.zigzag or seq.fill_task is not None or seq.zz_hidden is not None or seq.migrate:
+            decoding = seq.output and seq.pending == 1 and not seq.mode.hands_off
+            # Running (its KV not arriving, not already leaving), its ZigZag continuation booked.
+            if (
+                not decoding
+                or seq.status is not RequestStatus.RUNNING
+                or seq.mode is RequestMode.ZIGZAG_FIRST_LAYERS
+                or seq.zz_hidden is not None
+            ):
                 continue
-            seq.migrate = True
+            seq.status = RequestStatus.MIGRATING
             chosen.append(seq.request_id)
         if chosen:
             log.info("release_running", requests=len(chosen), reason=reason)
@@ -959,9 +845,9 @@ class Engine:
 
     def _migrate_flagged(self) -> None:
         """Between steps: park the KV of the requests `release_running` chose, ending their streams."""
-        for seq in [s for s in self._running if s.migrate]:
+        for seq in [s for s in self._running if s.status is RequestStatus.MIGRATING]:
             kv_tokens = seq.num_computed
-            parked = self._park(seq)
+            parked = self._park(seq, RequestStatus.FINISHED_HANDED_OFF)
             seq.queue.put_nowait(
                 TokenEvent(None, None, len(seq.prompt), len(seq.output), parked_kv=parked, kv_tokens=kv_tokens)
             )
@@ -973,9 +859,9 @@ class Engine:
         is queued too but has streamed tokens from here: it stays, and resumes here. Returns
         their ids."""
         released: list[str] = []
-        for seq in [s for s in reversed(self._waiting) if not s.paused][:max_requests]:
+        for seq in [s for s in reversed(self._waiting) if s.status is RequestStatus.WAITING][:max_requests]:
             self._waiting.remove(seq)
-            seq.finished = True
+            seq.status = RequestStatus.FINISHED_MOVED
             self._by_id.pop(seq.request_id, None)
             seq.queue.put_nowait(
                 RequestMovedError(f"request {seq.request_id!r} released to another instance: {reason}")
@@ -1002,16 +888,16 @@ class Engine:
         to pull; its stream ends with `zigzag_layers`. A request not here yet ends at once when
         it arrives; one still queued, or finished, gives `layers == 0`."""
         seq = self._by_id.get(request_id)
-        if seq is None or not seq.zigzag:
+        if seq is None or seq.mode is not RequestMode.ZIGZAG_FIRST_LAYERS:
             if seq is None:
                 self._relayed_early[request_id] = None
                 while len(self._relayed_early) > _MAX_EARLY_RELAYS:
                     self._relayed_early.popitem(last=False)
             return RelayOutcome(0, 0)
-        if seq in self._waiting:
+        if seq.status is RequestStatus.WAITING:  # never paused: it holds its reservation
             self._waiting.remove(seq)
             self._by_id.pop(request_id, None)
-            seq.finished = True
+            seq.status = RequestStatus.FINISHED_RELAYED
             seq.queue.put_nowait(TokenEvent(None, None, len(seq.prompt), 0, zigzag_layers=0))
             self.zigzag["relayed"] += 1
             return RelayOutcome(0, len(seq.prompt))
@@ -1032,11 +918,12 @@ class Engine:
                 return self._relay_now(seq)
         return self._relay_now(seq)
 
-    def _relay_now(self, seq: _Seq) -> RelayOutcome:
+    def _relay_now(self, seq: EngineRequest) -> RelayOutcome:
         layers, hidden = seq.zz_layers, seq.zz_hidden
-        parked = self._park(seq) if layers > 0 else None
+        parked = self._park(seq, RequestStatus.FINISHED_RELAYED) if layers > 0 else None
         if parked is None:
             self._finish(seq, "abort", notify=False)
+            seq.status = RequestStatus.FINISHED_RELAYED
         seq.zz_hidden = None
         outcome = RelayOutcome(layers, len(seq.prompt), parked, hidden)
         seq.queue.put_nowait(
@@ -1051,21 +938,21 @@ class Engine:
         self.zigzag["relayed"] += 1
         return outcome
 
-    def _park(self, seq: _Seq) -> str:
-        """Stop `seq` after its first token and keep its KV under a fresh cache id, so the
+    def _park(self, seq: EngineRequest, status: RequestStatus) -> str:
+        """Stop `seq` (ending as `status`) and keep its KV under a fresh cache id, so the
         request id is free at once (a retry may bring it back here) while a peer pulls."""
         self._park_seq += 1
         parked = f"{seq.request_id}#handoff-{self._park_seq}"
         self.kv_cache.rename(seq.request_id, parked)
         self._parked[parked] = self.kv_cache.num_blocks_of(parked)
-        seq.finished = True
+        seq.status = status
         self._by_id.pop(seq.request_id, None)
         self._running.remove(seq)
         self._wake.set()
         return parked
 
-    def _finish(self, seq: _Seq, reason: FinishReason, notify: bool = True) -> None:
-        seq.finished = True
+    def _finish(self, seq: EngineRequest, reason: FinishReason, notify: bool = True) -> None:
+        seq.status = RequestStatus.finished(reason)
         seq.zz_hidden = None
         for waiter in seq.relay_waiters:
             if not waiter.done():
@@ -1091,7 +978,7 @@ class Engine:
         # One exception object per consumer: raising a shared one from several tasks would mix
         # their tracebacks.
         for seq in [*self._running, *self._waiting]:
-            seq.finished = True
+            seq.status = RequestStatus.FINISHED_FAILED
             for waiter in seq.relay_waiters:
                 if not waiter.done():
                     waiter.set_result(RelayOutcome(0, len(seq.prompt)))
@@ -1139,24 +1026,50 @@ class Engine:
         outstanding = sum(max(0, s.blocks_reserved - self.kv_cache.num_blocks_of(s.request_id)) for s in self._running)
         return self.kv_cache.free_blocks - outstanding
 
+    # ---- the step: plan, run, pace, apply -------------------------------------------------------
+    #
+    # `_step` calls the features at fixed points, in this order:
+    #   1. live migration: requests `release_running` chose leave with their KV (`_migrate_flagged`);
+    #   2. `plan`: MAX_UTILIZATION preemption (`Preemption.make_room`), the queue policy's order and
+    #      refusals (FCFS or SCORPIO, `QueuePolicy.order`), its held decode rows (`held`), the
+    #      capacity scheduler (`scheduler.schedule`), the policy's admission gate (`gate`),
+    #      admission (prefix-cache matches, blocks), ZigZag first-layer work (`_zigzag_work`), and
+    #      the batch's rows (ZigZag continuations among them);
+    #   3. KV pulls of the requests admitted with a peer's KV (hand-off decode side, ZigZag
+    #      partner: `_start_fills`);
+    #   4. the model, on the compute thread (`_run_model` -> `_execute`);
+    #   5. pacing: the emulated accelerator's step time (`_pace`);
+    #   6. `apply`: the policy observes the step, ZigZag partials keep their hidden states (and are
+    #      relayed when a partner waits), prompt log-probs, then each row: computed tokens,
+    #      prefix-cache registration, a continuation's end, its sampled token (`_emit`: a stop,
+    #      the length, or a hand-off parking its KV), and the step's stats.
+
     async def _step(self) -> None:
-        step_began = self._clock()
-        backlogged = bool(self._waiting)
+        now_s = self._clock()
         self._migrate_flagged()
+        plan = self.plan(now_s)
+        self._start_fills(plan)
+        if plan.is_empty:
+            # Nothing fits now (an exhausted pool), or ZigZag work waits for its next layer or
+            # for its partner: wait for a change.
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        outputs = await self._run_model(plan)
+        await self._pace(plan, outputs.compute_s)
+        self.apply(plan, outputs, self._clock())
+
+    def plan(self, now_s: float) -> StepPlan:
+        """Decide the step that begins at `now_s`, and book the decision on the scheduler's side:
+        pauses and swap-ins (MAX_UTILIZATION), refusals (SCORPIO), admissions with their blocks
+        and cached prefixes, and the blocks the step's new tokens are written to. No model call,
+        no await and no clock read: `now_s` is the step's time. The KV pulls of the requests it
+        admits are started by the caller (`StepPlan.fills`)."""
+        backlogged = bool(self._waiting)
         if self.config.capacity_policy is CapacityPolicy.MAX_UTILIZATION:
-            self._make_room()
-        # A request taken over from a loading instance queues in arrival order with this
-        # instance's own requests by default (`zigzag_partner_order`). Taken first instead
-        # ("relay_first"), more requests split (their first layers ran while loading) but the
-        # partner's own, older requests waited behind them: on bench.live_scaling the burst's
-        # TTFT p99 was 9.0 and 10.7 s against 6.4 and 6.0 s in arrival order (stop-the-world:
-        # 7.4). BlitzScale's partner takes such work only when it has none of its own; measured
-        # on bench.autoscale that was worse still (SLO 0.47-0.54 against 0.59-0.62).
-        waiting = list(self._waiting) if self._scorpio is None else self._scorpio_waiting()
-        if self.config.zigzag_partner_order == "relay_first":
-            waiting.sort(key=lambda s: s.relay_fill is None)  # stable: arrival order within each
-        # SCORPIO: decode rows short of a credit sit this iteration out.
-        held = self._scorpio_held() if self._scorpio is not None else frozenset()
+            self._preemption.make_room()
+        waiting = self._order_waiting(now_s)
+        held = self._policy.held(self._running)
         # Cached prefixes of the requests that could be admitted now (no more than the free
         # batch slots): their prompts count only the tokens left to compute, their reservations
         # only the blocks they do not share with a running request.
@@ -1166,21 +1079,24 @@ class Engine:
             if s.prefix_lookup
         }
         bs = self.kv_cache.block_size
-        plan = schedule(
+        decided = schedule(
             # A request whose KV is arriving holds its batch slot and blocks but has no work yet,
             # and a ZigZag request on a loading instance is run layer by layer outside the plan.
             [
                 RunningSeq(
-                    s.request_id, 0 if s.fill_task is not None or s.zigzag or s.request_id in held else s.pending
+                    s.request_id,
+                    0
+                    if s.status is RequestStatus.WAITING_FOR_KV
+                    or s.mode is RequestMode.ZIGZAG_FIRST_LAYERS
+                    or s.request_id in held
+                    else s.pending,
                 )
                 for s in self._running
             ],
             [
                 WaitingSeq(
                     s.request_id,
-                    0
-                    if s.kv_fill is not None or s.relay_fill is not None
-                    else s.prefill_len - bs * len(matches.get(s.request_id, ())),
+                    0 if s.fill is not None else s.prefill_len - bs * len(matches.get(s.request_id, ())),
                     s.blocks_reserved - sum(1 for b in matches.get(s.request_id, ()) if self.kv_cache.ref_count(b) > 0),
                 )
                 for s in waiting
@@ -1188,18 +1104,79 @@ class Engine:
             self._available_blocks(),
             self._limits,
         )
-        if self._scorpio is not None:
-            plan = self._scorpio_admit(plan)
-        filling: set[str] = set()
+        decided = self._gate(decided)
+        fills, deferred = self._admit(decided.admitted, matches)
+        work = tuple(w for w in decided.work if w[0] not in deferred)
+        partials = self._zigzag_work()
+        rows, inputs, prefill_tokens, paced_tokens = self._build_inputs(work, partials)
+        return StepPlan(
+            now_s=now_s,
+            backlogged=backlogged,
+            admitted=decided.admitted,
+            work=work,
+            rows=rows,
+            inputs=inputs,
+            fills=fills,
+            prefill_tokens=prefill_tokens,
+            paced_tokens=paced_tokens,
+        )
+
+    def _order_waiting(self, now_s: float) -> list[EngineRequest]:
+        """The queue in admission order: the policy's (its refusals taken out of the queue), then
+        ZigZag continuations first under `zigzag_partner_order="relay_first"`."""
+        waiting, refused = self._policy.order(self._waiting, self._running, now_s)
+        for seq, error in refused:
+            self._reject_waiting(seq, error)
+        # A request taken over from a loading instance queues in arrival order with this
+        # instance's own requests by default (`zigzag_partner_order`). Taken first instead
+        # ("relay_first"), more requests split (their first layers ran while loading) but the
+        # partner's own, older requests waited behind them: on bench.live_scaling the burst's
+        # TTFT p99 was 9.0 and 10.7 s against 6.4 and 6.0 s in arrival order (stop-the-world:
+        # 7.4). BlitzScale's partner takes such work only when it has none of its own; measured
+        # on bench.autoscale that was worse still (SLO 0.47-0.54 against 0.59-0.62).
+        if self.config.zigzag_partner_order == "relay_first":
+            waiting.sort(key=lambda s: s.fill is None or not s.mode.relayed)  # stable: arrival order within each
+        return waiting
+
+    def _gate(self, decided: Schedule) -> Schedule:
+        """The scheduler's admissions less those the queue policy refuses now."""
+        refused = self._policy.gate([self._by_id[r] for r in decided.admitted], self._running)
+        if not refused:
+            return decided
+        for seq, error in refused:
+            self._reject_waiting(seq, error)
+        ids = {seq.request_id for seq, _ in refused}
+        return replace(
+            decided,
+            admitted=tuple(r for r in decided.admitted if r not in ids),
+            work=tuple(w for w in decided.work if w[0] not in ids),
+        )
+
+    def _reject_waiting(self, seq: EngineRequest, error: SLOUnattainable) -> None:
+        # Queued: no KV, no token sent; its stream raises the error.
+        self._waiting.remove(seq)
+        seq.status = RequestStatus.FINISHED_REJECTED
+        self._by_id.pop(seq.request_id, None)
+        seq.queue.put_nowait(error)
+
+    def _admit(
+        self, admitted: Sequence[str], matches: dict[str, list[int]]
+    ) -> tuple[tuple[EngineRequest, ...], frozenset[str]]:
+        """Move the admitted requests to the running batch and give them their blocks. Returns
+        those whose KV a peer's pull brings (for `_start_fills`), and the ids of every admitted
+        request whose work is not the scheduler's: those, and ZigZag requests on a loading
+        instance (their work is picked by layer, `_zigzag_work`)."""
+        bs = self.kv_cache.block_size
         # Requests that take blocks from the pool now are given them after those starting from
         # cached prefixes have taken theirs, so that no allocation evicts a block just matched.
-        deferred: list[_Seq] = []
-        for request_id in plan.admitted:
+        later: list[EngineRequest] = []
+        for request_id in admitted:
             seq = self._by_id[request_id]
             self._waiting.remove(seq)
             self._running.append(seq)
-            if seq.kv_fill is not None or seq.relay_fill is not None or seq.zigzag:
-                deferred.append(seq)
+            seq.status = RequestStatus.RUNNING
+            if seq.fill is not None or seq.mode is RequestMode.ZIGZAG_FIRST_LAYERS:
+                later.append(seq)
                 continue
             prefix = matches.get(request_id, [])
             self.kv_cache.allocate(request_id, 0, prefix_blocks=prefix)
@@ -1208,46 +1185,40 @@ class Engine:
                 seq.num_computed = bs * len(prefix)
                 self._prefix_hit_tokens += seq.num_computed
                 self._prefix_query_tokens += seq.prefill_len
-        for seq in deferred:
-            request_id = seq.request_id
-            fill = seq.kv_fill or seq.relay_fill
-            if fill is not None:
+        fills: list[EngineRequest] = []
+        for seq in later:
+            if seq.fill is not None:
                 # Its blocks are taken now, between steps: blocks freed while a step computes
                 # (an abort) may still be written by that step, and must not receive KV.
-                self.kv_cache.allocate(request_id, seq.num_tokens - 1 if seq.kv_fill is not None else seq.num_tokens)
-                filling.add(request_id)
-                seq.fill_task = asyncio.get_running_loop().create_task(self._fill(seq), name=f"kv-fill-{request_id}")
+                pulls_kv = seq.mode is RequestMode.DECODE_FROM_KV
+                self.kv_cache.allocate(seq.request_id, seq.num_tokens - 1 if pulls_kv else seq.num_tokens)
+                seq.status = RequestStatus.WAITING_FOR_KV
+                fills.append(seq)
             else:
-                self.kv_cache.allocate(request_id, len(seq.prompt))
-                filling.add(request_id)  # its work is picked below, by layer
-        if filling:
-            plan = replace(plan, work=tuple(w for w in plan.work if w[0] not in filling))
-        partials = self._zigzag_work()
-        if not plan.work and not partials:
-            # Nothing fits now (an exhausted pool), or ZigZag work waits for its next layer or
-            # for its partner: wait for a change.
-            self._wake.clear()
-            await self._wake.wait()
-            return
+                self.kv_cache.allocate(seq.request_id, len(seq.prompt))
+        return tuple(fills), frozenset(s.request_id for s in later)
 
-        seqs: list[_Seq] = []
-        counts: list[int] = []
-        inp = _StepInput([], [], [], [], [], [], [])
+    def _build_inputs(
+        self, work: Sequence[tuple[str, int]], partials: Sequence[Partial]
+    ) -> tuple[tuple[StepRow, ...], StepInput, int, float]:
+        """The step's rows and the compute thread's input for them (growing each row's blocks to
+        hold its new tokens); the prompt tokens it computes and its tokens as pacing counts them."""
+        rows: list[StepRow] = []
+        inp = StepInput([], [], [], [], [], [], [])
         prefill_tokens = 0
         paced_tokens = 0.0
         num_layers = self.model.config.num_hidden_layers
-        for row, (request_id, n) in enumerate(plan.work):
+        for row, (request_id, n) in enumerate(work):
             seq = self._by_id[request_id]
             start = seq.num_computed
-            seqs.append(seq)
-            counts.append(n)
             if seq.zz_hidden is not None:
                 # Taken over from a loading instance: the prompt's remaining layers, in one piece.
                 if start != 0 or n != len(seq.prompt):
-                    counts[-1] = 0  # a chunk of it: wait for a step with room for all of it
+                    rows.append(StepRow(seq, start, 0))  # a chunk of it: wait for a step with room for all of it
                     continue
+                rows.append(StepRow(seq, start, n))
                 inp.continuations.append(
-                    _Continuation(row, seq.zz_layers, seq.zz_hidden, n, self.kv_cache.block_table(request_id))
+                    Continuation(row, seq.zz_layers, seq.zz_hidden, n, self.kv_cache.block_table(request_id))
                 )
                 inp.sample_rows.append(row)
                 inp.params.append(seq.params)
@@ -1256,6 +1227,7 @@ class Engine:
                 prefill_tokens += n
                 paced_tokens += n * (num_layers - seq.zz_layers) / num_layers
                 continue
+            rows.append(StepRow(seq, start, n))
             local = len(inp.query_lens)
             inp.regular_rows.append(row)
             inp.input_ids.extend(seq.tokens(start, n))
@@ -1274,7 +1246,7 @@ class Engine:
                 # Positions start .. end-1 predict prompt tokens start+1 .. end.
                 end = min(start + n, len(seq.prompt) - 1)
                 k = seq.params.prompt_logprobs or 0
-                inp.prompt_work.append(_PromptWork(local, seq.prompt[start + 1 : end + 1], k))
+                inp.prompt_work.append(PromptWork(local, seq.prompt[start + 1 : end + 1], k))
             if start < seq.prefill_len:
                 prefill_tokens += min(n, seq.prefill_len - start)
             paced_tokens += n
@@ -1287,49 +1259,63 @@ class Engine:
         for part in partials:
             inp.partials.append(part)
             paced_tokens += part.num_tokens * (part.layer_end - part.layer_start) / num_layers
+        return tuple(rows), inp, prefill_tokens, paced_tokens
 
+    def _start_fills(self, plan: StepPlan) -> None:
+        """Start the KV pulls of the requests the plan admitted with a peer's KV (the decode
+        side of a hand-off, a ZigZag partner); each ends in `_fill`."""
+        for seq in plan.fills:
+            seq.fill_task = asyncio.get_running_loop().create_task(self._fill(seq), name=f"kv-fill-{seq.request_id}")
+
+    async def _run_model(self, plan: StepPlan) -> StepOutputs:
+        """Run the plan's input on the compute thread; its outputs with when it began and took."""
         assert self._executor is not None
-        self._in_step = {s.request_id for s in seqs} | {p.seq.request_id for p in partials}
-        t0 = self._clock()
+        self._in_step = set(plan.request_ids)
+        started_s = self._clock()
         try:
-            sampled_out, prompt_out, partial_out = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._execute, inp
-            )
+            outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, plan.inputs)
         finally:
             self._in_step = set()
-        compute_s = self._clock() - t0
+        return replace(outputs, started_s=started_s, compute_s=self._clock() - started_s)
+
+    async def _pace(self, plan: StepPlan, compute_s: float) -> None:
+        """Emulated accelerator: stretch the step to its profile's time (a layer range costs its
+        share of a whole step's tokens)."""
         if self.config.pacing is not None:
-            # Emulated accelerator: a layer range costs its share of a whole step's tokens.
-            remaining = self.config.pacing.step_time_s(round(paced_tokens)) - compute_s
+            remaining = self.config.pacing.step_time_s(round(plan.paced_tokens)) - compute_s
             if remaining > 0:
                 await asyncio.sleep(remaining)
-        now = self._clock()
-        if self._scorpio is not None and not inp.partials and not inp.continuations:
-            self._scorpio_observe(seqs, counts, prefill_tokens, now - t0)
-        if self._scorpio is not None and backlogged:
-            # What the queue was served at, the step's scheduling and any wait for a KV pull in.
-            self._scorpio.backlog.observe(prefill_tokens, now - step_began)
 
-        for part, hidden in zip(inp.partials, partial_out, strict=True):
+    def apply(self, plan: StepPlan, outputs: StepOutputs, now_s: float) -> None:
+        """Book what the model computed for `plan` at `now_s`: tokens emitted (a request ending,
+        or handing its KV off, leaves the batch), computed tokens advanced, full blocks offered
+        to the prefix cache, ZigZag layers recorded, stats. A request that finished meanwhile
+        (aborted while the step ran) is skipped: its blocks are already back in the pool."""
+        started_s = outputs.started_s if outputs.started_s is not None else now_s
+        self._policy.observe(plan, now_s - started_s, now_s - plan.now_s, self._steps + 1)
+        inp = plan.inputs
+        for part, hidden in zip(inp.partials, outputs.hidden, strict=True):
             seq = part.seq
-            if seq.finished:
+            if seq.status.is_finished():
                 continue
             seq.zz_layers, seq.zz_hidden = part.layer_end, hidden
             if seq.relay_waiters:
                 self._relay_now(seq)
-        for work, results in zip(inp.prompt_work, prompt_out, strict=True):
-            seq = seqs[inp.regular_rows[work.row]]
-            if seq.prompt_logprobs is not None and not seq.finished:
+        for work, results in zip(inp.prompt_work, outputs.prompt_logprobs, strict=True):
+            seq = plan.rows[inp.regular_rows[work.row]].seq
+            if seq.prompt_logprobs is not None and not seq.status.is_finished():
                 seq.prompt_logprobs.extend(
                     PromptLogprob(t, lp, top) for t, (lp, top) in zip(work.targets, results, strict=True)
                 )
         sampled: dict[int, tuple[int, float, TopLogprobs]] = {}
-        if sampled_out is not None:
-            picks = zip(sampled_out.tokens, sampled_out.logprobs, sampled_out.top_logprobs, strict=True)
+        if outputs.sampled is not None:
+            out = outputs.sampled
+            picks = zip(out.tokens, out.logprobs, out.top_logprobs, strict=True)
             sampled = dict(zip(inp.sample_rows, picks, strict=True))
         generated = 0
-        for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
-            if seq.finished or n == 0:
+        for i, row in enumerate(plan.rows):
+            seq, n = row.seq, row.num_tokens
+            if seq.status.is_finished() or n == 0:
                 continue  # aborted while the step ran (its blocks are already back in the pool), or deferred
             seq.num_computed += n
             if seq.prefix_register:
@@ -1337,161 +1323,20 @@ class Engine:
             if seq.zz_hidden is not None:
                 seq.zz_hidden = None
                 self.zigzag["continued"] += 1
-            if row in sampled:
-                token, logprob, top = sampled[row]
+            if i in sampled:
+                token, logprob, top = sampled[i]
                 generated += 1
-                self._emit(seq, token, logprob, top, now)
+                self._emit(seq, token, logprob, top, now_s)
         self._total_generated += generated
-        self._total_prompt += prefill_tokens
-        self._decode_window.add(now, generated)
-        self._prefill_window.add(now, prefill_tokens)
+        self._total_prompt += plan.prefill_tokens
+        self._decode_window.add(now_s, generated)
+        self._prefill_window.add(now_s, plan.prefill_tokens)
         self._steps += 1
-        self.step_log.append(StepRecord(self._steps, plan.admitted, plan.work, compute_s, now - t0))
+        self.step_log.append(StepRecord(self._steps, plan.admitted, plan.work, outputs.compute_s, now_s - started_s))
 
-    # ---- MAX_UTILIZATION ----------------------------------------------------------------------
+    # ---- prefix caching, ZigZag, KV fills -----------------------------------------------------
 
-    @staticmethod
-    def _pausable(seq: _Seq) -> bool:
-        """Whether MAX_UTILIZATION may pause `seq` (and so lets it reserve only its next step).
-
-        Requests whose KV is not simply theirs to recompute are never paused and keep the
-        GUARANTEED_NO_EVICT reservation they got in `_add`: a hand-off (it ends after its first
-        token anyway), a ZigZag request on a loading instance (its KV is pulled by its partner),
-        one whose KV is arriving or whose ZigZag continuation has not run yet (a pull writes into
-        its blocks), and one leaving by live migration."""
-        return not (
-            seq.handoff
-            or seq.zigzag
-            or seq.kv_fill is not None
-            or seq.relay_fill is not None
-            or seq.fill_task is not None
-            or seq.zz_hidden is not None
-            or seq.migrate
-        )
-
-    @property
-    def _max_input_len(self) -> int:
-        """The longest prompt a paused request can be recomputed from: the model's context, or
-        without chunked prefill one iteration's tokens."""
-        context = self.model.config.max_context_tokens
-        return context if self.config.enable_chunked_prefill else min(context, self.config.max_num_tokens)
-
-    def _make_room(self) -> None:
-        """MAX_UTILIZATION, between steps: pause running requests (the most recently started
-        first) until every other one's next step fits in the free blocks, swap paused requests
-        back in when they fit, and set each pausable request's reservation to what its next
-        step needs (`blocks_reserved`, which `_available_blocks` and the scheduler count)."""
-        cache = self.kv_cache
-        bs = cache.block_size
-        paused = False
-        # Again after each round of pauses, from the blocks actually free: a victim's blocks may
-        # not all come back (e.g. shared with another sequence by an allocator that shares).
-        while True:
-            active: list[ActiveSeq] = []
-            for seq in self._running:
-                held = cache.num_blocks_of(seq.request_id)
-                pausable = self._pausable(seq)
-                if pausable:
-                    nxt = next_step_blocks(
-                        computed_tokens=seq.num_computed,
-                        pending_tokens=seq.pending,
-                        blocks_held=held,
-                        block_size=bs,
-                        limits=self._limits,
-                    )
-                    seq.blocks_reserved = held + nxt
-                else:
-                    nxt = max(0, seq.blocks_reserved - held)
-                active.append(ActiveSeq(seq.request_id, held, nxt, pausable))
-            victims = pick_victims(active, cache.free_blocks)
-            if not victims:
-                break
-            for request_id in victims:  # the most recently started first: each goes to the queue's front
-                self._pause(self._by_id[request_id])
-            paused = True
-        if not paused:
-            self._swap_in()
-        for seq in self._waiting:
-            if seq.swapped is not None:
-                # Never admitted by the scheduler (which would prefill it from scratch): the
-                # queue stops at it until `_swap_in` restores it.
-                seq.blocks_reserved = cache.total_blocks + 1
-            elif seq.paused:
-                # Back only when all of its recomputed tokens fit: started on a first chunk, it
-                # would be the most recent again and the first to be paused again.
-                seq.blocks_reserved = blocks_for(seq.num_tokens, bs)
-            elif self._pausable(seq):
-                seq.blocks_reserved = start_blocks(
-                    CapacityPolicy.MAX_UTILIZATION,
-                    prefill_tokens=seq.prefill_len,
-                    total_tokens=len(seq.prompt) + seq.params.max_tokens,
-                    block_size=bs,
-                    limits=self._limits,
-                )
-
-    def _pause(self, seq: _Seq) -> None:
-        """Stop a running request and put it at the front of the queue with its generated tokens.
-
-        Recompute (the default): its KV is dropped and its output folded into the prompt it is
-        prefilled from again (`resumed`, as a request migrated here resumes), so the stream goes
-        on with no token repeated or lost: a seeded sampler keeps its state, penalties their
-        history. The engine's input limit is the model's context, which prompt + max_tokens never
-        exceeds, so the fold never cuts; without chunked prefill a fold longer than
-        max_num_tokens could never be prefilled again, and such a request is swapped instead.
-        Swap: its KV is copied to host memory and restored into fresh blocks by `_swap_in`."""
-        computed = seq.num_computed
-        generated = len(seq.output)
-        folded = fold_paused_prompt(len(seq.prompt), generated, self._max_input_len)
-        swap = computed > 0 and (self.config.preemption_mode == "swap" or folded < seq.num_tokens)
-        if swap:
-            k, v = self.kv_cache.copy_out(seq.request_id, computed)
-            seq.swapped = _Swapped(k, v, computed)
-        else:
-            seq.resumed = generated
-            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt):
-                del seq.prompt_logprobs[1:]  # computed again with the prompt
-        self.kv_cache.free(seq.request_id)
-        seq.num_computed = 0
-        seq.paused = True
-        self._running.remove(seq)
-        self._waiting.appendleft(seq)
-        self.preemptions["swap" if swap else "recompute"] += 1
-        log.info(
-            "request_paused",
-            request_id=seq.request_id,
-            mode="swap" if swap else "recompute",
-            kv_tokens=computed,
-            generated=generated,
-        )
-
-    def _swap_in(self) -> None:
-        """Restore swapped requests at the front of the queue, in order, while the batch has room
-        and the blocks for their KV and next step are free; they go on as running requests."""
-        bs = self.kv_cache.block_size
-        while self._waiting and len(self._running) < self.config.max_batch_size:
-            seq = self._waiting[0]
-            swapped = seq.swapped
-            if swapped is None:
-                return
-            held = blocks_for(swapped.num_tokens, bs)
-            need = held + next_step_blocks(
-                computed_tokens=swapped.num_tokens,
-                pending_tokens=seq.num_tokens - swapped.num_tokens,
-                blocks_held=held,
-                block_size=bs,
-                limits=self._limits,
-            )
-            if need > self._available_blocks():
-                return
-            self._waiting.popleft()
-            self.kv_cache.copy_in(seq.request_id, swapped.k, swapped.v)
-            seq.num_computed = swapped.num_tokens
-            seq.swapped = None
-            seq.blocks_reserved = need
-            self._running.append(seq)
-            log.info("request_swapped_in", request_id=seq.request_id, kv_tokens=swapped.num_tokens)
-
-    def _match_prefix(self, seq: _Seq) -> list[int]:
+    def _match_prefix(self, seq: EngineRequest) -> list[int]:
         """The cached blocks `seq` may start from: the longest cached run of its first full
         blocks, short of its last token (the step that computes it samples the next one)."""
         bs = self.kv_cache.block_size
@@ -1500,7 +1345,7 @@ class Engine:
             seq.block_hashes = block_hashes(seq.tokens(0, n * bs), bs)
         return self.kv_cache.match_prefix(seq.tokens(0, n * bs), seq.block_hashes[:n])
 
-    def _register_prefix(self, seq: _Seq) -> None:
+    def _register_prefix(self, seq: EngineRequest) -> None:
         """Offer `seq`'s full blocks whose KV is now computed to the prefix cache."""
         bs = self.kv_cache.block_size
         full = seq.num_computed // bs
@@ -1515,24 +1360,24 @@ class Engine:
         self.kv_cache.register(seq.request_id, start, hashes[:full], tokens)
         seq.num_registered = full
 
-    def _zigzag_work(self) -> list[_Partial]:
+    def _zigzag_work(self) -> list[Partial]:
         """ZigZag on a loading instance: the running ZigZag requests whose next layer is loaded,
         each to run every loaded layer it has not run yet (in arrival order, within the token
         budget; the first always runs), those a partner waits for first. Requests waiting for a
         layer, or for their partner, wait."""
         loaded = self.model.num_layers_loaded
         budget = self.config.max_num_tokens
-        work: list[_Partial] = []
+        work: list[Partial] = []
         # Requests a partner is waiting to take over go first, then in arrival order.
         for seq in sorted(self._running, key=lambda s: not s.relay_waiters):
-            if not seq.zigzag or seq.finished or seq.zz_layers >= loaded:
+            if seq.mode is not RequestMode.ZIGZAG_FIRST_LAYERS or seq.status.is_finished() or seq.zz_layers >= loaded:
                 continue
             n = len(seq.prompt)
             if work and n > budget:
                 break
             budget -= n
             work.append(
-                _Partial(seq, seq.zz_layers, loaded, n, self.kv_cache.block_table(seq.request_id), seq.zz_hidden)
+                Partial(seq, seq.zz_layers, loaded, n, self.kv_cache.block_table(seq.request_id), seq.zz_hidden)
             )
         return work
 
@@ -1540,14 +1385,13 @@ class Engine:
         """A decoder layer arrived (a loading instance): ZigZag requests may run further."""
         self._wake.set()
 
-    async def _fill(self, seq: _Seq) -> None:
+    async def _fill(self, seq: EngineRequest) -> None:
         """Pull `seq`'s KV: all of it (the decode side of a hand-off), or the first layers' and
         the hidden states (taken over from a loading instance, ZigZag). On failure fall back to
         computing it here. Cancelled when the request ends first: then its blocks are freed here,
         after the pull has unwound."""
-        fill: KVFill | RelayFill | None = seq.kv_fill or seq.relay_fill
-        relay = seq.relay_fill is not None
-        seq.kv_fill = seq.relay_fill = None
+        fill, seq.fill = seq.fill, None
+        relay = seq.mode.relayed
         assert fill is not None
         result: object = None
         ok = False
@@ -1560,12 +1404,14 @@ class Engine:
             log.warning("kv_fill_failed", request_id=seq.request_id, relay=relay, error=f"{type(e).__name__}: {e}")
         finally:
             seq.fill_task = None
-            if seq.finished:
+            if seq.status.is_finished():
                 self.kv_cache.free(seq.request_id)
-        if seq.finished:
+            else:
+                seq.status = RequestStatus.RUNNING
+        if seq.status.is_finished():
             return
         if ok and relay and isinstance(result, Relayed) and result.layers > 0 and result.hidden is not None:
-            # The remaining layers run here, on the hidden states it brought (see _step).
+            # The remaining layers run here, on the hidden states it brought (`_build_inputs`).
             seq.zz_layers, seq.zz_hidden = result.layers, result.hidden
         elif ok and not relay:
             seq.num_computed = seq.num_tokens - 1
@@ -1581,7 +1427,7 @@ class Engine:
                 self.kv_fills["recomputed"] += 1
         self._wake.set()
 
-    def _emit(self, seq: _Seq, token: int, logprob: float, top: TopLogprobs, now: float) -> None:
+    def _emit(self, seq: EngineRequest, token: int, logprob: float, top: TopLogprobs, now: float) -> None:
         first = not seq.output
         seq.output.append(token)
         if seq.history is not None:
@@ -1597,22 +1443,19 @@ class Engine:
         elif len(seq.output) >= seq.params.max_tokens:
             reason = "length"
         prompt_lps = tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else ()
-        if seq.handoff and reason is None:
+        if seq.mode.hands_off and reason is None:
             kv_tokens = seq.num_computed
-            parked = self._park(seq)
+            parked = self._park(seq, RequestStatus.FINISHED_HANDED_OFF)
             seq.queue.put_nowait(
                 TokenEvent(token, None, len(seq.prompt), len(seq.output), logprob, top, prompt_lps, parked, kv_tokens)
             )
             return
         seq.queue.put_nowait(TokenEvent(token, reason, len(seq.prompt), len(seq.output), logprob, top, prompt_lps))
         if reason is not None:
-            if self._scorpio is not None and seq.scorpio is not None:
-                self._scorpio.lengths.observe(len(seq.prompt), len(seq.output), seq.scorpio.predicted_output_tokens)
+            self._policy.finished(seq)
             self._finish(seq, reason, notify=False)
 
-    def _execute(
-        self, inp: _StepInput
-    ) -> tuple[SampleOutput | None, list[list[tuple[float, TopLogprobs]]], list[torch.Tensor]]:
+    def _execute(self, inp: StepInput) -> StepOutputs:
         """The compute thread's part of a step: forward over the flat batch, then sampling (and
         the prompt log-probs some prefills asked for, from the same hidden states); ZigZag
         continuations run their remaining layers; ZigZag requests on a loading instance run the
@@ -1675,211 +1518,15 @@ class Engine:
                 hidden = part.hidden
             partial_out.append(model.run_layers(hidden, part.layer_start, part.layer_end, batch, self.kv_cache))
         if not inp.sample_rows:
-            return None, prompt_out, partial_out
+            return StepOutputs(None, prompt_out, partial_out)
         logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat(logits_parts)
-        return sample(logits, inp.params, inp.generators, inp.histories), prompt_out, partial_out
-
-    # ---- SCORPIO (scheduling_policy="scorpio", ALGORITHMS.md 4) ----------------------------------
-    # The pure part (credits, fits, the checks) is services/worker/engine/scorpio.py. Refusals:
-    # at arrival when the TPOT SLO is out of reach even alone, or the first token cannot come by
-    # the deadline behind the prefill work queued ahead; while queued once the deadline is lost
-    # (its own prefill would end past it); at admission when the running set with it would
-    # miss the set's tightest TPOT SLO. Only plain requests that have sent no token are refused.
-    # Credits are taken over the decode rows of each iteration (TRP against the tightest of
-    # them, so one always runs); prefills are not subject to them. A request without SLOs is
-    # never refused, is queued after those with a deadline and decodes every iteration (TRP 1).
-    # The mean length L an admission estimates with is each request's prompt plus the output it
-    # is expected to reach (predicted, or what it has if more): the set's length near its end.
-
-    def _scorpio_member(self, seq: _Seq) -> Member:
-        """`seq` in an admission's set: its TPOT SLO and the length it is expected to reach."""
-        t = seq.scorpio
-        if t is None:
-            return Member(None, seq.num_tokens)
-        return Member(t.tpot_s, len(seq.prompt) + max(len(seq.output), t.predicted_output_tokens))
-
-    def _scorpio_running_tpot(self) -> float | None:
-        """The fitted step time of the running set: the TPOT of its tightest request."""
-        assert self._scorpio is not None
-        fit = self._scorpio.tpot.fit()
-        if fit is None or not self._running:
-            return None
-        members = [self._scorpio_member(s) for s in self._running]
-        return fit.estimate(vbs(m.tpot_s for m in members), sum(m.length_tokens for m in members) / len(members))
-
-    def _scorpio_refusal(self, seq: _Seq, kind: SLOKind, message: str, retry_after_s: float) -> SLOUnattainable:
-        assert self._scorpio is not None
-        self._scorpio.rejected[kind] += 1
-        log.info("slo_rejected", request_id=seq.request_id, slo=kind, retry_after_s=retry_after_s, reason=message)
-        return SLOUnattainable(message, slo=kind, retry_after_s=retry_after_s)
-
-    def _scorpio_reject_waiting(self, seq: _Seq, error: SLOUnattainable) -> None:
-        # Queued: no KV, no token sent; its stream raises the error.
-        self._waiting.remove(seq)
-        seq.finished = True
-        self._by_id.pop(seq.request_id, None)
-        seq.queue.put_nowait(error)
-
-    def _scorpio_tpot_retry_s(self, step_s: float) -> float:
-        """When the running set is expected to lose a member: the soonest expected finish, each
-        request's remaining predicted tokens at one per 1/TRP iterations of `step_s`."""
-        members = {s.request_id: self._scorpio_member(s) for s in self._running}
-        if not members or step_s <= 0:
-            return step_s
-        rates = trp({r: m.tpot_s for r, m in members.items()})
-        return min(
-            max(1.0, m.length_tokens - self._by_id[r].num_tokens) / rates[r] * step_s
-            for r, m in members.items()
-            if r in self._by_id
-        )
-
-    def _scorpio_tpot_message(self, seq: _Seq, decision: TPOTDecision, others: int) -> str:
-        assert seq.scorpio is not None and decision.est_tpot_s is not None and decision.min_tpot_s is not None
-        where = "even alone" if others == 0 else f"with the {others} running"
-        return (
-            f"request {seq.request_id!r} refused: TPOT SLO {seq.scorpio.tpot_s:.4g} s; the estimated TPOT"
-            f" {decision.est_tpot_s:.4g} s {where} (VBS {decision.vbs:.3g}, mean length {decision.mean_len:.0f}"
-            f" tokens) exceeds the set's tightest TPOT SLO {decision.min_tpot_s:.4g} s"
-        )
-
-    def _scorpio_arrive(self, seq: _Seq, plain: bool) -> None:
-        """Give `seq` its ticket; raise SLOUnattainable for a plain request whose SLO is out of
-        reach at once (see the section's comment)."""
-        sc = self._scorpio
-        assert sc is not None
-        slo = seq.slo
-        seq.scorpio = ticket = SLOTicket(
-            deadline_s=deadline_s(seq.arrival_s, slo.ttft_s if slo is not None and plain else None),
-            # Hand-offs and ZigZag requests on a loading instance never decode here.
-            tpot_s=slo.tpot_s if slo is not None and not (seq.handoff or seq.zigzag) else None,
-            predicted_output_tokens=sc.lengths.predict(len(seq.prompt), seq.params.max_tokens),
-            refusable=plain and slo is not None,
-        )
-        if not ticket.refusable:
-            return
-        if ticket.tpot_s is not None:
-            alone = judge_tpot(self._scorpio_member(seq), [], sc.tpot.fit())
-            if not alone.admit:
-                assert alone.est_tpot_s is not None
-                raise self._scorpio_refusal(seq, "tpot", self._scorpio_tpot_message(seq, alone, 0), alone.est_tpot_s)
-        if math.isfinite(ticket.deadline_s):
-            ahead = sum(
-                s.prefill_len
-                for s in self._waiting
-                if s.scorpio is not None and s.scorpio.deadline_s <= ticket.deadline_s
-            ) + sum(max(0, s.prefill_len - s.num_computed) for s in self._running)
-            rate = sc.queue_tokens_per_s
-            guard = judge_ttft(
-                seq.arrival_s, ticket.deadline_s, ahead, seq.prefill_len, rate, self._scorpio_running_tpot() or 0.0
-            )
-            if not guard.admit:
-                assert slo is not None and slo.ttft_s is not None
-                est = "unknown" if guard.est_ttft_s is None else f"{guard.est_ttft_s:.4g} s"
-                raise self._scorpio_refusal(
-                    seq,
-                    "ttft",
-                    f"request {seq.request_id!r} refused: TTFT SLO {slo.ttft_s:.4g} s; estimated TTFT {est}"
-                    f" ({ahead} prompt tokens queued ahead of its {seq.prefill_len}, at {rate or 0:.4g} tokens/s)",
-                    guard.retry_after_s,
-                )
-
-    def _scorpio_waiting(self) -> list[_Seq]:
-        """The queue in least-deadline-first order (arrival order among equal deadlines and those
-        without one), after refusing the requests whose deadline is lost: the current step, the
-        prefill queued ahead of it in this order and its own, at the rate the queue has been
-        served at (`ScorpioState.queue_tokens_per_s`), would end past it. Refused as soon as
-        that is so, not when the deadline has passed: a request that waits out its budget and
-        then misses it held nothing, but one admitted late takes the batch from others."""
-        sc = self._scorpio
-        assert sc is not None
-        now = self._clock()
-        rate = sc.queue_tokens_per_s
-        step_s = self._scorpio_running_tpot() or 0.0
-        ordered = sorted(self._waiting, key=lambda s: s.scorpio.deadline_s if s.scorpio is not None else math.inf)
-        kept: list[_Seq] = []
-        ahead = sum(max(0, s.prefill_len - s.num_computed) for s in self._running)
-        for seq in ordered:
-            t = seq.scorpio
-            if t is not None and t.refusable and math.isfinite(t.deadline_s):
-                guard = judge_ttft(now, t.deadline_s, ahead, seq.prefill_len, rate, step_s)
-                if not guard.admit:
-                    assert seq.slo is not None and seq.slo.ttft_s is not None
-                    message = (
-                        f"request {seq.request_id!r} refused: TTFT SLO {seq.slo.ttft_s:.4g} s cannot be met any"
-                        f" more: queued {now - seq.arrival_s:.4g} s, {ahead} prompt tokens ahead of its"
-                        f" {seq.prefill_len} (queue served at {rate or 0:.4g} tokens/s)"
-                    )
-                    retry = guard.retry_after_s
-                    self._scorpio_reject_waiting(seq, self._scorpio_refusal(seq, "ttft", message, retry))
-                    continue
-            ahead += seq.prefill_len
-            kept.append(seq)
-        return kept
-
-    def _scorpio_held(self) -> frozenset[str]:
-        """This iteration's credits: the decode rows that sit it out. Prefills are not subject
-        to credits; a decode row of a request without a TPOT SLO runs every iteration."""
-        assert self._scorpio is not None
-        decoding = {
-            s.request_id: s.scorpio.tpot_s if s.scorpio is not None else None
-            for s in self._running
-            if s.pending == 1 and s.num_computed >= s.prefill_len and s.fill_task is None and not s.zigzag
-        }
-        chosen = self._scorpio.batcher.step(decoding)
-        return frozenset(decoding.keys() - set(chosen))
-
-    def _scorpio_admit(self, plan: Schedule) -> Schedule:
-        """Gate the requests the capacity scheduler would start, in its order: one with a TPOT
-        SLO starts only if the fitted step time of the running set with it (and those started
-        before it in this step) meets the set's tightest TPOT SLO; otherwise it is refused."""
-        assert self._scorpio is not None
-        fit = self._scorpio.tpot.fit()
-        if fit is None or not plan.admitted:
-            return plan  # no measurement yet: admitted blind
-        members = [self._scorpio_member(s) for s in self._running]
-        refused: set[str] = set()
-        for request_id in plan.admitted:
-            seq = self._by_id[request_id]
-            member = self._scorpio_member(seq)
-            t = seq.scorpio
-            if t is not None and t.refusable and t.tpot_s is not None:
-                decision = judge_tpot(member, members, fit)
-                if not decision.admit:
-                    assert decision.est_tpot_s is not None
-                    message = self._scorpio_tpot_message(seq, decision, len(members))
-                    retry = self._scorpio_tpot_retry_s(self._scorpio_running_tpot() or decision.est_tpot_s)
-                    self._scorpio_reject_waiting(seq, self._scorpio_refusal(seq, "tpot", message, retry))
-                    refused.add(request_id)
-                    continue
-            members.append(member)
-        if not refused:
-            return plan
-        return replace(
-            plan,
-            admitted=tuple(r for r in plan.admitted if r not in refused),
-            work=tuple(w for w in plan.work if w[0] not in refused),
-        )
-
-    def _scorpio_observe(self, seqs: Sequence[_Seq], counts: Sequence[int], prefill_tokens: int, step_s: float) -> None:
-        """Feed the fits from a step (before its rows' `num_computed` advance): B is the step's
-        tokens (a decode row is 1; under pacing a step costs base + per_token * tokens, exactly
-        the model's b*B + d), L the mean context length of its rows, the time measured."""
-        assert self._scorpio is not None
-        contexts = [seq.num_computed + n for seq, n in zip(seqs, counts, strict=True) if n > 0]
-        if not contexts:
-            return
-        self._scorpio.tpot.observe(sum(counts), sum(contexts) / len(contexts), step_s)
-        self._scorpio.prefill.observe(prefill_tokens, step_s)
-        if (self._steps + 1) % _SCORPIO_LOG_EVERY_STEPS == 0:
-            log.info("scorpio_fit", **self._scorpio.report())
+        return StepOutputs(sample(logits, inp.params, inp.generators, inp.histories), prompt_out, partial_out)
 
     def scorpio_report(self) -> dict[str, Any] | None:
         """SCORPIO's fits and counters (None under FCFS): the TPOT model (coefficients, terms,
         points, R^2, mean absolute error), the prefill rate, the output-length predictor's mean
         absolute error, refusals by kind and the running set's estimated TPOT."""
-        if self._scorpio is None:
-            return None
-        return {**self._scorpio.report(), "est_tpot_s": self._scorpio_running_tpot()}
+        return self._policy.report(self._running)
 
     # ---- observability ------------------------------------------------------------------------
 
@@ -1907,7 +1554,7 @@ class Engine:
             kv_blocks_reserved=reserved,
             kv_blocks_total=self.kv_cache.total_blocks,
             kv_blocks_parked=sum(self._parked.values()),
-            zigzag_running=sum(1 for s in self._running if s.zigzag),
+            zigzag_running=sum(1 for s in self._running if s.mode is RequestMode.ZIGZAG_FIRST_LAYERS),
             zigzag_relayed_total=self.zigzag["relayed"],
             zigzag_continued_total=self.zigzag["continued"],
             decode_tokens_per_s=self._decode_window.total(now) / span,
@@ -1919,8 +1566,8 @@ class Engine:
             total_generated_tokens=self._total_generated,
             total_prompt_tokens=self._total_prompt,
             window_s=window,
-            est_tpot_s=self._scorpio_running_tpot() if self._scorpio is not None else None,
-            slo_rejected_total=self._scorpio.rejected_total if self._scorpio is not None else 0,
+            est_tpot_s=self._policy.est_tpot_s(self._running),
+            slo_rejected_total=self._policy.rejected_total,
             preempted_total=sum(self.preemptions.values()),
             prefix_hit_tokens=self._prefix_hit_tokens,
             prefix_query_tokens=self._prefix_query_tokens,
