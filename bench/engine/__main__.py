@@ -168,7 +168,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="shorter runs (about 15 minutes with vLLM's start-ups)")
+    p.add_argument(
+        "--quick", action="store_true", help="2 rounds of shorter runs (about 25 minutes with vLLM's start-ups)"
+    )
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     p.add_argument("--skip-vllm", action="store_true", help="measure Blitzmesh only (no ratios)")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/engine[_quick].json)")
