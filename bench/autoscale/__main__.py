@@ -1,7 +1,7 @@
 """Autoscaling on the local mesh against a compressed replay of the Azure code trace.
 
 Usage:
-    python -m bench.autoscale [--quick] [--trace ../shared/traces/azure_llm_2023_code.csv]
+    python -m bench.autoscale [--quick] [--trace traces/azure_llm_2023_code.csv]
         [--policy heteroscale] [--policy-params '{"scale_in_cooldown_s": 20}']
         [--step-time-a-s 0.05 --step-time-b-s 0.002] [--runs autoscaled,fixed_average,fixed_peak]
         [--out bench/results/autoscale.json] [--plot bench/results/autoscale.png]
@@ -55,7 +55,7 @@ from services.mesh.launcher import Mesh, MeshConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKEN_RATE_BIN_S = 1.0
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+DEFAULT_TRACE = REPO_ROOT / "traces" / "azure_llm_2023_code.csv"
 SCALE_EVENTS = (
     "autoscaling_decision",
     "autoscaling_bound",

@@ -25,7 +25,7 @@ from bench.replay.trace import read_azure_trace
 from services.mesh.launcher import Mesh, MeshConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+TRACE = REPO_ROOT / "traces" / "azure_llm_2023_conv.csv"
 MODEL = "tiny"
 STEP_A_S = 0.02
 STEP_B_S = 0.0004

@@ -2,7 +2,7 @@
 
 Usage:
     python -m bench.replay --gateway http://127.0.0.1:8000 --admin 127.0.0.1:50051 \
-        [--trace ../shared/traces/azure_llm_2023_code.csv --start-s 480 --span-s 600 --compress 10 --thin 10]
+        [--trace traces/azure_llm_2023_code.csv --start-s 480 --span-s 600 --compress 10 --thin 10]
         [--pattern step --base-rps 1 --burst-rps 6 --burst-start-s 10 --burst-end-s 30 --duration-s 60]
         [--max-requests N] [--max-duration-s S] [--out bench/results/replay.json]
 
@@ -24,7 +24,7 @@ from .summary import Slo, summarize
 from .trace import read_azure_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+DEFAULT_TRACE = REPO_ROOT / "traces" / "azure_llm_2023_code.csv"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -63,7 +63,7 @@ from services.worker.config import WorkerConfig
 from services.worker.model import native
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+DEFAULT_TRACE = REPO_ROOT / "traces" / "azure_llm_2023_conv.csv"
 TARGETS = {"ratio_gateway_engine": 0.85, "ratio_gateway_hf_best": 2.0}
 # On a real checkpoint (--model) the gateway must beat transformers by more (issue 9's target).
 REAL_MODEL_TARGETS = {**TARGETS, "ratio_gateway_hf_best": 3.0}

@@ -5,7 +5,7 @@ Usage:
     python -m bench.simulate.paper [--scale 0.1] [--minutes 60] [--settings code8b,conv70b]
         [--seed 0] [--jobs 2] [--floor mean|1] [--out bench/results/simulator.json] [--plots bench/results]
 
-The paper's setting: an hour of the Azure LLM inference traces (2023; `../shared/traces`, read
+The paper's setting: an hour of the Azure LLM inference traces (2023; `traces/`, read
 with `bench.replay`), models of 8B to 70B on up to 1,000 GPUs. `--scale` is the share of that:
 1.0 is 1,000 GPUs and the request rate that fills them, 0.1 is 104 GPUs (13 hosts of 8) at a
 tenth of the rate (the trace's shape kept), so a run sized for today reruns at full scale by changing one number.

@@ -46,16 +46,7 @@ __all__ = ["PD_VARIANTS", "SCENARIOS", "VARIANTS", "Scenario", "build_runs"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _traces_dir() -> Path:
-    # ../shared/traces beside the checkout (bench.autoscale's default), looked for upward so
-    # a git worktree nested deeper finds the same copy.
-    for parent in REPO_ROOT.parents:
-        if (parent / "shared" / "traces").is_dir():
-            return parent / "shared" / "traces"
-    return REPO_ROOT.parent / "shared" / "traces"
-
-
-TRACES = _traces_dir()
+TRACES = REPO_ROOT / "traces"  # the Azure traces, kept in the repository
 VARIANTS = ("blitzmesh", "hpa", "serverlessllm", "fixed_peak")
 PD_VARIANTS = ("pd_mixed", "pd_split_hosts", "pd_kill", "pd_migrate", "colocated")
 TARGET_UTILIZATION = 0.7

@@ -1,4 +1,4 @@
-"""ZigZag's layer-level model, simulated one layer-time at a time (ALGORITHMS.md 3).
+"""ZigZag's layer-level model, simulated one layer-time at a time (docs/algorithms.md 3).
 
 An old instance holds all L layers, a new one the first k. Time runs in layer-times (one layer
 of one request on either instance). The new instance takes requests from an endless queue and

@@ -55,7 +55,7 @@ from services.worker.engine.slo import RequestSLO, SLOUnattainable
 from services.worker.model.llama import LlamaForCausalLM, load_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+DEFAULT_TRACE = REPO_ROOT / "traces" / "azure_llm_2023_conv.csv"
 # (TPOT SLO, TTFT SLO) per class, seconds at the emulated pace.
 CLASSES = ((0.05, 1.0), (0.10, 2.0), (0.20, 4.0))
 PACING = PacingProfile(base_s=0.02, per_token_s=0.0004)

@@ -1,5 +1,5 @@
 """ZigZag throughput while loading: a full instance alone against the pair it forms with a new
-instance that holds only its first k of L layers (ALGORITHMS.md section 3).
+instance that holds only its first k of L layers (docs/algorithms.md 3).
 
 Usage:
     python -m bench.zigzag.throughput [--quick] [--out bench/results/zigzag_throughput.json]

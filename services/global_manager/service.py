@@ -450,7 +450,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     def _zigzag_route(
         self, model: str, views: list[InstanceView], excluded: Collection[str], pool: Role = Role.COLOCATED
     ) -> list[global_manager_pb2.RouteHop] | None:
-        """ZigZag (ALGORITHMS.md section 3): while every SERVING instance has requests waiting,
+        """ZigZag (docs/algorithms.md 3): while every SERVING instance has requests waiting,
         a live LOADING instance (>= 1 layer, under its in-flight cap, layers still arriving; every
         scale-out target, or only chain tails with zigzag_live="tails") runs the request's first
         layers, and the overloaded instance with the fewest used KV blocks takes it over and

@@ -1,7 +1,7 @@
 """Replay a burst from an Azure LLM trace against a running mesh and print its scale-out live.
 
 Usage: python -m services.mesh.burst [--gateway http://127.0.0.1:8000] [--admin 127.0.0.1:50051]
-           [--model smollm2-135m-instruct] [--trace ../shared/traces/azure_llm_2023_code.csv]
+           [--model smollm2-135m-instruct] [--trace traces/azure_llm_2023_code.csv]
            [--peak-rps 8] [--lead-s 20] [--span-s 60] [--tail-s 40] [--cluster-every-s 1]
 
 Picks the trace's busiest `--bin-s` seconds, replays from `--lead-s` before it for `--span-s`
@@ -35,7 +35,7 @@ from bench.replay.summary import InstanceSample, Slo, summarize
 from bench.replay.trace import TraceRow, read_azure_trace
 from services.model_format.default_model import DEFAULT_MODEL_ID
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "traces" / "azure_llm_2023_code.csv"
 # The events that tell the story of a scale-out (others, e.g. instance_state, repeat them).
 SHOWN = (
     "autoscaling_decision",
@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not a.gateway.startswith(("http://", "https://")):
         p.error(f"--gateway must be an http(s) URL, got {a.gateway!r}")
     if not a.trace.is_file():
-        p.error(f"--trace {str(a.trace)!r} is not a file (the Azure traces live in ../shared/traces)")
+        p.error(f"--trace {str(a.trace)!r} is not a file (the Azure traces are in the repository's traces/)")
     return a
 
 

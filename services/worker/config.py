@@ -110,7 +110,7 @@ class WorkerConfig(ServiceConfig):
         "fcfs",
         pattern="^(fcfs|scorpio)$",
         description="engine scheduling: fcfs (arrival order, every decode every iteration) or scorpio (SLO-aware,"
-        " ALGORITHMS.md 4: deadline order, TPOT-gated admission, decodes by credits, SLOUnattainable refusals)",
+        " docs/algorithms.md 4: deadline order, TPOT-gated admission, decodes by credits, SLOUnattainable refusals)",
     )
     device: str = Field(
         "cpu",

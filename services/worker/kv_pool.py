@@ -1,4 +1,4 @@
-"""A worker's KV pool sized from the memory its model leaves (ALGORITHMS.md section 5), and the
+"""A worker's KV pool sized from the memory its model leaves (docs/algorithms.md 5), and the
 EngineConfig its options build.
 
 `kv_pool_blocks` is the pure rule; `free_memory_bytes` reads the machine (CUDA's free memory, a

@@ -36,7 +36,7 @@ from bench.replay.schedule import Arrival
 from services.mesh.launcher import Mesh
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+TRACE = REPO_ROOT / "traces" / "azure_llm_2023_code.csv"
 RESULTS = REPO_ROOT / "bench" / "results" / "chaos.json"
 MODEL = "tiny"
 REQUEST_TIMEOUT_S = 60.0

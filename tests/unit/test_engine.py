@@ -1,4 +1,4 @@
-"""KV allocator, capacity scheduling (ALGORITHMS.md section 5) and the continuous-batching engine."""
+"""KV allocator, capacity scheduling (docs/algorithms.md 5) and the continuous-batching engine."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_kv_storage_write_and_gather_and_budget(model: LlamaForCausalLM) -> None
 
 
 def test_capacity_vector_pure_scheduler() -> None:
-    """ALGORITHMS.md 5: max_batch_size 4, max_num_tokens 12, 5-token prompts."""
+    """docs/algorithms.md 5: max_batch_size 4, max_num_tokens 12, 5-token prompts."""
     limits = SchedulerLimits(max_batch_size=4, max_num_tokens=12)
     waiting = [WaitingSeq(f"r{i}", 5, 1) for i in range(1, 6)]
     first = schedule([], waiting, 100, limits)

@@ -1,4 +1,4 @@
-"""SCORPIO in the engine (scheduling_policy="scorpio", ALGORITHMS.md 4): greedy outputs equal
+"""SCORPIO in the engine (scheduling_policy="scorpio", docs/algorithms.md 4): greedy outputs equal
 FCFS's, decode rows run by TPOT credits, the queue is least-deadline-first, and requests whose
 SLO cannot be met are refused with a retryable SLOUnattainable before they start."""
 

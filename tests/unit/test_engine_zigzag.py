@@ -1,4 +1,4 @@
-"""The engine's side of ZigZag live scaling (ALGORITHMS.md section 3): a loading instance runs a
+"""The engine's side of ZigZag live scaling (docs/algorithms.md 3): a loading instance runs a
 prompt through the layers it holds, as they arrive, until its full partner relays the request;
 the partner pulls the KV of those layers, runs the rest on the hidden states and decodes. Split
 this way, at any layer, a request gives exactly the tokens of a whole run. (The data plane

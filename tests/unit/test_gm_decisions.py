@@ -83,7 +83,7 @@ def test_heteroscale_can_hold_scale_in_while_latency_panics() -> None:
     for policy in (spec, held):
         assert policy.decide(0.0, colo(4, tps=400, tbt=0.5)).action == "scale_out"  # panic: 4 -> 5
     # Panic again at t=10 (held by the scale-out cooldown) with TPS collapsed to 50.
-    assert spec.decide(10.0, colo(5, tps=50, tbt=0.5)).action == "scale_in"  # ALGORITHMS.md fall-through
+    assert spec.decide(10.0, colo(5, tps=50, tbt=0.5)).action == "scale_in"  # docs/algorithms.md fall-through
     d = held.decide(10.0, colo(5, tps=50, tbt=0.5))
     assert d.action == "no_change" and "HELD: no scale-in while latency is above the panic line" in d.reason
     assert held.decide(11.0, colo(5, tps=50, tbt=0.05)).action == "scale_in"  # latency fine again

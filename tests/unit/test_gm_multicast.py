@@ -1,4 +1,4 @@
-"""Multicast planner (ALGORITHMS.md 2): pruning, collapsing, chains per leaf, ordering, shards."""
+"""Multicast planner (docs/algorithms.md 2): pruning, collapsing, chains per leaf, ordering, shards."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Autoscaling policies against the test vectors of ALGORITHMS.md section 1."""
+"""Autoscaling policies against the test vectors of docs/algorithms.md 1."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """ZigZag execution scheduling in the global manager's pure core: the prefill ILP against a
 brute-force enumeration, C3 as printed versus with T_i = 0 allowed, the in-flight cap, partner
-and live-instance choice, the zigzag gate, and the ALGORITHMS.md 3 throughput vector."""
+and live-instance choice, the zigzag gate, and the docs/algorithms.md 3 throughput vector."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ P, D, C = Role.PREFILL, Role.DECODE, Role.COLOCATED
 
 
 def feasible(t: tuple[int, ...], L: int, tl: float, k0: int, *, printed_c3: bool) -> bool:
-    """ALGORITHMS.md 3 read literally, 1-based; `printed_c3=False` lets T_i = 0 skip C3."""
+    """docs/algorithms.md 3 read literally, 1-based; `printed_c3=False` lets T_i = 0 skip C3."""
     n = len(t)
     s = [L - x for x in t]  # C1
     if any(not 0 <= x <= L for x in t) or t[0] > k0:
@@ -403,7 +403,7 @@ def test_should_zigzag_only_when_every_serving_instance_is_overloaded() -> None:
 
 
 def test_pair_throughput_vectors() -> None:
-    # ALGORITHMS.md 3: a 7-layer model serves 1/7 of a request per layer-time; with one layer
+    # docs/algorithms.md 3: a 7-layer model serves 1/7 of a request per layer-time; with one layer
     # on the new instance the pair serves 1/6; with half the layers, twice the old rate.
     assert pair_throughput(7, 0) == pytest.approx(1 / 7)
     assert pair_throughput(7, 1) == pytest.approx(1 / 6)

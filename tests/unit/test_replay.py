@@ -84,7 +84,7 @@ def test_read_trace_quotes_bad_input(tmp_path: Path) -> None:
 
 
 def test_real_code_trace_shape() -> None:
-    path = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+    path = Path(__file__).resolve().parents[2] / "traces" / "azure_llm_2023_code.csv"
     if not path.exists():
         pytest.skip(f"{path} not present")
     rows = read_azure_trace(path)

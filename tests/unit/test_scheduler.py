@@ -1,4 +1,4 @@
-"""Capacity scheduling, pure: ALGORITHMS.md section 5 vectors under both policies, and
+"""Capacity scheduling, pure: docs/algorithms.md 5 vectors under both policies, and
 MAX_UTILIZATION's admission, victim choice and prompt folding."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SCORPIO's pure core (ALGORITHMS.md section 4): TRP/VBS, credits, the TPOT fit, the output-length
+"""SCORPIO's pure core (docs/algorithms.md 4): TRP/VBS, credits, the TPOT fit, the output-length
 predictor, the admission check and the TTFT guard."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def iterations_of(batches: list[list[str]], request_id: str) -> list[int]:
     return [i + 1 for i, batch in enumerate(batches) if request_id in batch]
 
 
-# ---- ALGORITHMS.md 4 vectors -------------------------------------------------------------------
+# ---- docs/algorithms.md 4 vectors -------------------------------------------------------------------
 
 
 def test_vector_trp_and_vbs_50_100_200() -> None:

@@ -177,7 +177,7 @@ def test_sharded_load_with_allgather_on_one_host() -> None:
 # ---- ZigZag ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("k", "expected"), [(0, 1 / 7), (1, 1 / 6), (4, 2 / 7), (7, 2 / 7)])
 def test_zigzag_seven_layer_vector(k: int, expected: float) -> None:
-    """ALGORITHMS.md 3: 1/7 alone, 1/6 with one layer, twice the old rate from half the layers."""
+    """docs/algorithms.md 3: 1/7 alone, 1/6 with one layer, twice the old rate from half the layers."""
     assert pair_throughput(7, k) == pytest.approx(expected)
     assert layer_level_throughput(7, k) == pytest.approx(expected, rel=1e-3)
 

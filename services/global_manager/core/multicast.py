@@ -1,4 +1,4 @@
-"""Multicast planner: turns "load these targets" into serial forwarding chains (ALGORITHMS.md 2).
+"""Multicast planner: turns "load these targets" into serial forwarding chains (docs/algorithms.md 2).
 
 The plan, step by step:
 1. Prune sources whose outgoing link already carries serving traffic (in P/D disaggregation the
@@ -380,7 +380,7 @@ def plan_multicast(
 ) -> MulticastPlan:
     """Plan how `targets` receive every parameter group in `groups` (in load order) from
     `sources`. `serving_traffic` maps node id -> direction of its serving traffic.
-    `max_chains` caps the network lanes (the "needed" of ALGORITHMS.md 2).
+    `max_chains` caps the network lanes (the "needed" of docs/algorithms.md 2).
     Raises ValueError for bad input or a group that no source holds."""
     _check_inputs(targets, sources, topology, groups, max_chains)
     if not targets:

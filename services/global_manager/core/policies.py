@@ -1,4 +1,4 @@
-"""Autoscaling policies: pure `decide(now_s, snapshot) -> ScaleDecision` rules (ALGORITHMS.md 1).
+"""Autoscaling policies: pure `decide(now_s, snapshot) -> ScaleDecision` rules (docs/algorithms.md 1).
 
 Each policy owns exactly one piece of mutable state, its `CooldownState`, updated when it
 returns a scale decision; everything else comes from the snapshot. `make_policy(name, params)`
@@ -108,7 +108,7 @@ class Policy(Protocol):
 
 
 class _BaseConfig(BaseModel):
-    """Bounds and cooldowns every policy has. Names carry units; the ALGORITHMS.md spellings
+    """Bounds and cooldowns every policy has. Names carry units; the docs/algorithms.md spellings
     without units (`scale_out_cooldown`, `tbt_slo`) are accepted as aliases."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -259,7 +259,7 @@ class _PolicyBase:
 
 
 class HeteroScaleConfig(_BaseConfig):
-    """HeteroScale parameters; defaults are ALGORITHMS.md section 1's."""
+    """HeteroScale parameters; defaults are docs/algorithms.md 1's."""
 
     target_decode_tps_per_instance: float = Field(
         100.0, gt=0, description="decode tokens/s one decode (or colocated) instance should carry"
@@ -279,7 +279,7 @@ class HeteroScaleConfig(_BaseConfig):
     hold_scale_in_on_panic: bool = Field(
         False,
         description="while TBT is above the panic line, a scale-in is held (no change) instead of falling "
-        "through; off by default, as ALGORITHMS.md 1 step 3 specifies the fall-through",
+        "through; off by default, as docs/algorithms.md 1 step 3 specifies the fall-through",
     )
     rounding: Literal["ceil", "floor", "round"] = Field(
         "ceil",
@@ -291,7 +291,7 @@ class HeteroScaleConfig(_BaseConfig):
         gt=0,
         description="TTFT objective, seconds; when set, TTFT above ttft_slo_s * latency_panic_threshold "
         "(at ttft_percentile) also triggers the latency panic. A burst shows in TTFT before it shows in "
-        "decode TPS, whose window lags the arrivals. Off (None) by default, as in ALGORITHMS.md 1",
+        "decode TPS, whose window lags the arrivals. Off (None) by default, as in docs/algorithms.md 1",
     )
     ttft_percentile: Percentile = Field("p99", description="which window TTFT percentile the trigger reads")
     target_requests_per_instance: float | None = Field(
@@ -300,7 +300,7 @@ class HeteroScaleConfig(_BaseConfig):
         description="when set, step 2 also reads concurrency (running + waiting requests, the Knative KPA "
         "signal) and takes need = max(decode_tps / target_decode_tps_per_instance, requests / this): "
         "arrivals queue on the workers at once, while decode TPS rises only as they are served. "
-        "Off (None) by default, as in ALGORITHMS.md 1",
+        "Off (None) by default, as in docs/algorithms.md 1",
     )
     scale_in_stabilization_s: float = Field(
         0.0,
@@ -308,7 +308,7 @@ class HeteroScaleConfig(_BaseConfig):
         description="a scale-in goes only down to the largest pool size this policy wanted in the last this "
         "many seconds (Kubernetes HPA's downscale stabilization window): a lull inside a burst, or the "
         "lagging decode-TPS window right after a panic scale-out, does not undo the scale-out. 0 = off, "
-        "as in ALGORITHMS.md 1",
+        "as in docs/algorithms.md 1",
     )
     worker_profile: str | None = Field(
         None,
@@ -329,14 +329,14 @@ class HeteroScaleConfig(_BaseConfig):
 
 
 class HeteroScalePolicy(_PolicyBase):
-    """Coordinated P/D scaling on decode TPS with a TBT safety net (ALGORITHMS.md 1, steps 1-3).
+    """Coordinated P/D scaling on decode TPS with a TBT safety net (docs/algorithms.md 1, steps 1-3).
 
     Colocated mapping: one pool of N instances, each both prefilling and decoding.
     need = tps / target; ratio = need / N; scale out if ratio > 1 + theta_out, in if
     ratio < 1 - theta_in; desired = rounding(need) (ceil by default), clamped to [min, max].
     The latency panic grows N to max(N + 1, ceil(N * factor)). Cooldowns as in the split case.
 
-    Three extensions, all off by default so the ALGORITHMS.md vectors hold as written: a TTFT
+    Three extensions, all off by default so the docs/algorithms.md vectors hold as written: a TTFT
     trigger beside the TBT one (`ttft_slo_s`), concurrency beside decode TPS in step 2
     (`target_requests_per_instance`), and a scale-in stabilization window
     (`scale_in_stabilization_s`), for which the policy remembers the pool sizes it wanted
@@ -544,7 +544,7 @@ class UtilizationConfig(_BaseConfig):
 
 class UtilizationPolicy(_PolicyBase):
     """Each pool wants ceil(reporting * util / target); out if any pool's util/target > 1.1,
-    in only if all are < 0.9 (ALGORITHMS.md 1, other policies).
+    in only if all are < 0.9 (docs/algorithms.md 1, other policies).
 
     Utilization is measured on the instances that reported in the window, and the wish is
     compared with the pool count that includes LOADING ones: capacity already on its way is not
@@ -821,7 +821,7 @@ class BlitzScaleBoundsConfig(_BaseConfig):
 
 
 class BlitzScaleBoundsPolicy(_PolicyBase):
-    """BlitzScale's bounds (ALGORITHMS.md 1, other policies).
+    """BlitzScale's bounds (docs/algorithms.md 1, other policies).
 
     Decode: util = KV blocks used / (D * blocks per replica). Above kv_high, D grows to
     ceil(used / (blocks per replica * band middle)); below kv_low, D drops by one.

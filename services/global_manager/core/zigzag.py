@@ -1,4 +1,4 @@
-"""ZigZag execution scheduling (ALGORITHMS.md 3, BlitzScale OSDI'25): the pure planning pieces.
+"""ZigZag execution scheduling (docs/algorithms.md 3, BlitzScale OSDI'25): the pure planning pieces.
 
 A LOADING instance holding k of L layers runs layers [0, k) of a request and hands the hidden
 states to an overloaded full partner that runs [k, L). This module decides, without I/O or clock
@@ -549,7 +549,7 @@ def pair_throughput(num_layers: int, k_layers: int) -> float:
     x + y = 1/L + x * k / L grows with x, so x = 1 / max(k, L - k), which gives
         1 / (L - k)  for k <= L/2  (the old instance is the bottleneck, doing L - k per request)
         2 / L        for k >= L/2  (the new one is; the pair matches two full instances).
-    Vectors (ALGORITHMS.md 3): L = 7 serves 1/7 at k = 0, 1/6 at k = 1, and 2/7, twice the
+    Vectors (docs/algorithms.md 3): L = 7 serves 1/7 at k = 0, 1/6 at k = 1, and 2/7, twice the
     old rate, once half the layers are in.
     """
     for name, value in (("num_layers", num_layers), ("k_layers", k_layers)):

@@ -127,7 +127,7 @@ KVFill = Callable[[KVBlocks], Awaitable[object]]
 
 @dataclass(frozen=True)
 class Relayed:
-    """What a ZigZag relay brings (ALGORITHMS.md section 3): the hidden states `[prompt, H]` of a
+    """What a ZigZag relay brings (docs/algorithms.md 3): the hidden states `[prompt, H]` of a
     request's prompt after decoder layer `layers` ran on the loading instance, whose KV for
     layers [0, layers) was pulled into the request's blocks here. `layers == 0`: nothing ran
     there, the prompt is computed here whole."""
@@ -210,7 +210,7 @@ class EngineConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "scorpio"] = Field(
         "fcfs",
         description="fcfs: requests start in arrival order, every decode runs every iteration; scorpio"
-        " (ALGORITHMS.md 4): queued by TTFT deadline, admitted only when the fitted TPOT estimate meets the"
+        " (docs/algorithms.md 4): queued by TTFT deadline, admitted only when the fitted TPOT estimate meets the"
         " SLOs, decodes run by TPOT credits, SLOUnattainable for what cannot be met",
     )
     enable_prefix_caching: bool = Field(
@@ -716,7 +716,7 @@ class Engine:
           instead of being computed; decoding goes on from the last resumed token. If the fill
           fails, the prompt is recomputed here: slower, the same tokens.
 
-        ZigZag live scaling (ALGORITHMS.md section 3):
+        ZigZag live scaling (docs/algorithms.md 3):
         - `zigzag` (a loading instance): the prompt runs through the decoder layers held here, as
           they arrive (requests whose next layer is loaded first, then in arrival order), until
           its full partner takes it over (`relay`). The stream's one event then carries

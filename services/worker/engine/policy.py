@@ -11,7 +11,7 @@ queue order apart from budget accounting in the same way):
 - `finished` when a request ends with a token.
 
 Refusals come back as data; the engine takes the refused requests out of its queue. FCFS admits
-in arrival order and runs every decode every step; SCORPIO (ALGORITHMS.md 4) is below.
+in arrival order and runs every decode every step; SCORPIO (docs/algorithms.md 4) is below.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class FcfsPolicy:
 
 
 class ScorpioPolicy:
-    """SCORPIO (scheduling_policy="scorpio", ALGORITHMS.md 4). The pure part (credits, fits, the
+    """SCORPIO (scheduling_policy="scorpio", docs/algorithms.md 4). The pure part (credits, fits, the
     checks) is `services/worker/engine/scorpio.py`.
 
     Refusals: at arrival when the TPOT SLO is out of reach even alone, or the first token cannot

@@ -1,4 +1,4 @@
-"""MAX_UTILIZATION preemption in the engine (capacity_policy=MAX_UTILIZATION, ALGORITHMS.md 5):
+"""MAX_UTILIZATION preemption in the engine (capacity_policy=MAX_UTILIZATION, docs/algorithms.md 5):
 the step's first stage when it is planned. It pauses running requests whose next steps no longer
 fit the KV pool, swaps paused ones back in, and sets every pausable request's reservation to
 what its next step needs. The pure choices (victims, blocks, the folded prompt) are in

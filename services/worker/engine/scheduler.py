@@ -1,7 +1,7 @@
 """Capacity scheduling of one engine iteration (TensorRT-LLM GUARANTEED_NO_EVICT and
 MAX_UTILIZATION semantics).
 
-Pure functions of the queue state: no I/O, no clock, no torch. See ALGORITHMS.md section 5.
+Pure functions of the queue state: no I/O, no clock, no torch. See docs/algorithms.md 5.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SCORPIO SLO-aware batching and admission (ALGORITHMS.md section 4), the pure part: TRP and VBS,
+"""SCORPIO SLO-aware batching and admission (docs/algorithms.md 4), the pure part: TRP and VBS,
 credit-based selection of decode rows, the online TPOT model, an output-length predictor and the
 TPOT admission and TTFT checks.
 
@@ -46,7 +46,7 @@ class CreditBatcher:
 
     Every iteration each decoding request adds its TRP to its credit (a new request starts at 0),
     then those with credit >= 1 run and pay 1. So a request at the minimum STP runs every
-    iteration and one with TRP 1/k every k-th, starting at its k-th (ALGORITHMS.md 4: STP {50,
+    iteration and one with TRP 1/k every k-th, starting at its k-th (docs/algorithms.md 4: STP {50,
     100, 200} batch [0], [0, 1], [0], [0, 1, 2], ...). The tightest decoding request always runs,
     so a step with any decode row has work."""
 
