@@ -1462,8 +1462,9 @@ class Engine:
         layers it holds and keep their hidden states."""
         model = self.model
         device = model.device
-        if self._cpu_share is not None and self._cpu_share.threads() != self._threads:
-            self._set_threads(self._cpu_share.threads())
+        share = self._cpu_share.threads() if self._cpu_share is not None else self._threads
+        if share != self._threads:
+            self._set_threads(share)
         num_layers = model.config.num_hidden_layers
         logits_parts: list[torch.Tensor] = []
         prompt_out: list[list[tuple[float, TopLogprobs]]] = []
