@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-output-tokens", type=int, help="...then clamped to [min, max]")
     p.add_argument("--max-output-tokens", type=int)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads in every system")
+    p.add_argument("--device", default="cpu", help="where (a)'s worker and (b) run the model: cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="the model's dtype in (a) and (b): auto, float32, bfloat16")
     p.add_argument(
         "--rounds",
         type=int,
@@ -202,7 +204,11 @@ async def _served_systems(
             own_pids.update(gw.pids())
             systems.append(gw)
         if "engine" in selected:
-            systems.append(await stack.enter_async_context(EngineSystem(model_path, worker_engine_config(worker))))
+            systems.append(
+                await stack.enter_async_context(
+                    EngineSystem(model_path, worker_engine_config(worker), worker.device, worker.dtype)
+                )
+            )
         systems.extend(_HFInThread(system, args.threads) for system in hf_static)
         for system in systems:
             await system.serve(warmup)
@@ -289,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = ensure_model(args.model_dir, preset)
     mcfg = load_config(model_path)
-    worker = WorkerConfig()  # a worker's defaults; (a) passes them explicitly, (b) builds the same
+    # A worker's defaults; (a) passes them explicitly, (b) builds the same.
+    try:
+        worker = WorkerConfig(device=args.device, dtype=args.dtype)
+    except ValueError as exc:
+        raise SystemExit(f"--device {args.device!r} / --dtype {args.dtype!r}: {exc}") from None
     engine_cfg = worker_engine_config(worker)
     limit = min(engine_cfg.max_num_tokens, mcfg.max_position_embeddings - spec.max_output_tokens)
     if spec.max_prompt_tokens > limit:
@@ -362,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {
             "quick": args.quick,
             "torch_threads": args.threads,
+            "device": args.device,
+            "dtype": args.dtype,
             "rounds": {
                 "gateway_engine_hf_static": {"clean_wanted": plan.wanted, "max": plan.attempts},
                 "hf_sequential": {"clean_wanted": hf_plan.wanted, "max": hf_plan.attempts},

@@ -39,6 +39,8 @@ def mesh_config(
             "--block-size", str(worker.block_size),
             "--kv-cache-tokens", str(worker.kv_cache_tokens),
             "--dataplane", dataplane,
+            "--device", worker.device,
+            "--dtype", worker.dtype,
         ],
     )  # fmt: skip
 

@@ -11,12 +11,13 @@ import torch
 
 from bench.serving.results import RequestTiming, SystemResult
 from bench.serving.workload import Request
+from services.model_format.checkpoint import load_config
 from services.model_format.generation import eos_token_ids_in
 from services.worker.config import WorkerConfig
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.sampling import SamplingParams
 from services.worker.kv_pool import engine_config
-from services.worker.model.llama import LlamaForCausalLM, load_model
+from services.worker.model.llama import LlamaForCausalLM, load_model, resolve_dtype
 
 
 def worker_engine_config(worker: WorkerConfig) -> EngineConfig:
@@ -25,11 +26,12 @@ def worker_engine_config(worker: WorkerConfig) -> EngineConfig:
     return engine_config(worker, worker.kv_cache_tokens // worker.block_size)
 
 
-def _load_single_threaded(path: Path) -> LlamaForCausalLM:
+def _load_single_threaded(path: Path, device: str, dtype: str) -> LlamaForCausalLM:
     """Load as a worker does: torch single-threaded outside the engine's compute thread (a second
     OpenMP team in the process slows the compute thread's, see services.worker.service)."""
     torch.set_num_threads(1)
-    return load_model(str(path))
+    cfg = load_config(path)
+    return load_model(str(path), device=device, dtype=resolve_dtype(dtype, cfg, device))
 
 
 def greedy(n: int) -> SamplingParams:
@@ -41,14 +43,16 @@ class EngineSystem:
 
     name = "engine"
 
-    def __init__(self, model_path: Path, config: EngineConfig) -> None:
+    def __init__(self, model_path: Path, config: EngineConfig, device: str = "cpu", dtype: str = "auto") -> None:
         self.model_path = model_path
         self.config = config
+        self.device = device
+        self.dtype = dtype
         self._engine: Engine | None = None
         self._rounds = 0
 
     async def __aenter__(self) -> EngineSystem:
-        model = await asyncio.to_thread(_load_single_threaded, self.model_path)
+        model = await asyncio.to_thread(_load_single_threaded, self.model_path, self.device, self.dtype)
         eos_ids = await asyncio.to_thread(eos_token_ids_in, self.model_path)
         self._engine = Engine.create(model, eos_ids, self.config)
         await self._engine.start()

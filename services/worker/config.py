@@ -119,6 +119,11 @@ class WorkerConfig(ServiceConfig):
         "pinned host buffers and are copied to the device one group at a time, so ZigZag can run a layer as "
         "soon as it arrives)",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="on a CUDA device, replay decode-only steps from CUDA graphs captured on first use of their batch"
+        " and context bucket (no effect on CPU)",
+    )
     dtype: str = Field(
         "auto",
         pattern="^(auto|float32|bfloat16|float16)$",

@@ -112,6 +112,7 @@ def engine_config(cfg: WorkerConfig, num_kv_blocks: int) -> EngineConfig:
         zigzag_partner_order=cfg.zigzag_partner_order,
         scheduling_policy=cfg.scheduling_policy,
         enable_prefix_caching=cfg.enable_prefix_caching,
+        cuda_graphs=cfg.cuda_graphs,
         # 0: the CpuShare's count when the worker shares the machine, else every core (the
         # worker's own threads run torch single-threaded, so nothing is inherited from them).
         num_threads=cfg.num_threads or (None if cfg.cpu_share_dir else available_cores()),

@@ -50,6 +50,7 @@ class KVNodeSpec:
     first_layer: int = 0
     config: dict[str, Any] = field(default_factory=dict)  # KVTransferConfig fields
     env: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"  # where the cache lives (cuda: the transfers stage through host memory)
 
     def make_cache(self) -> KVCache:
         return KVCache(
@@ -60,6 +61,7 @@ class KVNodeSpec:
             head_dim=self.head_dim,
             dtype=getattr(torch, self.dtype),
             first_layer=self.first_layer,
+            device=self.device,
         )
 
 
@@ -79,11 +81,11 @@ def request_kv_digest(cache: KVCache, table: Sequence[int], layers: tuple[int, i
     """blake2b of a request's K and V for `layers`, its first `num_tokens` token slots in table
     order: equal digests on two caches mean bit-identical KV of that request."""
     h = hashlib.blake2b(digest_size=16)
-    blocks = torch.tensor(list(table), dtype=torch.long)
+    blocks = torch.tensor(list(table), dtype=torch.long, device=cache.device)
     for layer in range(*layers):
         for t in cache.layer_cache(layer):
             tokens = t.index_select(0, blocks).reshape(-1, *t.shape[2:])[:num_tokens]
-            h.update(tokens.contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(tokens.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 

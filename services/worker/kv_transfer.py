@@ -252,19 +252,49 @@ def _max_blocks(max_message_bytes: int, block_bytes: int) -> int:
 
 
 class _ByteViews:
-    """Flat uint8 views of a cache's K and V storage, sliced per message: a numpy slice per message
-    instead of torch indexing and a tensor-to-numpy conversion (which cost more than small messages)."""
+    """The bytes of each message, from or into a cache's K and V storage.
+
+    On the CPU: flat uint8 views of the storage, sliced per message (a numpy slice per message
+    instead of torch indexing and a tensor-to-numpy conversion, which cost more than small
+    messages); the transports read and write the cache in place. On a GPU the transports move
+    host memory: a message being sent is first copied from the device (`__call__`), and one
+    being received lands in a host buffer that `land` then copies to the device.
+    """
 
     def __init__(self, cache: KVCache) -> None:
         k, v = cache.storage()
-        self._bytes = (as_uint8_array(k, writable=True), as_uint8_array(v, writable=True))
+        self._device = k.device.type != "cpu"
+        if self._device:
+            self._tensors = (k.view(-1).view(torch.uint8), v.view(-1).view(torch.uint8))
+        else:
+            self._bytes = (as_uint8_array(k, writable=True), as_uint8_array(v, writable=True))
         self._block_bytes = cache.block_bytes
         self._num_blocks = cache.num_blocks
         self._first_layer = cache.first_layer
 
-    def __call__(self, msg: KVMessage, first_block: int) -> np.ndarray:
+    def _span(self, msg: KVMessage, first_block: int) -> tuple[int, int]:
         start = ((msg.layer - self._first_layer) * self._num_blocks + first_block) * self._block_bytes
-        return self._bytes[msg.kv][start : start + msg.num_blocks * self._block_bytes]
+        return start, start + msg.num_blocks * self._block_bytes
+
+    def __call__(self, msg: KVMessage, first_block: int) -> np.ndarray:
+        """The message's bytes to send (on a GPU: a host copy of them)."""
+        start, end = self._span(msg, first_block)
+        if self._device:
+            return self._tensors[msg.kv][start:end].cpu().numpy()
+        return self._bytes[msg.kv][start:end]
+
+    def target(self, msg: KVMessage, first_block: int) -> np.ndarray:
+        """Where the message is received: the cache itself, or on a GPU a host buffer (see `land`)."""
+        if self._device:
+            start, end = self._span(msg, first_block)
+            return np.empty(end - start, dtype=np.uint8)
+        return self(msg, first_block)
+
+    def land(self, msg: KVMessage, first_block: int, received: np.ndarray) -> None:
+        """Put a received message where it belongs (on the CPU it already is)."""
+        if self._device:
+            start, end = self._span(msg, first_block)
+            self._tensors[msg.kv][start:end].copy_(torch.from_numpy(received))
 
 
 def _checksum(data: np.ndarray, algo: str | None = None) -> str:
@@ -381,8 +411,6 @@ class KVServer:
     def __init__(
         self, group_server: GroupServer, cache: KVCache, *, model_id: str, config: KVTransferConfig | None = None
     ) -> None:
-        if cache.device.type != "cpu":
-            raise ValueError(f"KV transfers need a CPU cache (the transports send host memory), got {cache.device}")
         self.transport = group_server.transport
         self.cache = cache
         self.model_id = model_id
@@ -639,8 +667,6 @@ async def receive_kv(
     allocator = allocator or cache
     seq_id = request_id or descriptor.request_id
     what = f"KV transfer {descriptor.transfer_id!r} of request {descriptor.request_id!r}"
-    if cache.device.type != "cpu":
-        raise ValueError(f"KV transfers need a CPU cache (the transports receive into host memory), got {cache.device}")
     layout = cache_layout(cache, model_id)
     check_layout(
         descriptor.layout(),
@@ -704,7 +730,7 @@ async def receive_kv(
             if next_seq >= len(plan):
                 return
             msg = plan[next_seq]
-            view = byte_views(msg, msg.dst_block)
+            view = byte_views.target(msg, msg.dst_block)
             views.append(view)
             assert ep is not None
             posted.append((next_seq, loop.create_task(ep.recv_into(view, DATA_TAG_BASE + next_seq))))
@@ -718,6 +744,7 @@ async def receive_kv(
             done, _ = await asyncio.wait(waiting, timeout=config.stall_timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if task in done:
                 task.result()
+                byte_views.land(plan[seq], plan[seq].dst_block, views[seq])
                 posted.popleft()
                 post_next()
                 if on_progress is not None:

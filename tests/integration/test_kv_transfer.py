@@ -444,3 +444,23 @@ async def test_a_producer_that_dies_or_stalls_ends_the_pull_in_time_and_frees_th
             assert producer_node.reply(offer_done, timeout_s=30)[0] == "error"
             freed = expect(producer_node.call("free", "r"), "freed")
             assert freed[1] == BIG_TOKENS // BIG.block_size
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device on this machine")
+@pytest.mark.parametrize(("producer_device", "consumer_device"), [("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")])
+async def test_a_cache_on_the_gpu_sends_and_receives_through_host_memory(
+    producer_device: str, consumer_device: str
+) -> None:
+    """A worker on a GPU hands off and migrates KV like one on a CPU: the transports move host
+    memory, so the device's blocks are staged through it on both sides, bit-exactly."""
+    (node,) = start_kv_nodes([dataclasses.replace(BIG, device=producer_device, config={"stall_timeout_s": 5.0})])
+    try:
+        async with make_transport("tcp") as consumer_t:
+            consumer = dataclasses.replace(BIG, device=consumer_device).make_cache()
+            d = _offer_big(node, "r")
+            await receive_kv(consumer_t, d, consumer, model_id=BIG.model_id, config=FAST)
+            want = expect(node.call("digest", "r", (0, BIG.num_layers), BIG_TOKENS), "digest")[1]
+            assert request_kv_digest(consumer, consumer.block_table("r"), (0, BIG.num_layers), BIG_TOKENS) == want
+    finally:
+        node.stop()

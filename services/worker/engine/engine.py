@@ -63,6 +63,7 @@ from services.worker.engine.step import (
 )
 from services.worker.model import fused, native
 from services.worker.model.attention import ForwardBatch
+from services.worker.model.cuda_graphs import DecodeGraphs
 from services.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -219,6 +220,12 @@ class EngineConfig(BaseModel):
         " their tokens and everything before them, and a request starting with cached blocks skips computing them",
     )
 
+    cuda_graphs: bool = Field(
+        True,
+        description="on a CUDA device, decode-only steps replay CUDA graphs captured on first use of their batch and"
+        " context bucket (services/worker/model/cuda_graphs.py); False runs every step eagerly",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.max_num_tokens < self.max_batch_size:
@@ -358,6 +365,8 @@ class Engine:
         # the owner must hear of it, or it goes on advertising an engine that serves nothing.
         self._on_dead = on_dead
         self.model = model
+        # Built on the first decode-only step of a complete CUDA model (see `_decode_logits`).
+        self._decode_graphs: DecodeGraphs | None = None
         self.kv_cache = kv_cache
         # Every id that ends a generation (a chat model may have several, e.g. <|im_end|> and <|endoftext|>).
         self.eos_token_ids = _eos_set(eos_token_ids)
@@ -1468,7 +1477,10 @@ class Engine:
         num_layers = model.config.num_hidden_layers
         logits_parts: list[torch.Tensor] = []
         prompt_out: list[list[tuple[float, TopLogprobs]]] = []
-        if inp.query_lens:
+        graphs = self._graphs_for(inp) if inp.query_lens else None
+        if graphs is not None:
+            logits_parts.append(graphs.run(inp.input_ids, inp.context_lens, inp.block_tables))
+        elif inp.query_lens:
             batch = ForwardBatch.build(
                 inp.query_lens,
                 inp.context_lens,
@@ -1522,6 +1534,23 @@ class Engine:
             return StepOutputs(None, prompt_out, partial_out)
         logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat(logits_parts)
         return StepOutputs(sample(logits, inp.params, inp.generators, inp.histories), prompt_out, partial_out)
+
+    def _graphs_for(self, inp: StepInput) -> DecodeGraphs | None:
+        """The CUDA graphs that run this step, or None: only a step of decodes alone on a complete
+        CUDA model whose every row samples, within the graphs' buckets."""
+        model = self.model
+        if not self.config.cuda_graphs or model.device.type != "cuda" or inp.prompt_work:
+            return None
+        n = len(inp.query_lens)
+        if len(inp.logits_local) != n or any(q != 1 for q in inp.query_lens) or min(inp.context_lens) <= 0:
+            return None
+        if not model.static_decode_supported:
+            return None
+        if self._decode_graphs is None:
+            self._decode_graphs = DecodeGraphs(model, self.kv_cache, self.config.max_batch_size)
+        if self._decode_graphs.bucket(n, max(inp.context_lens) + 1) is None:
+            return None
+        return self._decode_graphs
 
     def scorpio_report(self) -> dict[str, Any] | None:
         """SCORPIO's fits and counters (None under FCFS): the TPOT model (coefficients, terms,

@@ -181,19 +181,22 @@ class TokenHistory:
             self.seen[token] = True
 
     def apply(self, row: torch.Tensor) -> torch.Tensor:
-        """A processed copy of one row of float32 logits `[vocab]` (the input is left alone)."""
+        """A processed copy of one row of float32 logits `[vocab]` (the input is left alone), on
+        the row's device (the history itself lives on the CPU, where `add` updates it)."""
         p = self.params
+        dev = row.device
         x = row.clone()
         if self.bias_ids.numel():
-            x.index_add_(0, self.bias_ids, self.bias_values)
+            x.index_add_(0, self.bias_ids.to(dev), self.bias_values.to(dev))
         if self.seen is not None:
             r = p.repetition_penalty
-            x = torch.where(self.seen, torch.where(x > 0, x / r, x * r), x)
+            x = torch.where(self.seen.to(dev), torch.where(x > 0, x / r, x * r), x)
         if self.output_counts is not None:
+            counts = self.output_counts.to(dev)
             if p.frequency_penalty != 0:
-                x -= p.frequency_penalty * self.output_counts
+                x -= p.frequency_penalty * counts
             if p.presence_penalty != 0:
-                x -= p.presence_penalty * (self.output_counts > 0).float()
+                x -= p.presence_penalty * (counts > 0).float()
         return x
 
 
@@ -214,7 +217,9 @@ def top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[TopLogprobs]
     if k_max <= 0:
         return [() for _ in ks]
     values, ids = torch.topk(logprobs, min(k_max, logprobs.shape[-1]), dim=-1)
-    values_l, ids_l = values.tolist(), ids.tolist()
+    # One copy to the host for both (ids < 2^53 and float32 values are exact in float64).
+    both = torch.stack((values.double(), ids.double())).cpu()
+    values_l, ids_l = both[0].tolist(), both[1].long().tolist()
     return [tuple(zip(ids_l[i][:k], values_l[i][:k], strict=True)) for i, k in enumerate(ks)]
 
 
@@ -235,10 +240,14 @@ def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _sample_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> list[int]:
-    """Sample one token per row (all rows non-greedy) with temperature, top-k and top-p."""
+) -> torch.Tensor:
+    """Sample one token per row (all rows non-greedy) with temperature, top-k and top-p; the
+    tokens `[R]` on the logits' device. The uniform draws come from the requests' own (CPU)
+    generators, so a seeded request picks the same tokens on any device, up to the rounding of
+    the device's softmax and cumulative sum."""
     vocab = logits.shape[-1]
-    x = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    dev = logits.device
+    x = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype).to(dev).unsqueeze(1)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values
@@ -247,7 +256,7 @@ def _sample_rows(
         x = x.masked_fill(x < kth.unsqueeze(1), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).to(dev)
         threshold = _top_p_threshold(probs, top_p)
         # Rows with top_p == 1 keep everything (threshold 0).
         threshold = torch.where(top_p < 1.0, threshold, 0.0)
@@ -255,10 +264,9 @@ def _sample_rows(
     # Inverse-CDF draw: one uniform number per row from the request's own generator, so a row's
     # token depends only on its logits and its generator.
     cdf = probs.cumsum(dim=-1)
-    u = torch.stack([_draw(g) for g in generators]).to(cdf.dtype)
+    u = torch.stack([_draw(g) for g in generators]).to(device=dev, dtype=cdf.dtype)
     target = (u * cdf[:, -1]).unsqueeze(1)
-    picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
-    return picked.tolist()
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
 
 
 class SampleOutput(NamedTuple):
@@ -292,19 +300,21 @@ def sample(
             f"sample: logits {tuple(logits.shape)} for {len(params)} params, {len(generators)} generators"
             f" and {len(histories)} histories"
         )
-    # Sampling is a few [R, vocab] ops: done on the CPU, where the per-request generators live.
-    logits = logits.detach().float().cpu()
+    # Sampling runs where the logits are (a few [R, vocab] ops): on a GPU only the picked tokens
+    # and their log-probs come back, in one copy, not R x vocab floats.
+    logits = logits.detach().float()
     logprobs = torch.log_softmax(logits, dim=-1)
     processed = process_logits(logits, histories)
-    tokens = processed.argmax(dim=-1).tolist()
+    tokens = processed.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         picked = _sample_rows(processed[rows], [params[i] for i in rows], [generators[i] for i in rows])
-        for i, token in zip(rows, picked, strict=True):
-            tokens[i] = token
-    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1)
+        tokens[torch.tensor(rows, dtype=torch.long).to(tokens.device)] = picked
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    # Token ids (< 2^53) and float32 log-probs are exact in float64: one copy to the host.
+    host = torch.stack((tokens.double(), chosen.double())).cpu()
     top = top_logprobs(logprobs, [p.logprobs or 0 for p in params])
-    return SampleOutput(tokens, chosen.tolist(), top)
+    return SampleOutput(host[0].long().tolist(), host[1].tolist(), top)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[tuple[float, TopLogprobs]]:

@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from services.worker.model import flash as flash_attn
 from services.worker.model import native, varlen
 
 
@@ -176,6 +177,8 @@ class ForwardBatch:
     max_slot: int = -1
     # With a cache: the sequences that are not decodes, for the varlen kernel (None: none).
     prefill: PrefillSet | None = None
+    # With a cache on a CUDA device: every sequence laid out for FlashAttention's varlen kernel.
+    flash: flash_attn.FlashLayout | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -297,7 +300,12 @@ class ForwardBatch:
                 spans_starts[i] == spans_starts[0] + i * lengths[0] for i in range(len(fresh))
             )
             causal = CausalSpans(tuple(fresh), spans_starts, lengths, uniform)
+        flash = None
+        if paged and dev.type == "cuda" and flash_attn.supported():
+            assert block_tables is not None and block_size is not None
+            flash = flash_attn.FlashLayout.build(q_lens, ctx_lens, block_tables, block_size, dev)
         return cls(
+            flash=flash,
             query_lens=q_lens,
             context_lens=ctx_lens,
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -516,6 +524,11 @@ def attention(
         kv.write(layer, batch.slot_mapping, k, v)
     if batch.groups and kv is None:
         raise ValueError("ForwardBatch has cached context but no KV cache was given")
+    if batch.flash is not None and kv is not None and flash_attn.available(q, window):
+        k_cache, v_cache = kv.layer_cache(layer)
+        out = flash_attn.attention(q, k, v, batch.flash, k_cache, v_cache, window)
+        if out is not None:
+            return out
     if kv_written and batch.prefill is not None and kv is not None and q.device.type == "cpu":
         out = _varlen_attention(q, batch, batch.prefill, kv, layer, window)
         if out is not None:

@@ -443,6 +443,74 @@ class LlamaForCausalLM:
             hidden = pending.add_(hidden)
         return hidden
 
+    @property
+    def static_decode_supported(self) -> bool:
+        """Whether `decode_static` can run this model: every group loaded, and no RoPE whose
+        frequencies depend on the sequence's length (dynamic NTK reads it on the host)."""
+        return self.is_complete and not self.rotary.dynamic
+
+    @torch.inference_mode()
+    def decode_static(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        kv: PagedKV,
+    ) -> torch.Tensor:
+        """One decode step of B sequences in fixed shapes: no host sync and no shape that depends
+        on the data, so a CUDA graph can capture it (`services.worker.model.cuda_graphs`).
+
+        Row b is one new token `input_ids[b]` at `positions[b]`; its K/V go to flat cache slot
+        `slots[b]`, and it attends over the keys at positions 0..positions[b] of its sequence,
+        read through `block_tables[b]` (`[B, NB]`, covering positions[b] + 1 tokens; entries past
+        that are any valid block, masked out). Returns float32 logits `[B, vocab]`.
+        """
+        if not self.static_decode_supported:
+            raise RuntimeError("decode_static needs the whole model and a RoPE without dynamic scaling")
+        assert self._head is not None and self._norm is not None
+        cfg = self.config
+        b = int(input_ids.shape[0])
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        n_q, n_qk = heads * d, (heads + kv_heads) * d
+        hidden = self.embed(input_ids)
+        cos, sin_half = self.rotary.cos_sin(positions, (), (), self.dtype)
+        width = int(block_tables.shape[1])
+        bs = int(kv.block_size)
+        # Which of each row's NB * bs keys it sees: once per step, not per layer.
+        key_pos = torch.arange(width * bs, device=positions.device).view(1, -1)
+        visible = (key_pos <= positions.view(-1, 1)).view(b, 1, 1, -1)
+        windowed = {
+            w: (visible & (key_pos > positions.view(-1, 1) - w).view(b, 1, 1, -1))
+            for w in set(self._windows)
+            if w is not None
+        }
+        for i in range(cfg.num_hidden_layers):
+            w = self._layers[i]
+            assert w is not None
+            x = self._rms_norm(hidden, w.input_norm)
+            qkv = w.qkv(x)
+            qk = self._rope(qkv[:, :n_qk].view(b, heads + kv_heads, d), cos, sin_half)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, n_qk:].view(b, kv_heads, d)
+            kv.write(i, slots, k, v)
+            k_cache, v_cache = kv.layer_cache(i)
+            # [B, NB, bs, KVH, d] -> [B, KVH, NB * bs, d]: each sequence's keys in position order.
+            keys = k_cache[block_tables].view(b, width * bs, kv_heads, d).transpose(1, 2)
+            values = v_cache[block_tables].view(b, width * bs, kv_heads, d).transpose(1, 2)
+            window = self._windows[i]
+            mask = visible if window is None else windowed[window]
+            a = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=heads != kv_heads
+            )
+            hidden = hidden + w.o(a.reshape(b, n_q))
+            x = self._rms_norm(hidden, w.post_norm)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            act = F.silu(gate)
+            act.mul_(up)
+            hidden.add_(w.down(act))
+        return self._head(self._rms_norm(hidden, self._norm)).float()
+
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states `[N, H]` -> float32 logits `[N, vocab]` (final norm + LM head)."""
