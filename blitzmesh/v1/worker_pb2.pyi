@@ -35,26 +35,18 @@ class WorkerGenerateRequest(_message.Message):
     LAYER_START_FIELD_NUMBER: _builtins.int
     LAYER_END_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    KV_HANDOFF_FIELD_NUMBER: _builtins.int
-    KV_SOURCE_FIELD_NUMBER: _builtins.int
-    ZIGZAG_FIELD_NUMBER: _builtins.int
-    ZIGZAG_SOURCE_FIELD_NUMBER: _builtins.int
+    COLOCATED_FIELD_NUMBER: _builtins.int
+    PREFILL_HANDOFF_FIELD_NUMBER: _builtins.int
+    DECODE_FROM_KV_FIELD_NUMBER: _builtins.int
+    ZIGZAG_FIRST_LAYERS_FIELD_NUMBER: _builtins.int
+    ZIGZAG_PARTNER_FIELD_NUMBER: _builtins.int
+    ZIGZAG_PARTNER_HANDOFF_FIELD_NUMBER: _builtins.int
     SLO_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model_id: _builtins.str
     layer_start: _builtins.int
     layer_end: _builtins.int
     """0 = all layers"""
-    kv_handoff: _builtins.bool
-    """Prefill/decode disaggregation, the prefill side: run the prompt and emit the first token;
-    unless that token ends the request, keep the prompt's KV, offer it over the data plane and
-    end the stream with a message carrying `kv_handoff` (no finish_reason) instead of decoding.
-    """
-    zigzag: _builtins.bool
-    """ZigZag live scaling, the first hop (a LOADING instance): run the prompt through the decoder
-    layers held here, as they arrive, until the full partner relays the request; the stream then
-    ends with one message carrying `zigzag_layers`. No token is sampled here.
-    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -66,18 +58,42 @@ class WorkerGenerateRequest(_message.Message):
         """
 
     @_builtins.property
-    def kv_source(self) -> _kv_pb2.KVTransferDescriptor:
+    def colocated(self) -> Global___ColocatedMode:
+        """The prompt is computed here and the request decodes here (a migrated one included)."""
+
+    @_builtins.property
+    def prefill_handoff(self) -> Global___PrefillHandoffMode:
+        """Prefill/decode disaggregation, the prefill side: run the prompt and emit the first token;
+        unless that token ends the request, keep the prompt's KV, offer it over the data plane and
+        end the stream with a message carrying `kv_handoff` (no finish_reason) instead of decoding.
+        """
+
+    @_builtins.property
+    def decode_from_kv(self) -> _kv_pb2.KVTransferDescriptor:
         """The decode side: the prompt's KV is pulled from this offer into blocks allocated here (the
         prompt is not recomputed); `resume_token_ids` then holds the token(s) the prefill side
         emitted. If the pull fails the prompt is recomputed here, so the request still completes.
         """
 
     @_builtins.property
-    def zigzag_source(self) -> Global___ZigzagSource:
+    def zigzag_first_layers(self) -> Global___ZigzagFirstLayersMode:
+        """ZigZag live scaling, the first hop (a LOADING instance): run the prompt through the decoder
+        layers held here, as they arrive, until the full partner relays the request; the stream then
+        ends with one message carrying `zigzag_layers`. No token is sampled here.
+        """
+
+    @_builtins.property
+    def zigzag_partner(self) -> Global___ZigzagSource:
         """ZigZag, the second hop (the full partner): the request's first layers run on this loading
         instance; take it over when this instance admits it, in arrival order (pulling the KV of
         those layers and the hidden states over the data plane), run the rest, sample and decode. If
         the relay fails, the prompt is computed here whole: the same tokens.
+        """
+
+    @_builtins.property
+    def zigzag_partner_handoff(self) -> Global___ZigzagSource:
+        """Both: a ZigZag partner that is the prefill side of a disaggregated deployment (taken over
+        from the loading instance, then handed off after its first token).
         """
 
     @_builtins.property
@@ -96,19 +112,68 @@ class WorkerGenerateRequest(_message.Message):
         layer_start: _builtins.int = ...,
         layer_end: _builtins.int = ...,
         resume_token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        kv_handoff: _builtins.bool = ...,
-        kv_source: _kv_pb2.KVTransferDescriptor | None = ...,
-        zigzag: _builtins.bool = ...,
-        zigzag_source: Global___ZigzagSource | None = ...,
+        colocated: Global___ColocatedMode | None = ...,
+        prefill_handoff: Global___PrefillHandoffMode | None = ...,
+        decode_from_kv: _kv_pb2.KVTransferDescriptor | None = ...,
+        zigzag_first_layers: Global___ZigzagFirstLayersMode | None = ...,
+        zigzag_partner: Global___ZigzagSource | None = ...,
+        zigzag_partner_handoff: Global___ZigzagSource | None = ...,
         slo: _common_pb2.RequestSLO | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "sampling", b"sampling", "slo", b"slo", "zigzag_source", b"zigzag_source"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["colocated", b"colocated", "decode_from_kv", b"decode_from_kv", "mode", b"mode", "prefill_handoff", b"prefill_handoff", "sampling", b"sampling", "slo", b"slo", "zigzag_first_layers", b"zigzag_first_layers", "zigzag_partner", b"zigzag_partner", "zigzag_partner_handoff", b"zigzag_partner_handoff"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_handoff", b"kv_handoff", "kv_source", b"kv_source", "layer_end", b"layer_end", "layer_start", b"layer_start", "model_id", b"model_id", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "slo", b"slo", "zigzag", b"zigzag", "zigzag_source", b"zigzag_source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["colocated", b"colocated", "decode_from_kv", b"decode_from_kv", "layer_end", b"layer_end", "layer_start", b"layer_start", "mode", b"mode", "model_id", b"model_id", "prefill_handoff", b"prefill_handoff", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "slo", b"slo", "zigzag_first_layers", b"zigzag_first_layers", "zigzag_partner", b"zigzag_partner", "zigzag_partner_handoff", b"zigzag_partner_handoff"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_mode: _TypeAlias = _typing.Literal["colocated", "prefill_handoff", "decode_from_kv", "zigzag_first_layers", "zigzag_partner", "zigzag_partner_handoff"]  # noqa: Y015
+    _WhichOneofArgType_mode: _TypeAlias = _typing.Literal["mode", b"mode"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_mode) -> _WhichOneofReturnType_mode | None: ...
+
+Global___WorkerGenerateRequest: _TypeAlias = WorkerGenerateRequest  # noqa: Y015
+
+@_typing.final
+class ColocatedMode(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___WorkerGenerateRequest: _TypeAlias = WorkerGenerateRequest  # noqa: Y015
+Global___ColocatedMode: _TypeAlias = ColocatedMode  # noqa: Y015
+
+@_typing.final
+class PrefillHandoffMode(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillHandoffMode: _TypeAlias = PrefillHandoffMode  # noqa: Y015
+
+@_typing.final
+class ZigzagFirstLayersMode(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ZigzagFirstLayersMode: _TypeAlias = ZigzagFirstLayersMode  # noqa: Y015
 
 @_typing.final
 class ZigzagSource(_message.Message):

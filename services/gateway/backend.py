@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 import structlog
@@ -99,6 +100,26 @@ _RETRYABLE = frozenset(
         grpc.StatusCode.DATA_LOSS,
     }
 )
+
+
+def generate_mode(
+    *,
+    handoff: bool = False,
+    kv_source: kv_pb2.KVTransferDescriptor | None = None,
+    zigzag_source: worker_pb2.ZigzagSource | None = None,
+) -> dict[str, Any]:
+    """The `mode` field of a WorkerGenerateRequest for a request that hands its KV off after
+    its first token (`handoff`), decodes from another instance's KV (`kv_source`), or takes
+    over the first layers a loading instance ran (`zigzag_source`); none of them: colocated."""
+    if kv_source is not None and (handoff or zigzag_source is not None):
+        raise ValueError("a request decoding from handed-off KV neither hands off nor relays")
+    if zigzag_source is not None:
+        return {"zigzag_partner_handoff" if handoff else "zigzag_partner": zigzag_source}
+    if kv_source is not None:
+        return {"decode_from_kv": kv_source}
+    if handoff:
+        return {"prefill_handoff": worker_pb2.PrefillHandoffMode()}
+    return {"colocated": worker_pb2.ColocatedMode()}
 
 
 @dataclass(frozen=True)
@@ -837,9 +858,7 @@ class Backend:
                 sampling=sampling_to_proto(sampling),
                 layer_end=0,
                 resume_token_ids=resume,
-                kv_handoff=handoff,
-                kv_source=kv_source,
-                zigzag_source=zigzag_source,
+                **generate_mode(handoff=handoff, kv_source=kv_source, zigzag_source=zigzag_source),
                 layer_start=hop.layer_start if zigzag_source is not None else 0,
                 slo=worker_slo(req, resumed=bool(resume)),
             ),
@@ -1031,7 +1050,7 @@ class Backend:
                 sampling=sampling_to_proto(replace(req.sampling, max_tokens=max_tokens, stop=(), prompt_logprobs=None)),
                 layer_start=hop.layer_start,
                 layer_end=hop.layer_end,
-                zigzag=True,
+                zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode(),
             ),
             timeout=max(deadline_s - time.monotonic(), 0.001),
         )

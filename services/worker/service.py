@@ -188,14 +188,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # ---- generation ---------------------------------------------------------------------
     async def Generate(self, request, context):
         inst = self.instance
+        mode = request.WhichOneof("mode") or "colocated"
+        first_layers = mode == "zigzag_first_layers"
+        handoff = mode in ("prefill_handoff", "zigzag_partner_handoff")
         # A loading instance serves ZigZag requests with the layers it holds (its engine runs
         # once the embedding has arrived).
-        zigzag_ok = request.zigzag and self.state == "loading" and inst is not None and inst.engine is not None
+        zigzag_ok = first_layers and self.state == "loading" and inst is not None and inst.engine is not None
         if (self.state != "serving" and not zigzag_ok) or inst is None or inst.engine is None:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"instance {self.instance_id} is {self.state.upper()}, not SERVING"
-                + (" (a ZigZag request needs its embedding loaded)" if request.zigzag else ""),
+                + (" (a ZigZag request needs its embedding loaded)" if first_layers else ""),
             )
         assert inst is not None and inst.engine is not None
         if request.model_id and request.model_id != inst.model_id:
@@ -218,24 +221,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             sampling = sampling_from_proto(request.sampling, default_max_tokens=16)
             if request.HasField("slo"):
                 slo = slo_from_proto(request.slo)
-            if request.HasField("zigzag_source"):
-                if not request.zigzag_source.dataplane_address:
-                    raise ValueError("zigzag_source.dataplane_address is empty")
-                relay_fill = self._relay_fill(inst, request.request_id, request.zigzag_source.dataplane_address)
-            if request.HasField("kv_source"):
-                if request.kv_handoff:
-                    raise ValueError("kv_handoff and kv_source exclude each other")
-                source = kv_descriptor_from_proto(request.kv_source)
+            if mode in ("zigzag_partner", "zigzag_partner_handoff"):
+                partner = getattr(request, mode)
+                if not partner.dataplane_address:
+                    raise ValueError(f"{mode}.dataplane_address is empty")
+                relay_fill = self._relay_fill(inst, request.request_id, partner.dataplane_address)
+            if mode == "decode_from_kv":
+                source = kv_descriptor_from_proto(request.decode_from_kv)
                 expected = len(request.prompt_token_ids) + len(request.resume_token_ids) - 1
                 if source.num_tokens != expected:
                     raise ValueError(
-                        f"kv_source covers {source.num_tokens} tokens; prompt ({len(request.prompt_token_ids)}) +"
-                        f" resumed ({len(request.resume_token_ids)}) - 1 = {expected}"
+                        f"decode_from_kv covers {source.num_tokens} tokens; prompt ({len(request.prompt_token_ids)})"
+                        f" + resumed ({len(request.resume_token_ids)}) - 1 = {expected}"
                     )
                 kv_fill = self._kv_fill(inst, source)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if request.kv_handoff and inst.kv_server is None:
+        if handoff and inst.kv_server is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"instance {self.instance_id} has no data plane to hand KV off"
             )
@@ -248,9 +250,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             list(request.prompt_token_ids),
             sampling,
             list(request.resume_token_ids),
-            handoff=request.kv_handoff,
+            handoff=handoff,
             kv_fill=kv_fill,
-            zigzag=request.zigzag,
+            zigzag=first_layers,
             relay_fill=relay_fill,
             slo=slo,
         )
@@ -795,7 +797,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ExecuteLayers(self, request_iterator, context):
         await context.abort(
             grpc.StatusCode.UNIMPLEMENTED,
-            "ZigZag hands hidden states over the data plane (Generate zigzag / zigzag_source), not through gRPC",
+            "ZigZag hands hidden states over the data plane (Generate modes zigzag_first_layers / zigzag_partner), not through gRPC",
         )
 
 

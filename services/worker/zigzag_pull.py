@@ -145,7 +145,7 @@ class ZigzagOffloader:
                 sampling=sampling_to_proto(replace(params, prompt_logprobs=None)),
                 layer_start=0,
                 layer_end=peer.layers_loaded,
-                zigzag=True,
+                zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode(),
             ),
             timeout=_RUN_AHEAD_TIMEOUT_S,
         )

@@ -62,14 +62,19 @@ def request(rid: str, prompt: list[int], max_tokens: int = 24, **kw: Any) -> wor
 async def split(
     prefill: worker_pb2_grpc.WorkerStub, decode: worker_pb2_grpc.WorkerStub, rid: str, prompt: list[int]
 ) -> tuple[list[int], worker_pb2.WorkerGenerateResponse]:
-    head = [m async for m in prefill.Generate(request(rid, prompt, kv_handoff=True), timeout=30)]
+    head = [
+        m
+        async for m in prefill.Generate(
+            request(rid, prompt, prefill_handoff=worker_pb2.PrefillHandoffMode()), timeout=30
+        )
+    ]
     assert len(head) == 1 and len(head[0].token_ids) == 1 and not head[0].HasField("finish_reason")
     desc = head[0].kv_handoff
     assert desc.num_tokens == len(prompt) and desc.transfer_id
     rest = [
         m
         async for m in decode.Generate(
-            request(rid, prompt, resume_token_ids=list(head[0].token_ids), kv_source=desc), timeout=30
+            request(rid, prompt, resume_token_ids=list(head[0].token_ids), decode_from_kv=desc), timeout=30
         )
     ]
     return [*head[0].token_ids, *(t for m in rest for t in m.token_ids)], rest[-1]
@@ -113,12 +118,19 @@ async def test_a_source_gone_before_the_pull_is_recomputed(tiny_models: Path, se
     async with workers(tiny_models, serve_in_process, roles) as ws:
         (_, prefill), (d_svc, decode) = ws["p"], ws["d"]
         prompt = PROMPTS[1]
-        head = [m async for m in prefill.Generate(request("r", prompt, kv_handoff=True), timeout=30)]
+        head = [
+            m
+            async for m in prefill.Generate(
+                request("r", prompt, prefill_handoff=worker_pb2.PrefillHandoffMode()), timeout=30
+            )
+        ]
         desc = head[0].kv_handoff
         expected = await collect_tokens(decode.Generate(request("whole", prompt), timeout=30))
         await prefill.Unload(worker_pb2.UnloadRequest(), timeout=10)  # the offer goes with it
         rest = await collect_tokens(
-            decode.Generate(request("r", prompt, resume_token_ids=list(head[0].token_ids), kv_source=desc), timeout=30)
+            decode.Generate(
+                request("r", prompt, resume_token_ids=list(head[0].token_ids), decode_from_kv=desc), timeout=30
+            )
         )
         assert [*head[0].token_ids, *rest] == expected
         assert d_svc.servicer.instance.engine.kv_fills == {"pulled": 0, "recomputed": 1}  # type: ignore[union-attr]
@@ -130,15 +142,20 @@ async def test_bad_hand_off_requests_are_refused(tiny_models: Path, serve_in_pro
     async with workers(tiny_models, serve_in_process, roles, kv_handoff_timeout_s=1.0) as ws:
         (_, prefill), (_, decode) = ws["p"], ws["d"]
         prompt = PROMPTS[0]
-        head = [m async for m in prefill.Generate(request("r", prompt, kv_handoff=True), timeout=30)]
+        head = [
+            m
+            async for m in prefill.Generate(
+                request("r", prompt, prefill_handoff=worker_pb2.PrefillHandoffMode()), timeout=30
+            )
+        ]
         desc = head[0].kv_handoff
         cases = {
             "covers 5 tokens; prompt (5) + resumed (2) - 1 = 6": request(
-                "x", prompt, resume_token_ids=[*head[0].token_ids, 7], kv_source=desc
+                "x", prompt, resume_token_ids=[*head[0].token_ids, 7], decode_from_kv=desc
             ),
-            "resumes no token": request("y", [*prompt[:-1], prompt[-1], 9][:6], kv_source=desc),
-            "kv_handoff and kv_source exclude each other": request(
-                "z", prompt, resume_token_ids=list(head[0].token_ids), kv_source=desc, kv_handoff=True
+            "resumes no token": request("y", [*prompt[:-1], prompt[-1], 9][:6], decode_from_kv=desc),
+            "zigzag_partner.dataplane_address is empty": request(
+                "z", prompt, zigzag_partner=worker_pb2.ZigzagSource(instance_id="elsewhere")
             ),
         }
         for expected, req in cases.items():
@@ -163,7 +180,12 @@ async def test_aborting_a_handed_off_request_frees_its_kv_at_once(
     roles = {"p": common_pb2.INSTANCE_ROLE_PREFILL}
     async with workers(tiny_models, serve_in_process, roles) as ws:
         p_svc, prefill = ws["p"]
-        head = [m async for m in prefill.Generate(request("r", PROMPTS[2], kv_handoff=True), timeout=30)]
+        head = [
+            m
+            async for m in prefill.Generate(
+                request("r", PROMPTS[2], prefill_handoff=worker_pb2.PrefillHandoffMode()), timeout=30
+            )
+        ]
         assert head[0].HasField("kv_handoff")
         engine = p_svc.servicer.instance.engine  # type: ignore[union-attr]
         assert engine.kv_cache.used_blocks > 0  # held for a decode side (30 s by default)
@@ -196,7 +218,7 @@ async def test_a_running_request_live_migrates_with_its_kv(tiny_models: Path, se
         assert last.kv_handoff.num_tokens == len(prompt) + len(tokens) - 1
         rest = await collect_tokens(
             b.Generate(
-                request("r", prompt, max_tokens=40, resume_token_ids=tokens, kv_source=last.kv_handoff), timeout=30
+                request("r", prompt, max_tokens=40, resume_token_ids=tokens, decode_from_kv=last.kv_handoff), timeout=30
             )
         )
         assert tokens + rest == expected

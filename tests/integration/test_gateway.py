@@ -96,7 +96,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             context.set_trailing_metadata(((MOVED_METADATA_KEY, "rebalance"),))
             await context.abort(grpc.StatusCode.ABORTED, f"{self.instance_id} released the queued request")
         try:
-            if request.zigzag:
+            if request.WhichOneof("mode") == "zigzag_first_layers":
                 # A loading instance: its part ends when the partner relays the request.
                 yield worker_pb2.WorkerGenerateResponse(zigzag_layers=1)
                 return
@@ -129,7 +129,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     prompt_tokens=len(request.prompt_token_ids),
                     completion_tokens=i + 1,
                 )
-                if request.kv_handoff and i < n - 1:
+                if request.WhichOneof("mode") in ("prefill_handoff", "zigzag_partner_handoff") and i < n - 1:
                     # A prefill instance: the first token, then the prompt's KV is offered.
                     msg.kv_handoff.CopyFrom(handoff_descriptor(self.instance_id, request))
                     yield msg
@@ -1234,9 +1234,9 @@ async def test_a_disaggregated_route_streams_prefill_then_decode_as_one(cluster:
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == REPLY
     (p_req,), (d_req,) = prefill.requests, decode.requests
-    assert p_req.kv_handoff and not p_req.resume_token_ids and not p_req.HasField("kv_source")
-    assert not d_req.kv_handoff and list(d_req.resume_token_ids) == cluster.reply_ids[:1]
-    assert d_req.kv_source.transfer_id == f"p0/{p_req.request_id}"
+    assert p_req.WhichOneof("mode") == "prefill_handoff" and not p_req.resume_token_ids
+    assert d_req.WhichOneof("mode") == "decode_from_kv" and list(d_req.resume_token_ids) == cluster.reply_ids[:1]
+    assert d_req.decode_from_kv.transfer_id == f"p0/{p_req.request_id}"
     assert list(d_req.prompt_token_ids) == list(p_req.prompt_token_ids)
     metrics = await fetch_text(f"{gw.http}/metrics")
     assert 'blitzmesh_gateway_kv_handoffs_total{outcome="handed_off"} 1.0' in metrics
@@ -1260,7 +1260,7 @@ async def test_a_decode_instance_dying_mid_stream_migrates_to_another(cluster: C
     assert body["choices"][0]["message"]["content"] == REPLY
     assert len(prefill.requests) == 1 and len(d0.requests) == 1 and len(d1.requests) == 1
     (resumed,) = d1.requests
-    assert list(resumed.resume_token_ids) == cluster.reply_ids[:5] and not resumed.HasField("kv_source")
+    assert list(resumed.resume_token_ids) == cluster.reply_ids[:5] and resumed.WhichOneof("mode") == "colocated"
     assert list(cluster.gm.schedules[-1].exclude_instance_ids) == ["d0"]
 
 
@@ -1271,8 +1271,8 @@ async def test_a_prefill_instance_failing_before_its_token_is_retried(cluster: C
     cluster.gm.roles["p1"] = common_pb2.INSTANCE_ROLE_PREFILL
     status, body = await post(f"{gw.http}/v1/chat/completions", chat_body(max_tokens=64))
     assert status == 200 and body["choices"][0]["message"]["content"] == REPLY
-    assert len(p1.requests) == 1 and p1.requests[0].kv_handoff
-    assert decode.requests[0].kv_source.transfer_id.startswith("p1/")
+    assert len(p1.requests) == 1 and p1.requests[0].WhichOneof("mode") == "prefill_handoff"
+    assert decode.requests[0].decode_from_kv.transfer_id.startswith("p1/")
 
 
 async def fetch_text(url: str) -> str:
@@ -1291,8 +1291,8 @@ async def test_a_live_migrated_stream_resumes_elsewhere_with_its_kv(cluster: Clu
     (resumed,) = w1.requests
     assert list(resumed.resume_token_ids) == cluster.reply_ids[:6]
     assert (
-        resumed.kv_source.transfer_id.startswith("w0/")
-        and resumed.kv_source.num_tokens == len(resumed.prompt_token_ids) + 5
+        resumed.decode_from_kv.transfer_id.startswith("w0/")
+        and resumed.decode_from_kv.num_tokens == len(resumed.prompt_token_ids) + 5
     )
     # A move, not a failure: w0 is not excluded for good, only for that route.
     assert list(cluster.gm.schedules[-1].exclude_instance_ids) == ["w0"]
@@ -1319,7 +1319,7 @@ async def test_a_zigzag_route_in_a_split_deployment_runs_three_hops_as_one_strea
     status, body = await post(f"{gw.http}/v1/chat/completions", chat_body(max_tokens=64))
     assert status == 200 and body["choices"][0]["message"]["content"] == REPLY
     await wait_until(lambda: new.requests, 5, what="the loading instance's part")
-    assert new.requests[0].zigzag
+    assert new.requests[0].WhichOneof("mode") == "zigzag_first_layers"
     (p_req,), (d_req,) = partner.requests, decode.requests
-    assert p_req.kv_handoff and p_req.zigzag_source.dataplane_address == b"dp-n"
-    assert d_req.kv_source.transfer_id.startswith("p/") and list(d_req.resume_token_ids) == cluster.reply_ids[:1]
+    assert p_req.zigzag_partner_handoff.dataplane_address == b"dp-n"
+    assert d_req.decode_from_kv.transfer_id.startswith("p/") and list(d_req.resume_token_ids) == cluster.reply_ids[:1]

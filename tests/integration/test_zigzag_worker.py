@@ -120,7 +120,13 @@ async def test_a_loading_worker_runs_first_layers_and_its_partner_finishes_exact
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "LOADING" in (refused.value.details() or "")
         address = new_svc.servicer.transport.address()  # type: ignore[union-attr]
         firsts = [
-            asyncio.create_task(collect(new.Generate(request(f"r{i}", pr, zigzag=True), timeout=60)))
+            asyncio.create_task(
+                collect(
+                    new.Generate(
+                        request(f"r{i}", pr, zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode()), timeout=60
+                    )
+                )
+            )
             for i, pr in enumerate(prompts)
         ]
         engine = engine_of(new_svc)
@@ -132,7 +138,7 @@ async def test_a_loading_worker_runs_first_layers_and_its_partner_finishes_exact
         source = worker_pb2.ZigzagSource(instance_id="new", dataplane_address=address)
         rests = await asyncio.gather(
             *(
-                tokens(old.Generate(request(f"r{i}", pr, zigzag_source=source), timeout=60))
+                tokens(old.Generate(request(f"r{i}", pr, zigzag_partner=source), timeout=60))
                 for i, pr in enumerate(prompts)
             )
         )
@@ -160,14 +166,18 @@ async def test_a_dead_loading_worker_leaves_its_requests_to_be_recomputed(
         expected = await tokens(old.Generate(request("whole", prompt), timeout=30))
         await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
         address = new_svc.servicer.transport.address()  # type: ignore[union-attr]
-        first = asyncio.create_task(collect(new.Generate(request("r", prompt, zigzag=True), timeout=60)))
+        first = asyncio.create_task(
+            collect(
+                new.Generate(request("r", prompt, zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode()), timeout=60)
+            )
+        )
         await wait_until(lambda: "r" in engine_of(new_svc)._by_id, 10, what="the request on the loading worker")
         # The loading worker's load fails (its engine stops): the partner's relay finds nothing.
         p["load"].cancel()
         await asyncio.gather(p["load"], return_exceptions=True)
         await wait_until(lambda: new_svc.servicer.instance is None, 10, what="the loading worker back to IDLE")
         source = worker_pb2.ZigzagSource(instance_id="new", dataplane_address=address)
-        assert await tokens(old.Generate(request("r", prompt, zigzag_source=source), timeout=60)) == expected
+        assert await tokens(old.Generate(request("r", prompt, zigzag_partner=source), timeout=60)) == expected
         assert engine_of(old_svc).zigzag["recomputed"] == 1
         with pytest.raises(grpc.aio.AioRpcError):
             await first
@@ -187,16 +197,21 @@ async def test_disaggregated_zigzag_hands_the_whole_kv_to_decode(models: Path, s
         (old_svc, old), (new_svc, new), (dec_svc, dec) = p["old"], p["new"], p["decode"]
         expected = await tokens(old.Generate(request("whole", prompt), timeout=30))
         await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
-        first = asyncio.create_task(collect(new.Generate(request("r", prompt, zigzag=True), timeout=60)))
+        first = asyncio.create_task(
+            collect(
+                new.Generate(request("r", prompt, zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode()), timeout=60)
+            )
+        )
         await wait_until(
             lambda: getattr(engine_of(new_svc)._by_id.get("r"), "zz_layers", 0) >= 1, 30, what="a first layer run"
         )
         source = worker_pb2.ZigzagSource(instance_id="new", dataplane_address=new_svc.servicer.transport.address())
-        head = await collect(old.Generate(request("r", prompt, zigzag_source=source, kv_handoff=True), timeout=60))
+        head = await collect(old.Generate(request("r", prompt, zigzag_partner_handoff=source), timeout=60))
         assert len(head) == 1 and head[0].HasField("kv_handoff") and head[0].kv_handoff.num_tokens == len(prompt)
         rest = await tokens(
             dec.Generate(
-                request("r", prompt, resume_token_ids=list(head[0].token_ids), kv_source=head[0].kv_handoff), timeout=60
+                request("r", prompt, resume_token_ids=list(head[0].token_ids), decode_from_kv=head[0].kv_handoff),
+                timeout=60,
             )
         )
         assert [*head[0].token_ids, *rest] == expected
