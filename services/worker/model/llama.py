@@ -363,26 +363,50 @@ class LlamaForCausalLM:
         ops = self._fused()
         if ops is not None:
             return self._run_layers_fused(ops, hidden, start, end, batch, kv, cos, sin_half)
-        t = batch.num_tokens
-        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        n_q = heads * d
-        n_qk = (heads + kv_heads) * d
         for i in range(start, end):
-            w = self._layers[i]
-            assert w is not None
-            x = self._rms_norm(hidden, w.input_norm)
-            qkv = w.qkv(x)
-            # Q and K rotated together: one pass over both.
-            qk = self._rope(qkv[:, :n_qk].view(t, heads + kv_heads, d), cos, sin_half)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, n_qk:].view(t, kv_heads, d)
-            a = attention(q, k, v, batch, kv, i, self._windows[i])
-            hidden = hidden + w.o(a.reshape(t, n_q))  # a new tensor: the caller's is left alone
-            x = self._rms_norm(hidden, w.post_norm)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            act = F.silu(gate)
-            act.mul_(up)
-            hidden.add_(w.down(act))
+            q, k, v = self.attention_inputs(i, hidden, cos, sin_half)
+            hidden = self.finish_layer(i, hidden, attention(q, k, v, batch, kv, i, self._windows[i]))
+        return hidden
+
+    def layer_window(self, layer: int) -> int | None:
+        """Keys a query of `layer` attends to, its own included (None: all before it)."""
+        return self._windows[layer]
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin_half)` of tokens at `positions [T]` for `attention_inputs` (static RoPE)."""
+        if self.rotary.dynamic:
+            raise RuntimeError("a RoPE with dynamic scaling needs the sequences' lengths: use run_layers")
+        return self.rotary.cos_sin(positions.to(self.device), (), (), self.dtype)
+
+    def attention_inputs(
+        self, layer: int, hidden: torch.Tensor, cos: torch.Tensor, sin_half: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first half of decoder layer `layer` over `hidden [T, H]`: input norm, QKV and RoPE.
+        Returns `q [T, heads, d]`, `k, v [T, kv_heads, d]` (views of one buffer)."""
+        cfg = self.config
+        w = self._layers[layer]
+        if w is None:
+            raise RuntimeError(f"layer {layer_group(layer)!r} is not loaded")
+        t = hidden.shape[0]
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        n_qk = (heads + kv_heads) * d
+        qkv = w.qkv(self._rms_norm(hidden, w.input_norm))
+        # Q and K rotated together: one pass over both.
+        qk = self._rope(qkv[:, :n_qk].view(t, heads + kv_heads, d), cos, sin_half)
+        return qk[:, :heads], qk[:, heads:], qkv[:, n_qk:].view(t, kv_heads, d)
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The second half of decoder layer `layer`: output projection of `attn [T, heads, d]`,
+        residual, post norm, MLP, residual. Returns a new tensor (`hidden` is left alone)."""
+        w = self._layers[layer]
+        assert w is not None
+        t = hidden.shape[0]
+        hidden = hidden + w.o(attn.reshape(t, -1))
+        x = self._rms_norm(hidden, w.post_norm)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        act = F.silu(gate)
+        act.mul_(up)
+        hidden.add_(w.down(act))
         return hidden
 
     def _fused(self) -> fused.FusedOps | None:
@@ -472,7 +496,6 @@ class LlamaForCausalLM:
         cfg = self.config
         b = int(input_ids.shape[0])
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        n_q, n_qk = heads * d, (heads + kv_heads) * d
         hidden = self.embed(input_ids)
         cos, sin_half = self.rotary.cos_sin(positions, (), (), self.dtype)
         width = int(block_tables.shape[1])
@@ -486,13 +509,7 @@ class LlamaForCausalLM:
             if w is not None
         }
         for i in range(cfg.num_hidden_layers):
-            w = self._layers[i]
-            assert w is not None
-            x = self._rms_norm(hidden, w.input_norm)
-            qkv = w.qkv(x)
-            qk = self._rope(qkv[:, :n_qk].view(b, heads + kv_heads, d), cos, sin_half)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, n_qk:].view(b, kv_heads, d)
+            q, k, v = self.attention_inputs(i, hidden, cos, sin_half)
             kv.write(i, slots, k, v)
             k_cache, v_cache = kv.layer_cache(i)
             # [B, NB, bs, KVH, d] -> [B, KVH, NB * bs, d]: each sequence's keys in position order.
@@ -503,12 +520,7 @@ class LlamaForCausalLM:
             a = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=heads != kv_heads
             )
-            hidden = hidden + w.o(a.reshape(b, n_q))
-            x = self._rms_norm(hidden, w.post_norm)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            act = F.silu(gate)
-            act.mul_(up)
-            hidden.add_(w.down(act))
+            hidden = self.finish_layer(i, hidden, a.reshape(b, heads, d))
         return self._head(self._rms_norm(hidden, self._norm)).float()
 
     @torch.inference_mode()
