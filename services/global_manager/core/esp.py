@@ -1,0 +1,231 @@
+"""The global manager's ESP scheduler (LoongServe, SOSP'24; docs/algorithms.md 6): pure planning,
+no I/O and no clock, so the live manager and the simulator run the same decisions.
+
+Each iteration, in the paper's four steps:
+
+1. `dispatch`: which queued requests enter prefill, in arrival order, while the group's free KV
+   holds their prompts (strictly in order: a long request is not overtaken forever).
+2. `allocate_instances`: the instances the prefill runs on: idle ones first (most free KV first),
+   then busy ones with the fewest used slots, whose KV is migrated away (they are named as
+   preempted).
+3. `plan_batches`: how the dispatched requests are cut into batches and which instances each
+   batch runs on, by dynamic programming over requests sorted by length (longest first) and
+   instances sorted by used slots (fewest first). A batch of requests with lengths l on u
+   instances takes `T_u(sum l, sum l^2) = A_u + B_u sum l + C_u sum l^2` and costs that time
+   times `sum 1/l` (its per-token latency summed over its requests); a batch must fit the free
+   KV of its instances. The DP is solved exactly over that structure, not pruned.
+4. `decode_degree`: after the prefill a request decodes on the fewest of its holders whose free
+   KV covers its remaining tokens; when they run short, more join (scale-up during decode).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "Batch",
+    "BatchPlan",
+    "EspInstance",
+    "EspRequest",
+    "StepTimeModel",
+    "allocate_instances",
+    "decode_degree",
+    "dispatch",
+    "plan_batches",
+]
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """`T = a + b * sum l + c * sum l^2`: a prefill batch's time on its degree of instances
+    (fitted from profiles; a degree without a model is never planned)."""
+
+    a: float
+    b: float
+    c: float
+
+    def time(self, s1: float, s2: float) -> float:
+        return self.a + self.b * s1 + self.c * s2
+
+
+@dataclass(frozen=True)
+class EspRequest:
+    request_id: str
+    length: int  # tokens its KV will hold (prompt, for a prefill)
+    arrival_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EspInstance:
+    instance_id: str
+    used: int  # KV tokens held
+    capacity: int  # KV tokens it can hold
+    idle: bool = True  # runs nothing now (a busy one can be preempted, its KV migrated)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
+@dataclass(frozen=True)
+class Batch:
+    request_ids: tuple[str, ...]
+    instance_ids: tuple[str, ...]
+    time: float  # T_u of the batch
+    cost: float  # time * sum(1 / l)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    batches: tuple[Batch, ...]
+    cost: float
+
+
+def dispatch(queue: Sequence[EspRequest], free_tokens: int, max_requests: int | None = None) -> list[EspRequest]:
+    """The queued requests that enter prefill now: in arrival order while their lengths fit
+    `free_tokens` in all (stopping at the first that does not)."""
+    if free_tokens < 0:
+        raise ValueError(f"free_tokens must be >= 0, got {free_tokens!r}")
+    out: list[EspRequest] = []
+    left = free_tokens
+    for req in sorted(queue, key=lambda r: r.arrival_s):
+        if req.length <= 0:
+            raise ValueError(f"request {req.request_id!r} has length {req.length!r}; lengths must be > 0")
+        if req.length > left or (max_requests is not None and len(out) >= max_requests):
+            break
+        out.append(req)
+        left -= req.length
+    return out
+
+
+def allocate_instances(instances: Sequence[EspInstance], need_tokens: int) -> tuple[list[EspInstance], list[str]]:
+    """Instances for a prefill that needs `need_tokens` free KV tokens: idle ones (most free
+    first), then busy ones with the fewest used tokens, whose KV must be migrated away first
+    (their ids are returned as preempted). Raises ValueError when all of them cannot hold it."""
+    idle = sorted((i for i in instances if i.idle), key=lambda i: (-i.free, i.instance_id))
+    busy = sorted((i for i in instances if not i.idle), key=lambda i: (i.used, i.instance_id))
+    chosen: list[EspInstance] = []
+    preempted: list[str] = []
+    have = 0
+    for inst in idle:
+        if have >= need_tokens:
+            break
+        chosen.append(inst)
+        have += inst.free
+    for inst in busy:
+        if have >= need_tokens:
+            break
+        # Preempted: its running requests' KV moves elsewhere, so all its capacity is free.
+        chosen.append(EspInstance(inst.instance_id, 0, inst.capacity, idle=True))
+        preempted.append(inst.instance_id)
+        have += inst.capacity
+    if have < need_tokens:
+        total = sum(i.capacity for i in instances)
+        raise ValueError(f"{need_tokens} KV tokens needed, the {len(instances)} instances hold {total} in all")
+    return chosen, preempted
+
+
+def plan_batches(
+    requests: Sequence[EspRequest], instances: Sequence[EspInstance], models: Mapping[int, StepTimeModel]
+) -> BatchPlan | None:
+    """The exact minimum of `sum over batches of T_u * sum(1/l)` (see the module docstring), or
+    None when no cut fits the instances' free KV. Requests are taken longest first and instances
+    fewest-used first; a batch is a run of consecutive requests on a run of consecutive
+    instances; an instance serves at most one batch; instances may stay unused."""
+    if not requests:
+        return BatchPlan((), 0.0)
+    bad = [r for r in requests if r.length <= 0]
+    if bad:
+        raise ValueError(f"request {bad[0].request_id!r} has length {bad[0].length!r}; lengths must be > 0")
+    degrees = sorted(u for u in models if u >= 1)
+    if not degrees:
+        raise ValueError(f"no step-time model for any degree >= 1: {sorted(models)!r}")
+    reqs = sorted(requests, key=lambda r: (-r.length, r.request_id))
+    insts = sorted(instances, key=lambda i: (i.used, i.instance_id))
+    n, k_max = len(reqs), len(insts)
+    lengths = np.array([r.length for r in reqs], dtype=np.float64)
+    s1 = np.concatenate(([0.0], np.cumsum(lengths)))
+    s2 = np.concatenate(([0.0], np.cumsum(lengths**2)))
+    inv = np.concatenate(([0.0], np.cumsum(1.0 / lengths)))
+    free = np.concatenate(([0.0], np.cumsum([max(i.free, 0) for i in insts])))
+    # Batch (i - b, i] is held as row i, column b - 1 of a band: no batch holds more requests
+    # than fit the largest free KV any u instances offer, so b <= width (requests are sorted,
+    # so the batches that fit a room are the runs up to some length).
+    rooms = [free[k] - free[k - u] for u in degrees for k in range(u, k_max + 1)]
+    max_room = max(rooms, default=0.0)
+    rows = np.arange(n + 1)
+    shortest = np.searchsorted(s1, s1 - max_room, side="left")
+    width = max(int((rows - shortest).max()), 1)
+    i_idx = rows.reshape(-1, 1)
+    j_idx = i_idx - np.arange(1, width + 1).reshape(1, -1)  # [i, b - 1] -> j
+    valid = j_idx >= 0
+    j_safe = np.where(valid, j_idx, 0)
+    sums = s1[i_idx] - s1[j_safe]
+    bs1 = np.where(valid, sums, np.inf)  # a column past the first request fits no room
+    bs2 = s2[i_idx] - s2[j_safe]
+    binv = inv[i_idx] - inv[j_safe]
+    times = {u: models[u].a + models[u].b * sums + models[u].c * bs2 for u in degrees}
+    costs = {u: np.where(valid, times[u] * binv, np.inf) for u in degrees}
+    f = np.full((n + 1, k_max + 1), np.inf)
+    f[0, :] = 0.0
+    # f[i, k]: the least cost of the first i requests on the first k instances. Only the values
+    # are kept; the optimal cut is recovered afterwards by re-deriving the few states on its path.
+    for k in range(1, k_max + 1):
+        best = f[:, k - 1].copy()  # instance k left unused
+        for u in degrees:
+            if u > k:
+                break
+            total = np.where(bs1 <= free[k] - free[k - u], costs[u], np.inf)  # [i, b - 1]
+            total += f[j_safe, k - u]
+            np.minimum(best, total.min(axis=1), out=best)
+        f[:, k] = best
+    if not math.isfinite(f[n, k_max]):
+        return None
+    batches: list[Batch] = []
+    i, k = n, k_max
+    while i > 0:
+        if f[i, k] == f[i, k - 1]:
+            k -= 1  # the optimum leaves instance k unused
+            continue
+        for u in degrees:
+            if u > k:
+                continue
+            total = np.where(bs1[i] <= free[k] - free[k - u], costs[u][i], np.inf) + f[j_safe[i], k - u]
+            col = int(total.argmin())
+            if total[col] == f[i, k]:
+                break
+        else:  # pragma: no cover - the values above were computed from these very terms
+            raise AssertionError(f"no batch ends the optimum at request {i}, instance {k}")
+        j = int(j_idx[i, col])
+        t = float(times[u][i, col])
+        batches.append(
+            Batch(
+                request_ids=tuple(r.request_id for r in reqs[j:i]),
+                instance_ids=tuple(x.instance_id for x in insts[k - u : k]),
+                time=t,
+                cost=t * float(binv[i, col]),
+            )
+        )
+        i, k = j, k - u
+    return BatchPlan(tuple(reversed(batches)), float(f[n, k_max]))
+
+
+def decode_degree(need_tokens: int, holders: Sequence[EspInstance]) -> list[EspInstance]:
+    """The fewest of `holders` (most free KV first) whose free KV covers `need_tokens` more
+    tokens of a decoding request. Raises ValueError when all of them together cannot."""
+    if need_tokens < 0:
+        raise ValueError(f"need_tokens must be >= 0, got {need_tokens!r}")
+    chosen: list[EspInstance] = []
+    have = 0
+    for inst in sorted(holders, key=lambda i: (-i.free, i.instance_id)):
+        if have >= need_tokens and chosen:
+            break
+        chosen.append(inst)
+        have += inst.free
+    if have < need_tokens:
+        raise ValueError(f"{need_tokens} more KV tokens needed, the holders have {have} free")
+    return chosen

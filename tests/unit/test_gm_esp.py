@@ -1,0 +1,144 @@
+"""The ESP scheduler's pure core (services/global_manager/core/esp.py): the batching DP against
+the vectors of docs/algorithms.md 6 and against brute force, dispatching, instance allocation
+and the decode degree."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.global_manager.core.esp import (
+    EspInstance,
+    EspRequest,
+    StepTimeModel,
+    allocate_instances,
+    decode_degree,
+    dispatch,
+    plan_batches,
+)
+
+MODELS = {1: StepTimeModel(10, 0.01, 1e-6), 2: StepTimeModel(15, 0.005, 5e-7)}
+
+
+def _reqs(lengths):
+    return [EspRequest(f"r{i}", n, float(i)) for i, n in enumerate(lengths)]
+
+
+def _insts(free):
+    return [EspInstance(f"i{k}", 0, f) for k, f in enumerate(free)]
+
+
+def test_the_vectors() -> None:
+    plan = plan_batches(_reqs([3000, 1000]), _insts([5000, 5000]), MODELS)
+    assert plan is not None and plan.cost == pytest.approx(0.037333, abs=1e-6)
+    assert [b.request_ids for b in plan.batches] == [("r0",), ("r1",)]
+    assert all(len(b.instance_ids) == 1 for b in plan.batches)
+    plan = plan_batches(_reqs([8000, 4000, 2000]), _insts([10000, 10000]), MODELS)
+    assert plan is not None and plan.cost == pytest.approx(0.08675, abs=1e-6)
+    assert [b.request_ids for b in plan.batches] == [("r0",), ("r1", "r2")]
+    assert sum(b.cost for b in plan.batches) == pytest.approx(plan.cost)
+
+
+def _brute(lengths, free, models):
+    """Every cut of the sorted requests into runs, each run on a run of instances after the
+    previous run's (instances sorted by used, here all 0: by id), some instances unused."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    ls = [lengths[i] for i in order]
+    best = float("inf")
+
+    def place(start_req, start_inst, acc):
+        nonlocal best
+        if start_req == len(ls):
+            best = min(best, acc)
+            return
+        for end in range(start_req + 1, len(ls) + 1):
+            batch = ls[start_req:end]
+            for first in range(start_inst, len(free)):
+                for u, m in models.items():
+                    if first + u > len(free) or sum(batch) > sum(free[first : first + u]):
+                        continue
+                    t = m.a + m.b * sum(batch) + m.c * sum(x * x for x in batch)
+                    place(end, first + u, acc + t * sum(1 / x for x in batch))
+
+    place(0, 0, 0.0)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_dp_finds_the_brute_force_optimum(seed) -> None:
+    rng = random.Random(seed)
+    lengths = [rng.choice([200, 900, 1500, 3000, 4500, 7000]) for _ in range(rng.randint(1, 5))]
+    free = [rng.choice([3000, 5000, 8000, 12000]) for _ in range(rng.randint(1, 4))]
+    models = {1: MODELS[1], 2: MODELS[2], 3: StepTimeModel(18, 0.0035, 3.5e-7)}
+    plan = plan_batches(_reqs(lengths), _insts(free), models)
+    want = _brute(lengths, free, models)
+    if want == float("inf"):
+        assert plan is None
+    else:
+        assert plan is not None and plan.cost == pytest.approx(want, rel=1e-9)
+        placed = [r for b in plan.batches for r in b.request_ids]
+        assert sorted(placed) == sorted(f"r{i}" for i in range(len(lengths)))
+        used = [i for b in plan.batches for i in b.instance_ids]
+        assert len(used) == len(set(used))
+
+
+def test_a_prompt_longer_than_any_instance_gets_a_group() -> None:
+    plan = plan_batches(_reqs([9000]), _insts([5000, 5000]), MODELS)
+    assert plan is not None and plan.batches[0].instance_ids == ("i0", "i1")
+    assert plan_batches(_reqs([9000]), _insts([5000, 3000]), MODELS) is None
+    assert plan_batches([], _insts([1]), MODELS).batches == ()
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(ValueError, match="'r0' has length 0"):
+        plan_batches(_reqs([0]), _insts([10]), MODELS)
+    with pytest.raises(ValueError, match=r"\[0\]"):
+        plan_batches(_reqs([5]), _insts([10]), {0: MODELS[1]})
+    with pytest.raises(ValueError, match="-1"):
+        dispatch(_reqs([5]), -1)
+
+
+def test_dispatch_is_in_arrival_order_and_stops_at_the_first_that_does_not_fit() -> None:
+    queue = [EspRequest("late", 10, 5.0), EspRequest("a", 300, 1.0), EspRequest("b", 900, 2.0)]
+    assert [r.request_id for r in dispatch(queue, 1000)] == ["a"]
+    assert [r.request_id for r in dispatch(queue, 1300)] == ["a", "b", "late"]
+    assert [r.request_id for r in dispatch(queue, 1300, max_requests=2)] == ["a", "b"]
+
+
+def test_allocation_takes_idle_first_then_preempts_the_least_used() -> None:
+    insts = [
+        EspInstance("busy-heavy", 900, 1000, idle=False),
+        EspInstance("idle-small", 600, 1000),
+        EspInstance("busy-light", 100, 1000, idle=False),
+        EspInstance("idle-big", 0, 1000),
+    ]
+    chosen, preempted = allocate_instances(insts, 1200)
+    assert [i.instance_id for i in chosen] == ["idle-big", "idle-small"] and preempted == []
+    chosen, preempted = allocate_instances(insts, 2000)
+    assert [i.instance_id for i in chosen] == ["idle-big", "idle-small", "busy-light"]
+    assert preempted == ["busy-light"]
+    with pytest.raises(ValueError, match="5000 KV tokens needed"):
+        allocate_instances(insts, 5000)
+
+
+def test_decode_runs_on_the_fewest_holders_and_grows_on_shortage() -> None:
+    holders = [EspInstance("a", 900, 1000), EspInstance("b", 200, 1000), EspInstance("c", 500, 1000)]
+    assert [i.instance_id for i in decode_degree(300, holders)] == ["b"]
+    assert [i.instance_id for i in decode_degree(1000, holders)] == ["b", "c"]
+    with pytest.raises(ValueError, match="have 1400 free"):
+        decode_degree(2000, holders)
+
+
+def test_decision_size_of_the_issue_runs() -> None:
+    """64 instances and 256 requests plan (the time is a benchmark's, not a test's)."""
+    rng = random.Random(1)
+    reqs = [EspRequest(f"r{i}", rng.randint(100, 8000), float(i)) for i in range(256)]
+    insts = [EspInstance(f"i{k}", rng.randint(0, 4000), 40000) for k in range(64)]
+    models = {u: StepTimeModel(10 + 2 * u, 0.01 / u, 1e-6 / u) for u in (1, 2, 4, 8)}
+    plan = plan_batches(reqs, insts, models)
+    assert plan is not None
+    assert sorted(r for b in plan.batches for r in b.request_ids) == sorted(r.request_id for r in reqs)
+    for b in plan.batches:
+        need = sum(next(r.length for r in reqs if r.request_id == rid) for rid in b.request_ids)
+        assert need <= sum(i.free for i in insts if i.instance_id in b.instance_ids)
