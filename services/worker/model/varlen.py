@@ -41,6 +41,13 @@ _PRELUDE = r"""
 static inline float bf16_to_f32(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline float to_f32_f32(float x) { return x; }
 static inline float to_f32_bf16(uint16_t x) { return bf16_to_f32(x); }
+static inline float from_f32_f32(float x) { return x; }
+/* float32 -> bfloat16 as torch rounds it: to nearest, ties to even; NaN stays a quiet NaN. */
+static inline uint16_t from_f32_bf16(float f) {
+    if (f != f) return 0x7FC0;
+    uint32_t u; memcpy(&u, &f, 4);
+    return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
 
 #ifdef __AVX512F__
 /* exp(x) for x <= 0 in 16 lanes (Cephes range reduction, degree-5 polynomial, about 1 ulp). */
@@ -66,17 +73,17 @@ static inline __m512 exp16_nonpos(__m512 x) {
 _BODY = r"""
 /* One task: query rows R = G * nq (row r = position i * G + head g), keys through the table.
    qs [R, D] (scaled), os [R, D], kt [D, KC], vc [KC, D], sc [R, KC] scratch. */
-static void task_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const @T@* v_cache,
+static void task_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const @T@* v_cache,
                      const int64_t* tab, int64_t q_row0, int64_t i0, int64_t nq, int64_t ctx, int64_t kvh,
                      int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
-                     float* out, float* qs, float* os, float* kt, float* vc, float* sc, float* m, float* l,
+                     @Q@* out, float* qs, float* os, float* kt, float* vc, float* sc, float* m, float* l,
                      int64_t* lohi) {
     const int64_t G = H / KVH, R = G * nq, row = KVH * D;
     for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) {
-            const float* src = q + (q_row0 + i0 + i) * q_stride + (kvh * G + g) * D;
+            const @Q@* src = q + (q_row0 + i0 + i) * q_stride + (kvh * G + g) * D;
             float* dst = qs + (i * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * scale;
+            for (int64_t d = 0; d < D; ++d) dst[d] = to_f32_@QS@(src[d]) * scale;
         }
     memset(os, 0, sizeof(float) * R * D);
     for (int64_t r = 0; r < R; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
@@ -91,7 +98,7 @@ static void task_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const
                 const int64_t slot = tab[pos / bs] * bs + pos % bs;
                 const @T@* kr = k_cache + slot * row + kvh * D;
                 const @T@* vr = v_cache + slot * row + kvh * D;
-                for (int64_t d = 0; d < D; ++d) { kt[d * KC + j] = to_f32_@S@(kr[d]); vc[j * D + d] = to_f32_@S@(vr[d]); }
+                for (int64_t d = 0; d < D; ++d) { kt[d * KC + j] = to_f32_@KS@(kr[d]); vc[j * D + d] = to_f32_@KS@(vr[d]); }
             } else {
                 for (int64_t d = 0; d < D; ++d) { kt[d * KC + j] = 0.f; vc[j * D + d] = 0.f; }
             }
@@ -236,18 +243,19 @@ static void task_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const
         for (int64_t g = 0; g < G; ++g) {
             const int64_t r = i * G + g;
             const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-            float* dst = out + ((q_row0 + i0 + i) * H + kvh * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = os[r * D + d] * inv;
+            @Q@* dst = out + ((q_row0 + i0 + i) * H + kvh * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = from_f32_@QS@(os[r * D + d] * inv);
         }
 }
 
-/* q [*, H, D] float32 rows strided by q_stride; out [*, H, D] float32 contiguous; sequence s
+/* q [*, H, D] rows strided by q_stride and out [*, H, D] contiguous, both float32 or both the
+   cache's bfloat16 (scores and sums in float32 either way); sequence s
    has rows q_row0[s] .. + q_len[s] at positions ctx[s] .. + q_len[s] - 1 and block table
    tables[s * max_blocks ..]. Returns -1 if scratch memory could not be allocated. */
-int paged_prefill_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const @T@* v_cache,
+int paged_prefill_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const @T@* v_cache,
                       const int64_t* tables, int64_t max_blocks, const int64_t* q_row0, const int64_t* q_len,
                       const int64_t* ctx, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                      float scale, int64_t window, float* out, int64_t nthreads) {
+                      float scale, int64_t window, @Q@* out, int64_t nthreads) {
     int64_t tiles = 0;
     for (int64_t s = 0; s < n; ++s) tiles += (q_len[s] + QT - 1) / QT;
     int64_t* task_seq = (int64_t*)malloc(sizeof(int64_t) * (tiles > 0 ? tiles : 1));
@@ -287,8 +295,17 @@ int paged_prefill_@S@(const float* q, int64_t q_stride, const @T@* k_cache, cons
 }
 """
 
+# (cache type, q/out type, suffix, q/out conversion suffix): a float32 cache; a bfloat16 cache
+# with float32 queries and output; a bfloat16 cache read by bfloat16 queries straight from the
+# QKV projection and written back in bfloat16 (no conversion passes around the kernel).
+_VARIANTS = (
+    ("float", "f32", "float", "f32", "f32"),
+    ("uint16_t", "bf16", "float", "f32", "bf16"),
+    ("uint16_t", "bf16", "uint16_t", "bf16", "bf16io"),
+)
 _SOURCE = _PRELUDE + "".join(
-    _BODY.replace("@T@", t).replace("@S@", s) for t, s in (("float", "f32"), ("uint16_t", "bf16"))
+    _BODY.replace("@T@", t).replace("@KS@", ks).replace("@Q@", q).replace("@QS@", qs).replace("@S@", s)
+    for t, ks, q, qs, s in _VARIANTS
 )
 
 _ENV_SWITCH = "BLITZMESH_VARLEN_ATTENTION"
@@ -304,13 +321,18 @@ PagedPrefill = Callable[
 def _load() -> PagedPrefill:
     lib = ctypes.CDLL(str(build_library(_SOURCE, "paged_prefill", vector_flags())))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    # (cache dtype, q/out dtype) -> entry point
     entry = {}
-    for dtype, suffix in KV_DTYPES.items():
+    for (cache_dtype, io_dtype), suffix in {
+        (torch.float32, torch.float32): "f32",
+        (torch.bfloat16, torch.float32): "bf16",
+        (torch.bfloat16, torch.bfloat16): "bf16io",
+    }.items():
         fn = getattr(lib, f"paged_prefill_{suffix}")
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
         fn.argtypes += [ptr, i64]
         fn.restype = ctypes.c_int
-        entry[dtype] = fn
+        entry[cache_dtype, io_dtype] = fn
 
     def paged_prefill(
         q: torch.Tensor,
@@ -328,11 +350,13 @@ def _load() -> PagedPrefill:
         q `[T, H, D]` (rows may be strided); caches `[num_blocks, block_size, KVH, D]` float32 or
         bfloat16; `tables [n, max_blocks]`, `q_row0`, `q_len`, `ctx` `[n]` int64 CPU tensors
         whose bounds the caller has checked (tables cover ctx + q_len tokens, ids inside the
-        cache, rows inside q). Returns float32 `[T, H, D]`.
+        cache, rows inside q). Returns `[T, H, D]` in q's dtype when that is the cache's (a
+        bfloat16 model: read and written in bfloat16, rounded once as torch rounds), else float32.
         """
         t, heads, d = q.shape
         _, bs, kv_heads, d_k = k_cache.shape
-        fn = entry.get(k_cache.dtype)
+        io_dtype = q.dtype if q.dtype == k_cache.dtype else torch.float32
+        fn = entry.get((k_cache.dtype, io_dtype))
         n = int(q_len.shape[0])
         if (
             fn is None
@@ -349,10 +373,10 @@ def _load() -> PagedPrefill:
                 f"paged_prefill: q {tuple(q.shape)} {q.dtype}, cache {tuple(k_cache.shape)} {k_cache.dtype}, "
                 f"tables {tuple(tables.shape)}, {n} sequences"
             )
-        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
-            q = q.float().contiguous()
+        if q.dtype != io_dtype or q.stride(2) != 1 or q.stride(1) != d:
+            q = q.to(io_dtype).contiguous()
         tables, q_row0, q_len, ctx = (x.contiguous() for x in (tables, q_row0, q_len, ctx))
-        out = torch.empty((t, heads, d), dtype=torch.float32)
+        out = torch.empty((t, heads, d), dtype=io_dtype)
         rc = fn(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             q_row0.data_ptr(), q_len.data_ptr(), ctx.data_ptr(), n, heads, kv_heads, d, bs, d ** -0.5, window,
@@ -405,9 +429,21 @@ def _self_check(kernel: PagedPrefill) -> None:
                 got = kernel(
                     q, k, v, torch.tensor(tables), torch.tensor(rows), torch.tensor(lens), torch.tensor(ctxs), window
                 )
+                # Queries in the cache's dtype, output in it too: the float32 path's result on the
+                # same (exactly widened) queries, rounded once as torch rounds, bit for bit.
+                q_io = q.to(dtype)
+                args = (torch.tensor(tables), torch.tensor(rows), torch.tensor(lens), torch.tensor(ctxs), window)
+                got_io = kernel(q_io, k, v, *args)
+                via_f32 = kernel(q_io.float(), k, v, *args).to(dtype)
                 for s in range(3):
                     want = reference_prefill(q[rows[s] : rows[s] + lens[s]], k, v, tables[s], ctxs[s], window)
                     have = got[rows[s] : rows[s] + lens[s]]
+                    part = slice(rows[s], rows[s] + lens[s])
+                    if got_io.dtype != dtype or not torch.equal(got_io[part], via_f32[part]):
+                        raise RuntimeError(
+                            f"self-check failed ({dtype} queries and output, H={heads}, KVH={kv_heads}, D={d},"
+                            f" window={window}, seq {s}): not the float32 path's result rounded to {dtype}"
+                        )
                     if not torch.allclose(have, want, atol=2e-5, rtol=2e-5):
                         raise RuntimeError(
                             f"self-check failed (H={heads}, KVH={kv_heads}, D={d}, {dtype}, window={window}, seq {s}): "
