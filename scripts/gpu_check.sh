@@ -9,8 +9,13 @@
 #   OUT=dir scripts/gpu_check.sh      (default OUT: run/gpu-check)
 #   STEPS="pytest_gpu serving_gpu" scripts/gpu_check.sh     (a subset)
 #
-# Wheels of packages the machine lacks can be put in .whl/ (see docs/gpu.md): they are
-# installed into /tmp/site first and put on PYTHONPATH ahead of the machine's own.
+# Wheels of packages the machine lacks can be put in .whl/ (git-ignored): they are installed
+# into /tmp/site first and put on PYTHONPATH ahead of the machine's own. For a Python 3.12
+# machine with torch but none of the mesh's own dependencies (what the 2026-11-27 run used):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform any -d .whl grpcio==1.85.1 protobuf==7.36.2 \
+#     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 pydantic==2.14.4 pydantic-core==2.50.5 \
+#     typing-inspection annotated-types typing-extensions structlog google-crc32c gguf pytest-asyncio
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-run/gpu-check}
