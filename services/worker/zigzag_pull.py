@@ -136,31 +136,36 @@ class ZigzagOffloader:
             await asyncio.sleep(_POLL_S)
 
     async def _run_ahead(self, peer: Peer, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        stub = worker_pb2_grpc.WorkerStub(self._channel(peer.address))
-        call = stub.Generate(
-            worker_pb2.WorkerGenerateRequest(
-                request_id=request_id,
-                model_id=self.model_id,
-                prompt_token_ids=prompt,
-                sampling=sampling_to_proto(replace(params, prompt_logprobs=None)),
-                layer_start=0,
-                layer_end=peer.layers_loaded,
-                zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode(),
-            ),
-            timeout=_RUN_AHEAD_TIMEOUT_S,
-        )
         outcome = "none_ran"
+        call = None
         try:
+            stub = worker_pb2_grpc.WorkerStub(self._channel(peer.address))
+            call = stub.Generate(
+                worker_pb2.WorkerGenerateRequest(
+                    request_id=request_id,
+                    model_id=self.model_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling_to_proto(replace(params, prompt_logprobs=None)),
+                    layer_start=0,
+                    layer_end=peer.layers_loaded,
+                    zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode(),
+                ),
+                timeout=_RUN_AHEAD_TIMEOUT_S,
+            )
             async for resp in call:
                 if resp.HasField("zigzag_layers") and resp.zigzag_layers > 0:
                     outcome = "relayed"
         except asyncio.CancelledError:
             outcome = "cancelled"
-            call.cancel()
+            if call is not None:
+                call.cancel()
             raise
         except grpc.aio.AioRpcError as e:
             outcome = "failed"
             log.info("zigzag_run_ahead_failed", peer=peer.instance_id, request_id=request_id, code=e.code().name)
+        except Exception as e:  # a bug here must not strand the request: it is computed whole
+            outcome = "failed"
+            log.warning("zigzag_run_ahead_error", peer=peer.instance_id, request_id=request_id, error=repr(e))
         finally:
             OFFLOADS.labels(outcome).inc()
             entry = self._ahead.get(request_id)

@@ -252,3 +252,36 @@ async def test_a_partner_hands_its_queued_requests_to_a_loading_peer(
         else:
             assert zigzag["continued"] >= 2 and zigzag["recomputed"] == 0, zigzag
         assert not old_svc.servicer.offloader._ahead  # every run-ahead ended with its request
+
+
+async def test_a_run_ahead_that_breaks_strands_nothing(
+    models: Path, serve_in_process: ServeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run-ahead whose own code fails (here: building its request) ends like a refused one:
+    logged, forgotten, and every request computed whole on the partner with its whole-run tokens."""
+    from services.worker import zigzag_pull
+
+    def broken(*_a, **_k):
+        raise RuntimeError("injected: the run-ahead request cannot be built")
+
+    prompts = [[1, *range(9 + i, 40 + i)] for i in range(3)]
+    busy = {"max_batch_size": 1, "step_time_a_s": 0.03, "step_time_b_s": 0.0}
+    async with pair(models, serve_in_process, link_gbps=0.02, old=busy) as p:
+        (old_svc, old), (new_svc, _) = p["old"], p["new"]
+        expected = [await tokens(old.Generate(request(f"w{i}", pr), timeout=30)) for i, pr in enumerate(prompts)]
+        await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
+        transport = new_svc.servicer.transport
+        assert transport is not None
+        failed_before = zigzag_pull.OFFLOADS.labels("failed")._value.get()
+        monkeypatch.setattr(zigzag_pull, "sampling_to_proto", broken)
+        old_svc.servicer.offloader.set_peers(
+            [Peer("new", new_svc.servicer.address, transport.address(), 1, 6, inflight_limit=2)], MODEL
+        )
+        calls = [
+            asyncio.create_task(tokens(old.Generate(request(f"r{i}", pr), timeout=60))) for i, pr in enumerate(prompts)
+        ]
+        assert await asyncio.gather(*calls) == expected
+        assert engine_of(old_svc).zigzag["continued"] == 0
+        # The broken run-ahead was tried, counted as failed, and forgotten.
+        assert zigzag_pull.OFFLOADS.labels("failed")._value.get() > failed_before
+        assert not old_svc.servicer.offloader._ahead
