@@ -88,6 +88,28 @@ static inline float to_f32_bf16(uint16_t x) {
     return f;
 }
 
+/* float32 -> bfloat16 as torch rounds it: to nearest, ties to even; NaN stays a quiet NaN. */
+static inline uint16_t from_f32_bf16(float f) {
+    if (f != f) return 0x7FC0;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+
+/* A sequence's queries as float32 (float32 ones are used in place) and where its float32
+   output goes before it is stored (in place for float32). */
+static inline const float* q_rows_f32(const float* src, float* buf, int64_t n) { (void)buf; (void)n; return src; }
+static inline const float* q_rows_bf16(const uint16_t* src, float* buf, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) buf[i] = to_f32_bf16(src[i]);
+    return buf;
+}
+static inline float* o_rows_f32(float* dst, float* buf) { (void)buf; return dst; }
+static inline float* o_rows_bf16(uint16_t* dst, float* buf) { (void)dst; return buf; }
+static inline void o_store_f32(float* dst, const float* buf, int64_t n) { (void)dst; (void)buf; (void)n; }
+static inline void o_store_bf16(uint16_t* dst, const float* buf, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = from_f32_bf16(buf[i]);
+}
+
 /* First key a query at the end of a sequence of L keys sees: with a sliding window of W keys
    (W > 0), keys L - W .. L - 1; without (W = 0), all. */
 static inline int64_t first_key(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
@@ -120,9 +142,9 @@ static void seq_avx2_@S@(const float* qs, const @T@* k_cache, const @T@* v_cache
                     if (h >= H) { a[j] = _mm256_setzero_ps(); continue; }
                     const float* qq = qs + h * D;
                     const @T@* kk = k + (h / G) * D;
-                    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qq), load8_@S@(kk));
+                    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qq), load8_@KS@(kk));
                     for (int64_t i = 8; i < D; i += 8)
-                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qq + i), load8_@S@(kk + i), s);
+                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qq + i), load8_@KS@(kk + i), s);
                     a[j] = s;
                 }
                 _mm256_storeu_ps(st + h0, _mm256_mul_ps(hsum8(a), vscale));
@@ -159,10 +181,10 @@ static void seq_avx2_@S@(const float* qs, const @T@* k_cache, const @T@* v_cache
                 for (int64_t t = 0; t < tn; ++t) {
                     const __m256 p = _mm256_broadcast_ss(ph + t * Hp);
                     const @T@* v = vh + t * row + i;
-                    a0 = _mm256_fmadd_ps(p, load8_@S@(v), a0);
-                    a1 = _mm256_fmadd_ps(p, load8_@S@(v + 8), a1);
-                    a2 = _mm256_fmadd_ps(p, load8_@S@(v + 16), a2);
-                    a3 = _mm256_fmadd_ps(p, load8_@S@(v + 24), a3);
+                    a0 = _mm256_fmadd_ps(p, load8_@KS@(v), a0);
+                    a1 = _mm256_fmadd_ps(p, load8_@KS@(v + 8), a1);
+                    a2 = _mm256_fmadd_ps(p, load8_@KS@(v + 16), a2);
+                    a3 = _mm256_fmadd_ps(p, load8_@KS@(v + 24), a3);
                 }
                 _mm256_storeu_ps(ah + i, a0); _mm256_storeu_ps(ah + i + 8, a1);
                 _mm256_storeu_ps(ah + i + 16, a2); _mm256_storeu_ps(ah + i + 24, a3);
@@ -170,7 +192,7 @@ static void seq_avx2_@S@(const float* qs, const @T@* k_cache, const @T@* v_cache
             for (; i < D; i += 8) {
                 __m256 a0 = _mm256_loadu_ps(ah + i);
                 for (int64_t t = 0; t < tn; ++t)
-                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + t * Hp), load8_@S@(vh + t * row + i), a0);
+                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + t * Hp), load8_@KS@(vh + t * row + i), a0);
                 _mm256_storeu_ps(ah + i, a0);
             }
         }
@@ -187,9 +209,9 @@ static inline float dot_@S@(const float* a, const @T@* b, int64_t d) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
     for (; i + 8 <= d; i += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * to_f32_@S@(b[i + j]);
+        for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * to_f32_@KS@(b[i + j]);
     float tail = 0.f;
-    for (; i < d; ++i) tail += a[i] * to_f32_@S@(b[i]);
+    for (; i < d; ++i) tail += a[i] * to_f32_@KS@(b[i]);
     return (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) + tail;
 }
 
@@ -229,23 +251,23 @@ static void seq_generic_@S@(const float* qs, const @T@* k_cache, const @T@* v_ca
                 const float p = sc[h * n + t0 + t - k0];
                 const @T@* vv = v + (h / G) * D;
                 float* a = acc + h * D;
-                for (int64_t i = 0; i < D; ++i) a[i] += p * to_f32_@S@(vv[i]);
+                for (int64_t i = 0; i < D; ++i) a[i] += p * to_f32_@KS@(vv[i]);
             }
         }
     }
     memcpy(out, acc, sizeof(float) * H * D);
 }
 
-/* Decode attention, float32 queries and output over a @T@ cache. q [n, H, D]; k_cache, v_cache
+/* Decode attention over a @T@ cache, queries and output float32 or (bf16io) the cache's bfloat16. q [n, H, D]; k_cache, v_cache
    [num_blocks, bs, KVH, D]; tables [n, max_blocks] (token t of sequence s sits in block
    tables[s][t / bs]); lens [n] keys per sequence (>= 1); out [n, H, D]. Query head h reads KV
    head h / (H / KVH). window > 0: each query sees only the last `window` keys of its sequence.
    One task per sequence: scores of all its heads over its keys, softmax, weighted values; each
    K and V row is read once, in place. Returns -1 if scratch memory could not be allocated. */
-int paged_decode_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const @T@* v_cache,
+int paged_decode_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const @T@* v_cache,
                      const int64_t* tables, int64_t max_blocks, const int64_t* lens,
                      int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                     float scale, float* out, int64_t max_len, int64_t num_threads, int64_t window) {
+                     float scale, @Q@* out, int64_t max_len, int64_t num_threads, int64_t window) {
     const int64_t G = H / KVH;
     const int64_t Hp = (H + 7) / 8 * 8;
     const int64_t span = window > 0 && window < max_len ? window : max_len;
@@ -253,7 +275,7 @@ int paged_decode_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const
     #pragma omp parallel num_threads(num_threads > 0 ? (int)num_threads : 1)
     {
         float* sc = (float*)malloc(sizeof(float) * Hp * (span > 0 ? span : 1));
-        float* acc = (float*)malloc(sizeof(float) * H * D);
+        float* acc = (float*)malloc(sizeof(float) * H * D * 3);  /* acc, then q and out staging */
         if (sc == NULL || acc == NULL) {
             #pragma omp atomic write
             failed = 1;
@@ -261,16 +283,19 @@ int paged_decode_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const
         #pragma omp for schedule(dynamic, 1)
         for (int64_t s = 0; s < n; ++s) {
             if (sc == NULL || acc == NULL) continue;
-            const float* qs = q + s * q_stride;
+            const float* qs = q_rows_@QS@(q + s * q_stride, acc + H * D, H * D);
+            float* os = o_rows_@QS@(out + s * H * D, acc + 2 * H * D);
             const int64_t* tab = tables + s * max_blocks;
             const int64_t L = lens[s], k0 = first_key(L, window);
 #ifdef PA_AVX2
             if (D % 8 == 0) {
-                seq_avx2_@S@(qs, k_cache, v_cache, tab, k0, L, H, Hp, G, KVH, D, bs, scale, sc, acc, out + s * H * D);
+                seq_avx2_@S@(qs, k_cache, v_cache, tab, k0, L, H, Hp, G, KVH, D, bs, scale, sc, acc, os);
+                o_store_@QS@(out + s * H * D, os, H * D);
                 continue;
             }
 #endif
-            seq_generic_@S@(qs, k_cache, v_cache, tab, k0, L, H, G, KVH, D, bs, scale, sc, acc, out + s * H * D);
+            seq_generic_@S@(qs, k_cache, v_cache, tab, k0, L, H, G, KVH, D, bs, scale, sc, acc, os);
+            o_store_@QS@(out + s * H * D, os, H * D);
         }
         free(sc);
         free(acc);
@@ -279,8 +304,17 @@ int paged_decode_@S@(const float* q, int64_t q_stride, const @T@* k_cache, const
 }
 """
 
+# (cache type, its suffix, q/out type, its suffix, entry suffix): a float32 cache; a bfloat16
+# cache with float32 queries and output; a bfloat16 cache read by bfloat16 queries straight from
+# the QKV projection, the output written back in bfloat16 (no conversion passes around it).
+_VARIANTS = (
+    ("float", "f32", "float", "f32", "f32"),
+    ("uint16_t", "bf16", "float", "f32", "bf16"),
+    ("uint16_t", "bf16", "uint16_t", "bf16", "bf16io"),
+)
 _SOURCE = _PRELUDE + "".join(
-    _BODY.replace("@T@", t).replace("@S@", s) for t, s in (("float", "f32"), ("uint16_t", "bf16"))
+    _BODY.replace("@T@", t).replace("@KS@", ks).replace("@Q@", q).replace("@QS@", qs).replace("@S@", s)
+    for t, ks, q, qs, s in _VARIANTS
 )
 
 _ENV_SWITCH = "BLITZMESH_NATIVE_ATTENTION"
@@ -377,12 +411,16 @@ def _load() -> PagedDecode:
     path = _compile()
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    entry = {}
-    for dtype, suffix in KV_DTYPES.items():
+    entry = {}  # (cache dtype, q/out dtype) -> entry point
+    for (cache_dtype, io_dtype), suffix in {
+        (torch.float32, torch.float32): "f32",
+        (torch.bfloat16, torch.float32): "bf16",
+        (torch.bfloat16, torch.bfloat16): "bf16io",
+    }.items():
         fn = getattr(lib, f"paged_decode_{suffix}")
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, i64]
         fn.restype = ctypes.c_int
-        entry[dtype] = fn
+        entry[cache_dtype, io_dtype] = fn
 
     def paged_decode(
         q: torch.Tensor,
@@ -404,7 +442,8 @@ def _load() -> PagedDecode:
         """
         n, heads, d = q.shape
         num_blocks, bs, kv_heads, d_k = k_cache.shape
-        fn = entry.get(k_cache.dtype)
+        io_dtype = q.dtype if q.dtype == k_cache.dtype else torch.float32
+        fn = entry.get((k_cache.dtype, io_dtype))
         if (
             fn is None
             or d_k != d
@@ -440,11 +479,11 @@ def _load() -> PagedDecode:
             raise ValueError(f"paged_decode: window must be >= 0, got {window}")
         out_dtype = q.dtype
         # Rows may be strided (a view of the fused QKV output); heads and dims must be packed.
-        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
-            q = q.float().contiguous()
+        if q.dtype != io_dtype or q.stride(2) != 1 or q.stride(1) != d:
+            q = q.to(io_dtype).contiguous()
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
         block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
-        out = torch.empty((n, heads, d), dtype=torch.float32)
+        out = torch.empty((n, heads, d), dtype=io_dtype)
         if n == 0:
             return out.to(out_dtype)
         rc = fn(
@@ -490,6 +529,17 @@ def _self_check(kernel: PagedDecode) -> None:
                 tables = torch.randperm(blocks, generator=g)[: n * 4].view(n, 4)
                 lens = torch.tensor([1, 9, 16])
                 got = kernel(q, k, v, tables, lens, 16, window)
+                # Queries and output in the cache's dtype: the float32 path's result on the same
+                # (exactly widened) queries, rounded once as torch rounds, bit for bit.
+                q_io = q.to(dtype)
+                got_io = kernel(q_io, k, v, tables, lens, 16, window)
+                if got_io.dtype != dtype or not torch.equal(
+                    got_io, kernel(q_io.float(), k, v, tables, lens, 16, window).to(dtype)
+                ):
+                    raise RuntimeError(
+                        f"self-check failed ({dtype} queries and output, H={heads}, KVH={kv_heads}, D={d},"
+                        f" window={window}): not the float32 path's result rounded to {dtype}"
+                    )
                 for s in range(n):
                     want = reference_decode(q[s], k, v, tables[s], int(lens[s]), window)
                     if not torch.allclose(got[s], want, atol=1e-5, rtol=1e-5):
