@@ -1,0 +1,157 @@
+"""Elastic sequence parallelism across instances: the sequence-parallel prefill of
+`services.worker.model.esp` with every group member in its own process, the slices' K/V passed
+over the data plane (UCX or TCP), never through gRPC.
+
+Member j of a group of n holds prompt positions [bounds[j], bounds[j + 1]). Per decoder layer it
+computes its slice's Q/K/V, keeps the K/V in its own cache (where the request will decode from:
+nothing migrates after the prefill), sends them to every later member, receives every earlier
+member's, attends its queries to each of those key ranges and to its own, and merges the
+partial results by the log-sum-exp rule. Only the last member's last token samples.
+
+`connect_group` opens the links: each member connects to every later one and says who it is;
+each accepts one connection from every earlier one. Messages are tagged by layer and K/V, so a
+member never confuses two layers' slices. Any failure (a peer gone or stalled, a refused
+handshake) aborts the member's links and frees its blocks before it is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.dataplane.errors import ProtocolError
+from services.dataplane.transport import Endpoint, Transport
+from services.worker.engine.kv_cache import KVCache
+from services.worker.model.esp import Shard, merge, partial_attention
+from services.worker.model.llama import LlamaForCausalLM
+
+ESP_OP = "esp_prefill"
+_HELLO_TAG = 1
+_KV_TAG_BASE = 16
+
+
+def _kv_tag(layer: int, which: int) -> int:
+    return _KV_TAG_BASE + 2 * layer + which
+
+
+@dataclass
+class GroupLinks:
+    """One member's endpoints: to every later member (it sends there) and from every earlier
+    one (it receives from there), by member index."""
+
+    index: int
+    later: dict[int, Endpoint]
+    earlier: dict[int, Endpoint]
+
+    def abort(self) -> None:
+        for ep in (*self.later.values(), *self.earlier.values()):
+            ep.abort()
+
+    async def close(self) -> None:
+        for ep in (*self.later.values(), *self.earlier.values()):
+            await ep.close()
+
+
+async def connect_group(
+    transport: Transport, index: int, addresses: Sequence[bytes], group_id: str, *, timeout_s: float = 10.0
+) -> GroupLinks:
+    """Member `index`'s links in the group whose members listen at `addresses` (in member
+    order). Raises ProtocolError for a handshake from outside the group, TransferTimeout or
+    PeerClosed for a member that does not come."""
+    if not 0 <= index < len(addresses):
+        raise ValueError(f"member index {index} outside a group of {len(addresses)}")
+    links = GroupLinks(index, {}, {})
+    try:
+        for i in range(index + 1, len(addresses)):
+            ep = await transport.connect(addresses[i], timeout_s=timeout_s)
+            links.later[i] = ep
+            hello = {"op": ESP_OP, "group": group_id, "member": index}
+            await ep.send_msg(json.dumps(hello).encode(), _HELLO_TAG, timeout_s=timeout_s)
+        while len(links.earlier) < index:
+            ep = await transport.accept(timeout_s=timeout_s)
+            try:
+                hello = json.loads(await ep.recv_msg(_HELLO_TAG, timeout_s=timeout_s, max_bytes=4096))
+            except (ValueError, UnicodeDecodeError) as exc:
+                ep.abort()
+                raise ProtocolError(f"ESP handshake from {ep.peer} is not JSON: {exc}") from None
+            member = hello.get("member") if isinstance(hello, dict) else None
+            if (
+                not isinstance(hello, dict)
+                or hello.get("op") != ESP_OP
+                or hello.get("group") != group_id
+                or not isinstance(member, int)
+                or not 0 <= member < index
+                or member in links.earlier
+            ):
+                ep.abort()
+                raise ProtocolError(f"ESP member {index} of group {group_id!r}: unexpected handshake {hello!r:.200}")
+            links.earlier[member] = ep
+    except BaseException:
+        links.abort()
+        raise
+    return links
+
+
+async def prefill_member(
+    model: LlamaForCausalLM,
+    cache: KVCache,
+    links: GroupLinks,
+    request_id: str,
+    prompt: Sequence[int],
+    bounds: Sequence[int],
+    *,
+    timeout_s: float = 30.0,
+) -> torch.Tensor | None:
+    """Run member `links.index`'s part of the group's prefill of `prompt` (see the module
+    docstring). Returns the float32 logits `[vocab]` of the prompt's last token on the last
+    member, None on the others; the member's slice of the KV stays in `cache` under
+    `request_id`. On any failure the links are aborted and the blocks freed before it raises."""
+    j, n = links.index, len(bounds) - 1
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != len(prompt) or not 0 <= j < n:
+        raise ValueError(f"bounds {list(bounds)} do not cut the prompt's {len(prompt)} tokens among {n} members")
+    if any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"bounds {list(bounds)} must be strictly increasing (no empty slice)")
+    cfg = model.config
+    start, end = bounds[j], bounds[j + 1]
+    cache.allocate(request_id, end - start)
+    shard = Shard(cache, request_id, start, end)
+    try:
+        positions = torch.arange(start, end, device=model.device)
+        hidden = model.embed(torch.tensor(list(prompt[start:end]), dtype=torch.long))
+        cos, sin_half = model.rope_tables(positions)
+        slots = shard.slots(0, end - start)
+        for layer in range(cfg.num_hidden_layers):
+            with torch.inference_mode():
+                q, k, v = model.attention_inputs(layer, hidden, cos, sin_half)
+                cache.write(layer, slots, k, v)
+                k, v = k.contiguous(), v.contiguous()
+            sends = [
+                asyncio.ensure_future(ep.send(x, _kv_tag(layer, w), timeout_s=timeout_s))
+                for ep in links.later.values()
+                for w, x in ((0, k), (1, v))
+            ]
+            window = model.layer_window(layer)
+            parts = []
+            for m in sorted(links.earlier):
+                ep, a, b = links.earlier[m], bounds[m], bounds[m + 1]
+                km = torch.empty((b - a, *k.shape[1:]), dtype=k.dtype)
+                vm = torch.empty_like(km)
+                await ep.recv_into(km, _kv_tag(layer, 0), timeout_s=timeout_s)
+                await ep.recv_into(vm, _kv_tag(layer, 1), timeout_s=timeout_s)
+                with torch.inference_mode():
+                    parts.append(partial_attention(q, positions, km, vm, torch.arange(a, b), window))
+            with torch.inference_mode():
+                parts.append(partial_attention(q, positions, k, v, positions, window))
+                hidden = model.finish_layer(layer, hidden, merge(parts).to(q.dtype))
+            await asyncio.gather(*sends)
+        if j < n - 1:
+            return None
+        return model.head(hidden[-1:])[0]
+    except BaseException:
+        links.abort()
+        cache.free(request_id)
+        raise

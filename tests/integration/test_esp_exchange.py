@@ -1,0 +1,146 @@
+"""ESP across members that talk over the data plane (real TCP sockets; UCX where ucxx imports):
+a prompt prefilled by a group of 2 and 3 members gives one instance's logits and the in-process
+group's, each member keeping exactly its slice's KV; a member that goes away fails the others
+in time, with their blocks freed; a stranger's handshake is refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.dataplane import make_transport
+from services.dataplane.errors import DataPlaneError, ProtocolError
+from services.model_format import synth
+from services.worker.engine.kv_cache import KVCache
+from services.worker.esp_exchange import connect_group, prefill_member
+from services.worker.model.esp import sequence_parallel_prefill
+from services.worker.model.llama import load_model
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(str(synth.synthesize(tmp_path_factory.mktemp("m") / "tiny", "tiny", seed=7)))
+
+
+def _cache(model) -> KVCache:
+    return KVCache.for_model(model.config, num_blocks=32, block_size=BLOCK, dtype=model.dtype)
+
+
+async def _group(kind: str, model, prompt, bounds, *, break_member: int | None = None):
+    n = len(bounds) - 1
+    transports = [make_transport(kind) for _ in range(n)]
+    for t in transports:
+        await t.start()
+    caches = [_cache(model) for _ in range(n)]
+    addresses = [t.address() for t in transports]
+
+    async def member(j: int):
+        links = await connect_group(transports[j], j, addresses, "g1", timeout_s=10)
+        if j == break_member:
+            links.abort()  # this member goes away before its first layer
+            caches[j].allocate("r", 1)
+            caches[j].free("r")
+            return None
+        return await prefill_member(model, caches[j], links, "r", prompt, bounds, timeout_s=5)
+
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(member(j) for j in range(n)), return_exceptions=True), 60)
+    finally:
+        for t in transports:
+            await t.close()
+    return results, caches
+
+
+@pytest.mark.parametrize("bounds", [[0, 17, 31], [0, 4, 20, 31]])
+async def test_a_group_over_the_data_plane_prefills_like_one_instance(model, bounds) -> None:
+    g = torch.Generator().manual_seed(len(bounds))
+    prompt = torch.randint(3, model.config.vocab_size, (31,), generator=g).tolist()
+    results, caches = await _group("tcp", model, prompt, bounds)
+    *others, logits = results
+    assert all(r is None for r in others) and isinstance(logits, torch.Tensor)
+    whole = model.forward(torch.tensor(prompt))[-1]
+    torch.testing.assert_close(logits, whole, atol=1e-4, rtol=1e-4)
+    local, placement = sequence_parallel_prefill(model, [_cache(model) for _ in caches], "r", prompt, bounds)
+    torch.testing.assert_close(logits, local, atol=1e-6, rtol=1e-6)
+    # Each member kept exactly its slice's KV: the in-process group's, for every layer.
+    for cache, shard in zip(caches, placement.shards, strict=True):
+        assert cache.num_blocks_of("r") == cache.blocks_needed(shard.num_tokens)
+        theirs = type(shard)(cache, "r", shard.start, shard.end)
+        for layer in range(model.config.num_hidden_layers):
+            for a, b in zip(theirs.kv(layer)[:2], shard.kv(layer)[:2], strict=True):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+async def test_a_member_that_goes_away_fails_the_others_in_time_and_frees_their_blocks(model) -> None:
+    prompt = list(range(3, 34))
+    results, caches = await _group("tcp", model, prompt, [0, 10, 20, 31], break_member=1)
+    assert results[1] is None
+    assert isinstance(results[0], DataPlaneError) and isinstance(results[2], DataPlaneError), results
+    assert all(c.free_blocks == c.num_blocks for c in caches)
+
+
+async def test_a_stranger_is_refused_at_the_handshake() -> None:
+    async with make_transport("tcp") as a, make_transport("tcp") as b:
+        addresses = [a.address(), b.address()]
+        stranger = asyncio.ensure_future(connect_group(a, 0, addresses, "another-group", timeout_s=5))
+        with pytest.raises(ProtocolError, match="unexpected handshake"):
+            await connect_group(b, 1, addresses, "g1", timeout_s=5)
+        await asyncio.gather(stranger, return_exceptions=True)
+
+
+def _member_process(path: str, kind: str, j: int, prompt, bounds, conn) -> None:
+    """One group member in its own process (UCX has one worker per process)."""
+
+    async def run() -> None:
+        model = load_model(path)
+        async with make_transport(kind) as transport:
+            conn.send(transport.address())
+            addresses = conn.recv()
+            links = await connect_group(transport, j, addresses, "g2", timeout_s=20)
+            logits = await prefill_member(model, _cache(model), links, "r", prompt, bounds, timeout_s=20)
+            conn.send(None if logits is None else logits.tolist())
+            await links.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["tcp", pytest.param("ucx", marks=pytest.mark.ucx)])
+def test_members_in_their_own_processes(tmp_path, kind) -> None:
+    """Three members, three processes, over TCP and over UCX: one instance's logits."""
+    import multiprocessing
+
+    if kind == "ucx":
+        pytest.importorskip("ucxx")
+    path = str(synth.synthesize(tmp_path / "tiny", "tiny", seed=7))
+    prompt = list(range(5, 36))
+    bounds = [0, 11, 22, 31]
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(3)]
+    procs = [
+        ctx.Process(target=_member_process, args=(path, kind, j, prompt, bounds, pipes[j][1]), daemon=True)
+        for j in range(3)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for parent, _ in pipes:
+            assert parent.poll(90), "a member did not start"
+        addresses = [parent.recv() for parent, _ in pipes]
+        for parent, _ in pipes:
+            parent.send(addresses)
+        results = []
+        for parent, _ in pipes:
+            assert parent.poll(90), "a member did not finish"
+            results.append(parent.recv())
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert results[0] is None and results[1] is None
+    whole = load_model(path).forward(torch.tensor(prompt))[-1]
+    torch.testing.assert_close(torch.tensor(results[2]), whole, atol=1e-4, rtol=1e-4)
