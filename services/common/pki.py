@@ -21,6 +21,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
+from typing import Any
 
 from services.common.roles import ALL_ROLES
 
@@ -65,7 +66,7 @@ def ensure_pki(tls_dir: Path, roles: tuple[str, ...] = ALL_ROLES, *, ca_key: Pat
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import NameOID
 
     tls_dir.mkdir(parents=True, exist_ok=True)
     ca_key_file = ca_key if ca_key is not None else tls_dir / CA_KEY
@@ -98,37 +99,63 @@ def ensure_pki(tls_dir: Path, roles: tuple[str, ...] = ALL_ROLES, *, ca_key: Pat
         made += [CA_CERT, str(ca_key_file)]
     ca_cert = x509.load_pem_x509_certificate((tls_dir / CA_CERT).read_bytes())
     loaded = serialization.load_pem_private_key(ca_key_file.read_bytes(), password=None)
-    assert isinstance(loaded, ec.EllipticCurvePrivateKey), f"{ca_key_file}: not an EC private key"
+    if not isinstance(loaded, ec.EllipticCurvePrivateKey):
+        raise SystemExit(f"CA key {str(ca_key_file)!r} is not an EC private key; move it away to make a new CA")
     ca_private = loaded
 
     for role in roles:
         if not new_ca and cert_path(tls_dir, role).exists() and key_path(tls_dir, role).exists():
             continue
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role)]))
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=LEAF_DAYS))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(role)]), critical=False)
-            .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                critical=False,
-            )
-            .sign(ca_private, hashes.SHA256())
-        )
-        write_private(key_path(tls_dir, role), private_pem(key))
-        _write_public(cert_path(tls_dir, role), cert.public_bytes(pem))
+        cert_pem, key_pem = issue(ca_cert, ca_private, role)
+        write_private(key_path(tls_dir, role), key_pem)
+        _write_public(cert_path(tls_dir, role), cert_pem)
         made += [cert_path(tls_dir, role).name, key_path(tls_dir, role).name]
 
     if not (tls_dir / DATAPLANE_KEY).exists():
         write_private(tls_dir / DATAPLANE_KEY, secrets.token_hex(32).encode() + b"\n")
         made.append(DATAPLANE_KEY)
     return made
+
+
+def issue(ca_cert: Any, ca_key: Any, name: str, *, days: int = LEAF_DAYS) -> tuple[bytes, bytes]:
+    """(certificate PEM, private key PEM) for `name` (CN and SAN DNS name), signed by the CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def issue_from(tls_dir: Path, name: str, *, ca_key: Path | None = None) -> tuple[bytes, bytes]:
+    """`issue()` with the CA in `tls_dir` (an operator's extra certificate, the security tests')."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    ca_cert = x509.load_pem_x509_certificate((tls_dir / CA_CERT).read_bytes())
+    key = serialization.load_pem_private_key((ca_key or tls_dir / CA_KEY).read_bytes(), password=None)
+    return issue(ca_cert, key, name)
 
 
 def main(argv: list[str] | None = None) -> int:

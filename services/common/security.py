@@ -119,7 +119,9 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
     the method: UNAUTHENTICATED without a known role, PERMISSION_DENIED with another role's.
 
     The check runs before the request bytes are decoded, so a refused caller never reaches a
-    servicer, not even its parser; a request that does not parse is INVALID_ARGUMENT.
+    servicer, not even its parser; a request that does not parse is INVALID_ARGUMENT. Servicers
+    of streamed requests read them from their request iterator (context.read() would see the
+    raw bytes).
     """
 
     async def intercept_service(
@@ -160,52 +162,55 @@ async def _decode(deserializer: Any, raw: bytes, context: grpc.aio.ServicerConte
 
 
 def _guarded(handler: grpc.RpcMethodHandler, method: str, allowed: frozenset[str]) -> grpc.RpcMethodHandler:
+    """`handler` taking raw request bytes (no request_deserializer): the caller is checked first,
+    then each request message is decoded, so a refused caller's bytes are never parsed."""
     deserialize = handler.request_deserializer
-    serialize = handler.response_serializer
+    kw = {"response_serializer": handler.response_serializer}
+
+    async def admit(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        await _authorize(context, method, allowed)
+        return await _decode(deserialize, raw, context, method)
+
+    async def admit_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _authorize(context, method, allowed)
+        return (await _decode(deserialize, raw, context, method) async for raw in requests)
+
     if handler.unary_unary is not None:
-        inner_uu = handler.unary_unary
+        uu = handler.unary_unary
 
         async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            await _authorize(context, method, allowed)
-            return await inner_uu(await _decode(deserialize, raw, context, method), context)
+            return await uu(await admit(raw, context), context)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
     if handler.unary_stream is not None:
-        inner_us = handler.unary_stream
+        us = handler.unary_stream
 
         async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await _authorize(context, method, allowed)
-            result = inner_us(await _decode(deserialize, raw, context, method), context)
-            if inspect.isasyncgen(result):
-                async for item in result:
-                    yield item
-            else:  # a handler that writes with context.write() and returns None
-                await result
-
-        return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=serialize)
-    # Streamed requests keep their decoder (the servicer may read with context.read()); the
-    # caller is checked before the servicer sees the first message.
-    if handler.stream_unary is not None:
-        inner_su = handler.stream_unary
-
-        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            await _authorize(context, method, allowed)
-            return await inner_su(requests, context)
-
-        return grpc.stream_unary_rpc_method_handler(
-            stream_unary, request_deserializer=deserialize, response_serializer=serialize
-        )
-    inner_ss = handler.stream_stream
-
-    async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await _authorize(context, method, allowed)
-        result = inner_ss(requests, context)
-        if inspect.isasyncgen(result):
-            async for item in result:
+            async for item in _results(us(await admit(raw, context), context)):
                 yield item
-        else:
-            await result
 
-    return grpc.stream_stream_rpc_method_handler(
-        stream_stream, request_deserializer=deserialize, response_serializer=serialize
-    )
+        return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+    if handler.stream_unary is not None:
+        su = handler.stream_unary
+
+        async def stream_unary(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            return await su(await admit_stream(requests, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+    ss = handler.stream_stream
+
+    async def stream_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for item in _results(ss(await admit_stream(requests, context), context)):
+            yield item
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+
+
+async def _results(result: Any) -> AsyncIterator[Any]:
+    """A streaming servicer's answers: an async generator's items, or none from a coroutine
+    that writes with context.write() (or aborts)."""
+    if inspect.isasyncgen(result):
+        async for item in result:
+            yield item
+    else:
+        await result
