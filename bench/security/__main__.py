@@ -59,7 +59,24 @@ def mesh_config(root: Path, name: str, *, insecure: bool) -> MeshConfig:
 
 
 def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    """What moved: the parts of the snapshot that differ, the manager's cluster in detail."""
+    out = []
+    for key in sorted(before.keys() | after.keys()):
+        if before.get(key) == after.get(key):
+            continue
+        if key != "cluster":
+            out.append(key)
+            continue
+        b, a = before[key], after[key]
+        ids_b = {i[0] for i in b["instances"]}
+        ids_a = {i[0] for i in a["instances"]}
+        what = [f"{k} {b[k]!r} -> {a[k]!r}" for k in ("policy", "advisory") if b[k] != a[k]]
+        what += [f"instances added {sorted(ids_a - ids_b)}"] if ids_a - ids_b else []
+        what += [f"instances removed {sorted(ids_b - ids_a)}"] if ids_b - ids_a else []
+        moved = sorted(i[0] for i in set(a["instances"]) - set(b["instances"]) if i[0] in ids_b)
+        what += [f"instances changed {moved}"] if moved else []
+        out.append(f"cluster: {'; '.join(what) or 'models'}")
+    return out
 
 
 async def secure_run(root: Path, payloads: list[bytes]) -> dict[str, Any]:
@@ -123,7 +140,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         baseline = await insecure_baseline(root, payloads) if not args.skip_baseline else None
     return {
         "about": {
-            "what": "bench/security/__main__.py's docstring; tests/e2e/test_security.py asserts the same on fewer payloads",
+            "what": "bench/security/__main__.py's docstring; tests/e2e/test_mesh_security.py asserts the same on fewer payloads",
             "payloads_per_method_and_caller": args.payloads,
             "seed": args.seed,
             "deadline_s": TIMEOUT_S,

@@ -1,6 +1,6 @@
 """Call every method of every internal service of a running mesh as every kind of caller.
 
-Used by the security tests (tests/e2e/test_security.py) and by `python -m bench.security`, which
+Used by the security tests (tests/e2e/test_mesh_security.py) and by `python -m bench.security`, which
 records the fuzz counts in bench/results/security.json. The callers:
 
 - `plaintext`: no TLS at all;
@@ -16,9 +16,10 @@ read to its deadline is a stream (Generate, LoadParameters, WatchEvents) that wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,18 +155,25 @@ async def call(ch: grpc.aio.Channel, method: Method, payload: bytes, timeout_s: 
         elif not method.client_streaming:
             async for _ in ch.unary_stream(method.path)(payload, timeout=timeout_s):
                 pass
-        elif not method.server_streaming:
-            await ch.stream_unary(method.path)(_one(payload), timeout=timeout_s)
         else:
-            async for _ in ch.stream_stream(method.path)(_one(payload), timeout=timeout_s):
-                pass
+            # Reader/writer style: a write racing the server's end of the call (a refusal comes
+            # before the request is read) raises here, and the status is the server's. With a
+            # request iterator grpc's client would cancel the call and report its own INTERNAL.
+            factory = ch.stream_unary if not method.server_streaming else ch.stream_stream
+            streamed = factory(method.path)(timeout=timeout_s)
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, grpc.aio.InternalError):
+                await streamed.write(payload)
+                await streamed.done_writing()
+            if method.server_streaming:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    while await streamed.read() is not grpc.aio.EOF:
+                        pass
+            code = await streamed.code()
+            if code != grpc.StatusCode.OK:
+                return Outcome(code.name, time.monotonic() - started, await streamed.details() or "")
     except grpc.aio.AioRpcError as e:
         return Outcome(e.code().name, time.monotonic() - started, e.details() or "")
     return Outcome("OK", time.monotonic() - started)
-
-
-async def _one(payload: bytes) -> AsyncIterator[bytes]:
-    yield payload
 
 
 def refusal_expected(caller: str, method: Method) -> str | None:

@@ -14,6 +14,8 @@ launcher sets it with `use_identity()`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ AUTH_REFUSED = Counter(
     ["method", "reason"],
 )
 
+_REFUSED_STREAM_WAIT_S = 0.5
 HOW_TO_CREATE = "create them with `python -m services.common.pki {dir}` (make up does on its first start)"
 
 
@@ -136,20 +139,38 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
         return _guarded(handler, method, allowed_roles(method))
 
 
-async def _authorize(context: grpc.aio.ServicerContext, method: str, allowed: frozenset[str]) -> None:
+async def _authorize(
+    context: grpc.aio.ServicerContext,
+    method: str,
+    allowed: frozenset[str],
+    requests: AsyncIterator[bytes] | None = None,
+) -> None:
     role = caller_role(context)
+    if role is not None and role in allowed:
+        return
     if role is None or role not in ALL_ROLES:
-        AUTH_REFUSED.labels(method, "unauthenticated").inc()
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            f"{method}: the caller's certificate names no mesh role (CN {role!r}; roles {list(ALL_ROLES)})",
-        )
-    if role not in allowed:
-        AUTH_REFUSED.labels(method, "permission_denied").inc()
-        await context.abort(
-            grpc.StatusCode.PERMISSION_DENIED,
-            f"{method}: role {role!r} may not call it (allowed: {sorted(allowed) or 'nobody'})",
-        )
+        reason = "unauthenticated"
+        code = grpc.StatusCode.UNAUTHENTICATED
+        details = f"{method}: the caller's certificate names no mesh role (CN {role!r}; roles {list(ALL_ROLES)})"
+    else:
+        reason = "permission_denied"
+        code = grpc.StatusCode.PERMISSION_DENIED
+        details = f"{method}: role {role!r} may not call it (allowed: {sorted(allowed) or 'nobody'})"
+    AUTH_REFUSED.labels(method, reason).inc()
+    if requests is not None:
+        await abort_stream(context, requests, code, details)
+    await context.abort(code, details)
+
+
+async def abort_stream(
+    context: grpc.aio.ServicerContext, requests: AsyncIterator[Any], code: grpc.StatusCode, details: str
+) -> None:
+    """End a call with streamed requests with `code`. One refused while its first message is
+    still in flight reaches the client as INTERNAL now and then (the stream ends under the
+    client's write): that message is taken first, unread, for a moment."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(anext(aiter(requests)), _REFUSED_STREAM_WAIT_S)
+    await context.abort(code, details)
 
 
 async def _decode(deserializer: Any, raw: bytes, context: grpc.aio.ServicerContext, method: str) -> Any:
@@ -172,7 +193,7 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, allowed: frozenset[str
         return await _decode(deserialize, raw, context, method)
 
     async def admit_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await _authorize(context, method, allowed)
+        await _authorize(context, method, allowed, requests)
         return (await _decode(deserialize, raw, context, method) async for raw in requests)
 
     if handler.unary_unary is not None:

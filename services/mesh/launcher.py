@@ -198,6 +198,7 @@ class Mesh:
         # (Ctrl-C reaches the whole process group, so they may exit before stop() runs).
         self.stopping = False
         self.network: netns.ShapedNetwork | None = None  # the emulated hosts (cfg.netns_rate_mbit)
+        self._tls_ready = False
 
     @property
     def gateway_http(self) -> str:
@@ -228,7 +229,17 @@ class Mesh:
             return None, net.plan.root_address
         return h.netns, h.address
 
+    async def ensure_tls(self) -> None:
+        """The mesh's CA and certificates, made on its first start (kept after); none --insecure."""
+        if self.cfg.insecure or self._tls_ready:
+            return
+        made = await asyncio.to_thread(ensure_pki, self.cfg.tls_path)
+        if made:
+            print(f"blitzmesh: made the mesh's CA and certificates in {self.cfg.tls_path}/", file=sys.stderr)
+        self._tls_ready = True
+
     async def spawn(self, name: str, module: str, args: list[str]) -> Proc:
+        await self.ensure_tls()
         run_dir = self.cfg.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         port_file = (run_dir / f"{name}.ports.json").resolve()
@@ -349,10 +360,6 @@ class Mesh:
     async def start(self) -> None:
         cfg = self.cfg
         await asyncio.to_thread(ensure_model, cfg.model_dir, cfg.model)
-        if not cfg.insecure:
-            made = await asyncio.to_thread(ensure_pki, cfg.tls_path)
-            if made:
-                print(f"blitzmesh: made the mesh's CA and certificates in {cfg.tls_path}/", file=sys.stderr)
         if cfg.netns_rate_mbit is not None:
             self.network = await asyncio.to_thread(open_network, cfg)
         pm = await self.spawn(

@@ -18,7 +18,7 @@ from blitzmesh.types import InstanceInfo, InstanceState, LoadReport
 from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import roles
 from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
-from services.common.security import dataplane_key
+from services.common.security import abort_stream, dataplane_key
 from services.common.server import ServeContext
 from services.dataplane.chain import GroupServer, GroupStore, TransferResult, default_allocate, receive_groups
 from services.dataplane.errors import DataPlaneError, InsufficientMemory
@@ -803,7 +803,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.UnloadResponse()
 
     async def ExecuteLayers(self, request_iterator, context):
-        await context.abort(
+        await abort_stream(
+            context,
+            request_iterator,
             grpc.StatusCode.UNIMPLEMENTED,
             "ZigZag hands hidden states over the data plane (Generate zigzag / zigzag_source), not through gRPC",
         )

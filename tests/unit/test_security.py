@@ -167,3 +167,21 @@ def test_read_key_errors_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "dataplane.key").write_text("zz")
     with pytest.raises(SystemExit, match="not hex"):
         read_key(tmp_path / "dataplane.key")
+
+
+def test_make_up_runs_mtls_unless_told_insecure(tmp_path: Path) -> None:
+    from services.mesh.__main__ import parse_args
+    from services.mesh.launcher import MeshConfig, role_of
+
+    cfg = parse_args(["--run-dir", str(tmp_path)])
+    assert not cfg.insecure and cfg.security_args() == ["--tls-dir", str((tmp_path / "tls").resolve())]
+    assert parse_args(["--insecure"]).security_args() == ["--insecure"]
+    assert parse_args(["--tls-dir", str(tmp_path / "pki")]).tls_path == tmp_path / "pki"
+    assert MeshConfig().security_args()[0] == "--tls-dir"  # meshes built in code too
+    assert [role_of(n) for n in ("gateway", "global_manager", "worker-3", "param_manager", "host_cache-1")] == [
+        roles.GATEWAY,
+        roles.GLOBAL_MANAGER,
+        roles.WORKER,
+        roles.PARAM_MANAGER,
+        roles.HOST_CACHE,
+    ]
