@@ -80,9 +80,7 @@ def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 
 async def secure_run(root: Path, payloads: list[bytes]) -> dict[str, Any]:
-    mesh = Mesh(mesh_config(root, "mtls", insecure=False))
-    await mesh.start()
-    try:
+    async with Mesh(mesh_config(root, "mtls", insecure=False)) as mesh:
         callers = probe.Callers(mesh.cfg.tls_path, root / "scratch")
         targets = probe.targets(mesh)
         out: dict[str, Any] = {"targets": [dataclasses.asdict(t) for t in targets]}
@@ -106,14 +104,10 @@ async def secure_run(root: Path, payloads: list[bytes]) -> dict[str, Any]:
         }
         out["seconds"] = round(time.monotonic() - t0, 1)
         return out
-    finally:
-        await mesh.stop()
 
 
 async def insecure_baseline(root: Path, payloads: list[bytes]) -> dict[str, Any]:
-    mesh = Mesh(mesh_config(root, "insecure", insecure=True))
-    await mesh.start()
-    try:
+    async with Mesh(mesh_config(root, "insecure", insecure=True)) as mesh:
         callers = probe.Callers(None, root / "scratch")
         before = await probe.snapshot(mesh, MODEL)
         fuzz = await probe.sweep(
@@ -127,8 +121,6 @@ async def insecure_baseline(root: Path, payloads: list[bytes]) -> dict[str, Any]
             "processes_died": dead,
             "hang_examples": fuzz.hangs[:5],
         }
-    finally:
-        await mesh.stop()
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

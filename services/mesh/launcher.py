@@ -550,6 +550,18 @@ class Mesh:
                 continue  # an exit is the next turn's to handle; a child that hangs stays as it is
             print(f"blitzmesh: {name} serves again on {new.grpc_address}", file=sys.stderr, flush=True)
 
+    async def __aenter__(self) -> Mesh:
+        """`async with Mesh(cfg) as mesh:` starts it (stopping what started if that fails) and stops it."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers."""
         self.stopping = True

@@ -33,12 +33,8 @@ ALL_CALLERS = [*probe.UNCERTIFIED, "unknown-name", *(f"role:{r}" for r in roles.
 async def secure_mesh(make_mesh_config: Callable[..., MeshConfig], tmp_path: Path) -> AsyncIterator[Mesh]:
     """One SERVING worker, one IDLE (a load it starts is a state change), two host caches."""
     cfg = dataclasses.replace(make_mesh_config(tmp_path / "run", workers=2, host_caches=2), initial_instances=1)
-    mesh = Mesh(cfg)
-    try:
-        await mesh.start()
+    async with Mesh(cfg) as mesh:
         yield mesh
-    finally:
-        await mesh.stop()
 
 
 async def _complete(mesh: Mesh) -> str:
