@@ -135,15 +135,15 @@ class AuthenticatedTransport(WrappedTransport):
             proof = await ep.recv_msg(AUTH_TAG, timeout_s=t, max_bytes=_MAC_BYTES)
             if not hmac.compare_digest(proof, _mac(self._key, b"acceptor", nonce_c)):
                 raise DataPlaneAuthError(f"{ep.peer} does not hold the mesh's data plane key (wrong MAC)")
-        except DataPlaneAuthError:
-            REFUSED.labels("connector").inc()
+        except BaseException as exc:
             ep.abort()
+            if isinstance(exc, DataPlaneAuthError):
+                REFUSED.labels("connector").inc()
+            elif isinstance(exc, TransferTimeout | PeerClosed):
+                # A peer that accepts and then refuses us closes the endpoint: the same failure
+                # as a dead peer to the caller, which falls back as it does for one (chain.py).
+                raise type(exc)(f"data plane handshake with {ep.peer} failed: {exc}") from exc
             raise
-        except (TransferTimeout, PeerClosed) as exc:
-            # A peer that accepts and then refuses us closes the endpoint: the same failure as a
-            # dead peer to the caller, which falls back as it does for one (chain.py).
-            ep.abort()
-            raise type(exc)(f"data plane handshake with {ep.peer} failed: {exc}") from exc
         return self.wrap(ep)
 
     async def accept(self, *, timeout_s: float | None = None) -> Endpoint:
