@@ -43,7 +43,9 @@ class ServiceConfig(BaseModel):
     insecure: bool = Field(
         False, description="DEVELOPMENT ONLY: plaintext gRPC, no caller checks (a warning is logged)"
     )
-    reflection: bool = Field(False, description="serve gRPC reflection (to the admin role under mTLS)")
+    reflection: bool = Field(
+        False, description="serve gRPC reflection (to the admin role under mTLS; the gateway's public API always does)"
+    )
 
 
 def _is_bool(annotation: Any) -> bool:

@@ -159,7 +159,8 @@ async def serve(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = service.register(server)
-    if config.reflection:
+    # Internal services describe themselves only when asked to; the public edge as before.
+    if config.reflection or public:
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bind = f"{config.host}:{config.port}"
     port = server.add_secure_port(bind, identity.server_credentials()) if checked else server.add_insecure_port(bind)
