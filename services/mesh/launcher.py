@@ -714,6 +714,13 @@ def describe_autoscaling(cfg: MeshConfig) -> str:
     return f"heteroscale, up to {max(1, cfg.worker_count)} instances; new ones serve ZigZag requests while loading"
 
 
+def describe_security(cfg: MeshConfig) -> str:
+    """The banner's line on the internal hops' security."""
+    if cfg.insecure:
+        return "PLAINTEXT, no caller checks (--insecure; development only)"
+    return f"mTLS, certificates in {cfg.tls_path}/ (admin.pem for operator tools; docs/security.md)"
+
+
 def python_command() -> str:
     """This interpreter as a user would type it here (`.venv/bin/python` under `make up`)."""
     rel = os.path.relpath(sys.executable)
@@ -738,6 +745,7 @@ Blitzmesh is up: {describe_workers(cfg, mesh.roles)}, model {cfg.model!r}
   global manager   {mesh.procs["global_manager"].grpc_address}
   param manager    {mesh.procs["param_manager"].grpc_address}
   autoscaling      {describe_autoscaling(cfg)}
+  internal hops    {describe_security(cfg)}
   logs             {cfg.run_dir}/
 
 Try:
