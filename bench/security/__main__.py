@@ -14,7 +14,7 @@ bench/security/probe.py:
    every worker's status, the pool's locations) is compared before and after;
 3. `fuzz_with_credentials`: the same payloads from every role allowed to call each method: it
    may change state; what counts is that no process dies and no unary call hangs.
-Every call has a 5 s deadline. Then the baseline: the same plaintext fuzz against a mesh started
+Every call has a deadline (`--deadline-s`, 3 s: the issue saw a unary call hang past 3 s). Then the baseline: the same plaintext fuzz against a mesh started
 with --insecure (what every mesh was before mTLS), counting the answers and whether state moved.
 """
 
@@ -38,7 +38,6 @@ from services.mesh.launcher import Mesh, MeshConfig
 from services.model_format.synth import synthesize
 
 MODEL = "tiny"
-TIMEOUT_S = 5.0
 ALL_CALLERS = [*probe.UNCERTIFIED, "unknown-name", *(f"role:{r}" for r in roles.ALL_ROLES)]
 
 
@@ -79,15 +78,15 @@ def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return out
 
 
-async def secure_run(root: Path, payloads: list[bytes]) -> dict[str, Any]:
+async def secure_run(root: Path, payloads: list[bytes], deadline_s: float) -> dict[str, Any]:
     async with Mesh(mesh_config(root, "mtls", insecure=False)) as mesh:
         callers = probe.Callers(mesh.cfg.tls_path, root / "scratch")
         targets = probe.targets(mesh)
         out: dict[str, Any] = {"targets": [dataclasses.asdict(t) for t in targets]}
         before = await probe.snapshot(mesh, MODEL)
         t0 = time.monotonic()
-        refusal = await probe.sweep(callers, targets, ALL_CALLERS, [b""], timeout_s=TIMEOUT_S, select="refused")
-        fuzz = await probe.sweep(callers, targets, ALL_CALLERS, payloads, timeout_s=TIMEOUT_S, select="refused")
+        refusal = await probe.sweep(callers, targets, ALL_CALLERS, [b""], timeout_s=deadline_s, select="refused")
+        fuzz = await probe.sweep(callers, targets, ALL_CALLERS, payloads, timeout_s=deadline_s, select="refused")
         after = await probe.snapshot(mesh, MODEL)
         out["refusal"] = refusal.to_dict() | {"unexpected_examples": refusal.unexpected[:5]}
         out["fuzz_without_credentials"] = fuzz.to_dict() | {
@@ -96,7 +95,7 @@ async def secure_run(root: Path, payloads: list[bytes]) -> dict[str, Any]:
             "unexpected_examples": fuzz.unexpected[:5],
         }
         role_callers = [f"role:{r}" for r in roles.ALL_ROLES]
-        allowed = await probe.sweep(callers, targets, role_callers, payloads, timeout_s=TIMEOUT_S, select="allowed")
+        allowed = await probe.sweep(callers, targets, role_callers, payloads, timeout_s=deadline_s, select="allowed")
         dead = sorted(name for name, up in probe.alive(mesh).items() if not up)
         out["fuzz_with_credentials"] = allowed.to_dict() | {
             "processes_died": dead,
@@ -106,12 +105,12 @@ async def secure_run(root: Path, payloads: list[bytes]) -> dict[str, Any]:
         return out
 
 
-async def insecure_baseline(root: Path, payloads: list[bytes]) -> dict[str, Any]:
+async def insecure_baseline(root: Path, payloads: list[bytes], deadline_s: float) -> dict[str, Any]:
     async with Mesh(mesh_config(root, "insecure", insecure=True)) as mesh:
         callers = probe.Callers(None, root / "scratch")
         before = await probe.snapshot(mesh, MODEL)
         fuzz = await probe.sweep(
-            callers, probe.targets(mesh), ["plaintext"], payloads, timeout_s=TIMEOUT_S, select="any"
+            callers, probe.targets(mesh), ["plaintext"], payloads, timeout_s=deadline_s, select="any"
         )
         after = await probe.snapshot(mesh, MODEL)
         dead = sorted(name for name, up in probe.alive(mesh).items() if not up)
@@ -128,14 +127,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-security-") as tmp:
         root = Path(tmp)
         synthesize(root / "models" / MODEL, MODEL, seed=0)
-        secure = await secure_run(root, payloads)
-        baseline = await insecure_baseline(root, payloads) if not args.skip_baseline else None
+        secure = await secure_run(root, payloads, args.deadline_s)
+        baseline = await insecure_baseline(root, payloads, args.deadline_s) if not args.skip_baseline else None
     return {
         "about": {
             "what": "bench/security/__main__.py's docstring; tests/e2e/test_mesh_security.py asserts the same on fewer payloads",
             "payloads_per_method_and_caller": args.payloads,
             "seed": args.seed,
-            "deadline_s": TIMEOUT_S,
+            "deadline_s": args.deadline_s,
             "machine": f"{platform.machine()}, {platform.python_version()}",
             "date": time.strftime("%Y-%m-%d"),
         },
@@ -148,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.security", description=__doc__.split("\n\n")[0])
     p.add_argument("--payloads", type=int, default=20, help="random payloads per method and caller")
     p.add_argument("--seed", type=int, default=24)
+    p.add_argument(
+        "--deadline-s", type=float, default=3.0, help="each call's deadline; a unary call that reaches it hung"
+    )
     p.add_argument("--skip-baseline", action="store_true", help="do not run the --insecure mesh")
     p.add_argument("--out", type=Path, default=Path("bench/results/security.json"))
     args = p.parse_args(argv)
