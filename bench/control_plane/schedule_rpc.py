@@ -45,6 +45,9 @@ async def manager_process() -> AsyncIterator[str]:
             # Fake instances heartbeat once; they must not be written off mid-measurement.
             "--lost-after-s",
             "3600",
+            # Plaintext: one client here plays both the workers (RegisterInstance) and the gateway
+            # (Schedule), which under mTLS are two roles (docs/security.md).
+            "--insecure",
             "--log-level",
             "warning",
             stdout=asyncio.subprocess.DEVNULL,

@@ -36,6 +36,16 @@ class ServiceConfig(BaseModel):
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$", description="log level")
     log_json: bool = Field(False, description="log JSON lines instead of key=value text")
     shutdown_grace_s: float = Field(5.0, ge=0, description="grace period for in-flight RPCs on stop")
+    tls_dir: Path | None = Field(
+        None,
+        description="mTLS material: ca.pem and <role>.pem/<role>.key (python -m services.common.pki DIR makes them)",
+    )
+    insecure: bool = Field(
+        False, description="DEVELOPMENT ONLY: plaintext gRPC, no caller checks (a warning is logged)"
+    )
+    reflection: bool = Field(
+        False, description="serve gRPC reflection (to the admin role under mTLS; the gateway's public API always does)"
+    )
 
 
 def _is_bool(annotation: Any) -> bool:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import grpc
+
+from services.common.security import Identity, process_identity, secure_channel_options
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -25,5 +29,27 @@ RETRY_AFTER_METADATA_KEY = "retry-after-s"
 SLO_METADATA_KEY = "slo-kind"
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+class ProcessIdentity:
+    """The default of `channel(identity=...)`: the identity this process runs as."""
+
+
+PROCESS_IDENTITY: Final = ProcessIdentity()
+
+
+def channel(
+    address: str, peer: str | None = None, *, identity: Identity | None | ProcessIdentity = PROCESS_IDENTITY
+) -> grpc.aio.Channel:
+    """A channel to the mesh service at `address` whose certificate must name the role `peer`.
+
+    mTLS with `identity` as the client certificate (by default this process's, set by serve()
+    or the launcher); plaintext when that is None (a development mesh started with --insecure,
+    or in-process test servers).
+    """
+    ident = process_identity() if isinstance(identity, ProcessIdentity) else identity
+    if ident is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if peer is None:
+        raise ValueError(f"a TLS channel to {address!r} needs the role its server certificate must name (peer=...)")
+    return grpc.aio.secure_channel(
+        address, ident.channel_credentials(), options=CHANNEL_OPTIONS + secure_channel_options(peer)
+    )

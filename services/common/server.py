@@ -17,7 +17,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.config import ServiceConfig
+from services.common.grpc_util import PROCESS_IDENTITY, ProcessIdentity
+from services.common.grpc_util import channel as mesh_channel
 from services.common.metrics import start_metrics_server
+from services.common.security import AuthorizationInterceptor, Identity, load_identity, use_identity
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +68,7 @@ class Service(Protocol):
     """What serve() needs from a service."""
 
     name: str  # full gRPC service name used for health, e.g. "blitzmesh.v1.Worker"
+    role: str  # the workload role it runs as: its certificate (services/common/roles.py)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """Add servicers; return the full names of the services added (for reflection)."""
@@ -76,6 +80,8 @@ class Service(Protocol):
         """Release everything start() acquired (after the gRPC server has stopped)."""
 
 
+# A service may set `public = True` (the gateway): its own port is the public edge, plaintext with
+# API keys as before, while its calls into the mesh still present its certificate.
 # A service may also define `async def drain(self) -> None`: serve() awaits it on shutdown after
 # health says NOT_SERVING and before the gRPC server stops, while in-flight calls still run (the
 # worker finishes or releases its requests there). Optional, so it is not part of the Protocol.
@@ -111,6 +117,27 @@ def write_port_file(ctx: ServeContext, metrics_port: int | None) -> None:
     tmp.replace(ctx.config.port_file)  # atomic: a reader never sees half a file
 
 
+def configure_security(service: Service, config: ServiceConfig) -> Identity | None:
+    """This process's identity from `config` (also what its channels present); None with --insecure."""
+    if config.insecure:
+        log.warning(
+            "insecure_plaintext",
+            service=service.name,
+            detail="--insecure: gRPC is plaintext and every caller may call every method; development only",
+        )
+        use_identity(None)
+        return None
+    if config.tls_dir is None:
+        raise SystemExit(
+            f"{service.name}: no TLS material: pass --tls-dir DIR holding ca.pem, {service.role}.pem and "
+            f"{service.role}.key (python -m services.common.pki DIR makes them), or --insecure for a "
+            "plaintext development mesh"
+        )
+    identity = load_identity(config.tls_dir, service.role)
+    use_identity(identity)
+    return identity
+
+
 async def serve(
     service: Service,
     config: ServiceConfig,
@@ -119,17 +146,24 @@ async def serve(
     on_bound: Callable[[ServeContext], Awaitable[None]] | None = None,
 ) -> None:
     """Run `service` until SIGTERM/SIGINT (or `stop_event`), then shut down gracefully."""
+    identity = configure_security(service, config)
+    public = bool(getattr(service, "public", False))
+    checked = identity is not None and not public
     server = grpc.aio.server(
+        interceptors=[AuthorizationInterceptor()] if checked else None,
         options=[
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ]
+        ],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = service.register(server)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    # Internal services describe themselves only when asked to; the public edge as before.
+    if config.reflection or public:
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bind = f"{config.host}:{config.port}"
+    port = server.add_secure_port(bind, identity.server_credentials()) if checked else server.add_insecure_port(bind)
     if port == 0:
         raise SystemExit(f"cannot bind gRPC port {config.host}:{config.port}")
     ctx = ServeContext(config=config, grpc_port=port, health_servicer=health_servicer, service_names=names)
@@ -147,7 +181,13 @@ async def serve(
 
     metrics_port = start_metrics_server(config.host, config.metrics_port) if config.metrics_port >= 0 else None
     await server.start()
-    log.info("grpc_listening", address=ctx.address, metrics_port=metrics_port)
+    log.info(
+        "grpc_listening",
+        address=ctx.address,
+        metrics_port=metrics_port,
+        security="mtls" if checked else "public (API keys)" if public else "plaintext (--insecure)",
+        role=getattr(service, "role", None),
+    )
     try:
         await service.start(ctx)
         if on_bound is not None:
@@ -183,10 +223,18 @@ async def serve(
         log.info("stopped")
 
 
-async def wait_for_serving(address: str, timeout_s: float, service: str = "") -> None:
-    """Block until `address` reports SERVING on the gRPC health service (no sleeps-and-hope)."""
+async def wait_for_serving(
+    address: str,
+    timeout_s: float,
+    service: str = "",
+    *,
+    peer: str | None = None,
+    identity: Identity | None | ProcessIdentity = PROCESS_IDENTITY,
+) -> None:
+    """Block until `address` reports SERVING on the gRPC health service (no sleeps-and-hope);
+    `peer` and `identity` are grpc_util.channel()'s: the role its certificate names, ours."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with mesh_channel(address, peer, identity=identity) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         last_error = "no answer"
         while True:

@@ -165,12 +165,22 @@ def ucx_available() -> tuple[bool, str]:
     return True, ucx.ucx_version()
 
 
-def make_transport(kind: TransportKind = "auto", **options: Any) -> Transport:
+def make_transport(kind: TransportKind = "auto", *, auth_key: bytes | None = None, **options: Any) -> Transport:
     """A transport of `kind`; `options` go to its constructor (see `TcpTransport`, `UcxTransport`).
 
     "auto" is UCX if `ucxx` imports, else TCP with one log line saying why (once per process).
     "ucx" raises TransportUnavailable (quoting the import error) if `ucxx` does not import.
+    With `auth_key` every connection, made or accepted, is authenticated first (auth.py).
     """
+    transport = _make_transport(kind, **options)
+    if auth_key is None:
+        return transport
+    from .auth import AuthenticatedTransport
+
+    return AuthenticatedTransport(transport, auth_key)
+
+
+def _make_transport(kind: TransportKind, **options: Any) -> Transport:
     global _fallback_logged
     unknown = set(options) - TCP_OPTIONS - UCX_OPTIONS
     if unknown:

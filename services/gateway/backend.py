@@ -49,6 +49,7 @@ from blitzmesh.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from services.common import roles
 from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
 from services.common.prefix import block_hashes
 from services.gateway import logprobs as lp
@@ -210,8 +211,8 @@ class Backend:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._gm_channel = _channel(self.config.global_manager)
-        self._pm_channel = _channel(self.config.param_manager)
+        self._gm_channel = channel(self.config.global_manager, roles.GLOBAL_MANAGER)
+        self._pm_channel = channel(self.config.param_manager, roles.PARAM_MANAGER)
         self.gm = global_manager_pb2_grpc.GlobalManagerStub(self._gm_channel)
         self.pm = param_manager_pb2_grpc.ParamManagerStub(self._pm_channel)
         self._watch = asyncio.get_running_loop().create_task(self._watch_lost(), name="watch-lost")
@@ -320,7 +321,7 @@ class Backend:
     def _worker(self, address: str) -> worker_pb2_grpc.WorkerStub:
         entry = self._workers.get(address)
         if entry is None:
-            ch = _channel(address)
+            ch = channel(address, roles.WORKER)
             entry = (ch, worker_pb2_grpc.WorkerStub(ch))
             self._workers[address] = entry
         return entry[1]
@@ -1170,10 +1171,6 @@ def _zigzag_route(
     ):
         return hops[0], hops[1]
     return None
-
-
-def _channel(address: str) -> grpc.aio.Channel:
-    return channel(address)
 
 
 def _count(n: int, noun: str) -> str:

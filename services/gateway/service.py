@@ -10,6 +10,7 @@ import structlog
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from blitzmesh.v1 import admin_pb2_grpc, inference_pb2_grpc
+from services.common import roles
 from services.common.server import ServeContext, wait_for_serving
 from services.gateway.backend import Backend
 from services.gateway.config import GatewayConfig
@@ -25,6 +26,9 @@ ADMIN_SERVICE = "blitzmesh.v1.Admin"
 
 class GatewayService:
     name = INFERENCE_SERVICE
+    role = roles.GATEWAY
+    # Its gRPC port is the public edge: API keys, no client certificates (docs/security.md).
+    public = True
 
     def __init__(self, config: GatewayConfig, registry: CollectorRegistry | None = None) -> None:
         """`registry` defaults to the process-wide one, so the common metrics port shows it too."""
@@ -50,12 +54,13 @@ class GatewayService:
         """SERVING once both managers report SERVING; until then the gateway answers 503s."""
         timeout_s = self.config.ready_timeout_s or None
         upstreams = {"global_manager": self.config.global_manager, "param_manager": self.config.param_manager}
+        peers = {"global_manager": roles.GLOBAL_MANAGER, "param_manager": roles.PARAM_MANAGER}
         try:
             async with asyncio.timeout(timeout_s):
                 for name, address in upstreams.items():
                     while True:
                         try:
-                            await wait_for_serving(address, timeout_s=30.0)
+                            await wait_for_serving(address, timeout_s=30.0, peer=peers[name])
                             break
                         except TimeoutError:
                             log.warning("upstream_not_serving", upstream=name, address=address)

@@ -18,6 +18,7 @@ import grpc
 import structlog
 
 from blitzmesh.v1 import admin_pb2, param_manager_pb2, param_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common import roles
 from services.common.grpc_util import channel
 from services.global_manager.config import GlobalManagerConfig
 from services.global_manager.convert import role_to_proto
@@ -77,10 +78,10 @@ class GrpcActuator:
             await ch.close()
 
     # ---- channels -------------------------------------------------------------------------
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def _channel(self, address: str, peer: str = roles.WORKER) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = channel(address)
+            ch = self._channels[address] = channel(address, peer)
         return ch
 
     def forget(self, instance_id: str) -> None:
@@ -103,7 +104,7 @@ class GrpcActuator:
         return worker_pb2_grpc.WorkerStub(self._channel(self.table.addresses[iid]))
 
     def _pm(self) -> param_manager_pb2_grpc.ParamManagerStub:
-        return param_manager_pb2_grpc.ParamManagerStub(self._channel(self.cfg.param_manager))
+        return param_manager_pb2_grpc.ParamManagerStub(self._channel(self.cfg.param_manager, roles.PARAM_MANAGER))
 
     # ---- execution ------------------------------------------------------------------------
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:

@@ -37,6 +37,7 @@ import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
 from blitzmesh.v1 import admin_pb2, global_manager_pb2, global_manager_pb2_grpc
+from services.common import roles
 from services.common.server import ServeContext
 from services.global_manager.actuator import GrpcActuator
 from services.global_manager.config import GlobalManagerConfig
@@ -829,6 +830,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
 
 class GlobalManagerService:
     name = "blitzmesh.v1.GlobalManager"
+    role = roles.GLOBAL_MANAGER
 
     def __init__(
         self,

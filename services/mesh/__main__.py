@@ -123,6 +123,17 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         "--worker-arg=--scheduling-policy=scorpio); `python -m services.worker --help` lists the options",
     )
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=None,
+        help="the mesh's CA and per-role certificates (made on the first start; default RUN_DIR/tls)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="DEVELOPMENT ONLY: internal services plaintext, no caller checks (each logs a warning)",
+    )
     defaults = RestartPolicy()
     p.add_argument(
         "--max-restarts",
@@ -190,6 +201,8 @@ def parse_args(argv: list[str] | None) -> MeshConfig:
         schedule_wait_s=a.schedule_wait_s,
         supervise=True,
         restart_policy=restart_policy,
+        tls_dir=a.tls_dir,
+        insecure=a.insecure,
     )
 
 

@@ -20,6 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from services.common import roles
+from services.common.grpc_util import channel
+from services.common.pki import ensure_pki
+from services.common.security import Identity, load_identity
 from services.common.server import wait_for_serving
 from services.mesh import netns
 from services.mesh.supervision import ChildHistory, GiveUp, RestartPolicy, decide, describe_exit
@@ -68,6 +74,11 @@ class MeshConfig:
     # gateway stay in this namespace, which joins the hosts' switch unshaped. None: all on
     # loopback, unshaped.
     netns_rate_mbit: float | None = None
+    # mTLS on every internal hop: a local CA and a certificate per role in `tls_dir` (default
+    # run_dir/tls), made on the first start. `insecure` (development only) runs every internal
+    # service plaintext with no caller checks instead.
+    tls_dir: Path | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or (self.prefill > 0) != (self.decode > 0):
@@ -114,6 +125,14 @@ class MeshConfig:
         if self.worker_threads > 0:
             return ["--num-threads", str(self.worker_threads)]
         return ["--num-threads", "0", "--cpu-share-dir", str((self.run_dir / "cpu-share").resolve())]
+
+    @property
+    def tls_path(self) -> Path:
+        return self.tls_dir if self.tls_dir is not None else self.run_dir / "tls"
+
+    def security_args(self) -> list[str]:
+        """What every child is started with: its certificates' directory, or the plaintext opt-in."""
+        return ["--insecure"] if self.insecure else ["--tls-dir", str(self.tls_path.resolve())]
 
     def manager_pool_args(self) -> list[str]:
         """The manager's pool floors: what it keeps loaded from the IDLE workers."""
@@ -179,6 +198,7 @@ class Mesh:
         # (Ctrl-C reaches the whole process group, so they may exit before stop() runs).
         self.stopping = False
         self.network: netns.ShapedNetwork | None = None  # the emulated hosts (cfg.netns_rate_mbit)
+        self._tls_ready = False
 
     @property
     def gateway_http(self) -> str:
@@ -209,7 +229,17 @@ class Mesh:
             return None, net.plan.root_address
         return h.netns, h.address
 
+    async def ensure_tls(self) -> None:
+        """The mesh's CA and certificates, made on its first start (kept after); none --insecure."""
+        if self.cfg.insecure or self._tls_ready:
+            return
+        made = await asyncio.to_thread(ensure_pki, self.cfg.tls_path)
+        if made:
+            print(f"blitzmesh: made the mesh's CA and certificates in {self.cfg.tls_path}/", file=sys.stderr)
+        self._tls_ready = True
+
     async def spawn(self, name: str, module: str, args: list[str]) -> Proc:
+        await self.ensure_tls()
         run_dir = self.cfg.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         port_file = (run_dir / f"{name}.ports.json").resolve()
@@ -231,6 +261,7 @@ class Mesh:
             str(port_file),
             *args,
             *placed,
+            *self.cfg.security_args(),
             stdout=out,
             stderr=asyncio.subprocess.STDOUT if out else None,
             env=child_env(),
@@ -277,6 +308,21 @@ class Mesh:
         await self.wait_ready(new, self.cfg.ready_timeout_s)
         return new
 
+    def identity(self, role: str = roles.ADMIN) -> Identity | None:
+        """The certificate of `role` in this mesh (None for an --insecure mesh)."""
+        return None if self.cfg.insecure else load_identity(self.cfg.tls_path, role)
+
+    def channel(self, name: str, as_role: str = roles.ADMIN) -> grpc.aio.Channel:
+        """A channel to process `name` presenting `as_role`'s certificate (the gateway's public
+        port takes none)."""
+        if name == "gateway":
+            return channel(self.gateway_grpc, identity=None)
+        return self.connect(self.procs[name].grpc_address, role_of(name), as_role)
+
+    def connect(self, address: str, peer: str, as_role: str = roles.ADMIN) -> grpc.aio.Channel:
+        """A channel to the mesh service of role `peer` at `address`, as `as_role`."""
+        return channel(address, peer, identity=self.identity(as_role))
+
     async def wait_ready(self, proc: Proc, timeout_s: float) -> None:
         """Port file written (server bound), then SERVING on health; fail fast if it exits."""
         loop = asyncio.get_running_loop()
@@ -291,7 +337,15 @@ class Mesh:
             await asyncio.sleep(0.05)
         proc.ports = json.loads(proc.port_file.read_text())
         exited = asyncio.create_task(proc.process.wait())
-        serving = asyncio.create_task(wait_for_serving(proc.grpc_address, max(deadline - loop.time(), 1.0)))
+        public = proc.name == "gateway"
+        serving = asyncio.create_task(
+            wait_for_serving(
+                proc.grpc_address,
+                max(deadline - loop.time(), 1.0),
+                peer=role_of(proc.name),
+                identity=None if public else self.identity(),
+            )
+        )
         done, _ = await asyncio.wait({exited, serving}, return_when=asyncio.FIRST_COMPLETED)
         if serving in done:
             exited.cancel()
@@ -413,12 +467,11 @@ class Mesh:
         Returns instance id -> role of the SERVING instances, and keeps it in `self.roles`."""
         from blitzmesh import convert
         from blitzmesh.v1 import admin_pb2, common_pb2, global_manager_pb2_grpc
-        from services.common.grpc_util import channel
 
         wanted = {role: k for role, k in (roles or {}).items() if role != "any"}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        async with channel(self.procs["global_manager"].grpc_address) as ch:
+        async with self.channel("global_manager") as ch:
             stub = global_manager_pb2_grpc.GlobalManagerStub(ch)
             while True:
                 state = await stub.GetCluster(admin_pb2.GetClusterRequest(), timeout=5)
@@ -496,6 +549,18 @@ class Mesh:
             except (RuntimeError, TimeoutError):
                 continue  # an exit is the next turn's to handle; a child that hangs stays as it is
             print(f"blitzmesh: {name} serves again on {new.grpc_address}", file=sys.stderr, flush=True)
+
+    async def __aenter__(self) -> Mesh:
+        """`async with Mesh(cfg) as mesh:` starts it (stopping what started if that fails) and stops it."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM everyone (gateway first so no new work arrives), then SIGKILL stragglers."""
@@ -592,6 +657,18 @@ def open_network(cfg: MeshConfig) -> netns.ShapedNetwork:
     return netns.ShapedNetwork(plan).__enter__()
 
 
+def role_of(name: str) -> str:
+    """The workload role of the mesh's process `name` (its certificate)."""
+    prefix = name.split("-", 1)[0]
+    return {
+        "gateway": roles.GATEWAY,
+        "global_manager": roles.GLOBAL_MANAGER,
+        "worker": roles.WORKER,
+        "param_manager": roles.PARAM_MANAGER,
+        "host_cache": roles.HOST_CACHE,
+    }[prefix]
+
+
 def child_env() -> dict[str, str]:
     """The launcher's environment, unbuffered so logs reach run/*.log as they happen."""
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -637,6 +714,13 @@ def describe_autoscaling(cfg: MeshConfig) -> str:
     return f"heteroscale, up to {max(1, cfg.worker_count)} instances; new ones serve ZigZag requests while loading"
 
 
+def describe_security(cfg: MeshConfig) -> str:
+    """The banner's line on the internal hops' security."""
+    if cfg.insecure:
+        return "PLAINTEXT, no caller checks (--insecure; development only)"
+    return f"mTLS, certificates in {cfg.tls_path}/ (admin.pem for operator tools; docs/security.md)"
+
+
 def python_command() -> str:
     """This interpreter as a user would type it here (`.venv/bin/python` under `make up`)."""
     rel = os.path.relpath(sys.executable)
@@ -661,6 +745,7 @@ Blitzmesh is up: {describe_workers(cfg, mesh.roles)}, model {cfg.model!r}
   global manager   {mesh.procs["global_manager"].grpc_address}
   param manager    {mesh.procs["param_manager"].grpc_address}
   autoscaling      {describe_autoscaling(cfg)}
+  internal hops    {describe_security(cfg)}
   logs             {cfg.run_dir}/
 
 Try:

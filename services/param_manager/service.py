@@ -21,8 +21,10 @@ from prometheus_client import Gauge
 from pydantic import Field, model_validator
 
 from blitzmesh.v1 import admin_pb2, common_pb2, param_manager_pb2, param_manager_pb2_grpc
+from services.common import roles
 from services.common.config import ServiceConfig
 from services.common.grpc_util import channel
+from services.common.security import dataplane_key
 from services.common.server import ServeContext
 from services.dataplane.chain import GroupServer
 from services.dataplane.faults import maybe_corrupting
@@ -261,6 +263,8 @@ class ParamManagerService:
 
     def __init__(self, config: ParamManagerConfig) -> None:
         self.config = config
+        # The index is the parameter manager; a process pointed at an index is a host cache.
+        self.role = roles.HOST_CACHE if config.index else roles.PARAM_MANAGER
         self.servicer = ParamManagerServicer(config)
         self.transport: Transport | None = None
         self.group_server: GroupServer | None = None
@@ -274,7 +278,12 @@ class ParamManagerService:
         s = self.servicer
         self.transport = maybe_corrupting(
             maybe_shaped(
-                make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None),
+                make_transport(
+                    cfg.dataplane,
+                    host=cfg.host,
+                    advertise_host=cfg.advertise_host or None,
+                    auth_key=dataplane_key(cfg),
+                ),
                 cfg.dataplane_link_gbps,
                 per_peer=cfg.dataplane_link_per_peer,
             ),
@@ -304,7 +313,7 @@ class ParamManagerService:
     async def _fetch_index_layouts(self) -> tuple[list[param_manager_pb2.ModelLayout], int]:
         """Ask the index (retrying until it serves) for the slot count and every model's layout."""
         cfg = self.config
-        async with channel(cfg.index) as ch:
+        async with channel(cfg.index, roles.PARAM_MANAGER) as ch:
             stub = param_manager_pb2_grpc.ParamManagerStub(ch)
             while True:
                 try:
@@ -339,7 +348,7 @@ class ParamManagerService:
         )
 
     async def _announce(self) -> None:
-        async with channel(self.config.index) as ch:
+        async with channel(self.config.index, roles.PARAM_MANAGER) as ch:
             await param_manager_pb2_grpc.ParamManagerStub(ch).RegisterHostCache(self._announcement(), timeout=5)
 
     async def _announce_loop(self) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc, worker_pb2
+from services.common import roles
 from services.common.grpc_util import channel
 from services.dataplane.chain import Pull
 from services.dataplane.manifest import GroupEntry, Manifest
@@ -35,7 +36,7 @@ def pinned_allocate(entry: GroupEntry) -> np.ndarray:
 async def fetch_layout_and_locations(
     pm_address: str, model_id: str, timeout_s: float
 ) -> tuple[param_manager_pb2.ModelLayout, param_manager_pb2.LocateResponse]:
-    async with channel(pm_address) as ch:
+    async with channel(pm_address, roles.PARAM_MANAGER) as ch:
         stub = param_manager_pb2_grpc.ParamManagerStub(ch)
         layout = await stub.GetModel(param_manager_pb2.GetModelRequest(model_id=model_id), timeout=timeout_s)
         where = await stub.Locate(param_manager_pb2.LocateRequest(model_id=model_id), timeout=timeout_s)
@@ -44,7 +45,7 @@ async def fetch_layout_and_locations(
 
 async def fetch_eos_token_ids(pm_address: str, model_id: str, timeout_s: float) -> frozenset[int]:
     """Every EOS id the model declares (config, generation config, tokenizer), from its side files."""
-    async with channel(pm_address) as ch:
+    async with channel(pm_address, roles.PARAM_MANAGER) as ch:
         stub = param_manager_pb2_grpc.ParamManagerStub(ch)
         resp = await stub.GetModelFiles(param_manager_pb2.GetModelRequest(model_id=model_id), timeout=timeout_s)
     # Parsing tokenizer.json takes a while: off the event loop.

@@ -16,7 +16,9 @@ from prometheus_client import Counter, Gauge
 from blitzmesh.convert import finish_reason_to_proto, instance_info_to_proto, instance_role_from_proto
 from blitzmesh.types import InstanceInfo, InstanceState, LoadReport
 from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common import roles
 from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
+from services.common.security import abort_stream, dataplane_key
 from services.common.server import ServeContext
 from services.dataplane.chain import GroupServer, GroupStore, TransferResult, default_allocate, receive_groups
 from services.dataplane.errors import DataPlaneError, InsufficientMemory
@@ -443,6 +445,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             pm = request.param_manager_address or self.cfg.param_manager
             if not pm:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no parameter manager address given")
+            # Weights come only from the parameter manager this worker was configured with: a
+            # request may not point it at another source (a worker started without one has
+            # nothing to check against; its TLS channel still demands a param-manager certificate).
+            if self.cfg.param_manager and pm != self.cfg.param_manager:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"param_manager_address {pm!r} is not this worker's parameter manager ({self.cfg.param_manager!r})",
+                )
             if request.role:
                 self.role = role
             try:
@@ -795,7 +805,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.UnloadResponse()
 
     async def ExecuteLayers(self, request_iterator, context):
-        await context.abort(
+        await abort_stream(
+            context,
+            request_iterator,
             grpc.StatusCode.UNIMPLEMENTED,
             "ZigZag hands hidden states over the data plane (Generate modes zigzag_first_layers / zigzag_partner), not through gRPC",
         )
@@ -803,6 +815,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 class WorkerService:
     name = "blitzmesh.v1.Worker"
+    role = roles.WORKER
 
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
@@ -826,7 +839,12 @@ class WorkerService:
         self.servicer.address = f"{cfg.advertise_host or cfg.host}:{ctx.grpc_port}"
         transport = maybe_corrupting(
             maybe_shaped(
-                make_transport(cfg.dataplane, host=cfg.host, advertise_host=cfg.advertise_host or None),
+                make_transport(
+                    cfg.dataplane,
+                    host=cfg.host,
+                    advertise_host=cfg.advertise_host or None,
+                    auth_key=dataplane_key(cfg),
+                ),
                 cfg.dataplane_link_gbps,
             ),
             cfg.dataplane_corrupt_sends,
@@ -849,7 +867,7 @@ class WorkerService:
     async def _heartbeat_loop(self) -> None:
         s = self.servicer
         registered = False
-        async with channel(self.cfg.global_manager) as ch:
+        async with channel(self.cfg.global_manager, roles.GLOBAL_MANAGER) as ch:
             stub = global_manager_pb2_grpc.GlobalManagerStub(ch)
             while True:
                 try:
@@ -902,7 +920,7 @@ class WorkerService:
             await asyncio.gather(self._heartbeat, return_exceptions=True)
         if self.cfg.global_manager:
             try:
-                async with channel(self.cfg.global_manager) as ch:
+                async with channel(self.cfg.global_manager, roles.GLOBAL_MANAGER) as ch:
                     await global_manager_pb2_grpc.GlobalManagerStub(ch).DeregisterInstance(
                         global_manager_pb2.DeregisterInstanceRequest(instance_id=self.servicer.instance_id), timeout=2
                     )

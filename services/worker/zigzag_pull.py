@@ -35,6 +35,8 @@ import structlog
 from prometheus_client import Counter
 
 from blitzmesh.v1 import global_manager_pb2, worker_pb2, worker_pb2_grpc
+from services.common import roles
+from services.common.grpc_util import channel
 from services.worker.convert import sampling_to_proto
 from services.worker.engine.engine import Engine, RelayFill
 from services.worker.engine.sampling import SamplingParams
@@ -176,7 +178,7 @@ class ZigzagOffloader:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = channel(address, roles.WORKER)
         return ch
 
     async def close(self) -> None:

@@ -23,7 +23,6 @@ import blitzmesh
 from bench.replay import replay, step_pattern
 from blitzmesh.types import ClusterEvent
 from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc
-from services.common.grpc_util import channel
 from services.mesh.launcher import Mesh, MeshConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(150)]
@@ -76,7 +75,7 @@ async def autoscale_mesh(
 
 async def _holders(mesh: Mesh) -> set[str]:
     """Instances the parameter manager lists as holding every group of the model."""
-    async with channel(mesh.procs["param_manager"].grpc_address) as ch:
+    async with mesh.channel("param_manager") as ch:
         resp = await param_manager_pb2_grpc.ParamManagerStub(ch).Locate(
             param_manager_pb2.LocateRequest(model_id=MODEL), timeout=5
         )

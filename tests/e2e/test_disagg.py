@@ -22,7 +22,7 @@ import pytest_asyncio
 
 import blitzmesh
 from blitzmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.grpc_util import channel
+from services.common import roles
 from services.common.waiting import wait_until
 from services.mesh.launcher import Mesh, MeshConfig
 
@@ -134,16 +134,16 @@ def _split(mesh: Mesh) -> tuple[str, list[str]]:
     return prefill[0], decode
 
 
-async def _status(address: str) -> common_pb2.InstanceInfo | None:
+async def _status(mesh: Mesh, address: str) -> common_pb2.InstanceInfo | None:
     try:
-        async with channel(address) as ch:
+        async with mesh.connect(address, roles.WORKER) as ch:
             return await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
     except grpc.aio.AioRpcError:
         return None
 
 
 async def _running(mesh: Mesh, name: str) -> int:
-    info = await _status(mesh.procs[name].grpc_address)
+    info = await _status(mesh, mesh.procs[name].grpc_address)
     return 0 if info is None else info.load.running
 
 
@@ -152,7 +152,7 @@ async def _restart(mesh: Mesh, name: str, role: int) -> None:
     proc = await mesh.restart(name)
 
     async def serving() -> bool:
-        info = await _status(proc.grpc_address)
+        info = await _status(mesh, proc.grpc_address)
         return (
             info is not None
             and info.state == common_pb2.INSTANCE_STATE_SERVING

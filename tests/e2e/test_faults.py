@@ -18,7 +18,6 @@ import pytest_asyncio
 import blitzmesh
 from bench.replay import replay, step_pattern
 from blitzmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common.grpc_util import channel
 from services.mesh.launcher import Mesh, MeshConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -38,10 +37,10 @@ async def fault_mesh(
         await m.stop()
 
 
-async def _running(address: str) -> int:
+async def _running(mesh: Mesh, name: str) -> int:
     """Requests running on a worker; 0 for one that is gone (killed by an earlier test)."""
     try:
-        async with channel(address) as ch:
+        async with mesh.channel(name) as ch:
             info = await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
     except grpc.aio.AioRpcError:
         return 0
@@ -90,7 +89,7 @@ async def test_worker_killed_mid_stream_openai_stream_completes(fault_mesh: Mesh
                 finish = chunk.choices[0].finish_reason or finish
                 if killed is None:
                     for name in alive:
-                        if await _running(fault_mesh.procs[name].grpc_address) > 0:
+                        if await _running(fault_mesh, name) > 0:
                             killed = name
                             _kill(fault_mesh, name)
                             break

@@ -13,7 +13,7 @@ import pytest_asyncio
 
 import blitzmesh
 from blitzmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common.grpc_util import channel
+from services.common import roles
 from services.mesh.launcher import Mesh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
@@ -98,8 +98,8 @@ async def test_sdk_stream_and_complete(mesh: Mesh) -> None:
             await client.complete("x", model="no-such-model", max_tokens=2)
 
 
-async def _kv_used(address: str) -> int:
-    async with channel(address) as ch:
+async def _kv_used(mesh: Mesh, address: str) -> int:
+    async with mesh.connect(address, roles.WORKER) as ch:
         info = await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
     return info.load.kv_blocks_used
 
@@ -114,13 +114,13 @@ async def test_cancel_mid_stream_frees_kv_blocks(mesh: Mesh) -> None:
             got += 1
             if got == 3:
                 break
-        held = sum([await _kv_used(a) for a in addresses])
+        held = sum([await _kv_used(mesh, a) for a in addresses])
         await stream.aclose()
         assert got == 3
         assert held > 0, "the running request should hold KV blocks before the cancel"
     # KV blocks return as soon as the worker sees the cancellation: poll its status, bounded.
     for _ in range(100):
-        used = [await _kv_used(a) for a in addresses]
+        used = [await _kv_used(mesh, a) for a in addresses]
         if sum(used) == 0:
             break
         await asyncio.sleep(0.05)

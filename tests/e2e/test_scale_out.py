@@ -21,7 +21,6 @@ from blitzmesh.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.grpc_util import channel
 from services.common.waiting import wait_until
 from services.mesh.launcher import Mesh, MeshConfig
 
@@ -51,7 +50,7 @@ async def watch_is_live(mesh: Mesh, events: list[blitzmesh.ClusterEvent]) -> Non
     """Return once the watch that fills `events` receives events: a SetPolicy that names nothing
     changes nothing and emits a "policy" event; it is sent until the watch has seen one. (A
     watch subscribes over two hops; a scale-out started before that loses its first events.)"""
-    async with channel(mesh.gateway_grpc) as ch:
+    async with mesh.channel("gateway") as ch:
         admin = admin_pb2_grpc.AdminStub(ch)
         for _ in range(30):  # one SetPolicy a second, for 30 s at most
             await admin.SetPolicy(admin_pb2.SetPolicyRequest(), timeout=10)
@@ -110,7 +109,7 @@ async def test_scale_out_while_serving(scale_mesh: Mesh) -> None:
             assert again.text == reference.text
 
     # The pool's location index lists the new instances as holders of every group.
-    async with channel(scale_mesh.procs["param_manager"].grpc_address) as ch:
+    async with scale_mesh.channel("param_manager") as ch:
         where = await param_manager_pb2_grpc.ParamManagerStub(ch).Locate(
             param_manager_pb2.LocateRequest(model_id=MODEL), timeout=5
         )
@@ -144,7 +143,7 @@ async def test_middle_hop_killed_mid_transfer_tail_finishes_from_host_shard(scal
         _, first, middle, tail = chain
 
         # SIGKILL the middle hop once it has some layers but not all.
-        async with channel(scale_mesh.procs[middle].grpc_address) as ch:
+        async with scale_mesh.channel(middle) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
             await wait_until(lambda: _layers_loaded(stub), 30, what=f"{middle} to hold a layer")
         scale_mesh.procs[middle].process.send_signal(signal.SIGKILL)
@@ -174,7 +173,7 @@ async def test_middle_hop_killed_mid_transfer_tail_finishes_from_host_shard(scal
 
 async def _host_cache_holders(mesh: Mesh) -> dict[str, tuple[bytes, frozenset[str]]]:
     """Per host cache listed by the index: its data-plane address and the groups it holds."""
-    async with channel(mesh.procs["param_manager"].grpc_address) as ch:
+    async with mesh.channel("param_manager") as ch:
         where = await param_manager_pb2_grpc.ParamManagerStub(ch).Locate(
             param_manager_pb2.LocateRequest(model_id=MODEL), timeout=10
         )

@@ -21,9 +21,20 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def plaintext(config: Any) -> Any:
+    """`config` with the plaintext opt-in (--insecure) unless it names its certificates.
+
+    In-process servers run plaintext: several services share this process, and a process has
+    one identity (its channels present one certificate). The mTLS meshes are tests/e2e's and
+    tests/security's, real processes with real certificates.
+    """
+    return config if config.tls_dir is not None else config.model_copy(update={"insecure": True})
+
+
 @contextlib.asynccontextmanager
 async def running(service: Any, config: Any) -> AsyncIterator[ServeContext]:
     """Run `service` through the real serve() skeleton; yield once it is bound and started."""
+    config = plaintext(config)
     stop = asyncio.Event()
     bound: asyncio.Future[ServeContext] = asyncio.get_running_loop().create_future()
 

@@ -47,6 +47,7 @@ from services.common.waiting import wait_until
 from services.gateway.config import GatewayConfig
 from services.gateway.service import GatewayService
 from services.model_format.tokenizer import Tokenizer
+from tests.integration.conftest import plaintext
 
 pytestmark = [pytest.mark.timeout(20), pytest.mark.filterwarnings("error")]
 
@@ -334,7 +335,7 @@ async def start_gateway(cluster: Cluster) -> AsyncIterator[Callable[..., Awaitab
             bound.set_result(ctx)
 
         stop = asyncio.Event()
-        task = asyncio.create_task(serve(service, cfg, stop_event=stop, on_bound=on_bound))
+        task = asyncio.create_task(serve(service, plaintext(cfg), stop_event=stop, on_bound=on_bound))
         stops.append((stop, task))
         ctx = await asyncio.wait_for(bound, 5)
         await wait_for_serving(ctx.address, 5)

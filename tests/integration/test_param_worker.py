@@ -143,3 +143,17 @@ async def test_generate_on_idle_worker_is_unavailable(tiny_models: Path, serve_i
             async for _ in stub.Generate(worker_pb2.WorkerGenerateRequest(prompt_token_ids=[1]), timeout=5):
                 pass
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "IDLE" in (e.value.details() or "")
+
+
+async def test_load_from_another_parameter_source_is_refused(tiny_models: Path, serve_in_process: ServeFactory) -> None:
+    """A LoadParameters may not point a worker at weights other than its own parameter manager's."""
+    wk = WorkerService(worker_config("127.0.0.1:1"))
+    async with serve_in_process(wk, wk.cfg) as w_ctx, channel(w_ctx.address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        request = worker_pb2.LoadParametersRequest(model_id="tiny", param_manager_address="203.0.113.9:50060")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in stub.LoadParameters(request, timeout=10):
+                pass
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "'203.0.113.9:50060'" in (e.value.details() or "") and "'127.0.0.1:1'" in (e.value.details() or "")
+        assert (await _status(w_ctx.address)).state == common_pb2.INSTANCE_STATE_IDLE

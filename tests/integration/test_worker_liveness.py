@@ -26,6 +26,7 @@ from services.param_manager.service import ParamManagerConfig, ParamManagerServi
 from services.worker.config import WorkerConfig
 from services.worker.model.llama import LlamaForCausalLM
 from services.worker.service import WorkerService
+from tests.integration.conftest import plaintext
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,7 +187,9 @@ async def test_serve_drains_while_serving_then_stops_the_server_then_the_service
         bound.set()
 
     with structlog.testing.capture_logs() as logs:
-        task = asyncio.create_task(serve(service, ServiceConfig(port=0), stop_event=stop, on_bound=on_bound))
+        task = asyncio.create_task(
+            serve(service, ServiceConfig(port=0, insecure=True), stop_event=stop, on_bound=on_bound)
+        )
         async with asyncio.timeout(10):
             await bound.wait()
             stop.set()
@@ -213,7 +216,7 @@ async def test_a_stopped_worker_finishes_its_in_flight_request_before_it_exits(
         async def on_bound(ctx: ServeContext) -> None:
             bound.set_result(ctx)
 
-        task = asyncio.create_task(serve(wk, wk.cfg, stop_event=stop, on_bound=on_bound))
+        task = asyncio.create_task(serve(wk, plaintext(wk.cfg), stop_event=stop, on_bound=on_bound))
         async with asyncio.timeout(60):
             ctx = await bound
             tokens: list[int] = []

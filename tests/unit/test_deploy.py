@@ -72,7 +72,7 @@ def profile(name: str | None) -> dict[str, dict]:
 def test_the_default_deployment_stays_colocated_and_autoscales_like_make_up() -> None:
     default = profile(None)
     workers = ["worker-0", "worker-1", "worker-2"]
-    assert sorted(default) == ["gateway", "global_manager", "model-init", "param_manager", *workers]
+    assert sorted(default) == ["certs-init", "gateway", "global_manager", "model-init", "param_manager", *workers]
     gm = load_config(GlobalManagerConfig, "global_manager", default["global_manager"]["command"][3:], env={})
     assert not gm.disaggregated and gm.min_instances == 1
     # One instance loaded at start, HeteroScale into the other workers, with make up's parameters.
@@ -107,3 +107,22 @@ def test_disagg_profile_runs_one_prefill_and_one_decode_worker() -> None:
     assert {"worker-prefill", "worker-decode", "global_manager-disagg"} <= set(split["gateway-disagg"]["depends_on"])
     published = {p.split(":")[0] for p in split["gateway-disagg"]["ports"]}
     assert not published & {p.split(":")[0] for p in services["gateway"]["ports"]}
+
+
+def test_every_internal_service_runs_mtls_with_the_certificates_certs_init_makes() -> None:
+    services = compose_services()
+    assert services["certs-init"]["command"][2] == "services.common.pki"
+    assert "tls:/tls" in services["certs-init"]["volumes"]
+    assert "tls:/tls:ro" in services["param_manager"]["volumes"]
+    assert "certs-init" in services["param_manager"]["depends_on"]
+    for name, svc in services.items():
+        module = svc["command"][2]
+        if module not in CONFIGS:
+            continue
+        cls, service = CONFIGS[module]
+        cfg = load_config(cls, service, svc["command"][3:], env={})
+        assert str(cfg.tls_dir) == "/tls" and not cfg.insecure, name
+        assert "tls:/tls:ro" in svc["volumes"], name
+        health = svc["healthcheck"]["test"]
+        if module != "services.gateway":  # the gateway's port is the public edge: plaintext, API keys
+            assert health[health.index("--tls-dir") + 1] == "/tls", name

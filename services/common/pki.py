@@ -1,0 +1,172 @@
+"""A local certificate authority and one certificate per workload role, for the mesh's mTLS.
+
+`make up` (the launcher) and compose (`certs-init`) call `ensure_pki(dir)` on every start: what is
+there already is kept, what is missing is made, so the first start creates the CA and the
+certificates and later starts change nothing. Private keys are written 0600.
+
+Layout of the directory (docs/security.md):
+    ca.pem                the CA certificate every process trusts
+    ca.key                the CA's private key (only this tool reads it; `ca_key` may put it elsewhere)
+    <role>.pem <role>.key one certificate per role: CN and SAN DNS name = the role
+    dataplane.key         the data plane's shared secret (services/dataplane/auth.py)
+
+Usage: python -m services.common.pki DIR [--ca-key PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+
+from services.common.roles import ALL_ROLES
+
+CA_CERT = "ca.pem"
+CA_KEY = "ca.key"
+DATAPLANE_KEY = "dataplane.key"
+CA_NAME = "blitzmesh local CA"
+CA_DAYS = 3650
+LEAF_DAYS = 825
+
+
+def cert_path(tls_dir: Path, role: str) -> Path:
+    return tls_dir / f"{role}.pem"
+
+
+def key_path(tls_dir: Path, role: str) -> Path:
+    return tls_dir / f"{role}.key"
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write `data` readable by the owner only (0600), atomically (no half-written key is read)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    tmp.replace(path)
+
+
+def _write_public(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def ensure_pki(tls_dir: Path, roles: tuple[str, ...] = ALL_ROLES, *, ca_key: Path | None = None) -> list[str]:
+    """Create what is missing in `tls_dir`: the CA, a certificate per role, the data plane key.
+
+    Returns the names of the files made (empty when everything was there). A CA made anew
+    re-issues every role's certificate, so no certificate of an older CA is left behind.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    tls_dir.mkdir(parents=True, exist_ok=True)
+    ca_key_file = ca_key if ca_key is not None else tls_dir / CA_KEY
+    ca_key_file.parent.mkdir(parents=True, exist_ok=True)
+    made: list[str] = []
+    now = datetime.datetime.now(datetime.UTC)
+    pem = serialization.Encoding.PEM
+
+    def private_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+    new_ca = not (tls_dir / CA_CERT).exists() or not ca_key_file.exists()
+    if new_ca:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
+        ca_cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+            .sign(key, hashes.SHA256())
+        )
+        write_private(ca_key_file, private_pem(key))
+        _write_public(tls_dir / CA_CERT, ca_cert.public_bytes(pem))
+        made += [CA_CERT, str(ca_key_file)]
+    ca_cert = x509.load_pem_x509_certificate((tls_dir / CA_CERT).read_bytes())
+    loaded = serialization.load_pem_private_key(ca_key_file.read_bytes(), password=None)
+    if not isinstance(loaded, ec.EllipticCurvePrivateKey):
+        raise SystemExit(f"CA key {str(ca_key_file)!r} is not an EC private key; move it away to make a new CA")
+    ca_private = loaded
+
+    for role in roles:
+        if not new_ca and cert_path(tls_dir, role).exists() and key_path(tls_dir, role).exists():
+            continue
+        cert_pem, key_pem = issue(ca_cert, ca_private, role)
+        write_private(key_path(tls_dir, role), key_pem)
+        _write_public(cert_path(tls_dir, role), cert_pem)
+        made += [cert_path(tls_dir, role).name, key_path(tls_dir, role).name]
+
+    if not (tls_dir / DATAPLANE_KEY).exists():
+        write_private(tls_dir / DATAPLANE_KEY, secrets.token_hex(32).encode() + b"\n")
+        made.append(DATAPLANE_KEY)
+    return made
+
+
+def issue(ca_cert: Any, ca_key: Any, name: str, *, days: int = LEAF_DAYS) -> tuple[bytes, bytes]:
+    """(certificate PEM, private key PEM) for `name` (CN and SAN DNS name), signed by the CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def issue_from(tls_dir: Path, name: str, *, ca_key: Path | None = None) -> tuple[bytes, bytes]:
+    """`issue()` with the CA in `tls_dir` (an operator's extra certificate, the security tests')."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    ca_cert = x509.load_pem_x509_certificate((tls_dir / CA_CERT).read_bytes())
+    key = serialization.load_pem_private_key((ca_key or tls_dir / CA_KEY).read_bytes(), password=None)
+    return issue(ca_cert, key, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.common.pki", description=__doc__.split("\n\n")[0])
+    p.add_argument("tls_dir", type=Path, help="where the CA, the certificates and the keys go")
+    p.add_argument("--ca-key", type=Path, default=None, help="keep the CA's private key here (default DIR/ca.key)")
+    args = p.parse_args(argv)
+    made = ensure_pki(args.tls_dir, ca_key=args.ca_key)
+    print(f"{args.tls_dir}: " + (f"made {', '.join(made)}" if made else "all present, nothing made"), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""mTLS for every internal gRPC hop: a process's identity, its server and channel credentials,
+and the interceptor that checks each caller's role against services/common/roles.py.
+
+A process has one identity: a role and that role's certificate from the mesh's CA (`tls_dir`,
+made by services/common/pki.py). serve() binds the internal services with
+`ssl_server_credentials(..., require_client_auth=True)` and installs `AuthorizationInterceptor`;
+`grpc_util.channel()` opens `secure_channel`s with the process's identity as its client
+certificate, checking that the server's certificate names the role it expects there.
+
+Plaintext is an explicit opt-in for development (`--insecure`): serve() logs a warning, and no
+caller is checked. The process identity starts unset (plaintext channels) until serve() or the
+launcher sets it with `use_identity()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+from prometheus_client import Counter
+
+from services.common import pki
+from services.common.config import ServiceConfig
+from services.common.roles import ALL_ROLES, allowed_roles
+
+log = structlog.get_logger(__name__)
+
+AUTH_REFUSED = Counter(
+    "blitzmesh_auth_refused_total",
+    "Internal gRPC calls refused by the caller check (services/common/roles.py)",
+    ["method", "reason"],
+)
+
+_REFUSED_STREAM_WAIT_S = 0.5
+HOW_TO_CREATE = "create them with `python -m services.common.pki {dir}` (make up does on its first start)"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A role, its certificate and key, and the CA certificate every peer is checked against."""
+
+    role: str
+    cert_pem: bytes
+    key_pem: bytes
+    ca_pem: bytes
+    tls_dir: Path
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem, require_client_auth=True
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem
+        )
+
+
+def load_identity(tls_dir: Path, role: str) -> Identity:
+    """The identity of `role` from `tls_dir`; SystemExit naming the missing file and how to make it."""
+    if role not in ALL_ROLES:
+        raise SystemExit(f"unknown workload role {role!r}; the roles are {list(ALL_ROLES)}")
+    paths = [tls_dir / pki.CA_CERT, pki.cert_path(tls_dir, role), pki.key_path(tls_dir, role)]
+    data: list[bytes] = []
+    for path in paths:
+        try:
+            data.append(path.read_bytes())
+        except OSError as e:
+            raise SystemExit(
+                f"TLS file {str(path)!r} of role {role!r} cannot be read ({e.strerror}); "
+                + HOW_TO_CREATE.format(dir=tls_dir)
+                + ", or pass --insecure for a plaintext development mesh"
+            ) from e
+    return Identity(role, data[1], data[2], data[0], tls_dir)
+
+
+_process_identity: Identity | None = None
+
+
+def use_identity(identity: Identity | None) -> None:
+    """Set the identity this process's channels present (None: plaintext channels)."""
+    global _process_identity
+    _process_identity = identity
+
+
+def process_identity() -> Identity | None:
+    return _process_identity
+
+
+def secure_channel_options(peer_role: str) -> list[tuple[str, Any]]:
+    """The server's certificate must name `peer_role`: the address (an IP, a compose name) is
+    not what is checked, the role is."""
+    return [("grpc.ssl_target_name_override", peer_role)]
+
+
+def dataplane_key(config: ServiceConfig) -> bytes | None:
+    """The key the data plane authenticates peers with (services/dataplane/auth.py); None when
+    the service runs --insecure."""
+    if config.insecure or config.tls_dir is None:
+        return None
+    from services.dataplane.auth import read_key
+
+    return read_key(config.tls_dir / pki.DATAPLANE_KEY)
+
+
+def caller_role(context: grpc.aio.ServicerContext) -> str | None:
+    """The role named by the caller's verified client certificate (None: no certificate)."""
+    auth = context.auth_context()
+    names = auth.get("x509_common_name") or []
+    return names[0].decode(errors="replace") if names else None
+
+
+class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
+    """Refuse a call unless the caller's certificate names a role `roles.PERMISSIONS` allows for
+    the method: UNAUTHENTICATED without a known role, PERMISSION_DENIED with another role's.
+
+    The check runs before the request bytes are decoded, so a refused caller never reaches a
+    servicer, not even its parser; a request that does not parse is INVALID_ARGUMENT. Servicers
+    of streamed requests read them from their request iterator (context.read() would see the
+    raw bytes).
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        return _guarded(handler, method, allowed_roles(method))
+
+
+async def _authorize(
+    context: grpc.aio.ServicerContext,
+    method: str,
+    allowed: frozenset[str],
+    requests: AsyncIterator[bytes] | None = None,
+) -> None:
+    role = caller_role(context)
+    if role is not None and role in allowed:
+        return
+    if role is None or role not in ALL_ROLES:
+        reason = "unauthenticated"
+        code = grpc.StatusCode.UNAUTHENTICATED
+        details = f"{method}: the caller's certificate names no mesh role (CN {role!r}; roles {list(ALL_ROLES)})"
+    else:
+        reason = "permission_denied"
+        code = grpc.StatusCode.PERMISSION_DENIED
+        details = f"{method}: role {role!r} may not call it (allowed: {sorted(allowed) or 'nobody'})"
+    AUTH_REFUSED.labels(method, reason).inc()
+    if requests is not None:
+        await abort_stream(context, requests, code, details)
+    await context.abort(code, details)
+
+
+async def abort_stream(
+    context: grpc.aio.ServicerContext, requests: AsyncIterator[Any], code: grpc.StatusCode, details: str
+) -> None:
+    """End a call with streamed requests with `code`. One refused while its first message is
+    still in flight reaches the client as INTERNAL now and then (the stream ends under the
+    client's write): that message is taken first, unread, for a moment."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(anext(aiter(requests)), _REFUSED_STREAM_WAIT_S)
+    await context.abort(code, details)
+
+
+async def _decode(deserializer: Any, raw: bytes, context: grpc.aio.ServicerContext, method: str) -> Any:
+    if deserializer is None:
+        return raw
+    try:
+        return deserializer(raw)
+    except Exception as e:  # protobuf's DecodeError, or anything a parser of garbage raises
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request does not parse: {e}")
+
+
+def _guarded(handler: grpc.RpcMethodHandler, method: str, allowed: frozenset[str]) -> grpc.RpcMethodHandler:
+    """`handler` taking raw request bytes (no request_deserializer): the caller is checked first,
+    then each request message is decoded, so a refused caller's bytes are never parsed."""
+    deserialize = handler.request_deserializer
+    kw = {"response_serializer": handler.response_serializer}
+
+    async def admit(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        await _authorize(context, method, allowed)
+        return await _decode(deserialize, raw, context, method)
+
+    async def admit_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _authorize(context, method, allowed, requests)
+        return (await _decode(deserialize, raw, context, method) async for raw in requests)
+
+    if handler.unary_unary is not None:
+        uu = handler.unary_unary
+
+        async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            return await uu(await admit(raw, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+    if handler.unary_stream is not None:
+        us = handler.unary_stream
+
+        async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for item in _results(us(await admit(raw, context), context)):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+    if handler.stream_unary is not None:
+        su = handler.stream_unary
+
+        async def stream_unary(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            return await su(await admit_stream(requests, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+    ss = handler.stream_stream
+
+    async def stream_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for item in _results(ss(await admit_stream(requests, context), context)):
+            yield item
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+
+
+async def _results(result: Any) -> AsyncIterator[Any]:
+    """A streaming servicer's answers: an async generator's items, or none from a coroutine
+    that writes with context.write() (or aborts)."""
+    if inspect.isasyncgen(result):
+        async for item in result:
+            yield item
+    else:
+        await result
