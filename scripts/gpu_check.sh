@@ -15,7 +15,8 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform any -d .whl grpcio==1.85.1 protobuf==7.36.2 \
 #     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 pydantic==2.14.4 pydantic-core==2.50.5 \
-#     typing-inspection annotated-types typing-extensions structlog google-crc32c gguf pytest-asyncio
+#     typing-inspection annotated-types typing-extensions structlog google-crc32c gguf pytest-asyncio \
+#     cryptography cffi pycparser   (the mesh makes its mTLS certificates with cryptography)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-run/gpu-check}
