@@ -26,7 +26,7 @@ import torch
 from services.dataplane.errors import ProtocolError
 from services.dataplane.transport import Endpoint, Transport
 from services.worker.engine.kv_cache import KVCache
-from services.worker.model.esp import Shard, merge, partial_attention
+from services.worker.model.esp import Partial, Shard, merge, partial_attention
 from services.worker.model.llama import LlamaForCausalLM
 
 ESP_OP = "esp_prefill"
@@ -155,3 +155,93 @@ async def prefill_member(
         links.abort()
         cache.free(request_id)
         raise
+
+
+# -- distributed decode ---------------------------------------------------------------------------
+# After the prefill the request's KV stays where it was computed. The last member becomes the
+# request's master: it holds the newest slice, appends each new token's KV to it, and for every
+# layer sends the new query to the other holders, which attend it to their own slices and send
+# back (output, log-sum-exp); the master merges. A step starts with a small header (the
+# position, or the end of the request); tags are per layer, reused step after step in order.
+
+_STEP_TAG = 2
+_Q_TAG_BASE = 1 << 20
+
+
+def _q_tag(layer: int) -> int:
+    return _Q_TAG_BASE + 2 * layer
+
+
+def _part_tag(layer: int) -> int:
+    return _Q_TAG_BASE + 2 * layer + 1
+
+
+async def decode_master_step(
+    model: LlamaForCausalLM,
+    cache: KVCache,
+    shard: Shard,
+    holders: dict[int, Endpoint],
+    token: int,
+    *,
+    timeout_s: float = 30.0,
+) -> torch.Tensor:
+    """One decode step on the master: `token` at the next position, its KV appended to
+    `shard` (the master's own, the newest), each layer's query attended by every holder in
+    `holders` over its slice and here over `shard`. Returns the float32 logits `[vocab]`."""
+    cache.extend(shard.seq_id, shard.num_tokens + 1)
+    pos = shard.end
+    shard.end += 1
+    header = json.dumps({"pos": pos}).encode()
+    for ep in holders.values():
+        await ep.send_msg(header, _STEP_TAG, timeout_s=timeout_s)
+    q_pos = torch.tensor([pos])
+    hidden = model.embed(torch.tensor([token], dtype=torch.long))
+    cos, sin_half = model.rope_tables(q_pos)
+    slot = shard.slots(shard.num_tokens - 1, 1)
+    heads = model.config.num_attention_heads
+    for layer in range(model.config.num_hidden_layers):
+        with torch.inference_mode():
+            q, k, v = model.attention_inputs(layer, hidden, cos, sin_half)
+            cache.write(layer, slot, k, v)
+            qc = q.contiguous()
+        for ep in holders.values():
+            await ep.send(qc, _q_tag(layer), timeout_s=timeout_s)
+        parts = []
+        for m in sorted(holders):
+            packed = torch.empty((1, heads, qc.shape[-1] + 1), dtype=torch.float32)
+            await holders[m].recv_into(packed, _part_tag(layer), timeout_s=timeout_s)
+            parts.append(Partial(packed[..., :-1], packed[..., -1]))
+        with torch.inference_mode():
+            k_own, v_own, pos_own = shard.kv(layer)
+            parts.append(partial_attention(q, q_pos, k_own, v_own, pos_own, model.layer_window(layer)))
+            hidden = model.finish_layer(layer, hidden, merge(parts).to(q.dtype))
+    return model.head(hidden)[0]
+
+
+async def end_decode(holders: dict[int, Endpoint], *, timeout_s: float = 30.0) -> None:
+    """Tell every holder the request is done (they free nothing: the caller owns the blocks)."""
+    for ep in holders.values():
+        await ep.send_msg(json.dumps({"end": True}).encode(), _STEP_TAG, timeout_s=timeout_s)
+
+
+async def serve_holder(model: LlamaForCausalLM, shard: Shard, master: Endpoint, *, timeout_s: float = 30.0) -> int:
+    """A holder's side of a distributed decode: for every step the master starts, attend each
+    layer's query to this holder's slice and send back the output with its log-sum-exp (one
+    `[1, heads, d + 1]` float32 message). Returns the number of steps served when the master
+    ends the request."""
+    cfg = model.config
+    steps = 0
+    while True:
+        header = json.loads(await master.recv_msg(_STEP_TAG, timeout_s=timeout_s, max_bytes=4096))
+        if header.get("end"):
+            return steps
+        q_pos = torch.tensor([int(header["pos"])])
+        for layer in range(cfg.num_hidden_layers):
+            q = torch.empty((1, cfg.num_attention_heads, cfg.head_dim), dtype=model.dtype)
+            await master.recv_into(q, _q_tag(layer), timeout_s=timeout_s)
+            with torch.inference_mode():
+                k, v, pos = shard.kv(layer)
+                part = partial_attention(q, q_pos, k, v, pos, model.layer_window(layer))
+                packed = torch.cat((part.out, part.lse.unsqueeze(-1)), dim=-1).contiguous()
+            await master.send(packed, _part_tag(layer), timeout_s=timeout_s)
+        steps += 1

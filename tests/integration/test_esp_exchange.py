@@ -144,3 +144,51 @@ def test_members_in_their_own_processes(tmp_path, kind) -> None:
     assert results[0] is None and results[1] is None
     whole = load_model(path).forward(torch.tensor(prompt))[-1]
     torch.testing.assert_close(torch.tensor(results[2]), whole, atol=1e-4, rtol=1e-4)
+
+
+async def test_a_request_decodes_with_its_kv_left_on_every_member(model) -> None:
+    """After a 3-member prefill nothing moves: the last member decodes as the request's master,
+    the two others attend each layer's query to their slices over the data plane; 7 greedy
+    tokens equal one instance's, logits within 1e-4."""
+    from services.worker.esp_exchange import decode_master_step, end_decode, serve_holder
+    from services.worker.model.esp import Shard
+
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, model.config.vocab_size, (26,), generator=g).tolist()
+    bounds = [0, 9, 18, 26]
+    ids, want = list(prompt), []
+    for _ in range(7):
+        row = model.forward(torch.tensor(ids))[-1]
+        want.append(row)
+        ids.append(int(row.argmax()))
+    transports = [make_transport("tcp") for _ in range(3)]
+    for t in transports:
+        await t.start()
+    caches = [_cache(model) for _ in range(3)]
+    addresses = [t.address() for t in transports]
+
+    async def member(j: int):
+        links = await connect_group(transports[j], j, addresses, "g3", timeout_s=10)
+        logits = await prefill_member(model, caches[j], links, "r", prompt, bounds, timeout_s=10)
+        shard = Shard(caches[j], "r", bounds[j], bounds[j + 1])
+        if j < 2:
+            return await serve_holder(model, shard, links.later[2], timeout_s=10)
+        tokens, rows = [int(logits.argmax())], [logits]
+        for _ in range(6):
+            row = await decode_master_step(model, caches[j], shard, links.earlier, tokens[-1], timeout_s=10)
+            rows.append(row)
+            tokens.append(int(row.argmax()))
+        await end_decode(links.earlier)
+        return tokens, rows
+
+    try:
+        served0, served1, (tokens, rows) = await asyncio.wait_for(asyncio.gather(*(member(j) for j in range(3))), 60)
+    finally:
+        for t in transports:
+            await t.close()
+    assert served0 == served1 == 6
+    assert tokens == ids[len(prompt) :]
+    for got, exp in zip(rows, want, strict=True):
+        torch.testing.assert_close(got, exp, atol=1e-4, rtol=1e-4)
+    # The holders' KV never moved; only the master's slice grew.
+    assert [c.num_blocks_of("r") for c in caches] == [3, 3, caches[2].blocks_needed(8 + 6)]
