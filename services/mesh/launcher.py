@@ -229,6 +229,9 @@ class Mesh:
             module,
             "--port-file",
             str(port_file),
+            # Metrics on by default, on a free port written to the port file (`args` may fix it).
+            "--metrics-port",
+            "0",
             *args,
             *placed,
             stdout=out,
@@ -637,6 +640,23 @@ def describe_autoscaling(cfg: MeshConfig) -> str:
     return f"heteroscale, up to {max(1, cfg.worker_count)} instances; new ones serve ZigZag requests while loading"
 
 
+def metrics_targets(mesh: Mesh) -> dict[str, str]:
+    """Process name -> host:port of its Prometheus /metrics (every service serves one)."""
+    return {
+        name: f"{proc.host}:{proc.ports['metrics_port']}"
+        for name, proc in mesh.procs.items()
+        if proc.ports.get("metrics_port") is not None
+    }
+
+
+def describe_metrics(mesh: Mesh) -> str:
+    """The banner's metrics line: each service's /metrics port."""
+    targets = metrics_targets(mesh)
+    return " ".join(f"{name}={target.rpartition(':')[2]}" for name, target in targets.items()) + (
+        f" (/metrics; also in {mesh.cfg.run_dir}/<service>.ports.json)"
+    )
+
+
 def python_command() -> str:
     """This interpreter as a user would type it here (`.venv/bin/python` under `make up`)."""
     rel = os.path.relpath(sys.executable)
@@ -661,6 +681,7 @@ Blitzmesh is up: {describe_workers(cfg, mesh.roles)}, model {cfg.model!r}
   global manager   {mesh.procs["global_manager"].grpc_address}
   param manager    {mesh.procs["param_manager"].grpc_address}
   autoscaling      {describe_autoscaling(cfg)}
+  metrics          {describe_metrics(mesh)}
   logs             {cfg.run_dir}/
 
 Try:
