@@ -402,14 +402,17 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("name", metavar="NAME", help="heteroscale, utilization, latency, ...")
     ps.add_argument("params", metavar="KEY=VALUE", nargs="*", help="policy parameters (they replace the current)")
     ps.add_argument("--advisory", choices=("on", "off"), default=None, help="decide without acting (on) or act (off)")
-    rp = add("replay", "replay a trace burst against the mesh and print its scale-out (services.mesh.burst)")
+    rp = add(
+        "replay",
+        "replay a trace burst against the mesh and print its scale-out (services.mesh.burst; its other options, "
+        "e.g. --model, --peak-rps, --span-s, pass through)",
+    )
     rp.add_argument(
         "trace", metavar="TRACE", type=Path, help="Azure LLM trace CSV, e.g. traces/azure_llm_2023_code.csv"
     )
     rp.add_argument(
         "--http", default=None, metavar="URL", help="the gateway's HTTP base URL (default: from the port file)"
     )
-    rp.add_argument("burst_args", nargs=argparse.REMAINDER, help="passed on (python -m services.mesh.burst --help)")
     cv = add("convert-gguf", "convert a Llama GGUF file into a checkpoint the mesh serves")
     cv.add_argument("convert_args", nargs=argparse.REMAINDER, help="FILE OUT_DIR [--dtype ...] [--force]")
     return p
@@ -427,7 +430,12 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], Coroutine[Any, Any, N
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # replay passes the options it does not know on to the burst tool (its --help lists them).
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "replay":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.burst_args = extra
     args.gateway = args.gateway or default_gateway()
     try:
         if args.command == "replay":

@@ -6,6 +6,8 @@ const TIMELINE = new Set(["autoscaling_decision", "autoscaling_bound", "scale_fr
   "instance_lost", "policy"]);
 const MAX_TIMELINE = 200;
 const SPARK_POINTS = 120;
+// When each instance was first seen loading or serving (ms, this clock): the cards carry it.
+const firstActive = new Map();
 const state = { instances: new Map(), chains: [], zigzag: new Map(), series: { rate: [], ttft: [], tbt: [] } };
 
 const $ = (id) => document.getElementById(id);
@@ -29,6 +31,10 @@ function renderInstances(list) {
     const card = el("div", "card state-" + i.state);
     card.dataset.instanceId = i.instance_id;
     card.dataset.state = i.state;
+    if ((i.state === "loading" || i.state === "serving") && !firstActive.has(i.instance_id)) {
+      firstActive.set(i.instance_id, Date.now());
+    }
+    if (firstActive.has(i.instance_id)) card.dataset.activeSinceMs = String(firstActive.get(i.instance_id));
     card.append(el("div", "id", i.instance_id));
     card.append(el("div", "state", i.state + " · " + i.role));
     card.append(el("div", "meta", (i.model || "no model") + (i.host ? " @ " + i.host : "")));
@@ -57,7 +63,7 @@ function spark(id, values) {
   g.strokeStyle = "#4aa3ff";
   g.beginPath();
   values.forEach((v, k) => {
-    const x = (k / (SPARK_POINTS - 1)) * c.width, y = c.height - ((v || 0) / max) * (c.height - 2) - 1;
+    const x = (k / Math.max(values.length - 1, 1)) * c.width, y = c.height - ((v || 0) / max) * (c.height - 2) - 1;
     k ? g.lineTo(x, y) : g.moveTo(x, y);
   });
   g.stroke();
@@ -129,7 +135,8 @@ function onEvent(ev) {
   li.dataset.action = ev.action;
   li.dataset.instanceId = ev.instance_id || "";
   li.dataset.shownMs = String(Date.now());
-  li.append(el("span", "when", clock(ev.time_s)));
+  li.dataset.receivedS = String(ev.received_s);
+  li.append(el("span", "when", clock(ev.received_s)));
   li.append(el("span", "what", ev.action + (ev.instance_id ? " " + ev.instance_id : "")));
   li.append(el("span", "why", [ev.target, ev.status, ev.reason].filter(Boolean).join(" · ")));
   const ol = $("timeline");
