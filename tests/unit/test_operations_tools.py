@@ -92,23 +92,3 @@ def test_grafana_dashboard_shape() -> None:
         for target in panel["targets"]:
             names = re.findall(r"blitzmesh_[a-z0-9_]+", target["expr"])
             assert names and all(re.match(r"blitzmesh_(gateway|gm|param|worker)_", n) for n in names), target
-
-
-def test_compose_services_serve_metrics_and_prometheus_scrapes_them() -> None:
-    yaml = pytest.importorskip("yaml")
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
-    runs_a_service = {
-        name: spec
-        for name, spec in compose.items()
-        if str((spec.get("command") or ["", "", ""])[2]).startswith("services.")
-        and spec["command"][2] != "services.model_format"
-    }
-    assert len(runs_a_service) >= 6
-    for name, spec in runs_a_service.items():
-        command = spec["command"]
-        assert command[command.index("--metrics-port") + 1] == "9100", name
-    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
-    targets = {t for job in scrape for static in job["static_configs"] for t in static["targets"]}
-    default_profile = {name for name, spec in runs_a_service.items() if not spec.get("profiles")}
-    assert targets == {f"{name}:9100" for name in default_profile}
-    assert compose["prometheus"]["profiles"] == ["observability"]
