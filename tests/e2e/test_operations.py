@@ -64,6 +64,9 @@ async def ops_mesh(
     cfg = make_mesh_config(tmp_path_factory.mktemp("run-ops"), workers=3, host_caches=2)
     cfg.initial_instances = 1
     cfg.gateway_args = [*cfg.gateway_args, "--admin-api-keys", json.dumps([ADMIN_KEY])]
+    # Slow worker links (10 Mbit/s: the tiny model's 3.5 MB in about 3 s), so that a scale-out
+    # is seen loading.
+    cfg.worker_args = [*cfg.worker_args, "--dataplane-link-gbps", "0.01"]
     async with running_mesh(cfg) as m:
         yield m
 
@@ -424,7 +427,22 @@ async def test_dashboard_shows_a_scale_out_within_2s(ops_mesh: Mesh, browser: An
             assert shown_s - event_s <= 2.0, "the scale-out reached the timeline within 2 s"
             assert active_s - event_s <= 2.0, "the new instance's card shows it loading/serving within 2 s"
             assert "Admin.Scale" in li["text"]  # its reason
-            # Requests flow: the rate shows, and the card's k/L bar is there.
+            # While it loads (its links are slowed): the card's k/L bar, partly filled, and the
+            # transfer chain into it. The screenshot is of that moment.
+            loading = await wait_until(
+                lambda: (c := find(f'.card[data-instance-id="{new}"]')) and c["attrs"]["data-state"] == "loading" and c,
+                10,
+                interval_s=0.05,
+                what="the new instance's card loading",
+            )
+            k, num_layers = map(int, re.search(r"layers (\d+)/(\d+)", loading["text"]).groups())  # type: ignore[union-attr]
+            assert k < num_layers, loading["text"]
+            bar = find(f'.card[data-instance-id="{new}"] .bar .fill')
+            assert bar is not None and bar["attrs"]["style"] == f"width: {100 * k / num_layers:.0f}%;", bar
+            chain = await wait_until(lambda: find("#chains li.chain"), 10, interval_s=0.05, what="a transfer chain")
+            assert new in chain["text"] and "→" in chain["text"]
+            await asyncio.to_thread(browser.save_screenshot, str(ROOT / "docs" / "images" / "dashboard.png"))
+            # Requests flow: the rate shows; the bar is full once it serves.
             await wait_until(
                 lambda: find("#rate")["text"] not in ("-", "0.00"), 30, interval_s=0.1, what="a request rate"
             )
@@ -435,7 +453,6 @@ async def test_dashboard_shows_a_scale_out_within_2s(ops_mesh: Mesh, browser: An
                 what="the new instance serving",
             )
             assert find(f'.card[data-instance-id="{new}"] .layers')["text"] == "layers 2/2"
-            await asyncio.to_thread(browser.save_screenshot, str(ROOT / "docs" / "images" / "dashboard.png"))
         finally:
             stop.append(True)
             statuses = [s for task in burst for s in await task]
