@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import time
@@ -125,6 +126,16 @@ def sse(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+def offer(queue: asyncio.Queue[bytes], kind: str, data: dict[str, Any]) -> None:
+    """Queue one message for the browser; a browser that stopped reading loses messages, not memory."""
+    with contextlib.suppress(asyncio.QueueFull):
+        queue.put_nowait(sse(kind, data))
+
+
+def offer_problem(queue: asyncio.Queue[bytes], what: str, error: grpc.aio.AioRpcError) -> None:
+    offer(queue, "problem", {"message": f"global manager {what}: {error.code().name}: {error.details()}"})
+
+
 class Dashboard:
     """Routes of the dashboard on the gateway's aiohttp application."""
 
@@ -194,22 +205,10 @@ class Dashboard:
             call = gm.WatchEvents(admin_pb2.WatchEventsRequest())
             try:
                 async for ev in call:
-                    data = {
-                        "time_s": ev.time_s,
-                        "action": ev.action,
-                        "target": ev.target,
-                        "status": ev.status,
-                        "reason": ev.reason,
-                        "instance_id": ev.instance_id,
-                        "received_s": time.time(),
-                    }
-                    with contextlib.suppress(asyncio.QueueFull):
-                        queue.put_nowait(sse("event", data))
+                    event = dataclasses.asdict(convert.cluster_event_from_proto(ev))
+                    offer(queue, "event", event | {"received_s": time.time()})
             except grpc.aio.AioRpcError as e:
-                with contextlib.suppress(asyncio.QueueFull):
-                    queue.put_nowait(
-                        sse("problem", {"message": f"global manager events: {e.code().name}: {e.details()}"})
-                    )
+                offer_problem(queue, "events", e)
                 await asyncio.sleep(1.0)
             finally:
                 call.cancel()
@@ -224,12 +223,7 @@ class Dashboard:
                 now, after = time.monotonic(), gateway_totals(metrics)
                 data = cluster_json(state) | window_stats(before, after, now - since)
                 before, since = after, now
-                data["time_s"] = time.time()
-                with contextlib.suppress(asyncio.QueueFull):
-                    queue.put_nowait(sse("cluster", data))
+                offer(queue, "cluster", data | {"time_s": time.time()})
             except grpc.aio.AioRpcError as e:
-                with contextlib.suppress(asyncio.QueueFull):
-                    queue.put_nowait(
-                        sse("problem", {"message": f"global manager cluster: {e.code().name}: {e.details()}"})
-                    )
+                offer_problem(queue, "cluster", e)
             await asyncio.sleep(self.period_s)
