@@ -663,6 +663,12 @@ def python_command() -> str:
     return sys.executable if rel.startswith("..") else rel
 
 
+def cli_command() -> str:
+    """The `blitzmesh` console script beside this interpreter (pip installs it there)."""
+    python = python_command()
+    return str(Path(python).with_name("blitzmesh")) if os.sep in python else "blitzmesh"
+
+
 def print_banner(mesh: Mesh) -> None:
     cfg = mesh.cfg
     burst = (
@@ -678,6 +684,7 @@ Watch a trace burst scale it out (decisions, k/L of loading instances, ZigZag re
 Blitzmesh is up: {describe_workers(cfg, mesh.roles)}, model {cfg.model!r}
   OpenAI HTTP API  {mesh.gateway_http}/v1
   SDK gRPC API     {mesh.gateway_grpc}
+  dashboard        {mesh.gateway_http}/dashboard
   global manager   {mesh.procs["global_manager"].grpc_address}
   param manager    {mesh.procs["param_manager"].grpc_address}
   autoscaling      {describe_autoscaling(cfg)}
@@ -687,6 +694,7 @@ Blitzmesh is up: {describe_workers(cfg, mesh.roles)}, model {cfg.model!r}
 Try:
   curl -s {mesh.gateway_http}/v1/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "max_tokens": 16}}'
+  {cli_command()} status   (also: top, events --follow, scale, drain, policy; see docs/operations.md)
 {burst}
 Ctrl-C stops every process.""",
         flush=True,
