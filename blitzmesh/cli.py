@@ -91,27 +91,32 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}ms" if seconds > 0 else "-"
 
 
-def layers(inst: InstanceInfo) -> str:
-    """k/L with a bar while loading; L alone once all layers are there."""
-    if not inst.num_layers:
+def layers(inst: InstanceInfo, model_layers: int = 0) -> str:
+    """k/L, with a bar while loading. L is the larger of the instance's and `model_layers` (what
+    the manager knows of a loading instance may lag the model's, which its peers know)."""
+    num_layers = max(inst.num_layers, model_layers)
+    if not num_layers:
         return "-"
     if inst.state == "loading":
-        filled = round(10 * inst.layers_loaded / inst.num_layers)
-        return f"{inst.layers_loaded}/{inst.num_layers} [{'#' * filled}{'.' * (10 - filled)}]"
-    return f"{inst.layers_loaded}/{inst.num_layers}"
+        filled = round(10 * inst.layers_loaded / num_layers)
+        return f"{inst.layers_loaded}/{num_layers} [{'#' * filled}{'.' * (10 - filled)}]"
+    return f"{inst.layers_loaded}/{num_layers}"
 
 
 INSTANCE_HEADERS = ("INSTANCE", "STATE", "ROLE", "MODEL", "LAYERS k/L", "RUN", "WAIT", "TTFT p50", "TBT p50", "HOST")
 
 
 def instance_rows(state: ClusterState) -> list[list[object]]:
+    model_layers: dict[str, int] = {}
+    for i in state.instances:
+        model_layers[i.model_id] = max(model_layers.get(i.model_id, 0), i.num_layers)
     return [
         [
             i.instance_id,
             i.state,
             i.role,
             i.model_id or "-",
-            layers(i),
+            layers(i, model_layers[i.model_id] if i.model_id else 0),
             i.load.running,
             i.load.waiting,
             ms(i.load.ttft_p50_s),

@@ -22,6 +22,8 @@ def test_layers_bar_while_loading_and_plain_after() -> None:
     assert cli.layers(InstanceInfo("w", state="loading", layers_loaded=3, num_layers=10)) == "3/10 [###.......]"
     assert cli.layers(InstanceInfo("w", state="serving", layers_loaded=10, num_layers=10)) == "10/10"
     assert cli.layers(InstanceInfo("w", state="idle")) == "-"
+    # The manager's L of a loading instance may lag (1 until it learns it): the model's wins.
+    assert cli.layers(InstanceInfo("w", state="loading", layers_loaded=0, num_layers=1), 2) == "0/2 [..........]"
 
 
 def test_status_text_counts_states_and_aligns_columns() -> None:

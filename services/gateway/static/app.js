@@ -27,7 +27,12 @@ function renderInstances(list) {
   const box = $("instances");
   box.replaceChildren();
   if (!list.length) { box.append(el("p", "empty", "no instances")); return; }
-  for (const i of list) {
+  // A loading instance's L is what the manager knows of it, which may lag the model's; its
+  // serving peers know the model's.
+  const modelLayers = new Map();
+  for (const i of list) if (i.model) modelLayers.set(i.model, Math.max(modelLayers.get(i.model) || 0, i.num_layers));
+  for (const raw of list) {
+    const i = raw.model ? { ...raw, num_layers: modelLayers.get(raw.model) } : raw;
     const card = el("div", "card state-" + i.state);
     card.dataset.instanceId = i.instance_id;
     card.dataset.state = i.state;
