@@ -57,6 +57,16 @@ def default_http(gateway: str, port_file: Path = PORT_FILE) -> str:
     return f"http://{host}:8000"
 
 
+def check_gateway(gateway: str) -> None:
+    """HOST:PORT, the SDK gRPC address; a URL (the HTTP API's) is the usual mix-up."""
+    host, sep, port = gateway.rpartition(":")
+    if "://" in gateway or not sep or not host or not port.isdigit():
+        raise CliError(
+            f"--gateway {gateway!r} is not HOST:PORT; give the gateway's SDK gRPC address (make up prints it as "
+            "'SDK gRPC API', e.g. 127.0.0.1:50051), not the HTTP URL"
+        )
+
+
 def explain(error: BlitzmeshError, gateway: str) -> str:
     """One line: what failed, and how to fix it."""
     details = error.details.strip().splitlines()[0] if error.details.strip() else error.code
@@ -443,6 +453,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
     args.burst_args = extra
     args.gateway = args.gateway or default_gateway()
     try:
+        check_gateway(args.gateway)
         if args.command == "replay":
             return cmd_replay(args, out)
         if args.command == "convert-gguf":

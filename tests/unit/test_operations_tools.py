@@ -94,3 +94,12 @@ def test_grafana_dashboard_shape() -> None:
         for target in panel["targets"]:
             names = re.findall(r"blitzmesh_[a-z0-9_]+", target["expr"])
             assert names and all(re.match(r"blitzmesh_(gateway|gm|param|worker)_", n) for n in names), target
+
+
+def test_a_gateway_url_is_refused_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["status", "--gateway", "http://127.0.0.1:8000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("blitzmesh status: --gateway 'http://127.0.0.1:8000' is not HOST:PORT")
+    assert "SDK gRPC API" in err and len(err.splitlines()) == 1
+    cli.check_gateway("127.0.0.1:50051")
+    cli.check_gateway("[::1]:50051")
