@@ -520,9 +520,13 @@ class AsyncClient:
         *,
         wait: bool = False,
         role: InstanceRole | None = None,
+        instance_ids: Sequence[str] = (),
         timeout_s: float | None = None,
     ) -> ScaleResult:
         """Add (``delta > 0``) or drain (``delta < 0``) instances of `model`.
+
+        `instance_ids` (with ``delta = -len(instance_ids)``) drains exactly those SERVING
+        instances; without it the manager drains the least loaded.
 
         With ``wait=True`` the reply comes once the new instances serve (or failed), so a
         longer `timeout_s` may be needed. Unlike the other calls this one is never retried: it
@@ -536,11 +540,16 @@ class AsyncClient:
             raise ValueError(f"delta must fit in 32 bits, got {delta!r}")
         if not isinstance(wait, bool):
             raise ValueError(f"wait must be a bool, got {wait!r}")
+        if isinstance(instance_ids, str) or not all(isinstance(i, str) and i for i in instance_ids):
+            raise ValueError(f"instance_ids must be a sequence of non-empty strings, got {instance_ids!r}")
+        if instance_ids and delta != -len(instance_ids):
+            raise ValueError(f"delta must be -{len(instance_ids)} to drain {list(instance_ids)}, got {delta!r}")
         request = admin_pb2.ScaleRequest(
             model_id=model,
             delta=delta,
             role=convert.instance_role_to_proto(role or "unspecified"),
             wait=wait,
+            instance_ids=list(instance_ids),
         )
         reply = await self._unary(
             self._stubs()[1].Scale, request, self._timeout(timeout_s), retry=False, metadata=self._admin_metadata

@@ -502,6 +502,7 @@ def cluster_state_to_proto(state: ClusterState) -> admin_pb2.ClusterState:
         models=[model_info_to_proto(m) for m in state.models],
         policy=state.policy,
         advisory=state.advisory,
+        policy_params=dict(state.policy_params),
     )
 
 
@@ -511,6 +512,7 @@ def cluster_state_from_proto(msg: admin_pb2.ClusterState) -> ClusterState:
         models=tuple(model_info_from_proto(m) for m in msg.models),
         policy=msg.policy,
         advisory=msg.advisory,
+        policy_params=dict(msg.policy_params),
     )
 
 

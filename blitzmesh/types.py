@@ -370,6 +370,8 @@ class ClusterState:
     policy: str = ""
     advisory: bool = False
     """True when the policy only decides and does not act."""
+    policy_params: Mapping[str, str] = field(default_factory=dict)
+    """The policy's parameters in force, as strings (as `set_policy` sends them)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,16 +77,41 @@ Global___GetClusterRequest: _TypeAlias = GetClusterRequest  # noqa: Y015
 class ClusterState(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class PolicyParamsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     INSTANCES_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
     ADVISORY_FIELD_NUMBER: _builtins.int
+    POLICY_PARAMS_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     advisory: _builtins.bool
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.InstanceInfo]: ...
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ModelInfo]: ...
+    @_builtins.property
+    def policy_params(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """the policy's parameters now (as SetPolicy takes them)"""
+
     def __init__(
         self,
         *,
@@ -94,10 +119,11 @@ class ClusterState(_message.Message):
         models: _abc.Iterable[_common_pb2.ModelInfo] | None = ...,
         policy: _builtins.str = ...,
         advisory: _builtins.bool = ...,
+        policy_params: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advisory", b"advisory", "instances", b"instances", "models", b"models", "policy", b"policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advisory", b"advisory", "instances", b"instances", "models", b"models", "policy", b"policy", "policy_params", b"policy_params"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -111,11 +137,18 @@ class ScaleRequest(_message.Message):
     DELTA_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
+    INSTANCE_IDS_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     delta: _builtins.int
     role: _common_pb2.InstanceRole.ValueType
     wait: _builtins.bool
     """reply only when the new instances serve (or failed)"""
+    @_builtins.property
+    def instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """With delta < 0: drain exactly these SERVING instances of model_id (delta must be minus their
+        count); empty: the manager picks the least loaded.
+        """
+
     def __init__(
         self,
         *,
@@ -123,10 +156,11 @@ class ScaleRequest(_message.Message):
         delta: _builtins.int = ...,
         role: _common_pb2.InstanceRole.ValueType = ...,
         wait: _builtins.bool = ...,
+        instance_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "model_id", b"model_id", "role", b"role", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "instance_ids", b"instance_ids", "model_id", b"model_id", "role", b"role", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.gateway.auth import check_bearer
 from services.gateway.backend import Backend, ModelCard
 from services.gateway.config import GatewayConfig
+from services.gateway.dashboard import Dashboard
 from services.gateway.errors import ErrorKind, GatewayError, quote
 from services.gateway.openai_protocol import (
     SSE_DONE,
@@ -36,6 +37,8 @@ log = structlog.get_logger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REQUEST_ID = web.RequestKey("request_id", str)
 _OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no API key
+# The dashboard checks admin keys itself (services/gateway/dashboard.py), not inference keys.
+_DASHBOARD_PREFIX = "/dashboard"
 
 
 def error_response(err: GatewayError, request_id: str | None = None) -> web.Response:
@@ -66,6 +69,7 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        Dashboard(self.backend, self.config).add_routes(app)
         return app
 
     async def start(self) -> int:
@@ -112,7 +116,7 @@ class HttpApi:
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in _OPEN_PATHS:
+        if request.path not in _OPEN_PATHS and not request.path.startswith(_DASHBOARD_PREFIX):
             try:
                 check_bearer(request.headers.get("Authorization"), self.config.api_keys, self.config.admin_api_keys)
             except GatewayError as e:

@@ -622,6 +622,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             instances=[self.table.to_proto(v, now) for v in sorted(self.table.registry, key=lambda v: v.instance_id)],
             policy=self.policy_name,
             advisory=self.advisory,
+            policy_params={k: _param_to_proto(v) for k, v in self.policy_params.items()},
         )
 
     async def Scale(self, request, context):
@@ -645,6 +646,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"asked for {request.delta} more instances of {request.model_id!r}, {idle} IDLE workers free",
                 )
+        elif request.instance_ids:
+            chosen = await self._drain_named(request, context)
         else:
             chosen = self.scale_in(request.model_id, -request.delta, reason="Admin.Scale")
             if not chosen:
@@ -656,6 +659,34 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         return admin_pb2.ScaleResponse(
             instance_ids=chosen, reason=f"{len(chosen)} instance(s) {'loading' if request.delta > 0 else 'draining'}"
         )
+
+    async def _drain_named(self, request, context) -> list[str]:
+        """Admin.Scale with instance_ids: drain exactly those SERVING instances of the model."""
+        ids = list(dict.fromkeys(request.instance_ids))
+        if request.delta != -len(ids):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"delta={request.delta} with {len(ids)} instance_ids {ids}: delta must be -{len(ids)}",
+            )
+        registry = self.table.registry
+        for iid in ids:
+            if iid not in registry:
+                known = sorted(v.instance_id for v in registry)
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown instance {iid!r}; instances: {known}")
+            view = registry.get(iid)
+            if view.model != request.model_id or view.state is not S.SERVING:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"instance {iid!r} is {view.state.value} with model {view.model or '-'!r}; only a SERVING "
+                    f"instance of {request.model_id!r} can be drained",
+                )
+        chosen = self.scale_in(request.model_id, len(ids), reason="Admin.Scale (named)", only=ids)
+        if len(chosen) < len(ids):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"instances {sorted(set(ids) - set(chosen))} are busy with another action; try again shortly",
+            )
+        return chosen
 
     async def SetPolicy(self, request, context):
         """Switch or retune the policy. The given params replace the current ones (none given
@@ -720,9 +751,14 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self._execute(actions)
         return chosen
 
-    def scale_in(self, model_id: str, n: int, reason: str, role: Role | None = None) -> list[str]:
-        """Drain the n least-loaded SERVING instances of `model_id` (of `role` if given)."""
-        chosen, actions = self.reconciler.scale_in(self.table.registry, self._busy(), model_id, n, reason, role)
+    def scale_in(
+        self, model_id: str, n: int, reason: str, role: Role | None = None, only: Collection[str] | None = None
+    ) -> list[str]:
+        """Drain the n least-loaded SERVING instances of `model_id` (of `role` if given; among
+        `only` if given)."""
+        chosen, actions = self.reconciler.scale_in(
+            self.table.registry, self._busy(), model_id, n, reason, role, only=only
+        )
         self._execute(actions)
         return chosen
 

@@ -259,6 +259,9 @@ class Mesh:
             module,
             "--port-file",
             str(port_file),
+            # Metrics on by default, on a free port written to the port file (`args` may fix it).
+            "--metrics-port",
+            "0",
             *args,
             *placed,
             *self.cfg.security_args(),
@@ -721,10 +724,33 @@ def describe_security(cfg: MeshConfig) -> str:
     return f"mTLS, certificates in {cfg.tls_path}/ (admin.pem for operator tools; docs/security.md)"
 
 
+def metrics_targets(mesh: Mesh) -> dict[str, str]:
+    """Process name -> host:port of its Prometheus /metrics (every service serves one)."""
+    return {
+        name: f"{proc.host}:{proc.ports['metrics_port']}"
+        for name, proc in mesh.procs.items()
+        if proc.ports.get("metrics_port") is not None
+    }
+
+
+def describe_metrics(mesh: Mesh) -> str:
+    """The banner's metrics line: each service's /metrics port."""
+    targets = metrics_targets(mesh)
+    return " ".join(f"{name}={target.rpartition(':')[2]}" for name, target in targets.items()) + (
+        f" (/metrics; also in {mesh.cfg.run_dir}/<service>.ports.json)"
+    )
+
+
 def python_command() -> str:
     """This interpreter as a user would type it here (`.venv/bin/python` under `make up`)."""
     rel = os.path.relpath(sys.executable)
     return sys.executable if rel.startswith("..") else rel
+
+
+def cli_command() -> str:
+    """The `blitzmesh` console script beside this interpreter (pip installs it there)."""
+    python = python_command()
+    return str(Path(python).with_name("blitzmesh")) if os.sep in python else "blitzmesh"
 
 
 def print_banner(mesh: Mesh) -> None:
@@ -742,15 +768,18 @@ Watch a trace burst scale it out (decisions, k/L of loading instances, ZigZag re
 Blitzmesh is up: {describe_workers(cfg, mesh.roles)}, model {cfg.model!r}
   OpenAI HTTP API  {mesh.gateway_http}/v1
   SDK gRPC API     {mesh.gateway_grpc}
+  dashboard        {mesh.gateway_http}/dashboard
   global manager   {mesh.procs["global_manager"].grpc_address}
   param manager    {mesh.procs["param_manager"].grpc_address}
   autoscaling      {describe_autoscaling(cfg)}
   internal hops    {describe_security(cfg)}
+  metrics          {describe_metrics(mesh)}
   logs             {cfg.run_dir}/
 
 Try:
   curl -s {mesh.gateway_http}/v1/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{cfg.model}", "prompt": "Once upon a time", "max_tokens": 16}}'
+  {cli_command()} status   (also: top, events --follow, scale, drain, policy; see docs/operations.md)
 {burst}
 Ctrl-C stops every process.""",
         flush=True,

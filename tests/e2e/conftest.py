@@ -6,6 +6,7 @@ manager reporting the instances SERVING, never a sleep.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -50,12 +51,19 @@ def make_mesh_config(model_dir: Path) -> Callable[..., MeshConfig]:
     return make
 
 
-@pytest_asyncio.fixture(loop_scope="session", scope="session")
-async def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
-    """One shared mesh for the tests that do not break it."""
-    m = Mesh(mesh_config(model_dir, tmp_path_factory.mktemp("run")))
+@contextlib.asynccontextmanager
+async def running_mesh(cfg: MeshConfig) -> AsyncIterator[Mesh]:
+    """A started mesh, stopped (every process) on the way out, also when the start failed."""
+    m = Mesh(cfg)
     try:
         await m.start()
         yield m
     finally:
         await m.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def mesh(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    """One shared mesh for the tests that do not break it."""
+    async with running_mesh(mesh_config(model_dir, tmp_path_factory.mktemp("run"))) as m:
+        yield m

@@ -249,3 +249,50 @@ async def test_the_sdk_sends_its_admin_key_on_admin_calls(managers, start_gatewa
         finally:
             await asyncio.to_thread(blocking.close)
     assert gm.calls == ["Scale", "SetPolicy", "GetCluster", "Scale"]
+
+
+async def _read_sse(resp: aiohttp.ClientResponse, kinds: set[str]) -> dict[str, str]:
+    """The first message of each kind in `kinds` (event name -> data), bounded by the test's timeout."""
+    got: dict[str, str] = {}
+    kind = ""
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("event: "):
+            kind = line[len("event: ") :]
+        elif line.startswith("data: ") and kind in kinds:
+            got.setdefault(kind, line[len("data: ") :])
+            if set(got) == kinds:
+                return got
+    raise AssertionError(f"the stream ended with only {sorted(got)}")
+
+
+async def test_the_dashboard_takes_admin_access_like_the_admin_api(start_gateway) -> None:
+    async with start_gateway() as ctx, aiohttp.ClientSession() as session:
+        base = f"http://127.0.0.1:{ctx.extra_ports['http_port']}/dashboard"
+        async with session.get(base) as resp:  # loopback, no admin keys: served
+            assert resp.status == 200 and "<title>Blitzmesh dashboard</title>" in await resp.text()
+        async with session.get(f"{base}/assets/app.js") as resp:
+            assert resp.status == 200 and resp.content_type == "text/javascript"
+        async with session.get(f"{base}/assets/index.html") as resp:  # the page itself is not an open asset
+            assert resp.status == 404 and "no dashboard asset" in (await resp.json())["error"]["message"]
+        async with session.get(f"{base}/stream") as resp:
+            assert resp.status == 200 and resp.content_type == "text/event-stream"
+            got = await _read_sse(resp, {"hello", "cluster", "event"})
+        assert '"instance_id":"w-1"' in got["cluster"] and '"request_rate":0.0' in got["cluster"]
+        assert '"action":"scale_out"' in got["event"]
+
+    async with start_gateway(admin_api_keys=[ADMIN_KEY], api_keys=[INFERENCE_KEY]) as ctx:
+        base = f"http://127.0.0.1:{ctx.extra_ports['http_port']}/dashboard"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(base) as resp:
+                assert resp.status == 401 and "missing admin API key" in (await resp.json())["error"]["message"]
+            async with session.get(f"{base}?key={INFERENCE_KEY}") as resp:
+                assert resp.status == 403 and "is an inference API key" in (await resp.json())["error"]["message"]
+            async with session.get(f"{base}/stream", headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as resp:
+                assert resp.status == 200
+            async with session.get(f"{base}?key={ADMIN_KEY}") as resp:
+                assert resp.status == 200
+
+    async with start_gateway(admin_allow_loopback=False) as ctx, aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{ctx.extra_ports['http_port']}/dashboard") as resp:
+            assert resp.status == 403 and "admin_allow_loopback is off" in (await resp.json())["error"]["message"]

@@ -30,7 +30,12 @@ def compose_services() -> dict[str, dict]:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
 
 
-@pytest.mark.parametrize("name", sorted(compose_services()))
+def blitzmesh_services() -> dict[str, dict]:
+    """The containers of the Blitzmesh image (the others, e.g. Prometheus, have images of their own)."""
+    return {k: v for k, v in compose_services().items() if v.get("image") == "blitzmesh:latest"}
+
+
+@pytest.mark.parametrize("name", sorted(blitzmesh_services()))
 def test_compose_command_parses(name: str) -> None:
     svc = compose_services()[name]
     python, dash_m, module, *args = svc["command"]
@@ -45,7 +50,7 @@ def test_compose_command_parses(name: str) -> None:
 
 
 def test_workers_advertise_their_container_name() -> None:
-    for name, svc in compose_services().items():
+    for name, svc in blitzmesh_services().items():
         if svc["command"][2] == "services.worker":
             cfg = load_config(WorkerConfig, "worker", svc["command"][3:], env={})
             assert cfg.advertise_host == name and cfg.instance_id == name
@@ -126,3 +131,15 @@ def test_every_internal_service_runs_mtls_with_the_certificates_certs_init_makes
         health = svc["healthcheck"]["test"]
         if module != "services.gateway":  # the gateway's port is the public edge: plaintext, API keys
             assert health[health.index("--tls-dir") + 1] == "/tls", name
+
+
+def test_every_service_serves_metrics_and_prometheus_scrapes_the_default_stack() -> None:
+    runs_a_service = {n: v for n, v in blitzmesh_services().items() if v["command"][2] in CONFIGS}
+    assert len(runs_a_service) >= 6
+    for name, svc in runs_a_service.items():
+        cls, service = CONFIGS[svc["command"][2]]
+        assert load_config(cls, service, svc["command"][3:], env={}).metrics_port == 9100, name
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    targets = {t for job in scrape for static in job["static_configs"] for t in static["targets"]}
+    assert targets == {f"{name}:9100" for name in runs_a_service if name in profile(None)}
+    assert compose_services()["prometheus"]["profiles"] == ["observability"]

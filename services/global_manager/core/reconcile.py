@@ -300,13 +300,21 @@ class Reconciler:
         role: Role | None = None,
         *,
         keep_serving: int = 0,
+        only: Collection[str] | None = None,
     ) -> tuple[list[str], list[Action]]:
-        """Drain the n least-loaded SERVING instances of `model` (of `role` if given) that no
-        action owns, leaving at least `keep_serving` SERVING. Returns their ids and actions."""
+        """Drain the n least-loaded SERVING instances of `model` (of `role` if given, among
+        `only` if given) that no action owns, leaving at least `keep_serving` SERVING. Returns
+        their ids and actions."""
         chosen: list[str] = []
         actions: list[Action] = []
         order = scale_in_order(
-            (v for v in registry.views(model=model) if v.instance_id not in busy), model=model, role=role
+            (
+                v
+                for v in registry.views(model=model)
+                if v.instance_id not in busy and (only is None or v.instance_id in only)
+            ),
+            model=model,
+            role=role,
         )
         for victim in order[: max(0, min(n, len(order) - keep_serving))]:
             registry.transition(victim.instance_id, S.DRAINING)
