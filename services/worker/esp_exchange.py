@@ -224,17 +224,21 @@ async def end_decode(holders: dict[int, Endpoint], *, timeout_s: float = 30.0) -
         await ep.send_msg(json.dumps({"end": True}).encode(), _STEP_TAG, timeout_s=timeout_s)
 
 
-async def serve_holder(model: LlamaForCausalLM, shard: Shard, master: Endpoint, *, timeout_s: float = 30.0) -> int:
+async def serve_holder(
+    model: LlamaForCausalLM, shard: Shard, master: Endpoint, *, timeout_s: float = 30.0
+) -> tuple[str, int]:
     """A holder's side of a distributed decode: for every step the master starts, attend each
     layer's query to this holder's slice and send back the output with its log-sum-exp (one
-    `[1, heads, d + 1]` float32 message). Returns the number of steps served when the master
-    ends the request."""
+    `[1, heads, d + 1]` float32 message). Returns ("end", steps served) when the master ends the
+    request, ("handover", steps) when a new master is coming (see `accept_master`)."""
     cfg = model.config
     steps = 0
     while True:
         header = json.loads(await master.recv_msg(_STEP_TAG, timeout_s=timeout_s, max_bytes=4096))
         if header.get("end"):
-            return steps
+            return "end", steps
+        if header.get("handover"):
+            return "handover", steps
         q_pos = torch.tensor([int(header["pos"])])
         for layer in range(cfg.num_hidden_layers):
             q = torch.empty((1, cfg.num_attention_heads, cfg.head_dim), dtype=model.dtype)
@@ -245,3 +249,50 @@ async def serve_holder(model: LlamaForCausalLM, shard: Shard, master: Endpoint, 
                 packed = torch.cat((part.out, part.lse.unsqueeze(-1)), dim=-1).contiguous()
             await master.send(packed, _part_tag(layer), timeout_s=timeout_s)
         steps += 1
+
+
+# -- scale-up during decode: a new master ------------------------------------------------------------
+# When the master's cache has no room for the next token, another instance joins and becomes the
+# master: it takes the new KV from there on, the old master becomes one more holder, and no KV
+# moves. The old master tells its holders (a step header naming the handover); each holder, and
+# the old master itself, then accepts the new master's connection and serves it.
+
+
+async def hand_over(holders: dict[int, Endpoint], *, timeout_s: float = 30.0) -> None:
+    """The master's side: tell every holder a new master is coming (they return from
+    `serve_holder` with "handover" and should `accept_master`)."""
+    for ep in holders.values():
+        await ep.send_msg(json.dumps({"handover": True}).encode(), _STEP_TAG, timeout_s=timeout_s)
+
+
+async def accept_master(transport: Transport, group_id: str, *, timeout_s: float = 30.0) -> Endpoint:
+    """A holder's side of a handover: the new master's connection, checked to be of this group."""
+    ep = await transport.accept(timeout_s=timeout_s)
+    try:
+        hello = json.loads(await ep.recv_msg(_HELLO_TAG, timeout_s=timeout_s, max_bytes=4096))
+    except (ValueError, UnicodeDecodeError) as exc:
+        ep.abort()
+        raise ProtocolError(f"ESP handshake from {ep.peer} is not JSON: {exc}") from None
+    if not isinstance(hello, dict) or hello.get("op") != ESP_OP or hello.get("group") != group_id:
+        ep.abort()
+        raise ProtocolError(f"ESP group {group_id!r}: unexpected handshake from a new master {hello!r:.200}")
+    return ep
+
+
+async def join_as_master(
+    transport: Transport, holder_addresses: Sequence[bytes], group_id: str, *, timeout_s: float = 30.0
+) -> dict[int, Endpoint]:
+    """The new master's side: connect to every holder (the old master included), in order;
+    returns the endpoints by holder index, for `decode_master_step`."""
+    holders: dict[int, Endpoint] = {}
+    try:
+        for i, address in enumerate(holder_addresses):
+            ep = await transport.connect(address, timeout_s=timeout_s)
+            holders[i] = ep
+            hello = {"op": ESP_OP, "group": group_id, "member": "master"}
+            await ep.send_msg(json.dumps(hello).encode(), _HELLO_TAG, timeout_s=timeout_s)
+    except BaseException:
+        for ep in holders.values():
+            ep.abort()
+        raise
+    return holders

@@ -186,9 +186,88 @@ async def test_a_request_decodes_with_its_kv_left_on_every_member(model) -> None
     finally:
         for t in transports:
             await t.close()
-    assert served0 == served1 == 6
+    assert served0 == served1 == ("end", 6)
     assert tokens == ids[len(prompt) :]
     for got, exp in zip(rows, want, strict=True):
         torch.testing.assert_close(got, exp, atol=1e-4, rtol=1e-4)
     # The holders' KV never moved; only the master's slice grew.
     assert [c.num_blocks_of("r") for c in caches] == [3, 3, caches[2].blocks_needed(8 + 6)]
+
+
+async def test_a_new_master_joins_when_the_last_holder_is_full(model) -> None:
+    """Scale-up during decode: the master's cache fills after 4 new tokens; a third instance
+    joins as master and takes the new KV, the old master becomes a holder, no KV moves, and the
+    tokens stay one instance's."""
+    from services.worker.engine.kv_cache import OutOfBlocks
+    from services.worker.esp_exchange import (
+        accept_master,
+        decode_master_step,
+        end_decode,
+        hand_over,
+        join_as_master,
+        serve_holder,
+    )
+    from services.worker.model.esp import Shard
+
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(3, model.config.vocab_size, (16,), generator=g).tolist()
+    bounds, steps = [0, 8, 16], 9
+    ids = list(prompt)
+    for _ in range(steps + 1):
+        ids.append(int(model.forward(torch.tensor(ids))[-1].argmax()))
+    want = ids[len(prompt) :]
+    transports = [make_transport("tcp") for _ in range(3)]
+    for t in transports:
+        await t.start()
+    small = [KVCache.for_model(model.config, num_blocks=3, block_size=BLOCK, dtype=model.dtype) for _ in range(2)]
+    big = _cache(model)
+    addresses = [t.address() for t in transports]
+    handoff: asyncio.Queue = asyncio.Queue()
+
+    async def holder0():
+        links = await connect_group(transports[0], 0, addresses[:2], "g4", timeout_s=10)
+        await prefill_member(model, small[0], links, "r", prompt, bounds, timeout_s=10)
+        shard = Shard(small[0], "r", 0, 8)
+        first = await serve_holder(model, shard, links.later[1], timeout_s=10)
+        second = await serve_holder(model, shard, await accept_master(transports[0], "g4", timeout_s=10), timeout_s=10)
+        return first, second
+
+    async def old_master():
+        links = await connect_group(transports[1], 1, addresses[:2], "g4", timeout_s=10)
+        logits = await prefill_member(model, small[1], links, "r", prompt, bounds, timeout_s=10)
+        shard = Shard(small[1], "r", 8, 16)
+        tokens = [int(logits.argmax())]
+        while True:
+            try:
+                row = await decode_master_step(model, small[1], shard, links.earlier, tokens[-1], timeout_s=10)
+            except OutOfBlocks:
+                break
+            tokens.append(int(row.argmax()))
+        await hand_over(links.earlier, timeout_s=10)
+        await handoff.put((tokens, shard.end))
+        served = await serve_holder(model, shard, await accept_master(transports[1], "g4", timeout_s=10), timeout_s=10)
+        return tokens, served
+
+    async def new_master():
+        tokens, pos = await handoff.get()
+        holders = await join_as_master(transports[2], addresses[:2], "g4", timeout_s=10)
+        big.allocate("r", 0)
+        shard = Shard(big, "r", pos, pos)
+        tokens = list(tokens)
+        while len(tokens) < steps + 1:
+            row = await decode_master_step(model, big, shard, holders, tokens[-1], timeout_s=10)
+            tokens.append(int(row.argmax()))
+        await end_decode(holders, timeout_s=10)
+        return tokens, (shard.start, shard.end)
+
+    try:
+        first_second, (old_tokens, old_served), (tokens, span) = await asyncio.wait_for(
+            asyncio.gather(holder0(), old_master(), new_master()), 60
+        )
+    finally:
+        for t in transports:
+            await t.close()
+    assert len(old_tokens) == 5  # 4 steps filled the old master's 3 blocks (12 tokens)
+    assert first_second == (("handover", 4), ("end", 5)) and old_served == ("end", 5)
+    assert tokens == want
+    assert span == (20, 25) and small[1].num_blocks_of("r") == 3 and small[0].num_blocks_of("r") == 2
