@@ -91,6 +91,21 @@ KV_HANDOFFS = Counter(
 )
 
 
+def load_error_status(e: Exception, pm_address: str) -> tuple[grpc.StatusCode, str]:
+    """The status a failed load answers with, and the tail of its message: always a code of its
+    own (never UNKNOWN) and the error's type, so the manager's event says what went wrong (a data
+    plane error names its type: PeerUnreachable, ModelNotHeld, ChecksumMismatch...)."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        code = e.code() if e.code() != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL
+        return code, f" from {pm_address}: {e.code().name}: {e.details()}"
+    if isinstance(e, (InsufficientMemory, MemoryError)):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f": {type(e).__name__}: {e}"
+    if isinstance(e, (DataPlaneError, ValueError, TimeoutError)):
+        return grpc.StatusCode.FAILED_PRECONDITION, f": {type(e).__name__}: {e}"
+    # A bug, or an error of a library below us that slipped through: still typed.
+    return grpc.StatusCode.INTERNAL, f": unexpected {type(e).__module__}.{type(e).__name__}: {e}"
+
+
 def slo_refusal_message(instance_id: str, e: SLOUnattainable, slo: RequestSLO | None) -> str:
     """The details of an SLO refusal: the objective, its value as this worker got it, and why."""
     value = None if slo is None else (slo.ttft_s if e.slo == "ttft" else slo.tpot_s)
@@ -447,14 +462,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 plan = request.plan if request.HasField("plan") else None
                 async for progress in self.load(request.model_id, pm, plan):
                     yield progress
-            except grpc.aio.AioRpcError as e:
-                await context.abort(e.code(), f"loading {request.model_id!r} from {pm}: {e.details()}")
-            except InsufficientMemory as e:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"loading {request.model_id!r}: {e}")
-            except (DataPlaneError, ValueError, MemoryError, TimeoutError) as e:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"loading {request.model_id!r}: {type(e).__name__}: {e}"
-                )
+            except Exception as e:
+                code, detail = load_error_status(e, pm)
+                await context.abort(code, f"loading {request.model_id!r}{detail}")
 
     async def load(self, model_id: str, pm_address: str, plan: worker_pb2.TransferPlan | None = None):
         """Pull every group over the data plane (per `plan`, or sharded from the host caches);
