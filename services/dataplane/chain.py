@@ -107,6 +107,9 @@ _INLINE_DIGEST_BYTES: Final = 256 * 1024
 # A group whose bytes fail their checksum is fetched again this many times (corruption on the
 # wire is transient), from the same source, before the transfer fails with ChecksumMismatch.
 MAX_REFETCHES: Final = 2
+# A source that delivered bytes before its pull failed is asked again this many times.
+MAX_RESUMES: Final = 3
+_ROUND_BACKOFF_S: Final = 0.2  # before the fallbacks' second round
 # Errors that end a pull at once: no memory for the groups (about this receiver: no other
 # source can help), and a group still corrupt after MAX_REFETCHES fetches (its verification
 # failed for the whole session). After any other failure of an upstream (the transport's
@@ -685,12 +688,26 @@ class _ReceiveSession:
 
     # -- pulling ------------------------------------------------------------------------------
 
+    def _landed_total(self, indices: list[int]) -> int:
+        return sum(self.store.landed_bytes(gi) for gi in indices)
+
     async def run_pull(self, pull: Pull, indices: list[int]) -> None:
-        sources = (pull.address, *pull.fallbacks)
+        """Pull `indices` from `pull.address`, then from each fallback in turn after a failure.
+        A source that delivered bytes in the attempt that failed (a stall on a congested link,
+        not a dead peer) is asked again, up to MAX_RESUMES times; when every source has failed,
+        the fallbacks get one more round after `_ROUND_BACKOFF_S` (a UCX endpoint cancelled
+        under us by a peer's abort is gone by then)."""
+        sources = [pull.address, *pull.fallbacks]
+        resumes = dict.fromkeys(sources, 0)
+        second_round = list(pull.fallbacks)
         errors: list[str] = []
         last: BaseException | None = None
-        for attempt, address in enumerate(sources):
+        attempt = -1
+        while sources:
+            address = sources.pop(0)
+            attempt += 1
             label = address_label(address)
+            before = self._landed_total(indices)
             try:
                 if attempt:
                     missing = [
@@ -717,6 +734,12 @@ class _ReceiveSession:
             except Exception as exc:
                 errors.append(f"{label}: {type(exc).__name__}: {exc}")
                 last = exc
+                if self._landed_total(indices) > before and resumes.get(address, 0) < MAX_RESUMES:
+                    resumes[address] = resumes.get(address, 0) + 1
+                    sources.insert(0, address)  # it was delivering: ask it again first
+                elif not sources and second_round:
+                    sources, second_round = second_round, []
+                    await asyncio.sleep(_ROUND_BACKOFF_S)
         raise _every_source_failed(
             last, f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)
         )

@@ -508,6 +508,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         on_group_ready=on_ready,
                         budget_bytes=self.cfg.memory_budget_bytes or None,
                         stall_timeout_s=self.cfg.stall_timeout_s,
+                        # A source that died just before we connect (UCX sees no dead peer)
+                        # costs this long before the fallback, not the transport's 10 s.
+                        connect_timeout_s=min(_PULL_CONNECT_TIMEOUT_S, self.cfg.stall_timeout_s),
                         # On a GPU, groups land in pinned host memory: the copy to the device
                         # (in `load_group`, per group as it lands) then runs at full PCIe speed.
                         allocate=pinned_allocate if device.type == "cuda" else default_allocate,

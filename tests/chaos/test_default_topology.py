@@ -171,9 +171,8 @@ async def _settled(mesh: Mesh) -> bool:
 
 
 async def _streams_under_way(mesh: Mesh, watch: Watch, *, scale_out: bool) -> tuple[list[asyncio.Task[str]], list[int]]:
-    """40 streams started and, with `scale_out`, the scale-out they set off planned (some streams
-    are past their first token, others may still wait for theirs); without, each stream past its
-    first token. A TimeoutError otherwise."""
+    """40 streams started, some past their first token (the rest queued on the instance), and
+    with `scale_out` the scale-out they set off planned; a TimeoutError otherwise."""
     client = _client(mesh)
     counts = [[0] for _ in range(STREAMS)]
     started_s = watch.now()
@@ -183,9 +182,8 @@ async def _streams_under_way(mesh: Mesh, watch: Watch, *, scale_out: bool) -> tu
         await wait_until(
             lambda: watch.find("transfer_plan", after_s=started_s), 30, what="the autoscaler's scale-out plan"
         )
-        await wait_until(lambda: any(c[0] >= 1 for c in counts), 30, what="a stream past its first token")
-    else:
-        await wait_until(lambda: all(c[0] >= 1 for c in counts), 60, what="40 streams past their first token")
+    # Streaming: one instance runs a batch of them and queues the rest (in flight too).
+    await wait_until(lambda: any(c[0] >= 1 for c in counts), 30, what="a stream past its first token")
     done = [t for t in tasks if t.done()]
     assert not done, f"{len(done)} streams ended before the fault (nothing would be in flight): " + repr(
         [t.exception() or len(t.result()) for t in done][:3]
@@ -287,7 +285,8 @@ async def _kill_at_plan(mesh: Mesh, pick: str) -> dict[str, Any]:
             "victim": victim,
             "targets": targets,
             "loads": loads,
-            "rolled_back": watch.find("scale_out", "rolled_back"),
+            # The killed hop's own load fails and is rolled back: that is the fault, not a loss.
+            "rolled_back": [e for e in watch.find("scale_out", "rolled_back") if e["instance_id"] != victim],
             "failed": watch.find("load_result", "failed"),
             "stream_errors": [repr(r) for r in results if isinstance(r, BaseException)],
             "final": await _states(mesh),
