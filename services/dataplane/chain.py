@@ -109,7 +109,15 @@ _INLINE_DIGEST_BYTES: Final = 256 * 1024
 MAX_REFETCHES: Final = 2
 # A source that delivered bytes before its pull failed is asked again this many times.
 MAX_RESUMES: Final = 3
-_ROUND_BACKOFF_S: Final = 0.2  # before the fallbacks' second round
+# What a worker's load passes as `fallback_rounds`: when every source of a pull failed, the
+# fallbacks (host caches, which do not go away; the source itself for a pull straight from a
+# host cache) are tried again, this many more rounds, after a backoff doubling from
+# _ROUND_BACKOFF_S (12.6 s in all). Seen in the chaos suite: right after a worker was
+# SIGKILLed, new UCX connections to a host cache were cancelled at once ("Request canceled")
+# for several seconds. The load's own timeout bounds it all.
+FALLBACK_ROUNDS: Final = 6
+_ROUND_BACKOFF_S: Final = 0.2
+_RESUME_BACKOFF_S: Final = 0.2  # before asking again a source that was delivering
 # Errors that end a pull at once: no memory for the groups (about this receiver: no other
 # source can help), and a group still corrupt after MAX_REFETCHES fetches (its verification
 # failed for the whole session). After any other failure of an upstream (the transport's
@@ -592,8 +600,10 @@ class _ReceiveSession:
         stall_timeout_s: float,
         connect_timeout_s: float,
         window_chunks: int,
+        fallback_rounds: int = 0,
     ) -> None:
         self.transport = transport
+        self._fallback_rounds = fallback_rounds
         self.store = store
         self.manifest = store.manifest
         self._allocate = allocate
@@ -695,11 +705,11 @@ class _ReceiveSession:
         """Pull `indices` from `pull.address`, then from each fallback in turn after a failure.
         A source that delivered bytes in the attempt that failed (a stall on a congested link,
         not a dead peer) is asked again, up to MAX_RESUMES times; when every source has failed,
-        the fallbacks get one more round after `_ROUND_BACKOFF_S` (a UCX endpoint cancelled
-        under us by a peer's abort is gone by then)."""
+        the fallbacks get up to `fallback_rounds` more rounds, with a doubling backoff."""
         sources = [pull.address, *pull.fallbacks]
+        again = list(pull.fallbacks) or [pull.address]
         resumes = dict.fromkeys(sources, 0)
-        second_round = list(pull.fallbacks)
+        rounds, backoff_s = 0, _ROUND_BACKOFF_S
         errors: list[str] = []
         last: BaseException | None = None
         attempt = -1
@@ -737,9 +747,12 @@ class _ReceiveSession:
                 if self._landed_total(indices) > before and resumes.get(address, 0) < MAX_RESUMES:
                     resumes[address] = resumes.get(address, 0) + 1
                     sources.insert(0, address)  # it was delivering: ask it again first
-                elif not sources and second_round:
-                    sources, second_round = second_round, []
-                    await asyncio.sleep(_ROUND_BACKOFF_S)
+                    await asyncio.sleep(_RESUME_BACKOFF_S)
+                elif not sources and rounds < self._fallback_rounds:
+                    rounds += 1
+                    sources = list(again)
+                    await asyncio.sleep(backoff_s)
+                    backoff_s *= 2
         raise _every_source_failed(
             last, f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)
         )
@@ -884,9 +897,12 @@ async def receive_groups(
     stall_timeout_s: float = 10.0,
     connect_timeout_s: float = 10.0,
     window_chunks: int = 4,
+    fallback_rounds: int = 0,
 ) -> TransferResult:
     """Receive groups of one model from one or more sources, concurrently (sharded transfer,
     all-gather), into `target` (a store, or a manifest to make a new one from).
+    `fallback_rounds`: how many more rounds a pull whose every source failed gives its
+    fallbacks (see FALLBACK_ROUNDS); 0, one pass over the sources.
 
     Each `Pull` names a source, its groups (disjoint across pulls) and its fallbacks. With a
     `server`, the store is published first so that downstream hops can pull from us while we
@@ -930,6 +946,7 @@ async def receive_groups(
         stall_timeout_s=stall_timeout_s,
         connect_timeout_s=connect_timeout_s,
         window_chunks=window_chunks,
+        fallback_rounds=fallback_rounds,
     )
     for gi in wanted:
         if manifest.groups[gi].size_bytes == 0 and not store.is_ready(gi):

@@ -18,7 +18,14 @@ from blitzmesh.types import InstanceInfo, InstanceState, LoadReport
 from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
 from services.common.server import ServeContext
-from services.dataplane.chain import GroupServer, GroupStore, TransferResult, default_allocate, receive_groups
+from services.dataplane.chain import (
+    FALLBACK_ROUNDS,
+    GroupServer,
+    GroupStore,
+    TransferResult,
+    default_allocate,
+    receive_groups,
+)
 from services.dataplane.errors import DataPlaneError, InsufficientMemory
 from services.dataplane.faults import maybe_corrupting
 from services.dataplane.manifest import Manifest
@@ -511,6 +518,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         # A source that died just before we connect (UCX sees no dead peer)
                         # costs this long before the fallback, not the transport's 10 s.
                         connect_timeout_s=min(_PULL_CONNECT_TIMEOUT_S, self.cfg.stall_timeout_s),
+                        fallback_rounds=FALLBACK_ROUNDS,
                         # On a GPU, groups land in pinned host memory: the copy to the device
                         # (in `load_group`, per group as it lands) then runs at full PCIe speed.
                         allocate=pinned_allocate if device.type == "cuda" else default_allocate,
