@@ -112,11 +112,12 @@ MAX_RESUMES: Final = 3
 # What a worker's load passes as `fallback_rounds`: when every source of a pull failed, the
 # fallbacks (host caches, which do not go away; the source itself for a pull straight from a
 # host cache) are tried again, this many more rounds, after a backoff doubling from
-# _ROUND_BACKOFF_S (12.6 s in all). Seen in the chaos suite: right after a worker was
-# SIGKILLed, new UCX connections to a host cache were cancelled at once ("Request canceled")
-# for several seconds. The load's own timeout bounds it all.
-FALLBACK_ROUNDS: Final = 6
+# _ROUND_BACKOFF_S up to _ROUND_BACKOFF_MAX_S (22.2 s of backoff in all). Seen in the chaos
+# suite: after a worker was SIGKILLed, a host cache's UCX connections stalled or were cancelled
+# at once ("Request canceled") for up to about 20 s. The load's own timeout bounds it all.
+FALLBACK_ROUNDS: Final = 10
 _ROUND_BACKOFF_S: Final = 0.2
+_ROUND_BACKOFF_MAX_S: Final = 3.2
 _RESUME_BACKOFF_S: Final = 0.2  # before asking again a source that was delivering
 # Errors that end a pull at once: no memory for the groups (about this receiver: no other
 # source can help), and a group still corrupt after MAX_REFETCHES fetches (its verification
@@ -752,7 +753,7 @@ class _ReceiveSession:
                     rounds += 1
                     sources = list(again)
                     await asyncio.sleep(backoff_s)
-                    backoff_s *= 2
+                    backoff_s = min(_ROUND_BACKOFF_MAX_S, backoff_s * 2)
         raise _every_source_failed(
             last, f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)
         )

@@ -291,8 +291,18 @@ async def _kill_at_plan(mesh: Mesh, pick: str) -> dict[str, Any]:
             "victim": victim,
             "targets": targets,
             "loads": loads,
-            # The killed hop's own load fails and is rolled back: that is the fault, not a loss.
-            "rolled_back": [e for e in watch.find("scale_out", "rolled_back") if e["instance_id"] != victim],
+            # Rollbacks of the chain's targets before they served (the killed hop's own load
+            # fails: that is the fault; later scale-outs by the autoscaler are not this plan's).
+            "rolled_back": [
+                e
+                for e in watch.find("scale_out", "rolled_back")
+                if e["instance_id"] in targets
+                and e["t_s"]
+                < min(
+                    (x["t_s"] for x in watch.find("load_result", "ok") if x["instance_id"] == e["instance_id"]),
+                    default=float("inf"),
+                )
+            ],
             "failed": watch.find("load_result", "failed"),
             "stream_errors": [repr(r) for r in results if isinstance(r, BaseException)],
             "final": await _states(mesh),
