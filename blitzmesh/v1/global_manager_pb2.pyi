@@ -313,3 +313,54 @@ class Route(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Route: _TypeAlias = Route  # noqa: Y015
+
+@_typing.final
+class ReportInstanceFailureRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    REPORTER_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    reason: _builtins.str
+    """what the reporter saw, e.g. "UNAVAILABLE: Socket closed" """
+    reporter: _builtins.str
+    """who reports (a gateway), for the event log"""
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        reporter: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "reason", b"reason", "reporter", b"reporter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportInstanceFailureRequest: _TypeAlias = ReportInstanceFailureRequest  # noqa: Y015
+
+@_typing.final
+class ReportInstanceFailureResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KNOWN_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    known: _builtins.bool
+    """False when the manager does not know the instance (it left, or re-registered since)."""
+    state: _common_pb2.InstanceState.ValueType
+    """The instance's state as the manager now sees it (SERVING but suspect, LOST, ...)."""
+    def __init__(
+        self,
+        *,
+        known: _builtins.bool = ...,
+        state: _common_pb2.InstanceState.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known", b"known", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportInstanceFailureResponse: _TypeAlias = ReportInstanceFailureResponse  # noqa: Y015

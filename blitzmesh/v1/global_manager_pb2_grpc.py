@@ -55,6 +55,11 @@ class GlobalManagerStub:
                 request_serializer=blitzmesh_dot_v1_dot_global__manager__pb2.ScheduleRequest.SerializeToString,
                 response_deserializer=blitzmesh_dot_v1_dot_global__manager__pb2.Route.FromString,
                 _registered_method=True)
+        self.ReportInstanceFailure = channel.unary_unary(
+                '/blitzmesh.v1.GlobalManager/ReportInstanceFailure',
+                request_serializer=blitzmesh_dot_v1_dot_global__manager__pb2.ReportInstanceFailureRequest.SerializeToString,
+                response_deserializer=blitzmesh_dot_v1_dot_global__manager__pb2.ReportInstanceFailureResponse.FromString,
+                _registered_method=True)
         self.GetCluster = channel.unary_unary(
                 '/blitzmesh.v1.GlobalManager/GetCluster',
                 request_serializer=blitzmesh_dot_v1_dot_admin__pb2.GetClusterRequest.SerializeToString,
@@ -106,6 +111,14 @@ class GlobalManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportInstanceFailure(self, request, context):
+        """The gateway saw an instance fail (its stream broke, it refused to connect, it stalled): the
+        manager marks it suspect at once (no route, no transfer source, not capacity) and checks it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetCluster(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -152,6 +165,11 @@ def add_GlobalManagerServicer_to_server(servicer, server):
                     servicer.Schedule,
                     request_deserializer=blitzmesh_dot_v1_dot_global__manager__pb2.ScheduleRequest.FromString,
                     response_serializer=blitzmesh_dot_v1_dot_global__manager__pb2.Route.SerializeToString,
+            ),
+            'ReportInstanceFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportInstanceFailure,
+                    request_deserializer=blitzmesh_dot_v1_dot_global__manager__pb2.ReportInstanceFailureRequest.FromString,
+                    response_serializer=blitzmesh_dot_v1_dot_global__manager__pb2.ReportInstanceFailureResponse.SerializeToString,
             ),
             'GetCluster': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCluster,
@@ -282,6 +300,33 @@ class GlobalManager:
             '/blitzmesh.v1.GlobalManager/Schedule',
             blitzmesh_dot_v1_dot_global__manager__pb2.ScheduleRequest.SerializeToString,
             blitzmesh_dot_v1_dot_global__manager__pb2.Route.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportInstanceFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blitzmesh.v1.GlobalManager/ReportInstanceFailure',
+            blitzmesh_dot_v1_dot_global__manager__pb2.ReportInstanceFailureRequest.SerializeToString,
+            blitzmesh_dot_v1_dot_global__manager__pb2.ReportInstanceFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

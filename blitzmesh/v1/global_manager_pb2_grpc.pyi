@@ -42,6 +42,10 @@ class GlobalManagerStub:
     DeregisterInstance: _grpc.UnaryUnaryMultiCallable[_global_manager_pb2.DeregisterInstanceRequest, _global_manager_pb2.DeregisterInstanceResponse]
     Schedule: _grpc.UnaryUnaryMultiCallable[_global_manager_pb2.ScheduleRequest, _global_manager_pb2.Route]
     """Execution scheduler: where should this request run?"""
+    ReportInstanceFailure: _grpc.UnaryUnaryMultiCallable[_global_manager_pb2.ReportInstanceFailureRequest, _global_manager_pb2.ReportInstanceFailureResponse]
+    """The gateway saw an instance fail (its stream broke, it refused to connect, it stalled): the
+    manager marks it suspect at once (no route, no transfer source, not capacity) and checks it.
+    """
     GetCluster: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetClusterRequest, _admin_pb2.ClusterState]
     Scale: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ScaleRequest, _admin_pb2.ScaleResponse]
     SetPolicy: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetPolicyRequest, _admin_pb2.SetPolicyResponse]
@@ -56,6 +60,10 @@ class GlobalManagerAsyncStub(GlobalManagerStub):
     DeregisterInstance: _aio.UnaryUnaryMultiCallable[_global_manager_pb2.DeregisterInstanceRequest, _global_manager_pb2.DeregisterInstanceResponse]  # type: ignore[assignment]
     Schedule: _aio.UnaryUnaryMultiCallable[_global_manager_pb2.ScheduleRequest, _global_manager_pb2.Route]  # type: ignore[assignment]
     """Execution scheduler: where should this request run?"""
+    ReportInstanceFailure: _aio.UnaryUnaryMultiCallable[_global_manager_pb2.ReportInstanceFailureRequest, _global_manager_pb2.ReportInstanceFailureResponse]  # type: ignore[assignment]
+    """The gateway saw an instance fail (its stream broke, it refused to connect, it stalled): the
+    manager marks it suspect at once (no route, no transfer source, not capacity) and checks it.
+    """
     GetCluster: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetClusterRequest, _admin_pb2.ClusterState]  # type: ignore[assignment]
     Scale: _aio.UnaryUnaryMultiCallable[_admin_pb2.ScaleRequest, _admin_pb2.ScaleResponse]  # type: ignore[assignment]
     SetPolicy: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetPolicyRequest, _admin_pb2.SetPolicyResponse]  # type: ignore[assignment]
@@ -91,6 +99,16 @@ class GlobalManagerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_global_manager_pb2.Route, _abc.Awaitable[_global_manager_pb2.Route]]:
         """Execution scheduler: where should this request run?"""
+
+    @_abc_1.abstractmethod
+    def ReportInstanceFailure(
+        self,
+        request: _global_manager_pb2.ReportInstanceFailureRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_global_manager_pb2.ReportInstanceFailureResponse, _abc.Awaitable[_global_manager_pb2.ReportInstanceFailureResponse]]:
+        """The gateway saw an instance fail (its stream broke, it refused to connect, it stalled): the
+        manager marks it suspect at once (no route, no transfer source, not capacity) and checks it.
+        """
 
     @_abc_1.abstractmethod
     def GetCluster(

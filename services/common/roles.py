@@ -37,6 +37,8 @@ PERMISSIONS: Final[dict[str, dict[str, frozenset[str]]]] = {
         "DeregisterInstance": frozenset({WORKER}),
         # Routing: only the gateway asks where a request goes.
         "Schedule": frozenset({GATEWAY}),
+        # A gateway reports an instance it saw fail (suspect at once, routed around).
+        "ReportInstanceFailure": frozenset({GATEWAY}),
         # Cluster state and control: the gateway forwards its Admin API (after its admin key
         # check) and the operator's tools call them directly.
         "GetCluster": frozenset({GATEWAY, ADMIN}),

@@ -23,9 +23,11 @@ Pulls (rather than pushes) make the other cases the same code:
 A group becomes *usable* only when all its bytes have landed and its checksum matches the
 manifest: then `on_group_ready(name)` runs (in the event loop, in completion order; use
 `GroupStore.ready_prefix()` for "the first k layers are in"). Nothing else is ever marked
-usable. Failures are typed: `ManifestMismatch` (the source serves another model or another
-manifest), `ChecksumMismatch`, `TransferTimeout` / `PeerClosed` (every source of a pull failed),
-`InsufficientMemory` (over `budget_bytes`, or allocation failed).
+usable. Failures are typed: `ManifestMismatch` (the source serves another manifest: a digest
+mismatch), `ModelNotHeld` (it does not hold the model: dropped, answered at once, or never had
+it), `ChecksumMismatch`, `TransferTimeout` / `PeerClosed` / `PeerUnreachable` (every source of a
+pull failed), `InsufficientMemory` (over `budget_bytes`, or allocation failed). Every failure
+of an upstream but those last two moves the pull on to its next source (`_FINAL`).
 
 Worker-side use::
 
@@ -66,7 +68,7 @@ from .errors import (
     DataPlaneError,
     InsufficientMemory,
     ManifestMismatch,
-    PeerClosed,
+    ModelNotHeld,
     ProtocolError,
     SourceUnavailable,
     TransferTimeout,
@@ -105,8 +107,24 @@ _INLINE_DIGEST_BYTES: Final = 256 * 1024
 # A group whose bytes fail their checksum is fetched again this many times (corruption on the
 # wire is transient), from the same source, before the transfer fails with ChecksumMismatch.
 MAX_REFETCHES: Final = 2
-# Errors after which the next source of a pull is tried; anything else ends the transfer.
-_RETRYABLE: Final = (TransferTimeout, PeerClosed, ProtocolError, UpstreamAborted, SourceUnavailable, OSError)
+# A source that delivered bytes before its pull failed is asked again this many times.
+MAX_RESUMES: Final = 3
+# What a worker's load passes as `fallback_rounds`: when every source of a pull failed, the
+# fallbacks (host caches, which do not go away; the source itself for a pull straight from a
+# host cache) are tried again, this many more rounds, after a backoff doubling from
+# _ROUND_BACKOFF_S up to _ROUND_BACKOFF_MAX_S (22.2 s of backoff in all). Seen in the chaos
+# suite: after a worker was SIGKILLed, a host cache's UCX connections stalled or were cancelled
+# at once ("Request canceled") for up to about 20 s. The load's own timeout bounds it all.
+FALLBACK_ROUNDS: Final = 10
+_ROUND_BACKOFF_S: Final = 0.2
+_ROUND_BACKOFF_MAX_S: Final = 3.2
+_RESUME_BACKOFF_S: Final = 0.2  # before asking again a source that was delivering
+# Errors that end a pull at once: no memory for the groups (about this receiver: no other
+# source can help), and a group still corrupt after MAX_REFETCHES fetches (its verification
+# failed for the whole session). After any other failure of an upstream (the transport's
+# errors, a source that does not hold the model, a manifest it got wrong, an error nobody
+# foresaw) the next source of the pull (a host-cache fallback) is tried.
+_FINAL: Final = (InsufficientMemory, ChecksumMismatch)
 
 Allocate = Callable[[GroupEntry], Any]
 OnGroupReady = Callable[[str], None]
@@ -306,7 +324,9 @@ class GroupServer:
     """Serves published `GroupStore`s to receivers that connect to this process's transport.
 
     One per process (it owns `transport.accept()`). A request for a model not published yet
-    waits up to `publish_wait_s` (a downstream hop may ask before we got our LoadParameters).
+    waits up to `publish_wait_s` (a downstream hop may ask before we got our LoadParameters);
+    one for a model this process dropped (its load failed, it was unloaded) is answered
+    "not_held" at once, and so is a request still waiting when the model is dropped.
     A chunk not landed yet is waited for up to `land_timeout_s`; a send not taken within
     `send_timeout_s` ends that stream (the receiver is gone).
     """
@@ -331,6 +351,7 @@ class GroupServer:
         self._request_timeout_s = request_timeout_s
         self._stores: dict[str, GroupStore] = {}
         self._published: dict[str, asyncio.Event] = {}
+        self._dropped: set[str] = set()  # models published here once and dropped since
         self._ops: dict[str, OpHandler] = {}
         self._accept_task: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[None]] = set()
@@ -345,6 +366,7 @@ class GroupServer:
     def publish(self, store: GroupStore) -> None:
         """Offer `store` (complete or filling) to receivers; replaces a store of the same model."""
         self._stores[store.model_id] = store
+        self._dropped.discard(store.model_id)
         self._published.setdefault(store.model_id, asyncio.Event()).set()
 
     def register_op(self, op: str, handler: OpHandler) -> None:
@@ -365,10 +387,13 @@ class GroupServer:
         self._ops.pop(op, None)
 
     def unpublish(self, model_id: str) -> None:
-        self._stores.pop(model_id, None)
+        """Stop serving `model_id`: requests for it (and those waiting for it) are answered
+        "not_held" at once, until it is published again."""
+        if self._stores.pop(model_id, None) is not None:
+            self._dropped.add(model_id)
         ev = self._published.pop(model_id, None)
         if ev is not None:
-            ev.clear()
+            ev.set()  # wakes the requests waiting for it: they find it dropped
 
     async def close(self) -> None:
         tasks = [t for t in (self._accept_task, *self._handlers) if t is not None]
@@ -386,7 +411,7 @@ class GroupServer:
             task.add_done_callback(self._handlers.discard)
 
     async def _store_for(self, model_id: str) -> GroupStore | None:
-        if model_id not in self._stores:
+        if model_id not in self._stores and model_id not in self._dropped:
             ev = self._published.setdefault(model_id, asyncio.Event())
             try:
                 await asyncio.wait_for(ev.wait(), self._publish_wait_s)
@@ -415,12 +440,15 @@ class GroupServer:
             model_id = str(req.get("model_id"))
             store = await self._store_for(model_id)
             if store is None:
+                dropped = model_id in self._dropped
                 await ep.send_msg(
                     _encode(
                         {
                             "ok": False,
-                            "kind": "unknown_model",
-                            "error": f"model {model_id!r} is not served here (serves {sorted(self._stores)})",
+                            "kind": "not_held" if dropped else "unknown_model",
+                            "error": f"model {model_id!r} is not served here"
+                            + (" (dropped)" if dropped else f" (waited {self._publish_wait_s}s for it)")
+                            + f" (serves {sorted(self._stores)})",
                         }
                     ),
                     CONTROL_TAG,
@@ -573,8 +601,10 @@ class _ReceiveSession:
         stall_timeout_s: float,
         connect_timeout_s: float,
         window_chunks: int,
+        fallback_rounds: int = 0,
     ) -> None:
         self.transport = transport
+        self._fallback_rounds = fallback_rounds
         self.store = store
         self.manifest = store.manifest
         self._allocate = allocate
@@ -669,12 +699,26 @@ class _ReceiveSession:
 
     # -- pulling ------------------------------------------------------------------------------
 
+    def _landed_total(self, indices: list[int]) -> int:
+        return sum(self.store.landed_bytes(gi) for gi in indices)
+
     async def run_pull(self, pull: Pull, indices: list[int]) -> None:
-        sources = (pull.address, *pull.fallbacks)
+        """Pull `indices` from `pull.address`, then from each fallback in turn after a failure.
+        A source that delivered bytes in the attempt that failed (a stall on a congested link,
+        not a dead peer) is asked again, up to MAX_RESUMES times; when every source has failed,
+        the fallbacks get up to `fallback_rounds` more rounds, with a doubling backoff."""
+        sources = [pull.address, *pull.fallbacks]
+        again = list(pull.fallbacks) or [pull.address]
+        resumes = dict.fromkeys(sources, 0)
+        rounds, backoff_s = 0, _ROUND_BACKOFF_S
         errors: list[str] = []
         last: BaseException | None = None
-        for attempt, address in enumerate(sources):
+        attempt = -1
+        while sources:
+            address = sources.pop(0)
+            attempt += 1
             label = address_label(address)
+            before = self._landed_total(indices)
             try:
                 if attempt:
                     missing = [
@@ -696,14 +740,23 @@ class _ReceiveSession:
                     if all(self.store.landed_bytes(gi) >= self.manifest.groups[gi].size_bytes for gi in indices):
                         return
                     await self._pull_once(address, label, indices)
-            except _RETRYABLE as exc:
+            except _FINAL:
+                raise
+            except Exception as exc:
                 errors.append(f"{label}: {type(exc).__name__}: {exc}")
                 last = exc
-        if isinstance(last, DataPlaneError):
-            raise type(last)(
-                f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)
-            ) from last
-        raise PeerClosed(f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)) from last
+                if self._landed_total(indices) > before and resumes.get(address, 0) < MAX_RESUMES:
+                    resumes[address] = resumes.get(address, 0) + 1
+                    sources.insert(0, address)  # it was delivering: ask it again first
+                    await asyncio.sleep(_RESUME_BACKOFF_S)
+                elif not sources and rounds < self._fallback_rounds:
+                    rounds += 1
+                    sources = list(again)
+                    await asyncio.sleep(backoff_s)
+                    backoff_s = min(_ROUND_BACKOFF_MAX_S, backoff_s * 2)
+        raise _every_source_failed(
+            last, f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)
+        )
 
     async def _pull_once(self, address: bytes, label: str, indices: list[int]) -> None:
         todo = [
@@ -800,8 +853,8 @@ class _ReceiveSession:
         if resp.get("ok") is True:
             return
         kind, error = resp.get("kind"), resp.get("error", "")
-        if kind == "unknown_model":
-            raise ManifestMismatch(f"{label}: {error}")
+        if kind in ("unknown_model", "not_held"):
+            raise ModelNotHeld(f"{label}: {error}")
         if kind == "manifest_mismatch":
             detail = None
             try:
@@ -816,6 +869,23 @@ class _ReceiveSession:
         raise ProtocolError(f"unexpected response from {label}: {resp!r:.200}")
 
 
+def _every_source_failed(last: BaseException | None, message: str) -> DataPlaneError:
+    """The error of a pull whose every source failed: of the last failure's data-plane type
+    (ChecksumMismatch keeps its group and digests), a TransportError for anything else."""
+    error: DataPlaneError
+    if isinstance(last, ChecksumMismatch):
+        error = ChecksumMismatch(message, group=last.group, expected=last.expected, actual=last.actual)
+    elif isinstance(last, DataPlaneError):
+        try:
+            error = type(last)(message)
+        except TypeError:  # a subclass with its own constructor
+            error = TransportError(message)
+    else:
+        error = TransportError(message)
+    error.__cause__ = last
+    return error
+
+
 async def receive_groups(
     transport: Transport,
     target: Manifest | GroupStore,
@@ -828,9 +898,12 @@ async def receive_groups(
     stall_timeout_s: float = 10.0,
     connect_timeout_s: float = 10.0,
     window_chunks: int = 4,
+    fallback_rounds: int = 0,
 ) -> TransferResult:
     """Receive groups of one model from one or more sources, concurrently (sharded transfer,
     all-gather), into `target` (a store, or a manifest to make a new one from).
+    `fallback_rounds`: how many more rounds a pull whose every source failed gives its
+    fallbacks (see FALLBACK_ROUNDS); 0, one pass over the sources.
 
     Each `Pull` names a source, its groups (disjoint across pulls) and its fallbacks. With a
     `server`, the store is published first so that downstream hops can pull from us while we
@@ -874,6 +947,7 @@ async def receive_groups(
         stall_timeout_s=stall_timeout_s,
         connect_timeout_s=connect_timeout_s,
         window_chunks=window_chunks,
+        fallback_rounds=fallback_rounds,
     )
     for gi in wanted:
         if manifest.groups[gi].size_bytes == 0 and not store.is_ready(gi):
@@ -1000,5 +1074,7 @@ async def fetch_manifest(transport: Transport, address: bytes, model_id: str, *,
         raise
     await ep.close()
     if resp.get("ok") is not True:
+        if resp.get("kind") in ("unknown_model", "not_held"):
+            raise ModelNotHeld(f"{label}: {resp.get('error', resp)}")
         raise ManifestMismatch(f"{label}: {resp.get('error', resp)}")
     return Manifest.from_dict(resp["manifest"])

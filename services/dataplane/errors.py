@@ -8,7 +8,9 @@ __all__ = [
     "InsufficientMemory",
     "ManifestError",
     "ManifestMismatch",
+    "ModelNotHeld",
     "PeerClosed",
+    "PeerUnreachable",
     "ProtocolError",
     "SourceUnavailable",
     "TransferTimeout",
@@ -27,7 +29,7 @@ class ManifestError(DataPlaneError, ValueError):
 
 
 class ManifestMismatch(DataPlaneError):
-    """A source serves a different model or a different manifest than the receiver expects."""
+    """A source serves a different manifest (another digest) than the receiver expects."""
 
 
 class ChecksumMismatch(DataPlaneError):
@@ -60,6 +62,12 @@ class PeerClosed(TransportError, ConnectionError):
     """The peer closed the connection (or died) while a message was expected."""
 
 
+class PeerUnreachable(PeerClosed):
+    """No connection to the peer could be made: its address is dead (the process is gone, or
+    restarted with another address) or the transport refused it. Raised at the transport
+    boundary in place of the transport library's own errors (e.g. every `ucxx` error)."""
+
+
 class ProtocolError(TransportError):
     """A peer sent a message that breaks the framing or the request/response protocol."""
 
@@ -70,3 +78,8 @@ class UpstreamAborted(TransportError):
 
 class SourceUnavailable(TransportError):
     """A source does not hold (and does not expect) a requested group."""
+
+
+class ModelNotHeld(SourceUnavailable):
+    """A source does not hold the model at all: it dropped it (its own load failed, it was
+    unloaded) or never had it. Answered at once, and retryable: the next source is tried."""

@@ -51,7 +51,7 @@ from ucxx._lib_async import application_context as _ucxx_app
 from ucxx.types import Tag, TagMaskFull
 
 from .buffers import as_uint8_array
-from .errors import PeerClosed, ProtocolError, TransferTimeout, TransportError
+from .errors import DataPlaneError, PeerClosed, PeerUnreachable, ProtocolError, TransferTimeout, TransportError
 from .transport import Endpoint, Transport, address_kind, check_tag
 
 __all__ = ["UcxTransport", "ucx_version"]
@@ -80,6 +80,16 @@ _ABORT_PERIOD_NS: Final = 100_000_000  # how long abort may wait on UCX internal
 SAFE_TLS: Final = "^cma"
 
 _active_transport: UcxTransport | None = None
+
+
+def _translate(exc: BaseException, what: str) -> TransportError:
+    """A `ucxx` error (or any other non-data-plane error from the library) as the data plane's
+    own type, so callers see only those: nothing of ucxx leaves this module. A dead peer shows
+    up as many things (UCXXShmemSegmentError, UCXXUnreachableError, UCXXConnectionResetError,
+    UCXXCanceledError...); all of them mean the peer cannot be talked to."""
+    if isinstance(exc, ucxx.exceptions.UCXMessageTruncatedError):
+        return ProtocolError(f"{what}: {type(exc).__name__}: {exc}")
+    return PeerUnreachable(f"{what}: {type(exc).__name__}: {exc}")
 
 
 def ucx_version() -> str:
@@ -258,9 +268,12 @@ class _UcxEndpoint(Endpoint):
         except asyncio.CancelledError:
             self.abort()
             raise
-        except ucxx.exceptions.UCXError as exc:
+        except DataPlaneError:
             self.abort()
-            raise PeerClosed(f"send to {self.peer} failed: {exc}") from exc
+            raise
+        except Exception as exc:  # every ucxx error
+            self.abort()
+            raise PeerClosed(f"send to {self.peer} failed: {type(exc).__name__}: {exc}") from exc
 
     async def _recv_raw(self, arr: np.ndarray, tag: int, timeout_s: float | None) -> None:
         if self.closed:
@@ -281,9 +294,12 @@ class _UcxEndpoint(Endpoint):
             raise ProtocolError(
                 f"message with tag {tag - _USER_TAG_BASE} from {self.peer} is larger than the {arr.nbytes}-byte buffer"
             ) from exc
-        except ucxx.exceptions.UCXError as exc:
+        except DataPlaneError:
             self.abort()
-            raise PeerClosed(f"receive from {self.peer} failed: {exc}") from exc
+            raise
+        except Exception as exc:  # every other ucxx error
+            self.abort()
+            raise PeerClosed(f"receive from {self.peer} failed: {type(exc).__name__}: {exc}") from exc
 
     async def send(self, buffer: Any, tag: int, *, timeout_s: float | None = None) -> None:
         arr = as_uint8_array(buffer, writable=False)
@@ -401,9 +417,14 @@ class UcxTransport(Transport):
         async with lock:
             peer = self._peers.get(worker_address)
             if peer is None:
-                ep = await ucxx.create_endpoint_from_worker_address(
-                    ucxx.get_ucx_address_from_buffer(worker_address), endpoint_error_handling=False
-                )
+                try:
+                    ep = await ucxx.create_endpoint_from_worker_address(
+                        ucxx.get_ucx_address_from_buffer(worker_address), endpoint_error_handling=False
+                    )
+                except (asyncio.CancelledError, DataPlaneError):
+                    raise
+                except Exception as exc:  # every ucxx error (and a malformed address) is ours
+                    raise _translate(exc, "cannot open a UCX endpoint to the peer") from exc
                 peer = self._peers[worker_address] = _Peer(ep, worker_address, self)
         return peer
 
@@ -459,9 +480,12 @@ class UcxTransport(Transport):
         except TimeoutError:
             endpoint.abort()
             raise TransferTimeout(f"UCX peer did not answer the handshake within {timeout_s}s") from None
-        except BaseException:
+        except (asyncio.CancelledError, DataPlaneError):
             endpoint.abort()
             raise
+        except Exception as exc:  # a ucxx error posting or completing the hello
+            endpoint.abort()
+            raise _translate(exc, f"UCX handshake with {endpoint.peer} failed") from exc
         return endpoint
 
     async def accept(self, *, timeout_s: float | None = None) -> Endpoint:
@@ -485,7 +509,7 @@ class UcxTransport(Transport):
             bye[:4] = np.frombuffer(_BYE_MAGIC, np.uint8)
             await asyncio.wait_for(self._send(me.ep, bye, _ACCEPT_TAG), 2.0)
             await asyncio.wait_for(asyncio.shield(task), 2.0)
-        except (TimeoutError, ucxx.exceptions.UCXError) as exc:
+        except (TimeoutError, DataPlaneError, ucxx.exceptions.UCXError) as exc:
             log.warning("dataplane_ucx_stop_accepting_failed", error=repr(exc))
 
     async def close(self) -> None:

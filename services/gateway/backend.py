@@ -83,6 +83,22 @@ _ABORT_TIMEOUT_S = 2.0
 _WATCH_BACKOFF_MIN_S = 0.2
 _WATCH_BACKOFF_MAX_S = 5.0
 _LOST_ACTION = "instance_lost"  # the manager's ClusterEvent.action for an instance gone silent
+_REGISTERED_ACTION = "instance_registered"  # ... for a worker (re)starting: a new incarnation
+# Worker failures the manager hears of (ReportInstanceFailure): the instance itself broke or
+# went away. Back-pressure (RESOURCE_EXHAUSTED) and a drain (ABORTED) are not failures.
+_REPORTED = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
+_REPORT_TIMEOUT_S = 2.0
+_REPORT_EVERY_S = 1.0  # one report per instance per this long, however many streams broke at once
+_SCHEDULE_BACKOFF_MAX_S = 0.5
 # Times one request may be released from a queue for rebalancing (each move is a re-route).
 _MAX_MOVES = 3
 _HEALTH_TIMEOUT_S = 2.0
@@ -207,6 +223,10 @@ class Backend:
         # Streams open on each instance (by id), ended when the manager marks it LOST.
         self._open: dict[str, set[_LostGuard]] = {}
         self._watch: asyncio.Task[None] | None = None
+        # Registrations seen per instance id (the cluster-event watch): an exclusion made before
+        # an instance restarted does not keep a request off the new incarnation.
+        self._incarnation: dict[str, int] = {}
+        self._reported: dict[str, float] = {}  # instance id -> when this gateway last reported it failed
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -259,6 +279,9 @@ class Backend:
                     backoff_s = _WATCH_BACKOFF_MIN_S
                     if event.action == _LOST_ACTION and event.instance_id:
                         self.instance_lost(event.instance_id, event.reason)
+                    elif event.action == _REGISTERED_ACTION and event.instance_id:
+                        self._incarnation[event.instance_id] = self._incarnation.get(event.instance_id, 0) + 1
+                        self._reported.pop(event.instance_id, None)
             except grpc.aio.AioRpcError as e:
                 log.info("cluster_watch_failed", code=e.code().name, details=e.details(), retry_s=backoff_s)
             except Exception:
@@ -276,6 +299,39 @@ class Backend:
             log.warning("instance_lost_streams", instance_id=instance_id, streams=len(guards), reason=reason)
         for guard in list(guards):
             guard.fire(f"the global manager marked the instance LOST ({reason})")
+
+    def report_failure(self, instance_id: str, code: grpc.StatusCode, detail: str) -> None:
+        """Tell the manager (in the background) that `instance_id` failed a request, so it is
+        routed around at once for every request, not only this one; at most one report per
+        instance per `_REPORT_EVERY_S` (a dead instance breaks all its streams at once)."""
+        if code not in _REPORTED or not instance_id:
+            return
+        now = time.monotonic()
+        if now - self._reported.get(instance_id, -math.inf) < _REPORT_EVERY_S:
+            return
+        self._reported[instance_id] = now
+        task = asyncio.get_running_loop().create_task(
+            self._report(instance_id, f"{code.name}: {detail}"), name=f"report-{instance_id}"
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _report(self, instance_id: str, reason: str) -> None:
+        try:
+            resp = await self._gm().ReportInstanceFailure(
+                global_manager_pb2.ReportInstanceFailureRequest(
+                    instance_id=instance_id, reason=reason[:500], reporter="gateway"
+                ),
+                timeout=_REPORT_TIMEOUT_S,
+            )
+            log.info("instance_failure_reported", instance_id=instance_id, known=resp.known, reason=reason)
+        except grpc.aio.AioRpcError as e:
+            # The manager restarting, or one too old for the RPC: the exclusion still holds here.
+            log.info("instance_failure_report_failed", instance_id=instance_id, code=e.code().name)
+
+    def _current(self, excluded: list[tuple[str, int]]) -> list[str]:
+        """The exclusions that still hold: those of an instance not registered again since."""
+        return [iid for iid, seen in excluded if self._incarnation.get(iid, 0) == seen]
 
     # ---- models ----------------------------------------------------------------------------
 
@@ -530,7 +586,7 @@ class Backend:
             stops=StopStringMatcher(req.sampling.stop),
             chars=len(echo_text) if echo_text is not None else 0,
         )
-        excluded: list[str] = []
+        excluded: list[tuple[str, int]] = []  # (instance id, its incarnation when it failed here)
         failures: list[str] = []
         last_code = grpc.StatusCode.UNAVAILABLE
         retries = migrations = moves = 0
@@ -546,7 +602,13 @@ class Backend:
         while True:
             try:
                 hops = await self._schedule(
-                    req, len(prompt_ids), max_tokens, [*excluded, *released_by], failures, deadline_s, prefix_hashes
+                    req,
+                    len(prompt_ids),
+                    max_tokens,
+                    [*self._current(excluded), *released_by],
+                    failures,
+                    deadline_s,
+                    prefix_hashes,
                 )
                 released_by = []
             except GatewayError as e:
@@ -656,7 +718,7 @@ class Backend:
                     # room (the manager prefers those whose estimate meets it); after that the
                     # client hears 429 with Retry-After rather than waiting on a busy cluster.
                     slo_refusals.append(f)
-                    excluded.append(f.instance_id)
+                    excluded.append((f.instance_id, self._incarnation.get(f.instance_id, 0)))
                     failures.append(f"{f.instance_id}: {f.code.name}: {f.detail}")
                     if len(slo_refusals) > 1 or retries >= self.config.retries_before_first_token:
                         raise _slo_error(req, slo_refusals, failures) from None
@@ -670,7 +732,8 @@ class Backend:
                         f"instance {f.instance_id} failed after {_count(resumed, 'token')}: {f.code.name}: {f.detail}",
                         code="instance_failed" if resumed else None,
                     ) from None
-                excluded.append(f.instance_id)
+                excluded.append((f.instance_id, self._incarnation.get(f.instance_id, 0)))
+                self.report_failure(f.instance_id, f.code, f.detail)
                 last_code = f.code
                 failures.append(f"{f.instance_id}: {f.code.name}: {f.detail}")
                 if resumed:
@@ -741,6 +804,7 @@ class Backend:
                 ErrorKind.TIMEOUT,
                 f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}",
             )
+        started_s = time.monotonic()
         try:
             route = await self._schedule_rpc(req, prompt_tokens, max_tokens, excluded, deadline_s, prefix_hashes)
         except grpc.aio.AioRpcError as e:
@@ -759,9 +823,16 @@ class Backend:
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise invalid(f"the scheduler rejected the request: {detail}") from e
             earlier = f"; before that: {'; '.join(failures)}" if failures else ""
+            waited_s = time.monotonic() - started_s
+            bound_by = (
+                f"its deadline (request_timeout_s={self.config.request_timeout_s})"
+                if time.monotonic() >= deadline_s - 0.01
+                else f"schedule_wait_s={self.config.schedule_wait_s}"
+            )
             raise GatewayError(
                 ErrorKind.UNAVAILABLE,
-                f"no instance available for model {quote(req.model)}: {code.name}: {detail}{earlier}",
+                f"no instance available for model {quote(req.model)}: waited {waited_s:.1f} s (up to {bound_by})"
+                f" for a SERVING instance; the global manager's last answer: {code.name}: {detail}{earlier}",
                 code="no_instance",
             ) from e
         if not route.hops:
@@ -781,7 +852,9 @@ class Backend:
     ) -> global_manager_pb2.Route:
         """Schedule, retried on UNAVAILABLE (manager restarting, no SERVING instance yet) with
         capped backoff for up to `schedule_wait_s`, never past the request's deadline. A re-route
-        after a worker failure (`excluded` not empty) does not wait: its client hears at once."""
+        after a worker failure (`excluded` not empty) and a migrating stream wait the same way:
+        the instance that failed was maybe the only one, and capacity comes back (a restart, a
+        scale-from-zero onto an idle worker) within about a model load."""
         request = global_manager_pb2.ScheduleRequest(
             request_id=req.request_id,
             model_id=req.model,
@@ -792,8 +865,7 @@ class Backend:
         )
         if not req.slo.is_empty:
             request.slo.CopyFrom(request_slo_to_proto(req.slo.ttft_s, req.slo.tpot_s))
-        wait_s = 0.0 if excluded else self.config.schedule_wait_s
-        give_up_s = min(deadline_s, time.monotonic() + wait_s)
+        give_up_s = min(deadline_s, time.monotonic() + self.config.schedule_wait_s)
         backoff_s = 0.05
         waited = 0
         while True:
@@ -809,7 +881,7 @@ class Backend:
                 if waited == 1:
                     log.info("schedule_waiting", request_id=req.request_id, model=req.model, detail=e.details())
                 await asyncio.sleep(backoff_s)
-                backoff_s = min(1.0, backoff_s * 2)
+                backoff_s = min(_SCHEDULE_BACKOFF_MAX_S, backoff_s * 2)
                 continue
             if waited:
                 log.info("schedule_waited", request_id=req.request_id, model=req.model, retries=waited)

@@ -21,7 +21,7 @@ from blitzmesh.v1 import admin_pb2, param_manager_pb2, param_manager_pb2_grpc, w
 from services.common import roles
 from services.common.grpc_util import channel
 from services.global_manager.config import GlobalManagerConfig
-from services.global_manager.convert import role_to_proto
+from services.global_manager.convert import role_to_proto, state_from_proto
 from services.global_manager.core.actions import (
     Action,
     Count,
@@ -153,6 +153,18 @@ class GrpcActuator:
             else:
                 self.execute([action])
 
+    async def probe(self, instance_id: str, timeout_s: float) -> str:
+        """The state `instance_id` reports ("SERVING", "IDLE", ...: its InstanceState value),
+        "dead" when nothing answers on its address (refused), "silent" when no answer came."""
+        address = self.table.addresses.get(instance_id)
+        if not address:
+            return "dead"
+        try:
+            info = await self._worker(instance_id).GetStatus(worker_pb2.GetStatusRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            return "dead" if e.code() == grpc.StatusCode.UNAVAILABLE else "silent"
+        return state_from_proto(info.state).value
+
     async def list_models(self) -> list[str] | None:
         if not self.cfg.param_manager:
             return None
@@ -161,12 +173,15 @@ class GrpcActuator:
 
     # ---- loads ----------------------------------------------------------------------------
     def _drop_stale_holders(self, where: param_manager_pb2.LocateResponse) -> None:
-        """Keep instances that are not SERVING here out of a plan's sources: the index hears of an
-        instance leaving (its engine died, it drains, it went LOST) only when our UpdateLocation
-        lands, and a chain from a dropped instance stalls its targets for the whole stall timeout."""
+        """Keep instances that are not SERVING here, or are suspect (a gateway reported them
+        failed), out of a plan's sources: the index hears of an instance leaving (its engine
+        died, it drains, it went LOST) only when our UpdateLocation lands, and a chain from a
+        dropped instance stalls its targets for the whole stall timeout."""
         registry = self.table.registry
 
         def stale(holder_id: str, kind: str) -> bool:
+            if holder_id in self.table.suspects:
+                return True
             if holder_id in registry:
                 return registry.get(holder_id).state is not InstanceState.SERVING
             return kind == "instance"
@@ -214,6 +229,14 @@ class GrpcActuator:
             return None
         # The last target of each chain loads last (the lowest bandwidth): it goes live (ZigZag).
         self.sink.chain_tails({c.hops[-1] for c in planned.chains if c.hops})
+        # The instances upstream of each target: should one fail, the target is doomed (no
+        # capacity to count on, though its load falls back to the host caches).
+        upstreams: dict[str, set[str]] = {}
+        for c in planned.chains:
+            for i, hop in enumerate(c.hops):
+                before = (c.source, *c.hops[:i])
+                upstreams.setdefault(hop, set()).update(n for n in before if n in self.table.registry)
+        self.sink.load_upstreams({t: frozenset(u) for t, u in upstreams.items()})
         self._sending.start(planned, targets)
         chains = "; ".join(f"{c.source}->{'->'.join(c.hops)} ({len(c.groups)} groups)" for c in planned.chains)
         self.sink.report(Report("transfer_plan", model_id, plan.plan_id, f"chains: {chains}"))

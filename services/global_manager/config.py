@@ -35,6 +35,12 @@ class GlobalManagerConfig(ServiceConfig):
     max_instances: int = Field(100, ge=1, description="upper bound for any scale-out")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="period workers are told to heartbeat at")
     lost_after_s: float = Field(5.0, gt=0, description="an instance silent this long is LOST")
+    probe_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        description="how long the manager waits for a suspect instance (one a gateway reported failed) to answer "
+        "its status probe; refused: LOST at once; no answer: suspect until it heartbeats again or goes LOST",
+    )
     window_s: float = Field(10.0, gt=0, description="load monitor window")
     tick_s: float = Field(0.5, gt=0, description="period of the control loop")
     load_timeout_s: float = Field(300.0, gt=0, description="a parameter load that takes longer fails")

@@ -7,6 +7,8 @@ through legal transitions, and rebuilds itself from re-registration after a rest
 
 from __future__ import annotations
 
+import dataclasses
+
 import structlog
 
 from blitzmesh.v1 import common_pb2
@@ -23,18 +25,33 @@ from services.global_manager.core.types import InstanceState, InstanceView
 log = structlog.get_logger(__name__)
 
 
+@dataclasses.dataclass(slots=True)
+class Suspicion:
+    """A gateway reported the instance failed (`ReportInstanceFailure`): until the manager's
+    probe clears it (or it re-registers, or goes LOST) no route goes there, no transfer plan
+    names it as a source and it counts as no capacity. `probing`: the probe has not answered
+    yet; once it has given up (no answer), a heartbeat clears the suspicion."""
+
+    reported_s: float
+    reason: str
+    probing: bool = True
+
+
 class InstanceTable:
-    """The registry plus what only the adapter needs: each instance's addresses."""
+    """The registry plus what only the adapter needs: each instance's addresses, and the
+    instances a gateway reported failed (`suspects`)."""
 
     def __init__(self) -> None:
         self.registry = Registry()
         self.addresses: dict[str, str] = {}
         self.dataplane: dict[str, tuple[bytes, str]] = {}
+        self.suspects: dict[str, Suspicion] = {}
 
     def upsert(self, info: common_pb2.InstanceInfo, now_s: float) -> InstanceView:
         """Register (or re-register) a worker in the state it reports."""
         iid = info.instance_id
         state = state_from_proto(info.state)
+        self.suspects.pop(iid, None)  # a new incarnation: whatever failed was the old one
         if iid in self.registry:
             self.registry.mark_lost(iid)
             self.registry.remove(iid)

@@ -41,7 +41,13 @@ from services.common import roles
 from services.common.server import ServeContext
 from services.global_manager.actuator import GrpcActuator
 from services.global_manager.config import GlobalManagerConfig
-from services.global_manager.convert import role_from_proto, role_to_proto, sample_from_proto, state_from_proto
+from services.global_manager.convert import (
+    role_from_proto,
+    role_to_proto,
+    sample_from_proto,
+    state_from_proto,
+    state_to_proto,
+)
 from services.global_manager.core.actions import (
     Action,
     Count,
@@ -74,7 +80,7 @@ from services.global_manager.core.zigzag import (
     should_zigzag,
     zigzag_req_limit,
 )
-from services.global_manager.instance_table import InstanceTable
+from services.global_manager.instance_table import InstanceTable, Suspicion
 
 log = structlog.get_logger(__name__)
 
@@ -107,6 +113,11 @@ MOVED = Counter(
     "blitzmesh_gm_requests_moved_total", "Requests moved between instances by the manager, by reason", ["reason"]
 )
 ADVISORY = Gauge("blitzmesh_gm_advisory", "1 while the policy only advises")
+SUSPECTS = Counter(
+    "blitzmesh_gm_suspects_total",
+    "Instances a gateway reported failed, by outcome (reported, lost: the probe found it dead, cleared)",
+    ["outcome"],
+)
 
 
 def _param_from_proto(value: str) -> Any:
@@ -190,6 +201,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.events = EventBus()
         self.actuator: Actuator = actuator(self) if actuator is not None else GrpcActuator(cfg, self.table, sink=self)
         self._load_started: dict[str, float] = {}  # instance id -> when its load began
+        # Instance id of a load target -> the nodes upstream of it on its transfer chain (the
+        # chain's source and the hops before it): a target whose upstream is gone is doomed.
+        self._upstreams: dict[str, frozenset[str]] = {}
         # Host -> leaf switch, for routing the decode side of a P/D pair near its prefill side.
         # Hosts the topology does not name share one default leaf, as in the multicast planner.
         topology = Topology.from_dict(cfg.topology) if cfg.topology else Topology(hosts={})
@@ -294,6 +308,11 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         state = view.state
         self.table.registry.heartbeat(sample_from_proto(iid, now, request.load))
         self.monitor.observe(sample_from_proto(iid, now, request.load))
+        suspicion = self.table.suspects.get(iid)
+        if suspicion is not None and not suspicion.probing:
+            # The probe got no answer, but the worker talks to us: it is alive (a slow or
+            # partitioned instance the gateway could not reach is the gateway's to exclude).
+            self._clear_suspicion(iid, "it heartbeats again")
         if before is not state:
             self.emit("instance_state", request.model_id or "-", state.value, f"{before.value}->{state.value}", iid)
             if before is S.SERVING and before_view.model and iid not in busy and self.actuator.ready:
@@ -315,10 +334,60 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             self._wake_reconcile()
         return global_manager_pb2.DeregisterInstanceResponse()
 
+    async def ReportInstanceFailure(self, request, context):
+        """A gateway saw `instance_id` fail: suspect at once (routed around, no transfer source,
+        no capacity), then probed: dead (refused) or another incarnation -> LOST now; answering
+        SERVING -> cleared; no answer -> suspect until it heartbeats again or goes LOST."""
+        iid = request.instance_id
+        if not iid:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"instance_id is required, got {request.instance_id!r}"
+            )
+        if iid not in self.table.registry:
+            return global_manager_pb2.ReportInstanceFailureResponse(known=False)
+        view = self.table.registry.get(iid)
+        if view.state in (S.SERVING, S.LOADING) and iid not in self.table.suspects:
+            reason = f"reported by {request.reporter or 'a gateway'}: {request.reason or 'no reason given'}"
+            suspicion = self.table.suspects[iid] = Suspicion(self.now_s(), reason)
+            SUSPECTS.labels("reported").inc()
+            self.emit("instance_suspect", view.model or "-", view.state.value, reason, iid)
+            if self.ctx is not None:
+                self.ctx.tasks.spawn(self._probe(iid, suspicion), name=f"probe-{iid}")
+            self._wake_reconcile()
+        return global_manager_pb2.ReportInstanceFailureResponse(known=True, state=state_to_proto(view.state))
+
+    async def _probe(self, iid: str, suspicion: Suspicion) -> None:
+        """Ask a suspect instance for its status and act on the answer (see ReportInstanceFailure)."""
+        outcome = await self.actuator.probe(iid, self.cfg.probe_timeout_s)
+        if self.table.suspects.get(iid) is not suspicion or iid not in self.table.registry:
+            return  # cleared meanwhile (re-registered, LOST, a heartbeat)
+        view = self.table.registry.get(iid)
+        if outcome == "dead" or (outcome not in ("silent", view.state.value) and iid not in self.actuator.busy()):
+            # Nothing listens on its address, or another incarnation (a restarted process) does.
+            SUSPECTS.labels("lost").inc()
+            del self.table.suspects[iid]
+            why = "refused the manager's probe" if outcome == "dead" else f"answers {outcome} (restarted)"
+            self._execute(self.reconciler.mark_lost(self.table.registry, iid, f"{suspicion.reason}; {why}"))
+            self.actuator.forget(iid)
+            self._wake_reconcile()
+        elif outcome == "silent":
+            suspicion.probing = False  # its next heartbeat clears it; silence makes it LOST
+        else:
+            self._clear_suspicion(iid, f"it answers the manager's probe as {outcome}")
+
+    def _clear_suspicion(self, iid: str, why: str) -> None:
+        if self.table.suspects.pop(iid, None) is None:
+            return
+        SUSPECTS.labels("cleared").inc()
+        model = self.table.registry.get(iid).model if iid in self.table.registry else ""
+        self.emit("instance_suspect", model or "-", "cleared", why, iid)
+        self._wake_reconcile()
+
     # ---- execution scheduler ------------------------------------------------------------
     async def Schedule(self, request, context):
         views = self.table.registry.views(model=request.model_id)
-        excluded = set(request.exclude_instance_ids)
+        # The request's own exclusions (instances that failed it), and every suspect instance.
+        excluded = set(request.exclude_instance_ids) | self.table.suspects.keys()
         try:
             hops = plan_route(
                 views,
@@ -334,14 +403,16 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request.request_id!r}: {e}")
         if not hops:
-            waking = await self._scale_from_zero(request.model_id, request.request_id)
+            waking = await self._scale_from_zero(request.model_id, request.request_id, excluded)
             views = self.table.registry.views(model=request.model_id)
             SCHEDULED.labels("unavailable").inc()
-            states = sorted(f"{v.role.value}:{v.state.value}" for v in views)
+            states = sorted(f"{v.instance_id}:{v.role.value}:{v.state.value}" for v in views)
+            suspects = sorted(self.table.suspects.keys() & {v.instance_id for v in views})
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"no SERVING instance of model {request.model_id!r} "
-                f"(instances: {states or 'none'}, excluded: {sorted(excluded)}){waking}",
+                f"(instances: {states or 'none'}, excluded: {sorted(request.exclude_instance_ids)}, "
+                f"suspect: {suspects}){waking}",
             )
         pd_pair = len(hops) == 2 and hops[0].role is Role.PREFILL and hops[1].role is Role.DECODE
         if self.cfg.zigzag and ((len(hops) == 1 and hops[0].role is Role.COLOCATED) or pd_pair):
@@ -384,16 +455,18 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             block_size=bs,
         )
 
-    async def _scale_from_zero(self, model: str, request_id: str) -> str:
+    async def _scale_from_zero(self, model: str, request_id: str, excluded: Collection[str] = ()) -> str:
         """Scale from zero (Knative's activator, here in the manager): a request for a model the
         parameter manager lists finds no SERVING or LOADING instance, so one IDLE worker starts
         loading it. The caller still answers UNAVAILABLE; the gateway retries with backoff
         within the request's deadline (its `schedule_wait_s`) until the instance serves. At most
-        one such load per model: the next request sees it LOADING. Returns a note for the
-        UNAVAILABLE details ('' when nothing is loading for it)."""
+        one such load per model: the next request sees it LOADING. Instances the request
+        excluded, suspect ones and doomed ones (`_unhealthy`) are no capacity: with the only
+        SERVING instance dead, the load starts at once. Returns a note for the UNAVAILABLE
+        details ('' when nothing is loading for it)."""
         if not self.cfg.scale_from_zero or not model or not self.actuator.ready or not self.cfg.param_manager:
             return ""
-        if self._has_capacity(model):
+        if self._has_capacity(model, excluded):
             return self._loading_note(model)
         if self.cfg.disaggregated and model == self.cfg.default_model:
             return ""  # its prefill and decode pools are refilled by top_up, role by role
@@ -412,13 +485,13 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             return ""
         finally:
             self._waking.discard(model)
-        if self._has_capacity(model):  # another request, or top_up, started one meanwhile
+        if self._has_capacity(model, excluded):  # another request, or top_up, started one meanwhile
             return self._loading_note(model)
         reason = (
             f"scale_from_zero: request {request_id!r} for listed model {model!r} found no SERVING or LOADING "
             f"instance; {len(self._idle_free())} IDLE worker(s) free"
         )
-        chosen = self.scale_out(model, 1, Role.COLOCATED, reason)
+        chosen = self.scale_out(model, 1, Role.COLOCATED, reason, exclude=excluded)
         if not chosen:
             return ""
         ACTIONS.labels("scale_from_zero", "started").inc()
@@ -426,12 +499,35 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.emit("scale_from_zero", model, "loading", reason, chosen[0])
         return f"; scale_from_zero: {chosen[0]} LOADING, retry"
 
-    def _has_capacity(self, model: str) -> bool:
-        return any(v.state in (S.SERVING, S.LOADING) for v in self.table.registry.views(model=model))
+    def _has_capacity(self, model: str, excluded: Collection[str] = ()) -> bool:
+        """Whether some instance of `model` serves or will: SERVING or LOADING, and none of
+        `excluded`, suspect or doomed (`_unhealthy`)."""
+        return bool(live(self.table.registry, model, unhealthy={*excluded, *self._unhealthy()}))
 
     def _loading_note(self, model: str) -> str:
-        ids = sorted(v.instance_id for v in self.table.registry.views(model=model) if v.state is S.LOADING)
+        unhealthy = self._unhealthy()
+        ids = sorted(
+            v.instance_id
+            for v in self.table.registry.views(model=model)
+            if v.state is S.LOADING and v.instance_id not in unhealthy
+        )
         return f"; waiting for {', '.join(ids)} LOADING" if ids else ""
+
+    def _unhealthy(self) -> frozenset[str]:
+        """SERVING or LOADING instances that count as no capacity: suspect ones (a gateway
+        reported them failed), and doomed ones: LOADING from a chain whose source or an earlier
+        hop is an instance that is suspect, gone, or no longer SERVING or LOADING (its load falls
+        back to the host caches, but a floor must not wait on it)."""
+        registry = self.table.registry
+        bad = set(self.table.suspects)
+
+        def gone(node: str) -> bool:  # `_upstreams` holds instances only, never host caches
+            return node in bad or node not in registry or registry.get(node).state not in (S.SERVING, S.LOADING)
+
+        for iid, upstream in self._upstreams.items():
+            if iid in registry and registry.get(iid).state is S.LOADING and any(gone(n) for n in upstream):
+                bad.add(iid)
+        return frozenset(bad)
 
     def _idle_free(self) -> list[InstanceView]:
         """IDLE workers no action owns."""
@@ -745,9 +841,19 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                     self._load_started[iid] = self.now_s()
         self.actuator.execute(actions)
 
-    def scale_out(self, model_id: str, n: int, role: Role, reason: str) -> list[str]:
-        """Assign up to n IDLE workers to `model_id` as `role`; each loads in the background."""
-        chosen, actions = self.reconciler.scale_out(self.table.registry, self._busy(), model_id, n, role, reason)
+    def scale_out(self, model_id: str, n: int, role: Role, reason: str, exclude: Collection[str] = ()) -> list[str]:
+        """Assign up to n IDLE workers (none of `exclude`) to `model_id` as `role`; each loads in
+        the background."""
+        chosen, actions = self.reconciler.scale_out(
+            self.table.registry,
+            self._busy(),
+            model_id,
+            n,
+            role,
+            reason,
+            exclude=frozenset(exclude),
+            unhealthy=self._unhealthy(),
+        )
         self._execute(actions)
         return chosen
 
@@ -776,6 +882,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     def chain_tails(self, instance_ids: Collection[str]) -> None:
         self._chain_tails |= set(instance_ids)
 
+    def load_upstreams(self, upstreams: dict[str, frozenset[str]]) -> None:
+        self._upstreams.update(upstreams)
+
     def load_progress(self, load: LoadInstances, iid: str, layers_loaded: int, groups_total: int, done: bool) -> None:
         self.monitor.mark_seen(iid, self.now_s())  # progress proves it is alive
         if iid in self.table.registry and self.table.registry.get(iid).state is S.LOADING:
@@ -791,11 +900,15 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         now = self.now_s()
         self.monitor.mark_seen(iid, now)  # its silence clock restarts after the action
         self._zigzag_done(iid)
+        self._upstreams.pop(iid, None)
         started = self._load_started.pop(iid, now)
         if error:
-            return self.reconciler.load_failed(self.table.registry, self._busy(), load, iid, error)
-        follow = self.reconciler.load_succeeded(self.table.registry, load, iid, now - started)
-        for action in follow:
+            follow = self.reconciler.load_failed(
+                self.table.registry, self._busy(), load, iid, error, unhealthy=self._unhealthy()
+            )
+        else:
+            follow = self.reconciler.load_succeeded(self.table.registry, load, iid, now - started)
+        for action in follow:  # a retry's load_s counts from now
             if isinstance(action, LoadInstances):
                 for target in action.instance_ids:
                     self._load_started[target] = now
@@ -834,8 +947,14 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         started = time.perf_counter()
         previous = self.reconciler.last_decision
         lost = {v.instance_id for v in self.table.registry.views(state=S.LOST)}
+        # Suspicions of instances that left SERVING/LOADING (LOST, drained) have done their job.
+        for iid in list(self.table.suspects):
+            if iid not in self.table.registry or self.table.registry.get(iid).state not in (S.SERVING, S.LOADING):
+                del self.table.suspects[iid]
         actions = self.reconciler.reconcile(
-            now, self.table.registry, Observations(monitor=self.monitor, busy=self.actuator.busy())
+            now,
+            self.table.registry,
+            Observations(monitor=self.monitor, busy=self.actuator.busy(), unhealthy=self._unhealthy()),
         )
         decision = self.reconciler.last_decision
         if decision is not None and decision is not previous:

@@ -20,7 +20,14 @@ from services.common import roles
 from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
 from services.common.security import abort_stream, dataplane_key
 from services.common.server import ServeContext
-from services.dataplane.chain import GroupServer, GroupStore, TransferResult, default_allocate, receive_groups
+from services.dataplane.chain import (
+    FALLBACK_ROUNDS,
+    GroupServer,
+    GroupStore,
+    TransferResult,
+    default_allocate,
+    receive_groups,
+)
 from services.dataplane.errors import DataPlaneError, InsufficientMemory
 from services.dataplane.faults import maybe_corrupting
 from services.dataplane.manifest import Manifest
@@ -91,6 +98,21 @@ KV_HANDOFFS = Counter(
     "Prefill/decode KV hand-offs: offered/pulled/expired on the prefill side, pulled/recomputed on the decode side",
     ["side", "outcome"],
 )
+
+
+def load_error_status(e: Exception, pm_address: str) -> tuple[grpc.StatusCode, str]:
+    """The status a failed load answers with, and the tail of its message: always a code of its
+    own (never UNKNOWN) and the error's type, so the manager's event says what went wrong (a data
+    plane error names its type: PeerUnreachable, ModelNotHeld, ChecksumMismatch...)."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        code = e.code() if e.code() != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL
+        return code, f" from {pm_address}: {e.code().name}: {e.details()}"
+    if isinstance(e, (InsufficientMemory, MemoryError)):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f": {type(e).__name__}: {e}"
+    if isinstance(e, (DataPlaneError, ValueError, TimeoutError)):
+        return grpc.StatusCode.FAILED_PRECONDITION, f": {type(e).__name__}: {e}"
+    # A bug, or an error of a library below us that slipped through: still typed.
+    return grpc.StatusCode.INTERNAL, f": unexpected {type(e).__module__}.{type(e).__name__}: {e}"
 
 
 def slo_refusal_message(instance_id: str, e: SLOUnattainable, slo: RequestSLO | None) -> str:
@@ -459,14 +481,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 plan = request.plan if request.HasField("plan") else None
                 async for progress in self.load(request.model_id, pm, plan):
                     yield progress
-            except grpc.aio.AioRpcError as e:
-                await context.abort(e.code(), f"loading {request.model_id!r} from {pm}: {e.details()}")
-            except InsufficientMemory as e:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"loading {request.model_id!r}: {e}")
-            except (DataPlaneError, ValueError, MemoryError, TimeoutError) as e:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"loading {request.model_id!r}: {type(e).__name__}: {e}"
-                )
+            except Exception as e:
+                code, detail = load_error_status(e, pm)
+                await context.abort(code, f"loading {request.model_id!r}{detail}")
 
     async def load(self, model_id: str, pm_address: str, plan: worker_pb2.TransferPlan | None = None):
         """Pull every group over the data plane (per `plan`, or sharded from the host caches);
@@ -510,6 +527,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         on_group_ready=on_ready,
                         budget_bytes=self.cfg.memory_budget_bytes or None,
                         stall_timeout_s=self.cfg.stall_timeout_s,
+                        # A source that died just before we connect (UCX sees no dead peer)
+                        # costs this long before the fallback, not the transport's 10 s.
+                        connect_timeout_s=min(_PULL_CONNECT_TIMEOUT_S, self.cfg.stall_timeout_s),
+                        fallback_rounds=FALLBACK_ROUNDS,
                         # On a GPU, groups land in pinned host memory: the copy to the device
                         # (in `load_group`, per group as it lands) then runs at full PCIe speed.
                         allocate=pinned_allocate if device.type == "cuda" else default_allocate,

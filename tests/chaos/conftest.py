@@ -36,15 +36,15 @@ def chaos_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def chaos_config(model_dir: Path, run_dir: Path, worker_args_extra: tuple[str, ...] = (), **kw: object) -> MeshConfig:
+    """The chaos mesh; `kw` overrides any MeshConfig field (the default topology sets workers=3,
+    initial_instances=1 and autoscaling)."""
+    shape: dict[str, object] = {"workers": 4, "initial_instances": 2, "host_caches": 2, **kw}
     return MeshConfig(
-        workers=4,
         model=MODEL,
         model_dir=model_dir,
         run_dir=run_dir,
         http_port=0,
         grpc_port=0,
-        initial_instances=2,
-        host_caches=2,
         ready_timeout_s=120.0,
         worker_args=[
             "--step-time-a-s",
@@ -57,7 +57,7 @@ def chaos_config(model_dir: Path, run_dir: Path, worker_args_extra: tuple[str, .
             "2",
             *worker_args_extra,
         ],
-        **kw,  # type: ignore[arg-type]
+        **shape,  # type: ignore[arg-type]
     )
 
 

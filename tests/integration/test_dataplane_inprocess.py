@@ -20,6 +20,7 @@ from services.dataplane import (
     GroupStore,
     InsufficientMemory,
     ManifestMismatch,
+    ModelNotHeld,
     PeerClosed,
     ProtocolError,
     Pull,
@@ -243,14 +244,16 @@ async def test_manifest_mismatch_is_named_and_nothing_usable(source, receiver) -
     assert store.ready_groups() == []
 
 
-async def test_wrong_model_is_a_manifest_mismatch(source, receiver) -> None:  # type: ignore[no-untyped-def]
+async def test_wrong_model_is_not_held_not_a_manifest_mismatch(source, receiver) -> None:  # type: ignore[no-untyped-def]
+    """A source without the model answers ModelNotHeld (retryable), never ManifestMismatch,
+    which is kept for a real digest mismatch."""
     src_t, src_server, _, _ = source
     rt, _ = receiver
     src_server._publish_wait_s = 0.2
     wrong, _ = synthetic_model(ModelSpec(model_id="not-here", num_layers=1, layer_bytes=BLOCK_BYTES))
-    with pytest.raises(ManifestMismatch, match="'not-here' is not served here"):
+    with pytest.raises(ModelNotHeld, match="'not-here' is not served here"):
         await receive_chain(rt, src_t.address(), wrong, stall_timeout_s=5)
-    with pytest.raises(ManifestMismatch, match="not served here"):
+    with pytest.raises(ModelNotHeld, match="not served here"):
         await fetch_manifest(rt, src_t.address(), "not-here", timeout_s=5)
     assert await fetch_manifest(rt, src_t.address(), SPEC.model_id, timeout_s=5) == (await _manifest())
 
@@ -454,6 +457,115 @@ async def test_empty_group_is_ready_without_bytes(receiver) -> None:  # type: ig
     try:
         result = await receive_chain(rt, t.address(), manifest, stall_timeout_s=5)
         assert result.store.ready_groups() == ["embed", "layers.0", "head"]
+    finally:
+        await server.close()
+        await t.close()
+
+
+# -- a source that is gone -----------------------------------------------------------------------
+
+
+async def test_a_hop_that_dropped_the_model_answers_at_once_and_the_fallback_is_used(source, receiver) -> None:  # type: ignore[no-untyped-def]
+    """A hop whose own load failed drops the model (unpublish): the hop after it hears
+    "not held" at once (not after publish_wait_s, 30 s here, and not as a ManifestMismatch)
+    and resumes from its fallback. So does a request already waiting for the model there."""
+    src_t, _, manifest, bufs = source
+    rt, _ = receiver
+    hop_t = make_transport("tcp")
+    await hop_t.start()
+    hop_server = GroupServer(hop_t, publish_wait_s=30)
+    await hop_server.start()
+    dropped = GroupStore(manifest)
+    dropped.expect(range(len(manifest.groups)))  # type: ignore[arg-type]
+    hop_server.publish(dropped)
+    hop_server.unpublish(manifest.model_id)
+    try:
+        started = time.monotonic()
+        result = await asyncio.wait_for(
+            receive_chain(rt, hop_t.address(), manifest, fallback_addresses=[src_t.address()], stall_timeout_s=30),
+            10,
+        )
+        assert time.monotonic() - started < 5
+        assert result.resourced_groups == manifest.group_names
+        assert result.bytes_by_source == {address_label(src_t.address()): manifest.total_bytes}
+        for gi, entry in enumerate(manifest.groups):
+            assert np.array_equal(result.store.buffer(entry.name), bufs[gi])
+        with pytest.raises(ModelNotHeld, match="dropped"):
+            await asyncio.wait_for(fetch_manifest(rt, hop_t.address(), manifest.model_id, timeout_s=5), 5)
+        # Published again (a later load) it is served; a request that waits for a model (a hop
+        # asked before its LoadParameters came) is answered "not held" when that model is dropped.
+        waiting = asyncio.ensure_future(fetch_manifest(rt, hop_t.address(), "later", timeout_s=40))
+        later, _ = synthetic_model(ModelSpec(model_id="later", num_layers=1, layer_bytes=BLOCK_BYTES))
+        await asyncio.sleep(0.3)
+        hop_server.publish(GroupStore(later))
+        assert (await asyncio.wait_for(waiting, 5)) == later
+        hop_server.unpublish("later")
+        with pytest.raises(ModelNotHeld):
+            await asyncio.wait_for(fetch_manifest(rt, hop_t.address(), "later", timeout_s=5), 5)
+    finally:
+        await hop_server.close()
+        await hop_t.close()
+
+
+_UCX_CHILD = """
+import asyncio, sys
+from services.dataplane.ucx import UcxTransport
+async def main():
+    t = UcxTransport()
+    await t.start()
+    sys.stdout.write("ADDR:" + t.address().hex() + "\\n")
+    sys.stdout.flush()
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+async def _dead_ucx_address() -> bytes:
+    """The UCX address of a process that was SIGKILLed after starting its transport."""
+    import subprocess
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _UCX_CHILD, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            while True:
+                line = (await proc.stdout.readline()).decode()
+                assert line, "the UCX child exited before printing its address"
+                if line.startswith("ADDR:"):
+                    return bytes.fromhex(line[5:].strip())
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+@pytest.mark.ucx
+@pytest.mark.skipif(not UCX_OK, reason=f"ucxx does not import: {UCX_REASON}")
+async def test_ucx_dead_source_is_a_data_plane_error_and_the_fallback_is_used() -> None:
+    """A chain source SIGKILLed before its target connects: the ucxx error of the connect
+    (UCXXShmemSegmentError on one host) comes out as PeerUnreachable, a data-plane error, and
+    the pull goes on from its fallback at once (no stall timeout, no escape as UNKNOWN)."""
+    from services.dataplane import PeerUnreachable, TransportError
+
+    dead = await _dead_ucx_address()
+    manifest, bufs = synthetic_model(SPEC)
+    t = make_transport("ucx")
+    await t.start()
+    server = await serve_groups(t, manifest, bufs)  # the fallback: this process (UCX to itself)
+    try:
+        with pytest.raises(TransportError) as info:
+            await asyncio.wait_for(t.connect(dead, timeout_s=3), 10)
+        assert isinstance(info.value, (PeerUnreachable, TransferTimeout)), repr(info.value)
+        started = time.monotonic()
+        result = await asyncio.wait_for(
+            receive_chain(t, dead, GroupStore(manifest), fallback_addresses=[t.address()], stall_timeout_s=30), 20
+        )
+        assert time.monotonic() - started < 10
+        assert result.resourced_groups == manifest.group_names
+        for gi, entry in enumerate(manifest.groups):
+            assert np.array_equal(result.store.buffer(entry.name), bufs[gi])
     finally:
         await server.close()
         await t.close()

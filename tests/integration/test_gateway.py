@@ -176,6 +176,11 @@ class FakeGlobalManager(global_manager_pb2_grpc.GlobalManagerServicer):
         self.schedules: list[global_manager_pb2.ScheduleRequest] = []
         self.roles: dict[str, int] = {}
         self.route: list[global_manager_pb2.RouteHop] | None = None  # a fixed route, when set
+        self.reports: list[global_manager_pb2.ReportInstanceFailureRequest] = []
+
+    async def ReportInstanceFailure(self, request, context):
+        self.reports.append(request)
+        return global_manager_pb2.ReportInstanceFailureResponse(known=True)
 
     def _first(self, request: global_manager_pb2.ScheduleRequest, role: int) -> global_manager_pb2.RouteHop | None:
         for instance_id, address in self.instances:
@@ -787,13 +792,15 @@ async def test_a_released_request_is_rerouted_without_counting_as_a_failure(clus
 async def test_mid_stream_failure_with_no_instance_left_ends_with_error_event(cluster: Cluster, start_gateway) -> None:
     worker = await cluster.add_worker("w-1")
     worker.die_after = 3
-    gw = await start_gateway()
+    gw = await start_gateway(schedule_wait_s=0.5)
     events = await sse_events(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
     assert "could not be migrated after 3 tokens" in error["message"]
     assert "w-1: UNAVAILABLE: w-1 lost its accelerator" in error["message"]
     assert "no SERVING instance" in error["message"]
+    # It waited for a route before giving up, and says for how long and for what.
+    assert "waited 0." in error["message"] and "(up to schedule_wait_s=0.5) for a SERVING instance" in error["message"]
     assert error["type"] == "server_error"
     text = "".join(e["choices"][0]["text"] for e in events[:-2])
     assert text == cluster.tokenizer.decode(cluster.reply_ids[:3])
@@ -807,6 +814,41 @@ async def test_mid_stream_failure_with_no_instance_left_ends_with_error_event(cl
                 pass
     finally:
         await client.close()
+
+
+async def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"no {what} within {timeout_s}s"
+        await asyncio.sleep(0.01)
+
+
+async def test_streams_on_the_only_instance_wait_for_capacity_and_resume_exactly(
+    cluster: Cluster, start_gateway
+) -> None:
+    """Issue 24: the only instance dies mid-stream. The stream and a request sent after it are
+    held (not failed) while no instance serves, the manager hears of the failure at once, and
+    when an instance is back both complete: the stream keeps its tokens so far and resumes from
+    them, so the client sees the exact reply."""
+    (await cluster.add_worker("w-1")).die_after = 3
+    gw = await start_gateway(schedule_wait_s=30)
+    stream = asyncio.create_task(
+        sse_events(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": True})
+    )
+    await _wait_for(lambda: any(list(s.exclude_instance_ids) == ["w-1"] for s in cluster.gm.schedules), 10, "re-route")
+    late = asyncio.create_task(post(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi"}))
+    await asyncio.sleep(0.3)  # both are waiting now; a chosen moment, not a condition
+    assert not stream.done() and not late.done()
+    assert [(r.instance_id, r.reason) for r in cluster.gm.reports] == [("w-1", "UNAVAILABLE: w-1 lost its accelerator")]
+    cluster.gm.instances.remove(next(i for i in cluster.gm.instances if i[0] == "w-1"))
+    fresh = await cluster.add_worker("w-2")
+    events = await asyncio.wait_for(stream, 10)
+    assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e.get("choices")) == REPLY
+    resumed = [r for r in fresh.requests if r.resume_token_ids]
+    assert [list(r.resume_token_ids) for r in resumed] == [cluster.reply_ids[:3]]
+    status, body = await asyncio.wait_for(late, 10)
+    assert status == 200 and body["choices"][0]["text"] == REPLY
 
 
 async def test_migration_limit(cluster: Cluster, start_gateway) -> None:
@@ -823,7 +865,7 @@ async def test_migration_limit(cluster: Cluster, start_gateway) -> None:
 async def test_worker_process_gone_mid_stream(cluster: Cluster, start_gateway) -> None:
     worker = await cluster.add_worker("w-1")
     worker.delay_s = 0.05
-    gw = await start_gateway()
+    gw = await start_gateway(schedule_wait_s=0.5)  # no instance comes back: it waits that long
     async with (
         aiohttp.ClientSession() as session,
         session.post(gw.http + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True}) as resp,

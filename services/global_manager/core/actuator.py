@@ -26,6 +26,9 @@ class ActionSink(Protocol):
     def chain_tails(self, instance_ids: Collection[str]) -> None:
         """Targets that load last on their transfer chain (or alone): they go live (ZigZag)."""
 
+    def load_upstreams(self, upstreams: dict[str, frozenset[str]]) -> None:
+        """Per load target, the instances upstream of it on its transfer chain."""
+
     def load_progress(
         self, load: LoadInstances, iid: str, layers_loaded: int, groups_total: int, done: bool
     ) -> None: ...
@@ -58,6 +61,11 @@ class Actuator(Protocol):
         """The models the parameter manager lists (None: no parameter manager)."""
         ...
 
+    async def probe(self, instance_id: str, timeout_s: float) -> str:
+        """What `instance_id` answers when asked its status: its state's value ("SERVING",
+        "IDLE", ...), "dead" (nothing listens on its address) or "silent" (no answer in time)."""
+        ...
+
     def forget(self, instance_id: str) -> None:
         """`instance_id` left the cluster: drop what the actuator holds for it (a channel)."""
 
@@ -76,6 +84,7 @@ class RecordingActuator:
     actions: list[Action] = dataclasses.field(default_factory=list)
     loading: dict[str, LoadInstances] = dataclasses.field(default_factory=dict)
     draining: dict[str, DrainInstance] = dataclasses.field(default_factory=dict)
+    probes: dict[str, str] = dataclasses.field(default_factory=dict)  # instance id -> its probe's answer
 
     def execute(self, actions: Sequence[Action]) -> None:
         assert self.sink is not None, "RecordingActuator needs a sink"
@@ -98,6 +107,10 @@ class RecordingActuator:
 
     async def list_models(self) -> list[str] | None:
         return self.models
+
+    async def probe(self, instance_id: str, timeout_s: float) -> str:
+        """What a test set in `probes` (default "silent": a recording actuator reaches no one)."""
+        return self.probes.get(instance_id, "silent")
 
     def forget(self, instance_id: str) -> None:
         return None

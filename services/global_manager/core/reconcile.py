@@ -62,23 +62,32 @@ class ReconcileSettings:
 class Observations:
     """What the manager saw since the last tick. `monitor`: the heartbeat windows (silence and
     load); `busy`: instances whose load or drain is in flight (the actuator owns them: their own
-    RPC deadline judges them, not their heartbeats)."""
+    RPC deadline judges them, not their heartbeats); `unhealthy`: instances that count as no
+    capacity although SERVING or LOADING: suspect (a gateway reported it failed) or doomed
+    (LOADING from a source that is gone), so the floor is topped up without waiting for them."""
 
     monitor: LoadMonitor
     busy: frozenset[str] = frozenset()
+    unhealthy: frozenset[str] = frozenset()
 
 
 LIVE_STATES = (S.LOADING, S.SERVING)  # what counts as capacity: already paid for by a scale-out
 
 
-def live(registry: Registry, model: str, role: Role | None = None) -> list[str]:
-    """Instances of `model` that count as capacity: LOADING + SERVING."""
-    return [v.instance_id for v in registry.views(model=model, role=role) if v.state in LIVE_STATES]
+def live(registry: Registry, model: str, role: Role | None = None, unhealthy: Collection[str] = ()) -> list[str]:
+    """Instances of `model` that count as capacity: LOADING + SERVING, none of `unhealthy`."""
+    return [
+        v.instance_id
+        for v in registry.views(model=model, role=role)
+        if v.state in LIVE_STATES and v.instance_id not in unhealthy
+    ]
 
 
-def _has_live(registry: Registry, model: str, role: Role, n: int) -> bool:
-    """Whether `live(registry, model, role)` holds at least n, counting only until it does (a
-    floor of one in a pool of a thousand is met by the first instance found)."""
+def _has_live(registry: Registry, model: str, role: Role, n: int, unhealthy: Collection[str] = ()) -> bool:
+    """Whether `live(registry, model, role, unhealthy)` holds at least n, counting only until it
+    does (a floor of one in a pool of a thousand is met by the first instance found)."""
+    if unhealthy:
+        return len(live(registry, model, role, unhealthy)) >= n
     return registry.count(model=model, role=role, states=LIVE_STATES, up_to=n) >= n
 
 
@@ -122,42 +131,61 @@ class Reconciler:
                 # A load or drain RPC is in flight: its own deadline judges the worker (a busy
                 # worker may miss heartbeats while it unpacks parameters).
                 continue
-            if iid in registry and registry.get(iid).state is not S.LOST:
-                model = registry.get(iid).model
-                registry.mark_lost(iid)
-                actions.append(
-                    Report("instance_lost", "-", "LOST", f"no heartbeat for {self.settings.lost_after_s}s", iid)
-                )
-                if model:
-                    actions.append(UpdateLocation(model, iid, present=False))
+            actions += self.mark_lost(registry, iid, f"no heartbeat for {self.settings.lost_after_s}s")
         model = self.settings.default_model
+        unhealthy = observations.unhealthy
         if model:
-            actions += self.top_up(registry, busy, model)
+            actions += self.top_up(registry, busy, model, unhealthy)
         if self.settings.autoscale and model:
-            actions += self.autoscale(now_s, registry, observations.monitor, busy, model)
+            actions += self.autoscale(now_s, registry, observations.monitor, busy, model, unhealthy)
         if self.settings.live_migration and model:
             actions += self.migrate_running(now_s, registry, busy, model)
         return actions
 
-    def top_up(self, registry: Registry, busy: set[str], model: str) -> list[Action]:
+    def mark_lost(self, registry: Registry, iid: str, reason: str) -> list[Action]:
+        """`iid` is gone (silent past `lost_after_s`, or found dead by a probe): LOST, reported,
+        and out of the parameter manager's locations. Nothing if it is unknown or LOST already."""
+        if iid not in registry or registry.get(iid).state is S.LOST:
+            return []
+        model = registry.get(iid).model
+        registry.mark_lost(iid)
+        actions: list[Action] = [Report("instance_lost", "-", "LOST", reason, iid)]
+        if model:
+            actions.append(UpdateLocation(model, iid, present=False))
+        return actions
+
+    def top_up(self, registry: Registry, busy: set[str], model: str, unhealthy: Collection[str] = ()) -> list[Action]:
         """Bring each pool of `model` (colocated, or prefill and decode) up to its floor from the
         IDLE pool (`assign_idle`: workers started for a role fill that pool; scarce others form
-        a P/D pair first)."""
+        a P/D pair first). `unhealthy` instances (suspect, doomed) do not count toward a floor."""
         floors = {role: n for role, n in self.settings.pool_floors.items() if n > 0}
-        if not floors or all(_has_live(registry, model, role, n) for role, n in floors.items()):
+        if not floors or all(_has_live(registry, model, role, n, unhealthy) for role, n in floors.items()):
             return []
-        have = {role: len(live(registry, model, role)) for role in floors}
+        have = {role: len(live(registry, model, role, unhealthy)) for role in floors}
         idle = [v for v in registry.views(state=S.IDLE) if v.instance_id not in busy]
         actions: list[Action] = []
         for role, views in assign_idle(floors, have, idle).items():
             reason = f"{floor_name(role)}={floors[role]}"
             actions += self.scale_out(
-                registry, busy, model, len(views), role, reason, only={v.instance_id for v in views}
+                registry,
+                busy,
+                model,
+                len(views),
+                role,
+                reason,
+                only={v.instance_id for v in views},
+                unhealthy=unhealthy,
             )[1]
         return actions
 
     def autoscale(
-        self, now_s: float, registry: Registry, monitor: LoadMonitor, busy: set[str], model: str
+        self,
+        now_s: float,
+        registry: Registry,
+        monitor: LoadMonitor,
+        busy: set[str],
+        model: str,
+        unhealthy: Collection[str] = (),
     ) -> list[Action]:
         """One policy decision for `model` (kept in `last_decision`): reported, then acted on
         unless advisory or "no change"."""
@@ -189,11 +217,18 @@ class Reconciler:
         if self.advisory or decision.action == "no_change":
             return actions
         for role in decision_roles(decision):
-            actions += self._act(registry, busy, model, role, decision, reported)
+            actions += self._act(registry, busy, model, role, decision, reported, unhealthy)
         return actions
 
     def _act(
-        self, registry: Registry, busy: set[str], model: str, role: Role, decision: ScaleDecision, reported: bool
+        self,
+        registry: Registry,
+        busy: set[str],
+        model: str,
+        role: Role,
+        decision: ScaleDecision,
+        reported: bool,
+        unhealthy: Collection[str] = (),
     ) -> list[Action]:
         """One pool's part of a decision. Shortfalls (a manager bound, no IDLE worker) are told
         when the decision is, so a change that cannot happen is not told every tick."""
@@ -211,7 +246,9 @@ class Reconciler:
         if note and reported:
             actions.append(Report("autoscaling_bound", model, role.value, note))
         if delta > 0:
-            chosen, acts = self.scale_out(registry, busy, model, delta, role, reason=decision.reason)
+            chosen, acts = self.scale_out(
+                registry, busy, model, delta, role, reason=decision.reason, unhealthy=unhealthy
+            )
             actions += acts
             if len(chosen) < delta and reported:
                 actions.append(Count("load", "short"))
@@ -273,11 +310,13 @@ class Reconciler:
         exclude: frozenset[str] = frozenset(),
         attempt: int = 0,
         only: Collection[str] | None = None,
+        unhealthy: Collection[str] = (),
     ) -> tuple[list[str], list[Action]]:
         """Assign up to n IDLE workers (of `only` when given, none of `busy` or `exclude`) to
-        `model` as `role`, within `max_instances`: they are LOADING from here on, and `busy`
-        holds them. Returns their ids and the actions (one `LoadInstances` for the batch)."""
-        room = max(0, self.settings.max_instances - len(live(registry, model)))
+        `model` as `role`, within `max_instances` (`unhealthy` instances take no room: they are
+        about to leave): they are LOADING from here on, and `busy` holds them. Returns their ids
+        and the actions (one `LoadInstances` for the batch)."""
+        room = max(0, self.settings.max_instances - len(live(registry, model, unhealthy=unhealthy)))
         candidates = [v for v in registry.views(state=S.IDLE) if only is None or v.instance_id in only]
         idle = choose_idle(candidates, min(n, room), role, {*busy, *exclude})
         actions: list[Action] = []
@@ -356,7 +395,13 @@ class Reconciler:
         return actions
 
     def load_failed(
-        self, registry: Registry, busy: set[str], load: LoadInstances, iid: str, error: str
+        self,
+        registry: Registry,
+        busy: set[str],
+        load: LoadInstances,
+        iid: str,
+        error: str,
+        unhealthy: Collection[str] = (),
     ) -> list[Action]:
         """`iid`'s load failed: IDLE again (the worker drops the half-loaded model), and the load
         is retried on another IDLE worker (`load_retries`), else rolled back and reported."""
@@ -375,6 +420,7 @@ class Reconciler:
                 f"retry {load.attempt + 1}/{retries} after {iid} failed: {error}",
                 exclude=load.tried | {iid},
                 attempt=load.attempt + 1,
+                unhealthy=unhealthy,
             )
             if chosen:
                 return [*actions, *acts, Count("load", "retried")]
