@@ -609,6 +609,9 @@ class Backend:
                     failures,
                     deadline_s,
                     prefix_hashes,
+                    # Instances that refused it for its SLO answered already: waiting for
+                    # capacity would only spend the objective it cannot meet.
+                    wait=not (slo_refusals and not state.generated),
                 )
                 released_by = []
             except GatewayError as e:
@@ -797,6 +800,8 @@ class Backend:
         failures: list[str],
         deadline_s: float,
         prefix_hashes: list[int] | None = None,
+        *,
+        wait: bool = True,
     ) -> list[global_manager_pb2.RouteHop]:
         remaining_s = deadline_s - time.monotonic()
         if remaining_s <= 0:
@@ -806,7 +811,9 @@ class Backend:
             )
         started_s = time.monotonic()
         try:
-            route = await self._schedule_rpc(req, prompt_tokens, max_tokens, excluded, deadline_s, prefix_hashes)
+            route = await self._schedule_rpc(
+                req, prompt_tokens, max_tokens, excluded, deadline_s, prefix_hashes, wait=wait
+            )
         except grpc.aio.AioRpcError as e:
             code, detail = e.code(), e.details() or ""
             if code == grpc.StatusCode.NOT_FOUND:
@@ -849,9 +856,12 @@ class Backend:
         excluded: list[str],
         deadline_s: float,
         prefix_hashes: list[int] | None = None,
+        *,
+        wait: bool = True,
     ) -> global_manager_pb2.Route:
         """Schedule, retried on UNAVAILABLE (manager restarting, no SERVING instance yet) with
-        capped backoff for up to `schedule_wait_s`, never past the request's deadline. A re-route
+        capped backoff for up to `schedule_wait_s` (not at all with `wait=False`), never past the
+        request's deadline. A re-route
         after a worker failure (`excluded` not empty) and a migrating stream wait the same way:
         the instance that failed was maybe the only one, and capacity comes back (a restart, a
         scale-from-zero onto an idle worker) within about a model load."""
@@ -865,7 +875,7 @@ class Backend:
         )
         if not req.slo.is_empty:
             request.slo.CopyFrom(request_slo_to_proto(req.slo.ttft_s, req.slo.tpot_s))
-        give_up_s = min(deadline_s, time.monotonic() + self.config.schedule_wait_s)
+        give_up_s = min(deadline_s, time.monotonic() + (self.config.schedule_wait_s if wait else 0.0))
         backoff_s = 0.05
         waited = 0
         while True:

@@ -177,9 +177,13 @@ class FakeGlobalManager(global_manager_pb2_grpc.GlobalManagerServicer):
         self.roles: dict[str, int] = {}
         self.route: list[global_manager_pb2.RouteHop] | None = None  # a fixed route, when set
         self.reports: list[global_manager_pb2.ReportInstanceFailureRequest] = []
+        self.suspect: set[str] = set()
 
     async def ReportInstanceFailure(self, request, context):
+        # As the manager does: a reported instance is suspect, and no route goes there until it
+        # registers again (`Cluster.add_worker`).
         self.reports.append(request)
+        self.suspect.add(request.instance_id)
         return global_manager_pb2.ReportInstanceFailureResponse(known=True)
 
     def _first(self, request: global_manager_pb2.ScheduleRequest, role: int) -> global_manager_pb2.RouteHop | None:
@@ -199,7 +203,7 @@ class FakeGlobalManager(global_manager_pb2_grpc.GlobalManagerServicer):
         if prefill is not None and decode is not None:
             return global_manager_pb2.Route(request_id=request.request_id, hops=[prefill, decode])
         for instance_id, address in self.instances:
-            if instance_id not in request.exclude_instance_ids:
+            if instance_id not in request.exclude_instance_ids and instance_id not in self.suspect:
                 hop = global_manager_pb2.RouteHop(instance_id=instance_id, address=address)
                 return global_manager_pb2.Route(request_id=request.request_id, hops=[hop])
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"no SERVING instance of {request.model_id!r}")
@@ -288,6 +292,7 @@ class Cluster:
         self.workers[instance_id] = worker
         self.worker_servers[instance_id] = server
         self.gm.instances.append((instance_id, address))
+        self.gm.suspect.discard(instance_id)
         return worker
 
 
@@ -805,7 +810,10 @@ async def test_mid_stream_failure_with_no_instance_left_ends_with_error_event(cl
     text = "".join(e["choices"][0]["text"] for e in events[:-2])
     assert text == cluster.tokenizer.decode(cluster.reply_ids[:3])
 
-    # The official client surfaces the in-band error as an exception, not a silent end.
+    # The official client surfaces the in-band error as an exception, not a silent end. (w-1
+    # registers again first, as a restarted worker does: the report made it suspect.)
+    assert cluster.gm.suspect == {"w-1"}
+    cluster.gm.suspect.discard("w-1")
     client = openai.AsyncOpenAI(base_url=gw.http + "/v1", api_key="unused", max_retries=0)
     try:
         with pytest.raises(openai.APIError, match="could not be migrated"):
