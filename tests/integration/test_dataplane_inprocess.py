@@ -496,7 +496,10 @@ async def test_a_hop_that_dropped_the_model_answers_at_once_and_the_fallback_is_
         # asked before its LoadParameters came) is answered "not held" when that model is dropped.
         waiting = asyncio.ensure_future(fetch_manifest(rt, hop_t.address(), "later", timeout_s=40))
         later, _ = synthetic_model(ModelSpec(model_id="later", num_layers=1, layer_bytes=BLOCK_BYTES))
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while "later" not in hop_server._published:  # the request is waiting for the model there
+            assert time.monotonic() < deadline, "the request for 'later' never reached the hop"
+            await asyncio.sleep(0.01)
         hop_server.publish(GroupStore(later))
         assert (await asyncio.wait_for(waiting, 5)) == later
         hop_server.unpublish("later")

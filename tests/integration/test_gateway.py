@@ -845,7 +845,8 @@ async def test_streams_on_the_only_instance_wait_for_capacity_and_resume_exactly
     )
     await _wait_for(lambda: any(list(s.exclude_instance_ids) == ["w-1"] for s in cluster.gm.schedules), 10, "re-route")
     late = asyncio.create_task(post(gw.http + "/v1/completions", {"model": MODEL, "prompt": "Hi"}))
-    await asyncio.sleep(0.3)  # both are waiting now; a chosen moment, not a condition
+    # Both are waiting now: the late request has asked for a route too, and been told none serves.
+    await _wait_for(lambda: len({s.request_id for s in cluster.gm.schedules}) >= 2, 10, "the late request's route")
     assert not stream.done() and not late.done()
     assert [(r.instance_id, r.reason) for r in cluster.gm.reports] == [("w-1", "UNAVAILABLE: w-1 lost its accelerator")]
     cluster.gm.instances.remove(next(i for i in cluster.gm.instances if i[0] == "w-1"))
