@@ -56,6 +56,20 @@ class GroupLinks:
             await ep.close()
 
 
+async def _read_hello(ep: Endpoint, group_id: str, timeout_s: float) -> dict[str, object]:
+    """An accepted peer's handshake, checked to be ESP's for `group_id`; the endpoint is aborted
+    and ProtocolError raised otherwise."""
+    try:
+        hello = json.loads(await ep.recv_msg(_HELLO_TAG, timeout_s=timeout_s, max_bytes=4096))
+    except (ValueError, UnicodeDecodeError) as exc:
+        ep.abort()
+        raise ProtocolError(f"ESP handshake from {ep.peer} is not JSON: {exc}") from None
+    if not isinstance(hello, dict) or hello.get("op") != ESP_OP or hello.get("group") != group_id:
+        ep.abort()
+        raise ProtocolError(f"ESP group {group_id!r}: unexpected handshake {hello!r:.200}")
+    return hello
+
+
 async def connect_group(
     transport: Transport, index: int, addresses: Sequence[bytes], group_id: str, *, timeout_s: float = 10.0
 ) -> GroupLinks:
@@ -73,20 +87,9 @@ async def connect_group(
             await ep.send_msg(json.dumps(hello).encode(), _HELLO_TAG, timeout_s=timeout_s)
         while len(links.earlier) < index:
             ep = await transport.accept(timeout_s=timeout_s)
-            try:
-                hello = json.loads(await ep.recv_msg(_HELLO_TAG, timeout_s=timeout_s, max_bytes=4096))
-            except (ValueError, UnicodeDecodeError) as exc:
-                ep.abort()
-                raise ProtocolError(f"ESP handshake from {ep.peer} is not JSON: {exc}") from None
-            member = hello.get("member") if isinstance(hello, dict) else None
-            if (
-                not isinstance(hello, dict)
-                or hello.get("op") != ESP_OP
-                or hello.get("group") != group_id
-                or not isinstance(member, int)
-                or not 0 <= member < index
-                or member in links.earlier
-            ):
+            hello = await _read_hello(ep, group_id, timeout_s)
+            member = hello.get("member")
+            if not isinstance(member, int) or not 0 <= member < index or member in links.earlier:
                 ep.abort()
                 raise ProtocolError(f"ESP member {index} of group {group_id!r}: unexpected handshake {hello!r:.200}")
             links.earlier[member] = ep
@@ -268,14 +271,7 @@ async def hand_over(holders: dict[int, Endpoint], *, timeout_s: float = 30.0) ->
 async def accept_master(transport: Transport, group_id: str, *, timeout_s: float = 30.0) -> Endpoint:
     """A holder's side of a handover: the new master's connection, checked to be of this group."""
     ep = await transport.accept(timeout_s=timeout_s)
-    try:
-        hello = json.loads(await ep.recv_msg(_HELLO_TAG, timeout_s=timeout_s, max_bytes=4096))
-    except (ValueError, UnicodeDecodeError) as exc:
-        ep.abort()
-        raise ProtocolError(f"ESP handshake from {ep.peer} is not JSON: {exc}") from None
-    if not isinstance(hello, dict) or hello.get("op") != ESP_OP or hello.get("group") != group_id:
-        ep.abort()
-        raise ProtocolError(f"ESP group {group_id!r}: unexpected handshake from a new master {hello!r:.200}")
+    await _read_hello(ep, group_id, timeout_s)
     return ep
 
 

@@ -62,12 +62,8 @@ async def default_mesh(chaos_model_dir: Path, tmp_path: Path, monkeypatch: pytes
         supervise=True,
         restart_policy=RestartPolicy(initial_backoff_s=0.2, max_backoff_s=1.0, max_restarts=5, window_s=120.0),
     )
-    m = Mesh(cfg)
-    try:
-        await m.start()
+    async with Mesh(cfg) as m:
         yield m
-    finally:
-        await m.stop()
 
 
 class Watch:

@@ -220,6 +220,18 @@ async def test_disaggregated_zigzag_hands_the_whole_kv_to_decode(models: Path, s
         assert engine_of(dec_svc).kv_fills == {"pulled": 1, "recomputed": 0}
 
 
+# The full worker of the pulled-ZigZag tests: one request at a time, so the others wait.
+BUSY = {"max_batch_size": 1, "step_time_a_s": 0.03, "step_time_b_s": 0.0}
+
+
+async def loading_peer(new_svc) -> Peer:
+    """The loading worker as a ZigZag peer, once its engine runs (1 of 6 layers held)."""
+    await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
+    transport = new_svc.servicer.transport
+    assert transport is not None
+    return Peer("new", new_svc.servicer.address, transport.address(), 1, 6, inflight_limit=2)
+
+
 @pytest.mark.parametrize("peer_dies", [False, True], ids=["pulled", "peer-dies"])
 async def test_a_partner_hands_its_queued_requests_to_a_loading_peer(
     models: Path, serve_in_process: ServeFactory, peer_dies: bool
@@ -229,15 +241,10 @@ async def test_a_partner_hands_its_queued_requests_to_a_loading_peer(
     when it admits it, with the tokens of a whole run. If the peer's load fails meanwhile, every
     request is recomputed on the partner, none lost."""
     prompts = [[1, *range(9 + i, 50 + i)] for i in range(6)]
-    busy = {"max_batch_size": 1, "step_time_a_s": 0.03, "step_time_b_s": 0.0}
-    async with pair(models, serve_in_process, link_gbps=0.02, old=busy) as p:
+    async with pair(models, serve_in_process, link_gbps=0.02, old=BUSY) as p:
         (old_svc, old), (new_svc, _) = p["old"], p["new"]
         expected = [await tokens(old.Generate(request(f"w{i}", pr), timeout=30)) for i, pr in enumerate(prompts)]
-        await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
-        transport = new_svc.servicer.transport
-        assert transport is not None
-        peer = Peer("new", new_svc.servicer.address, transport.address(), 1, 6, inflight_limit=2)
-        old_svc.servicer.offloader.set_peers([peer], MODEL)
+        old_svc.servicer.offloader.set_peers([await loading_peer(new_svc)], MODEL)
         calls = [
             asyncio.create_task(tokens(old.Generate(request(f"r{i}", pr), timeout=60))) for i, pr in enumerate(prompts)
         ]
@@ -265,18 +272,13 @@ async def test_a_run_ahead_that_breaks_strands_nothing(
         raise RuntimeError("injected: the run-ahead request cannot be built")
 
     prompts = [[1, *range(9 + i, 40 + i)] for i in range(3)]
-    busy = {"max_batch_size": 1, "step_time_a_s": 0.03, "step_time_b_s": 0.0}
-    async with pair(models, serve_in_process, link_gbps=0.02, old=busy) as p:
+    async with pair(models, serve_in_process, link_gbps=0.02, old=BUSY) as p:
         (old_svc, old), (new_svc, _) = p["old"], p["new"]
         expected = [await tokens(old.Generate(request(f"w{i}", pr), timeout=30)) for i, pr in enumerate(prompts)]
-        await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
-        transport = new_svc.servicer.transport
-        assert transport is not None
+        peer = await loading_peer(new_svc)
         failed_before = zigzag_pull.OFFLOADS.labels("failed")._value.get()
         monkeypatch.setattr(zigzag_pull, "sampling_to_proto", broken)
-        old_svc.servicer.offloader.set_peers(
-            [Peer("new", new_svc.servicer.address, transport.address(), 1, 6, inflight_limit=2)], MODEL
-        )
+        old_svc.servicer.offloader.set_peers([peer], MODEL)
         calls = [
             asyncio.create_task(tokens(old.Generate(request(f"r{i}", pr), timeout=60))) for i, pr in enumerate(prompts)
         ]

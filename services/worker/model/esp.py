@@ -101,6 +101,9 @@ class Shard:
     seq_id: str
     start: int
     end: int
+    # The slots of all of the shard's tokens, for `kv`, kept while the shard does not grow (its
+    # blocks only ever grow at the end, so a slot once known stays).
+    _all_slots: tuple[int, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -116,7 +119,9 @@ class Shard:
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`k, v [n, kv_heads, d]` of the shard's tokens at `layer`, and their positions `[n]`."""
         k_cache, v_cache = self.cache.layer_cache(layer)
-        slots = self.slots(0, self.num_tokens)
+        if self._all_slots is None or self._all_slots[0] != self.num_tokens:
+            self._all_slots = (self.num_tokens, self.slots(0, self.num_tokens))
+        slots = self._all_slots[1]
         k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, slots)
         v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, slots)
         return k, v, torch.arange(self.start, self.end, device=k.device)
