@@ -30,6 +30,13 @@ class ServiceConfig(BaseModel):
     metrics_port: int = Field(
         -1, ge=-1, le=65535, description="Prometheus /metrics port; 0 picks a free one, -1 disables"
     )
+    health_port: int = Field(
+        -1,
+        ge=-1,
+        le=65535,
+        description="plaintext gRPC port serving only the health service, for probes that speak no TLS "
+        "(kubelet's grpc probe); -1 disables",
+    )
     port_file: Path | None = Field(
         None, description="write the bound ports as JSON here once serving (for launchers and tests)"
     )

@@ -180,6 +180,7 @@ async def serve(
             installed.append(sig)
 
     metrics_port = start_metrics_server(config.host, config.metrics_port) if config.metrics_port >= 0 else None
+    health_server = await start_health_server(config, health_servicer, ctx) if config.health_port >= 0 else None
     await server.start()
     log.info(
         "grpc_listening",
@@ -213,6 +214,8 @@ async def serve(
             except Exception:
                 log.exception("service_drain_failed", service=service.name)
         await server.stop(config.shutdown_grace_s)
+        if health_server is not None:
+            await health_server.stop(0)
         try:
             await service.stop()
         except Exception:
@@ -221,6 +224,22 @@ async def serve(
         for sig in installed:
             loop.remove_signal_handler(sig)
         log.info("stopped")
+
+
+async def start_health_server(
+    config: ServiceConfig, health_servicer: health.aio.HealthServicer, ctx: ServeContext
+) -> grpc.aio.Server:
+    """A plaintext server on `health_port` with the health service alone (the same statuses as the
+    main port's), for probes that speak no TLS, e.g. kubelet's native `grpc:` probe. It answers
+    nothing else, so the mTLS port keeps every call that matters."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{config.host}:{config.health_port}")
+    if port == 0:
+        raise SystemExit(f"cannot bind the health port {config.host}:{config.health_port}")
+    ctx.extra_ports["health_port"] = port
+    await server.start()
+    return server
 
 
 async def wait_for_serving(

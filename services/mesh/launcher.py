@@ -27,7 +27,7 @@ from services.common.grpc_util import channel
 from services.common.pki import ensure_pki
 from services.common.security import Identity, load_identity
 from services.common.server import wait_for_serving
-from services.mesh import netns
+from services.mesh import netns, topology
 from services.mesh.supervision import ChildHistory, GiveUp, RestartPolicy, decide, describe_exit
 from services.model_format.default_model import DEFAULT_MODEL_ID
 
@@ -122,9 +122,9 @@ class MeshConfig:
         of two that split them (OpenMP's waiting threads spin): so the default mesh's single
         loaded instance gets every core, and instances the autoscaler adds split them.
         """
-        if self.worker_threads > 0:
-            return ["--num-threads", str(self.worker_threads)]
-        return ["--num-threads", "0", "--cpu-share-dir", str((self.run_dir / "cpu-share").resolve())]
+        return topology.worker_thread_args(
+            threads=self.worker_threads, cpu_share_dir=str((self.run_dir / "cpu-share").resolve())
+        )
 
     @property
     def tls_path(self) -> Path:
@@ -132,31 +132,28 @@ class MeshConfig:
 
     def security_args(self) -> list[str]:
         """What every child is started with: its certificates' directory, or the plaintext opt-in."""
-        return ["--insecure"] if self.insecure else ["--tls-dir", str(self.tls_path.resolve())]
+        return topology.security_args(None if self.insecure else str(self.tls_path.resolve()))
 
     def manager_pool_args(self) -> list[str]:
         """The manager's pool floors: what it keeps loaded from the IDLE workers."""
         if self.disaggregated:
-            return ["--min-prefill", str(self.prefill), "--min-decode", str(self.decode), "--min-instances", "0"]
-        return ["--min-instances", str(self.initial_instances)]
+            return topology.manager_pool_args(
+                min_instances="0", min_prefill=str(self.prefill), min_decode=str(self.decode)
+            )
+        return topology.manager_pool_args(min_instances=str(self.initial_instances))
 
     def manager_autoscale_args(self) -> list[str]:
         """The manager's autoscaling flags: the policy may grow each pool up to the workers started."""
         if not self.autoscale:
             return []
-        args = [
-            "--autoscale",
-            "--policy",
-            "heteroscale",
-            "--policy-params",
-            json.dumps(self.policy_params, sort_keys=True),
-            "--max-instances",
-            str(max(1, self.worker_count)),
-        ]
-        return args + (["--window-s", str(self.window_s)] if self.window_s is not None else [])
+        return topology.manager_autoscale_args(
+            policy_params=topology.policy_params_json(self.policy_params),
+            max_instances=str(max(1, self.worker_count)),
+            window_s=str(self.window_s) if self.window_s is not None else None,
+        )
 
     def gateway_wait_args(self) -> list[str]:
-        return [] if self.schedule_wait_s is None else ["--schedule-wait-s", str(self.schedule_wait_s)]
+        return topology.schedule_wait_args(None if self.schedule_wait_s is None else str(self.schedule_wait_s))
 
     def serving_wanted(self) -> dict[str, int]:
         """SERVING instances per role (SDK role names) that make the mesh ready."""
@@ -249,7 +246,7 @@ class Mesh:
         space, host = self.placement(name)
         # On emulated hosts `--host` binds gRPC and the data plane, and is what a process
         # advertises (the gateway binds the public address it is given).
-        placed = ["--host", host] if self.network is not None and name != "gateway" else []
+        placed = topology.serve_args(host=host) if self.network is not None and name != "gateway" else []
         process = await asyncio.create_subprocess_exec(
             *(["ip", "netns", "exec", space] if space is not None else []),
             sys.executable,
@@ -260,8 +257,7 @@ class Mesh:
             "--port-file",
             str(port_file),
             # Metrics on by default, on a free port written to the port file (`args` may fix it).
-            "--metrics-port",
-            "0",
+            *topology.serve_args(metrics_port="0"),
             *args,
             *placed,
             *self.cfg.security_args(),
@@ -367,45 +363,36 @@ class Mesh:
             self.network = await asyncio.to_thread(open_network, cfg)
         pm = await self.spawn(
             "param_manager",
-            "services.param_manager",
-            [
-                "--model-dir",
-                str(cfg.model_dir),
-                "--cache-slots",
-                str(cfg.host_caches),
-                "--topology-host",
-                "cache-host-0",
-            ],
+            topology.PARAM_MANAGER.module,
+            topology.param_manager_args(
+                model_dir=str(cfg.model_dir), cache_slots=str(cfg.host_caches), topology_host="cache-host-0"
+            ),
         )
         await self.wait_ready(pm, cfg.ready_timeout_s)
         caches = [
             await self.spawn(
                 f"host_cache-{k}",
-                "services.param_manager",
-                [
-                    "--model-dir",
-                    str(cfg.model_dir),
-                    "--index",
-                    pm.grpc_address,
-                    "--cache-slot",
-                    str(k),
-                    "--topology-host",
-                    f"cache-host-{k}",
-                ],
+                topology.HOST_CACHE.module,
+                topology.host_cache_args(
+                    model_dir=str(cfg.model_dir),
+                    index=pm.grpc_address,
+                    cache_slot=str(k),
+                    topology_host=f"cache-host-{k}",
+                ),
             )
             for k in range(1, cfg.host_caches)
         ]
         await asyncio.gather(*(self.wait_ready(c, cfg.ready_timeout_s) for c in caches))
         gm = await self.spawn(
             "global_manager",
-            "services.global_manager",
+            topology.GLOBAL_MANAGER.module,
             [
-                "--param-manager",
-                pm.grpc_address,
-                "--default-model",
-                cfg.model,
-                *cfg.manager_pool_args(),
-                *cfg.manager_autoscale_args(),
+                *topology.global_manager_args(
+                    param_manager=pm.grpc_address,
+                    model=cfg.model,
+                    pool=cfg.manager_pool_args(),
+                    autoscale=cfg.manager_autoscale_args(),
+                ),
                 *cfg.manager_args,
             ],
         )
@@ -413,20 +400,17 @@ class Mesh:
         workers = [
             await self.spawn(
                 f"worker-{i}",
-                "services.worker",
+                topology.WORKER.module,
                 [
-                    "--instance-id",
-                    f"worker-{i}",
                     # One accelerator per worker: each is its own topology host.
-                    "--topology-host",
-                    f"host-{i}",
-                    "--global-manager",
-                    gm.grpc_address,
-                    "--param-manager",
-                    pm.grpc_address,
+                    *topology.worker_args(
+                        instance_id=f"worker-{i}",
+                        topology_host=f"host-{i}",
+                        global_manager=gm.grpc_address,
+                        param_manager=pm.grpc_address,
+                        role=cfg.worker_role(i),
+                    ),
                     *cfg.worker_thread_args(),
-                    "--role",
-                    cfg.worker_role(i),
                     *cfg.worker_args,
                 ],
             )
@@ -435,21 +419,16 @@ class Mesh:
         await asyncio.gather(*(self.wait_ready(w, cfg.ready_timeout_s) for w in workers))
         gw = await self.spawn(
             "gateway",
-            "services.gateway",
+            topology.GATEWAY.module,
             [
-                "--host",
-                cfg.host,
-                "--port",
-                str(cfg.grpc_port),
-                "--http-host",
-                cfg.host,
-                "--http-port",
-                str(cfg.http_port),
-                "--global-manager",
-                gm.grpc_address,
-                "--param-manager",
-                pm.grpc_address,
-                *cfg.gateway_wait_args(),
+                *topology.serve_args(host=cfg.host, port=str(cfg.grpc_port)),
+                *topology.gateway_args(
+                    http_host=cfg.host,
+                    http_port=str(cfg.http_port),
+                    global_manager=gm.grpc_address,
+                    param_manager=pm.grpc_address,
+                    schedule_wait_s=None if cfg.schedule_wait_s is None else str(cfg.schedule_wait_s),
+                ),
                 *cfg.gateway_args,
             ],
         )
@@ -638,7 +617,12 @@ class ChildFailed(Exception):
 
 
 # Port-file keys and the flag that binds each again on restart (every service takes these).
-FIXED_PORT_FLAGS = {"grpc_port": "--port", "http_port": "--http-port", "metrics_port": "--metrics-port"}
+FIXED_PORT_FLAGS = {
+    "grpc_port": "--port",
+    "http_port": "--http-port",
+    "metrics_port": "--metrics-port",
+    "health_port": "--health-port",
+}
 
 
 def open_network(cfg: MeshConfig) -> netns.ShapedNetwork:
