@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: up test setup lint protos protos-check bench-serving clean
+.PHONY: up test setup lint protos protos-check deploy-gen deploy-check bench-serving clean
 
 setup: $(VENV)/.installed
 
@@ -14,13 +14,13 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[services,test,dev,bench]'
+	$(PIP) install -e '.[services,test,dev,bench,deploy]'
 	touch $@
 
 up: setup
 	$(PY) -m services.mesh $(ARGS)
 
-test: setup protos-check lint
+test: setup protos-check lint deploy-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # ruff lint and format check on all hand-written code (generated protos are excluded in pyproject).
@@ -33,6 +33,16 @@ protos:
 
 protos-check: setup
 	$(PY) scripts/gen_protos.py --check
+
+# The deployment files rendered from services/mesh/topology.py: compose, the swarm stack, the chart's args.
+deploy-gen: setup
+	$(PY) scripts/gen_deploy.py
+
+# Offline: every values set of the Helm chart rendered (Helm's Go SDK), schema-validated and
+# cross-checked, the generated files up to date, every deployment's commands parsed (docs/deploy.md).
+deploy-check: setup
+	$(PY) scripts/deploy_check.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_deploy.py
 
 bench-serving: setup
 	$(PY) -m bench.serving $(ARGS)

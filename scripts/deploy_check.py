@@ -42,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         lint = helm_python.lint(str(chart.CHART), values, strict=True, kube_version=f"v{chart.KUBE_VERSIONS[0]}")
         problems = [f"helm lint: {m['path']}: {m['error']}" for m in lint["messages"] if m["severity"] >= 2]
         problems += [f"helm lint: {e}" for e in lint["errors"]]
-        objects = chart.render(values)
+        try:
+            objects = chart.render(values)
+        except helm_python.HelmError as e:
+            failures.append(f"{name}: helm template: {e}")
+            print(f"{name}: does not render", file=sys.stderr)
+            continue
         problems += chart.validate(objects, crd_dir=args.crd_dir)
         problems += chart.consistency(objects)
         if args.out is not None:

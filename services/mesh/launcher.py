@@ -254,10 +254,8 @@ class Mesh:
             "services.mesh.child",
             str(os.getpid()),
             module,
-            "--port-file",
-            str(port_file),
             # Metrics on by default, on a free port written to the port file (`args` may fix it).
-            *topology.serve_args(metrics_port="0"),
+            *topology.serve_args(port_file=str(port_file), metrics_port="0"),
             *args,
             *placed,
             *self.cfg.security_args(),
@@ -617,12 +615,7 @@ class ChildFailed(Exception):
 
 
 # Port-file keys and the flag that binds each again on restart (every service takes these).
-FIXED_PORT_FLAGS = {
-    "grpc_port": "--port",
-    "http_port": "--http-port",
-    "metrics_port": "--metrics-port",
-    "health_port": "--health-port",
-}
+FIXED_PORT_FLAGS = topology.PORT_FLAGS
 
 
 def open_network(cfg: MeshConfig) -> netns.ShapedNetwork:

@@ -78,20 +78,32 @@ def security_args(tls_dir: str | None) -> list[str]:
     return ["--insecure"] if tls_dir is None else ["--tls-dir", tls_dir]
 
 
+# The port-file key of each port a service binds, and the flag that binds it.
+PORT_FLAGS = {
+    "grpc_port": "--port",
+    "http_port": "--http-port",
+    "metrics_port": "--metrics-port",
+    "health_port": "--health-port",
+}
+
+
 def serve_args(
     *,
     host: str | None = None,
     port: str | None = None,
     metrics_port: str | None = None,
     health_port: str | None = None,
+    port_file: str | None = None,
 ) -> list[str]:
-    """The flags every service's server takes (each left out when None: the service's default)."""
+    """The flags every service's server takes (each left out when None: the service's default).
+    `port_file`: where it writes the ports it bound (how the launcher learns ports it left to 0)."""
     out: list[str] = []
     for flag, value in (
+        ("--port-file", port_file),
         ("--host", host),
-        ("--port", port),
-        ("--metrics-port", metrics_port),
-        ("--health-port", health_port),
+        (PORT_FLAGS["grpc_port"], port),
+        (PORT_FLAGS["metrics_port"], metrics_port),
+        (PORT_FLAGS["health_port"], health_port),
     ):
         if value is not None:
             out += [flag, value]
@@ -202,6 +214,11 @@ def worker_args(
     return out + ["--global-manager", global_manager, "--param-manager", param_manager]
 
 
+def device_args(device: str) -> list[str]:
+    """Where a worker's model and KV cache live: cpu, or cuda[:N] (one accelerator per worker)."""
+    return ["--device", device]
+
+
 def worker_thread_args(*, threads: int, cpu_share_dir: str | None = None) -> list[str]:
     """torch threads of a worker's engine: fixed, or (0) its share of the cores among the engines
     counted in `cpu_share_dir`."""
@@ -223,7 +240,7 @@ def gateway_args(
     if http_host is not None:
         out += ["--http-host", http_host]
     if http_port is not None:
-        out += ["--http-port", http_port]
+        out += [PORT_FLAGS["http_port"], http_port]
     out += schedule_wait_args(schedule_wait_s)
     return out + ["--global-manager", global_manager, "--param-manager", param_manager]
 

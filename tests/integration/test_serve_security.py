@@ -140,3 +140,21 @@ async def test_mtls_checks_each_caller_against_the_table(tls_dir: Path) -> None:
                     assert code is None and "blitzmesh.v1.Worker" in names
                 except grpc.aio.AioRpcError as err:
                     assert err.code() == code
+
+
+async def test_the_health_port_answers_health_in_plaintext_and_nothing_else(tls_dir: Path) -> None:
+    """--health-port: what kubelet's native grpc probe (no TLS) reaches; the mTLS port keeps the rest."""
+    async with _serving(_WorkerService(), ServiceConfig(port=0, tls_dir=tls_dir, health_port=0)) as ctx:
+        health_port = ctx.extra_ports["health_port"]
+        assert health_port not in (0, ctx.grpc_port)
+        async with channel(f"127.0.0.1:{health_port}", identity=None) as ch:
+            for name in ("", "blitzmesh.v1.Worker"):
+                resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING, name
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        async with channel(ctx.address, identity=None) as ch:  # the main port still wants mTLS
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,17 +1,24 @@
-"""The compose deployment stays true to the code: every command parses with its service's config."""
+"""The deployments stay true to the code: compose, the swarm stack and the Helm chart render from
+services/mesh/topology.py, and every command they hold parses with its service's config."""
 
 from __future__ import annotations
 
+import copy
 import importlib
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from services.common import roles
 from services.common.config import load_config
 from services.gateway.config import GatewayConfig
 from services.global_manager.config import GlobalManagerConfig
+from services.mesh import chart, deployments, topology
 from services.mesh.__main__ import LOCAL_POLICY_PARAMS, LOCAL_WINDOW_S, SCHEDULE_WAIT_S
+from services.mesh.__main__ import parse_args as parse_mesh_args
+from services.mesh.launcher import FIXED_PORT_FLAGS
 from services.model_format.__main__ import build_parser
 from services.model_format.default_model import DEFAULT_MODEL_ID
 from services.param_manager.service import ParamManagerConfig
@@ -143,3 +150,203 @@ def test_every_service_serves_metrics_and_prometheus_scrapes_the_default_stack()
     targets = {t for job in scrape for static in job["static_configs"] for t in static["targets"]}
     assert targets == {f"{name}:9100" for name in runs_a_service if name in profile(None)}
     assert compose_services()["prometheus"]["profiles"] == ["observability"]
+
+
+# ---- one topology, three renderings ------------------------------------------------------------
+
+
+def test_the_generated_deployment_files_are_what_the_topology_renders() -> None:
+    """docker-compose.yml, the swarm stack and the chart's _args.tpl: `make deploy-gen` writes them."""
+    assert deployments.stale() == [], "run `make deploy-gen` (python scripts/gen_deploy.py)"
+
+
+def test_a_changed_flag_makes_the_generated_files_stale(tmp_path: Path) -> None:
+    deployments.write(tmp_path)
+    assert deployments.stale(tmp_path) == []
+    compose_file = tmp_path / "docker-compose.yml"
+    compose_file.write_text(
+        compose_file.read_text().replace('"--schedule-wait-s", "60.0"', '"--schedule-wait-s", "61"')
+    )
+    assert deployments.stale(tmp_path) == ["docker-compose.yml"]
+
+
+def service_flags() -> set[str]:
+    """Every flag of every service's config (`--model-dir`, `--no-insecure`, ...)."""
+    flags = set()
+    for cls, _ in CONFIGS.values():
+        for name in cls.model_fields:
+            flag = name.replace("_", "-")
+            flags |= {f"--{flag}", f"--no-{flag}"}
+    return flags
+
+
+def test_a_service_flag_is_spelled_out_only_in_the_topology() -> None:
+    """The launcher, the renderings and the chart's hand-written templates take every service
+    flag from services/mesh/topology.py (the generated files hold them as rendered)."""
+    producers = [
+        ROOT / "services" / "mesh" / "launcher.py",
+        ROOT / "services" / "mesh" / "deployments.py",
+        ROOT / "deploy" / "helm" / "blitzmesh" / "values.yaml",
+        *(p for p in (ROOT / "deploy" / "helm" / "blitzmesh" / "templates").iterdir() if p.name != "_args.tpl"),
+    ]
+    flags = service_flags()
+    assert {"--model-dir", "--global-manager", "--health-port", "--advertise-host"} <= flags
+    for path in producers:
+        text = path.read_text()
+        # A flag as a string literal ("--flag", '--flag=') or a YAML list item (- --flag).
+        found = re.findall(r"""["'](--[a-z][a-z0-9-]*)["'=]""", text) + re.findall(r"-\s+(--[a-z][a-z0-9-]*)", text)
+        spelled = {m for m in found if m in flags}
+        assert not spelled, f"{path.relative_to(ROOT)} spells {sorted(spelled)}; take them from topology.py"
+    assert {m for m in re.findall(r'"(--[a-z][a-z0-9-]*)"', (ROOT / "services/mesh/topology.py").read_text())} & flags
+
+
+def test_the_launcher_starts_each_service_with_the_topology_s_flags() -> None:
+    """make up's processes: the same builders, addresses filled in at run time."""
+    cfg = parse_mesh_args([])
+    args = topology.worker_args(
+        instance_id="worker-0", topology_host="host-0", global_manager="a:1", param_manager="b:2", role="colocated"
+    )
+    worker = load_config(WorkerConfig, "worker", [*args, *cfg.worker_thread_args()], env={})
+    assert (worker.instance_id, worker.global_manager, worker.param_manager, worker.role) == (
+        "worker-0",
+        "a:1",
+        "b:2",
+        "colocated",
+    )
+    assert cfg.security_args() == topology.security_args(str(cfg.tls_path.resolve()))
+    assert set(FIXED_PORT_FLAGS.values()) <= service_flags()
+
+
+# ---- Docker Swarm ----------------------------------------------------------------------------
+
+
+def stack_services() -> dict[str, dict]:
+    return yaml.safe_load((ROOT / "deploy" / "swarm" / "blitzmesh-stack.yml").read_text())["services"]
+
+
+@pytest.mark.parametrize("name", sorted(stack_services()))
+def test_stack_command_parses_and_is_placed_by_node_label(name: str) -> None:
+    svc = stack_services()[name]
+    python, dash_m, module, *args = svc["command"]
+    assert (python, dash_m) == ("python", "-m")
+    if module in CONFIGS:
+        cls, service = CONFIGS[module]
+        cfg = load_config(cls, service, args, env={})
+        assert cfg.host == "0.0.0.0" and str(cfg.tls_dir) == "/tls"
+        # Its own role's key and no other, from the swarm's secrets.
+        targets = {s["target"] for s in svc["secrets"]}
+        role = next(r for r in roles.ALL_ROLES if f"/tls/{r}.key" in targets)
+        assert {t for t in targets if t.endswith(".key") and t != "/tls/dataplane.key"} == {f"/tls/{role}.key"}
+        assert svc["deploy"]["restart_policy"]["condition"] == "any"
+    [constraint] = svc["deploy"]["placement"]["constraints"]
+    expected = "blitzmesh.worker" if module == "services.worker" else None
+    if module in ("services.param_manager", "services.model_format"):
+        expected = "blitzmesh.cache"  # the models volume is a node's: model-init fills it there
+    assert constraint == f"node.labels.{expected or 'blitzmesh.control'} == true"
+
+
+def test_the_stack_is_compose_s_default_deployment() -> None:
+    stack = stack_services()
+    default = {k: v for k, v in compose_services().items() if "profiles" not in v and k != "certs-init"}
+    assert sorted(stack) == sorted(default)
+    for name, svc in stack.items():
+        assert svc["command"] == default[name]["command"], name
+    secrets = yaml.safe_load((ROOT / "deploy" / "swarm" / "blitzmesh-stack.yml").read_text())["secrets"]
+    used = {s["source"] for svc in stack.values() for s in svc.get("secrets", [])}
+    assert used == set(secrets)
+
+
+# ---- the Helm chart ---------------------------------------------------------------------------
+
+VALUES_SETS = chart.values_sets()
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    pytest.importorskip("helm_python", reason="the deploy extra: pip install '.[deploy]' (make deploy-check does)")
+    return {name: chart.render_file(path) for name, path in VALUES_SETS.items()}
+
+
+def test_the_values_sets_are_the_four_the_issue_names() -> None:
+    assert sorted(VALUES_SETS) == ["default", "disagg", "gpu", "observability"]
+
+
+@pytest.mark.parametrize("values", sorted(VALUES_SETS))
+def test_every_rendered_object_passes_the_kubernetes_schemas(rendered: dict[str, list[dict]], values: str) -> None:
+    pytest.importorskip("kubernetes_validate")
+    assert chart.validate(rendered[values]) == []
+
+
+@pytest.mark.parametrize("values", sorted(VALUES_SETS))
+def test_chart_commands_parse_and_probes_ports_and_services_agree(rendered: dict[str, list[dict]], values: str) -> None:
+    objects = rendered[values]
+    commands = [c for c in chart.containers(objects) if not c.init]
+    assert len(commands) >= 4  # gateway, global manager, parameter manager, workers (+ host caches, pools)
+    for c in commands:
+        cls, service = chart.config_of(c.command)
+        cfg = load_config(cls, service, chart.without_cuda(chart.expand(c.command)[3:]), env={})
+        assert cfg.host == "0.0.0.0" and str(cfg.tls_dir) == "/tls" and not cfg.insecure, c.workload
+    assert chart.consistency(objects) == []
+
+
+def test_the_checks_catch_a_probe_port_a_service_or_a_schema_that_disagree(rendered: dict[str, list[dict]]) -> None:
+    objects = copy.deepcopy(rendered["default"])
+    gw = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-gateway"))
+    gw["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = 9999
+    objects = [o for o in objects if not (o["kind"] == "Service" and o["metadata"]["name"].endswith("-global-manager"))]
+    problems = "\n".join(chart.consistency(objects))
+    assert "readinessProbe on 9999, health port 9101" in problems
+    assert "dials blitzmesh-global-manager:50061, no Service 'blitzmesh-global-manager'" in problems
+    gw["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "health"
+    assert "readinessProbe/grpc/port: 'health' is not of type 'integer'" in "\n".join(chart.validate([gw]))
+
+
+def test_the_chart_s_shape(rendered: dict[str, list[dict]]) -> None:
+    def kinds(values: str) -> dict[str, dict]:
+        return {f"{o['kind']}/{o['metadata']['name']}": o for o in rendered[values]}
+
+    default = kinds("default")
+    pm = default["StatefulSet/blitzmesh-param-manager"]
+    assert pm["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert pm["spec"]["template"]["spec"]["initContainers"][0]["command"] == topology.model_init_command()
+    assert default["Deployment/blitzmesh-global-manager"]["spec"]["strategy"] == {"type": "Recreate"}
+    assert default["StatefulSet/blitzmesh-worker"]["spec"]["replicas"] == 3
+    assert not any(k.startswith(("ServiceMonitor", "InferencePool", "HorizontalPodAutoscaler")) for k in default)
+    gpu = kinds("gpu")
+    worker = gpu["StatefulSet/blitzmesh-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1 and worker["command"][-2:] == ["--device", "cuda"]
+    caches = gpu["StatefulSet/blitzmesh-host-cache"]["spec"]
+    assert caches["ordinals"] == {"start": 1} and caches["replicas"] == 1  # shard 1 of 2; 0 is the index's
+    disagg = kinds("disagg")
+    roles_ = {
+        k: load_config(
+            WorkerConfig, "worker", chart.expand(o["spec"]["template"]["spec"]["containers"][0]["command"])[3:], env={}
+        ).role
+        for k, o in disagg.items()
+        if o["kind"] == "StatefulSet" and "-worker" in k
+    }
+    assert roles_ == {
+        "StatefulSet/blitzmesh-worker": "colocated",
+        "StatefulSet/blitzmesh-worker-prefill": "prefill",
+        "StatefulSet/blitzmesh-worker-decode": "decode",
+    }
+    assert sum(k.startswith("Certificate/") for k in disagg) == 5
+    gm = load_config(
+        GlobalManagerConfig,
+        "global_manager",
+        disagg["Deployment/blitzmesh-global-manager"]["spec"]["template"]["spec"]["containers"][0]["command"][3:],
+        env={},
+    )
+    assert gm.disaggregated and (gm.min_prefill, gm.min_decode, gm.max_instances) == (2, 2, 4)
+    obs = kinds("observability")
+    assert obs["InferencePool/blitzmesh"]["spec"]["targetPorts"] == [{"number": topology.GATEWAY_HTTP_PORT}]
+    assert obs["ServiceMonitor/blitzmesh"]["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_the_chart_s_autoscaling_defaults_are_make_up_s() -> None:
+    values = yaml.safe_load((chart.CHART / "values.yaml").read_text())
+    assert values["autoscale"]["policyParams"] == LOCAL_POLICY_PARAMS
+    assert values["autoscale"]["windowS"] == LOCAL_WINDOW_S and values["gateway"]["scheduleWaitS"] == SCHEDULE_WAIT_S
+    assert values["model"]["id"] == DEFAULT_MODEL_ID
