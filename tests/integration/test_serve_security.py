@@ -149,7 +149,9 @@ async def test_the_health_port_answers_health_in_plaintext_and_nothing_else(tls_
         assert health_port not in (0, ctx.grpc_port)
         async with channel(f"127.0.0.1:{health_port}", identity=None) as ch:
             for name in ("", "blitzmesh.v1.Worker"):
-                resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                resp = await health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=name), timeout=5
+                )
                 assert resp.status == health_pb2.HealthCheckResponse.SERVING, name
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
