@@ -11,6 +11,7 @@ one differs from what the topology renders, so a flag changes in topology.py and
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,12 @@ STACK_HEADER = """\
 #     role's key alone): make them first with `python -m services.common.pki deploy/swarm/tls
 #     --ca-key <somewhere else>`;
 #   - swarm's restart policy instead of depends_on (a service whose peer is not up yet exits and
-#     is started again until the mesh converges).
+#     is started again until the mesh converges; the parameter manager exits until model-init has
+#     put the model in place: --require-models);
+#   - DNS round robin (endpoint_mode dnsrr), not a virtual IP per service: a name resolves to its
+#     container, as the mesh's peers expect, and no node needs IPVS; so the gateway publishes
+#     :8000 and :50051 in host mode, on the node that runs it (put a load balancer in front of the
+#     blitzmesh.control nodes).
 """
 HEALTH = {"interval": "5s", "timeout": "5s", "retries": 30}
 
@@ -110,7 +116,7 @@ def compose() -> dict[str, Any]:
         },
         "param_manager": _svc(
             t.PARAM_MANAGER,
-            t.param_manager_args(model_dir=t.MODEL_DIR),
+            t.param_manager_args(model_dir=t.MODEL_DIR, require_models=json.dumps([DEFAULT_MODEL_ID])),
             {"model-init": "service_completed_successfully", "certs-init": "service_completed_successfully"},
             volumes=["models:/models:ro", "tls:/tls:ro"],
         ),
@@ -246,11 +252,12 @@ def stack(compose_file: dict[str, Any]) -> dict[str, Any]:
             out["healthcheck"] = {**svc["healthcheck"], "start_period": "120s"}
         if "ports" in out:
             out["ports"] = [
-                {"target": int(p.split(":")[1]), "published": int(p.split(":")[0]), "mode": "ingress"}
+                {"target": int(p.split(":")[1]), "published": int(p.split(":")[0]), "mode": "host"}
                 for p in svc["ports"]
             ]
         out["deploy"] = {
             "replicas": 1,
+            "endpoint_mode": "dnsrr",
             "placement": {"constraints": [f"node.labels.{_swarm_label(name)} == true"]},
             "restart_policy": (
                 {"condition": "on-failure", "max_attempts": 3}
@@ -314,6 +321,7 @@ def helm_commands() -> dict[str, list[str]]:
             *t.param_manager_args(
                 model_dir=t.MODEL_DIR,
                 cache_slots=t.Tpl(".root.Values.hostCaches.shards"),
+                require_models=t.Tpl("list .root.Values.model.id | toJson"),
                 topology_host="$(NODE_NAME)",
                 advertise_host=_pod_dns("param-manager"),
             ),

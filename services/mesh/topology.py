@@ -133,9 +133,13 @@ def param_manager_args(
     cache_slots: str | None = None,
     topology_host: str | None = None,
     advertise_host: str | None = None,
+    require_models: str | None = None,
 ) -> list[str]:
-    """The parameter manager: the index of the models in `model_dir`, and host-cache shard 0."""
+    """The parameter manager: the index of the models in `model_dir`, and host-cache shard 0;
+    with `require_models` (a JSON list) it exits at start while one of them is missing."""
     out = ["--model-dir", model_dir]
+    if require_models is not None:
+        out += ["--require-models", require_models]
     if cache_slots is not None:
         out += ["--cache-slots", cache_slots]
     if topology_host is not None:

@@ -53,6 +53,12 @@ class ParamManagerConfig(ServiceConfig):
     index: str = Field("", description="address of the index process; empty = this process is the index")
     cache_slots: int = Field(1, ge=1, description="host-cache processes sharing the pool (index only)")
     cache_slot: int = Field(0, ge=0, description="which shard this process holds (0 is the index's)")
+    require_models: list[str] = Field(
+        default_factory=list,
+        description="index only: exit at start, naming them, if any of these models is not in model_dir "
+        "(where an orchestrator cannot order start-up, e.g. swarm, it restarts the index until model-init "
+        "has put them there; a conversion appears whole or not at all)",
+    )
     topology_host: str = Field("host-0", description="host (topology node) this process runs on")
     advertise_host: str = Field("", description="host name peers use to reach this process; empty = --host")
     dataplane: str = Field("auto", pattern="^(auto|ucx|tcp)$", description="data-plane transport")
@@ -299,6 +305,12 @@ class ParamManagerService:
         if s.is_index:
             # Reading checkpoints is blocking file I/O: keep the event loop (health checks) alive.
             await asyncio.to_thread(s.index_models)
+            missing = sorted(set(cfg.require_models) - set(s.models))
+            if missing:
+                raise SystemExit(
+                    f"required models {missing} are not in {str(cfg.model_dir)!r} (found {sorted(s.models)}); "
+                    "model-init puts the default one there"
+                )
             for model_id in s.models:
                 s.locations.set(model_id, s.holder, s.models[model_id].held_groups)
         else:

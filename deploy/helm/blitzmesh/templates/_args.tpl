@@ -32,6 +32,8 @@
 - "/tls"
 - "--model-dir"
 - "/models"
+- "--require-models"
+- {{ list .root.Values.model.id | toJson | quote }}
 - "--cache-slots"
 - {{ .root.Values.hostCaches.shards | quote }}
 - "--topology-host"
