@@ -67,6 +67,8 @@ STACK_HEADER = """\
 #   - swarm's restart policy instead of depends_on (a service whose peer is not up yet exits and
 #     is started again until the mesh converges; the parameter manager exits until model-init has
 #     put the model in place: --require-models);
+#   - the data plane over TCP (--dataplane tcp): UCX between swarm containers hung on the first
+#     transfer on the one machine it was run on;
 #   - DNS round robin (endpoint_mode dnsrr), not a virtual IP per service: a name resolves to its
 #     container, as the mesh's peers expect, and no node needs IPVS; so the gateway publishes
 #     :8000 and :50051 in host mode, on the node that runs it (put a load balancer in front of the
@@ -116,7 +118,9 @@ def compose() -> dict[str, Any]:
         },
         "param_manager": _svc(
             t.PARAM_MANAGER,
-            t.param_manager_args(model_dir=t.MODEL_DIR, require_models=json.dumps([DEFAULT_MODEL_ID])),
+            t.param_manager_args(
+                model_dir=t.MODEL_DIR, advertise_host="param_manager", require_models=json.dumps([DEFAULT_MODEL_ID])
+            ),
             {"model-init": "service_completed_successfully", "certs-init": "service_completed_successfully"},
             volumes=["models:/models:ro", "tls:/tls:ro"],
         ),
@@ -216,6 +220,9 @@ def compose() -> dict[str, Any]:
 SWARM_LABELS = {"param_manager": "blitzmesh.cache", "model-init": "blitzmesh.cache", "worker": "blitzmesh.worker"}
 SWARM_CONTROL_LABEL = "blitzmesh.control"
 SWARM_TLS_DIR = "deploy/swarm/tls"
+# UCX between swarm containers hung on the first transfer here (a container has an overlay and a
+# gateway-bridge interface); the asyncio TCP data plane goes over the overlay by name.
+SWARM_DATAPLANE = "tcp"
 
 
 def _swarm_label(name: str) -> str:
@@ -250,6 +257,8 @@ def stack(compose_file: dict[str, Any]) -> dict[str, Any]:
             out["secrets"] = [{"source": _secret(f), "target": f"{t.TLS_DIR}/{f}", "mode": 0o400} for f in files]
             used_secrets.update(files)
             out["healthcheck"] = {**svc["healthcheck"], "start_period": "120s"}
+            if service in (t.WORKER, t.PARAM_MANAGER):
+                out["command"] = [*svc["command"], *t.dataplane_args(SWARM_DATAPLANE)]
         if "ports" in out:
             out["ports"] = [
                 {"target": int(p.split(":")[1]), "published": int(p.split(":")[0]), "mode": "host"}

@@ -218,6 +218,11 @@ def worker_args(
     return out + ["--global-manager", global_manager, "--param-manager", param_manager]
 
 
+def dataplane_args(kind: str) -> list[str]:
+    """The data plane's transport: auto (UCX if it imports), ucx or tcp."""
+    return ["--dataplane", kind]
+
+
 def device_args(device: str) -> list[str]:
     """Where a worker's model and KV cache live: cpu, or cuda[:N] (one accelerator per worker)."""
     return ["--device", device]

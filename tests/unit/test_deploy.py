@@ -250,7 +250,9 @@ def test_the_stack_is_compose_s_default_deployment() -> None:
     default = {k: v for k, v in compose_services().items() if "profiles" not in v and k != "certs-init"}
     assert sorted(stack) == sorted(default)
     for name, svc in stack.items():
-        assert svc["command"] == default[name]["command"], name
+        extra = topology.dataplane_args(deployments.SWARM_DATAPLANE)
+        data_plane = svc["command"][2] in ("services.worker", "services.param_manager")
+        assert svc["command"] == default[name]["command"] + (extra if data_plane else []), name
     secrets = yaml.safe_load((ROOT / "deploy" / "swarm" / "blitzmesh-stack.yml").read_text())["secrets"]
     used = {s["source"] for svc in stack.values() for s in svc.get("secrets", [])}
     assert used == set(secrets)
