@@ -90,8 +90,8 @@ def swarm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             out = run("docker", "service", "logs", "--raw", f"{STACK}_{service}", check=False, timeout=60)
             (logs / f"swarm-{service}.log").write_text(out.stdout + out.stderr)
         run("docker", "stack", "rm", STACK, check=False)
-        deadline = time.monotonic() + 120  # the stack's containers and network go before its volume can
-        while run("docker", "ps", "-q", "--filter", f"label=com.docker.stack.namespace={STACK}").stdout.strip():
+        deadline = time.monotonic() + 120  # its containers (exited ones too) go before its volume can
+        while run("docker", "ps", "-aq", "--filter", f"label=com.docker.stack.namespace={STACK}").stdout.strip():
             if time.monotonic() > deadline:
                 break
             time.sleep(1)
