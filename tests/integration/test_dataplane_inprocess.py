@@ -572,3 +572,69 @@ async def test_ucx_dead_source_is_a_data_plane_error_and_the_fallback_is_used() 
     finally:
         await server.close()
         await t.close()
+
+
+_UCX_ECHO_CHILD = """
+import asyncio, sys
+import numpy as np
+from services.dataplane.ucx import UcxTransport
+async def serve(ep):
+    buf = np.zeros(1 << 20, np.uint8)
+    try:
+        while True:
+            await ep.recv_into(buf, 5, timeout_s=None)
+            await ep.send(buf, 6, timeout_s=30)
+    except Exception:
+        pass
+async def main():
+    t = UcxTransport()
+    await t.start()
+    sys.stdout.write("ADDR:" + t.address().hex() + "\\n")
+    sys.stdout.flush()
+    while True:
+        ep = await t.accept()
+        asyncio.get_running_loop().create_task(serve(ep))
+asyncio.run(main())
+"""
+
+
+@pytest.mark.ucx
+@pytest.mark.skipif(not UCX_OK, reason=f"ucxx does not import: {UCX_REASON}")
+async def test_ucx_reconnect_after_our_abort_is_served_at_once() -> None:
+    """We abort our endpoint to a live peer (as a receiver does when a chunk is late): the peer
+    still holds its endpoint paired with the one we dropped, and a rendezvous sent through it
+    can never complete (seen after a worker's SIGKILL: every retry to the host cache was
+    cancelled until the cache's own 10 s send timeout, so a reload took ~20 s). The hello names
+    our endpoint's generation, the peer replaces its stale endpoint, and the next connection
+    moves 1 MiB both ways at once."""
+    import subprocess
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _UCX_ECHO_CHILD, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert proc.stdout is not None
+    t = make_transport("ucx")
+    await t.start()
+    try:
+        async with asyncio.timeout(30):
+            line = ""
+            while not line.startswith("ADDR:"):
+                line = (await proc.stdout.readline()).decode()
+                assert line, "the UCX child exited before printing its address"
+        peer = bytes.fromhex(line[5:].strip())
+        payload = np.arange(1 << 20, dtype=np.uint8)
+        echo = np.zeros_like(payload)
+        for attempt in range(3):
+            started = time.monotonic()
+            ep = await t.connect(peer, timeout_s=5)
+            await ep.send(payload, 5, timeout_s=5)
+            await ep.recv_into(echo, 6, timeout_s=5)
+            assert np.array_equal(echo, payload), f"attempt {attempt}: the echo differs"
+            assert time.monotonic() - started < 4, f"attempt {attempt} took {time.monotonic() - started:.1f}s"
+            echo[:] = 0
+            ep.abort()  # drop our endpoint to the peer, as a timed-out receive does
+    finally:
+        proc.kill()
+        await proc.wait()
+        await t.close()
