@@ -250,7 +250,7 @@ async def test_only_serving_worker_sigkilled_with_40_streams(default_mesh: Mesh)
     # The issue's target is load time + 2 s (`meets_target` in the row). It is met when the
     # host cache answers the reloads at once (3.8 s against 5.8 s); after a worker's SIGKILL the
     # host cache's UCX connections were seen stalling or cancelled for up to ~20 s, and then the
-    # reload takes that long (a known gap, see the README). Bounded here below the 35 s the
+    # reload takes that long (a known gap, see docs/benchmarks/chaos.md). Bounded here below the 35 s the
     # issue measured before, so a regression to it fails.
     assert serving_again_s <= 30.0, row
 
