@@ -1,6 +1,6 @@
 """UCX transport through `ucxx`: the default data plane path (shared memory on a host, tcp/rdma across).
 
-How it is driven, and why (measured here, see DESIGN.md):
+How it is driven, and why (measured on the 2-core development machine; docs/benchmarks/dataplane.md):
 - Endpoints come from exchanged *worker addresses* (`get_worker_address()` /
   `create_endpoint_from_worker_address`), never from the listener API, which always ends up on
   tcp (1.5-1.8 GB/s). The address goes to peers over gRPC as opaque bytes.
