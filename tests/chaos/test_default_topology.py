@@ -35,7 +35,7 @@ from services.mesh.__main__ import LOCAL_POLICY_PARAMS, LOCAL_WINDOW_S, SCHEDULE
 from services.mesh.launcher import Mesh
 from services.mesh.supervision import RestartPolicy
 from tests.chaos.conftest import chaos_config
-from tests.chaos.harness import MODEL, write_row
+from tests.chaos.harness import MODEL, gateway_counter, write_row
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -376,3 +376,60 @@ async def test_manager_sigkilled_with_40_streams_loses_none(default_mesh: Mesh, 
     )
     assert not errors, errors[:3]
     assert not after_errors, after_errors[:3]
+
+
+async def test_only_serving_worker_hung_with_40_streams(default_mesh: Mesh) -> None:
+    """The only SERVING worker hangs (SIGSTOP) with 40 streams in flight and the scale-out they
+    set off about to pull from it: the manager marks it LOST after its heartbeat timeout, the
+    scale-out's targets give up on the silent source (hello timeout, liveness probe) and load
+    from the host cache, and the streams resume there with the exact greedy text. Once LOST,
+    the worker is SIGCONTed and rejoins."""
+    mesh = default_mesh
+    (victim,) = await _serving(mesh)
+    migrated_before = await gateway_counter(mesh, "blitzmesh_gateway_migrations")
+    async with Watch(mesh) as watch:
+        streams, before = await _streams_under_way(mesh, watch, scale_out=True)
+        proc = mesh.procs[victim].process
+        proc.send_signal(signal.SIGSTOP)
+        stopped_s = watch.now()
+        try:
+            lost = await wait_until(
+                lambda: [e for e in watch.find("instance_lost", after_s=stopped_s) if e["instance_id"] == victim],
+                30,
+                what="the hung worker marked LOST",
+            )
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        results = await asyncio.gather(*streams, return_exceptions=True)
+        done_s = watch.now()
+        errors = [repr(r) for r in results if isinstance(r, BaseException)]
+        texts = [r for r in results if isinstance(r, str)]
+        reference = await _stream(_client(mesh), [0])
+        migrated = await gateway_counter(mesh, "blitzmesh_gateway_migrations") - migrated_before
+        rolled = watch.find("scale_out", "rolled_back", after_s=stopped_s)
+        untyped = [e["reason"] for e in watch.find("load_result", "failed") if e["reason"].startswith("UNKNOWN")]
+        served = [e["t_s"] for e in watch.find("load_result", "ok", after_s=stopped_s) if e["instance_id"] != victim]
+        await wait_until(lambda: _settled(mesh), 120, interval_s=0.2, what="the cluster settled after the hang")
+    write_row(
+        {
+            "fault": "default_topology_only_serving_worker_sigstop",
+            "requests": STREAMS,
+            "completed": len(texts),
+            "migrated": round(migrated),
+            "errors": len(errors),
+            "lost": len(errors),
+            "hung": 0,
+            # From the hang to the first other instance serving (the streams then resume there).
+            "recovery_s": round(min(served) - stopped_s, 2) if served else None,
+            "streams_done_s": round(done_s - stopped_s, 2),
+            "killed": victim,
+            "lost_after_s": round(lost[0]["t_s"] - stopped_s, 2),
+            "streams_past_first_token_at_fault": sum(n >= 1 for n in before),
+            "rolled_back": len(rolled),
+            "topology": "make up default: 3 workers, 1 loaded + 2 idle, autoscaling, supervised",
+        }
+    )
+    assert not errors, errors[:3]
+    assert migrated >= 1, "no stream was moved off the hung worker"
+    assert len(set(texts)) == 1 and texts[0] == reference, "a migrated stream differs from the whole one"
+    assert not untyped, untyped
