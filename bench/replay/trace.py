@@ -11,9 +11,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-__all__ = ["TraceRow", "parse_timestamp", "parse_timestamp_ns", "read_azure_trace"]
+__all__ = ["REPO_ROOT", "TraceRow", "parse_timestamp", "parse_timestamp_ns", "read_azure_trace", "repo_relative"]
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def repo_relative(path: Path) -> str:
+    """How a result file names `path`: relative to the repository when it is inside it (the
+    shipped traces, `bench/results/...`), so a committed result names no machine's own folders."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else str(path)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.replay.trace import repo_relative
+
 # Ids 0..2 are <unk>, <s>, </s> in the synthetic tokenizers; prompts start with <s> and use
 # ordinary tokens after it, as a tokenized text would.
 BOS_ID = 1
@@ -71,7 +73,7 @@ def describe(requests: list[Request], spec: WorkloadSpec, trace_path: Path) -> d
     prompts = [r.prompt_tokens for r in requests]
     outputs = [r.output_tokens for r in requests]
     return {
-        "trace": str(trace_path),
+        "trace": repo_relative(trace_path),
         "requests": len(requests),
         "seed": spec.seed,
         "sampling": "random.Random(seed).sample of trace rows; greedy decoding, ignore_eos",

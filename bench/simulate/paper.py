@@ -118,7 +118,8 @@ PAPER: dict[str, dict[str, Any]] = {
 }
 
 
-# What our setting assumes where it may differ from the paper's (README: which one moves a claim).
+# What our setting assumes where it may differ from the paper's (docs/benchmarks/simulate-paper.md: which one
+# moves a claim).
 ASSUMPTIONS = {
     "tail_ttft": "the same HeteroScale policy for both; ServerlessLLM's misses read the host's 10 Gbps SSD and its "
     "cache keeps the model 60 s after the host's last instance; the largest reduction over the settings ('up to')",
@@ -526,7 +527,7 @@ def table(paper: dict[str, Any]) -> list[str]:
 
 
 def markdown(paper: dict[str, Any]) -> list[str]:
-    """The README's tables: the claims, then each setting's systems."""
+    """The tables of docs/benchmarks/simulate-paper.md: the claims, then each setting's systems."""
     lines = ["| claim | paper | ours | ours / paper |", "| --- | --- | --- | --- |"]
     for key, c in paper["claims"].items():
         ratio = "-" if c["ratio"] is None else f"{c['ratio']:.2f}{'' if c['within_25pct'] else ' *'}"

@@ -2,7 +2,7 @@
 estimates for an 8B-class model on A100 and H100 and a 70B-class one on 8 H100s, for the paper-scale runs.
 
 PUBLISHED_PROFILES are ESTIMATES, not fits to published step-time measurements: no such
-coefficients are in /work/shared, so each term is a roofline from public spec sheets with an
+coefficients were available to this project, so each term is a roofline from public spec sheets with an
 assumed efficiency, and the derivation is written next to it. The model is Llama-3-8B
 (Meta's config.json: 8.03e9 parameters, 32 layers, hidden 4096, 8 KV heads x head_dim 128,
 vocabulary 128,256) in bf16: 16.06 GB of weights, 2 x 32 x 8 x 128 x 2 B = 131,072 B of KV per

@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
 from bench.replay.summary import Slo, timeline
-from bench.replay.trace import read_azure_trace
+from bench.replay.trace import read_azure_trace, repo_relative
 from services.common.worker_profile import StepTimeModel
 
 from .cluster import RunConfig, Simulation
@@ -301,7 +301,7 @@ def validate(real_path: Path = REAL_RESULT, *, engine_reports: bool = True, cont
             },
         }
     return {
-        "real": str(real_path.relative_to(REPO_ROOT)) if real_path.is_relative_to(REPO_ROOT) else str(real_path),
+        "real": repo_relative(real_path),
         "real_note": NOTES["not_side_by_side"],
         "scenario": "autoscale_quick",
         "model": {

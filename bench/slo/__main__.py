@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from bench.replay.trace import repo_relative
 from bench.serving.workload import Request, WorkloadSpec, build
 from bench.slo.summary import SloRecord, compare, rate_key, summarize
 from services.common.log import configure_logging
@@ -212,7 +213,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine": {**ENGINE, "enable_chunked_prefill": True, "model": "synthetic tiny (2 layers)"},
         "slo_classes": [{"class": i, "tpot_slo_s": t, "ttft_slo_s": f} for i, (t, f) in enumerate(CLASSES)],
         "workload": {
-            "trace": str(args.trace),
+            "trace": repo_relative(args.trace),
             "arrivals": "Poisson, seeded per rate; the same requests and times for every setup",
             "window_s": window_s,
             "rates_rps": list(rates),

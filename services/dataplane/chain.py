@@ -306,6 +306,17 @@ class GroupStore:
 # -- the server -----------------------------------------------------------------------------------
 
 
+def _probe_timing(stall_timeout_s: float) -> tuple[float, float]:
+    """When a receiver probes a silent upstream, and how long it waits for the answer.
+
+    UCX (error handling off) cannot see a dead peer, so a source SIGKILLed mid-stream used to
+    cost the whole stall timeout (10 s by default) before the fallback. A live upstream answers
+    a probe at once, even while it has no chunk to send (its own upstream is slow); a dead one
+    never does. The stall timeout still bounds the silence of an upstream that answers probes
+    but sends nothing."""
+    return min(1.0, stall_timeout_s / 4), min(2.0, stall_timeout_s / 2)
+
+
 def _encode(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -491,11 +502,23 @@ class GroupServer:
                 )
                 return
             await ep.send_msg(_encode({"ok": True}), CONTROL_TAG, timeout_s=self._request_timeout_s)
-            sent = await self._stream(ep, store, todo)
-            # Wait for "done" so the last chunks are not cut off by closing the endpoint, and
-            # answer it so the receiver's posted control receive completes instead of leaking.
-            await ep.recv_msg(CONTROL_TAG, timeout_s=self._send_timeout_s, max_bytes=1 << 16)
-            await ep.send_msg(_encode({"bye": True}), CONTROL_TAG, timeout_s=self._request_timeout_s)
+            # The receiver's control messages (liveness probes, then "done") are read while the
+            # chunks go out; a control message takes the lock so a pong never splits another.
+            control_lock = asyncio.Lock()
+            reader = asyncio.get_running_loop().create_task(self._read_control(ep, control_lock))
+            try:
+                sent = await self._stream(ep, store, todo)
+                # Wait for "done" so the last chunks are not cut off by closing the endpoint, and
+                # answer it so the receiver's posted control receive completes instead of leaking.
+                await asyncio.wait_for(asyncio.shield(reader), self._send_timeout_s)
+            except TimeoutError:
+                raise TransferTimeout(f"{ep.peer} sent no 'done' within {self._send_timeout_s}s") from None
+            finally:
+                async with control_lock:  # never cut a pong in half
+                    reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+            async with control_lock:
+                await ep.send_msg(_encode({"bye": True}), CONTROL_TAG, timeout_s=self._request_timeout_s)
             self.streams_served += 1
             log.info(
                 "dataplane_stream_served",
@@ -514,6 +537,15 @@ class GroupServer:
             log.warning("dataplane_stream_failed", peer=ep.peer, error=repr(exc))
         finally:
             await ep.close()
+
+    async def _read_control(self, ep: Endpoint, lock: asyncio.Lock) -> None:
+        """Answer the receiver's liveness probes until it sends "done"."""
+        while True:
+            msg = _decode(await ep.recv_msg(CONTROL_TAG, max_bytes=1 << 16), "control message", ep.peer)
+            if "ping" not in msg:
+                return
+            async with lock:
+                await ep.send_msg(_encode({"pong": msg["ping"]}), CONTROL_TAG, timeout_s=self._request_timeout_s)
 
     async def _stream(self, ep: Endpoint, store: GroupStore, todo: list[tuple[int, int]]) -> int:
         inflight: deque[asyncio.Task[None]] = deque()
@@ -809,14 +841,25 @@ class _ReceiveSession:
 
             for _ in range(self._window):
                 await post_next()
+            probe_after_s, probe_timeout_s = _probe_timing(self._stall_timeout_s)
+            heard_s = time.monotonic()  # the upstream's last sign of life: a chunk or a pong
+            chunk_s = heard_s  # its last chunk
+            ping_s: float | None = None  # when our unanswered liveness probe went out
+            pings = 0
             while posted:
                 chunk, task = posted[0]
+                now = time.monotonic()
+                wake = chunk_s + self._stall_timeout_s
+                wake = min(wake, ping_s + probe_timeout_s if ping_s is not None else heard_s + probe_after_s)
                 done, _ = await asyncio.wait(
-                    (task, control), timeout=self._stall_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                    (task, control), timeout=max(0.0, wake - now), return_when=asyncio.FIRST_COMPLETED
                 )
+                now = time.monotonic()
                 if task in done:
                     task.result()
                     posted.popleft()
+                    heard_s = chunk_s = now
+                    ping_s = None
                     self._landed(chunk, label)
                     failure = self._verification_failure()
                     if failure is not None:
@@ -824,15 +867,33 @@ class _ReceiveSession:
                     await post_next()
                 elif control in done:
                     msg = _decode(control.result(), "control message", label)
-                    raise UpstreamAborted(f"{label} aborted the stream: {msg.get('abort', msg)}")
-                else:
+                    if "pong" not in msg:
+                        raise UpstreamAborted(f"{label} aborted the stream: {msg.get('abort', msg)}")
+                    heard_s = now
+                    ping_s = None
+                    control = loop.create_task(ep.recv_msg(CONTROL_TAG, max_bytes=1 << 20))
+                elif now - chunk_s >= self._stall_timeout_s:
                     raise TransferTimeout(
                         f"no chunk from {label} for {self._stall_timeout_s}s "
                         f"(group {self.manifest.groups[chunk.group_index].name!r} at byte {chunk.offset_bytes})"
                     )
+                elif ping_s is not None:
+                    raise TransferTimeout(
+                        f"{label} did not answer a liveness probe within {probe_timeout_s}s "
+                        f"(no chunk for {now - chunk_s:.1f}s; group {self.manifest.groups[chunk.group_index].name!r} "
+                        f"at byte {chunk.offset_bytes})"
+                    )
+                else:
+                    pings += 1
+                    ping_s = now
+                    await ep.send_msg(_encode({"ping": pings}), CONTROL_TAG, timeout_s=probe_timeout_s)
             await ep.send_msg(_encode({"done": True}), CONTROL_TAG, timeout_s=self._stall_timeout_s)
             try:
-                bye = _decode(await asyncio.wait_for(control, self._stall_timeout_s), "bye", label)
+                while True:  # a pong may still be on its way ahead of the bye
+                    bye = _decode(await asyncio.wait_for(control, self._stall_timeout_s), "bye", label)
+                    if "pong" not in bye:
+                        break
+                    control = loop.create_task(ep.recv_msg(CONTROL_TAG, max_bytes=1 << 20))
             except TimeoutError:
                 raise TransferTimeout(f"{label} did not acknowledge the end of the stream") from None
             if "abort" in bye:

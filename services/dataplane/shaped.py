@@ -17,6 +17,7 @@ from .buffers import as_uint8_array
 from .transport import Endpoint, Transport, WrappedEndpoint, WrappedTransport
 
 SLICE_BYTES = 1 << 20
+SMALL_BYTES = 64 << 10  # a message this small goes out as a packet among a stream's, not after it
 
 
 class LinkShaper:
@@ -42,6 +43,11 @@ class LinkShaper:
         self._jitter_s = slice_bytes / self.bytes_per_s
         self._free_at = 0.0
 
+    def charge(self, nbytes: int) -> None:
+        """Count `nbytes` sent now, squeezed in among the slices: later slices leave that much later."""
+        now = time.monotonic()
+        self._free_at = max(self._free_at, now) + nbytes / self.bytes_per_s
+
     async def take(self, nbytes: int) -> None:
         """Wait until `nbytes` would have left the link."""
         left = nbytes
@@ -60,21 +66,36 @@ class LinkShaper:
 
 
 class _ShapedEndpoint(WrappedEndpoint):
-    """One connection: a byte stream, so its messages take the link one after another (FIFO),
-    while other connections' messages interleave with them slice by slice."""
+    """One connection: its large messages take the link one after another (FIFO), while other
+    connections' messages interleave with them slice by slice.
+
+    A small message (a control message: a liveness probe's answer, an abort) does not queue
+    behind the connection's large ones: tagged messages are independent on UCX, and on a real
+    link it would be a packet among the stream's. Its bytes are charged to the link and it
+    leaves at once, unless a large message of the same tag is still waiting (order per tag is
+    kept)."""
 
     def __init__(self, inner: Endpoint, shaper: LinkShaper) -> None:
         super().__init__(inner)
         self._shaper = shaper
         self._fifo = asyncio.Lock()
+        self._large_waiting: dict[int, int] = {}  # tag -> large messages of it not yet sent
 
     async def send(self, buffer: Any, tag: int, *, timeout_s: float | None = None) -> None:
         nbytes = (
             len(buffer) if isinstance(buffer, (bytes, bytearray)) else int(as_uint8_array(buffer, writable=False).size)
         )
-        async with self._fifo:
-            await self._shaper.take(nbytes)
-        await self._inner.send(buffer, tag, timeout_s=timeout_s)
+        if nbytes <= SMALL_BYTES and not self._large_waiting.get(tag):
+            self._shaper.charge(nbytes)
+            await self._inner.send(buffer, tag, timeout_s=timeout_s)
+            return
+        self._large_waiting[tag] = self._large_waiting.get(tag, 0) + 1
+        try:
+            async with self._fifo:
+                await self._shaper.take(nbytes)
+            await self._inner.send(buffer, tag, timeout_s=timeout_s)
+        finally:
+            self._large_waiting[tag] -= 1
 
 
 class ShapedTransport(WrappedTransport):

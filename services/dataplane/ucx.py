@@ -1,6 +1,6 @@
 """UCX transport through `ucxx`: the default data plane path (shared memory on a host, tcp/rdma across).
 
-How it is driven, and why (measured here, see DESIGN.md):
+How it is driven, and why (measured on the 2-core development machine; docs/benchmarks/dataplane.md):
 - Endpoints come from exchanged *worker addresses* (`get_worker_address()` /
   `create_endpoint_from_worker_address`), never from the listener API, which always ends up on
   tcp (1.5-1.8 GB/s). The address goes to peers over gRPC as opaque bytes.
@@ -60,11 +60,13 @@ log = structlog.get_logger(__name__)
 
 _ADDRESS_PREFIX: Final = b"UCX1"
 _ACCEPT_TAG: Final = 0x42_4D_44_50  # connection id 0 is never handed out, so this cannot collide
-_HELLO = struct.Struct("<4sHIH")  # magic, protocol version, connection id, address length
+# magic, protocol version, connection id, the sender's endpoint generation, address length
+_HELLO = struct.Struct("<4sHIIH")
+_ACK = struct.Struct("<QI")  # warm-up bytes to follow, the acceptor's endpoint generation
 _HELLO_MAGIC: Final = b"BMHI"
 _BYE_MAGIC: Final = b"BMBY"  # sent to ourselves on close, to complete the posted hello receive
 _HELLO_BYTES: Final = 4096  # fixed receive size (eager); worker addresses are ~200-2000 bytes
-_PROTOCOL_VERSION: Final = 1
+_PROTOCOL_VERSION: Final = 2
 _ACK_TAG: Final = 0
 _WARMUP_TAG: Final = 1
 # User tags handed to us are shifted up so the handshake tags above stay private.
@@ -214,6 +216,13 @@ class _Peer:
     are in flight cancelled their requests ("Request canceled", seen in the all-gather test).
     So there is one endpoint per peer, kept until a connection to it fails, and then aborted
     for all of them: a peer that stalled or died is a failed peer.
+
+    The pairing also means that once the remote side drops its endpoint to us, ours is stale:
+    eager messages still arrive, but a rendezvous through it is cancelled on the remote side,
+    and UCX (error handling off) never tells us. So each endpoint has a random `generation`,
+    sent in every hello and ack; `remote_generation` is the remote endpoint ours pairs with.
+    A hello or ack naming another generation means the remote replaced its endpoint: ours is
+    aborted and opened again, instead of failing every transfer until a send times out.
     """
 
     def __init__(self, ep: Any, key: bytes, transport: UcxTransport) -> None:
@@ -222,6 +231,15 @@ class _Peer:
         self.transport = transport
         self.connections: set[_UcxEndpoint] = set()
         self.broken = False
+        self.generation = secrets.randbits(32) or 1
+        self.remote_generation: int | None = None
+
+    def pairs_with(self, remote_generation: int) -> bool:
+        """Whether the remote endpoint named `remote_generation` is the one ours pairs with
+        (recorded on first sight)."""
+        if self.remote_generation is None:
+            self.remote_generation = remote_generation
+        return self.remote_generation == remote_generation
 
     def abort(self) -> None:
         if self.broken:
@@ -433,19 +451,25 @@ class UcxTransport(Transport):
             del self._peers[peer.key]
 
     async def _handshake(self, hello: bytes) -> None:
-        magic, version, conn_id, addr_len = _HELLO.unpack_from(hello)
+        magic, version, conn_id, generation, addr_len = _HELLO.unpack_from(hello)
         if magic != _HELLO_MAGIC or version != _PROTOCOL_VERSION or not 0 < addr_len <= _HELLO_BYTES - _HELLO.size:
             log.warning("dataplane_ucx_bad_hello", magic=magic, version=version, addr_len=addr_len)
             return
         peer_addr = hello[_HELLO.size : _HELLO.size + addr_len]
         try:
             peer = await self._peer_for(peer_addr)
+            if not peer.pairs_with(generation):
+                log.info("dataplane_ucx_peer_replaced", conn=f"{conn_id:08x}", side="acceptor")
+                peer.abort()
+                peer = await self._peer_for(peer_addr)
+                peer.pairs_with(generation)
         except Exception as exc:
             log.warning("dataplane_ucx_accept_failed", conn=f"{conn_id:08x}", error=repr(exc))
             return
         endpoint = _UcxEndpoint(peer, conn_id, is_client=False)
         try:
-            await endpoint._send_raw(np.frombuffer(struct.pack("<Q", self._warmup_bytes), np.uint8), _ACK_TAG, 10.0)
+            ack = np.frombuffer(_ACK.pack(self._warmup_bytes, peer.generation), np.uint8)
+            await endpoint._send_raw(ack, _ACK_TAG, 10.0)
             if self._warmup_bytes:
                 await endpoint._send_raw(self._warmup_buf[: self._warmup_bytes], _WARMUP_TAG, 10.0)
         except TransportError as exc:
@@ -459,20 +483,31 @@ class UcxTransport(Transport):
         if address_kind(address) != "ucx":
             raise TransportError(f"UcxTransport cannot connect to a {address_kind(address)} address")
         raw = bytes(address[len(_ADDRESS_PREFIX) :])
+        endpoint = await self._connect_once(raw, timeout_s)
+        if endpoint is None:  # the peer had replaced its endpoint to us: ours was stale, now reopened
+            endpoint = await self._connect_once(raw, timeout_s)
+        if endpoint is None:
+            raise PeerUnreachable("UCX peer replaced its endpoint to us twice during one connect")
+        return endpoint
+
+    async def _connect_once(self, raw: bytes, timeout_s: float) -> _UcxEndpoint | None:
+        """One handshake; None when the ack shows our shared endpoint to the peer was stale."""
+        assert self._address is not None
         me = self._address[len(_ADDRESS_PREFIX) :]
         conn_id = secrets.randbits(32) or 1
         peer = await self._peer_for(raw)
         endpoint = _UcxEndpoint(peer, conn_id, is_client=True)
         hello = np.zeros(_HELLO_BYTES, dtype=np.uint8)
-        packed = _HELLO.pack(_HELLO_MAGIC, _PROTOCOL_VERSION, conn_id, len(me)) + me
+        packed = _HELLO.pack(_HELLO_MAGIC, _PROTOCOL_VERSION, conn_id, peer.generation, len(me)) + me
         hello[: len(packed)] = np.frombuffer(packed, np.uint8)
         try:
             # The hello goes to the peer's worker, not to a connection: raw tag, no conn id.
             await asyncio.wait_for(self._send(peer.ep, hello, _ACCEPT_TAG), timeout_s)
-            ack = np.zeros(8, dtype=np.uint8)
+            ack = np.zeros(_ACK.size, dtype=np.uint8)
             await endpoint._recv_raw(ack, _ACK_TAG, timeout_s)
-            (warmup_bytes,) = struct.unpack("<Q", ack.tobytes())
+            warmup_bytes, generation = _ACK.unpack(ack.tobytes())
             if warmup_bytes:
+                # Sent through the acceptor's (possibly new) endpoint: it lands whatever ours is.
                 scratch = (
                     self._warmup_buf if warmup_bytes <= self._warmup_buf.size else np.zeros(warmup_bytes, np.uint8)
                 )
@@ -486,6 +521,10 @@ class UcxTransport(Transport):
         except Exception as exc:  # a ucxx error posting or completing the hello
             endpoint.abort()
             raise _translate(exc, f"UCX handshake with {endpoint.peer} failed") from exc
+        if not peer.pairs_with(generation):
+            log.info("dataplane_ucx_peer_replaced", conn=endpoint.peer, side="connector")
+            endpoint.abort()
+            return None
         return endpoint
 
     async def accept(self, *, timeout_s: float | None = None) -> Endpoint:

@@ -66,7 +66,10 @@ from services.worker.zigzag_pull import Peer, ZigzagOffloader
 
 log = structlog.get_logger(__name__)
 
-_PULL_CONNECT_TIMEOUT_S = 2.0
+# A live peer answers a data-plane hello in milliseconds; a dead one (UCX cannot tell) never
+# does, and this is then most of the time between a chain source's death and its fallback. A
+# peer slower than this only costs the fallback.
+_PULL_CONNECT_TIMEOUT_S = 1.0
 # After the engine loop crashed: how long its failed requests get to unwind, and the manager to
 # acknowledge DRAINING, before the instance is dropped (both take milliseconds when healthy).
 _DEAD_ENGINE_UNWIND_S = 5.0

@@ -35,7 +35,7 @@ from services.mesh.__main__ import LOCAL_POLICY_PARAMS, LOCAL_WINDOW_S, SCHEDULE
 from services.mesh.launcher import Mesh
 from services.mesh.supervision import RestartPolicy
 from tests.chaos.conftest import chaos_config
-from tests.chaos.harness import MODEL, write_row
+from tests.chaos.harness import MODEL, gateway_counter, write_row
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -52,6 +52,10 @@ async def default_mesh(chaos_model_dir: Path, tmp_path: Path, monkeypatch: pytes
     cfg = chaos_config(
         chaos_model_dir,
         tmp_path / "run",
+        # After the kill, up to 3 workers reload from the one host cache at once: its 10 Mbit/s
+        # link then moves each ~1 MiB group message in ~2.5 s, past the suite's 2 s stall timeout,
+        # and every reload would restart from its late group again and again.
+        ("--stall-timeout-s", "5"),
         workers=3,
         initial_instances=1,
         host_caches=1,
@@ -219,6 +223,9 @@ async def test_only_serving_worker_sigkilled_with_40_streams(default_mesh: Mesh)
         loads = watch.find("load_result", "ok")
         first_load = next((e for e in reversed(loads) if e["instance_id"] == first), None)
         load_s = float(first_load["reason"].removeprefix("load_s=")) if first_load else None
+        # The model's load time: the quickest load of this run (the first serving instance's own
+        # load may include the fault's cost, so it is no yardstick).
+        fastest_load_s = min((float(e["reason"].removeprefix("load_s=")) for e in loads), default=None)
         rolled = watch.find("scale_out", "rolled_back")
         untyped = [e["reason"] for e in watch.find("load_result", "failed") if e["reason"].startswith("UNKNOWN")]
         await wait_until(lambda: _settled(mesh), 120, interval_s=0.2, what="the cluster settled after the kill")
@@ -237,8 +244,9 @@ async def test_only_serving_worker_sigkilled_with_40_streams(default_mesh: Mesh)
             "kill_to_serving_s": round(serving_again_s, 2),
             "first_serving": first,
             "its_load_s": load_s,
-            "target_s": None if load_s is None else round(load_s + 2.0, 2),
-            "meets_target": load_s is not None and serving_again_s <= load_s + 2.0,
+            "model_load_s": fastest_load_s,
+            "target_s": None if fastest_load_s is None else round(fastest_load_s + 2.0, 2),
+            "meets_target": fastest_load_s is not None and serving_again_s <= fastest_load_s + 2.0,
             "rolled_back": len(rolled),
             "topology": "make up default: 3 workers, 1 loaded + 2 idle, autoscaling, supervised",
         }
@@ -247,12 +255,12 @@ async def test_only_serving_worker_sigkilled_with_40_streams(default_mesh: Mesh)
     assert len(set(texts)) == 1 and texts[0] == reference, "a migrated stream differs from the whole one"
     assert not untyped, untyped
     assert load_s is not None, (first, loads)
-    # The issue's target is load time + 2 s (`meets_target` in the row). It is met when the
-    # host cache answers the reloads at once (3.8 s against 5.8 s); after a worker's SIGKILL the
-    # host cache's UCX connections were seen stalling or cancelled for up to ~20 s, and then the
-    # reload takes that long (a known gap, see the README). Bounded here below the 35 s the
-    # issue measured before, so a regression to it fails.
-    assert serving_again_s <= 30.0, row
+    # The issue's target is the model's load time + 2 s (`meets_target` in the row; a speed
+    # target, so it is recorded, not asserted). Reloads used to take ~20 s here: the host cache
+    # kept a UCX endpoint paired with one the reloading worker had dropped, and every retry
+    # through it was cancelled (fixed by endpoint generations in the UCX handshake). Bounded
+    # well below that, so a regression to it fails.
+    assert serving_again_s <= 15.0, row
 
 
 async def _kill_at_plan(mesh: Mesh, pick: str) -> dict[str, Any]:
@@ -368,3 +376,60 @@ async def test_manager_sigkilled_with_40_streams_loses_none(default_mesh: Mesh, 
     )
     assert not errors, errors[:3]
     assert not after_errors, after_errors[:3]
+
+
+async def test_only_serving_worker_hung_with_40_streams(default_mesh: Mesh) -> None:
+    """The only SERVING worker hangs (SIGSTOP) with 40 streams in flight and the scale-out they
+    set off about to pull from it: the manager marks it LOST after its heartbeat timeout, the
+    scale-out's targets give up on the silent source (hello timeout, liveness probe) and load
+    from the host cache, and the streams resume there with the exact greedy text. Once LOST,
+    the worker is SIGCONTed and rejoins."""
+    mesh = default_mesh
+    (victim,) = await _serving(mesh)
+    migrated_before = await gateway_counter(mesh, "blitzmesh_gateway_migrations")
+    async with Watch(mesh) as watch:
+        streams, before = await _streams_under_way(mesh, watch, scale_out=True)
+        proc = mesh.procs[victim].process
+        proc.send_signal(signal.SIGSTOP)
+        stopped_s = watch.now()
+        try:
+            lost = await wait_until(
+                lambda: [e for e in watch.find("instance_lost", after_s=stopped_s) if e["instance_id"] == victim],
+                30,
+                what="the hung worker marked LOST",
+            )
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        results = await asyncio.gather(*streams, return_exceptions=True)
+        done_s = watch.now()
+        errors = [repr(r) for r in results if isinstance(r, BaseException)]
+        texts = [r for r in results if isinstance(r, str)]
+        reference = await _stream(_client(mesh), [0])
+        migrated = await gateway_counter(mesh, "blitzmesh_gateway_migrations") - migrated_before
+        rolled = watch.find("scale_out", "rolled_back", after_s=stopped_s)
+        untyped = [e["reason"] for e in watch.find("load_result", "failed") if e["reason"].startswith("UNKNOWN")]
+        served = [e["t_s"] for e in watch.find("load_result", "ok", after_s=stopped_s) if e["instance_id"] != victim]
+        await wait_until(lambda: _settled(mesh), 120, interval_s=0.2, what="the cluster settled after the hang")
+    write_row(
+        {
+            "fault": "default_topology_only_serving_worker_sigstop",
+            "requests": STREAMS,
+            "completed": len(texts),
+            "migrated": round(migrated),
+            "errors": len(errors),
+            "lost": len(errors),
+            "hung": 0,
+            # From the hang to the first other instance serving (the streams then resume there).
+            "recovery_s": round(min(served) - stopped_s, 2) if served else None,
+            "streams_done_s": round(done_s - stopped_s, 2),
+            "killed": victim,
+            "lost_after_s": round(lost[0]["t_s"] - stopped_s, 2),
+            "streams_past_first_token_at_fault": sum(n >= 1 for n in before),
+            "rolled_back": len(rolled),
+            "topology": "make up default: 3 workers, 1 loaded + 2 idle, autoscaling, supervised",
+        }
+    )
+    assert not errors, errors[:3]
+    assert migrated >= 1, "no stream was moved off the hung worker"
+    assert len(set(texts)) == 1 and texts[0] == reference, "a migrated stream differs from the whole one"
+    assert not untyped, untyped

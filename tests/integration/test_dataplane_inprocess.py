@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.common.waiting import wait_until
 from services.dataplane import (
     ChecksumMismatch,
     GroupServer,
@@ -571,4 +572,137 @@ async def test_ucx_dead_source_is_a_data_plane_error_and_the_fallback_is_used() 
             assert np.array_equal(result.store.buffer(entry.name), bufs[gi])
     finally:
         await server.close()
+        await t.close()
+
+
+_UCX_ECHO_CHILD = """
+import asyncio, sys
+import numpy as np
+from services.dataplane.ucx import UcxTransport
+async def serve(ep):
+    buf = np.zeros(1 << 20, np.uint8)
+    try:
+        while True:
+            await ep.recv_into(buf, 5, timeout_s=None)
+            await ep.send(buf, 6, timeout_s=30)
+    except Exception:
+        pass
+async def main():
+    t = UcxTransport()
+    await t.start()
+    sys.stdout.write("ADDR:" + t.address().hex() + "\\n")
+    sys.stdout.flush()
+    while True:
+        ep = await t.accept()
+        asyncio.get_running_loop().create_task(serve(ep))
+asyncio.run(main())
+"""
+
+
+@pytest.mark.ucx
+@pytest.mark.skipif(not UCX_OK, reason=f"ucxx does not import: {UCX_REASON}")
+async def test_ucx_reconnect_after_our_abort_is_served_at_once() -> None:
+    """We abort our endpoint to a live peer (as a receiver does when a chunk is late): the peer
+    still holds its endpoint paired with the one we dropped, and a rendezvous sent through it
+    can never complete (seen after a worker's SIGKILL: every retry to the host cache was
+    cancelled until the cache's own 10 s send timeout, so a reload took ~20 s). The hello names
+    our endpoint's generation, the peer replaces its stale endpoint, and the next connection
+    moves 1 MiB both ways at once."""
+    import subprocess
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _UCX_ECHO_CHILD, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert proc.stdout is not None
+    t = make_transport("ucx")
+    await t.start()
+    try:
+        async with asyncio.timeout(30):
+            line = ""
+            while not line.startswith("ADDR:"):
+                line = (await proc.stdout.readline()).decode()
+                assert line, "the UCX child exited before printing its address"
+        peer = bytes.fromhex(line[5:].strip())
+        payload = np.arange(1 << 20, dtype=np.uint8)
+        echo = np.zeros_like(payload)
+        for attempt in range(3):
+            started = time.monotonic()
+            ep = await t.connect(peer, timeout_s=5)
+            await ep.send(payload, 5, timeout_s=5)
+            await ep.recv_into(echo, 6, timeout_s=5)
+            assert np.array_equal(echo, payload), f"attempt {attempt}: the echo differs"
+            assert time.monotonic() - started < 4, f"attempt {attempt} took {time.monotonic() - started:.1f}s"
+            echo[:] = 0
+            ep.abort()  # drop our endpoint to the peer, as a timed-out receive does
+    finally:
+        proc.kill()
+        await proc.wait()
+        await t.close()
+
+
+_UCX_SLOW_SOURCE_CHILD = """
+import asyncio, sys
+from services.dataplane import serve_groups
+from services.dataplane.shaped import maybe_shaped
+from services.dataplane.ucx import UcxTransport
+from services.dataplane.testing import synthetic_model
+from tests.integration.test_dataplane_inprocess import SPEC
+async def main():
+    manifest, bufs = synthetic_model(SPEC)
+    t = maybe_shaped(UcxTransport(), 0.004)  # ~2 MiB in ~4 s: the kill lands mid-stream
+    await t.start()
+    await serve_groups(t, manifest, bufs)
+    sys.stdout.write("ADDR:" + t.address().hex() + "\\n")
+    sys.stdout.flush()
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.ucx
+@pytest.mark.skipif(not UCX_OK, reason=f"ucxx does not import: {UCX_REASON}")
+async def test_ucx_source_killed_mid_stream_is_found_by_probe_not_stall() -> None:
+    """A chain source SIGKILLed mid-stream over UCX, which cannot see a dead peer: the receiver
+    probes its silent upstream, gets no answer, and moves to the fallback well before the stall
+    timeout (10 s here), with every byte exact. (A live upstream answers the probe: the stalled
+    in-process hop above is still given the whole stall timeout.)"""
+    import signal
+    import subprocess
+    import sys
+
+    manifest, bufs = synthetic_model(SPEC)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _UCX_SLOW_SOURCE_CHILD, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert proc.stdout is not None
+    t = make_transport("ucx")
+    await t.start()
+    fallback = await serve_groups(t, manifest, bufs)  # this process, UCX to itself
+    try:
+        async with asyncio.timeout(30):
+            line = ""
+            while not line.startswith("ADDR:"):
+                line = (await proc.stdout.readline()).decode()
+                assert line, "the source child exited before printing its address"
+        store = GroupStore(manifest)
+        pull = asyncio.create_task(
+            receive_chain(
+                t, bytes.fromhex(line[5:].strip()), store, fallback_addresses=[t.address()], stall_timeout_s=10
+            )
+        )
+        await wait_until(lambda: store.landed_bytes(0) > 0 or pull.done(), 20, what="the first chunk from the source")
+        assert not pull.done(), "the stream ended before the kill: nothing was in flight"
+        proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        result = await asyncio.wait_for(pull, 30)
+        assert time.monotonic() - killed < 8, "the dead source was found by the stall timeout, not the probe"
+        assert result.resourced_groups, "nothing was re-sourced from the fallback"
+        for gi, entry in enumerate(manifest.groups):
+            assert np.array_equal(result.store.buffer(entry.name), bufs[gi])
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        await fallback.close()
         await t.close()

@@ -84,3 +84,32 @@ async def test_one_connection_sends_in_order_others_interleave() -> None:
     assert at["a0"] < 0.15, f"the first message waited {at['a0']:.3f} s for the rest of its connection's"
     assert at["b0"] < 0.2, f"the other connection's message waited {at['b0']:.3f} s"
     assert at["a3"] >= 0.2 * 0.95  # 2.05 MB at 10 MB/s in all
+
+
+async def test_a_control_message_overtakes_its_own_connections_queued_stream() -> None:
+    """On one connection, a small control message (a probe's answer) does not wait behind the
+    large messages queued on it, while a small message on a tag with a large one still waiting
+    keeps its order (a length header never overtakes the payload before it)."""
+    from services.dataplane.shaped import _ShapedEndpoint
+
+    sent: list[tuple[int, int, float]] = []
+
+    class Wire:
+        peer = "wire"
+
+        async def send(self, buffer: bytes, tag: int, *, timeout_s: float | None = None) -> None:
+            sent.append((tag, len(buffer), time.monotonic()))
+
+    ep = _ShapedEndpoint(Wire(), LinkShaper(link_gbps=0.08))  # type: ignore[arg-type]  # 10 MB/s
+    started = time.monotonic()
+    stream = [asyncio.create_task(ep.send(bytes(1_000_000), 10 + i)) for i in range(3)]  # 0.3 s queued
+    await asyncio.sleep(0.01)
+    await ep.send(b"pong", 0)
+    pong_s = time.monotonic() - started
+    behind = asyncio.create_task(ep.send(bytes(1_000_000), 0))  # a large control payload...
+    await asyncio.sleep(0)
+    await ep.send(b"next", 0)  # ...and a small one after it, on the same tag
+    await asyncio.gather(*stream, behind)
+    assert pong_s < 0.05, f"the small message waited {pong_s:.3f} s behind the stream"
+    tag0 = [n for tag, n, _ in sent if tag == 0]
+    assert tag0 == [4, 1_000_000, 4], tag0

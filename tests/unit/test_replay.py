@@ -35,6 +35,7 @@ from bench.replay import (
     summarize,
     timeline,
 )
+from bench.replay.trace import REPO_ROOT, repo_relative
 
 CSV = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:17:04.0319600,3180,8
@@ -90,7 +91,7 @@ def test_real_code_trace_shape() -> None:
     rows = read_azure_trace(path)
     assert len(rows) == 8819
     assert 56 * 60 < rows[-1].t_s < 58 * 60
-    # The README's busiest 10 s: 32.7 req/s.
+    # traces/README.md's busiest 10 s: 32.7 req/s.
     peak = max(rate_per_bin([Arrival(0, r.t_s, 1, 1) for r in rows], 10.0))
     assert peak == pytest.approx(32.7, abs=0.1)
 
@@ -232,3 +233,11 @@ def test_summarize_and_timeline() -> None:
     assert tl["t_s"] == [0.0, 1.0] and tl["rps"] == [2.0, 2.0]
     assert tl["ttft_p99_s"] == [3.0, None] and tl["instances"] == [2, 2]
     assert math.isclose(sum(tl["rps"]), 4.0)
+
+
+def test_results_name_repository_files_relative_to_it(tmp_path: Path) -> None:
+    shipped = REPO_ROOT / "traces" / "azure_llm_2023_code.csv"
+    assert repo_relative(shipped) == "traces/azure_llm_2023_code.csv"
+    assert repo_relative(REPO_ROOT / "bench" / ".." / "traces" / "x.csv") == "traces/x.csv"
+    outside = tmp_path / "mine.csv"
+    assert repo_relative(outside) == str(outside)

@@ -304,7 +304,7 @@ def _check_inputs(
 
 
 def _source_order(topology: Topology) -> Callable[[Source], tuple[bool, float, str]]:
-    # Live instances first (DESIGN.md: then host shards), then faster links, then name.
+    # Live instances first, then host shards, then faster links, then name (docs/algorithms.md 2).
     def key(src: Source) -> tuple[bool, float, str]:
         return (src.kind is not SourceKind.INSTANCE, -topology.link(src.host).bw_gbps, src.node_id)
 
