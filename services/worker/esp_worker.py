@@ -210,18 +210,28 @@ class EspWorker:
         return frozenset(stop)
 
     async def member(
-        self, request_id: str, prompt: Sequence[int], params: SamplingParams, spec: worker_pb2.EspMember
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        spec: worker_pb2.EspMember,
+        resumed: Sequence[int] = (),
     ) -> AsyncIterator[EspEvent]:
-        """This instance's part in the group `spec` names; see the module docstring."""
+        """This instance's part in the group `spec` names; see the module docstring. A request
+        `resumed` after tokens generated elsewhere prefills them too, in the master's slice, and
+        samples on from there (a seeded one skips their draws), as a resumed engine request does."""
         engine = self._serving_engine()
         model, cache = engine.model, engine.kv_cache
         n, j = len(spec.member_addresses), spec.index
         bounds = list(spec.bounds)
-        if n < 1 or len(bounds) != n + 1 or not 0 <= j < n:
+        if n < 1 or len(bounds) != n + 1 or not 0 <= j < n or bounds[-1] != len(prompt):
             raise EspError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"esp_member: index {j} and bounds {bounds} do not fit {n} member addresses",
+                f"esp_member: index {j} and bounds {bounds} do not cut a prompt of {len(prompt)} tokens"
+                f" among {n} member addresses",
             )
+        bounds[-1] += len(resumed)
+        sequence = [*prompt, *resumed]
         total = len(prompt) + params.max_tokens
         if total > model.config.max_context_tokens:
             raise EspError(
@@ -249,7 +259,7 @@ class EspWorker:
                     timeout_s=timeout_s,
                     accept=self.router.acceptor(group),
                 )
-                logits = await prefill_member(model, cache, links, seq, prompt, bounds, timeout_s=timeout_s)
+                logits = await prefill_member(model, cache, links, seq, sequence, bounds, timeout_s=timeout_s)
             except ValueError as e:
                 raise EspError(grpc.StatusCode.INVALID_ARGUMENT, f"ESP group {group!r}: {e}") from None
             except OutOfBlocks as e:
@@ -264,7 +274,7 @@ class EspWorker:
                 return
             self.groups[group]["role"] = "master"
             assert logits is not None
-            sampler = _Sampler(params, prompt, model.config.vocab_size, self._stop_ids(engine, params))
+            sampler = _Sampler(params, prompt, model.config.vocab_size, self._stop_ids(engine, params), list(resumed))
             async for ev in self._master(model, cache, shard, dict(links.earlier), sampler, logits, spec, timeout_s):
                 yield ev
         except (DataPlaneError, TimeoutError) as e:

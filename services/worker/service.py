@@ -362,7 +362,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         outcome = "error"
         try:
             sampling = sampling_from_proto(request.sampling, default_max_tokens=16)
-            async for ev in self.esp.member(request_id, list(request.prompt_token_ids), sampling, request.esp_member):
+            async for ev in self.esp.member(
+                request_id,
+                list(request.prompt_token_ids),
+                sampling,
+                request.esp_member,
+                list(request.resume_token_ids),
+            ):
                 TOKENS.inc()
                 yield event_to_proto(ev, sampling)
             outcome = "ok"

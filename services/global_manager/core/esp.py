@@ -31,11 +31,14 @@ __all__ = [
     "BatchPlan",
     "EspInstance",
     "EspRequest",
+    "GroupPlan",
     "StepTimeModel",
     "allocate_instances",
     "decode_degree",
     "dispatch",
     "plan_batches",
+    "plan_group",
+    "default_step_models",
 ]
 
 
@@ -229,3 +232,98 @@ def decode_degree(need_tokens: int, holders: Sequence[EspInstance]) -> list[EspI
     if have < need_tokens:
         raise ValueError(f"{need_tokens} more KV tokens needed, the holders have {have} free")
     return chosen
+
+
+def default_step_models(
+    max_degree: int, *, a: float = 2e-3, b: float = 2e-5, c: float = 2e-9
+) -> dict[int, StepTimeModel]:
+    """Step-time models for degrees 1..max_degree when no profile is fitted: the compute
+    (`b` per token, `c` per token pair of attention) splits over the u members, while the fixed
+    cost `a` grows with u (one more exchange per layer each)."""
+    if max_degree < 1:
+        raise ValueError(f"max_degree must be >= 1, got {max_degree!r}")
+    return {u: StepTimeModel(a * u, b / u, c / u) for u in range(1, max_degree + 1)}
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One request's ESP group: `members` in slice order (the last is the master, which also
+    takes the decoded tokens' KV), `bounds` cutting the prompt among them, `spares` to scale up
+    to when the master fills (most free KV first)."""
+
+    members: tuple[str, ...]
+    bounds: tuple[int, ...]
+    spares: tuple[str, ...]
+    preempted: tuple[str, ...] = ()
+
+
+def _cut(length: int, room: Sequence[int], block_size: int) -> list[int] | None:
+    """Tokens of a `length`-token prompt per member: in proportion to `room`, in whole blocks,
+    the remainder where room is left (earliest members first); None when it does not fit."""
+    total = sum(room)
+    if total < length:
+        return None
+    shares = [min(r, length * r // total // block_size * block_size) for r in room]
+    left = length - sum(shares)
+    for j, r in enumerate(room):
+        add = min(left, r - shares[j])
+        shares[j] += add
+        left -= add
+    return shares
+
+
+def plan_group(
+    request: EspRequest,
+    decode_tokens: int,
+    instances: Sequence[EspInstance],
+    models: Mapping[int, StepTimeModel] | None = None,
+    *,
+    block_size: int = 1,
+) -> GroupPlan | None:
+    """The group that prefills `request` (its prompt of `request.length` tokens) and decodes its
+    `decode_tokens` more: the four steps for one request. `allocate_instances` picks who may run
+    it (idle first, then the least used busy ones, preempted), `plan_batches` the degree and
+    members among them, and the prompt is cut in proportion to each member's free KV (whole
+    blocks of `block_size` tokens), the master keeping room for the decoded tokens; the other
+    allocated instances are the spares. None when the instances cannot hold the request now."""
+    if decode_tokens < 0 or block_size < 1:
+        raise ValueError(f"decode_tokens must be >= 0 and block_size >= 1, got {decode_tokens!r}, {block_size!r}")
+    usable = [
+        EspInstance(i.instance_id, i.used, i.capacity - i.capacity % block_size, i.idle)
+        for i in instances
+        if i.capacity - i.used >= block_size
+    ]
+    try:
+        pool, preempted = allocate_instances(usable, request.length + decode_tokens)
+    except ValueError:
+        return None
+    models = models or default_step_models(len(pool))
+    plan = plan_batches([request], pool, {u: m for u, m in models.items() if u <= len(pool)})
+    if plan is None or not plan.batches:
+        return None
+    chosen = list(plan.batches[0].instance_ids)
+    by_id = {i.instance_id: i for i in pool}
+    # The master (last) is the member with the most free KV: it also holds the decoded tokens.
+    chosen.sort(key=lambda iid: (by_id[iid].free, iid))
+    free = [by_id[iid].free // block_size * block_size for iid in chosen]
+    room = [*free[:-1], max(free[-1] - decode_tokens, 0)]
+    spares = tuple(
+        i.instance_id
+        for i in sorted(usable, key=lambda i: (-i.free, i.instance_id))
+        if i.instance_id not in chosen and (i.idle or i.instance_id in preempted)
+    )
+    shares = _cut(request.length, room, block_size)
+    if shares is None:
+        # The master cannot keep room for every decoded token: it scales up to a spare then, so
+        # the prompt may use all of the group's free KV.
+        shares = _cut(request.length, free, block_size)
+        if shares is None:
+            return None
+    members = [iid for iid, n in zip(chosen, shares, strict=True) if n > 0]
+    spares = tuple(iid for iid in chosen if iid not in members) + spares
+    bounds = [0]
+    for n in shares:
+        if n > 0:
+            bounds.append(bounds[-1] + n)
+    chosen = members
+    return GroupPlan(tuple(chosen), tuple(bounds), spares, tuple(p for p in preempted if p in chosen))
