@@ -949,7 +949,9 @@ class Backend:
         if hop.HasField("esp"):
             # An ESP group's master: the other members are called alongside (services/gateway/esp.py).
             timeout_s = max(deadline_s - time.monotonic(), 0.001)
-            esp_calls = esp.start_holders(hop.esp, request, self._worker, timeout_s, self.report_failure)
+            esp_calls = esp.start_holders(
+                hop.esp, request, self._worker, timeout_s, self.report_failure, lambda why: guard.fire(why)
+            )
             request.esp_member.CopyFrom(esp.member_spec(hop.esp, len(hop.esp.members) - 1))
             self.metrics.esp_groups.labels(str(len(hop.esp.members))).inc()
         call = stub.Generate(request, timeout=max(deadline_s - time.monotonic(), 0.001))
@@ -976,7 +978,7 @@ class Backend:
                         guard.timeout = None
                     if resp is None:
                         raise _WorkerFailedError(
-                            instance,
+                            esp_calls.lost_id or instance if esp_calls is not None else instance,
                             grpc.StatusCode.UNAVAILABLE,
                             guard.lost or f"no token for token_stall_timeout_s={self.config.token_stall_timeout_s}",
                             len(state.generated),
@@ -1091,6 +1093,8 @@ class Backend:
                         return
             except grpc.aio.AioRpcError as e:
                 worker_done = True
+                if esp_calls is not None:  # a holder that broke the group, not the master
+                    instance = await esp.failed_member(esp_calls, instance, e.details() or "")
                 trailing = dict(e.trailing_metadata() or ())
                 slo_kind = trailing.get(SLO_METADATA_KEY) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
                 raise _WorkerFailedError(

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,6 +185,17 @@ class EspEvent:
     top_logprobs: Any = ()
 
 
+async def _pace(engine: Engine, started_s: float, tokens: int) -> None:
+    """With an emulated accelerator (the engine's `pacing`), an ESP step lasts at least what the
+    engine's own step of `tokens` tokens would: members prefill their slices side by side, so a
+    group's prefill takes one slice's time, not the prompt's."""
+    pacing = engine.config.pacing
+    if pacing is not None:
+        left = pacing.step_time_s(tokens) - (time.monotonic() - started_s)
+        if left > 0:
+            await asyncio.sleep(left)
+
+
 class EspWorker:
     """A worker's ESP operations (see the module docstring)."""
 
@@ -259,7 +271,9 @@ class EspWorker:
                     timeout_s=timeout_s,
                     accept=self.router.acceptor(group),
                 )
+                started_s = time.monotonic()
                 logits = await prefill_member(model, cache, links, seq, sequence, bounds, timeout_s=timeout_s)
+                await _pace(engine, started_s, bounds[j + 1] - bounds[j])
             except ValueError as e:
                 raise EspError(grpc.StatusCode.INVALID_ARGUMENT, f"ESP group {group!r}: {e}") from None
             except OutOfBlocks as e:
@@ -275,7 +289,7 @@ class EspWorker:
             self.groups[group]["role"] = "master"
             assert logits is not None
             sampler = _Sampler(params, prompt, model.config.vocab_size, self._stop_ids(engine, params), list(resumed))
-            async for ev in self._master(model, cache, shard, dict(links.earlier), sampler, logits, spec, timeout_s):
+            async for ev in self._master(engine, shard, dict(links.earlier), sampler, logits, spec, timeout_s):
                 yield ev
         except (DataPlaneError, TimeoutError) as e:
             raise EspError(
@@ -299,8 +313,7 @@ class EspWorker:
 
     async def _master(
         self,
-        model: Any,
-        cache: Any,
+        engine: Engine,
         shard: Shard,
         holders: dict[int, Endpoint],
         sampler: _Sampler,
@@ -308,6 +321,7 @@ class EspWorker:
         spec: worker_pb2.EspMember,
         timeout_s: float,
     ) -> AsyncIterator[EspEvent]:
+        model, cache = engine.model, engine.kv_cache
         prompt_len = len(sampler.prompt)
         while True:
             token, lp, top = sampler.pick(logits)
@@ -317,7 +331,9 @@ class EspWorker:
                 await end_decode(holders, timeout_s=timeout_s)
                 return
             try:
+                started_s = time.monotonic()
                 logits = await decode_master_step(model, cache, shard, holders, token, timeout_s=timeout_s)
+                await _pace(engine, started_s, 1)
             except OutOfBlocks:
                 if not spec.spare_addresses:
                     raise EspError(
@@ -415,9 +431,11 @@ class EspWorker:
             shard = Shard(cache, seq, pos, pos)
             token, emit = sampler.output[-1], []
             while True:
+                started_s = time.monotonic()
                 logits = await decode_master_step(
                     model, cache, shard, holders, token, timeout_s=timeout_s, note={"emit": emit}
                 )
+                await _pace(engine, started_s, 1)
                 token, _, _ = sampler.pick(logits)
                 emit = [token]
                 reason = sampler.finish_reason()
