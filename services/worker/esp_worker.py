@@ -196,6 +196,15 @@ async def _pace(engine: Engine, started_s: float, tokens: int) -> None:
             await asyncio.sleep(left)
 
 
+async def _end(ep: Endpoint, ok: bool) -> None:
+    """Close a connection that ended well (UCX keeps its peer endpoint for later connections);
+    abort one that did not."""
+    if ok:
+        await ep.close()
+    else:
+        ep.abort()
+
+
 class EspWorker:
     """A worker's ESP operations (see the module docstring)."""
 
@@ -261,6 +270,7 @@ class EspWorker:
         self.groups[group] = {"request_id": request_id, "index": j, "size": n, "role": "member"}
         self.joined_total += 1
         links = None
+        ok = False
         try:
             try:
                 links = await connect_group(
@@ -284,19 +294,25 @@ class EspWorker:
             if j < n - 1:
                 self.groups[group]["role"] = "holder"
                 steps = await self._hold(model, shard, links.later[n - 1], group, timeout_s)
+                ok = True
                 yield EspEvent(None, None, len(prompt), steps)
                 return
             self.groups[group]["role"] = "master"
             assert logits is not None
             sampler = _Sampler(params, prompt, model.config.vocab_size, self._stop_ids(engine, params), list(resumed))
             async for ev in self._master(engine, shard, dict(links.earlier), sampler, logits, spec, timeout_s):
+                ok = ev.finish_reason is not None
                 yield ev
         except (DataPlaneError, TimeoutError) as e:
             raise EspError(
                 grpc.StatusCode.UNAVAILABLE, f"ESP group {group!r}: member {j} lost its group: {type(e).__name__}: {e}"
             ) from None
         finally:
-            if links is not None:
+            # A UCX abort tears down the one endpoint this process keeps to each peer (and the
+            # peer's pair of it), so a group that ended well closes its connections instead.
+            if links is not None and ok:
+                await links.close()
+            elif links is not None:
                 links.abort()
             cache.free(seq)
             self.router.release(group)
@@ -361,6 +377,7 @@ class EspWorker:
         self.scale_ups_total += 1
         self.groups[group]["role"] = "holder (handed over)"
         ep = await self.transport.connect(spec.spare_addresses[0], timeout_s=timeout_s)
+        ended = False
         try:
             order = sorted(holders)
             join = {
@@ -397,11 +414,12 @@ class EspWorker:
                         yield EspEvent(int(token), reason, len(sampler.prompt), len(sampler.output))
                     if note.get("end"):
                         await serving
+                        ended = True
                         return
             finally:
                 serving.cancel()
         finally:
-            ep.abort()
+            await _end(ep, ended)
 
     async def _serve_join(self, ep: Endpoint, req: dict[str, Any]) -> None:
         """A spare's side of a scale-up: become the request's master over the holders named."""
@@ -409,6 +427,7 @@ class EspWorker:
         seq = f"esp/{group}/master"
         holders: dict[int, Endpoint] = {}
         engine: Engine | None = None
+        ended = False
         try:
             engine = self._serving_engine()
             model, cache = engine.model, engine.kv_cache
@@ -441,6 +460,7 @@ class EspWorker:
                 reason = sampler.finish_reason()
                 if reason is not None:
                     await end_decode(holders, timeout_s=timeout_s, note={"emit": emit, "finish": reason})
+                    ended = True
                     return
         except OutOfBlocks:
             log.warning("esp scale-up master full", group=group)
@@ -453,7 +473,7 @@ class EspWorker:
         finally:
             for h in holders.values():
                 if h is not ep:
-                    h.abort()
+                    await _end(h, ended)
             if engine is not None:
                 engine.kv_cache.free(seq)
             self.groups.pop(group, None)
