@@ -79,7 +79,8 @@ class Slo:
 def workload(rows: Sequence[tuple[int, int]], n: int, rate: float, seed: int, max_context: int = 8192) -> list[Req]:
     """`n` Poisson arrivals at `rate`/s; lengths from `rows` (prompt, output) of the conversation
     trace, each prompt scaled by a Zipf-distributed factor (1..32, exponent 1.2) up to the
-    context: mostly short, with a heavy tail of long prompts (LoongServe's Zipf mixes)."""
+    context: the trace's own length the likeliest, then a heavy tail of long prompts (LoongServe's
+    Zipf mixes)."""
     rng = random.Random(seed)
     factors = list(range(1, 33))
     weights = [k**-1.2 for k in factors]
