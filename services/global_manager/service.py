@@ -463,11 +463,23 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         for iid, hop in hops.items():
             hop.dataplane_address = self.table.dataplane[iid][0]
         try:
-            return self.esp.plan(request, pool, hops)
+            hop = self.esp.plan(request, pool, hops)
         except EspUnplaced as e:
             SCHEDULED.labels("esp_unplaced").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return None
+        g = hop.esp
+        slices = " ".join(
+            f"{m.instance_id}[{a}:{b})" for m, a, b in zip(g.members, g.bounds, g.bounds[1:], strict=False)
+        )
+        spares = " ".join(s.instance_id for s in g.spares) or "-"
+        self.emit(
+            "esp_group",
+            request.model_id,
+            "formed",
+            f"group={g.group_id} request={request.request_id} degree={len(g.members)} members={slices} spares={spares}",
+            hop.instance_id,
+        )
+        return hop
 
     def _prefix_affinity(
         self, request: global_manager_pb2.ScheduleRequest, views: list[InstanceView]

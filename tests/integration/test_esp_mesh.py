@@ -42,6 +42,7 @@ class EspMesh:
     inference: inference_pb2_grpc.InferenceStub
     manager: global_manager_pb2_grpc.GlobalManagerStub
     workers: list[WorkerService]
+    manager_service: GlobalManagerService
 
 
 @contextlib.asynccontextmanager
@@ -93,6 +94,7 @@ async def esp_mesh(tiny_models: Path, serve_in_process: Any) -> AsyncIterator[Es
             inference_pb2_grpc.InferenceStub(gw_ch),
             manager,
             workers,
+            gm,
         )
 
 
@@ -116,6 +118,7 @@ async def test_a_prompt_three_times_one_instances_kv_is_served_through_the_gatew
     prompt = torch.randint(3, model.config.vocab_size, (200,), generator=g).tolist()
     assert len(prompt) / KV_TOKENS >= 3
     async with esp_mesh(tiny_models, serve_in_process) as mesh:
+        events = mesh.manager_service.servicer.events.subscribe()
         for seed in (None, 11):
             params = SamplingParams(temperature=0.0 if seed is None else 0.8, seed=seed, max_tokens=16, ignore_eos=True)
             sampling = common_pb2.SamplingParams(max_tokens=16, ignore_eos=True, temperature=params.temperature)
@@ -136,6 +139,10 @@ async def test_a_prompt_three_times_one_instances_kv_is_served_through_the_gatew
         assert group.bounds[0] == 0 and group.bounds[-1] == 200
         slices = [b - a for a, b in zip(group.bounds, group.bounds[1:], strict=False)]
         assert max(slices) <= KV_TOKENS and slices[-1] + 16 <= KV_TOKENS
+        # WatchEvents (and the decision log) tell each group's members and slices.
+        formed = [e for e in (events.get_nowait() for _ in range(events.qsize())) if e.action == "esp_group"]
+        assert len(formed) == 2 and formed[-1].status == "formed" and "degree=4" in formed[-1].reason
+        assert f"{group.member_ids[0]}[0:{group.bounds[1]})" in formed[-1].reason
         # The OpenAI endpoint, unchanged for the user.
         async with openai.AsyncOpenAI(base_url=mesh.http, api_key="unused", max_retries=0, timeout=120) as client:
             done = await client.completions.create(
