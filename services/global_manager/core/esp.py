@@ -158,11 +158,14 @@ def plan_batches(
     # Batch (i - b, i] is held as row i, column b - 1 of a band: no batch holds more requests
     # than fit the largest free KV any u instances offer, so b <= width (requests are sorted,
     # so the batches that fit a room are the runs up to some length).
-    rooms = [free[k] - free[k - u] for u in degrees for k in range(u, k_max + 1)]
-    max_room = max(rooms, default=0.0)
+    # Per degree, only the batches its largest room can hold: columns [0, widths[u]).
     rows = np.arange(n + 1)
-    shortest = np.searchsorted(s1, s1 - max_room, side="left")
-    width = max(int((rows - shortest).max()), 1)
+    widths: dict[int, int] = {}
+    for u in degrees:
+        room_u = max((free[k] - free[k - u] for k in range(u, k_max + 1)), default=0.0)
+        shortest = np.searchsorted(s1, s1 - room_u, side="left")
+        widths[u] = max(int((rows - shortest).max()), 1)
+    width = max(widths.values())
     i_idx = rows.reshape(-1, 1)
     j_idx = i_idx - np.arange(1, width + 1).reshape(1, -1)  # [i, b - 1] -> j
     valid = j_idx >= 0
@@ -171,10 +174,13 @@ def plan_batches(
     bs1 = np.where(valid, sums, np.inf)  # a column past the first request fits no room
     bs2 = s2[i_idx] - s2[j_safe]
     binv = inv[i_idx] - inv[j_safe]
-    times = {u: models[u].a + models[u].b * sums + models[u].c * bs2 for u in degrees}
-    costs = {u: np.where(valid, times[u] * binv, np.inf) for u in degrees}
-    f = np.full((n + 1, k_max + 1), np.inf)
+    times = {u: models[u].a + models[u].b * sums[:, : widths[u]] + models[u].c * bs2[:, : widths[u]] for u in degrees}
+    costs = {u: np.where(valid[:, : widths[u]], times[u] * binv[:, : widths[u]], np.inf) for u in degrees}
+    # Column-major: the DP reads and writes whole columns f[:, k].
+    f = np.full((n + 1, k_max + 1), np.inf, order="F")
     f[0, :] = 0.0
+    fits = {u: bs1[:, : widths[u]] for u in degrees}
+    starts = {u: np.ascontiguousarray(j_safe[:, : widths[u]]) for u in degrees}
     # f[i, k]: the least cost of the first i requests on the first k instances. Only the values
     # are kept; the optimal cut is recovered afterwards by re-deriving the few states on its path.
     for k in range(1, k_max + 1):
@@ -182,8 +188,8 @@ def plan_batches(
         for u in degrees:
             if u > k:
                 break
-            total = np.where(bs1 <= free[k] - free[k - u], costs[u], np.inf)  # [i, b - 1]
-            total += f[j_safe, k - u]
+            total = np.where(fits[u] <= free[k] - free[k - u], costs[u], np.inf)  # [i, b - 1]
+            total += f[:, k - u][starts[u]]
             np.minimum(best, total.min(axis=1), out=best)
         f[:, k] = best
     if not math.isfinite(f[n, k_max]):
@@ -197,7 +203,8 @@ def plan_batches(
         for u in degrees:
             if u > k:
                 continue
-            total = np.where(bs1[i] <= free[k] - free[k - u], costs[u][i], np.inf) + f[j_safe[i], k - u]
+            w = widths[u]
+            total = np.where(bs1[i, :w] <= free[k] - free[k - u], costs[u][i], np.inf) + f[j_safe[i, :w], k - u]
             col = int(total.argmin())
             if total[col] == f[i, k]:
                 break
