@@ -75,7 +75,8 @@ def start_holders(
                 return
             calls.lost_id = hop.instance_id
             calls.lost.set()
-            report_failure(hop.instance_id, e.code(), detail)
+            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full member is not a broken one
+                report_failure(hop.instance_id, e.code(), detail)
             on_lost(f"ESP group {group.group_id!r}: member {j} ({hop.instance_id}) failed: {e.code().name}: {detail}")
 
     for j, hop in enumerate(group.members[:-1]):

@@ -4,7 +4,7 @@ together, formed by `core.esp.plan_group` over the SERVING instances' free KV (f
 heartbeats). The route is one hop, the group's master, carrying the whole group
 (`RouteHop.esp`); the gateway calls every member. A request too long for every group now gets
 UNAVAILABLE naming the KV it needs and what is free, so the gateway waits within its deadline
-and asks again. The groups formed most recently are kept for `GetCluster` and the metrics.
+and asks again; one longer than all of them together hold is refused at once (400). The groups formed most recently are kept for `GetCluster` and the metrics.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ class GroupRecord:
 class EspRouter:
     """Plans ESP groups for the manager's Schedule and remembers the recent ones."""
 
-    def __init__(self, *, block_size: int, min_prompt_tokens: int = 0, enabled: bool = True) -> None:
+    def __init__(
+        self, *, block_size: int, min_prompt_tokens: int = 0, enabled: bool = True, reserve_s: float = 3.0
+    ) -> None:
         if min_prompt_tokens < 0:
             raise ValueError(f"esp_min_prompt_tokens must be >= 0, got {min_prompt_tokens!r}")
         self.block_size = block_size
@@ -59,6 +61,19 @@ class EspRouter:
         self.enabled = enabled
         self.recent: collections.deque[GroupRecord] = collections.deque(maxlen=_RECENT)
         self._ids = itertools.count(1)
+        # KV tokens promised to groups planned in the last `reserve_s` seconds, which the
+        # instances' heartbeats may not show yet: two groups are never planned on the same room.
+        self.reserve_s = reserve_s
+        self._reserved: collections.deque[tuple[float, dict[str, int]]] = collections.deque()
+
+    def _reservations(self, now: float) -> dict[str, int]:
+        while self._reserved and now - self._reserved[0][0] > self.reserve_s:
+            self._reserved.popleft()
+        out: dict[str, int] = {}
+        for _, tokens in self._reserved:
+            for iid, n in tokens.items():
+                out[iid] = out.get(iid, 0) + n
+        return out
 
     def candidates(self, views: list[InstanceView], excluded: Collection[str], dataplane: dict) -> list[InstanceView]:
         return [
@@ -73,13 +88,17 @@ class EspRouter:
 
     def wants_group(self, views: list[InstanceView], prompt_tokens: int, max_tokens: int) -> bool:
         """Whether the request goes to a group: it is too long for every single instance (by its
-        KV capacity), or its prompt reaches the configured threshold."""
+        KV capacity), or its prompt reaches the configured threshold; and all of them together
+        could hold it (else waiting is pointless: the ordinary route refuses it with the KV
+        figures)."""
         if not self.enabled or not views:
             return False
+        capacities = [v.load.kv_blocks_total * self.block_size for v in views if v.load is not None]
+        if prompt_tokens + max_tokens > sum(capacities):
+            return False  # no group of these could ever hold it: one instance refuses it at once (400)
         if self.min_prompt_tokens and prompt_tokens >= self.min_prompt_tokens:
             return True
-        largest = max(v.load.kv_blocks_total for v in views if v.load is not None) * self.block_size
-        return prompt_tokens + max_tokens > largest
+        return prompt_tokens + max_tokens > max(capacities)
 
     def plan(
         self,
@@ -90,8 +109,13 @@ class EspRouter:
         """The master's hop carrying the group; EspUnplaced when no group holds it now."""
         started = time.perf_counter()
         bs = self.block_size
+        reserved = self._reservations(time.monotonic())
         insts = [
-            EspInstance(v.instance_id, v.load.kv_blocks_used * bs, v.load.kv_blocks_total * bs)
+            EspInstance(
+                v.instance_id,
+                min(v.load.kv_blocks_used * bs + reserved.get(v.instance_id, 0), v.load.kv_blocks_total * bs),
+                v.load.kv_blocks_total * bs,
+            )
             for v in views
             if v.load is not None
         ]
@@ -106,6 +130,9 @@ class EspRouter:
                 f"request {request.request_id!r} needs {request.prompt_tokens} + {request.max_tokens} KV tokens;"
                 f" no group of the {len(insts)} SERVING instances holds it now ({free} tokens free in all)"
             )
+        promised = {m: b - a for m, a, b in zip(plan.members, plan.bounds, plan.bounds[1:], strict=False)}
+        promised[plan.members[-1]] += request.max_tokens
+        self._reserved.append((time.monotonic(), promised))
         group_id = f"esp-{next(self._ids)}-{request.request_id}"
         self.recent.appendleft(
             GroupRecord(

@@ -6,6 +6,7 @@ works; a request too long for every group fails with a message that says so."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -155,10 +156,32 @@ async def test_a_prompt_three_times_one_instances_kv_is_served_through_the_gatew
             await wait_until(lambda e=engine: e.kv_cache.used_blocks == 0, 10, what="ESP blocks freed")
 
 
-async def test_a_request_too_long_for_every_group_fails_saying_so(tiny_models: Path, serve_in_process: Any) -> None:
+async def test_requests_no_group_holds_fail_saying_so(tiny_models: Path, serve_in_process: Any) -> None:
+    """Longer than the 4 workers hold together: 400 at once, naming the KV. Two that fit the
+    group only one at a time: the second waits (the manager answers that no group holds it now)
+    and is served once the first's KV is freed; both give one instance's tokens."""
+    model = load_model(str(tiny_models / "tiny"))
     async with esp_mesh(tiny_models, serve_in_process) as mesh:
         async with openai.AsyncOpenAI(base_url=mesh.http, api_key="unused", max_retries=0, timeout=120) as client:
             with pytest.raises(openai.APIStatusError) as refused:
                 await client.completions.create(model="tiny", prompt=[5] * 300, max_tokens=8, temperature=0)
-        assert refused.value.status_code == 503, refused.value
-        assert "no group of the 4 SERVING instances holds it" in str(refused.value)
+            assert refused.value.status_code == 400, refused.value
+            assert "KV blocks" in str(refused.value)
+        prompts = [torch.randint(3, 2048, (150,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+        params = common_pb2.SamplingParams(max_tokens=30, ignore_eos=True, temperature=0)
+        both = await asyncio.gather(
+            *(
+                mesh.inference.Complete(
+                    inference_pb2.GenerateRequest(
+                        model="tiny", prompt_token_ids=p, sampling=params, return_token_ids=True
+                    ),
+                    timeout=120,
+                )
+                for p in prompts
+            )
+        )
+        greedy = SamplingParams(temperature=0.0, max_tokens=30)
+        for resp, p in zip(both, prompts, strict=True):
+            assert list(resp.token_ids) == reference(model, p, greedy, 30)
+        cluster = await mesh.manager.GetCluster(admin_pb2.GetClusterRequest(), timeout=5)
+        assert len(cluster.esp_groups) == 2  # each had its own group, one after the other
