@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ ESP_DECISION = Histogram(
 )
 
 _RECENT = 32  # groups kept for GetCluster
+_SEEN_AFTER_S = 0.5  # a heartbeat sampled this long after a group was planned shows its blocks
 
 
 class EspUnplaced(Exception):
@@ -66,13 +68,18 @@ class EspRouter:
         self.reserve_s = reserve_s
         self._reserved: collections.deque[tuple[float, dict[str, int]]] = collections.deque()
 
-    def _reservations(self, now: float) -> dict[str, int]:
+    def _reservations(self, now: float, views: list[InstanceView]) -> dict[str, int]:
+        """Tokens promised per instance that its latest heartbeat may not show: promised within
+        `reserve_s`, and not yet followed by a heartbeat sampled `_SEEN_AFTER_S` later (by
+        then the group holds its blocks and the heartbeat counts them)."""
         while self._reserved and now - self._reserved[0][0] > self.reserve_s:
             self._reserved.popleft()
+        sampled = {v.instance_id: v.load.now_s for v in views if v.load is not None}
         out: dict[str, int] = {}
-        for _, tokens in self._reserved:
+        for t, tokens in self._reserved:
             for iid, n in tokens.items():
-                out[iid] = out.get(iid, 0) + n
+                if sampled.get(iid, -math.inf) < t + _SEEN_AFTER_S:
+                    out[iid] = out.get(iid, 0) + n
         return out
 
     def candidates(self, views: list[InstanceView], excluded: Collection[str], dataplane: dict) -> list[InstanceView]:
@@ -105,11 +112,13 @@ class EspRouter:
         request: global_manager_pb2.ScheduleRequest,
         views: list[InstanceView],
         hop_of: dict[str, global_manager_pb2.RouteHop],
+        now_s: float,
     ) -> global_manager_pb2.RouteHop:
-        """The master's hop carrying the group; EspUnplaced when no group holds it now."""
+        """The master's hop carrying the group; EspUnplaced when no group holds it now. `now_s`
+        is the manager's clock (the heartbeats' `LoadSample.now_s`)."""
         started = time.perf_counter()
         bs = self.block_size
-        reserved = self._reservations(time.monotonic())
+        reserved = self._reservations(now_s, views)
         insts = [
             EspInstance(
                 v.instance_id,
@@ -132,7 +141,7 @@ class EspRouter:
             )
         promised = {m: b - a for m, a, b in zip(plan.members, plan.bounds, plan.bounds[1:], strict=False)}
         promised[plan.members[-1]] += request.max_tokens
-        self._reserved.append((time.monotonic(), promised))
+        self._reserved.append((now_s, promised))
         group_id = f"esp-{next(self._ids)}-{request.request_id}"
         self.recent.appendleft(
             GroupRecord(

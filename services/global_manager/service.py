@@ -463,7 +463,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         for iid, hop in hops.items():
             hop.dataplane_address = self.table.dataplane[iid][0]
         try:
-            hop = self.esp.plan(request, pool, hops)
+            hop = self.esp.plan(request, pool, hops, self.now_s())
         except EspUnplaced as e:
             SCHEDULED.labels("esp_unplaced").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
