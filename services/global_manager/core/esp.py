@@ -309,23 +309,31 @@ def plan_group(
     if plan is None or not plan.batches:
         return None
     chosen = list(plan.batches[0].instance_ids)
-    by_id = {i.instance_id: i for i in pool}
-    # The master (last) is the member with the most free KV: it also holds the decoded tokens.
-    chosen.sort(key=lambda iid: (by_id[iid].free, iid))
-    free = [by_id[iid].free // block_size * block_size for iid in chosen]
-    room = [*free[:-1], max(free[-1] - decode_tokens, 0)]
-    spares = tuple(
+    by_id = {i.instance_id: i for i in usable} | {i.instance_id: i for i in pool}  # preempted: emptied
+    others = [
         i.instance_id
         for i in sorted(usable, key=lambda i: (-i.free, i.instance_id))
         if i.instance_id not in chosen and (i.idle or i.instance_id in preempted)
-    )
-    shares = _cut(request.length, room, block_size)
+    ]
+
+    def cut(members: list[str], keep_decode: bool) -> tuple[list[str], list[int] | None]:
+        # The master (last) is the member with the most free KV: it also holds the decoded tokens.
+        ordered = sorted(members, key=lambda iid: (by_id[iid].free, iid))
+        free = [by_id[iid].free // block_size * block_size for iid in ordered]
+        if keep_decode:
+            free[-1] = max(free[-1] - decode_tokens, 0)
+        return ordered, _cut(request.length, free, block_size)
+
+    chosen, shares = cut(chosen, True)
+    # When the DP's members cannot also keep the decoded tokens' room, the next instance joins
+    # the prefill; only when none is left does the master rely on scaling up while it decodes.
+    while shares is None and others:
+        chosen, shares = cut([*chosen, others.pop(0)], True)
     if shares is None:
-        # The master cannot keep room for every decoded token: it scales up to a spare then, so
-        # the prompt may use all of the group's free KV.
-        shares = _cut(request.length, free, block_size)
+        chosen, shares = cut(chosen, False)
         if shares is None:
             return None
+    spares = tuple(others)
     members = [iid for iid, n in zip(chosen, shares, strict=True) if n > 0]
     spares = tuple(iid for iid in chosen if iid not in members) + spares
     bounds = [0]
