@@ -143,7 +143,20 @@ def status_text(state: ClusterState) -> str:
     for i in state.instances:
         counts[i.state] = counts.get(i.state, 0) + 1
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no instances"
-    return f"policy {state.policy or '-'}{mode}; {summary}\n" + table(INSTANCE_HEADERS, instance_rows(state))
+    text = f"policy {state.policy or '-'}{mode}; {summary}\n" + table(INSTANCE_HEADERS, instance_rows(state))
+    if state.esp_groups:
+        rows = [
+            [
+                g.group_id,
+                g.degree,
+                " ".join(f"{m}[{a}:{b})" for m, a, b in zip(g.member_ids, g.bounds, g.bounds[1:], strict=False)),
+                " ".join(g.spare_ids) or "-",
+                f"{g.age_s:.1f}",
+            ]
+            for g in state.esp_groups
+        ]
+        text += "\nESP groups (newest first)\n" + table(["GROUP", "DEGREE", "MEMBERS[SLICE]", "SPARES", "AGE_S"], rows)
+    return text
 
 
 def event_line(ev: ClusterEvent) -> str:

@@ -18,6 +18,7 @@ from blitzmesh.types import (
     ClusterEvent,
     ClusterState,
     Completion,
+    EspGroup,
     FinishReason,
     InstanceInfo,
     InstanceRole,
@@ -503,6 +504,19 @@ def cluster_state_to_proto(state: ClusterState) -> admin_pb2.ClusterState:
         policy=state.policy,
         advisory=state.advisory,
         policy_params=dict(state.policy_params),
+        esp_groups=[
+            admin_pb2.EspGroupInfo(
+                group_id=g.group_id,
+                request_id=g.request_id,
+                model_id=g.model_id,
+                member_ids=list(g.member_ids),
+                bounds=list(g.bounds),
+                spare_ids=list(g.spare_ids),
+                age_s=g.age_s,
+                degree=g.degree,
+            )
+            for g in state.esp_groups
+        ],
     )
 
 
@@ -513,6 +527,18 @@ def cluster_state_from_proto(msg: admin_pb2.ClusterState) -> ClusterState:
         policy=msg.policy,
         advisory=msg.advisory,
         policy_params=dict(msg.policy_params),
+        esp_groups=tuple(
+            EspGroup(
+                group_id=g.group_id,
+                request_id=g.request_id,
+                model_id=g.model_id,
+                member_ids=tuple(g.member_ids),
+                bounds=tuple(g.bounds),
+                spare_ids=tuple(g.spare_ids),
+                age_s=g.age_s,
+            )
+            for g in msg.esp_groups
+        ),
     )
 
 

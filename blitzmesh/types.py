@@ -17,6 +17,7 @@ __all__ = [
     "ClusterEvent",
     "ClusterState",
     "Completion",
+    "EspGroup",
     "FinishReason",
     "InstanceInfo",
     "InstanceRole",
@@ -362,6 +363,25 @@ class InstanceInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class EspGroup:
+    """An elastic-sequence-parallel group the manager formed for one long request: its members
+    in slice order (the last is the master), the prompt positions each computed, and the spares
+    its master may scale up to."""
+
+    group_id: str
+    request_id: str
+    model_id: str
+    member_ids: tuple[str, ...]
+    bounds: tuple[int, ...]
+    spare_ids: tuple[str, ...] = ()
+    age_s: float = 0.0
+
+    @property
+    def degree(self) -> int:
+        return len(self.member_ids)
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterState:
     """Snapshot of the cluster: instances, models and the scaling policy in force."""
 
@@ -372,6 +392,8 @@ class ClusterState:
     """True when the policy only decides and does not act."""
     policy_params: Mapping[str, str] = field(default_factory=dict)
     """The policy's parameters in force, as strings (as `set_policy` sends them)."""
+    esp_groups: tuple[EspGroup, ...] = ()
+    """The ESP groups formed most recently, newest first."""
 
 
 @dataclass(frozen=True, slots=True)

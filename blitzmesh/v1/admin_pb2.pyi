@@ -102,6 +102,7 @@ class ClusterState(_message.Message):
     POLICY_FIELD_NUMBER: _builtins.int
     ADVISORY_FIELD_NUMBER: _builtins.int
     POLICY_PARAMS_FIELD_NUMBER: _builtins.int
+    ESP_GROUPS_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     advisory: _builtins.bool
     @_builtins.property
@@ -112,6 +113,10 @@ class ClusterState(_message.Message):
     def policy_params(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """the policy's parameters now (as SetPolicy takes them)"""
 
+    @_builtins.property
+    def esp_groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___EspGroupInfo]:
+        """Elastic sequence parallelism: the groups the manager formed most recently (newest first)."""
+
     def __init__(
         self,
         *,
@@ -120,14 +125,64 @@ class ClusterState(_message.Message):
         policy: _builtins.str = ...,
         advisory: _builtins.bool = ...,
         policy_params: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        esp_groups: _abc.Iterable[Global___EspGroupInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advisory", b"advisory", "instances", b"instances", "models", b"models", "policy", b"policy", "policy_params", b"policy_params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advisory", b"advisory", "esp_groups", b"esp_groups", "instances", b"instances", "models", b"models", "policy", b"policy", "policy_params", b"policy_params"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterState: _TypeAlias = ClusterState  # noqa: Y015
+
+@_typing.final
+class EspGroupInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MODEL_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_IDS_FIELD_NUMBER: _builtins.int
+    BOUNDS_FIELD_NUMBER: _builtins.int
+    SPARE_IDS_FIELD_NUMBER: _builtins.int
+    AGE_S_FIELD_NUMBER: _builtins.int
+    DEGREE_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    request_id: _builtins.str
+    model_id: _builtins.str
+    age_s: _builtins.float
+    """since the manager formed it"""
+    degree: _builtins.int
+    """members in the prefill"""
+    @_builtins.property
+    def member_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """in slice order; the last is the master"""
+
+    @_builtins.property
+    def bounds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """prompt positions per member"""
+
+    @_builtins.property
+    def spare_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        model_id: _builtins.str = ...,
+        member_ids: _abc.Iterable[_builtins.str] | None = ...,
+        bounds: _abc.Iterable[_builtins.int] | None = ...,
+        spare_ids: _abc.Iterable[_builtins.str] | None = ...,
+        age_s: _builtins.float = ...,
+        degree: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "bounds", b"bounds", "degree", b"degree", "group_id", b"group_id", "member_ids", b"member_ids", "model_id", b"model_id", "request_id", b"request_id", "spare_ids", b"spare_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EspGroupInfo: _TypeAlias = EspGroupInfo  # noqa: Y015
 
 @_typing.final
 class ScaleRequest(_message.Message):

@@ -259,6 +259,7 @@ class RouteHop(_message.Message):
     LAYER_END_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     DATAPLANE_ADDRESS_FIELD_NUMBER: _builtins.int
+    ESP_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     address: _builtins.str
     layer_start: _builtins.int
@@ -269,6 +270,12 @@ class RouteHop(_message.Message):
     """
     dataplane_address: _builtins.bytes
     """ZigZag: the first hop's data plane address, which the second hop relays the request from."""
+    @_builtins.property
+    def esp(self) -> Global___EspGroupRoute:
+        """Elastic sequence parallelism: this hop is the master of a group that prefills the prompt
+        together (the gateway calls every member, each with its EspMember; it streams this hop's).
+        """
+
     def __init__(
         self,
         *,
@@ -278,14 +285,54 @@ class RouteHop(_message.Message):
         layer_end: _builtins.int = ...,
         role: _common_pb2.InstanceRole.ValueType = ...,
         dataplane_address: _builtins.bytes = ...,
+        esp: Global___EspGroupRoute | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["esp", b"esp"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "dataplane_address", b"dataplane_address", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "dataplane_address", b"dataplane_address", "esp", b"esp", "instance_id", b"instance_id", "layer_end", b"layer_end", "layer_start", b"layer_start", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RouteHop: _TypeAlias = RouteHop  # noqa: Y015
+
+@_typing.final
+class EspGroupRoute(_message.Message):
+    """An ESP group for one request (services/global_manager/core/esp.py `plan_group`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    BOUNDS_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    SPARES_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    @_builtins.property
+    def bounds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """member j computes prompt positions [bounds[j], bounds[j+1])"""
+
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___RouteHop]:
+        """in slice order, with their data plane addresses; the last is the master"""
+
+    @_builtins.property
+    def spares(self) -> _containers.RepeatedCompositeFieldContainer[Global___RouteHop]:
+        """instances the master scales up to when its KV is full"""
+
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        bounds: _abc.Iterable[_builtins.int] | None = ...,
+        members: _abc.Iterable[Global___RouteHop] | None = ...,
+        spares: _abc.Iterable[Global___RouteHop] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bounds", b"bounds", "group_id", b"group_id", "members", b"members", "spares", b"spares"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EspGroupRoute: _TypeAlias = EspGroupRoute  # noqa: Y015
 
 @_typing.final
 class Route(_message.Message):

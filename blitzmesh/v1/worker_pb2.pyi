@@ -41,6 +41,7 @@ class WorkerGenerateRequest(_message.Message):
     ZIGZAG_FIRST_LAYERS_FIELD_NUMBER: _builtins.int
     ZIGZAG_PARTNER_FIELD_NUMBER: _builtins.int
     ZIGZAG_PARTNER_HANDOFF_FIELD_NUMBER: _builtins.int
+    ESP_MEMBER_FIELD_NUMBER: _builtins.int
     SLO_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model_id: _builtins.str
@@ -97,6 +98,15 @@ class WorkerGenerateRequest(_message.Message):
         """
 
     @_builtins.property
+    def esp_member(self) -> Global___EspMember:
+        """Elastic sequence parallelism (LoongServe): this instance is one member of a group that
+        prefills the prompt together, each member its slice, K/V passed over the data plane. The
+        last member becomes the request's master and streams its tokens; the others keep their
+        slice's KV and attend the master's queries to it until the request ends (their stream then
+        ends with one message without tokens). Every member gets the same request.
+        """
+
+    @_builtins.property
     def slo(self) -> _common_pb2.RequestSLO:
         """Latency objectives: a worker scheduling by SLO (SCORPIO) orders and admits by them, and
         refuses with RESOURCE_EXHAUSTED (trailing metadata `retry-after-s`) one it cannot meet.
@@ -118,13 +128,14 @@ class WorkerGenerateRequest(_message.Message):
         zigzag_first_layers: Global___ZigzagFirstLayersMode | None = ...,
         zigzag_partner: Global___ZigzagSource | None = ...,
         zigzag_partner_handoff: Global___ZigzagSource | None = ...,
+        esp_member: Global___EspMember | None = ...,
         slo: _common_pb2.RequestSLO | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["colocated", b"colocated", "decode_from_kv", b"decode_from_kv", "mode", b"mode", "prefill_handoff", b"prefill_handoff", "sampling", b"sampling", "slo", b"slo", "zigzag_first_layers", b"zigzag_first_layers", "zigzag_partner", b"zigzag_partner", "zigzag_partner_handoff", b"zigzag_partner_handoff"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["colocated", b"colocated", "decode_from_kv", b"decode_from_kv", "esp_member", b"esp_member", "mode", b"mode", "prefill_handoff", b"prefill_handoff", "sampling", b"sampling", "slo", b"slo", "zigzag_first_layers", b"zigzag_first_layers", "zigzag_partner", b"zigzag_partner", "zigzag_partner_handoff", b"zigzag_partner_handoff"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["colocated", b"colocated", "decode_from_kv", b"decode_from_kv", "layer_end", b"layer_end", "layer_start", b"layer_start", "mode", b"mode", "model_id", b"model_id", "prefill_handoff", b"prefill_handoff", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "slo", b"slo", "zigzag_first_layers", b"zigzag_first_layers", "zigzag_partner", b"zigzag_partner", "zigzag_partner_handoff", b"zigzag_partner_handoff"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["colocated", b"colocated", "decode_from_kv", b"decode_from_kv", "esp_member", b"esp_member", "layer_end", b"layer_end", "layer_start", b"layer_start", "mode", b"mode", "model_id", b"model_id", "prefill_handoff", b"prefill_handoff", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "slo", b"slo", "zigzag_first_layers", b"zigzag_first_layers", "zigzag_partner", b"zigzag_partner", "zigzag_partner_handoff", b"zigzag_partner_handoff"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_mode: _TypeAlias = _typing.Literal["colocated", "prefill_handoff", "decode_from_kv", "zigzag_first_layers", "zigzag_partner", "zigzag_partner_handoff"]  # noqa: Y015
+    _WhichOneofReturnType_mode: _TypeAlias = _typing.Literal["colocated", "prefill_handoff", "decode_from_kv", "zigzag_first_layers", "zigzag_partner", "zigzag_partner_handoff", "esp_member"]  # noqa: Y015
     _WhichOneofArgType_mode: _TypeAlias = _typing.Literal["mode", b"mode"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_mode) -> _WhichOneofReturnType_mode | None: ...
 
@@ -174,6 +185,54 @@ class ZigzagFirstLayersMode(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ZigzagFirstLayersMode: _TypeAlias = ZigzagFirstLayersMode  # noqa: Y015
+
+@_typing.final
+class EspMember(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    BOUNDS_FIELD_NUMBER: _builtins.int
+    MEMBER_ADDRESSES_FIELD_NUMBER: _builtins.int
+    SPARE_ADDRESSES_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """names the group on the data plane (one member per instance)"""
+    index: _builtins.int
+    """this member's place, 0-based"""
+    timeout_s: _builtins.float
+    """per data-plane wait (0: 30 s)"""
+    @_builtins.property
+    def bounds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """member j computes prompt positions [bounds[j], bounds[j+1])"""
+
+    @_builtins.property
+    def member_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """every member's data plane address, in member order"""
+
+    @_builtins.property
+    def spare_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Scale-up during decode: when the master's KV is full, the next of these instances (SERVING
+        the same model) joins as master and takes the new KV; no KV moves.
+        """
+
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        index: _builtins.int = ...,
+        bounds: _abc.Iterable[_builtins.int] | None = ...,
+        member_addresses: _abc.Iterable[_builtins.bytes] | None = ...,
+        spare_addresses: _abc.Iterable[_builtins.bytes] | None = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bounds", b"bounds", "group_id", b"group_id", "index", b"index", "member_addresses", b"member_addresses", "spare_addresses", b"spare_addresses", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EspMember: _TypeAlias = EspMember  # noqa: Y015
 
 @_typing.final
 class ZigzagSource(_message.Message):

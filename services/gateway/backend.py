@@ -52,6 +52,7 @@ from blitzmesh.v1 import (
 from services.common import roles
 from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
 from services.common.prefix import block_hashes
+from services.gateway import esp
 from services.gateway import logprobs as lp
 from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
@@ -933,20 +934,27 @@ class Backend:
             stop=(),
             prompt_logprobs=None if resume else req.sampling.prompt_logprobs,
         )
-        call = stub.Generate(
-            worker_pb2.WorkerGenerateRequest(
-                request_id=req.request_id,
-                model_id=req.model,
-                prompt_token_ids=prompt_ids,
-                sampling=sampling_to_proto(sampling),
-                layer_end=0,
-                resume_token_ids=resume,
-                **generate_mode(handoff=handoff, kv_source=kv_source, zigzag_source=zigzag_source),
-                layer_start=hop.layer_start if zigzag_source is not None else 0,
-                slo=worker_slo(req, resumed=bool(resume)),
-            ),
-            timeout=max(deadline_s - time.monotonic(), 0.001),
+        request = worker_pb2.WorkerGenerateRequest(
+            request_id=req.request_id,
+            model_id=req.model,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling_to_proto(sampling),
+            layer_end=0,
+            resume_token_ids=resume,
+            **generate_mode(handoff=handoff, kv_source=kv_source, zigzag_source=zigzag_source),
+            layer_start=hop.layer_start if zigzag_source is not None else 0,
+            slo=worker_slo(req, resumed=bool(resume)),
         )
+        esp_calls = None
+        if hop.HasField("esp"):
+            # An ESP group's master: the other members are called alongside (services/gateway/esp.py).
+            timeout_s = max(deadline_s - time.monotonic(), 0.001)
+            esp_calls = esp.start_holders(
+                hop.esp, request, self._worker, timeout_s, self.report_failure, lambda why: guard.fire(why)
+            )
+            request.esp_member.CopyFrom(esp.member_spec(hop.esp, len(hop.esp.members) - 1))
+            self.metrics.esp_groups.labels(str(len(hop.esp.members))).inc()
+        call = stub.Generate(request, timeout=max(deadline_s - time.monotonic(), 0.001))
         tokenizer = assets.tokenizer
         detok, stops = state.detok, state.stops
         want_logprobs = req.sampling.logprobs is not None
@@ -970,7 +978,7 @@ class Backend:
                         guard.timeout = None
                     if resp is None:
                         raise _WorkerFailedError(
-                            instance,
+                            esp_calls.lost_id or instance if esp_calls is not None else instance,
                             grpc.StatusCode.UNAVAILABLE,
                             guard.lost or f"no token for token_stall_timeout_s={self.config.token_stall_timeout_s}",
                             len(state.generated),
@@ -1085,6 +1093,8 @@ class Backend:
                         return
             except grpc.aio.AioRpcError as e:
                 worker_done = True
+                if esp_calls is not None:  # a holder that broke the group, not the master
+                    instance = await esp.failed_member(esp_calls, instance, e.details() or "")
                 trailing = dict(e.trailing_metadata() or ())
                 slo_kind = trailing.get(SLO_METADATA_KEY) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
                 raise _WorkerFailedError(
@@ -1107,6 +1117,10 @@ class Backend:
             guards.discard(guard)
             if not guards:
                 self._open.pop(hop.instance_id, None)
+            if esp_calls is not None and not worker_done:
+                esp_calls.cancel()
+            elif esp_calls is not None:
+                await esp.wait_holders(esp_calls)
             if not worker_done:
                 # Client gone, a stop string matched, the instance stalled or was LOST: free its
                 # KV now (a stopped instance frees it when it runs again and sees the cancel).

@@ -77,6 +77,13 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.esp_groups = Counter(
+            "blitzmesh_gateway_esp_groups",
+            "Attempts routed to an ESP group (elastic sequence parallelism), by the group's degree",
+            ["degree"],
+            registry=r,
+        )
+
         self.zigzag = Counter(
             "blitzmesh_gateway_zigzag",
             "ZigZag requests: 'routed' (split with a loading instance), then how the loading instance's part"

@@ -67,6 +67,17 @@ class GlobalManagerConfig(ServiceConfig):
     migration_cooldown_s: float = Field(
         5.0, gt=0, description="live migration: least time between moves off one instance"
     )
+    esp: bool = Field(
+        True,
+        description="elastic sequence parallelism (LoongServe): a request whose prompt + max_tokens no single SERVING "
+        "instance's KV holds is routed to a group of instances that prefill it together and decode from the KV "
+        "where it was computed (docs/esp.md)",
+    )
+    esp_min_prompt_tokens: int = Field(
+        0,
+        ge=0,
+        description="also route prompts of at least this many tokens to an ESP group (0: only those no instance holds)",
+    )
     zigzag: bool = Field(
         True,
         description="ZigZag live scaling: while every SERVING instance of a colocated pool has requests waiting, "

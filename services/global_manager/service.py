@@ -80,6 +80,7 @@ from services.global_manager.core.zigzag import (
     should_zigzag,
     zigzag_req_limit,
 )
+from services.global_manager.esp_routing import EspRouter, EspUnplaced
 from services.global_manager.instance_table import InstanceTable, Suspicion
 
 log = structlog.get_logger(__name__)
@@ -221,6 +222,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self._waking: set[str] = set()
         # Prefix-affinity routing: block hashes of the prompts routed to each SERVING instance.
         self.prefix_index = PrefixIndex(cfg.prefix_index_blocks)
+        self.esp = EspRouter(
+            block_size=cfg.kv_block_size_tokens, min_prompt_tokens=cfg.esp_min_prompt_tokens, enabled=cfg.esp
+        )
 
     def _make_policy(self, name: str, params: dict[str, Any]) -> Policy:
         """The manager's own bounds are the policy's defaults, so the policy does not ask for
@@ -388,6 +392,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         views = self.table.registry.views(model=request.model_id)
         # The request's own exclusions (instances that failed it), and every suspect instance.
         excluded = set(request.exclude_instance_ids) | self.table.suspects.keys()
+        esp_hop = await self._esp_route(request, views, excluded, context)
+        if esp_hop is not None:
+            SCHEDULED.labels("esp_group").inc()
+            return global_manager_pb2.Route(request_id=request.request_id, hops=[esp_hop])
         try:
             hops = plan_route(
                 views,
@@ -438,6 +446,40 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             # decode-role instance serving alone while the other pool is gone).
             hops=[self._hop(view) for view in hops],
         )
+
+    async def _esp_route(
+        self, request: global_manager_pb2.ScheduleRequest, views: list[InstanceView], excluded: set[str], context: Any
+    ) -> global_manager_pb2.RouteHop | None:
+        """An ESP group's master hop for a request no single instance holds (esp_routing.py);
+        None for the ordinary routes. UNAVAILABLE when no group holds it now."""
+        pool = [
+            v
+            for v in self.esp.candidates(views, excluded, self.table.dataplane)
+            if v.role is Role.COLOCATED and v.model == request.model_id
+        ]
+        if not self.esp.wants_group(pool, request.prompt_tokens, request.max_tokens):
+            return None
+        hops = {v.instance_id: self._hop(v) for v in pool}
+        for iid, hop in hops.items():
+            hop.dataplane_address = self.table.dataplane[iid][0]
+        try:
+            hop = self.esp.plan(request, pool, hops, self.now_s())
+        except EspUnplaced as e:
+            SCHEDULED.labels("esp_unplaced").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        g = hop.esp
+        slices = " ".join(
+            f"{m.instance_id}[{a}:{b})" for m, a, b in zip(g.members, g.bounds, g.bounds[1:], strict=False)
+        )
+        spares = " ".join(s.instance_id for s in g.spares) or "-"
+        self.emit(
+            "esp_group",
+            request.model_id,
+            "formed",
+            f"group={g.group_id} request={request.request_id} degree={len(g.members)} members={slices} spares={spares}",
+            hop.instance_id,
+        )
+        return hop
 
     def _prefix_affinity(
         self, request: global_manager_pb2.ScheduleRequest, views: list[InstanceView]
@@ -719,6 +761,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             policy=self.policy_name,
             advisory=self.advisory,
             policy_params={k: _param_to_proto(v) for k, v in self.policy_params.items()},
+            esp_groups=self.esp.to_proto(),
         )
 
     async def Scale(self, request, context):

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from services.dataplane.chain import CONTROL_TAG
 from services.dataplane.errors import ProtocolError
 from services.dataplane.transport import Endpoint, Transport
 from services.worker.engine.kv_cache import KVCache
@@ -30,7 +31,15 @@ from services.worker.model.esp import Partial, Shard, merge, partial_attention
 from services.worker.model.llama import LlamaForCausalLM
 
 ESP_OP = "esp_prefill"
-_HELLO_TAG = 1
+# The handshake travels on the data plane's control tag with `"op": ESP_OP`, so a worker's
+# `GroupServer` (which owns `accept()`) hands the connection to its ESP router by op.
+_HELLO_TAG = CONTROL_TAG
+
+# Where a member's incoming group connections come from: `transport.accept()` checked by
+# `_read_hello` (a member that owns its transport), or a worker's ESP router (`esp_worker`),
+# which has read and checked the handshake already. Called with a timeout; returns the endpoint
+# and its handshake.
+Acceptor = Callable[[float], Awaitable[tuple[Endpoint, dict[str, object]]]]
 _KV_TAG_BASE = 16
 
 
@@ -70,12 +79,27 @@ async def _read_hello(ep: Endpoint, group_id: str, timeout_s: float) -> dict[str
     return hello
 
 
+def _transport_acceptor(transport: Transport, group_id: str) -> Acceptor:
+    async def accept(timeout_s: float) -> tuple[Endpoint, dict[str, object]]:
+        ep = await transport.accept(timeout_s=timeout_s)
+        return ep, await _read_hello(ep, group_id, timeout_s)
+
+    return accept
+
+
 async def connect_group(
-    transport: Transport, index: int, addresses: Sequence[bytes], group_id: str, *, timeout_s: float = 10.0
+    transport: Transport,
+    index: int,
+    addresses: Sequence[bytes],
+    group_id: str,
+    *,
+    timeout_s: float = 10.0,
+    accept: Acceptor | None = None,
 ) -> GroupLinks:
     """Member `index`'s links in the group whose members listen at `addresses` (in member
-    order). Raises ProtocolError for a handshake from outside the group, TransferTimeout or
-    PeerClosed for a member that does not come."""
+    order); the earlier members' connections come from `accept` (default: `transport.accept()`).
+    Raises ProtocolError for a handshake from outside the group, TransferTimeout or PeerClosed
+    for a member that does not come."""
     if not 0 <= index < len(addresses):
         raise ValueError(f"member index {index} outside a group of {len(addresses)}")
     links = GroupLinks(index, {}, {})
@@ -85,9 +109,9 @@ async def connect_group(
             links.later[i] = ep
             hello = {"op": ESP_OP, "group": group_id, "member": index}
             await ep.send_msg(json.dumps(hello).encode(), _HELLO_TAG, timeout_s=timeout_s)
+        accept = accept or _transport_acceptor(transport, group_id)
         while len(links.earlier) < index:
-            ep = await transport.accept(timeout_s=timeout_s)
-            hello = await _read_hello(ep, group_id, timeout_s)
+            ep, hello = await accept(timeout_s)
             member = hello.get("member")
             if not isinstance(member, int) or not 0 <= member < index or member in links.earlier:
                 ep.abort()
@@ -187,14 +211,17 @@ async def decode_master_step(
     token: int,
     *,
     timeout_s: float = 30.0,
+    note: dict[str, object] | None = None,
 ) -> torch.Tensor:
     """One decode step on the master: `token` at the next position, its KV appended to
     `shard` (the master's own, the newest), each layer's query attended by every holder in
-    `holders` over its slice and here over `shard`. Returns the float32 logits `[vocab]`."""
+    `holders` over its slice and here over `shard`. `note` rides in the step's header (a master
+    that took over after a scale-up tells the old one its tokens this way). Returns the float32
+    logits `[vocab]`."""
     cache.extend(shard.seq_id, shard.num_tokens + 1)
     pos = shard.end
     shard.end += 1
-    header = json.dumps({"pos": pos}).encode()
+    header = json.dumps({**(note or {}), "pos": pos}).encode()
     for ep in holders.values():
         await ep.send_msg(header, _STEP_TAG, timeout_s=timeout_s)
     q_pos = torch.tensor([pos])
@@ -221,23 +248,34 @@ async def decode_master_step(
     return model.head(hidden)[0]
 
 
-async def end_decode(holders: dict[int, Endpoint], *, timeout_s: float = 30.0) -> None:
-    """Tell every holder the request is done (they free nothing: the caller owns the blocks)."""
+async def end_decode(
+    holders: dict[int, Endpoint], *, timeout_s: float = 30.0, note: dict[str, object] | None = None
+) -> None:
+    """Tell every holder the request is done (they free nothing: the caller owns the blocks);
+    `note` rides in the message."""
     for ep in holders.values():
-        await ep.send_msg(json.dumps({"end": True}).encode(), _STEP_TAG, timeout_s=timeout_s)
+        await ep.send_msg(json.dumps({**(note or {}), "end": True}).encode(), _STEP_TAG, timeout_s=timeout_s)
 
 
 async def serve_holder(
-    model: LlamaForCausalLM, shard: Shard, master: Endpoint, *, timeout_s: float = 30.0
+    model: LlamaForCausalLM,
+    shard: Shard,
+    master: Endpoint,
+    *,
+    timeout_s: float = 30.0,
+    on_header: Callable[[dict[str, object]], None] | None = None,
 ) -> tuple[str, int]:
     """A holder's side of a distributed decode: for every step the master starts, attend each
     layer's query to this holder's slice and send back the output with its log-sum-exp (one
     `[1, heads, d + 1]` float32 message). Returns ("end", steps served) when the master ends the
-    request, ("handover", steps) when a new master is coming (see `accept_master`)."""
+    request, ("handover", steps) when a new master is coming (see `accept_master`). Each step's
+    header (and the end's) goes to `on_header` first."""
     cfg = model.config
     steps = 0
     while True:
         header = json.loads(await master.recv_msg(_STEP_TAG, timeout_s=timeout_s, max_bytes=4096))
+        if on_header is not None:
+            on_header(header)
         if header.get("end"):
             return "end", steps
         if header.get("handover"):
@@ -268,10 +306,12 @@ async def hand_over(holders: dict[int, Endpoint], *, timeout_s: float = 30.0) ->
         await ep.send_msg(json.dumps({"handover": True}).encode(), _STEP_TAG, timeout_s=timeout_s)
 
 
-async def accept_master(transport: Transport, group_id: str, *, timeout_s: float = 30.0) -> Endpoint:
-    """A holder's side of a handover: the new master's connection, checked to be of this group."""
-    ep = await transport.accept(timeout_s=timeout_s)
-    await _read_hello(ep, group_id, timeout_s)
+async def accept_master(
+    transport: Transport, group_id: str, *, timeout_s: float = 30.0, accept: Acceptor | None = None
+) -> Endpoint:
+    """A holder's side of a handover: the new master's connection, checked to be of this group
+    (from `accept`, default `transport.accept()`)."""
+    ep, _ = await (accept or _transport_acceptor(transport, group_id))(timeout_s)
     return ep
 
 

@@ -57,6 +57,7 @@ from services.worker.engine.engine import (
 )
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.slo import RequestSLO, SLOUnattainable
+from services.worker.esp_worker import EspError, EspWorker, event_to_proto
 from services.worker.kv_pool import engine_config, free_memory_bytes, kv_pool_blocks
 from services.worker.kv_transfer import KVDescriptor, KVOffer, KVServer, KVTransferConfig, receive_kv
 from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, pinned_allocate, plan_pulls
@@ -159,6 +160,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.ctx: ServeContext | None = None  # set by WorkerService.start (health, owned tasks)
         self.transport: Transport | None = None
         self.group_server: GroupServer | None = None
+        self.esp: EspWorker | None = None  # elastic sequence parallelism (esp_worker.py)
         # ZigZag pulled by loading peers (manager --zigzag-dispatch pull): hands them the
         # first layers of this instance's waiting requests to run ahead.
         self.offloader = ZigzagOffloader(self._serving_engine, self._offload_relay_fill)
@@ -241,6 +243,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"layer range [{request.layer_start}, {request.layer_end}) outside [0, {num_layers}]",
             )
+        if mode == "esp_member":
+            async for msg in self._esp_generate(request, context):
+                yield msg
+            return
         kv_fill: KVFill | None = None
         relay_fill: RelayFill | None = None
         slo: RequestSLO | None = None
@@ -344,6 +350,38 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await stream.aclose()
             REQUESTS.labels(outcome).inc()
             self.offloader.request_done(request_id)
+            self._inflight.pop(request_id, None)
+            if not self._inflight:
+                self._idle.set()
+
+    async def _esp_generate(self, request, context):
+        """This instance's part in an ESP group (services/worker/esp_worker.py)."""
+        if self.esp is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"instance {self.instance_id} has no data plane")
+        assert self.esp is not None
+        request_id = request.request_id or f"req-{time.monotonic_ns()}"
+        self._inflight[request_id] = None
+        self._idle.clear()
+        outcome = "error"
+        try:
+            sampling = sampling_from_proto(request.sampling, default_max_tokens=16)
+            async for ev in self.esp.member(
+                request_id,
+                list(request.prompt_token_ids),
+                sampling,
+                request.esp_member,
+                list(request.resume_token_ids),
+            ):
+                TOKENS.inc()
+                yield event_to_proto(ev, sampling)
+            outcome = "ok"
+        except ValueError as e:
+            outcome = "rejected"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EspError as e:
+            await context.abort(e.code, f"instance {self.instance_id}: {e}")
+        finally:
+            REQUESTS.labels(f"esp_{outcome}").inc()
             self._inflight.pop(request_id, None)
             if not self._inflight:
                 self._idle.set()
@@ -876,6 +914,7 @@ class WorkerService:
         await transport.start()
         self.servicer.transport = transport
         self.servicer.group_server = GroupServer(transport)
+        self.servicer.esp = EspWorker(transport, self.servicer.group_server, self.servicer._serving_engine)
         await self.servicer.group_server.start()
         if self.cfg.preload_model:
             async for _ in self.servicer.load(self.cfg.preload_model, self.cfg.param_manager):

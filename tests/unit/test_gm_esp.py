@@ -142,3 +142,61 @@ def test_decision_size_of_the_issue_runs() -> None:
     for b in plan.batches:
         need = sum(next(r.length for r in reqs if r.request_id == rid) for rid in b.request_ids)
         assert need <= sum(i.free for i in insts if i.instance_id in b.instance_ids)
+
+
+# -- plan_group: one request's group, as the live manager asks for it -----------------------------
+
+
+def test_plan_group_cuts_a_prompt_no_instance_holds_among_the_fewest_that_do() -> None:
+    from services.global_manager.core.esp import GroupPlan, plan_group
+
+    insts = [EspInstance(f"i{k}", used=0, capacity=64) for k in range(4)]
+    plan = plan_group(EspRequest("r", 150), 20, insts, block_size=16)
+    assert isinstance(plan, GroupPlan)
+    assert plan.bounds[0] == 0 and plan.bounds[-1] == 150
+    slices = [b - a for a, b in zip(plan.bounds, plan.bounds[1:], strict=False)]
+    assert len(plan.members) == len(slices) >= 3 and all(0 < n <= 64 for n in slices)
+    # Whole blocks for every member but where the remainder lands; the master keeps room to decode.
+    assert slices[-1] + 20 <= 64 or plan.spares
+    assert set(plan.spares) == {i.instance_id for i in insts} - set(plan.members)
+
+
+def test_plan_group_prefers_one_instance_for_a_short_prompt_and_refuses_what_cannot_fit() -> None:
+    from services.global_manager.core.esp import plan_group
+
+    insts = [EspInstance("a", used=0, capacity=4096), EspInstance("b", used=100, capacity=4096)]
+    plan = plan_group(EspRequest("r", 120), 16, insts, block_size=16)
+    assert plan is not None and plan.members == ("a",) and plan.bounds == (0, 120) and plan.spares == ("b",)
+    small = [EspInstance(f"s{k}", used=0, capacity=32) for k in range(3)]
+    assert plan_group(EspRequest("r", 97), 0, small, block_size=16) is None
+    with pytest.raises(ValueError, match="decode_tokens"):
+        plan_group(EspRequest("r", 10), -1, small)
+
+
+def test_the_manager_does_not_plan_two_groups_on_the_same_room_until_heartbeats_show_it() -> None:
+    from blitzmesh.v1 import global_manager_pb2
+    from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
+    from services.global_manager.esp_routing import EspRouter, EspUnplaced
+
+    def views(sampled_s: float, used: int = 0) -> list[InstanceView]:
+        return [
+            InstanceView(
+                f"w{k}", "m", Role.COLOCATED, InstanceState.SERVING, 2, 2, "h", sampled_s,
+                load=LoadSample(f"w{k}", sampled_s, kv_blocks_used=used, kv_blocks_total=4),
+            )
+            for k in range(4)
+        ]  # fmt: skip
+
+    router = EspRouter(block_size=16)
+    hops = {f"w{k}": global_manager_pb2.RouteHop(instance_id=f"w{k}") for k in range(4)}
+    req = global_manager_pb2.ScheduleRequest(request_id="a", model_id="m", prompt_tokens=150, max_tokens=30)
+    assert router.wants_group(views(0.0), 150, 30) and not router.wants_group(views(0.0), 250, 30)
+    first = router.plan(req, views(0.0), hops, now_s=10.0)
+    assert first.esp.bounds[-1] == 150
+    req.request_id = "b"
+    with pytest.raises(EspUnplaced, match="needs 150 \\+ 30 KV tokens"):
+        router.plan(req, views(0.0), hops, now_s=10.1)  # the same stale heartbeats: no room left
+    # Heartbeats sampled after the group started count its blocks; then the room is theirs to tell.
+    second = router.plan(req, views(10.6, used=0), hops, now_s=10.7)
+    assert second.esp.bounds[-1] == 150
+    assert [g.request_id for g in router.to_proto()] == ["b", "a"]

@@ -49,6 +49,15 @@ def test_status_text_counts_states_and_aligns_columns() -> None:
     assert lines[1].index("STATE") == lines[2].index("serving") == lines[3].index("idle")
 
 
+def test_status_text_lists_esp_groups_with_each_members_slice() -> None:
+    from blitzmesh.types import EspGroup
+
+    state = ClusterState(esp_groups=(EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5),))
+    lines = cli.status_text(state).splitlines()
+    assert lines[-2].split() == ["GROUP", "DEGREE", "MEMBERS[SLICE]", "SPARES", "AGE_S"]
+    assert lines[-1].split() == ["esp-1-r", "2", "w-1[0:64)", "w-2[64:120)", "w-3", "1.5"]
+
+
 def test_parse_params_quotes_what_is_wrong() -> None:
     assert cli.parse_params(["a=1", "b=x=y"]) == {"a": "1", "b": "x=y"}
     with pytest.raises(cli.CliError, match="'oops' is not KEY=VALUE"):

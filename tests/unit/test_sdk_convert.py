@@ -13,6 +13,7 @@ from blitzmesh.types import (
     ClusterEvent,
     ClusterState,
     Completion,
+    EspGroup,
     InstanceInfo,
     LoadReport,
     ModelInfo,
@@ -157,6 +158,15 @@ ROUND_TRIPS = [
         convert.cluster_state_to_proto,
         convert.cluster_state_from_proto,
         id="cluster_state",
+    ),
+    pytest.param(
+        ClusterState(
+            instances=(INSTANCE,),
+            esp_groups=(EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5),),
+        ),
+        convert.cluster_state_to_proto,
+        convert.cluster_state_from_proto,
+        id="cluster_state_esp",
     ),
     pytest.param(
         ClusterEvent(

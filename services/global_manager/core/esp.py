@@ -31,11 +31,14 @@ __all__ = [
     "BatchPlan",
     "EspInstance",
     "EspRequest",
+    "GroupPlan",
     "StepTimeModel",
     "allocate_instances",
     "decode_degree",
     "dispatch",
     "plan_batches",
+    "plan_group",
+    "default_step_models",
 ]
 
 
@@ -155,11 +158,14 @@ def plan_batches(
     # Batch (i - b, i] is held as row i, column b - 1 of a band: no batch holds more requests
     # than fit the largest free KV any u instances offer, so b <= width (requests are sorted,
     # so the batches that fit a room are the runs up to some length).
-    rooms = [free[k] - free[k - u] for u in degrees for k in range(u, k_max + 1)]
-    max_room = max(rooms, default=0.0)
+    # Per degree, only the batches its largest room can hold: columns [0, widths[u]).
     rows = np.arange(n + 1)
-    shortest = np.searchsorted(s1, s1 - max_room, side="left")
-    width = max(int((rows - shortest).max()), 1)
+    widths: dict[int, int] = {}
+    for u in degrees:
+        room_u = max((free[k] - free[k - u] for k in range(u, k_max + 1)), default=0.0)
+        shortest = np.searchsorted(s1, s1 - room_u, side="left")
+        widths[u] = max(int((rows - shortest).max()), 1)
+    width = max(widths.values())
     i_idx = rows.reshape(-1, 1)
     j_idx = i_idx - np.arange(1, width + 1).reshape(1, -1)  # [i, b - 1] -> j
     valid = j_idx >= 0
@@ -168,10 +174,13 @@ def plan_batches(
     bs1 = np.where(valid, sums, np.inf)  # a column past the first request fits no room
     bs2 = s2[i_idx] - s2[j_safe]
     binv = inv[i_idx] - inv[j_safe]
-    times = {u: models[u].a + models[u].b * sums + models[u].c * bs2 for u in degrees}
-    costs = {u: np.where(valid, times[u] * binv, np.inf) for u in degrees}
-    f = np.full((n + 1, k_max + 1), np.inf)
+    times = {u: models[u].a + models[u].b * sums[:, : widths[u]] + models[u].c * bs2[:, : widths[u]] for u in degrees}
+    costs = {u: np.where(valid[:, : widths[u]], times[u] * binv[:, : widths[u]], np.inf) for u in degrees}
+    # Column-major: the DP reads and writes whole columns f[:, k].
+    f = np.full((n + 1, k_max + 1), np.inf, order="F")
     f[0, :] = 0.0
+    fits = {u: bs1[:, : widths[u]] for u in degrees}
+    starts = {u: np.ascontiguousarray(j_safe[:, : widths[u]]) for u in degrees}
     # f[i, k]: the least cost of the first i requests on the first k instances. Only the values
     # are kept; the optimal cut is recovered afterwards by re-deriving the few states on its path.
     for k in range(1, k_max + 1):
@@ -179,8 +188,8 @@ def plan_batches(
         for u in degrees:
             if u > k:
                 break
-            total = np.where(bs1 <= free[k] - free[k - u], costs[u], np.inf)  # [i, b - 1]
-            total += f[j_safe, k - u]
+            total = np.where(fits[u] <= free[k] - free[k - u], costs[u], np.inf)  # [i, b - 1]
+            total += f[:, k - u][starts[u]]
             np.minimum(best, total.min(axis=1), out=best)
         f[:, k] = best
     if not math.isfinite(f[n, k_max]):
@@ -194,7 +203,8 @@ def plan_batches(
         for u in degrees:
             if u > k:
                 continue
-            total = np.where(bs1[i] <= free[k] - free[k - u], costs[u][i], np.inf) + f[j_safe[i], k - u]
+            w = widths[u]
+            total = np.where(bs1[i, :w] <= free[k] - free[k - u], costs[u][i], np.inf) + f[j_safe[i, :w], k - u]
             col = int(total.argmin())
             if total[col] == f[i, k]:
                 break
@@ -229,3 +239,106 @@ def decode_degree(need_tokens: int, holders: Sequence[EspInstance]) -> list[EspI
     if have < need_tokens:
         raise ValueError(f"{need_tokens} more KV tokens needed, the holders have {have} free")
     return chosen
+
+
+def default_step_models(
+    max_degree: int, *, a: float = 2e-3, b: float = 2e-5, c: float = 2e-9
+) -> dict[int, StepTimeModel]:
+    """Step-time models for degrees 1..max_degree when no profile is fitted: the compute
+    (`b` per token, `c` per token pair of attention) splits over the u members, while the fixed
+    cost `a` grows with u (one more exchange per layer each)."""
+    if max_degree < 1:
+        raise ValueError(f"max_degree must be >= 1, got {max_degree!r}")
+    return {u: StepTimeModel(a * u, b / u, c / u) for u in range(1, max_degree + 1)}
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One request's ESP group: `members` in slice order (the last is the master, which also
+    takes the decoded tokens' KV), `bounds` cutting the prompt among them, `spares` to scale up
+    to when the master fills (most free KV first)."""
+
+    members: tuple[str, ...]
+    bounds: tuple[int, ...]
+    spares: tuple[str, ...]
+    preempted: tuple[str, ...] = ()
+
+
+def _cut(length: int, room: Sequence[int], block_size: int) -> list[int] | None:
+    """Tokens of a `length`-token prompt per member: in proportion to `room`, in whole blocks,
+    the remainder where room is left (earliest members first); None when it does not fit."""
+    total = sum(room)
+    if total < length:
+        return None
+    shares = [min(r, length * r // total // block_size * block_size) for r in room]
+    left = length - sum(shares)
+    for j, r in enumerate(room):
+        add = min(left, r - shares[j])
+        shares[j] += add
+        left -= add
+    return shares
+
+
+def plan_group(
+    request: EspRequest,
+    decode_tokens: int,
+    instances: Sequence[EspInstance],
+    models: Mapping[int, StepTimeModel] | None = None,
+    *,
+    block_size: int = 1,
+) -> GroupPlan | None:
+    """The group that prefills `request` (its prompt of `request.length` tokens) and decodes its
+    `decode_tokens` more: the four steps for one request. `allocate_instances` picks who may run
+    it (idle first, then the least used busy ones, preempted), `plan_batches` the degree and
+    members among them, and the prompt is cut in proportion to each member's free KV (whole
+    blocks of `block_size` tokens), the master keeping room for the decoded tokens; the other
+    allocated instances are the spares. None when the instances cannot hold the request now."""
+    if decode_tokens < 0 or block_size < 1:
+        raise ValueError(f"decode_tokens must be >= 0 and block_size >= 1, got {decode_tokens!r}, {block_size!r}")
+    usable = [
+        EspInstance(i.instance_id, i.used, i.capacity - i.capacity % block_size, i.idle)
+        for i in instances
+        if i.capacity - i.used >= block_size
+    ]
+    try:
+        pool, preempted = allocate_instances(usable, request.length + decode_tokens)
+    except ValueError:
+        return None
+    models = models or default_step_models(len(pool))
+    plan = plan_batches([request], pool, {u: m for u, m in models.items() if u <= len(pool)})
+    if plan is None or not plan.batches:
+        return None
+    chosen = list(plan.batches[0].instance_ids)
+    by_id = {i.instance_id: i for i in usable} | {i.instance_id: i for i in pool}  # preempted: emptied
+    others = [
+        i.instance_id
+        for i in sorted(usable, key=lambda i: (-i.free, i.instance_id))
+        if i.instance_id not in chosen and (i.idle or i.instance_id in preempted)
+    ]
+
+    def cut(members: list[str], keep_decode: bool) -> tuple[list[str], list[int] | None]:
+        # The master (last) is the member with the most free KV: it also holds the decoded tokens.
+        ordered = sorted(members, key=lambda iid: (by_id[iid].free, iid))
+        free = [by_id[iid].free // block_size * block_size for iid in ordered]
+        if keep_decode:
+            free[-1] = max(free[-1] - decode_tokens, 0)
+        return ordered, _cut(request.length, free, block_size)
+
+    chosen, shares = cut(chosen, True)
+    # When the DP's members cannot also keep the decoded tokens' room, the next instance joins
+    # the prefill; only when none is left does the master rely on scaling up while it decodes.
+    while shares is None and others:
+        chosen, shares = cut([*chosen, others.pop(0)], True)
+    if shares is None:
+        chosen, shares = cut(chosen, False)
+        if shares is None:
+            return None
+    spares = tuple(others)
+    members = [iid for iid, n in zip(chosen, shares, strict=True) if n > 0]
+    spares = tuple(iid for iid in chosen if iid not in members) + spares
+    bounds = [0]
+    for n in shares:
+        if n > 0:
+            bounds.append(bounds[-1] + n)
+    chosen = members
+    return GroupPlan(tuple(chosen), tuple(bounds), spares, tuple(p for p in preempted if p in chosen))

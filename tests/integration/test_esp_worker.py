@@ -1,0 +1,201 @@
+"""ESP as worker operations: real workers (grpc.aio servers, TCP data plane, one process, each
+with its own engine and KV pool) serve one request as a group, each called with `Generate` in
+mode `esp_member`. The master's tokens equal one colocated worker's, greedy and seeded, for a
+prompt that fits one instance and one that fits only the group; a full master scales up to a
+spare; a member that goes away ends the request with UNAVAILABLE in time, blocks freed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from blitzmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.grpc_util import channel
+from services.common.waiting import wait_until
+from services.param_manager.service import ParamManagerService
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+from tests.integration.test_param_worker import pm_config
+
+pytestmark = pytest.mark.timeout(180)
+
+Workers = dict[str, tuple[WorkerService, worker_pb2_grpc.WorkerStub]]
+
+
+@contextlib.asynccontextmanager
+async def esp_workers(tiny_models: Path, serve_in_process: Any, kv_tokens: dict[str, int]) -> AsyncIterator[Workers]:
+    """A parameter manager and one loaded worker per entry of `kv_tokens` (id -> KV pool tokens)."""
+    pm = ParamManagerService(pm_config(tiny_models))
+    async with contextlib.AsyncExitStack() as stack:
+        pm_ctx = await stack.enter_async_context(serve_in_process(pm, pm.servicer.config))
+        out: Workers = {}
+        for iid, tokens in kv_tokens.items():
+            cfg = WorkerConfig(
+                port=0, param_manager=pm_ctx.address, instance_id=iid, kv_cache_tokens=tokens, dataplane="tcp"
+            )
+            wk = WorkerService(cfg)
+            ctx = await stack.enter_async_context(serve_in_process(wk, wk.cfg))
+            ch = await stack.enter_async_context(channel(ctx.address))
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            load = worker_pb2.LoadParametersRequest(model_id="tiny")
+            assert [p async for p in stub.LoadParameters(load, timeout=60)][-1].done
+            out[iid] = (wk, stub)
+        yield out
+
+
+def sampling(max_tokens: int, seed: int | None) -> common_pb2.SamplingParams:
+    if seed is None:
+        return common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return common_pb2.SamplingParams(temperature=0.9, top_p=0.9, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+
+
+def esp_request(
+    rid: str, prompt: list[int], params: common_pb2.SamplingParams, member: worker_pb2.EspMember | None = None
+) -> worker_pb2.WorkerGenerateRequest:
+    req = worker_pb2.WorkerGenerateRequest(request_id=rid, model_id="tiny", prompt_token_ids=prompt, sampling=params)
+    if member is not None:
+        req.esp_member.CopyFrom(member)
+    return req
+
+
+async def collect(stream: Any) -> list[worker_pb2.WorkerGenerateResponse]:
+    return [m async for m in stream]
+
+
+async def run_group(
+    ws: Workers,
+    members: list[str],
+    group: str,
+    prompt: list[int],
+    params: common_pb2.SamplingParams,
+    bounds: list[int],
+    spares: list[str] = (),  # type: ignore[assignment]
+) -> list[list[worker_pb2.WorkerGenerateResponse]]:
+    addresses = [ws[m][0].servicer.transport.address() for m in members]  # type: ignore[union-attr]
+    spare_addresses = [ws[s][0].servicer.transport.address() for s in spares]  # type: ignore[union-attr]
+    calls = [
+        collect(
+            ws[m][1].Generate(
+                esp_request(
+                    group,
+                    prompt,
+                    params,
+                    worker_pb2.EspMember(
+                        group_id=group,
+                        index=j,
+                        bounds=bounds,
+                        member_addresses=addresses,
+                        spare_addresses=spare_addresses,
+                        timeout_s=10,
+                    ),
+                ),
+                timeout=90,
+            )
+        )
+        for j, m in enumerate(members)
+    ]
+    return await asyncio.gather(*calls)
+
+
+def tokens_of(msgs: list[worker_pb2.WorkerGenerateResponse]) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+def used_blocks(ws: Workers) -> dict[str, int]:
+    return {iid: w.servicer.instance.engine.kv_cache.used_blocks for iid, (w, _) in ws.items()}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+async def test_a_group_of_workers_gives_one_workers_tokens(
+    tiny_models: Path, serve_in_process: Any, seed: int | None
+) -> None:
+    """Groups of 2 and 3 workers, greedy and seeded: the master streams one colocated worker's
+    tokens; the holders' streams end with no token; every block is freed after."""
+    async with esp_workers(tiny_models, serve_in_process, {"ref": 4096, "a": 512, "b": 512, "c": 512}) as ws:
+        prompt = [1, *range(5, 82)]
+        params = sampling(12, seed)
+        want = tokens_of(await collect(ws["ref"][1].Generate(esp_request("whole", prompt, params), timeout=60)))
+        assert len(want) == 12
+        for members, bounds in ((["a", "b"], [0, 40, 78]), (["a", "b", "c"], [0, 20, 53, 78])):
+            results = await run_group(ws, members, f"g{len(members)}-{seed}", prompt, params, bounds)
+            *holders, master = results
+            assert tokens_of(master) == want
+            assert master[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert master[-1].completion_tokens == 12 and master[-1].prompt_tokens == 78
+            for h in holders:
+                assert len(h) == 1 and not h[0].token_ids and h[0].completion_tokens == 11
+        await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 10, what="every ESP block freed")
+
+
+async def test_a_prompt_no_single_worker_can_hold_is_served_by_a_group(
+    tiny_models: Path, serve_in_process: Any
+) -> None:
+    """Members of 48 KV tokens each: a 120-token prompt (2.5x one member's KV) is refused by
+    one of them and served by a group of 3, with the tokens of a worker that holds it whole; the
+    master fills up and the spare joins as master (scale-up during decode), no KV moved."""
+    kv = {"ref": 4096, "a": 48, "b": 48, "c": 48, "spare": 48}
+    async with esp_workers(tiny_models, serve_in_process, kv) as ws:
+        prompt = [1, *range(5, 124)]
+        params = sampling(20, None)
+        want = tokens_of(await collect(ws["ref"][1].Generate(esp_request("whole", prompt, params), timeout=60)))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(ws["a"][1].Generate(esp_request("alone", prompt, params), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV blocks" in str(refused.value.details())
+        # 40 tokens each: the master's 3 blocks hold 8 more, then the spare takes the rest.
+        a, b, c, spare = (ws[k][0].servicer.esp for k in ("a", "b", "c", "spare"))
+        results = await run_group(ws, ["a", "b", "c"], "long", prompt, params, [0, 40, 80, 120], spares=["spare"])
+        *holders, master = results
+        assert tokens_of(master) == want and master[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert c.scale_ups_total == 1 and spare.joined_total == 1  # type: ignore[union-attr]
+        assert [h[0].completion_tokens for h in holders] == [19, 19]
+        assert a.joined_total == b.joined_total == 1  # type: ignore[union-attr]
+        await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 10, what="every ESP block freed")
+
+
+async def test_a_full_master_without_a_spare_fails_clearly(tiny_models: Path, serve_in_process: Any) -> None:
+    async with esp_workers(tiny_models, serve_in_process, {"a": 48, "b": 48}) as ws:
+        prompt = [1, *range(5, 84)]
+        results = await asyncio.gather(
+            run_group(ws, ["a", "b"], "full", prompt, sampling(20, None), [0, 40, 80]), return_exceptions=True
+        )
+        err = results[0]
+        assert isinstance(err, grpc.aio.AioRpcError), err
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "no spare instance" in str(err.details())
+        await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 20, what="every ESP block freed")
+
+
+async def test_a_member_that_goes_away_ends_the_request_with_unavailable(
+    tiny_models: Path, serve_in_process: Any
+) -> None:
+    """A holder's call is cancelled mid-decode (its member leaves): the master's stream ends with
+    UNAVAILABLE naming the group within the group's timeout, never hangs; blocks freed."""
+    async with esp_workers(tiny_models, serve_in_process, {"a": 512, "b": 512}) as ws:
+        prompt = [1, *range(5, 60)]
+        addresses = [ws[m][0].servicer.transport.address() for m in ("a", "b")]  # type: ignore[union-attr]
+
+        def member(j: int) -> worker_pb2.WorkerGenerateRequest:
+            spec = worker_pb2.EspMember(
+                group_id="kill", index=j, bounds=[0, 30, 56], member_addresses=addresses, timeout_s=5
+            )
+            return esp_request("kill", prompt, sampling(400, None), spec)
+
+        holder = ws["a"][1].Generate(member(0), timeout=60)
+        holder_task = asyncio.ensure_future(collect(holder))
+        master_stream = ws["b"][1].Generate(member(1), timeout=60)
+        got = 0
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async for msg in master_stream:
+                got += len(msg.token_ids)
+                if got == 3:
+                    holder.cancel()
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "'kill'" in str(ended.value.details())
+        assert 3 <= got < 400
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await holder_task
+        await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 20, what="every ESP block freed")

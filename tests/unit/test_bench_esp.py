@@ -1,0 +1,61 @@
+"""bench/esp's emulated comparison and its result keys: the four strategies run the same
+workload to completion; a prompt beyond one instance's KV is refused by chunked prefill and
+disaggregation and served by ESP (on a group) and static SP; parallel prefill shortens a long
+prompt's TTFT; every target key comes as {value, target, met, how}."""
+
+from __future__ import annotations
+
+from bench.esp.__main__ import KEYS, targets
+from bench.esp.sim import Pace, Req, Slo, simulate, summarize, workload
+
+
+def _reqs() -> list[Req]:
+    return [Req(0, 0.0, 6000, 8), Req(1, 0.1, 200, 16), Req(2, 0.2, 300, 16)]
+
+
+def test_a_prompt_beyond_one_instance_is_served_only_by_groups() -> None:
+    out = {}
+    for strategy in ("esp", "chunked", "static_sp", "disagg"):
+        reqs = simulate(strategy, _reqs(), kv=4096, pace=Pace())
+        out[strategy] = summarize(reqs, Slo())
+    assert out["chunked"]["refused"] == out["disagg"]["refused"] == 1
+    assert out["esp"]["refused"] == out["static_sp"]["refused"] == 0
+    assert out["esp"]["completed"] == 3 and out["esp"]["longest_prompt_served"] == 6000
+
+
+def test_parallel_prefill_shortens_a_long_prompts_first_token() -> None:
+    one = simulate("chunked", [Req(0, 0.0, 6000, 4)], kv=16384, pace=Pace())[0]
+    group = simulate("esp", [Req(0, 0.0, 6000, 4)], kv=4096, pace=Pace())[0]
+    assert one.first is not None and group.first is not None
+    assert group.first < one.first / 2, (group.first, one.first)
+    assert group.done is not None and group.generated == 4
+
+
+def test_workload_is_a_zipf_mix_within_the_context() -> None:
+    rows = [(500, 100), (1500, 300)]
+    reqs = workload(rows, 500, 2.0, seed=0)
+    prompts = [r.prompt for r in reqs]
+    assert max(r.prompt + r.output for r in reqs) <= 8192
+    # Factor 1 is the likeliest (about 28 % at exponent 1.2 over 1..32), then a heavy tail.
+    unscaled = sum(p in (500, 1500) for p in prompts) / len(prompts)
+    assert 0.2 < unscaled < 0.4 and sum(p > 4000 for p in prompts) > len(prompts) / 10
+    assert all(b.arrival > a.arrival for a, b in zip(reqs, reqs[1:], strict=False))
+
+
+def test_targets_carry_value_target_met_and_how() -> None:
+    results = {
+        "throughput": {"max_rate_at_slo_rps": {"esp": 2.0, "chunked": 1.0, "static_sp": 0.5, "disagg": 0.0}},
+        "longest_prompt": {"longest_prompt_served": 240, "instance_kv_tokens": 64, "lost": 0},
+        "scheduler": {"p99_ms": 12.0},
+    }
+    out = targets(results)
+    assert set(out) == set(KEYS)
+    assert out["esp_over_chunked"] == {
+        "value": 2.0,
+        "target": ">= 2.0",
+        "met": True,
+        "how": "EMULATED (simulated time, step-time model)",
+    }
+    assert out["esp_over_disagg"]["value"] is None and "no rate tried" in out["esp_over_disagg"]["how"]
+    assert out["longest_prompt_over_instance_kv"]["value"] == 3.75 and out["lost"]["met"]
+    assert out["scheduler_p99_ms"]["met"]
