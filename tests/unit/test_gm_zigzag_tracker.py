@@ -201,3 +201,15 @@ def test_hand_back_moves_the_partners_running_requests_above_an_even_share() -> 
     unreported = [view("n", role=C, waiting=None), view("b", role=C, running=5)]
     move = plan_hand_back(unreported, back)
     assert move is not None and move.n == 2  # no report from the new one yet: it runs nothing
+
+
+def test_the_gate_opens_on_a_backlog_of_prompt_tokens_before_ttft_rises() -> None:
+    """Every SERVING instance computing a prompt (tokens not yet computed, nothing waiting, TTFT
+    not reported yet) is a backlog: the gate opens at once."""
+    busy = view("a", role=C, running=1)
+    busy = dataclasses.replace(busy, load=dataclasses.replace(busy.load, waiting_prefill_tokens=1800))
+    idle = view("b", role=C, running=1)
+    t = ZigzagTracker()
+    assert t.gate([busy], "m", C).zigzag
+    assert "a backlog of requests or prompt tokens" in t.gate([busy], "m", C).reason
+    assert not t.gate([busy, idle], "m", C).zigzag  # b could take the request at once

@@ -348,13 +348,15 @@ def zigzag_req_limit(
 def _overloaded(
     view: InstanceView, max_running_by_instance: Mapping[str, int] | None, ttft_s: float | None = None
 ) -> bool:
-    """Queued work (waiting > 0), a running batch at its reported capacity, or (with `ttft_s`)
-    a median time to first token over its window of at least `ttft_s`. No report yet means not
-    overloaded: `router.instance_load` counts such an instance as idle too."""
+    """A backlog (requests waiting, or prompt tokens not yet computed: queued or in an unfinished
+    chunked prefill), a running batch at its reported capacity, or (with `ttft_s`) a median
+    time to first token over its window of at least `ttft_s`. The backlog opens the gate the
+    moment the work is there, before TTFT has risen. No report yet means not overloaded:
+    `router.instance_load` counts such an instance as idle too."""
     load = view.load
     if load is None:
         return False
-    if load.waiting > 0:
+    if load.waiting > 0 or load.waiting_prefill_tokens > 0:
         return True
     if ttft_s is not None and load.ttft_p50_s is not None and load.ttft_p50_s >= ttft_s:
         return True
@@ -522,8 +524,8 @@ def should_zigzag(
     ttft_s: float | None = None,
 ) -> ZigzagGate:
     """Zigzag only when every SERVING instance (of `model` and `role`, when given) is overloaded:
-    it has requests waiting, or runs as many as its batch capacity in
-    `max_running_by_instance` (when that reports one).
+    it has a backlog (requests waiting or prompt tokens not yet computed), or runs as many as
+    its batch capacity in `max_running_by_instance` (when that reports one).
 
     Equivalently: even the best instance the ordinary router could pick would queue the
     request. Then splitting it with a LOADING instance gains time; otherwise a full instance
@@ -546,7 +548,10 @@ def should_zigzag(
             False, f"{len(free)} of {len(serving)} SERVING instances not overloaded (e.g. {best.instance_id!r})"
         )
     slow = "" if ttft_s is None else f", or TTFT p50 >= {ttft_s}s"
-    return ZigzagGate(True, f"all {len(serving)} SERVING instances overloaded (waiting > 0 or at batch capacity{slow})")
+    return ZigzagGate(
+        True,
+        f"all {len(serving)} SERVING instances overloaded (a backlog of requests or prompt tokens, or at batch capacity{slow})",
+    )
 
 
 # ------------------------------------------------------------------------------------------
