@@ -20,7 +20,7 @@ def test_a_queue_that_waits_past_the_target_grows_the_pool_by_the_wait_in_one_st
     d = policy(queue_target_s=1.0).decide(0.0, snap)
     assert d.action == "scale_out" and d.instances_to == 30  # x3, not x1.2
     assert d.reason.startswith("QUEUE: 60000 prompt tokens queued wait 3s at 20000 tokens/s > 1s")
-    capped = policy(queue_target_s=0.1).decide(0.0, snap)
+    capped = policy(queue_target_s=0.1, queue_max_factor=4.0).decide(0.0, snap)
     assert capped.instances_to == 40  # x30 wanted, queue_max_factor 4
     assert policy(queue_target_s=5.0).decide(0.0, snap).action == "no_change"  # 3 s is within 5 s
 
@@ -45,6 +45,11 @@ def test_the_queue_trigger_waits_out_the_cooldown_and_holds_a_scale_in() -> None
     # Decode TPS says scale in, but prompts are queued: not while they wait.
     quiet = colo(10, tps=100.0, waiting_prefill_tokens=60_000, prefill_tps=20_000)
     assert p.decide(6.0, quiet).action == "no_change"
+
+
+def test_the_shipped_default_is_on_at_half_a_second() -> None:
+    cfg = HeteroScaleConfig()
+    assert (cfg.queue_target_s, cfg.queue_max_factor) == (0.5, 8.0)
 
 
 def test_off_it_leaves_the_written_heteroscale() -> None:

@@ -303,7 +303,7 @@ class HeteroScaleConfig(_BaseConfig):
         "Off (None) by default, as in docs/algorithms.md 1",
     )
     queue_target_s: float | None = Field(
-        1.0,
+        0.5,
         gt=0,
         description="queue-aware trigger: when the prompt tokens queued on the pool that computes prompts would "
         "take longer than this to compute at its prefill rate (queued tokens / prefill TPS: the wait a new "
@@ -311,7 +311,7 @@ class HeteroScaleConfig(_BaseConfig):
         "the latency panic's x latency_panic_scale_factor steps after TTFT has risen. None = off "
         "(docs/algorithms.md 1's HeteroScale as written)",
     )
-    queue_max_factor: float = Field(4.0, ge=1, description="the most one queue-aware scale-out multiplies a pool by")
+    queue_max_factor: float = Field(8.0, ge=1, description="the most one queue-aware scale-out multiplies a pool by")
     scale_in_stabilization_s: float = Field(
         0.0,
         ge=0,
