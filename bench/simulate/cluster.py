@@ -51,7 +51,14 @@ from services.global_manager.core.policies import make_policy
 from services.global_manager.core.reconcile import Observations, Reconciler, ReconcileSettings, release_report
 from services.global_manager.core.routing import plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, Role
-from services.global_manager.core.zigzag import ZigzagGate, choose_zigzag_partner, should_zigzag
+from services.global_manager.core.zigzag import (
+    HandBack,
+    ZigzagGate,
+    ZigzagLive,
+    ZigzagSettings,
+    ZigzagTracker,
+    plan_hand_back,
+)
 
 from .cpu import HostCpu
 from .events import EventLoop
@@ -66,6 +73,7 @@ __all__ = ["Kill", "RunConfig", "SimActuator", "Simulation", "partner_speedup"]
 S = InstanceState
 _STATE_NAMES = {state: state.value.lower() for state in InstanceState}
 Loader = Literal["blitz", "serverless"]
+_ZIGZAG = ZigzagSettings()  # the live manager's defaults
 
 
 @dataclass(frozen=True)
@@ -136,12 +144,17 @@ class RunConfig:
     # None: each LoadReport covers the last heartbeat period, one TBT sample per step; seconds:
     # as the real engine reports, over a sliding window, one TBT sample per token.
     report_window_s: float | None = None
-    # ZigZag as the live GM runs it (`service.py` `_zigzag_route`, config `zigzag_live`,
-    # `zigzag_ttft_s`): "tails" (the default here) pairs only chain tails; "all" (the live GM's
-    # default) every LOADING target from its first layer. `zigzag_ttft_s`: the gate also opens
-    # when every SERVING instance's TTFT p50 is at least this (the live GM's default is 1.0 s).
-    zigzag_live: Literal["tails", "all"] = "tails"
-    zigzag_ttft_s: float | None = None
+    # ZigZag, driven by the manager's own core (`ZigzagTracker`) with its defaults
+    # (`ZigzagSettings`): `zigzag_live` "all" pairs every LOADING target from its first layer,
+    # "tails" only chain tails; `zigzag_ttft_s`: the gate also opens when every SERVING
+    # instance's TTFT p50 is at least this; `zigzag_stall_s`: a load that has not grown a layer
+    # for this long gets no ZigZag work until its next layer.
+    zigzag_live: ZigzagLive = _ZIGZAG.live
+    zigzag_ttft_s: float | None = _ZIGZAG.ttft_s
+    zigzag_stall_s: float = _ZIGZAG.stall_s
+    # When a live instance finishes loading, its partner's running requests above an even share
+    # move to it with their KV (`plan_hand_back`, as the live GM does).
+    zigzag_hand_back: bool = _ZIGZAG.hand_back
     # "always": pair every live loading instance whatever the gate says (an upper bound of the
     # layer-level model, not what the live GM does).
     zigzag_gate: Literal["all_overloaded", "always"] = "all_overloaded"
@@ -310,7 +323,15 @@ class Simulation:
         self.load_times: list[float] = []
         self.load_sources: dict[str, int] = {}
         self.transfers: dict[str, Transfer] = {}
-        self.tails: set[str] = set()
+        # The manager's ZigZag core, with the live GM's defaults unless the config overrides them.
+        self.zigzag = ZigzagTracker(
+            ZigzagSettings(
+                live=cfg.zigzag_live,
+                ttft_s=cfg.zigzag_ttft_s,
+                stall_s=cfg.zigzag_stall_s,
+                hand_back=cfg.zigzag_hand_back,
+            )
+        )
         self.boosted: dict[str, float] = {}
         self.zigzag_boost_s = 0.0
         # Prefills finished on a boosted partner, and the share of them the loading instances
@@ -318,6 +339,7 @@ class Simulation:
         self.zigzag_assisted = 0
         self.zigzag_served_while_loading = 0.0
         self.zigzag_paired: set[str] = set()
+        self.zigzag_handed_back = 0  # running requests asked to move to a loaded live instance
         self._gate: tuple[int | None, ZigzagGate] | None = None  # the ZigZag gate at a registry version
         # The pairs (partner, loading instance) at a registry version and order of live instances.
         self._pairs: tuple[tuple[int, tuple[str, ...]], list[tuple[str, str]]] | None = None
@@ -399,6 +421,7 @@ class Simulation:
                     "assisted_requests": self.zigzag_assisted,
                     "served_while_loading": round(self.zigzag_served_while_loading, 2),
                     "loading_instances_paired": len(self.zigzag_paired),
+                    "hand_back_requested": self.zigzag_handed_back,
                 },
                 "kv_transfers": {
                     kind: {
@@ -749,7 +772,7 @@ class Simulation:
         traffic = self.actuator.sending.traffic(traffic_from_instances(views))
         plan = plan_multicast(targets, sources, self.topology, traffic, groups=self.model.groups)
         self.actuator.sending.start(plan, load.instance_ids)
-        self.tails |= {c.hops[-1] for c in plan.chains if c.hops}
+        self.zigzag.chain_tails(c.hops[-1] for c in plan.chains if c.hops)
         for chain in plan.chains:
             kind = "host_cache" if chain.source.startswith("mem@") else "instance"
             self.load_sources[kind] = self.load_sources.get(kind, 0) + 1
@@ -799,23 +822,32 @@ class Simulation:
             return
         k = self.transfers[iid].layers_prefix(iid)
         if k > view.layers_loaded:
-            self.registry.set_layers_loaded(iid, min(k, view.num_layers))
+            k = min(k, view.num_layers)
+            self.registry.set_layers_loaded(iid, k)
             self.monitor.mark_seen(iid, self.loop.now_s)
-            if iid in self.tails or self.cfg.zigzag_live == "all":
+            self.zigzag.load_progress(self.loop.now_s, iid, view.model, k, view.num_layers)
+            if iid in self.zigzag.started:
                 self._update_zigzag()
 
     def _load_done(self, load: LoadInstances, iid: str) -> None:
         now = self.loop.now_s
         self.actuator.sending.finish(iid)
         self.monitor.mark_seen(iid, now)
-        self.tails.discard(iid)
         self.transfers.pop(iid, None)
         started = self.load_started.pop(iid, now)
         self.load_times.append(now - started)
         follow = self.reconciler.load_succeeded(self.registry, load, iid, now - started)
         del self.actuator.loading[iid]
-        if self.registry.get(iid).state is S.SERVING:
+        serving = self.registry.get(iid).state is S.SERVING
+        if serving:
             self.reached_serving.append((now, iid))
+        # As the manager's servicer: the ZigZag core hands the partner's work back to it.
+        for effect in self.zigzag.load_done(iid, loaded=serving).effects:
+            if isinstance(effect, HandBack):
+                move = plan_hand_back(self.registry.views(model=effect.model), effect)
+                if move is not None:
+                    follow.append(move)
+                    self.zigzag_handed_back += move.n
         self.actuator.execute(follow)
         self._update_zigzag()
         self._flush_pending()
@@ -885,16 +917,17 @@ class Simulation:
 
     # ---- ZigZag ----------------------------------------------------------------------------
     def _update_zigzag(self) -> None:
-        """While the core's gate says every SERVING instance is overloaded, give each live
-        LOADING instance (chain tails, or every target with `zigzag_live="all"`; most layers
-        first) a partner by the core's `choose_zigzag_partner`; once every SERVING instance has
-        one, the next live instances share partners in the same order. A partner's throughput
-        follows the layer-level model (`partner_speedup`): with one loading instance at k of L,
-        x `L * pair_throughput(L, k)`."""
+        """Drive the manager's own ZigZag core (`ZigzagTracker`, the live GM's defaults unless
+        the config says otherwise): while its gate says every SERVING instance is overloaded,
+        give each live LOADING instance (most layers first) a partner by `pair_all`. A
+        partner's throughput follows the layer-level model (`partner_speedup`): with one loading
+        instance at k of L, x `L * pair_throughput(L, k)`."""
         registry, model = self.registry, self.model.name
+        expired = self.zigzag.expire_stalled(self.loop.now_s).effects
         version = registry.version if isinstance(registry, IndexedRegistry) else None
         if (
             not self.boosted
+            and not expired
             and version is not None
             and self._gate is not None
             and self._gate[0] == version
@@ -905,32 +938,21 @@ class Simulation:
         for iid in self.boosted:
             self.workers[iid].speedup = 1.0
         self.boosted = {}
-        if not self.cfg.zigzag or (self.cfg.zigzag_live == "tails" and not self.tails):
+        if not self.cfg.zigzag or not self.zigzag.started:
             return
-        views: list[InstanceView] | None = None
-        if self.cfg.zigzag_live == "tails":
-            candidates = [registry.get(t) for t in self.tails if t in registry]
-        else:
-            views = registry.views(model=model)
-            candidates = [v for v in views if v.state is S.LOADING]
-        live = sorted(
-            (
-                v
-                for v in candidates
-                if v.model == model and v.state is S.LOADING and 1 <= v.layers_loaded < v.num_layers
-            ),
-            key=lambda v: (-v.layers_loaded, v.instance_id),
-        )
+        live = self.zigzag.live_views((registry.get(i) for i in self.zigzag.started if i in registry), model)
         if not live:
             return
         # The gate reads the SERVING instances' states and load reports only: between two
         # heartbeat rounds (many layers land) it is asked the same question again.
+        views: list[InstanceView] | None = None
+        cap: dict[str, int] = {}
         if version is not None and self._gate is not None and self._gate[0] == version:
             gate = self._gate[1]
         else:
-            views = registry.views(model=model) if views is None else views
+            views = registry.views(model=model)
             cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
-            gate = should_zigzag(views, model=model, max_running_by_instance=cap, ttft_s=self.cfg.zigzag_ttft_s)
+            gate = self.zigzag.gate(views, model, max_running_by_instance=cap)
             self._gate = (version, gate)
         if not gate.zigzag and self.cfg.zigzag_gate != "always":
             return
@@ -940,42 +962,21 @@ class Simulation:
         if key is not None and self._pairs is not None and self._pairs[0] == key:
             pairs = self._pairs[1]
         else:
-            pairs = self._pair(live, views)
+            if views is None:
+                views = registry.views(model=model)
+                cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
+            pairs = self.zigzag.pair_all(live, views, model, cap)
             if key is not None:
                 self._pairs = (key, pairs)
         paired: dict[str, list[int]] = {}
         for partner, iid in pairs:
+            self.zigzag.note_split(iid, partner)
             paired.setdefault(partner, []).append(registry.get(iid).layers_loaded)
             self.zigzag_paired.add(iid)
         for partner, ks in paired.items():
             factor = partner_speedup(self.model.num_layers, ks)
             self.boosted[partner] = factor
             self.workers[partner].speedup = factor
-
-    def _pair(self, live: list[InstanceView], views: list[InstanceView] | None) -> list[tuple[str, str]]:
-        """(partner, loading instance) for the `live` instances in order, by the core's
-        `choose_zigzag_partner`, sharing partners once each SERVING instance has one."""
-        views = self.registry.views(model=self.model.name) if views is None else views
-        cap = {v.instance_id: self.cfg.profile.max_batch for v in views}
-        pairs: list[tuple[str, str]] = []
-        paired: dict[str, int] = {}
-        for v in live:
-            choice = choose_zigzag_partner(
-                views, v.instance_id, self.model.name, exclude_ids=set(paired), max_running_by_instance=cap
-            )
-            if choice is None and paired:
-                # Every SERVING instance has a partner already: share those with the fewest.
-                least = min(paired.values())
-                busier = {p for p, n in paired.items() if n > least}
-                choice = choose_zigzag_partner(
-                    views, v.instance_id, self.model.name, exclude_ids=busier, max_running_by_instance=cap
-                )
-            if choice is None:
-                break
-            partner = choice.partner.instance_id
-            paired[partner] = paired.get(partner, 0) + 1
-            pairs.append((partner, v.instance_id))
-        return pairs
 
 
 def partner_speedup(num_layers: int, k_layers: Sequence[int]) -> float:

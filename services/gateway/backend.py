@@ -55,6 +55,18 @@ from services.common.prefix import block_hashes
 from services.gateway import esp
 from services.gateway import logprobs as lp
 from services.gateway.admission import Admission
+from services.gateway.attempts import (
+    AttemptLimits,
+    AttemptState,
+    Fail,
+    Migrate,
+    Move,
+    Retry,
+    ScheduleFailed,
+    Wait,
+    WorkerFailed,
+    decide,
+)
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ErrorKind, GatewayError, invalid, quote
 from services.gateway.metrics import GatewayMetrics
@@ -100,24 +112,7 @@ _REPORTED = frozenset(
 _REPORT_TIMEOUT_S = 2.0
 _REPORT_EVERY_S = 1.0  # one report per instance per this long, however many streams broke at once
 _SCHEDULE_BACKOFF_MAX_S = 0.5
-# Times one request may be released from a queue for rebalancing (each move is a re-route).
-_MAX_MOVES = 3
 _HEALTH_TIMEOUT_S = 2.0
-# Worker failures that another instance may not have; everything else is final.
-_RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.UNIMPLEMENTED,
-        grpc.StatusCode.DATA_LOSS,
-    }
-)
 
 
 def generate_mode(
@@ -589,8 +584,8 @@ class Backend:
         )
         excluded: list[tuple[str, int]] = []  # (instance id, its incarnation when it failed here)
         failures: list[str] = []
-        last_code = grpc.StatusCode.UNAVAILABLE
-        retries = migrations = moves = 0
+        attempt = AttemptState()
+        limits = AttemptLimits(self.config.retries_before_first_token, self.config.max_migrations)
         released_by: list[str] = []  # kept off the next route only: that instance is busy, not broken
         slo_refusals: list[_WorkerFailedError] = []  # instances that refused it for its SLO
         # The prompt's first KV blocks, for the manager to route to an instance that has them cached.
@@ -610,16 +605,16 @@ class Backend:
                     failures,
                     deadline_s,
                     prefix_hashes,
-                    # Instances that refused it for its SLO answered already: waiting for
-                    # capacity would only spend the objective it cannot meet.
-                    wait=not (slo_refusals and not state.generated),
+                    wait=attempt.schedule_waits(len(state.generated)),
                 )
                 released_by = []
             except GatewayError as e:
-                if slo_refusals and not state.generated and e.kind != ErrorKind.TIMEOUT:
+                failed = ScheduleFailed(len(state.generated), timeout=e.kind == ErrorKind.TIMEOUT)
+                verdict = decide(attempt, failed, limits)
+                if isinstance(verdict, Fail) and verdict.why == "slo":
                     # No other instance to ask: the SLO refusal is the answer, not "no instance".
                     raise _slo_error(req, slo_refusals, failures) from None
-                if not state.generated or e.kind == ErrorKind.TIMEOUT:
+                if isinstance(verdict, Fail) and verdict.why == "no_route":
                     raise
                 raise GatewayError(
                     ErrorKind.MID_STREAM,
@@ -702,76 +697,46 @@ class Backend:
                 return
             except _WorkerFailedError as f:
                 resumed = len(state.generated)
-                if f.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise GatewayError(
-                        ErrorKind.TIMEOUT,
-                        f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}"
-                        f" on instance {f.instance_id} after {_count(resumed, 'token')}",
-                    ) from None
-                if f.moved is not None and moves < _MAX_MOVES:
-                    # Released from a busy instance's queue to a new one: not a failure.
-                    moves += 1
+                verdict = decide(attempt, WorkerFailed(f.instance_id, f.code, resumed, f.moved, f.slo_kind), limits)
+                attempt = verdict.state
+                if isinstance(verdict, Move):
                     released_by = [f.instance_id]
-                    self.metrics.moves.labels(f.moved).inc()
-                    bound.info("moved", instance_id=f.instance_id, reason=f.moved, resumed_tokens=resumed)
+                    self.metrics.moves.labels(verdict.reason).inc()
+                    bound.info("moved", instance_id=f.instance_id, reason=verdict.reason, resumed_tokens=resumed)
                     continue
-                if f.code == grpc.StatusCode.INVALID_ARGUMENT and not resumed:
-                    raise invalid(f"instance {f.instance_id} rejected the request: {f.detail}") from None
-                if f.slo_kind is not None and not resumed:
+                slo_refused = isinstance(verdict, Retry) or (isinstance(verdict, Fail) and verdict.why == "slo")
+                if slo_refused:
                     # Refused for its SLO before its first token: one other instance may have
                     # room (the manager prefers those whose estimate meets it); after that the
                     # client hears 429 with Retry-After rather than waiting on a busy cluster.
                     slo_refusals.append(f)
+                if (
+                    slo_refused
+                    or isinstance(verdict, Wait | Migrate)
+                    or (isinstance(verdict, Fail) and verdict.excluded)
+                ):
                     excluded.append((f.instance_id, self._incarnation.get(f.instance_id, 0)))
+                    if not slo_refused:
+                        self.report_failure(f.instance_id, f.code, f.detail)
                     failures.append(f"{f.instance_id}: {f.code.name}: {f.detail}")
-                    if len(slo_refusals) > 1 or retries >= self.config.retries_before_first_token:
-                        raise _slo_error(req, slo_refusals, failures) from None
-                    retries += 1
+                if isinstance(verdict, Retry):
                     self.metrics.retries.labels(f.code.name).inc()
                     bound.info("slo_refused_rerouting", instance_id=f.instance_id, slo=f.slo_kind, detail=f.detail)
                     continue
-                if f.code not in _RETRYABLE:
-                    raise GatewayError(
-                        ErrorKind.MID_STREAM if resumed else ErrorKind.INTERNAL,
-                        f"instance {f.instance_id} failed after {_count(resumed, 'token')}: {f.code.name}: {f.detail}",
-                        code="instance_failed" if resumed else None,
-                    ) from None
-                excluded.append((f.instance_id, self._incarnation.get(f.instance_id, 0)))
-                self.report_failure(f.instance_id, f.code, f.detail)
-                last_code = f.code
-                failures.append(f"{f.instance_id}: {f.code.name}: {f.detail}")
-                if resumed:
-                    if migrations >= self.config.max_migrations:
-                        raise GatewayError(
-                            ErrorKind.MID_STREAM,
-                            f"instance {f.instance_id} failed mid-stream after {_count(resumed, 'token')}"
-                            f" ({f.code.name}: {f.detail}) and the request was already migrated {migrations}"
-                            f" times (max_migrations={self.config.max_migrations})",
-                            code="instance_failed",
-                        ) from None
-                    migrations += 1
-                    self.metrics.migrations.labels(f.code.name).inc()
-                    bound.warning(
-                        "migrating",
-                        instance_id=f.instance_id,
-                        code=f.code.name,
-                        detail=f.detail,
-                        resumed_tokens=resumed,
-                        migration=migrations,
+                if isinstance(verdict, Migrate | Wait):
+                    migrating = isinstance(verdict, Migrate)
+                    (self.metrics.migrations if migrating else self.metrics.retries).labels(f.code.name).inc()
+                    where = (
+                        {"resumed_tokens": resumed, "migration": attempt.migrations}
+                        if migrating
+                        else {"attempt": attempt.retries, "attempts": 1 + limits.retries_before_first_token}
                     )
+                    event = "migrating" if migrating else "retry_before_first_token"
+                    bound.warning(event, instance_id=f.instance_id, code=f.code.name, detail=f.detail, **where)
                     continue
-                if retries >= self.config.retries_before_first_token:
+                if verdict.why == "retries_exhausted":
                     break
-                retries += 1
-                self.metrics.retries.labels(f.code.name).inc()
-                bound.warning(
-                    "retry_before_first_token",
-                    instance_id=f.instance_id,
-                    code=f.code.name,
-                    detail=f.detail,
-                    attempt=retries,
-                    attempts=1 + self.config.retries_before_first_token,
-                )
+                raise self._attempt_error(verdict, req, f, resumed, slo_refusals, failures) from None
             finally:
                 if first_hop is not None and not first_hop.done():
                     # The partner has taken the request over (its first hop ends by itself), or
@@ -784,12 +749,47 @@ class Backend:
         if slo_refusals:
             raise _slo_error(req, slo_refusals, failures)
         # Every instance tried was full rather than broken: that is back-pressure, not an outage.
-        kind = ErrorKind.OVERLOADED if last_code == grpc.StatusCode.RESOURCE_EXHAUSTED else ErrorKind.UNAVAILABLE
+        last = attempt.last_code
+        kind = ErrorKind.OVERLOADED if last == grpc.StatusCode.RESOURCE_EXHAUSTED else ErrorKind.UNAVAILABLE
         raise GatewayError(
             kind,
-            f"request {req.request_id} failed on {retries + 1} instances before the first token"
+            f"request {req.request_id} failed on {attempt.retries + 1} instances before the first token"
             f" (retries_before_first_token={self.config.retries_before_first_token}): {'; '.join(failures)}",
             code="instances_failed",
+        )
+
+    def _attempt_error(
+        self,
+        verdict: Fail,
+        req: InferenceRequest,
+        f: _WorkerFailedError,
+        resumed: int,
+        slo_refusals: list[_WorkerFailedError],
+        failures: list[str],
+    ) -> GatewayError:
+        """The client's error for a `Fail` verdict after a worker failure."""
+        if verdict.why == "timeout":
+            return GatewayError(
+                ErrorKind.TIMEOUT,
+                f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}"
+                f" on instance {f.instance_id} after {_count(resumed, 'token')}",
+            )
+        if verdict.why == "invalid":
+            return invalid(f"instance {f.instance_id} rejected the request: {f.detail}")
+        if verdict.why == "slo":
+            return _slo_error(req, slo_refusals, failures)
+        if verdict.why == "migrations_exhausted":
+            return GatewayError(
+                ErrorKind.MID_STREAM,
+                f"instance {f.instance_id} failed mid-stream after {_count(resumed, 'token')}"
+                f" ({f.code.name}: {f.detail}) and the request was already migrated {verdict.state.migrations}"
+                f" times (max_migrations={self.config.max_migrations})",
+                code="instance_failed",
+            )
+        return GatewayError(
+            ErrorKind.MID_STREAM if resumed else ErrorKind.INTERNAL,
+            f"instance {f.instance_id} failed after {_count(resumed, 'token')}: {f.code.name}: {f.detail}",
+            code="instance_failed" if resumed else None,
         )
 
     async def _schedule(

@@ -9,6 +9,9 @@ from pydantic import Field, model_validator
 from services.common.config import ServiceConfig
 from services.global_manager.core.policies import make_policy
 from services.global_manager.core.types import Role
+from services.global_manager.core.zigzag import ZigzagSettings
+
+ZIGZAG_DEFAULTS = ZigzagSettings()
 
 
 class GlobalManagerConfig(ServiceConfig):
@@ -85,13 +88,13 @@ class GlobalManagerConfig(ServiceConfig):
         "first layers, paired with the overloaded instance with the fewest used KV blocks, which finishes them",
     )
     zigzag_live: str = Field(
-        "all",
+        ZIGZAG_DEFAULTS.live,
         pattern="^(all|tails)$",
         description="which LOADING instances serve ZigZag requests: 'all' (every target of a scale-out, from its "
         "first layer) or 'tails' (only the last target of each transfer chain, as BlitzScale picks)",
     )
     zigzag_ttft_s: float | None = Field(
-        1.0,
+        ZIGZAG_DEFAULTS.ttft_s,
         gt=0,
         description="ZigZag's gate also opens when every SERVING instance's TTFT p50 is at least this (prefill work "
         "crowds its steps even with no request waiting: a split takes the first layers of prompts off it); "
@@ -106,7 +109,14 @@ class GlobalManagerConfig(ServiceConfig):
         "admits them)",
     )
     zigzag_stall_s: float = Field(
-        5.0, gt=0, description="a LOADING instance whose layer count has not grown for this long gets no ZigZag work"
+        ZIGZAG_DEFAULTS.stall_s,
+        gt=0,
+        description="a LOADING instance whose layer count has not grown for this long gets no ZigZag work",
+    )
+    zigzag_hand_back: bool = Field(
+        ZIGZAG_DEFAULTS.hand_back,
+        description="when a ZigZag-serving instance finishes loading, its partner's running requests above an even "
+        "share of the two move to it by live migration, with their KV",
     )
     rebalance: bool = Field(
         True,

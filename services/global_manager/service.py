@@ -74,11 +74,15 @@ from services.global_manager.core.reconcile import (
 from services.global_manager.core.routing import PrefixAffinity, plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, Role, ScaleDecision
 from services.global_manager.core.zigzag import (
-    choose_live_instance,
-    choose_pull_partner,
-    choose_zigzag_partner,
-    should_zigzag,
-    zigzag_req_limit,
+    HandBack,
+    LiveLayers,
+    Paired,
+    StoppedLive,
+    WentLive,
+    ZigzagSettings,
+    ZigzagStep,
+    ZigzagTracker,
+    plan_hand_back,
 )
 from services.global_manager.esp_routing import EspRouter, EspUnplaced
 from services.global_manager.instance_table import InstanceTable, Suspicion
@@ -210,12 +214,15 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         topology = Topology.from_dict(cfg.topology) if cfg.topology else Topology(hosts={})
         self.leaves: dict[str, str] = {host: link.leaf for host, link in topology.hosts.items()}
         self.ctx: ServeContext | None = None
-        # ZigZag live scaling: the tails of this manager's transfer chains (they go live), when
-        # each went live, when its layer count last grew, and the partner it was last paired with.
-        self._chain_tails: set[str] = set()
-        self.zigzag_started: dict[str, float] = {}
-        self._zigzag_progress: dict[str, tuple[int, float]] = {}
-        self.zigzag_partner: dict[str, str] = {}
+        # ZigZag live scaling: the pure core's state (chain tails, live instances, partners).
+        self.zigzag = ZigzagTracker(
+            ZigzagSettings(
+                live=cfg.zigzag_live,  # type: ignore[arg-type]
+                ttft_s=cfg.zigzag_ttft_s,
+                stall_s=cfg.zigzag_stall_s,
+                hand_back=cfg.zigzag_hand_back,
+            )
+        )
         self._t0 = clock()
         self._wake = asyncio.Event()
         # Models whose scale from zero is being decided (a parameter-manager lookup in flight).
@@ -589,52 +596,22 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     def _zigzag_route(
         self, model: str, views: list[InstanceView], excluded: Collection[str], pool: Role = Role.COLOCATED
     ) -> list[global_manager_pb2.RouteHop] | None:
-        """ZigZag (docs/algorithms.md 3): while every SERVING instance has requests waiting,
-        a live LOADING instance (>= 1 layer, under its in-flight cap, layers still arriving; every
-        scale-out target, or only chain tails with zigzag_live="tails") runs the request's first
-        layers, and the overloaded instance with the fewest used KV blocks takes it over and
-        finishes it. None: route as usual.
-
-        Why every target by default: on a chain the tail gets its first layer only after the
-        hops before it have forwarded it; measured on bench.autoscale (3 targets, 0.2 Gbit/s
-        links) the tail had its first layer 4 s after the decision, when the chain's head was
-        already SERVING, so tails alone left no window to serve in."""
+        """ZigZag (docs/algorithms.md 3, `ZigzagTracker.route`): while every SERVING instance is
+        overloaded, a live LOADING instance runs the request's first layers and the overloaded
+        instance with the fewest used KV blocks finishes them. None: route as usual."""
         if self.cfg.zigzag_dispatch != "route":
             return None
         now = self.now_s()
-        self._expire_stalled_zigzag(model, now)
-        live = {iid: t for iid, t in self.zigzag_started.items() if iid not in excluded}
-        if not live:
+        reachable = {iid for iid, (dp, _) in self.table.dataplane.items() if dp}
+        step = self.zigzag.route(now, views, model, pool, excluded, reachable)
+        self._zigzag_effects(step, now)
+        if step.split is None:
             return None
-        gate = should_zigzag(views, model=model, role=pool, ttft_s=self.cfg.zigzag_ttft_s)
-        if not gate.zigzag:
-            return None
-        views = [v for v in views if v.role is pool]
-        inflight = {
-            v.instance_id: (v.load.zigzag_running if v.load is not None else 0) + v.routes_since_heartbeat
-            for v in views
-            if v.instance_id in live
-        }
-        choice = choose_live_instance(views, model, inflight, now, live)
-        if choice is None:
-            return None
-        new = choice.instance
-        pair = choose_zigzag_partner(views, new.instance_id, model, exclude_ids=excluded)
-        if pair is None:
-            return None
-        old = pair.partner
-        k, num_layers = new.layers_loaded, old.num_layers
-        if not 0 < k < num_layers or not self.table.dataplane.get(new.instance_id, (b"", ""))[0]:
-            return None
+        new, old, k = step.split.new, step.split.partner, step.split.k
         self.table.registry.note_routed(new.instance_id)
         self.table.registry.note_routed(old.instance_id)
         SCHEDULED.labels("zigzag").inc()
         ZIGZAG_ROUTES.labels(new.instance_id).inc()
-        if self.zigzag_partner.get(new.instance_id) != old.instance_id:
-            self.zigzag_partner[new.instance_id] = old.instance_id
-            reason = f"{gate.reason}; new: {choice.reason}; partner {old.instance_id}: {pair.reason}"
-            self.decision_log.append(f"{now:.1f},zigzag_pair,{new.instance_id},{old.instance_id},{reason}")
-            self.emit("zigzag_pair", model, old.instance_id, reason, new.instance_id)
         return [
             global_manager_pb2.RouteHop(
                 instance_id=new.instance_id,
@@ -648,110 +625,61 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 instance_id=old.instance_id,
                 address=self.table.addresses[old.instance_id],
                 layer_start=k,
-                layer_end=num_layers,
+                layer_end=step.split.num_layers,
                 role=role_to_proto(old.role),
             ),
         ]
 
-    def _expire_stalled_zigzag(self, model: str, now: float) -> None:
-        for iid, (_, grew_s) in list(self._zigzag_progress.items()):
-            if iid in self.zigzag_started and now - grew_s > self.cfg.zigzag_stall_s:
-                # A stalled load: no more ZigZag work for it (what it holds is relayed as usual).
-                del self.zigzag_started[iid]
-                self.zigzag_partner.pop(iid, None)
+    def _zigzag_effects(self, step: ZigzagStep, now: float) -> None:
+        """Carry out the ZigZag core's effects: events, the decision log and the k gauge."""
+        for e in step.effects:
+            if isinstance(e, WentLive):
+                tail = " (the tail of its transfer chain)" if e.chain_tail else ""
+                detail = f"serves ZigZag requests with the layers it holds{tail}"
+                self.emit("live_scaling", e.model, f"{e.layers}/{e.num_layers}", detail, e.instance_id)
+            elif isinstance(e, LiveLayers):
+                ZIGZAG_LAYERS.labels(e.instance_id).set(e.layers)
+            elif isinstance(e, StoppedLive):
                 with contextlib.suppress(KeyError):
-                    ZIGZAG_LAYERS.remove(iid)
-                self.emit(
-                    "zigzag_stopped",
-                    model,
-                    "stalled",
-                    f"no new layer for {now - grew_s:.1f}s > zigzag_stall_s={self.cfg.zigzag_stall_s}",
-                    iid,
-                )
+                    ZIGZAG_LAYERS.remove(e.instance_id)
+                if e.stalled:
+                    self.emit("zigzag_stopped", e.model, "stalled", e.reason, e.instance_id)
+            elif isinstance(e, Paired):
+                self.decision_log.append(f"{now:.1f},zigzag_pair,{e.instance_id},{e.partner_id},{e.reason}")
+                self.emit("zigzag_pair", e.model, e.partner_id, e.reason, e.instance_id)
+
+    def _hand_back(self, step: ZigzagStep) -> list[Action]:
+        """A live instance that split requests is SERVING now: its partner's running requests
+        above an even share move to it with their KV (`plan_hand_back`)."""
+        actions: list[Action] = []
+        for e in step.effects:
+            if isinstance(e, HandBack):
+                move = plan_hand_back(self.table.registry.views(model=e.model), e)
+                if move is not None:
+                    actions.append(move)
+                    self.emit("zigzag_hand_back", e.model, e.partner_id, f"{move.n} running: {move.why}", e.instance_id)
+        return actions
 
     def _zigzag_pull_peers(self, iid: str) -> list[global_manager_pb2.ZigzagPeer]:
         """`--zigzag-dispatch pull`: the live LOADING instances that pull queued requests from
-        SERVING instance `iid`, each with its in-flight cap now (`zigzag_req_limit`).
-
-        Every live LOADING instance (>= 1 layer, not all, its data plane known) keeps one
-        partner until that partner stops SERVING: an overloaded instance of its model and role
-        that no other one pulls from yet if there is one, else the overloaded one with the fewest
-        used KV blocks (`choose_pull_partner`). No request is routed to the pair: the partner's
-        own queue is the work (it only hands over requests it has waiting), so an instance with
-        nothing queued costs nothing to pair."""
-        if not (self.cfg.zigzag and self.cfg.zigzag_dispatch == "pull" and self.zigzag_started):
-            return []
-        registry = self.table.registry
-        me = registry.get(iid)
-        if me.state is not S.SERVING or not me.model:
+        SERVING instance `iid` (`ZigzagTracker.pull_peers`), each with its in-flight cap now."""
+        if not (self.cfg.zigzag and self.cfg.zigzag_dispatch == "pull" and self.zigzag.started):
             return []
         now = self.now_s()
-        self._expire_stalled_zigzag(me.model, now)
-        views = list(registry)
-        peers: list[global_manager_pb2.ZigzagPeer] = []
-        for new_id, started_s in sorted(self.zigzag_started.items()):
-            if new_id not in registry:
-                continue
-            new = registry.get(new_id)
-            dataplane = self.table.dataplane.get(new_id, (b"", ""))[0]
-            address = self.table.addresses.get(new_id, "")
-            if new.model != me.model or new.role is not me.role or not 1 <= new.layers_loaded < new.num_layers:
-                continue
-            if not (dataplane and address):
-                continue
-            partner_id = self.zigzag_partner.get(new_id)
-            if partner_id is None or partner_id not in registry or registry.get(partner_id).state is not S.SERVING:
-                taken = {p for n, p in self.zigzag_partner.items() if n != new_id}
-                pair = choose_pull_partner(views, new_id, me.model, taken)
-                if pair is None:
-                    continue
-                partner_id = self.zigzag_partner[new_id] = pair.partner.instance_id
-                reason = f"pulls queued requests from {partner_id}: {pair.reason}"
-                self.decision_log.append(f"{now:.1f},zigzag_pair,{new_id},{partner_id},{reason}")
-                self.emit("zigzag_pair", me.model, partner_id, reason, new_id)
-            if partner_id != iid:
-                continue
-            peers.append(
-                global_manager_pb2.ZigzagPeer(
-                    instance_id=new_id,
-                    address=address,
-                    dataplane_address=dataplane,
-                    layers_loaded=new.layers_loaded,
-                    num_layers=new.num_layers,
-                    inflight_limit=zigzag_req_limit(now, started_s),
-                )
+        reachable = {i for i, (dp, _) in self.table.dataplane.items() if dp and self.table.addresses.get(i, "")}
+        step = self.zigzag.pull_peers(now, list(self.table.registry), self.table.registry.get(iid), reachable)
+        self._zigzag_effects(step, now)
+        return [
+            global_manager_pb2.ZigzagPeer(
+                instance_id=p.instance.instance_id,
+                address=self.table.addresses[p.instance.instance_id],
+                dataplane_address=self.table.dataplane[p.instance.instance_id][0],
+                layers_loaded=p.instance.layers_loaded,
+                num_layers=p.instance.num_layers,
+                inflight_limit=p.inflight_limit,
             )
-        return peers
-
-    def _zigzag_load_progress(self, iid: str, model_id: str, layers: int, num_layers: int) -> None:
-        """A load reported `layers` of `num_layers`: a chain tail goes live with its first layer;
-        its progress clock restarts whenever the count grows."""
-        now = self.now_s()
-        before = self._zigzag_progress.get(iid, (0, now))[0]
-        if layers > before or iid not in self._zigzag_progress:
-            self._zigzag_progress[iid] = (layers, now)
-        goes_live = self.cfg.zigzag_live == "all" or iid in self._chain_tails
-        if goes_live and iid not in self.zigzag_started and 1 <= layers < num_layers:
-            self.zigzag_started[iid] = now
-            self.emit(
-                "live_scaling",
-                model_id,
-                f"{layers}/{num_layers}",
-                "serves ZigZag requests with the layers it holds"
-                + (" (the tail of its transfer chain)" if iid in self._chain_tails else ""),
-                iid,
-            )
-        if iid in self.zigzag_started:
-            ZIGZAG_LAYERS.labels(iid).set(layers)
-
-    def _zigzag_done(self, iid: str) -> None:
-        """The load ended (SERVING, or failed): the instance is no longer live-loading."""
-        self._chain_tails.discard(iid)
-        self._zigzag_progress.pop(iid, None)
-        self.zigzag_partner.pop(iid, None)
-        if self.zigzag_started.pop(iid, None) is not None:
-            with contextlib.suppress(KeyError):
-                ZIGZAG_LAYERS.remove(iid)
+            for p in step.peers
+        ]
 
     # ---- admin --------------------------------------------------------------------------
     async def GetCluster(self, request, context):
@@ -923,7 +851,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         self.emit(action.action, action.target, action.status, action.reason, action.instance_id, action.time_s)
 
     def chain_tails(self, instance_ids: Collection[str]) -> None:
-        self._chain_tails |= set(instance_ids)
+        self.zigzag.chain_tails(instance_ids)
 
     def load_upstreams(self, upstreams: dict[str, frozenset[str]]) -> None:
         self._upstreams.update(upstreams)
@@ -937,12 +865,15 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             with contextlib.suppress(ValueError):
                 view = self.table.registry.set_layers_loaded(iid, min(layers_loaded, view.num_layers))
             if not done:
-                self._zigzag_load_progress(iid, load.model, view.layers_loaded, view.num_layers)
+                now = self.now_s()
+                step = self.zigzag.load_progress(now, iid, load.model, view.layers_loaded, view.num_layers)
+                self._zigzag_effects(step, now)
 
     def load_finished(self, load: LoadInstances, iid: str, error: str) -> list[Action]:
         now = self.now_s()
         self.monitor.mark_seen(iid, now)  # its silence clock restarts after the action
-        self._zigzag_done(iid)
+        ended = self.zigzag.load_done(iid, loaded=not error)
+        self._zigzag_effects(ended, now)
         self._upstreams.pop(iid, None)
         started = self._load_started.pop(iid, now)
         if error:
@@ -951,6 +882,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             )
         else:
             follow = self.reconciler.load_succeeded(self.table.registry, load, iid, now - started)
+            follow += self._hand_back(ended)
         for action in follow:  # a retry's load_s counts from now
             if isinstance(action, LoadInstances):
                 for target in action.instance_ids:

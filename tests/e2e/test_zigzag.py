@@ -18,6 +18,7 @@ import pytest_asyncio
 import blitzmesh
 from blitzmesh.types import InstanceRole
 from services.common.waiting import wait_until
+from services.dataplane.transport import ucx_available
 from services.mesh.launcher import Mesh, MeshConfig
 from services.model_format.synth import synthesize
 
@@ -33,11 +34,16 @@ LINK_GBPS = "0.02"
 
 @contextlib.asynccontextmanager
 async def slow_mesh(
-    tmp_path_factory: pytest.TempPathFactory, name: str, manager_args: tuple[str, ...] = (), **layout: int
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    manager_args: tuple[str, ...] = (),
+    dataplane: str | None = None,
+    **layout: int,
 ) -> AsyncIterator[Mesh]:
     """A mesh of the 6-layer model whose data plane is shaped to LINK_GBPS, with `layout`'s
     workers (MeshConfig fields: workers, initial_instances, prefill, decode) and the manager's
-    ZigZag flags plus `manager_args`."""
+    ZigZag flags plus `manager_args`; `dataplane` ("tcp"/"ucx", None: the default, UCX where
+    ucxx imports) for the parameter manager and every worker."""
     models = tmp_path_factory.mktemp(f"{name}-models")
     synthesize(models / MODEL, "tiny", seed=0, overrides={"num_hidden_layers": 6})
     cfg = MeshConfig(
@@ -63,19 +69,22 @@ async def slow_mesh(
         manager_args=["--zigzag-stall-s", "30", "--zigzag-ttft-s", "0.001", *manager_args],
         **layout,  # type: ignore[arg-type]
     )
-    key = "BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS"
-    before = os.environ.get(key)
-    os.environ[key] = LINK_GBPS  # the launcher's children read it through their config layer
+    env = {"BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS": LINK_GBPS}
+    if dataplane is not None:
+        env |= {"BLITZMESH_PARAM_MANAGER_DATAPLANE": dataplane, "BLITZMESH_WORKER_DATAPLANE": dataplane}
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # the launcher's children read these through their config layer
     m = Mesh(cfg)
     try:
         await m.start()
         yield m
     finally:
         await m.stop()
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -176,6 +185,22 @@ async def test_a_disaggregated_mesh_splits_prompts_with_a_loading_prefill_instan
         assert handoffs.get('outcome="handed_off"', 0) >= len(prompts), handoffs
 
 
+async def _scale_out_until_live(client: blitzmesh.AsyncClient) -> None:
+    """Once the serving instance reports a TTFT, scale out by one and wait for the new instance
+    to be LOADING with its first layers (live)."""
+
+    async def reporting() -> bool:
+        return any(i.state == "serving" and i.load.ttft_p50_s > 0 for i in (await client.cluster()).instances)
+
+    await wait_until(reporting, 30, interval_s=0.05, what="the serving instance reporting its TTFT")
+    await client.scale(MODEL, 1)
+
+    async def live() -> bool:
+        return any(i.state == "loading" and 1 <= i.layers_loaded for i in (await client.cluster()).instances)
+
+    await wait_until(live, 60, interval_s=0.05, what="the new instance LOADING with its first layers")
+
+
 async def _serving_count(client: blitzmesh.AsyncClient, n: int) -> bool:
     return sum(i.state == "serving" for i in (await client.cluster()).instances) >= n
 
@@ -194,16 +219,7 @@ async def test_a_loading_instance_killed_mid_zigzag_loses_no_request(zz_kill_mes
         references = [(await client.complete(p, **ARGS)).token_ids for p in prompts]
         first = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[:WAVE_1]]
 
-        async def reporting() -> bool:
-            return any(i.state == "serving" and i.load.ttft_p50_s > 0 for i in (await client.cluster()).instances)
-
-        await wait_until(reporting, 30, interval_s=0.05, what="the serving instance reporting its TTFT")
-        await client.scale(MODEL, 1)
-
-        async def live() -> bool:
-            return any(i.state == "loading" and 1 <= i.layers_loaded for i in (await client.cluster()).instances)
-
-        await wait_until(live, 60, interval_s=0.05, what="the new instance LOADING with its first layers")
+        await _scale_out_until_live(client)
         second = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[WAVE_1:]]
         victim: list[str] = []
 
@@ -218,3 +234,39 @@ async def test_a_loading_instance_killed_mid_zigzag_loses_no_request(zz_kill_mes
         zz_kill_mesh.procs[victim[0]].process.send_signal(signal.SIGKILL)
         done = await asyncio.gather(*first, *second)
         assert [c.token_ids for c in done] == references
+
+
+UCX_OK, UCX_REASON = ucx_available()
+
+
+@pytest.mark.parametrize(
+    "dataplane",
+    ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not UCX_OK, reason=f"ucxx does not import: {UCX_REASON}"))],
+)
+async def test_hand_back_moves_running_requests_to_the_loaded_instance_exactly(
+    tmp_path_factory: pytest.TempPathFactory, dataplane: str
+) -> None:
+    """Hand-back: requests split while the new instance loads decode on its partner; when the load
+    completes, the partner's running requests above an even share move to the new instance by
+    live migration with their KV, and every stream, greedy and seeded, gives the tokens of a
+    whole run."""
+    long = {**ARGS, "max_tokens": 90}
+    seeded = {**long, "temperature": 0.9}
+    prompts = [f"hand back {i} " * (1 + i % 3) for i in range(8)]
+    kinds = [long if i % 2 == 0 else {**seeded, "seed": 100 + i} for i in range(len(prompts))]
+    async with (
+        slow_mesh(tmp_path_factory, f"hand-back-{dataplane}", dataplane=dataplane, workers=2, initial_instances=1) as m,
+        blitzmesh.AsyncClient(m.gateway_grpc, timeout_s=180, max_retries=0) as client,
+    ):
+        first = [asyncio.create_task(client.complete(p, **k)) for p, k in zip(prompts[:4], kinds, strict=False)]
+
+        await _scale_out_until_live(client)
+        second = [asyncio.create_task(client.complete(p, **k)) for p, k in zip(prompts[4:], kinds[4:], strict=True)]
+        done = await asyncio.gather(*first, *second)
+        moves = await _metric(m, "blitzmesh_gateway_moves_total")
+        assert moves.get('reason="live_migration"', 0) >= 1, moves
+        zigzag = await _metric(m, "blitzmesh_gateway_zigzag_total")
+        assert zigzag.get('outcome="routed"', 0) >= 1, zigzag
+        # The references: each request whole, on the two SERVING instances.
+        references = await asyncio.gather(*(client.complete(p, **k) for p, k in zip(prompts, kinds, strict=True)))
+        assert [c.token_ids for c in done] == [c.token_ids for c in references]

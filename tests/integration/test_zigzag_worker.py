@@ -287,3 +287,61 @@ async def test_a_run_ahead_that_breaks_strands_nothing(
         # The broken run-ahead was tried, counted as failed, and forgotten.
         assert zigzag_pull.OFFLOADS.labels("failed")._value.get() > failed_before
         assert not old_svc.servicer.offloader._ahead
+
+
+# Hand-back: the full worker decodes slowly (emulated pacing), so the split request is still
+# decoding there when the loading worker finishes its load.
+SLOW_DECODE = {"step_time_a_s": 0.04, "step_time_b_s": 0.0}
+SAMPLINGS = {
+    "greedy": common_pb2.SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
+    "seeded": common_pb2.SamplingParams(temperature=0.9, seed=1234, max_tokens=300, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+async def test_hand_back_moves_a_split_requests_decode_to_the_loaded_worker_with_its_kv(
+    models: Path, serve_in_process: ServeFactory, sampling: str
+) -> None:
+    """Hand-back between real workers (TCP data plane): a request split with a loading worker is
+    decoding on its partner when the load completes; the partner releases it with its KV
+    (ReleaseRunning, as the manager's hand-back asks), and the loaded worker pulls that KV and
+    decodes on, with exactly the tokens of a whole run, greedy and seeded."""
+    prompt = [1, *range(13, 60)]
+    params = SAMPLINGS[sampling]
+
+    def req(rid: str, **kw: Any) -> worker_pb2.WorkerGenerateRequest:
+        return worker_pb2.WorkerGenerateRequest(
+            request_id=rid, model_id=MODEL, prompt_token_ids=prompt, sampling=params, **kw
+        )
+
+    async with pair(models, serve_in_process, link_gbps=0.02, old=SLOW_DECODE) as p:
+        (old_svc, old), (new_svc, new) = p["old"], p["new"]
+        await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
+        first = asyncio.create_task(
+            collect(new.Generate(req("r", zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode()), timeout=120))
+        )
+        await wait_until(
+            lambda: getattr(engine_of(new_svc)._by_id.get("r"), "zz_layers", 0) >= 1, 30, what="a first layer run"
+        )
+        source = worker_pb2.ZigzagSource(instance_id="new", dataplane_address=new_svc.servicer.transport.address())
+        on_partner = asyncio.create_task(collect(old.Generate(req("r", zigzag_partner=source), timeout=120)))
+        # The load completes while the partner decodes the split request.
+        progress = await asyncio.wait_for(p["load"], 60)
+        assert progress[-1].done
+        assert (await first)[-1].zigzag_layers >= 1
+        assert not on_partner.done(), "the split request finished before the load: nothing left to hand back"
+        released = await old.ReleaseRunning(
+            worker_pb2.ReleaseRunningRequest(max_requests=1, reason="hand-back"), timeout=5
+        )
+        assert list(released.request_ids) == ["r"]
+        head_msgs = await asyncio.wait_for(on_partner, 30)
+        last = head_msgs[-1]
+        assert last.HasField("kv_handoff") and not last.HasField("finish_reason")
+        head = [t for m in head_msgs for t in m.token_ids]
+        assert 1 <= len(head) < params.max_tokens
+        assert last.kv_handoff.num_tokens == len(prompt) + len(head) - 1
+        rest = await tokens(new.Generate(req("r", resume_token_ids=head, decode_from_kv=last.kv_handoff), timeout=60))
+        assert engine_of(new_svc).kv_fills == {"pulled": 1, "recomputed": 0}
+        assert engine_of(old_svc).zigzag["continued"] == 1
+        # The whole run, on the loaded worker alone.
+        assert [*head, *rest] == await tokens(new.Generate(req("whole"), timeout=60))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.live_scaling.__main__ import _links, _manager_args, combine, load_overheads, paired_ratio
+from bench.live_scaling.__main__ import _links, _manager_args, best_live, combine, load_overheads, paired_ratio
 from bench.live_scaling.plot import loading_series
 from bench.replay import RequestRecord, token_rate
 
@@ -81,3 +81,23 @@ def test_ratio_targets_pair_the_repeats_run_side_by_side() -> None:
     out = paired_ratio(zz, stw, 0.5)
     assert out["per_repeat"] == [0.5, 0.9] and out["value"] == 0.7 and out["met"] is False
     assert "met" not in paired_ratio(zz, stw, None)
+
+
+def test_hand_back_is_zigzag_with_the_hand_back_on_and_zigzag_has_it_off() -> None:
+    assert {"--zigzag", "--zigzag-hand-back"} <= set(_manager_args("hand_back"))
+    assert {"--zigzag", "--no-zigzag-hand-back"} <= set(_manager_args("zigzag"))
+    assert {"--no-zigzag", "--no-zigzag-hand-back"} <= set(_manager_args("stop_the_world"))
+
+
+def test_the_best_live_setup_is_the_lowest_median_ratio_over_stop_the_world() -> None:
+    stw = [_run(10.0), _run(10.0), _run(10.0)]
+    by_setup = {
+        "stop_the_world": stw,
+        "zigzag": [_run(8.0), _run(9.0), _run(7.0)],
+        "hand_back": [_run(5.0), _run(7.0), _run(6.0)],
+        "instant_load": [_run(1.0), _run(1.0), _run(1.0)],  # the floor, not a live setup
+    }
+    out = best_live(by_setup)
+    assert out == {"value": 0.6, "per_repeat": [0.5, 0.7, 0.6], "target": 0.6, "met": True, "setup": "hand_back"}
+    assert best_live({"zigzag": stw}) is None
+    assert best_live({"stop_the_world": stw, "instant_load": stw}) is None

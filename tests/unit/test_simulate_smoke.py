@@ -33,7 +33,8 @@ def test_smoke_scales_out_with_the_real_reconciler_and_loses_nothing() -> None:
     assert {iid for _, iid in sim.reached_serving} == loaded  # every load reached SERVING
     assert all(0 < t < 60 for t, _ in sim.reached_serving)  # in simulated time, during the run
     assert summary["instances_max"] > 1
-    assert summary["actions"]["load:ok"] == len(loaded)
+    # One load:ok per target loaded (an instance drained after a burst may load again).
+    assert summary["actions"]["load:ok"] == sum(len(a.instance_ids) for a in loads)
     assert any(line.split(",")[2] == "scale_out" for line in sim.decision_log)
     # The scale-in after the burst drains through the core too.
     assert any(isinstance(a, DrainInstance) for a in sim.actuator.executed)

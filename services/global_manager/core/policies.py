@@ -302,6 +302,16 @@ class HeteroScaleConfig(_BaseConfig):
         "arrivals queue on the workers at once, while decode TPS rises only as they are served. "
         "Off (None) by default, as in docs/algorithms.md 1",
     )
+    queue_target_s: float | None = Field(
+        0.5,
+        gt=0,
+        description="queue-aware trigger: when the prompt tokens queued on the pool that computes prompts would "
+        "take longer than this to compute at its prefill rate (queued tokens / prefill TPS: the wait a new "
+        "arrival sees), every pool grows at once by that wait / this (at most queue_max_factor), instead of "
+        "the latency panic's x latency_panic_scale_factor steps after TTFT has risen. None = off "
+        "(docs/algorithms.md 1's HeteroScale as written)",
+    )
+    queue_max_factor: float = Field(8.0, ge=1, description="the most one queue-aware scale-out multiplies a pool by")
     scale_in_stabilization_s: float = Field(
         0.0,
         ge=0,
@@ -336,11 +346,12 @@ class HeteroScalePolicy(_PolicyBase):
     ratio < 1 - theta_in; desired = rounding(need) (ceil by default), clamped to [min, max].
     The latency panic grows N to max(N + 1, ceil(N * factor)). Cooldowns as in the split case.
 
-    Three extensions, all off by default so the docs/algorithms.md vectors hold as written: a TTFT
-    trigger beside the TBT one (`ttft_slo_s`), concurrency beside decode TPS in step 2
-    (`target_requests_per_instance`), and a scale-in stabilization window
+    Extensions: a TTFT trigger beside the TBT one (`ttft_slo_s`), concurrency beside decode TPS
+    in step 2 (`target_requests_per_instance`), and a scale-in stabilization window
     (`scale_in_stabilization_s`), for which the policy remembers the pool sizes it wanted
-    (its only state besides the cooldown timers).
+    (its only state besides the cooldown timers), all off by default; and the queue-aware
+    trigger (`queue_target_s`, on by default: it fires only on queued prompt tokens, which the
+    docs/algorithms.md vectors do not have, so they hold as written; None turns it off).
     """
 
     name = "heteroscale"
@@ -373,6 +384,27 @@ class HeteroScalePolicy(_PolicyBase):
                         out[role] = min(before[role], max(out[role], n))
         return out
 
+    def _queue_wait(self, snapshot: ClusterSnapshot) -> tuple[float, str] | None:
+        """(growth factor, why) when the queued prompt tokens would wait longer than
+        `queue_target_s` at the pool's prefill rate; None otherwise or when the trigger is off.
+        No prefill rate measured yet with tokens queued counts as the largest factor."""
+        cfg = self.config
+        if cfg.queue_target_s is None:
+            return None
+        pool = snapshot.prefill if snapshot.disaggregated else snapshot.token_pool
+        queued = pool.waiting_prefill_tokens
+        if queued <= 0:
+            return None
+        wait_s = queued / pool.prefill_tps if pool.prefill_tps > 0 else math.inf
+        if wait_s <= cfg.queue_target_s:
+            return None
+        factor = min(cfg.queue_max_factor, wait_s / cfg.queue_target_s)
+        why = (
+            f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {pool.prefill_tps:.0f} tokens/s"
+            f" > {_g(cfg.queue_target_s)}s"
+        )
+        return factor, why
+
     def _latency_panic(self, snapshot: ClusterSnapshot) -> str | None:
         """Why the latency trigger fires now, or None."""
         cfg = self.config
@@ -398,8 +430,22 @@ class HeteroScalePolicy(_PolicyBase):
         out_until_s = self.cooldown.last_scale_out_s + cfg.scale_out_cooldown_s
         in_until_s = self.cooldown.last_scale_in_s + cfg.scale_in_cooldown_s
 
-        # Step 1: latency panic. Blocked by the scale-out cooldown, it falls through to step 2.
+        # Step 0 (queue_target_s): the queue-aware trigger grows every pool by how far the queued
+        # prompts' wait is over the target, in one step. Blocked by the cooldown, it goes on.
         note = ""
+        queue = self._queue_wait(snapshot)
+        if queue is not None:
+            factor, why = queue
+            if out_ok:
+                after = {r: cfg.clamp(r, max(n + 1, ceil_eps(n * factor))) for r, n in before.items()}
+                if after != before:
+                    extra = {"queue_factor": factor} | ({"tbt_s": tbt_s} if tbt_s is not None else {})
+                    return _make_decision(self.name, now_s, "scale_out", why, before, after, extra)
+                note = f"{why} but every pool is at max_instances={cfg.max_instances}; "
+            else:
+                note = f"{why} held by scale_out cooldown until t={_g(out_until_s)}; "
+
+        # Step 1: latency panic. Blocked by the scale-out cooldown, it falls through to step 2.
         panic_reason = self._latency_panic(snapshot)
         panicking = panic_reason is not None
         if panic_reason is not None:
@@ -416,9 +462,9 @@ class HeteroScalePolicy(_PolicyBase):
                         after,
                         {"tbt_s": tbt_s} if tbt_s is not None else {},
                     )
-                note = f"{panic_reason} but every pool is at max_instances={cfg.max_instances}; "
+                note = f"{note}{panic_reason} but every pool is at max_instances={cfg.max_instances}; "
             else:
-                note = f"{panic_reason} held by scale_out cooldown until t={_g(out_until_s)}; "
+                note = f"{note}{panic_reason} held by scale_out cooldown until t={_g(out_until_s)}; "
 
         # Step 2: proportional control on decode TPS (and, optionally, on concurrency).
         tps = snapshot.decode_tps
@@ -454,7 +500,7 @@ class HeteroScalePolicy(_PolicyBase):
             self._wish = self._targets(need, snapshot.disaggregated)
             reason = f"{reason}; COOLDOWN: {action} held until t={_g(until_s)}"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
-        if action == "scale_in" and panicking and cfg.hold_scale_in_on_panic:
+        if action == "scale_in" and (panicking or queue is not None) and cfg.hold_scale_in_on_panic:
             # Low decode TPS under high TBT means requests are stuck, not that load is gone.
             reason = f"{reason}; HELD: no scale-in while latency is above the panic line"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)

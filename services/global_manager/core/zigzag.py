@@ -14,19 +14,34 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from .actions import MigrateRequests
 from .types import InstanceState, InstanceView, Role
 
 __all__ = [
     "C3Form",
+    "HandBack",
     "LiveChoice",
+    "LiveLayers",
+    "Paired",
     "PartnerChoice",
+    "PullPeer",
+    "StoppedLive",
+    "WentLive",
+    "ZigzagEffect",
     "ZigzagGate",
     "ZigzagIlpInfeasibleError",
     "ZigzagIlpPlan",
+    "ZigzagLive",
+    "ZigzagSettings",
+    "ZigzagSplit",
+    "ZigzagStep",
+    "ZigzagTracker",
     "choose_live_instance",
+    "choose_pull_partner",
     "choose_zigzag_partner",
     "ilp_objective_layers",
     "pair_throughput",
+    "plan_hand_back",
     "plan_prefill_ilp",
     "should_zigzag",
     "zigzag_req_limit",
@@ -333,13 +348,15 @@ def zigzag_req_limit(
 def _overloaded(
     view: InstanceView, max_running_by_instance: Mapping[str, int] | None, ttft_s: float | None = None
 ) -> bool:
-    """Queued work (waiting > 0), a running batch at its reported capacity, or (with `ttft_s`)
-    a median time to first token over its window of at least `ttft_s`. No report yet means not
-    overloaded: `router.instance_load` counts such an instance as idle too."""
+    """A backlog (requests waiting, or prompt tokens not yet computed: queued or in an unfinished
+    chunked prefill), a running batch at its reported capacity, or (with `ttft_s`) a median
+    time to first token over its window of at least `ttft_s`. The backlog opens the gate the
+    moment the work is there, before TTFT has risen. No report yet means not overloaded:
+    `router.instance_load` counts such an instance as idle too."""
     load = view.load
     if load is None:
         return False
-    if load.waiting > 0:
+    if load.waiting > 0 or load.waiting_prefill_tokens > 0:
         return True
     if ttft_s is not None and load.ttft_p50_s is not None and load.ttft_p50_s >= ttft_s:
         return True
@@ -507,8 +524,8 @@ def should_zigzag(
     ttft_s: float | None = None,
 ) -> ZigzagGate:
     """Zigzag only when every SERVING instance (of `model` and `role`, when given) is overloaded:
-    it has requests waiting, or runs as many as its batch capacity in
-    `max_running_by_instance` (when that reports one).
+    it has a backlog (requests waiting or prompt tokens not yet computed), or runs as many as
+    its batch capacity in `max_running_by_instance` (when that reports one).
 
     Equivalently: even the best instance the ordinary router could pick would queue the
     request. Then splitting it with a LOADING instance gains time; otherwise a full instance
@@ -531,7 +548,10 @@ def should_zigzag(
             False, f"{len(free)} of {len(serving)} SERVING instances not overloaded (e.g. {best.instance_id!r})"
         )
     slow = "" if ttft_s is None else f", or TTFT p50 >= {ttft_s}s"
-    return ZigzagGate(True, f"all {len(serving)} SERVING instances overloaded (waiting > 0 or at batch capacity{slow})")
+    return ZigzagGate(
+        True,
+        f"all {len(serving)} SERVING instances overloaded (a backlog of requests or prompt tokens, or at batch capacity{slow})",
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -562,3 +582,399 @@ def pair_throughput(num_layers: int, k_layers: int) -> float:
     if 2 * k_layers >= num_layers:
         return 2.0 / num_layers
     return 1.0 / (num_layers - k_layers)
+
+
+# ------------------------------------------------------------------------------------------
+# Tracking: which LOADING instances are live, their partners, and the routing decision
+# ------------------------------------------------------------------------------------------
+
+#: Which LOADING instances serve ZigZag work: every scale-out target from its first layer, or
+#: only the tail of each transfer chain (as BlitzScale picks).
+ZigzagLive = Literal["all", "tails"]
+
+
+@dataclass(frozen=True, slots=True)
+class ZigzagSettings:
+    """The one set of ZigZag knobs: the manager's config and the simulator both take their
+    defaults from here.
+
+    `live`: which LOADING instances go live (`ZigzagLive`). `ttft_s`: the gate also opens when
+    every SERVING instance's TTFT p50 is at least this (None: only a backlog opens it).
+    `stall_s`: a live instance whose layer count has not grown for this long gets no more
+    ZigZag work. `limit_*`: the in-flight cap of `zigzag_req_limit`. `hand_back`: when a live
+    instance finishes loading, its partner's running requests above an even share move to it
+    with their KV (`plan_hand_back`).
+
+    Why every target by default: on a chain the tail gets its first layer only after the hops
+    before it have forwarded it; measured on bench.autoscale (3 targets, 0.2 Gbit/s links) the
+    tail had its first layer 4 s after the decision, when the chain's head was already
+    SERVING, so tails alone left no window to serve in.
+    """
+
+    live: ZigzagLive = "all"
+    ttft_s: float | None = 1.0
+    stall_s: float = 5.0
+    limit_start: int = 4
+    limit_step_s: float = 0.2
+    limit_floor: int = 2
+    hand_back: bool = True
+
+    def __post_init__(self) -> None:
+        if self.live not in ("all", "tails"):
+            raise ValueError(f"ZigzagSettings.live must be 'all' or 'tails', got {self.live!r}")
+        if self.ttft_s is not None and not (math.isfinite(self.ttft_s) and self.ttft_s > 0):
+            raise ValueError(f"ZigzagSettings.ttft_s must be None or finite and > 0, got {self.ttft_s!r}")
+        if not (math.isfinite(self.stall_s) and self.stall_s > 0):
+            raise ValueError(f"ZigzagSettings.stall_s must be finite and > 0, got {self.stall_s!r}")
+        if not (math.isfinite(self.limit_step_s) and self.limit_step_s > 0):
+            raise ValueError(f"ZigzagSettings.limit_step_s must be finite and > 0, got {self.limit_step_s!r}")
+        if self.limit_floor < 0 or self.limit_start < self.limit_floor:
+            raise ValueError(
+                f"ZigzagSettings needs 0 <= limit_floor <= limit_start, got {self.limit_floor!r}, {self.limit_start!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class WentLive:
+    """Effect: `instance_id` (loading `model`, `layers` of `num_layers` in) serves ZigZag work."""
+
+    instance_id: str
+    model: str
+    layers: int
+    num_layers: int
+    chain_tail: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LiveLayers:
+    """Effect: a live instance holds `layers` now (a gauge to set)."""
+
+    instance_id: str
+    layers: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoppedLive:
+    """Effect: `instance_id` no longer serves ZigZag work. `stalled`: its load stopped growing
+    (reported as an event); otherwise its load ended (SERVING or failed)."""
+
+    instance_id: str
+    model: str
+    stalled: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Paired:
+    """Effect: live instance `instance_id` is paired with SERVING `partner_id` now."""
+
+    instance_id: str
+    partner_id: str
+    model: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class HandBack:
+    """Effect: live instance `instance_id` finished loading and is SERVING; `partner_id` finished
+    the requests it split, and holds their decode: hand work back (`plan_hand_back`)."""
+
+    instance_id: str
+    partner_id: str
+    model: str
+
+
+ZigzagEffect = WentLive | LiveLayers | StoppedLive | Paired | HandBack
+
+
+@dataclass(frozen=True, slots=True)
+class ZigzagSplit:
+    """A request split: layers [0, k) on the live `new` instance, [k, L) on `partner`."""
+
+    new: InstanceView
+    partner: InstanceView
+    k: int
+    num_layers: int
+
+
+@dataclass(frozen=True, slots=True)
+class PullPeer:
+    """A live instance that pulls queued requests from a SERVING one, with its cap now."""
+
+    instance: InstanceView
+    inflight_limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class ZigzagStep:
+    """What one call decided: the split or peers (when asked for) and the effects to carry out."""
+
+    effects: tuple[ZigzagEffect, ...] = ()
+    split: ZigzagSplit | None = None
+    peers: tuple[PullPeer, ...] = ()
+    gate: ZigzagGate | None = None
+
+
+class ZigzagTracker:
+    """ZigZag's state: pure, `(now_s, inputs) -> ZigzagStep`, no I/O and no clock reads.
+
+    It holds the chain tails, when each live instance went live, when its layer count last
+    grew, and the partner it was last paired with. The manager's servicer feeds it load
+    progress and routing questions and carries out its effects (events, metrics); the
+    simulator drives the same object, so both run one implementation with one set of defaults.
+    """
+
+    def __init__(self, settings: ZigzagSettings | None = None) -> None:
+        self.settings = settings if settings is not None else ZigzagSettings()
+        self.tails: set[str] = set()
+        self.started: dict[str, float] = {}  # live instance -> when it went live
+        self.progress: dict[str, tuple[str, int, float]] = {}  # loading -> (model, layers, when they grew)
+        self.partner: dict[str, str] = {}  # live instance -> the SERVING instance it is paired with
+        # Live instance -> the partner it last split requests with (kept through a stall): the
+        # instance its load hands work back from.
+        self.split_with: dict[str, str] = {}
+
+    # ---- load lifecycle ------------------------------------------------------------------
+    def chain_tails(self, instance_ids: Iterable[str]) -> None:
+        self.tails |= set(instance_ids)
+
+    def load_progress(self, now_s: float, instance_id: str, model: str, layers: int, num_layers: int) -> ZigzagStep:
+        """A load reported `layers` of `num_layers`: a live candidate goes live with its first
+        layer; its progress clock restarts whenever the count grows."""
+        before = self.progress.get(instance_id)
+        if before is None or layers > before[1]:
+            self.progress[instance_id] = (model, layers, now_s)
+        effects: list[ZigzagEffect] = []
+        tail = instance_id in self.tails
+        goes_live = self.settings.live == "all" or tail
+        if goes_live and instance_id not in self.started and 1 <= layers < num_layers:
+            self.started[instance_id] = now_s
+            effects.append(WentLive(instance_id, model, layers, num_layers, tail))
+        if instance_id in self.started:
+            effects.append(LiveLayers(instance_id, layers))
+        return ZigzagStep(effects=tuple(effects))
+
+    def load_done(self, instance_id: str, *, loaded: bool = False) -> ZigzagStep:
+        """The load ended (`loaded`: SERVING; else failed): the instance is no longer
+        live-loading. Loaded, having split requests with a partner, it takes work back
+        (`HandBack`, with `hand_back` on)."""
+        self.tails.discard(instance_id)
+        progress = self.progress.pop(instance_id, None)
+        self.partner.pop(instance_id, None)
+        partner = self.split_with.pop(instance_id, None)
+        model = progress[0] if progress is not None else ""
+        effects: list[ZigzagEffect] = []
+        if self.started.pop(instance_id, None) is not None:
+            effects.append(StoppedLive(instance_id, model, stalled=False, reason="load ended"))
+        if loaded and partner is not None and self.settings.hand_back:
+            effects.append(HandBack(instance_id, partner, model))
+        return ZigzagStep(effects=tuple(effects))
+
+    def note_split(self, instance_id: str, partner_id: str) -> None:
+        """`instance_id` ran the first layers of requests `partner_id` finished."""
+        self.split_with[instance_id] = partner_id
+
+    def expire_stalled(self, now_s: float) -> ZigzagStep:
+        """Live instances whose layer count has not grown for `stall_s` get no more ZigZag work
+        (what they hold is relayed as usual); they go live again when a layer lands."""
+        effects: list[ZigzagEffect] = []
+        for iid, (model, _, grew_s) in list(self.progress.items()):
+            if iid in self.started and now_s - grew_s > self.settings.stall_s:
+                del self.started[iid]
+                self.partner.pop(iid, None)
+                reason = f"no new layer for {now_s - grew_s:.1f}s > zigzag_stall_s={self.settings.stall_s}"
+                effects.append(StoppedLive(iid, model, stalled=True, reason=reason))
+        return ZigzagStep(effects=tuple(effects))
+
+    def limit(self, now_s: float, instance_id: str) -> int:
+        s = self.settings
+        return zigzag_req_limit(
+            now_s, self.started[instance_id], start=s.limit_start, step_s=s.limit_step_s, floor=s.limit_floor
+        )
+
+    def gate(
+        self,
+        views: Iterable[InstanceView],
+        model: str,
+        role: Role | None = None,
+        max_running_by_instance: Mapping[str, int] | None = None,
+    ) -> ZigzagGate:
+        return should_zigzag(
+            views,
+            model=model,
+            role=role,
+            max_running_by_instance=max_running_by_instance,
+            ttft_s=self.settings.ttft_s,
+        )
+
+    # ---- dispatch: route ------------------------------------------------------------------
+    def route(
+        self,
+        now_s: float,
+        views: list[InstanceView],
+        model: str,
+        pool: Role,
+        excluded: Collection[str],
+        reachable: Collection[str],
+    ) -> ZigzagStep:
+        """The split of the next request of `model` (`--zigzag-dispatch route`): while the gate
+        says every SERVING instance of `pool` is overloaded, the live LOADING instance with the
+        most layers under its in-flight cap (`choose_live_instance`; in flight = its reported
+        ZigZag requests plus those routed since) runs layers [0, k), and the overloaded instance
+        with the fewest used KV blocks (`choose_zigzag_partner`) finishes them. `reachable`:
+        the instances whose data plane is known (a new one needs it to relay). No split: route
+        as usual."""
+        expired = self.expire_stalled(now_s).effects
+        live = {iid: t for iid, t in self.started.items() if iid not in excluded}
+        if not live:
+            return ZigzagStep(effects=expired)
+        gate = self.gate(views, model, pool)
+        if not gate.zigzag:
+            return ZigzagStep(effects=expired, gate=gate)
+        views = [v for v in views if v.role is pool]
+        inflight = {
+            v.instance_id: (v.load.zigzag_running if v.load is not None else 0) + v.routes_since_heartbeat
+            for v in views
+            if v.instance_id in live
+        }
+        s = self.settings
+        choice = choose_live_instance(
+            views,
+            model,
+            inflight,
+            now_s,
+            live,
+            limit_start=s.limit_start,
+            limit_step_s=s.limit_step_s,
+            limit_floor=s.limit_floor,
+        )
+        if choice is None:
+            return ZigzagStep(effects=expired, gate=gate)
+        new = choice.instance
+        pair = choose_zigzag_partner(views, new.instance_id, model, exclude_ids=excluded)
+        if pair is None:
+            return ZigzagStep(effects=expired, gate=gate)
+        old = pair.partner
+        k, num_layers = new.layers_loaded, old.num_layers
+        if not 0 < k < num_layers or new.instance_id not in reachable:
+            return ZigzagStep(effects=expired, gate=gate)
+        effects = list(expired)
+        self.split_with[new.instance_id] = old.instance_id
+        if self.partner.get(new.instance_id) != old.instance_id:
+            self.partner[new.instance_id] = old.instance_id
+            reason = f"{gate.reason}; new: {choice.reason}; partner {old.instance_id}: {pair.reason}"
+            effects.append(Paired(new.instance_id, old.instance_id, model, reason))
+        return ZigzagStep(effects=tuple(effects), split=ZigzagSplit(new, old, k, num_layers), gate=gate)
+
+    # ---- dispatch: pull -------------------------------------------------------------------
+    def pull_peers(
+        self, now_s: float, views: list[InstanceView], me: InstanceView, reachable: Collection[str]
+    ) -> ZigzagStep:
+        """`--zigzag-dispatch pull`: the live LOADING instances that pull queued requests from
+        SERVING instance `me`, each with its in-flight cap now.
+
+        Every live LOADING instance (>= 1 layer, not all, in `reachable`: its data plane and
+        address known) keeps one partner until that partner stops SERVING: an overloaded
+        instance of its model and role that no other one pulls from yet if there is one, else
+        the overloaded one with the fewest used KV blocks (`choose_pull_partner`). No request is
+        routed to the pair: the partner's own queue is the work (it only hands over requests it
+        has waiting), so an instance with nothing queued costs nothing to pair."""
+        if me.state is not InstanceState.SERVING or not me.model or not self.started:
+            return ZigzagStep()
+        effects = list(self.expire_stalled(now_s).effects)
+        by_id = {v.instance_id: v for v in views}
+        peers: list[PullPeer] = []
+        for new_id in sorted(self.started):
+            new = by_id.get(new_id)
+            if new is None or new.model != me.model or new.role is not me.role:
+                continue
+            if not 1 <= new.layers_loaded < new.num_layers or new_id not in reachable:
+                continue
+            partner_id = self.partner.get(new_id)
+            partner = by_id.get(partner_id) if partner_id is not None else None
+            if partner is None or partner.state is not InstanceState.SERVING:
+                taken = {p for n, p in self.partner.items() if n != new_id}
+                pair = choose_pull_partner(views, new_id, me.model, taken)
+                if pair is None:
+                    continue
+                partner_id = self.partner[new_id] = pair.partner.instance_id
+                reason = f"pulls queued requests from {partner_id}: {pair.reason}"
+                effects.append(Paired(new_id, partner_id, me.model, reason))
+            if partner_id == me.instance_id:
+                self.split_with[new_id] = partner_id
+                peers.append(PullPeer(new, self.limit(now_s, new_id)))
+        return ZigzagStep(effects=tuple(effects), peers=tuple(peers))
+
+    # ---- the fluid model's pairing (bench.simulate) ---------------------------------------
+    def live_views(self, views: Iterable[InstanceView], model: str) -> list[InstanceView]:
+        """The live LOADING instances of `model` among `views` holding 1..L-1 layers, most
+        layers first (then id)."""
+        return sorted(
+            (
+                v
+                for v in views
+                if v.instance_id in self.started
+                and v.model == model
+                and v.state is InstanceState.LOADING
+                and 1 <= v.layers_loaded < v.num_layers
+            ),
+            key=lambda v: (-v.layers_loaded, v.instance_id),
+        )
+
+    @staticmethod
+    def pair_all(
+        live: list[InstanceView],
+        views: list[InstanceView],
+        model: str,
+        max_running_by_instance: Mapping[str, int] | None = None,
+    ) -> list[tuple[str, str]]:
+        """(partner, live instance) for every instance of `live` in order, by
+        `choose_zigzag_partner`, sharing partners once each SERVING instance has one (those
+        with the fewest live instances first): the steady state of routing every request of a
+        burst, as a fluid model serves it."""
+        pairs: list[tuple[str, str]] = []
+        paired: dict[str, int] = {}
+        for v in live:
+            choice = choose_zigzag_partner(
+                views, v.instance_id, model, exclude_ids=set(paired), max_running_by_instance=max_running_by_instance
+            )
+            if choice is None and paired:
+                least = min(paired.values())
+                busier = {p for p, n in paired.items() if n > least}
+                choice = choose_zigzag_partner(
+                    views, v.instance_id, model, exclude_ids=busier, max_running_by_instance=max_running_by_instance
+                )
+            if choice is None:
+                break
+            partner = choice.partner.instance_id
+            paired[partner] = paired.get(partner, 0) + 1
+            pairs.append((partner, v.instance_id))
+        return pairs
+
+
+# ------------------------------------------------------------------------------------------
+# Hand-back
+# ------------------------------------------------------------------------------------------
+
+
+def plan_hand_back(views: Iterable[InstanceView], hand_back: HandBack) -> MigrateRequests | None:
+    """When a live instance finishes loading, its partner's running requests above an even share
+    of the two move to it by live migration, with their KV (the gateway resumes each from its
+    tokens so far; the new instance pulls the KV and decodes on). The partner's most recently
+    started requests leave first (the worker's `release_running` order): the ZigZag requests it
+    took over during the load are among the newest. None when the partner is gone, not SERVING,
+    or runs no more than its share; queued requests are the rebalance's (`plan_rebalance`)."""
+    by_id = {v.instance_id: v for v in views}
+    partner, new = by_id.get(hand_back.partner_id), by_id.get(hand_back.instance_id)
+    if partner is None or new is None or partner.state is not InstanceState.SERVING or partner.load is None:
+        return None
+    if new.state is not InstanceState.SERVING:
+        return None
+    # Its last report is from while it loaded: the ZigZag first layers it ran then are not its
+    # own requests (they leave with their relay), so only the rest counts.
+    mine = max(0, new.load.running - new.load.zigzag_running) if new.load is not None else 0
+    n = partner.load.running - math.ceil((partner.load.running + mine) / 2)
+    if n <= 0:
+        return None
+    why = f"hand-back to {hand_back.instance_id}: it loaded while {hand_back.partner_id} finished its split requests"
+    return MigrateRequests(hand_back.partner_id, hand_back.model, n, running=True, why=why)
