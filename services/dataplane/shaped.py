@@ -17,7 +17,7 @@ from .buffers import as_uint8_array
 from .transport import Endpoint, Transport, WrappedEndpoint, WrappedTransport
 
 SLICE_BYTES = 1 << 20
-SMALL_BYTES = 64 << 10  # a message this small goes out as a packet among a stream's, not after it
+SMALL_BYTES = 4 << 10  # a control message: it goes out as a packet among a stream's slices, not after them
 
 
 class LinkShaper:

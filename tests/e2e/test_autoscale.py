@@ -37,9 +37,6 @@ POLICY = {
     "scale_in_cooldown_s": SCALE_IN_COOLDOWN_S,
     "scale_in_threshold": 0.3,
     "enable_latency_trigger": False,
-    # This test follows the decode-TPS rule's own decisions: the queue-aware trigger, which reads
-    # a handful of queued prompt tokens at this tiny mesh's low prefill rate as a long wait, off.
-    "queue_target_s": None,
 }
 
 

@@ -312,6 +312,13 @@ class HeteroScaleConfig(_BaseConfig):
         "(docs/algorithms.md 1's HeteroScale as written)",
     )
     queue_max_factor: float = Field(8.0, ge=1, description="the most one queue-aware scale-out multiplies a pool by")
+    queue_min_tokens: int = Field(
+        2048,
+        ge=0,
+        description="the queue-aware trigger ignores a backlog of fewer prompt tokens than this: the prefill rate "
+        "it divides by is measured, so on a near-idle pool it is as low as the demand, and a few queued prompts "
+        "would read as a long wait",
+    )
     scale_in_stabilization_s: float = Field(
         0.0,
         ge=0,
@@ -393,7 +400,7 @@ class HeteroScalePolicy(_PolicyBase):
             return None
         pool = snapshot.prefill if snapshot.disaggregated else snapshot.token_pool
         queued = pool.waiting_prefill_tokens
-        if queued <= 0:
+        if queued <= 0 or queued < cfg.queue_min_tokens:
             return None
         wait_s = queued / pool.prefill_tps if pool.prefill_tps > 0 else math.inf
         if wait_s <= cfg.queue_target_s:
