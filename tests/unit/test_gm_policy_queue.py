@@ -33,7 +33,7 @@ def test_tokens_queued_with_no_prefill_rate_yet_count_as_the_largest_step() -> N
 
 def test_a_small_backlog_on_a_near_idle_pool_is_not_a_queue() -> None:
     """The rate is measured, so it is as low as the demand on a quiet pool: 40 queued tokens at
-    20 tokens/s read as a 2 s wait. Below queue_min_tokens (2048 by default) nothing fires."""
+    20 tokens/s read as a 2 s wait. Below queue_min_tokens (512 by default) nothing fires."""
     snap = colo(2, tps=200.0, waiting_prefill_tokens=40, prefill_tps=20)
     assert policy(queue_target_s=0.5).decide(0.0, snap).action == "no_change"
     assert policy(queue_target_s=0.5, queue_min_tokens=0).decide(0.0, snap).action == "scale_out"
@@ -58,7 +58,7 @@ def test_the_queue_trigger_waits_out_the_cooldown_and_holds_a_scale_in() -> None
 
 def test_the_shipped_default_is_on_at_half_a_second() -> None:
     cfg = HeteroScaleConfig()
-    assert (cfg.queue_target_s, cfg.queue_max_factor, cfg.queue_min_tokens) == (0.5, 8.0, 2048)
+    assert (cfg.queue_target_s, cfg.queue_max_factor, cfg.queue_min_tokens) == (0.5, 8.0, 512)
 
 
 def test_off_it_leaves_the_written_heteroscale() -> None:

@@ -313,7 +313,7 @@ class HeteroScaleConfig(_BaseConfig):
     )
     queue_max_factor: float = Field(8.0, ge=1, description="the most one queue-aware scale-out multiplies a pool by")
     queue_min_tokens: int = Field(
-        2048,
+        512,
         ge=0,
         description="the queue-aware trigger ignores a backlog of fewer prompt tokens than this: the prefill rate "
         "it divides by is measured, so on a near-idle pool it is as low as the demand, and a few queued prompts "
