@@ -119,6 +119,20 @@ def cluster_json(state: admin_pb2.ClusterState) -> dict[str, Any]:
             }
             for i in sdk.instances
         ],
+        # Elastic-sequence-parallel groups the manager formed recently (members in slice order,
+        # the last one the master; member k computed prompt positions [bounds[k], bounds[k+1])).
+        "esp_groups": [
+            {
+                "group_id": g.group_id,
+                "request_id": g.request_id,
+                "model": g.model_id,
+                "members": list(g.member_ids),
+                "bounds": list(g.bounds),
+                "spares": list(g.spare_ids),
+                "age_s": g.age_s,
+            }
+            for g in sdk.esp_groups
+        ],
     }
 
 

@@ -112,3 +112,23 @@ def test_a_gateway_url_is_refused_with_the_fix(capsys: pytest.CaptureFixture[str
     assert "SDK gRPC API" in err and len(err.splitlines()) == 1
     cli.check_gateway("127.0.0.1:50051")
     cli.check_gateway("[::1]:50051")
+
+
+def test_dashboard_snapshot_carries_esp_groups_with_their_slices() -> None:
+    from blitzmesh import convert
+    from blitzmesh.types import EspGroup
+    from services.gateway.dashboard import cluster_json
+
+    state = ClusterState(esp_groups=(EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5),))
+    (group,) = cluster_json(convert.cluster_state_to_proto(state))["esp_groups"]
+    assert group == {
+        "group_id": "esp-1-r",
+        "request_id": "r",
+        "model": "m",
+        "members": ["w-1", "w-2"],
+        "bounds": [0, 64, 120],
+        "spares": ["w-3"],
+        "age_s": 1.5,
+    }
+    js = (Path(__file__).resolve().parents[2] / "services/gateway/static/app.js").read_text()
+    assert "renderEsp(data.esp_groups" in js  # the page draws what the snapshot carries

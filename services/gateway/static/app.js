@@ -93,6 +93,26 @@ function onCluster(data) {
   let changed = false;
   for (const id of [...state.zigzag.keys()]) if (!loading.has(id)) { state.zigzag.delete(id); changed = true; }
   if (changed) renderZigzag();
+  renderEsp(data.esp_groups || []);
+}
+
+// One line per group: its members in slice order with the prompt positions each holds, the
+// last (the master) marked, and the spares it may scale up to.
+function renderEsp(groups) {
+  const ul = $("esp");
+  ul.replaceChildren();
+  if (!groups.length) { ul.append(el("li", "empty", "none: a prompt no single instance can hold forms one")); return; }
+  for (const g of groups) {
+    const li = el("li", "pair");
+    li.dataset.groupId = g.group_id;
+    g.members.forEach((m, k) => {
+      if (k) li.append(el("span", "arrow", "→"));
+      const slice = " [" + g.bounds[k] + "," + g.bounds[k + 1] + ")";
+      li.append(el("span", "node", m + slice + (k === g.members.length - 1 ? " master" : "")));
+    });
+    li.append(el("span", "empty", "  " + g.request_id + (g.spares.length ? " · spares " + g.spares.join(", ") : "")));
+    ul.append(li);
+  }
 }
 
 // "chains: src->a->b (12 groups); host-cache-0->c (5 groups)"
