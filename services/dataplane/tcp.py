@@ -118,6 +118,10 @@ class _TcpEndpoint(Endpoint):
                     pending.view[:] = data
                 if not pending.future.done():
                     pending.future.set_result(None)
+                # `sock_recv_into` returns without yielding while data is ready, so a fast sender
+                # could keep this loop running for a whole transfer and starve the rest of the
+                # process (the receiver's progress, its heartbeats); one yield per message.
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             self._fail(PeerClosed(f"endpoint to {self.peer} was closed locally"))
             raise
