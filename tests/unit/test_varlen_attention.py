@@ -9,7 +9,7 @@ import torch
 
 from services.model_format import synth
 from services.worker.engine.kv_cache import KVCache
-from services.worker.model import varlen
+from services.worker.model import varlen, varlen_dot
 from services.worker.model.attention import ForwardBatch, attention
 
 pytestmark = pytest.mark.skipif(varlen.paged_prefill() is None, reason="no C compiler: the torch paths are used")
@@ -66,3 +66,54 @@ def test_a_mixed_step_matches_the_torch_paths(window: int | None) -> None:
     slow = attention(q, k, v, batch, cache, 0, window)  # writes the same K/V again, torch paths
     assert batch.prefill is not None and batch.prefill.query_lens.tolist() == [70, 33, 1, 12]
     torch.testing.assert_close(fast, slow, atol=2e-5, rtol=2e-5)
+
+
+def _dot_kernel() -> None:
+    if varlen_dot.bf16_dot_prefill() is None:
+        pytest.skip("no AVX512-BF16 on this CPU (or BLITZMESH_BF16_DOT_ATTENTION=0)")
+
+
+@pytest.mark.parametrize("window", [0, 50])
+def test_bf16_dot_products_stay_within_bfloat16_rounding_of_the_reference(window: int) -> None:
+    _dot_kernel()
+    g = torch.Generator().manual_seed(3)
+    heads, kvh, d, bs, blocks = 9, 3, 64, 16, 64
+    k = torch.randn(blocks, bs, kvh, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(blocks, bs, kvh, d, generator=g).to(torch.bfloat16)
+    lens, ctxs = [200, 131, 1], [0, 77, 300]
+    q = torch.randn(sum(lens), heads, d, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    tables = torch.tensor([perm[0:20], perm[20:40], perm[40:60]])
+    rows = [0, 200, 331]
+    args = (tables, torch.tensor(rows), torch.tensor(lens), torch.tensor(ctxs), window)
+    dot = _kernel()(q, k, v, *args)
+    exact = _kernel()(q, k, v, *args, bf16_dot=False)
+    assert dot.dtype == torch.bfloat16
+    assert not torch.equal(dot, exact), "the bfloat16 dot products did not run"
+    for s in range(3):
+        part = slice(rows[s], rows[s] + lens[s])
+        want = varlen.reference_prefill(q[part].float(), k, v, tables[s].tolist(), ctxs[s], window)
+        # The float32-math kernel's own error (its output rounded to bfloat16) and the dot
+        # products' (probabilities rounded too) are of one size.
+        err_dot = (dot[part].float() - want).abs().max().item()
+        err_exact = (exact[part].float() - want).abs().max().item()
+        assert err_dot < 2e-2 and err_dot < 3 * err_exact + 1e-3, (err_dot, err_exact)
+
+
+def test_bf16_dot_products_give_a_row_the_same_bits_however_its_prompt_is_chunked() -> None:
+    """A prompt prefilled whole, and the same prompt as a first chunk plus a continuation over
+    its cached context: every row's output identical (what split, migrated and preempted
+    requests rely on for the same greedy tokens)."""
+    _dot_kernel()
+    g = torch.Generator().manual_seed(4)
+    heads, kvh, d, bs, blocks = 9, 3, 64, 16, 32
+    k = torch.randn(blocks, bs, kvh, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(blocks, bs, kvh, d, generator=g).to(torch.bfloat16)
+    n, cut = 300, 77
+    q = torch.randn(n, heads, d, generator=g).to(torch.bfloat16)
+    table = torch.randperm(blocks, generator=g)[:20].view(1, -1)
+    zero = torch.tensor([0])
+    whole = _kernel()(q, k, v, table, zero, torch.tensor([n]), zero, 0)
+    first = _kernel()(q[:cut], k, v, table, zero, torch.tensor([cut]), zero, 0)
+    rest = _kernel()(q[cut:], k, v, table, zero, torch.tensor([n - cut]), torch.tensor([cut]), 0)
+    assert torch.equal(whole, torch.cat([first, rest]))

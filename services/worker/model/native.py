@@ -549,6 +549,58 @@ def _self_check(kernel: PagedDecode) -> None:
                         )
 
 
+# exp(x) for x <= 0 in 16 float32 lanes and the online-softmax update of one row over a chunk of
+# 64 keys, for the kernels built with AVX-512 (C source, shared by the varlen kernels).
+AVX512_EXP16 = r"""
+/* exp(x) for x <= 0 in 16 lanes (Cephes range reduction, degree-5 polynomial, about 1 ulp). */
+static inline __m512 exp16_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* One row's online-softmax update over a chunk of 64 scores `srow` whose visible keys are
+   [lo, hi) (lo < hi): e[0..3] get exp(s - m_new) there and zeros elsewhere, *m and *l move to
+   the new running max and sum; returns the factor the row's output so far is to be scaled by. */
+static inline float online_softmax64(const float* srow, int64_t lo, int64_t hi, float* m, float* l, __m512 e[4]) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __mmask16 keep[4];
+    __m512 sv[4];
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int y = 0; y < 4; ++y) {
+        const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * y));
+        keep[y] = _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32((int)hi), _MM_CMPINT_LT)
+                & _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32((int)lo), _MM_CMPINT_NLT);
+        sv[y] = _mm512_loadu_ps(srow + 16 * y);
+        vmax = _mm512_mask_max_ps(vmax, keep[y], vmax, sv[y]);
+    }
+    const float cmax = _mm512_reduce_max_ps(vmax);
+    const float mnew = cmax > *m ? cmax : *m;
+    const __m512 vm = _mm512_set1_ps(mnew);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int y = 0; y < 4; ++y) {
+        e[y] = _mm512_maskz_mov_ps(keep[y], exp16_nonpos(_mm512_sub_ps(sv[y], vm)));
+        vsum = _mm512_add_ps(vsum, e[y]);
+    }
+    const float alpha = *m == -INFINITY ? 0.f : (mnew == *m ? 1.f : expf(*m - mnew));
+    *l = *l * alpha + _mm512_reduce_add_ps(vsum);
+    *m = mnew;
+    return alpha;
+}
+"""
+
+
 class LazyKernel(Generic[K]):
     """A native kernel built and checked on first use (once, whichever thread asks first), then
     cached; None where it cannot be built, fails its check, or `env_switch` is set to 0. A

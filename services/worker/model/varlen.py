@@ -24,9 +24,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from services.worker.model.native import KV_DTYPES, LazyKernel, build_library, vector_flags
+from services.worker.model import varlen_dot
+from services.worker.model.native import AVX512_EXP16, KV_DTYPES, LazyKernel, build_library, vector_flags
 
-_PRELUDE = r"""
+_PRELUDE = (
+    r"""
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
@@ -50,25 +52,12 @@ static inline uint16_t from_f32_bf16(float f) {
 }
 
 #ifdef __AVX512F__
-/* exp(x) for x <= 0 in 16 lanes (Cephes range reduction, degree-5 polynomial, about 1 ulp). */
-static inline __m512 exp16_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+"""
+    + AVX512_EXP16
+    + r"""
 #endif
 """
+)
 
 _BODY = r"""
 /* One task: query rows R = G * nq (row r = position i * G + head g), keys through the table.
@@ -135,7 +124,6 @@ static void task_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const @
                 for (int y = 0; y < 4; ++y) _mm512_storeu_ps(sc + r * KC + 16 * y, a[y]);
             }
             /* online softmax per row over the chunk's visible keys [lo, hi) */
-            const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
             int64_t* los = lohi;
             int64_t* his = lohi + R;
             float* alphas = l + R;
@@ -152,28 +140,9 @@ static void task_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const @
                     los[r2] = 0; his[r2] = 0;
                     continue;
                 }
-                __mmask16 keep[4];
-                __m512 sv[4];
-                __m512 vmax = _mm512_set1_ps(-INFINITY);
-                for (int y = 0; y < 4; ++y) {
-                    const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * y));
-                    keep[y] = _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32((int)hi), _MM_CMPINT_LT)
-                            & _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32((int)lo), _MM_CMPINT_NLT);
-                    sv[y] = _mm512_loadu_ps(srow + 16 * y);
-                    vmax = _mm512_mask_max_ps(vmax, keep[y], vmax, sv[y]);
-                }
-                const float cmax = _mm512_reduce_max_ps(vmax);
-                const float mnew = cmax > m[r2] ? cmax : m[r2];
-                const __m512 vm = _mm512_set1_ps(mnew);
-                __m512 vsum = _mm512_setzero_ps();
-                for (int y = 0; y < 4; ++y) {
-                    const __m512 e = _mm512_maskz_mov_ps(keep[y], exp16_nonpos(_mm512_sub_ps(sv[y], vm)));
-                    _mm512_storeu_ps(srow + 16 * y, e);
-                    vsum = _mm512_add_ps(vsum, e);
-                }
-                const float alpha = m[r2] == -INFINITY ? 0.f : (mnew == m[r2] ? 1.f : expf(m[r2] - mnew));
-                l[r2] = l[r2] * alpha + _mm512_reduce_add_ps(vsum);
-                m[r2] = mnew;
+                __m512 e[4];
+                const float alpha = online_softmax64(srow, lo, hi, m + r2, l + r2, e);
+                for (int y = 0; y < 4; ++y) _mm512_storeu_ps(srow + 16 * y, e[y]);
                 alphas[r2] = alpha;
             }
             /* output: o = o * alpha + P V, 4 rows x 16 lanes of D at a time */
@@ -310,12 +279,9 @@ _SOURCE = _PRELUDE + "".join(
 
 _ENV_SWITCH = "BLITZMESH_VARLEN_ATTENTION"
 
-# (q [T, H, D], k_cache, v_cache, tables [n, max_blocks], q_row0 [n], q_len [n], ctx [n], window)
-# -> out [T, H, D] float32 (rows of no listed sequence are left unset).
-PagedPrefill = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
-    torch.Tensor,
-]
+# (q [T, H, D], k_cache, v_cache, tables [n, max_blocks], q_row0 [n], q_len [n], ctx [n], window,
+# *, bf16_dot=True) -> out [T, H, D] (rows of no listed sequence are left unset).
+PagedPrefill = Callable[..., torch.Tensor]
 
 
 def _load() -> PagedPrefill:
@@ -343,6 +309,8 @@ def _load() -> PagedPrefill:
         q_len: torch.Tensor,
         ctx: torch.Tensor,
         window: int = 0,
+        *,
+        bf16_dot: bool = True,
     ) -> torch.Tensor:
         """Attention of each listed sequence's new tokens over its whole context (cached keys and
         its own new ones, all in the cache), causal, or over the last `window` keys per query.
@@ -352,6 +320,8 @@ def _load() -> PagedPrefill:
         whose bounds the caller has checked (tables cover ctx + q_len tokens, ids inside the
         cache, rows inside q). Returns `[T, H, D]` in q's dtype when that is the cache's (a
         bfloat16 model: read and written in bfloat16, rounded once as torch rounds), else float32.
+        A bfloat16 model's queries go through `varlen_dot`'s bfloat16 dot products where the CPU
+        has them (head size a multiple of 16), unless `bf16_dot` is False.
         """
         t, heads, d = q.shape
         _, bs, kv_heads, d_k = k_cache.shape
@@ -377,6 +347,8 @@ def _load() -> PagedPrefill:
             q = q.to(io_dtype).contiguous()
         tables, q_row0, q_len, ctx = (x.contiguous() for x in (tables, q_row0, q_len, ctx))
         out = torch.empty((t, heads, d), dtype=io_dtype)
+        if bf16_dot and io_dtype == torch.bfloat16 and d % 16 == 0:
+            fn = varlen_dot.bf16_dot_prefill() or fn
         rc = fn(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             q_row0.data_ptr(), q_len.data_ptr(), ctx.data_ptr(), n, heads, kv_heads, d, bs, d ** -0.5, window,
@@ -433,7 +405,7 @@ def _self_check(kernel: PagedPrefill) -> None:
                 # same (exactly widened) queries, rounded once as torch rounds, bit for bit.
                 q_io = q.to(dtype)
                 args = (torch.tensor(tables), torch.tensor(rows), torch.tensor(lens), torch.tensor(ctxs), window)
-                got_io = kernel(q_io, k, v, *args)
+                got_io = kernel(q_io, k, v, *args, bf16_dot=False)
                 via_f32 = kernel(q_io.float(), k, v, *args).to(dtype)
                 for s in range(3):
                     want = reference_prefill(q[rows[s] : rows[s] + lens[s]], k, v, tables[s], ctxs[s], window)
