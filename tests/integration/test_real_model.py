@@ -118,14 +118,24 @@ def _greedy(model: Any, ids: list[int], n: int, stop: set[int]) -> list[int]:
     return out[len(ids) :].tolist()
 
 
-# Chat prompts whose greedy answers bfloat16 and float32 agree on to the end of the answer. Of
-# five tried, a fifth ("Who wrote Romeo and Juliet?") parted after 11 tokens: bfloat16 keeps 8
-# bits of mantissa, and a near-tie between two continuations can fall either way.
+# Chat prompts whose greedy answers bfloat16 and float32 agree on to the end of the answer (24
+# tokens). bfloat16 keeps 8 bits of mantissa, so an answer parts where float32's top two
+# continuations nearly tie: of the wider set below, "Name three primary colors." parts at its 7th
+# token (float32's top two 0.06 apart, of 24), and so do two more at similar near-ties. The
+# per-position agreement over the wider set is checked too.
 BF16_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
-    "Name three primary colors.",
     "Write a haiku about the sea.",
     "What is 2 + 2?",
+    "What color is the sky on a clear day?",
+]
+BF16_WIDER = [
+    *BF16_PROMPTS,
+    "Name three primary colors.",
+    "List three fruits.",
+    "Who wrote Romeo and Juliet?",
+    "What is the largest planet in the solar system?",
+    "Translate 'hello' into French.",
 ]
 
 
@@ -146,3 +156,17 @@ def test_fused_kernels_and_bfloat16_keep_the_greedy_answers(real_model_dir: Path
             assert "Paris" in tok.decode(want)
         assert _greedy(fp32, ids, 24, stop) == want, prompt
         assert _greedy(bf16, ids, 24, stop) == want, prompt
+    # Teacher-forced on float32's answers: bfloat16's next-token choice at every position, and its
+    # logits' mean distance (about 0.13 on the development box; a wrong kernel is far off).
+    agree = total = 0
+    errors = []
+    for prompt in BF16_WIDER:
+        ids = tok.encode(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n").ids
+        seq = torch.tensor(ids + _greedy(eager, ids, 24, stop))
+        with torch.no_grad():
+            want_logits, got_logits = eager(seq).float(), bf16(seq).float()
+        agree += int((want_logits.argmax(-1) == got_logits.argmax(-1)).sum())
+        total += len(seq)
+        errors.append((want_logits - got_logits).abs().mean().item())
+    assert agree >= 0.97 * total, f"{agree}/{total}"
+    assert sum(errors) / len(errors) < 0.25, errors

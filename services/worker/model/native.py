@@ -19,6 +19,7 @@ registers); a sliding window (Mistral, Qwen2) makes each query skip the keys bef
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -330,6 +331,12 @@ PagedDecode = Callable[
 KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (from /proc/cpuinfo, read once; empty where there is none)."""
+    return frozenset(_cpu_flags())
+
+
 def _cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -357,7 +364,7 @@ def vector_flags() -> list[str]:
     """Compiler flags for the vector extensions this CPU has that the kernels use."""
     flags: list[str] = []
     if platform.machine() in ("x86_64", "AMD64"):
-        cpu = _cpu_flags()
+        cpu = cpu_flags()
         if {"avx2", "fma"} <= cpu:
             flags += ["-mavx2", "-mfma", "-mf16c"] if "f16c" in cpu else ["-mavx2", "-mfma"]
         if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
@@ -403,7 +410,7 @@ def build_library(source: str, stem: str, extra_flags: Sequence[str] = ()) -> Pa
 
 
 def _compile() -> Path:
-    flags = ["-mavx2", "-mfma"] if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags() else []
+    flags = ["-mavx2", "-mfma"] if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= cpu_flags() else []
     return build_library(_SOURCE, "paged_attention", flags)
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.worker.model.native import AVX512_EXP16, LazyKernel, _cpu_flags, build_library, vector_flags
+from services.worker.model.native import AVX512_EXP16, LazyKernel, build_library, cpu_flags, vector_flags
 
 _SOURCE = (
     r"""
@@ -287,7 +287,7 @@ DotEntry = Callable[..., int]
 
 def supported() -> bool:
     """Whether this CPU has the instructions the kernel is built for."""
-    return _CPU_FLAGS <= _cpu_flags()
+    return _CPU_FLAGS <= cpu_flags()
 
 
 def _load() -> DotEntry:

@@ -1,0 +1,200 @@
+"""A native GEMM for the few rows of a decode step, bfloat16 weights on CPUs with AVX512-BF16.
+
+A decode step multiplies a handful of rows (one per running sequence) by every weight matrix, so
+it is bound by reading the weights. oneDNN's bfloat16 GEMM on its prepacked weights read them at
+about 17 GB/s with one row and 13 GB/s with 16 on the development box (2 threads; 25 GB/s is the
+memory's copy rate), and each call cost 14 us of dispatch. This kernel reads the weights once,
+in a copy packed at load into the layout of `vdpbf16ps` (per block of 16 output columns, K/2
+vectors of 16 pairs of input dimensions), and for each pair broadcasts every row's two inputs:
+a 64-byte load serves up to 8 rows x 32 columns of products (16 rows x 16 columns for 9-16 rows,
+so the weights are read once), summed in float32 and rounded to bfloat16 once, as oneDNN rounds
+(the same sums of exact products, so the same results up to summation order). Measured over the
+120 projections of the default model's 30 layers: 7.8 / 8.6 / 12.6 / 21.6 ms at 1 / 8 / 16 / 32
+rows against oneDNN's 12.0 / 12.6 / 16.2 / 26.7 ms; in the engine, a one-sequence decode step of
+the default model in bfloat16 took 13.6 ms against 24.3 ms, a 16-sequence one 41-43 against
+45-50 ms (2 threads on the development box, other work on it).
+
+`Linear` keeps the packed copy beside the plain and oneDNN-blocked ones (one more copy of the
+weights in memory) and routes calls of at most `MAX_ROWS` rows here. With
+`BLITZMESH_SMALL_GEMM=0`, on CPUs without AVX512-BF16, for float32 weights, a bias, or shapes
+that are not N % 16 == 0 and K % 2 == 0, `small_gemm()` returns None or `pack` is not used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from services.worker.model.native import LazyKernel, build_library, cpu_flags, vector_flags
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+
+/* Weight w [N, K] bfloat16 (row-major, out x in) -> wp: for each block of 16 output columns,
+   K/2 vectors of 16 pairs (w[n][2p], w[n][2p+1]). N % 16 == 0, K % 2 == 0. */
+void pack_bf16_pairs(const uint16_t* w, int64_t N, int64_t K, uint32_t* wp, int64_t nthreads) {
+    const int64_t P = K / 2;
+    #pragma omp parallel for num_threads((int)nthreads) schedule(static)
+    for (int64_t b = 0; b < N / 16; ++b)
+        for (int64_t p = 0; p < P; ++p)
+            for (int64_t l = 0; l < 16; ++l) {
+                const uint32_t* row = (const uint32_t*)(w + (b * 16 + l) * K);
+                wp[(b * P + p) * 16 + l] = row[p];
+            }
+}
+
+static inline __m256i f32x16_to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+/* RB rows x 32 columns (two blocks) over all K. */
+static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_t x_stride, const uint32_t* wp0,
+                                                        const uint32_t* wp1, int64_t P, void* out, int64_t o0,
+                                                        int64_t o_stride, int out_f32, int rb, const int RB,
+                                                        const int NB) {
+    __m512 acc[16][2];
+    for (int r = 0; r < RB; ++r) for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+    const uint32_t* xr[16];
+    for (int r = 0; r < RB; ++r) xr[r] = (const uint32_t*)(x + (r < rb ? r : 0) * x_stride);
+    for (int64_t p = 0; p < P; ++p) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void*)(wp0 + p * 16));
+        __m512bh w1 = w0;
+        if (NB == 2) w1 = (__m512bh)_mm512_loadu_si512((const void*)(wp1 + p * 16));
+        for (int r = 0; r < RB; ++r) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[r][p]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+            if (NB == 2) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+        }
+    }
+    for (int r = 0; r < RB && r < rb; ++r)
+        for (int j = 0; j < NB; ++j) {
+            const int64_t at = o0 + r * o_stride + 16 * j;
+            if (out_f32) _mm512_storeu_ps((float*)out + at, acc[r][j]);
+            else _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), f32x16_to_bf16(acc[r][j]));
+        }
+}
+
+/* out [M, N] = x [M, K] w^T, bfloat16 in, float32 sums, out bfloat16 (rounded once) or, with
+   out_f32, float32; w packed by pack_bf16_pairs. Each row's sums run in the same order whatever
+   M is, so a row's result does not depend on the rows beside it. */
+void gemm_small_bf16(const uint16_t* x, int64_t x_stride, const uint32_t* wp, void* out, int64_t M,
+                     int64_t N, int64_t K, int out_f32, int64_t nthreads) {
+    const int64_t P = K / 2, blocks = N / 16, pairs = (blocks + 1) / 2;
+    if (M > 8 && M <= 16) {
+        /* 9-16 rows: one pass over the weights, 16 rows x 16 columns per block */
+        #pragma omp parallel for num_threads((int)nthreads) schedule(static) if (nthreads > 1)
+        for (int64_t b = 0; b < blocks; ++b)
+            tile(x, x_stride, wp + b * P * 16, 0, P, out, b * 16, N, out_f32, (int)M, 16, 1);
+        return;
+    }
+    #pragma omp parallel for num_threads((int)nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t bp = 0; bp < pairs; ++bp) {
+        const int64_t b0 = 2 * bp;
+        const int nb = b0 + 1 < blocks ? 2 : 1;
+        const uint32_t* wp0 = wp + b0 * P * 16;
+        const uint32_t* wp1 = wp0 + P * 16;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const int rb = M - m0 < 8 ? (int)(M - m0) : 8;
+            const uint16_t* xm = x + m0 * x_stride;
+            const int64_t o0 = m0 * N + b0 * 16;
+            if (nb == 2) {
+                if (rb == 8) tile(xm, x_stride, wp0, wp1, P, out, o0, N, out_f32, rb, 8, 2);
+                else if (rb >= 4) tile(xm, x_stride, wp0, wp1, P, out, o0, N, out_f32, rb, rb == 4 ? 4 : 8, 2);
+                else if (rb == 1) tile(xm, x_stride, wp0, wp1, P, out, o0, N, out_f32, rb, 1, 2);
+                else tile(xm, x_stride, wp0, wp1, P, out, o0, N, out_f32, rb, 4, 2);
+            } else {
+                tile(xm, x_stride, wp0, wp1, P, out, o0, N, out_f32, rb, 8, 1);
+            }
+        }
+    }
+}
+"""
+
+_ENV_SWITCH = "BLITZMESH_SMALL_GEMM"
+_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+# Rows up to which the kernel beats oneDNN (it did at every count up to 32 measured).
+MAX_ROWS = 32
+
+
+class SmallGemm:
+    """The loaded kernel: `pack(w)` once per weight, then `__call__(x, packed, n)`."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._pack = lib.pack_bf16_pairs
+        self._pack.argtypes = [ptr, i64, i64, ptr, i64]
+        self._pack.restype = None
+        self._gemm = lib.gemm_small_bf16
+        self._gemm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int, i64]
+        self._gemm.restype = None
+
+    @staticmethod
+    def packable(weight: torch.Tensor) -> bool:
+        n, k = weight.shape
+        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 16 == 0 and k % 2 == 0
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight [N, K]` bfloat16 -> its pair-packed copy (int32 storage of N * K / 2 pairs)."""
+        if not self.packable(weight):
+            raise ValueError(
+                f"small GEMM packs bfloat16 [N % 16, K % 2] weights, got {tuple(weight.shape)} {weight.dtype}"
+            )
+        n, k = weight.shape
+        w = weight.contiguous()
+        packed = torch.empty(n * k // 2, dtype=torch.int32)
+        self._pack(w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+        return packed
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, out_dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
+        """`x [M, K]` bfloat16 (rows may be strided) times the packed `[N, K]` weight -> `[M, N]`
+        in `out_dtype` (bfloat16, or float32: the sums unrounded)."""
+        m, k = x.shape
+        if (
+            x.dtype != torch.bfloat16
+            or x.stride(1) != 1
+            or packed.numel() * 2 != n * k
+            or out_dtype not in (torch.bfloat16, torch.float32)
+        ):
+            raise ValueError(
+                f"small GEMM: x {tuple(x.shape)} {x.dtype} stride {x.stride()}, weight of {n} x {k}, out {out_dtype}"
+            )
+        out = torch.empty((m, n), dtype=out_dtype)
+        f32 = int(out_dtype == torch.float32)
+        self._gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), m, n, k, f32, torch.get_num_threads())
+        return out
+
+
+def _load() -> SmallGemm:
+    if not _CPU_FLAGS <= cpu_flags():
+        raise RuntimeError("no AVX512-BF16 on this CPU")
+    return SmallGemm(ctypes.CDLL(str(build_library(_SOURCE, "small_gemm", [*vector_flags(), "-mavx512bf16"]))))
+
+
+def _self_check(kernel: SmallGemm) -> None:
+    """Against a float32 matmul of the same bfloat16 operands, rounded once: every row count from
+    1 to 17 (full and partial row groups, the 16-row pass) and 32, an odd number of 16-column
+    blocks, strided rows."""
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((48, 34), (64, 96)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        packed = kernel.pack(w)
+        for m in (*range(1, 18), 32):
+            x = torch.randn(m, k + 6, generator=g).to(torch.bfloat16)[:, 3 : 3 + k]
+            got = kernel(x, packed, n)
+            want = (x.float() @ w.float().T).to(torch.bfloat16)
+            if not torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2):
+                err = (got.float() - want.float()).abs().max().item()
+                raise RuntimeError(f"self-check failed: [{m} x {k}] x [{n} x {k}]^T: max error {err:.3g}")
+
+
+_KERNEL = LazyKernel("native_small_gemm", _ENV_SWITCH, _load, _self_check)
+
+
+def small_gemm() -> SmallGemm | None:
+    """The kernel, built and checked on first call; None where unavailable."""
+    if not _CPU_FLAGS <= cpu_flags():
+        return None
+    return _KERNEL.get()
