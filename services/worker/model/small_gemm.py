@@ -6,8 +6,9 @@ about 17 GB/s with one row and 13 GB/s with 16 on the development box (2 threads
 memory's copy rate), and each call cost 14 us of dispatch. This kernel reads the weights once,
 in a copy packed at load into the layout of `vdpbf16ps` (per block of 16 output columns, K/2
 vectors of 16 pairs of input dimensions), and for each pair broadcasts every row's two inputs:
-a 64-byte load serves up to 8 rows x 32 columns of products (16 rows x 16 columns for 9-16 rows,
-so the weights are read once), summed in float32 and rounded to bfloat16 once, as oneDNN rounds
+a 64-byte load serves up to 8 rows x 32 columns of products (more rows take more passes over a
+block's weights, the later ones from cache; one pass of 16 rows x 16 columns measured slower),
+summed in float32 and rounded to bfloat16 once, as oneDNN rounds
 (the same sums of exact products, so the same results up to summation order). Measured over the
 120 projections of the default model's 30 layers: 7.8 / 8.6 / 12.6 / 21.6 ms at 1 / 8 / 16 / 32
 rows against oneDNN's 12.0 / 12.6 / 16.2 / 26.7 ms; in the engine, a one-sequence decode step of
@@ -53,9 +54,9 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
                                                         const uint32_t* wp1, int64_t P, void* out, int64_t o0,
                                                         int64_t o_stride, int out_f32, int rb, const int RB,
                                                         const int NB) {
-    __m512 acc[16][2];
+    __m512 acc[8][2];
     for (int r = 0; r < RB; ++r) for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-    const uint32_t* xr[16];
+    const uint32_t* xr[8];
     for (int r = 0; r < RB; ++r) xr[r] = (const uint32_t*)(x + (r < rb ? r : 0) * x_stride);
     for (int64_t p = 0; p < P; ++p) {
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void*)(wp0 + p * 16));
@@ -81,13 +82,6 @@ static inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_
 void gemm_small_bf16(const uint16_t* x, int64_t x_stride, const uint32_t* wp, void* out, int64_t M,
                      int64_t N, int64_t K, int out_f32, int64_t nthreads) {
     const int64_t P = K / 2, blocks = N / 16, pairs = (blocks + 1) / 2;
-    if (M > 8 && M <= 16) {
-        /* 9-16 rows: one pass over the weights, 16 rows x 16 columns per block */
-        #pragma omp parallel for num_threads((int)nthreads) schedule(static) if (nthreads > 1)
-        for (int64_t b = 0; b < blocks; ++b)
-            tile(x, x_stride, wp + b * P * 16, 0, P, out, b * 16, N, out_f32, (int)M, 16, 1);
-        return;
-    }
     #pragma omp parallel for num_threads((int)nthreads) schedule(static) if (nthreads > 1)
     for (int64_t bp = 0; bp < pairs; ++bp) {
         const int64_t b0 = 2 * bp;
@@ -175,7 +169,7 @@ def _load() -> SmallGemm:
 
 def _self_check(kernel: SmallGemm) -> None:
     """Against a float32 matmul of the same bfloat16 operands, rounded once: every row count from
-    1 to 17 (full and partial row groups, the 16-row pass) and 32, an odd number of 16-column
+    1 to 17 (full and partial row groups) and 32, an odd number of 16-column
     blocks, strided rows."""
     g = torch.Generator().manual_seed(0)
     for n, k in ((48, 34), (64, 96)):
