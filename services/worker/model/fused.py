@@ -118,7 +118,8 @@ void silu_mul_@S@(const @T@* gu, @T@* out, int64_t rows, int64_t n, int64_t nthr
         for (int64_t i = 0; i < n; ++i) {
             const float x = ld_@S@(g[i]);
             const float e = exp_nonpos(x >= 0.f ? -x : x);
-            const float s = x >= 0.f ? x / (1.0f + e) : x * e / (1.0f + e);
+            /* x / (1 + e) for x >= 0, x * e / (1 + e) below: one division either way */
+            const float s = (x >= 0.f ? x : x * e) / (1.0f + e);
             o[i] = st_@S@(rnd_@S@(s) * ld_@S@(u[i]));
         }
     }

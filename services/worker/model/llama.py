@@ -58,11 +58,11 @@ class Linear:
     BF16) the prepacked oneDNN GEMM beat `F.linear` (MKL for float32, unpacked oneDNN for
     bfloat16) at every row count measured: float32 34 / 179 / 206 / 217 GFLOP/s at 1 / 16 /
     256 / 1,024 rows against 23 / 83 / 156 / 189, bfloat16 46 / 331 / 427 / 407 against 24 /
-    243 / 400 / 412. A decode step's handful of rows gains most. For bfloat16 weights without a
-    bias on CPUs with AVX512-BF16, calls of up to `small_gemm.MAX_ROWS` rows take a third copy,
-    pair-packed for `small_gemm`, which reads it at close to the memory's rate (the 120
-    projections of a decode step of the default model: 7.8 ms against oneDNN's 12.0 at one row,
-    12.6 against 16.2 at 16). `weight` stays the plain tensor (exported, served to peers); only
+    243 / 400 / 412. A decode step's handful of rows gains most. For weights without a bias on CPUs
+    with AVX-512, calls of up to `small_gemm.MAX_ROWS` rows take a third copy, packed for
+    `small_gemm`, which reads it at close to the memory's rate (the 120 projections of a decode
+    step of the default model at one row: bfloat16 7.3 ms against oneDNN's 15.4, float32 12.9
+    against 20.9). `weight` stays the plain tensor (exported, served to peers); only
     the summation order differs between the paths.
     """
 
@@ -72,22 +72,22 @@ class Linear:
         self.weight = weight
         self.bias = bias
         self._packed: torch.Tensor | None = None
-        # bfloat16 without a bias: a pair-packed copy for decode-sized row counts (`small_gemm`).
+        # Without a bias: a copy packed for decode-sized row counts (`small_gemm`).
         self._pairs: torch.Tensor | None = None
         if pack and _ONEDNN and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES:
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
             except RuntimeError:
                 self._packed = None
-        if pack and bias is None and weight.dim() == 2:
-            kernel = small_gemm.small_gemm() if small_gemm.SmallGemm.packable(weight) else None
-            if kernel is not None:
+        if pack and bias is None and weight.dim() == 2 and weight.device.type == "cpu":
+            kernel = small_gemm.small_gemm()
+            if kernel is not None and kernel.packable(weight):
                 self._pairs = kernel.pack(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._pairs is not None and x.dim() == 2 and x.shape[0] <= small_gemm.MAX_ROWS:
             kernel = small_gemm.small_gemm()
-            if kernel is not None and x.stride(1) == 1:
+            if kernel is not None and x.stride(1) == 1 and x.dtype == self.weight.dtype:
                 return kernel(x, self._pairs, self.weight.shape[0])
         if self._packed is not None and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -100,6 +100,8 @@ class Linear:
         16); otherwise the layer's output widened."""
         kernel = small_gemm.small_gemm() if self._pairs is not None else None
         if kernel is None or x.dim() != 2 or x.stride(1) != 1:
+            return self(x).float()
+        if x.dtype != self.weight.dtype:
             return self(x).float()
         n, step = self.weight.shape[0], small_gemm.MAX_ROWS
         parts = [kernel(x[i : i + step], self._pairs, n, torch.float32) for i in range(0, x.shape[0], step)]
