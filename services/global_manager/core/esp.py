@@ -155,73 +155,67 @@ def plan_batches(
     s2 = np.concatenate(([0.0], np.cumsum(lengths**2)))
     inv = np.concatenate(([0.0], np.cumsum(1.0 / lengths)))
     free = np.concatenate(([0.0], np.cumsum([max(i.free, 0) for i in insts])))
-    # Batch (i - b, i] is held as row i, column b - 1 of a band: no batch holds more requests
-    # than fit the largest free KV any u instances offer, so b <= width (requests are sorted,
-    # so the batches that fit a room are the runs up to some length).
-    # Per degree, only the batches its largest room can hold: columns [0, widths[u]).
-    rows = np.arange(n + 1)
-    widths: dict[int, int] = {}
-    for u in degrees:
-        room_u = max((free[k] - free[k - u] for k in range(u, k_max + 1)), default=0.0)
-        shortest = np.searchsorted(s1, s1 - room_u, side="left")
-        widths[u] = max(int((rows - shortest).max()), 1)
-    width = max(widths.values())
-    i_idx = rows.reshape(-1, 1)
-    j_idx = i_idx - np.arange(1, width + 1).reshape(1, -1)  # [i, b - 1] -> j
-    valid = j_idx >= 0
-    j_safe = np.where(valid, j_idx, 0)
-    sums = s1[i_idx] - s1[j_safe]
-    bs1 = np.where(valid, sums, np.inf)  # a column past the first request fits no room
-    bs2 = s2[i_idx] - s2[j_safe]
-    binv = inv[i_idx] - inv[j_safe]
-    times = {u: models[u].a + models[u].b * sums[:, : widths[u]] + models[u].c * bs2[:, : widths[u]] for u in degrees}
-    costs = {u: np.where(valid[:, : widths[u]], times[u] * binv[:, : widths[u]], np.inf) for u in degrees}
-    # Column-major: the DP reads and writes whole columns f[:, k].
-    f = np.full((n + 1, k_max + 1), np.inf, order="F")
-    f[0, :] = 0.0
-    fits = {u: bs1[:, : widths[u]] for u in degrees}
-    starts = {u: np.ascontiguousarray(j_safe[:, : widths[u]]) for u in degrees}
-    # f[i, k]: the least cost of the first i requests on the first k instances. Only the values
-    # are kept; the optimal cut is recovered afterwards by re-deriving the few states on its path.
+    # Every batch (j, i] as a pair of indices [j, i] (j < i; the rest is infinite): its tokens,
+    # its cost per degree. These matrices are built once; each (k, u) step below only reads them.
+    span = s1[None, :] - s1[:, None]
+    sq = s2[None, :] - s2[:, None]
+    weight = inv[None, :] - inv[:, None]
+    costs = {u: (models[u].a + models[u].b * span + models[u].c * sq) * weight for u in degrees}
+    # j >= i is no batch (a batch holds at least one request): its span is infinite, so it fits
+    # no room and every read below masks it out (its cost entries are finite and never used).
+    span[np.tri(n + 1, dtype=bool)] = np.inf
+    # reach[k]: the most requests the first k instances can hold (sum of lengths <= their total
+    # free KV). f[i, k] is infinite for every i past it, whatever the cut, so no state past it is
+    # computed, nor any batch starting past reach[k - u]: a provably safe bound, not a heuristic.
+    reach = np.searchsorted(s1, free, side="right") - 1
+    # f[k, i]: the least cost of the first i requests on the first k instances.
+    f = np.full((k_max + 1, n + 1), np.inf)
+    f[:, 0] = 0.0
     for k in range(1, k_max + 1):
-        best = f[:, k - 1].copy()  # instance k left unused
+        best = f[k - 1].copy()  # instance k left unused
         for u in degrees:
             if u > k:
                 break
-            total = np.where(fits[u] <= free[k] - free[k - u], costs[u], np.inf)  # [i, b - 1]
-            total += f[:, k - u][starts[u]]
-            np.minimum(best, total.min(axis=1), out=best)
-        f[:, k] = best
-    if not math.isfinite(f[n, k_max]):
+            room = free[k] - free[k - u]
+            rows = int(reach[k - u]) + 1  # batch starts j that f[., k - u] can reach
+            # Batch ends i: up to reach[k] and to where a batch from the last start still fits.
+            cols = min(int(reach[k]), int(np.searchsorted(s1, s1[rows - 1] + room, side="right")) - 1) + 1
+            if cols <= 1:
+                continue
+            total = costs[u][:rows, 1:cols] + f[k - u, :rows, None]
+            total = np.where(span[:rows, 1:cols] <= room, total, np.inf).min(axis=0)
+            np.minimum(best[1:cols], total, out=best[1:cols])
+        f[k] = best
+    if not math.isfinite(f[k_max, n]):
         return None
+    # The optimal cut, re-derived from the values: at each state, the term that gave its value.
     batches: list[Batch] = []
     i, k = n, k_max
     while i > 0:
-        if f[i, k] == f[i, k - 1]:
+        if f[k, i] == f[k - 1, i]:
             k -= 1  # the optimum leaves instance k unused
             continue
         for u in degrees:
             if u > k:
                 continue
-            w = widths[u]
-            total = np.where(bs1[i, :w] <= free[k] - free[k - u], costs[u][i], np.inf) + f[j_safe[i, :w], k - u]
-            col = int(total.argmin())
-            if total[col] == f[i, k]:
+            fits = span[:i, i] <= free[k] - free[k - u]
+            total = np.where(fits, costs[u][:i, i] + f[k - u, :i], np.inf)
+            j = int(total.argmin())
+            if total[j] == f[k, i]:
                 break
         else:  # pragma: no cover - the values above were computed from these very terms
             raise AssertionError(f"no batch ends the optimum at request {i}, instance {k}")
-        j = int(j_idx[i, col])
-        t = float(times[u][i, col])
+        t = float(models[u].time(s1[i] - s1[j], s2[i] - s2[j]))
         batches.append(
             Batch(
                 request_ids=tuple(r.request_id for r in reqs[j:i]),
                 instance_ids=tuple(x.instance_id for x in insts[k - u : k]),
                 time=t,
-                cost=t * float(binv[i, col]),
+                cost=float(costs[u][j, i]),
             )
         )
         i, k = j, k - u
-    return BatchPlan(tuple(reversed(batches)), float(f[n, k_max]))
+    return BatchPlan(tuple(reversed(batches)), float(f[k_max, n]))
 
 
 def decode_degree(need_tokens: int, holders: Sequence[EspInstance]) -> list[EspInstance]:
