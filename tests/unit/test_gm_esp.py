@@ -4,6 +4,7 @@ and the decode degree."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -81,6 +82,48 @@ def test_the_dp_finds_the_brute_force_optimum(seed) -> None:
         assert sorted(placed) == sorted(f"r{i}" for i in range(len(lengths)))
         used = [i for b in plan.batches for i in b.instance_ids]
         assert len(used) == len(set(used))
+
+
+def _reference_dp(lengths, free, models):
+    """The recurrence of docs/algorithms.md 6 written out over every state and every batch,
+    with no bound at all: the band and reach limits of plan_batches must not change its value."""
+    ls = sorted(lengths, reverse=True)
+    n, kk = len(ls), len(free)
+    f = [[math.inf] * (kk + 1) for _ in range(n + 1)]
+    for k in range(kk + 1):
+        f[0][k] = 0.0
+    for k in range(1, kk + 1):
+        for i in range(1, n + 1):
+            best = f[i][k - 1]
+            for u, m in models.items():
+                if u > k:
+                    continue
+                room = sum(free[k - u : k])
+                for j in range(i):
+                    batch = ls[j:i]
+                    if sum(batch) <= room and f[j][k - u] < math.inf:
+                        t = m.a + m.b * sum(batch) + m.c * sum(x * x for x in batch)
+                        best = min(best, t * sum(1 / x for x in batch) + f[j][k - u])
+            f[i][k] = best
+    return f[n][kk]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_bounded_dp_equals_the_unbounded_recurrence(seed) -> None:
+    """Larger than brute force reaches: 24-34 requests on 7-10 instances of uneven free KV, with
+    lengths that fill rooms exactly (the bounds' edge cases), and degrees 1-4."""
+    rng = random.Random(100 + seed)
+    lengths = [rng.choice([500, 1000, 2000, 4000, 6000]) for _ in range(rng.randint(24, 34))]
+    free = [rng.choice([4000, 6000, 8000, 12000, 24000, 32000]) for _ in range(rng.randint(7, 10))]
+    models = {1: MODELS[1], 2: MODELS[2], 3: StepTimeModel(18, 0.0035, 3.5e-7), 4: StepTimeModel(22, 0.0026, 2.6e-7)}
+    plan = plan_batches(_reqs(lengths), _insts(free), models)
+    want = _reference_dp(lengths, free, models)
+    if want == math.inf:
+        assert plan is None
+    else:
+        assert plan is not None and plan.cost == pytest.approx(want, rel=1e-12)
+        assert sum(b.cost for b in plan.batches) == pytest.approx(plan.cost, rel=1e-12)
+        assert sorted(r for b in plan.batches for r in b.request_ids) == sorted(f"r{i}" for i in range(len(lengths)))
 
 
 def test_a_prompt_longer_than_any_instance_gets_a_group() -> None:

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 __all__ = [
     "Batch",
@@ -132,6 +133,19 @@ def allocate_instances(instances: Sequence[EspInstance], need_tokens: int) -> tu
     return chosen, preempted
 
 
+def _lagged(h: np.ndarray, width: int) -> np.ndarray:
+    """A read-only [..., i, b] view of h[..., width + i - 1 - b] for b < width, no copy: the
+    values x = h[..., width:] lagged by b + 1, reading h's first `width` cells (a fill) where
+    i - 1 - b < 0."""
+    step = h.strides[-1]
+    shape = (*h.shape[:-1], h.shape[-1] - width, width)
+    return as_strided(h[..., width - 1 :], shape=shape, strides=(*h.strides[:-1], step, -step), writeable=False)
+
+
+def _padded(x: np.ndarray, width: int, fill: float) -> np.ndarray:
+    return np.concatenate((np.full(width, fill), x))
+
+
 def plan_batches(
     requests: Sequence[EspRequest], instances: Sequence[EspInstance], models: Mapping[int, StepTimeModel]
 ) -> BatchPlan | None:
@@ -155,36 +169,50 @@ def plan_batches(
     s2 = np.concatenate(([0.0], np.cumsum(lengths**2)))
     inv = np.concatenate(([0.0], np.cumsum(1.0 / lengths)))
     free = np.concatenate(([0.0], np.cumsum([max(i.free, 0) for i in insts])))
-    # Every batch (j, i] as a pair of indices [j, i] (j < i; the rest is infinite): its tokens,
-    # its cost per degree. These matrices are built once; each (k, u) step below only reads them.
-    span = s1[None, :] - s1[:, None]
-    sq = s2[None, :] - s2[:, None]
-    weight = inv[None, :] - inv[:, None]
-    costs = {u: (models[u].a + models[u].b * span + models[u].c * sq) * weight for u in degrees}
-    # j >= i is no batch (a batch holds at least one request): its span is infinite, so it fits
-    # no room and every read below masks it out (its cost entries are finite and never used).
-    span[np.tri(n + 1, dtype=bool)] = np.inf
+    # Per degree, the most requests one batch can hold: the longest run that fits the largest
+    # room any u consecutive instances offer (requests are sorted, so that bounds every batch).
+    ends = np.arange(n + 1)
+    widths: dict[int, int] = {}
+    for u in degrees:
+        room_u = float((free[u:] - free[:-u]).max()) if u <= k_max else 0.0
+        widths[u] = max(int((ends - np.searchsorted(s1, s1 - room_u, side="left")).max()), 1)
+    width = max(widths.values())
+    # Batches in a band [i, b]: requests (i - 1 - b, i], the j = i - 1 - b before them left out.
+    # Each matrix is built once from lagged views (no gather); a band cell past the first
+    # request has an infinite span, so it fits no room and every read below masks it out.
+    span = s1[:, None] - _lagged(_padded(s1, width, -np.inf), width)
+    sums = s1[:, None] - _lagged(_padded(s1, width, 0.0), width)
+    sq = s2[:, None] - _lagged(_padded(s2, width, 0.0), width)
+    weight = inv[:, None] - _lagged(_padded(inv, width, 0.0), width)
+    costs = {
+        u: (models[u].a + models[u].b * sums[:, : widths[u]] + models[u].c * sq[:, : widths[u]])
+        * weight[:, : widths[u]]
+        for u in degrees
+    }
     # reach[k]: the most requests the first k instances can hold (sum of lengths <= their total
-    # free KV). f[i, k] is infinite for every i past it, whatever the cut, so no state past it is
+    # free KV). f[k, i] is infinite for every i past it, whatever the cut, so no state past it is
     # computed, nor any batch starting past reach[k - u]: a provably safe bound, not a heuristic.
     reach = np.searchsorted(s1, free, side="right") - 1
-    # f[k, i]: the least cost of the first i requests on the first k instances.
-    f = np.full((k_max + 1, n + 1), np.inf)
-    f[:, 0] = 0.0
+    # f[k, i]: the least cost of the first i requests on the first k instances; `before` is a
+    # view of it, before[k, i, b] = f[k, i - 1 - b] (infinite before the first request).
+    pad = np.full((k_max + 1, width + n + 1), np.inf)
+    pad[:, width] = 0.0
+    f = pad[:, width:]
+    before = _lagged(pad, width)
     for k in range(1, k_max + 1):
         best = f[k - 1].copy()  # instance k left unused
         for u in degrees:
             if u > k:
                 break
             room = free[k] - free[k - u]
-            rows = int(reach[k - u]) + 1  # batch starts j that f[., k - u] can reach
-            # Batch ends i: up to reach[k] and to where a batch from the last start still fits.
-            cols = min(int(reach[k]), int(np.searchsorted(s1, s1[rows - 1] + room, side="right")) - 1) + 1
-            if cols <= 1:
+            w = widths[u]
+            # Batch ends i: up to reach[k], and no further than w past the last start f reaches.
+            top = min(int(reach[k]), int(reach[k - u]) + w) + 1
+            if top <= 1:
                 continue
-            total = costs[u][:rows, 1:cols] + f[k - u, :rows, None]
-            total = np.where(span[:rows, 1:cols] <= room, total, np.inf).min(axis=0)
-            np.minimum(best[1:cols], total, out=best[1:cols])
+            total = costs[u][1:top] + before[k - u, 1:top, :w]
+            total = np.where(span[1:top, :w] <= room, total, np.inf).min(axis=1)
+            np.minimum(best[1:top], total, out=best[1:top])
         f[k] = best
     if not math.isfinite(f[k_max, n]):
         return None
@@ -198,20 +226,21 @@ def plan_batches(
         for u in degrees:
             if u > k:
                 continue
-            fits = span[:i, i] <= free[k] - free[k - u]
-            total = np.where(fits, costs[u][:i, i] + f[k - u, :i], np.inf)
-            j = int(total.argmin())
-            if total[j] == f[k, i]:
+            w = widths[u]
+            total = np.where(span[i, :w] <= free[k] - free[k - u], costs[u][i] + before[k - u, i, :w], np.inf)
+            b = int(total.argmin())
+            if total[b] == f[k, i]:
                 break
         else:  # pragma: no cover - the values above were computed from these very terms
             raise AssertionError(f"no batch ends the optimum at request {i}, instance {k}")
+        j = i - 1 - b
         t = float(models[u].time(s1[i] - s1[j], s2[i] - s2[j]))
         batches.append(
             Batch(
                 request_ids=tuple(r.request_id for r in reqs[j:i]),
                 instance_ids=tuple(x.instance_id for x in insts[k - u : k]),
                 time=t,
-                cost=float(costs[u][j, i]),
+                cost=float(costs[u][i, b]),
             )
         )
         i, k = j, k - u
