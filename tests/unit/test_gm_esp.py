@@ -163,6 +163,12 @@ def test_allocation_takes_idle_first_then_preempts_the_least_used() -> None:
     assert preempted == ["busy-light"]
     with pytest.raises(ValueError, match="5000 KV tokens needed"):
         allocate_instances(insts, 5000)
+    # all_idle: every idle instance is offered (the DP picks the degree), busy ones only as needed.
+    chosen, preempted = allocate_instances(insts, 500, all_idle=True)
+    assert [i.instance_id for i in chosen] == ["idle-big", "idle-small"] and preempted == []
+    chosen, preempted = allocate_instances(insts, 2000, all_idle=True)
+    assert [i.instance_id for i in chosen] == ["idle-big", "idle-small", "busy-light"]
+    assert preempted == ["busy-light"]
 
 
 def test_decode_runs_on_the_fewest_holders_and_grows_on_shortage() -> None:

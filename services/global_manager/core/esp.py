@@ -106,17 +106,22 @@ def dispatch(queue: Sequence[EspRequest], free_tokens: int, max_requests: int | 
     return out
 
 
-def allocate_instances(instances: Sequence[EspInstance], need_tokens: int) -> tuple[list[EspInstance], list[str]]:
+def allocate_instances(
+    instances: Sequence[EspInstance], need_tokens: int, *, all_idle: bool = False
+) -> tuple[list[EspInstance], list[str]]:
     """Instances for a prefill that needs `need_tokens` free KV tokens: idle ones (most free
     first), then busy ones with the fewest used tokens, whose KV must be migrated away first
-    (their ids are returned as preempted). Raises ValueError when all of them cannot hold it."""
+    (their ids are returned as preempted). By default only as many idle ones as the need takes;
+    with `all_idle`, every idle one (the batching DP then picks the degree, and may leave some
+    unused), busy ones still only as the need requires. Raises ValueError when all of them
+    cannot hold it."""
     idle = sorted((i for i in instances if i.idle), key=lambda i: (-i.free, i.instance_id))
     busy = sorted((i for i in instances if not i.idle), key=lambda i: (i.used, i.instance_id))
     chosen: list[EspInstance] = []
     preempted: list[str] = []
     have = 0
     for inst in idle:
-        if have >= need_tokens:
+        if have >= need_tokens and not all_idle:
             break
         chosen.append(inst)
         have += inst.free
