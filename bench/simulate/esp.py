@@ -185,18 +185,28 @@ class _Sim:
     # -- arrivals --------------------------------------------------------------------------------
     def arrive(self, r: Req, now: float) -> None:
         need = r.prompt + r.output
+        largest = max(DEGREES) * self.nodes[0].kv if self.strategy == "esp" else self.decoders[0].kv
+        if need > largest:
+            r.refused = True  # no instance (esp: no group of the largest degree) can hold it
+            return
         if self.strategy == "chunked":
             fits = [n for n in self.nodes if need <= n.kv]
             node = min(fits, key=lambda n: (n.used + sum(x.prompt + x.output for x in n.waiting), n.idx))
             node.waiting.append(r)
             _wake(node, now)
         elif self.strategy == "disagg":
-            node = min(self.prefillers, key=lambda n: (sum(x.prompt for x in n.waiting), n.idx))
+            # The prefill instance that would start it soonest: its current iteration, then
+            # the whole prompts queued before it, each as long as it takes alone.
+            node = min(self.prefillers, key=lambda n: (self._backlog(n, now), n.idx))
             node.waiting.append(r)
             _wake(node, now)
         else:
             self.queue.append(r)
             self.dirty = True
+
+    def _backlog(self, node: Node, now: float) -> float:
+        busy = node.free_at if node.free_at != math.inf else now
+        return max(busy, now) + sum(self.step(x.prompt, _pairs(0, x.prompt), 1, 0, 0) for x in node.waiting)
 
     # -- one iteration of a node ---------------------------------------------------------------
     def iterate(self, node: Node, now: float) -> None:
@@ -322,6 +332,7 @@ class _Sim:
         if not pool_nodes:
             return
         view = [EspInstance(str(n.idx), n.used, n.kv, idle=not n.running) for n in pool_nodes]
+        real = {v.instance_id: v for v in view}
         t0 = time.perf_counter()
         chosen = dispatch(
             [EspRequest(str(r.rid), r.prompt + r.output, r.arrival) for r in self.queue],
@@ -332,6 +343,9 @@ class _Sim:
         while chosen:
             try:
                 pool, _ = allocate_instances(view, sum(r.length for r in chosen), all_idle=True)
+                # A preempted instance keeps its KV here (no migration is simulated): it joins the
+                # group with its real free KV, its decoding paused for the prefill.
+                pool = [real[i.instance_id] for i in pool]
             except ValueError:
                 pool = None
             plan = plan_batches(chosen, pool, self.models) if pool else None
@@ -425,6 +439,7 @@ def summarize(sim: _Sim) -> dict[str, Any]:
     out: dict[str, Any] = {
         "requests": len(reqs),
         "completed": len(done),
+        "refused": sum(r.refused for r in reqs),
         "slo_attainment": round(sum(r.met() for r in reqs) / len(reqs), 4),
         "ttft_p50_s": _pct(ttft, 0.5),
         "ttft_p99_s": _pct(ttft, 0.99),
