@@ -26,9 +26,10 @@ The strategies, on `instances` instances (KV: profile blocks x block size tokens
   the queue or the free KV changes, `dispatch` takes queued requests in arrival order while the
   free KV holds them, `allocate_instances` picks the instances (most free KV first),
   `plan_batches` cuts them into batches on groups of 1, 2, 4 or 8 instances (the exact DP), and
-  each batch prefills as one iteration of its group, lasting the core's own `Batch.time`. Its
-  KV stays on `decode_degree`'s fewest members whose free KV covers prompt + output (proactive
-  scale-down), the one with the most free KV the master. A master decodes its requests each
+  each batch prefills as one iteration of its group, lasting the core's own `Batch.time`.
+  `plan_batch_slices` places each of the batch's requests: its KV stays on the fewest members
+  whose free KV covers prompt + output (`decode_degree`, proactive scale-down), the one with
+  the most free KV the master; a batch's requests may have different masters. A master decodes its requests each
   iteration; a distributed request's holders attend in parallel, so its iteration lasts as long
   as the busiest holder's KV context needs. An instance in a prefill group decodes nothing
   during it (its requests wait).
@@ -54,10 +55,11 @@ from bench.esp.sim import Req as BaseReq
 from services.global_manager.core.esp import (
     EspInstance,
     EspRequest,
+    GroupPlan,
     StepTimeModel,
     allocate_instances,
-    decode_degree,
     dispatch,
+    plan_batch_slices,
     plan_batches,
 )
 
@@ -359,6 +361,12 @@ class _Sim:
         by_id = {str(r.rid): r for r in self.queue}
         for batch in plan.batches:
             members = [self.nodes[int(i)] for i in batch.instance_ids]
+            slices = plan_batch_slices(
+                [(EspRequest(rid, by_id[rid].prompt), by_id[rid].output) for rid in batch.request_ids],
+                [EspInstance(str(m.idx), m.used, m.kv) for m in members],
+            )
+            if slices is None:  # cannot happen when the batch fits its members; kept queued if it does
+                continue
             start = max([now, *(m.free_at for m in members if m.free_at != math.inf)])
             end = start + batch.time + self.step.seq * len(batch.request_ids)
             self.degrees.append((start, len(members), len(batch.request_ids)))
@@ -368,29 +376,22 @@ class _Sim:
             for rid in batch.request_ids:
                 r = by_id[rid]
                 self.queue.remove(r)
-                self._place(r, members)
+                self._place(r, slices[rid])
                 r.prefilled = r.prompt
                 self._token(r, self.nodes[r.master], end, first=True)
 
-    def _place(self, r: Req, members: list[Node]) -> None:
-        """The request's KV on `decode_degree`'s fewest members covering it (proactive
-        scale-down), the master (most free KV) reserving the decoded tokens first."""
-        view = [EspInstance(str(m.idx), m.used, m.kv) for m in members]
-        holders = [self.nodes[int(h.instance_id)] for h in decode_degree(r.prompt + r.output, view)]
-        left, prompt_left = r.prompt + r.output, r.prompt
-        for h in holders:
-            take = min(h.free, left)
-            if take > 0:
-                h.used += take
-                r.held[h.idx] = take
-                left -= take
-                # The master's room goes to the decoded tokens first, the rest to the prompt.
-                part = min(prompt_left, take - (r.output if h is holders[0] else 0))
-                if part > 0:
-                    r.slices[h.idx] = part
-                    h.ctx += part
-                    prompt_left -= part
-        r.master = holders[0].idx
+    def _place(self, r: Req, group: GroupPlan) -> None:
+        """The request's KV where the core's `plan_batch_slices` put it: each member keeps the
+        slice it computed, the master (last) also the decoded tokens."""
+        for m, lo, hi in zip(group.members, group.bounds, group.bounds[1:], strict=False):
+            node = self.nodes[int(m)]
+            r.slices[node.idx] = hi - lo
+            r.held[node.idx] = hi - lo
+            node.ctx += hi - lo
+        r.master = int(group.members[-1])
+        r.held[r.master] += r.output
+        for idx, n in r.held.items():
+            self.nodes[idx].used += n
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:

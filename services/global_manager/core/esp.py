@@ -37,6 +37,7 @@ __all__ = [
     "allocate_instances",
     "decode_degree",
     "dispatch",
+    "plan_batch_slices",
     "plan_batches",
     "plan_group",
     "default_step_models",
@@ -307,6 +308,63 @@ def _cut(length: int, room: Sequence[int], block_size: int) -> list[int] | None:
     return shares
 
 
+def _slices(
+    length: int, decode_tokens: int, members: Sequence[EspInstance], block_size: int
+) -> tuple[list[str], list[int] | None]:
+    """`members` in slice order and the prompt tokens each computes and keeps: the master (last)
+    is the member with the most free KV and keeps room for the `decode_tokens` too; the cut is
+    `_cut`'s (None when it does not fit)."""
+    ordered = sorted(members, key=lambda i: (i.free, i.instance_id))
+    free = [i.free // block_size * block_size for i in ordered]
+    free[-1] = max(free[-1] - decode_tokens, 0)
+    return [i.instance_id for i in ordered], _cut(length, free, block_size)
+
+
+def plan_batch_slices(
+    requests: Sequence[tuple[EspRequest, int]], members: Sequence[EspInstance], *, block_size: int = 1
+) -> dict[str, GroupPlan] | None:
+    """Several requests prefilled in one iteration of one group (a `Batch` of `plan_batches`):
+    `requests` as (request, tokens it will decode), `members` the batch's instances. Longest
+    first, each request's prompt goes to the fewest members whose free KV holds it and its
+    decoded tokens (`decode_degree`: the KV stays where the request will decode from, the
+    paper's proactive scale-down), cut in proportion to their free KV in whole blocks, the
+    master (most free) keeping the decoded tokens' room; each later request sees what the
+    earlier ones left. Different requests may have different masters (multi-master decode);
+    a request's spares are the batch's other members (most free KV left first). The master
+    keeps its place, last, even with an empty slice when its room all goes to the decoded
+    tokens. None when they do not all fit."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size!r}")
+    bad = [(r.request_id, d) for r, d in requests if r.length <= 0 or d < 0]
+    if bad:
+        raise ValueError(f"request {bad[0][0]!r}: length must be > 0 and decode tokens >= 0")
+    cap = {m.instance_id: m.capacity for m in members}
+    left = {m.instance_id: m.free for m in members}
+    out: dict[str, GroupPlan] = {}
+    for req, decode in sorted(requests, key=lambda x: (-x[0].length, x[0].request_id)):
+        view = [EspInstance(m, cap[m] - left[m], cap[m]) for m in cap]
+        try:
+            holders = decode_degree(req.length + decode, view)
+        except ValueError:
+            return None
+        ids, shares = _slices(req.length, decode, holders, block_size)
+        if shares is None:  # whole blocks did not fit the fewest: all the members, then none
+            ids, shares = _slices(req.length, decode, [v for v in view if v.free > 0], block_size)
+            if shares is None:
+                return None
+        kept = [(m, n) for m, n in zip(ids, shares, strict=True) if n > 0 or m == ids[-1]]
+        bounds = [0]
+        for m, n in kept:
+            bounds.append(bounds[-1] + n)
+            # Each slice is a sequence of its own on its member: it takes whole blocks.
+            n += decode if m == ids[-1] else 0
+            left[m] -= -(-n // block_size) * block_size
+        chosen = [m for m, _ in kept]
+        spares = tuple(m for m in sorted(cap, key=lambda m: (-left[m], m)) if m not in chosen)
+        out[req.request_id] = GroupPlan(tuple(chosen), tuple(bounds), spares)
+    return out
+
+
 def plan_group(
     request: EspRequest,
     decode_tokens: int,
@@ -345,12 +403,7 @@ def plan_group(
     ]
 
     def cut(members: list[str], keep_decode: bool) -> tuple[list[str], list[int] | None]:
-        # The master (last) is the member with the most free KV: it also holds the decoded tokens.
-        ordered = sorted(members, key=lambda iid: (by_id[iid].free, iid))
-        free = [by_id[iid].free // block_size * block_size for iid in ordered]
-        if keep_decode:
-            free[-1] = max(free[-1] - decode_tokens, 0)
-        return ordered, _cut(request.length, free, block_size)
+        return _slices(request.length, decode_tokens if keep_decode else 0, [by_id[m] for m in members], block_size)
 
     chosen, shares = cut(chosen, True)
     # When the DP's members cannot also keep the decoded tokens' room, the next instance joins
