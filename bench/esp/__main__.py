@@ -279,7 +279,16 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         out["lost"] = _entry(lp["lost"], "0", lp["lost"] == 0, "MEASURED (real processes)")
     sc = results.get("scheduler")
     if sc:
-        out["scheduler_p99_ms"] = _entry(sc["p99_ms"], "< 20", sc["p99_ms"] < 20, "MEASURED (shared 2-core box)")
+        load = results.get("machine", {}).get("load_avg_before_scheduler", ["?"])[0]
+        how = f"MEASURED (shared 2-core box, under nice 19, load {load})"
+        out["scheduler_p99_ms"] = _entry(sc["p99_ms"], "< 20", sc["p99_ms"] < 20, how + ": wall time")
+        if "cpu_p99_ms" in sc:
+            out["scheduler_cpu_p99_ms"] = _entry(
+                sc["cpu_p99_ms"],
+                "< 20",
+                sc["cpu_p99_ms"] < 20,
+                how + ": the process's own CPU time, what a decision costs on a core of its own",
+            )
     return out
 
 

@@ -47,10 +47,12 @@ def test_targets_carry_value_target_met_and_how() -> None:
         "throughput": {"max_rate_at_slo_rps": {"esp": 2.0, "chunked": 1.0, "static_sp": 0.5, "disagg": 0.0}},
         "cluster": {"max_rate_at_slo_rps": {"esp": 3.0, "chunked": 2.0, "disagg": 0.5}},
         "longest_prompt": {"longest_prompt_served": 240, "instance_kv_tokens": 64, "lost": 0},
-        "scheduler": {"p99_ms": 12.0},
+        "scheduler": {"p99_ms": 32.0, "cpu_p99_ms": 7.5},
+        "machine": {"load_avg_before_scheduler": [9.1, 8.0, 7.0]},
     }
     out = targets(results)
-    assert set(out) == {*KEYS, "esp_over_chunked_4_instances", "esp_over_disagg_4_instances"}
+    extra = {"esp_over_chunked_4_instances", "esp_over_disagg_4_instances", "scheduler_cpu_p99_ms"}
+    assert set(out) == {*KEYS, *extra}
     # The reported ratios are the cluster-scale simulation's; the 4-instance ones stay beside them.
     assert out["esp_over_chunked"] == {
         "value": 1.5,
@@ -64,4 +66,5 @@ def test_targets_carry_value_target_met_and_how() -> None:
     assert out["esp_over_disagg_4_instances"]["value"] is None
     assert "no rate tried" in out["esp_over_disagg_4_instances"]["how"]
     assert out["longest_prompt_over_instance_kv"]["value"] == 3.75 and out["lost"]["met"]
-    assert out["scheduler_p99_ms"]["met"]
+    assert not out["scheduler_p99_ms"]["met"] and "load 9.1" in out["scheduler_p99_ms"]["how"]
+    assert out["scheduler_cpu_p99_ms"]["value"] == 7.5 and out["scheduler_cpu_p99_ms"]["met"]

@@ -190,11 +190,14 @@ def plan_batches(
     sums = s1[:, None] - _lagged(_padded(s1, width, 0.0), width)
     sq = s2[:, None] - _lagged(_padded(s2, width, 0.0), width)
     weight = inv[:, None] - _lagged(_padded(inv, width, 0.0), width)
-    costs = {
-        u: (models[u].a + models[u].b * sums[:, : widths[u]] + models[u].c * sq[:, : widths[u]])
-        * weight[:, : widths[u]]
-        for u in degrees
-    }
+    costs: dict[int, np.ndarray] = {}
+    for u in degrees:  # (a + b * sums + c * sq) * weight, in place: the same floats, fewer temporaries
+        w, m = widths[u], models[u]
+        cost = np.multiply(sums[:, :w], m.b)
+        cost += m.a
+        cost += np.multiply(sq[:, :w], m.c)
+        cost *= weight[:, :w]
+        costs[u] = cost
     # reach[k]: the most requests the first k instances can hold (sum of lengths <= their total
     # free KV). f[k, i] is infinite for every i past it, whatever the cut, so no state past it is
     # computed, nor any batch starting past reach[k - u]: a provably safe bound, not a heuristic.
@@ -216,7 +219,11 @@ def plan_batches(
             top = min(int(reach[k]), int(reach[k - u]) + w) + 1
             if top <= 1:
                 continue
-            total = costs[u][1:top] + before[k - u, 1:top, :w]
+            # This room's widest batch ends last (the shortest requests): no column past it fits.
+            w = min(w, top - 1 - int(np.searchsorted(s1, s1[top - 1] - room, side="left")))
+            if w < 1:
+                continue
+            total = costs[u][1:top, :w] + before[k - u, 1:top, :w]
             total = np.where(span[1:top, :w] <= room, total, np.inf).min(axis=1)
             np.minimum(best[1:top], total, out=best[1:top])
         f[k] = best
