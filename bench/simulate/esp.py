@@ -29,15 +29,15 @@ The strategies, on `instances` instances (KV: profile blocks x block size tokens
   each batch prefills as one iteration of its group, lasting the core's own `Batch.time`.
   `plan_batch_slices` places each of the batch's requests: its KV stays on the fewest members
   whose free KV covers prompt + output (`decode_degree`, proactive scale-down), the one with
-  the most free KV the master; a batch's requests may have different masters. A master decodes its requests each
-  iteration; a distributed request's holders attend in parallel, so its iteration lasts as long
-  as the busiest holder's KV context needs. An instance in a prefill group decodes nothing
-  during it (its requests wait).
+  the most free KV the master; a batch's requests may have different masters. A master
+  decodes its requests each iteration; a distributed request's holders attend in parallel, so
+  its iteration lasts as long as the busiest holder's KV context needs. An instance in a
+  prefill group decodes nothing during it (its requests wait).
 
 Simplifications (each a place the figures could be off): holders' partial attention is charged
 to the master's iteration only (not as busy time on the holder); a group's ring exchange costs
 `exchange_s` per extra member per iteration; preemption with KV migration is not simulated
-(every instance joins a prefill with its current free KV).
+(a preempted instance joins a prefill with its current free KV, its decoding paused).
 """
 
 from __future__ import annotations
