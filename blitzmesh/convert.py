@@ -497,6 +497,31 @@ def instance_info_from_proto(msg: common_pb2.InstanceInfo) -> InstanceInfo:
     )
 
 
+def esp_group_to_proto(g: EspGroup) -> admin_pb2.EspGroupInfo:
+    return admin_pb2.EspGroupInfo(
+        group_id=g.group_id,
+        request_id=g.request_id,
+        model_id=g.model_id,
+        member_ids=list(g.member_ids),
+        bounds=list(g.bounds),
+        spare_ids=list(g.spare_ids),
+        age_s=g.age_s,
+        degree=g.degree,
+    )
+
+
+def esp_group_from_proto(msg: admin_pb2.EspGroupInfo) -> EspGroup:
+    return EspGroup(
+        group_id=msg.group_id,
+        request_id=msg.request_id,
+        model_id=msg.model_id,
+        member_ids=tuple(msg.member_ids),
+        bounds=tuple(msg.bounds),
+        spare_ids=tuple(msg.spare_ids),
+        age_s=msg.age_s,
+    )
+
+
 def cluster_state_to_proto(state: ClusterState) -> admin_pb2.ClusterState:
     return admin_pb2.ClusterState(
         instances=[instance_info_to_proto(i) for i in state.instances],
@@ -504,19 +529,7 @@ def cluster_state_to_proto(state: ClusterState) -> admin_pb2.ClusterState:
         policy=state.policy,
         advisory=state.advisory,
         policy_params=dict(state.policy_params),
-        esp_groups=[
-            admin_pb2.EspGroupInfo(
-                group_id=g.group_id,
-                request_id=g.request_id,
-                model_id=g.model_id,
-                member_ids=list(g.member_ids),
-                bounds=list(g.bounds),
-                spare_ids=list(g.spare_ids),
-                age_s=g.age_s,
-                degree=g.degree,
-            )
-            for g in state.esp_groups
-        ],
+        esp_groups=[esp_group_to_proto(g) for g in state.esp_groups],
     )
 
 
@@ -527,18 +540,7 @@ def cluster_state_from_proto(msg: admin_pb2.ClusterState) -> ClusterState:
         policy=msg.policy,
         advisory=msg.advisory,
         policy_params=dict(msg.policy_params),
-        esp_groups=tuple(
-            EspGroup(
-                group_id=g.group_id,
-                request_id=g.request_id,
-                model_id=g.model_id,
-                member_ids=tuple(g.member_ids),
-                bounds=tuple(g.bounds),
-                spare_ids=tuple(g.spare_ids),
-                age_s=g.age_s,
-            )
-            for g in msg.esp_groups
-        ),
+        esp_groups=tuple(esp_group_from_proto(g) for g in msg.esp_groups),
     )
 
 

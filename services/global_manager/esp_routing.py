@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from blitzmesh.convert import esp_group_to_proto
+from blitzmesh.types import EspGroup
 from blitzmesh.v1 import admin_pb2, global_manager_pb2
 from services.global_manager.core.esp import EspInstance, EspRequest, plan_group
 from services.global_manager.core.types import InstanceState, InstanceView
@@ -165,15 +167,10 @@ class EspRouter:
     def to_proto(self) -> list[admin_pb2.EspGroupInfo]:
         now = time.time()
         return [
-            admin_pb2.EspGroupInfo(
-                group_id=g.group_id,
-                request_id=g.request_id,
-                model_id=g.model_id,
-                member_ids=list(g.members),
-                bounds=list(g.bounds),
-                spare_ids=list(g.spares),
-                age_s=max(0.0, now - g.formed_s),
-                degree=len(g.members),
+            esp_group_to_proto(
+                EspGroup(
+                    g.group_id, g.request_id, g.model_id, g.members, g.bounds, g.spares, max(0.0, now - g.formed_s)
+                )
             )
             for g in self.recent
         ]

@@ -4,6 +4,7 @@ and the decode degree."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from services.global_manager.core.esp import (
     allocate_instances,
     decode_degree,
     dispatch,
+    plan_batch_slices,
     plan_batches,
 )
 
@@ -83,6 +85,48 @@ def test_the_dp_finds_the_brute_force_optimum(seed) -> None:
         assert len(used) == len(set(used))
 
 
+def _reference_dp(lengths, free, models):
+    """The recurrence of docs/algorithms.md 6 written out over every state and every batch,
+    with no bound at all: the band and reach limits of plan_batches must not change its value."""
+    ls = sorted(lengths, reverse=True)
+    n, kk = len(ls), len(free)
+    f = [[math.inf] * (kk + 1) for _ in range(n + 1)]
+    for k in range(kk + 1):
+        f[0][k] = 0.0
+    for k in range(1, kk + 1):
+        for i in range(1, n + 1):
+            best = f[i][k - 1]
+            for u, m in models.items():
+                if u > k:
+                    continue
+                room = sum(free[k - u : k])
+                for j in range(i):
+                    batch = ls[j:i]
+                    if sum(batch) <= room and f[j][k - u] < math.inf:
+                        t = m.a + m.b * sum(batch) + m.c * sum(x * x for x in batch)
+                        best = min(best, t * sum(1 / x for x in batch) + f[j][k - u])
+            f[i][k] = best
+    return f[n][kk]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_bounded_dp_equals_the_unbounded_recurrence(seed) -> None:
+    """Larger than brute force reaches: 24-34 requests on 7-10 instances of uneven free KV, with
+    lengths that fill rooms exactly (the bounds' edge cases), and degrees 1-4."""
+    rng = random.Random(100 + seed)
+    lengths = [rng.choice([500, 1000, 2000, 4000, 6000]) for _ in range(rng.randint(24, 34))]
+    free = [rng.choice([4000, 6000, 8000, 12000, 24000, 32000]) for _ in range(rng.randint(7, 10))]
+    models = {1: MODELS[1], 2: MODELS[2], 3: StepTimeModel(18, 0.0035, 3.5e-7), 4: StepTimeModel(22, 0.0026, 2.6e-7)}
+    plan = plan_batches(_reqs(lengths), _insts(free), models)
+    want = _reference_dp(lengths, free, models)
+    if want == math.inf:
+        assert plan is None
+    else:
+        assert plan is not None and plan.cost == pytest.approx(want, rel=1e-12)
+        assert sum(b.cost for b in plan.batches) == pytest.approx(plan.cost, rel=1e-12)
+        assert sorted(r for b in plan.batches for r in b.request_ids) == sorted(f"r{i}" for i in range(len(lengths)))
+
+
 def test_a_prompt_longer_than_any_instance_gets_a_group() -> None:
     plan = plan_batches(_reqs([9000]), _insts([5000, 5000]), MODELS)
     assert plan is not None and plan.batches[0].instance_ids == ("i0", "i1")
@@ -120,6 +164,12 @@ def test_allocation_takes_idle_first_then_preempts_the_least_used() -> None:
     assert preempted == ["busy-light"]
     with pytest.raises(ValueError, match="5000 KV tokens needed"):
         allocate_instances(insts, 5000)
+    # all_idle: every idle instance is offered (the DP picks the degree), busy ones only as needed.
+    chosen, preempted = allocate_instances(insts, 500, all_idle=True)
+    assert [i.instance_id for i in chosen] == ["idle-big", "idle-small"] and preempted == []
+    chosen, preempted = allocate_instances(insts, 2000, all_idle=True)
+    assert [i.instance_id for i in chosen] == ["idle-big", "idle-small", "busy-light"]
+    assert preempted == ["busy-light"]
 
 
 def test_decode_runs_on_the_fewest_holders_and_grows_on_shortage() -> None:
@@ -200,3 +250,72 @@ def test_the_manager_does_not_plan_two_groups_on_the_same_room_until_heartbeats_
     second = router.plan(req, views(10.6, used=0), hops, now_s=10.7)
     assert second.esp.bounds[-1] == 150
     assert [g.request_id for g in router.to_proto()] == ["b", "a"]
+
+
+# -- plan_batch_slices: several requests in one group iteration ------------------------------------
+
+
+def test_a_batch_gives_each_request_its_fewest_holders_and_its_own_master() -> None:
+    members = [EspInstance("a", 0, 1000), EspInstance("b", 400, 1000), EspInstance("c", 600, 1000)]
+    plans = plan_batch_slices([(EspRequest("short", 500), 20), (EspRequest("long", 900), 50)], members)
+    assert plans is not None
+    # Longest first: 950 tokens fit a (1000 free) alone; then 520 go to b (600 free), not to a (50 left).
+    assert plans["long"].members == ("a",) and plans["long"].bounds == (0, 900)
+    assert plans["short"].members == ("b",) and plans["short"].bounds == (0, 500)
+    assert plans["long"].spares == ("b", "c") and plans["short"].spares == ("c", "a")
+
+
+def test_a_request_no_member_holds_is_cut_in_proportion_with_the_master_last() -> None:
+    members = [EspInstance("a", 0, 1000), EspInstance("b", 200, 1000)]
+    plans = plan_batch_slices([(EspRequest("r", 1500), 100)], members)
+    assert plans is not None
+    # b (800 free) and a (1000 free, less 100 for the decoded tokens: 900): 1500 * 800 // 1700 = 705,
+    # 1500 * 900 // 1700 = 794, the 1 left to the first with room; a, with the most free, is master.
+    assert plans["r"].members == ("b", "a") and plans["r"].bounds == (0, 706, 1500)
+    assert plans["r"].spares == ()
+
+
+def test_the_requests_of_a_batch_share_members_within_their_free_kv() -> None:
+    members = [EspInstance("a", 0, 2048), EspInstance("b", 0, 2048), EspInstance("c", 1024, 2048)]
+    reqs = [(EspRequest("r1", 2500), 100), (EspRequest("r2", 1200), 40), (EspRequest("r3", 300), 8)]
+    plans = plan_batch_slices(reqs, members, block_size=16)
+    assert plans is not None and set(plans) == {"r1", "r2", "r3"}
+    held = {m.instance_id: 0 for m in members}
+    for req, decode in reqs:
+        plan = plans[req.request_id]
+        assert plan.bounds[0] == 0 and plan.bounds[-1] == req.length
+        for m, lo, hi in zip(plan.members, plan.bounds, plan.bounds[1:], strict=False):
+            n = hi - lo + (decode if m == plan.members[-1] else 0)
+            held[m] += -(-n // 16) * 16  # each slice in whole blocks of its own
+    assert all(held[m.instance_id] <= m.free for m in members), held
+    assert len({plans[r].members[-1] for r in plans}) >= 2  # several masters in one group
+    # Tight: 40 tokens take 3 of a's 4 blocks, so 20 more cannot go to a alone (24 tokens, 1 block).
+    tight = [EspInstance("a", 0, 64), EspInstance("b", 48, 64)]
+    plans = plan_batch_slices([(EspRequest("r1", 40), 0), (EspRequest("r2", 20), 0)], tight, block_size=16)
+    assert plans is not None and plans["r1"].members == ("a",)
+    assert plans["r2"].members == ("a", "b") and plans["r2"].bounds == (0, 16, 20)  # a block on each
+
+
+def test_a_batch_that_does_not_fit_is_refused_and_bad_input_named() -> None:
+    members = [EspInstance("a", 0, 1000), EspInstance("b", 0, 1000)]
+    assert plan_batch_slices([(EspRequest("r1", 1200), 0), (EspRequest("r2", 900), 0)], members) is None
+    with pytest.raises(ValueError, match="'r0'"):
+        plan_batch_slices([(EspRequest("r0", 0), 1)], members)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        plan_batch_slices([], members, block_size=0)
+
+
+def test_plan_batches_then_slices_place_every_request_of_a_batched_plan() -> None:
+    """A large fixed cost per iteration makes the DP batch requests together; every batch's
+    requests then get slices on that batch's instances only, within their free KV."""
+    models = {1: StepTimeModel(1000, 0.01, 1e-6), 2: StepTimeModel(1100, 0.005, 5e-7)}
+    reqs = _reqs([3000, 2500, 1200, 800, 400])
+    insts = [EspInstance(f"i{k}", 1000 * k, 6000) for k in range(4)]
+    plan = plan_batches(reqs, insts, models)
+    assert plan is not None and max(len(b.request_ids) for b in plan.batches) >= 2
+    by_id = {r.request_id: r for r in reqs}
+    for batch in plan.batches:
+        members = [i for i in insts if i.instance_id in batch.instance_ids]
+        plans = plan_batch_slices([(by_id[r], 0) for r in batch.request_ids], members)
+        assert plans is not None and set(plans) == set(batch.request_ids)
+        assert all(set(p.members) <= set(batch.instance_ids) for p in plans.values())

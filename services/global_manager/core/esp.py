@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 __all__ = [
     "Batch",
@@ -36,6 +37,7 @@ __all__ = [
     "allocate_instances",
     "decode_degree",
     "dispatch",
+    "plan_batch_slices",
     "plan_batches",
     "plan_group",
     "default_step_models",
@@ -105,17 +107,22 @@ def dispatch(queue: Sequence[EspRequest], free_tokens: int, max_requests: int | 
     return out
 
 
-def allocate_instances(instances: Sequence[EspInstance], need_tokens: int) -> tuple[list[EspInstance], list[str]]:
+def allocate_instances(
+    instances: Sequence[EspInstance], need_tokens: int, *, all_idle: bool = False
+) -> tuple[list[EspInstance], list[str]]:
     """Instances for a prefill that needs `need_tokens` free KV tokens: idle ones (most free
     first), then busy ones with the fewest used tokens, whose KV must be migrated away first
-    (their ids are returned as preempted). Raises ValueError when all of them cannot hold it."""
+    (their ids are returned as preempted). By default only as many idle ones as the need takes;
+    with `all_idle`, every idle one (the batching DP then picks the degree, and may leave some
+    unused), busy ones still only as the need requires. Raises ValueError when all of them
+    cannot hold it."""
     idle = sorted((i for i in instances if i.idle), key=lambda i: (-i.free, i.instance_id))
     busy = sorted((i for i in instances if not i.idle), key=lambda i: (i.used, i.instance_id))
     chosen: list[EspInstance] = []
     preempted: list[str] = []
     have = 0
     for inst in idle:
-        if have >= need_tokens:
+        if have >= need_tokens and not all_idle:
             break
         chosen.append(inst)
         have += inst.free
@@ -130,6 +137,19 @@ def allocate_instances(instances: Sequence[EspInstance], need_tokens: int) -> tu
         total = sum(i.capacity for i in instances)
         raise ValueError(f"{need_tokens} KV tokens needed, the {len(instances)} instances hold {total} in all")
     return chosen, preempted
+
+
+def _lagged(h: np.ndarray, width: int) -> np.ndarray:
+    """A read-only [..., i, b] view of h[..., width + i - 1 - b] for b < width, no copy: the
+    values x = h[..., width:] lagged by b + 1, reading h's first `width` cells (a fill) where
+    i - 1 - b < 0."""
+    step = h.strides[-1]
+    shape = (*h.shape[:-1], h.shape[-1] - width, width)
+    return as_strided(h[..., width - 1 :], shape=shape, strides=(*h.strides[:-1], step, -step), writeable=False)
+
+
+def _padded(x: np.ndarray, width: int, fill: float) -> np.ndarray:
+    return np.concatenate((np.full(width, fill), x))
 
 
 def plan_batches(
@@ -155,73 +175,89 @@ def plan_batches(
     s2 = np.concatenate(([0.0], np.cumsum(lengths**2)))
     inv = np.concatenate(([0.0], np.cumsum(1.0 / lengths)))
     free = np.concatenate(([0.0], np.cumsum([max(i.free, 0) for i in insts])))
-    # Batch (i - b, i] is held as row i, column b - 1 of a band: no batch holds more requests
-    # than fit the largest free KV any u instances offer, so b <= width (requests are sorted,
-    # so the batches that fit a room are the runs up to some length).
-    # Per degree, only the batches its largest room can hold: columns [0, widths[u]).
-    rows = np.arange(n + 1)
+    # Per degree, the most requests one batch can hold: the longest run that fits the largest
+    # room any u consecutive instances offer (requests are sorted, so that bounds every batch).
+    ends = np.arange(n + 1)
     widths: dict[int, int] = {}
     for u in degrees:
-        room_u = max((free[k] - free[k - u] for k in range(u, k_max + 1)), default=0.0)
-        shortest = np.searchsorted(s1, s1 - room_u, side="left")
-        widths[u] = max(int((rows - shortest).max()), 1)
+        room_u = float((free[u:] - free[:-u]).max()) if u <= k_max else 0.0
+        widths[u] = max(int((ends - np.searchsorted(s1, s1 - room_u, side="left")).max()), 1)
     width = max(widths.values())
-    i_idx = rows.reshape(-1, 1)
-    j_idx = i_idx - np.arange(1, width + 1).reshape(1, -1)  # [i, b - 1] -> j
-    valid = j_idx >= 0
-    j_safe = np.where(valid, j_idx, 0)
-    sums = s1[i_idx] - s1[j_safe]
-    bs1 = np.where(valid, sums, np.inf)  # a column past the first request fits no room
-    bs2 = s2[i_idx] - s2[j_safe]
-    binv = inv[i_idx] - inv[j_safe]
-    times = {u: models[u].a + models[u].b * sums[:, : widths[u]] + models[u].c * bs2[:, : widths[u]] for u in degrees}
-    costs = {u: np.where(valid[:, : widths[u]], times[u] * binv[:, : widths[u]], np.inf) for u in degrees}
-    # Column-major: the DP reads and writes whole columns f[:, k].
-    f = np.full((n + 1, k_max + 1), np.inf, order="F")
-    f[0, :] = 0.0
-    fits = {u: bs1[:, : widths[u]] for u in degrees}
-    starts = {u: np.ascontiguousarray(j_safe[:, : widths[u]]) for u in degrees}
-    # f[i, k]: the least cost of the first i requests on the first k instances. Only the values
-    # are kept; the optimal cut is recovered afterwards by re-deriving the few states on its path.
+    # Batches in a band [i, b]: requests (i - 1 - b, i], the j = i - 1 - b before them left out.
+    # Each matrix is built once from lagged views (no gather); a band cell past the first
+    # request has an infinite span, so it fits no room and every read below masks it out.
+    span = s1[:, None] - _lagged(_padded(s1, width, -np.inf), width)
+    sums = s1[:, None] - _lagged(_padded(s1, width, 0.0), width)
+    sq = s2[:, None] - _lagged(_padded(s2, width, 0.0), width)
+    weight = inv[:, None] - _lagged(_padded(inv, width, 0.0), width)
+    costs: dict[int, np.ndarray] = {}
+    for u in degrees:  # (a + b * sums + c * sq) * weight, in place: the same floats, fewer temporaries
+        w, m = widths[u], models[u]
+        cost = np.multiply(sums[:, :w], m.b)
+        cost += m.a
+        cost += np.multiply(sq[:, :w], m.c)
+        cost *= weight[:, :w]
+        costs[u] = cost
+    # reach[k]: the most requests the first k instances can hold (sum of lengths <= their total
+    # free KV). f[k, i] is infinite for every i past it, whatever the cut, so no state past it is
+    # computed, nor any batch starting past reach[k - u]: a provably safe bound, not a heuristic.
+    reach = np.searchsorted(s1, free, side="right") - 1
+    # f[k, i]: the least cost of the first i requests on the first k instances; `before` is a
+    # view of it, before[k, i, b] = f[k, i - 1 - b] (infinite before the first request).
+    pad = np.full((k_max + 1, width + n + 1), np.inf)
+    pad[:, width] = 0.0
+    f = pad[:, width:]
+    before = _lagged(pad, width)
     for k in range(1, k_max + 1):
-        best = f[:, k - 1].copy()  # instance k left unused
+        best = f[k - 1].copy()  # instance k left unused
         for u in degrees:
             if u > k:
                 break
-            total = np.where(fits[u] <= free[k] - free[k - u], costs[u], np.inf)  # [i, b - 1]
-            total += f[:, k - u][starts[u]]
-            np.minimum(best, total.min(axis=1), out=best)
-        f[:, k] = best
-    if not math.isfinite(f[n, k_max]):
+            room = free[k] - free[k - u]
+            w = widths[u]
+            # Batch ends i: up to reach[k], and no further than w past the last start f reaches.
+            top = min(int(reach[k]), int(reach[k - u]) + w) + 1
+            if top <= 1:
+                continue
+            # This room's widest batch ends last (the shortest requests): no column past it fits.
+            w = min(w, top - 1 - int(np.searchsorted(s1, s1[top - 1] - room, side="left")))
+            if w < 1:
+                continue
+            total = costs[u][1:top, :w] + before[k - u, 1:top, :w]
+            total = np.where(span[1:top, :w] <= room, total, np.inf).min(axis=1)
+            np.minimum(best[1:top], total, out=best[1:top])
+        f[k] = best
+    if not math.isfinite(f[k_max, n]):
         return None
+    # The optimal cut, re-derived from the values: at each state, the term that gave its value.
     batches: list[Batch] = []
     i, k = n, k_max
     while i > 0:
-        if f[i, k] == f[i, k - 1]:
+        if f[k, i] == f[k - 1, i]:
             k -= 1  # the optimum leaves instance k unused
             continue
         for u in degrees:
             if u > k:
                 continue
             w = widths[u]
-            total = np.where(bs1[i, :w] <= free[k] - free[k - u], costs[u][i], np.inf) + f[j_safe[i, :w], k - u]
-            col = int(total.argmin())
-            if total[col] == f[i, k]:
+            total = np.where(span[i, :w] <= free[k] - free[k - u], costs[u][i] + before[k - u, i, :w], np.inf)
+            b = int(total.argmin())
+            if total[b] == f[k, i]:
                 break
         else:  # pragma: no cover - the values above were computed from these very terms
             raise AssertionError(f"no batch ends the optimum at request {i}, instance {k}")
-        j = int(j_idx[i, col])
-        t = float(times[u][i, col])
+        j = i - 1 - b
+        t = float(models[u].time(s1[i] - s1[j], s2[i] - s2[j]))
         batches.append(
             Batch(
                 request_ids=tuple(r.request_id for r in reqs[j:i]),
                 instance_ids=tuple(x.instance_id for x in insts[k - u : k]),
                 time=t,
-                cost=t * float(binv[i, col]),
+                cost=float(costs[u][i, b]),
             )
         )
         i, k = j, k - u
-    return BatchPlan(tuple(reversed(batches)), float(f[n, k_max]))
+    return BatchPlan(tuple(reversed(batches)), float(f[k_max, n]))
 
 
 def decode_degree(need_tokens: int, holders: Sequence[EspInstance]) -> list[EspInstance]:
@@ -279,6 +315,63 @@ def _cut(length: int, room: Sequence[int], block_size: int) -> list[int] | None:
     return shares
 
 
+def _slices(
+    length: int, decode_tokens: int, members: Sequence[EspInstance], block_size: int
+) -> tuple[list[str], list[int] | None]:
+    """`members` in slice order and the prompt tokens each computes and keeps: the master (last)
+    is the member with the most free KV and keeps room for the `decode_tokens` too; the cut is
+    `_cut`'s (None when it does not fit)."""
+    ordered = sorted(members, key=lambda i: (i.free, i.instance_id))
+    free = [i.free // block_size * block_size for i in ordered]
+    free[-1] = max(free[-1] - decode_tokens, 0)
+    return [i.instance_id for i in ordered], _cut(length, free, block_size)
+
+
+def plan_batch_slices(
+    requests: Sequence[tuple[EspRequest, int]], members: Sequence[EspInstance], *, block_size: int = 1
+) -> dict[str, GroupPlan] | None:
+    """Several requests prefilled in one iteration of one group (a `Batch` of `plan_batches`):
+    `requests` as (request, tokens it will decode), `members` the batch's instances. Longest
+    first, each request's prompt goes to the fewest members whose free KV holds it and its
+    decoded tokens (`decode_degree`: the KV stays where the request will decode from, the
+    paper's proactive scale-down), cut in proportion to their free KV in whole blocks, the
+    master (most free) keeping the decoded tokens' room; each later request sees what the
+    earlier ones left. Different requests may have different masters (multi-master decode);
+    a request's spares are the batch's other members (most free KV left first). The master
+    keeps its place, last, even with an empty slice when its room all goes to the decoded
+    tokens. None when they do not all fit."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size!r}")
+    bad = [(r.request_id, d) for r, d in requests if r.length <= 0 or d < 0]
+    if bad:
+        raise ValueError(f"request {bad[0][0]!r}: length must be > 0 and decode tokens >= 0")
+    cap = {m.instance_id: m.capacity for m in members}
+    left = {m.instance_id: m.free for m in members}
+    out: dict[str, GroupPlan] = {}
+    for req, decode in sorted(requests, key=lambda x: (-x[0].length, x[0].request_id)):
+        view = [EspInstance(m, cap[m] - left[m], cap[m]) for m in cap]
+        try:
+            holders = decode_degree(req.length + decode, view)
+        except ValueError:
+            return None
+        ids, shares = _slices(req.length, decode, holders, block_size)
+        if shares is None:  # whole blocks did not fit the fewest: all the members, then none
+            ids, shares = _slices(req.length, decode, [v for v in view if v.free > 0], block_size)
+            if shares is None:
+                return None
+        kept = [(m, n) for m, n in zip(ids, shares, strict=True) if n > 0 or m == ids[-1]]
+        bounds = [0]
+        for m, n in kept:
+            bounds.append(bounds[-1] + n)
+            # Each slice is a sequence of its own on its member: it takes whole blocks.
+            n += decode if m == ids[-1] else 0
+            left[m] -= -(-n // block_size) * block_size
+        chosen = [m for m, _ in kept]
+        spares = tuple(m for m in sorted(cap, key=lambda m: (-left[m], m)) if m not in chosen)
+        out[req.request_id] = GroupPlan(tuple(chosen), tuple(bounds), spares)
+    return out
+
+
 def plan_group(
     request: EspRequest,
     decode_tokens: int,
@@ -317,12 +410,7 @@ def plan_group(
     ]
 
     def cut(members: list[str], keep_decode: bool) -> tuple[list[str], list[int] | None]:
-        # The master (last) is the member with the most free KV: it also holds the decoded tokens.
-        ordered = sorted(members, key=lambda iid: (by_id[iid].free, iid))
-        free = [by_id[iid].free // block_size * block_size for iid in ordered]
-        if keep_decode:
-            free[-1] = max(free[-1] - decode_tokens, 0)
-        return ordered, _cut(request.length, free, block_size)
+        return _slices(request.length, decode_tokens if keep_decode else 0, [by_id[m] for m in members], block_size)
 
     chosen, shares = cut(chosen, True)
     # When the DP's members cannot also keep the decoded tokens' room, the next instance joins
