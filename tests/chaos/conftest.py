@@ -1,9 +1,13 @@
-"""Chaos fixtures: a mesh of real processes per test (each fault breaks it), on the tiny model.
+"""Chaos fixtures: the two topologies a fault runs in (a fresh mesh of real processes per test,
+each fault breaks it), on the tiny model with emulated accelerator pacing (10 ms + 0.2 ms per
+token a step) and emulated 10 Mbit/s data-plane links, so a load of the 3.6 MB model takes
+about 3 s and a fault can land while parameters are moving.
 
-Four workers, two SERVING at the start and two IDLE to scale into; emulated accelerator pacing
-(10 ms + 0.2 ms per token a step) and emulated 20 Mbit/s data-plane links, so a load of the
-3.6 MB model takes about 3 s and a fault can land while parameters are moving. Autoscaling
-is off: each test scales out through the admin API at a moment of its choosing.
+- `chaos_config`: four workers, two SERVING and two IDLE to scale into, autoscaling off (each
+  test scales out through the admin API at a moment of its choosing);
+- `default_topology_config`: `make up`'s shape, 3 workers (1 SERVING), autoscaling, supervised.
+
+Kinds marked `chaos_full` are skipped unless BLITZMESH_CHAOS_FULL=1 (`python -m bench.chaos`).
 """
 
 from __future__ import annotations

@@ -428,9 +428,15 @@ async def check_flood(run: FaultRun, out: ChaosOutcome) -> None:
     statuses, bodies = run.state["statuses"], run.state["bodies"]
     assert len(statuses) == 10 * MAX_CONCURRENCY
     assert set(statuses) <= {200, 429}, sorted(set(statuses))
-    assert 429 in statuses and 200 in statuses
+    assert 429 in statuses, sorted(set(statuses))
+    if run.topology is not DEFAULT:
+        # In the default topology the burst's 16 long requests hold all 8 slots and half the
+        # queue for their 400 tokens, so the whole flood may be refused: that is the design.
+        assert 200 in statuses, sorted(set(statuses))
+    run.state["flood_statuses"] = {str(c): statuses.count(c) for c in sorted(set(statuses))}
     assert all("overloaded" in b or "queue" in b for b in bodies), bodies[:3]
     assert all("429" in m for m in out.error_messages), out.error_messages
+    out.notes["flood_statuses"] = run.state["flood_statuses"]
     gateway_growth(run, 128 * 1024 * 1024)
 
 

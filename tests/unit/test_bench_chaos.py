@@ -12,20 +12,24 @@ def row(fault: str, **kw: int) -> dict[str, object]:
     return {"fault": fault, "lost": 0, "hung": 0, "rolled_back": 0, **kw}
 
 
-def test_summary_counts_only_kinds_with_nothing_lost_and_no_rollback() -> None:
+def test_summary_counts_only_matrix_kinds_with_nothing_lost_and_no_rollback() -> None:
     rows = [
         row("worker_sigstop"),
         row("chain_hop_killed", rolled_back=1),
         row("default_topology_worker_sigstop"),
         row("default_topology_gateway_sigstop", lost=2),
+        row("default_topology_only_serving_worker_sigkill"),
         row("link_rate_collapse"),
     ]
     s = summarize(rows)
     assert s["four"]["passed"] == ["worker_sigstop"] and s["four"]["kinds"] == 1
     assert s["four"]["failed"] == {"chain_hop_killed": "rolled_back=1"}
-    assert s["default"]["passed"] == ["default_topology_worker_sigstop"]
-    assert s["default"]["failed"] == {"default_topology_gateway_sigstop": "lost=2"}
-    assert s["below_the_mesh"] == ["link_rate_collapse"] and not s["four"]["meets_target"]
+    assert len(s["four"]["not_run"]) == len(FAULTS) - 2
+    assert s["default"]["passed"] == ["worker_sigstop"]
+    assert s["default"]["failed"] == {"gateway_sigstop": "lost=2"}
+    # The default topology's own tests are listed, not counted as kinds.
+    assert list(s["default_topology_own_tests"]) == ["default_topology_only_serving_worker_sigkill"]
+    assert list(s["below_the_mesh"]) == ["link_rate_collapse"] and not s["four"]["meets_target"]
     assert s["target_kinds"] == TARGET_KINDS == 16
 
 
