@@ -16,6 +16,11 @@ takes a couple of seconds), then calls `run_chaos` with the fault as a coroutine
    that point;
 5. writes one row to `bench/results/chaos.json` and returns the `ChaosOutcome` for the test to
    assert on.
+
+The same run has two topologies (`Topology`): the 4-worker chaos mesh (2 SERVING, 2 IDLE,
+autoscaling off: step 2 is the admin API's scale-out), and the default topology of `make up`
+(1 SERVING, 2 IDLE, autoscaling on: long streams added to the burst set the autoscaler off, and
+the fault lands in the scale-out it starts; rows are named `default_topology_<fault>`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,23 @@ TRACE = REPO_ROOT / "traces" / "azure_llm_2023_code.csv"
 RESULTS = REPO_ROOT / "bench" / "results" / "chaos.json"
 MODEL = "tiny"
 REQUEST_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a fault is injected, and how the scale-out it lands in starts."""
+
+    name: str
+    row_prefix: str  # of the fault's row in chaos.json
+    admin_scale_by: int  # the scale-out run_chaos asks for through the admin API (0: the autoscaler's own)
+    load_streams: int  # long requests at the burst's start that set the autoscaler off
+    plan_timeout_s: float  # how long the scale-out's transfer plan may take to appear
+
+
+FOUR = Topology("four", "", admin_scale_by=2, load_streams=0, plan_timeout_s=30.0)
+DEFAULT = Topology("default", "default_topology_", admin_scale_by=0, load_streams=16, plan_timeout_s=60.0)
+TOPOLOGIES = {t.name: t for t in (FOUR, DEFAULT)}
+LOAD_STREAM_TOKENS = 400  # with a 16-token prompt, inside the tiny model's 512-token context
 
 
 def code_trace_burst(span_s: float = 12.0, max_requests: int = 60) -> list[Arrival]:
@@ -73,9 +95,23 @@ class ChaosOutcome:
     events: list[dict[str, Any]] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
     final_states: dict[str, str] = field(default_factory=dict)  # instance id -> state once healthy
+    victims: tuple[str, ...] = ()  # instances the fault itself killed or hung
+
+    @property
+    def rolled_back(self) -> list[str]:
+        """Instances whose scale-out was rolled back, other than the fault's own victims (a
+        killed target's load failing is the fault, not a rollback the fault caused)."""
+        return sorted(
+            {
+                e["instance_id"]
+                for e in self.events
+                if e["action"] == "scale_out" and e["status"] == "rolled_back" and e["instance_id"] not in self.victims
+            }
+        )
 
     def row(self) -> dict[str, Any]:
-        return {
+        """The fault's row: the counts, then its notes (a note cannot overwrite a count)."""
+        counts = {
             "fault": self.fault,
             "requests": self.requests,
             "completed": self.completed,
@@ -84,8 +120,9 @@ class ChaosOutcome:
             "lost": self.lost,
             "hung": self.hung,
             "recovery_s": round(self.recovery_s, 2),
-            **self.notes,
+            "rolled_back": len(self.rolled_back),
         }
+        return {**counts, **{k: v for k, v in self.notes.items() if k not in counts}}
 
     def unresolved_scale_outs(self) -> list[str]:
         """Instances a scale-out started loading that neither served nor were rolled back: no
@@ -168,18 +205,31 @@ async def healthy(mesh: Mesh, client: blitzmesh.AsyncClient) -> bool:
 Fault = Callable[[Mesh, list[dict[str, Any]]], Awaitable[dict[str, Any] | None]]
 
 
+def with_load_streams(arrivals: list[Arrival], n: int) -> list[Arrival]:
+    """`arrivals` with `n` long requests at their start (the default topology's one SERVING
+    instance then holds more than the autoscaler's target per instance)."""
+    first = max((a.index for a in arrivals), default=-1) + 1
+    t0 = arrivals[0].t_s if arrivals else 0.0
+    extra = [Arrival(first + i, t0, 16, LOAD_STREAM_TOKENS) for i in range(n)]
+    return [*extra, *arrivals]
+
+
 async def run_chaos(
     mesh: Mesh,
     fault_name: str,
     fault: Fault,
     *,
     arrivals: list[Arrival],
-    scale_by: int = 2,
+    topology: Topology = FOUR,
     when: Callable[[dict[str, Any]], bool] | None = None,
     recovery_timeout_s: float = 90.0,
+    victims: Callable[[], tuple[str, ...]] = tuple,
 ) -> ChaosOutcome:
-    """Replay `arrivals`, scale out by `scale_by`, inject `fault` when an event matches `when`
-    (default: the scale-out's `transfer_plan`), and measure the aftermath."""
+    """Replay `arrivals`, start the topology's scale-out, inject `fault` when an event matches
+    `when` (default: the scale-out's `transfer_plan`), and measure the aftermath. `victims`
+    names, once the fault has run, the instances it killed or hung."""
+    arrivals = with_load_streams(arrivals, topology.load_streams)
+    fault_name = topology.row_prefix + fault_name
     events: list[dict[str, Any]] = []
     clock0 = time.monotonic()
     async with blitzmesh.AsyncClient(mesh.gateway_grpc, timeout_s=30) as client:
@@ -218,8 +268,17 @@ async def run_chaos(
             # The scale-out starts once the burst is under way: a chosen moment, the quarter of
             # the burst's arrivals (at most 1 s in), not a wait for a condition.
             await asyncio.sleep(min(1.0, arrivals[len(arrivals) // 4].t_s if arrivals else 0.0))
-            scaling = asyncio.create_task(client.scale(MODEL, scale_by, wait=True, timeout_s=120))
-            await wait_event(events, when or (lambda e: e["action"] == "transfer_plan"), 30.0, "moment for the fault")
+            scaling = asyncio.create_task(
+                client.scale(MODEL, topology.admin_scale_by, wait=True, timeout_s=120)
+                if topology.admin_scale_by
+                else asyncio.sleep(0)  # the autoscaler's scale-out: nothing to ask for
+            )
+            await wait_event(
+                events,
+                when or (lambda e: e["action"] == "transfer_plan"),
+                topology.plan_timeout_s,
+                "moment for the fault",
+            )
             fault_at = time.monotonic()
             notes = await fault(mesh, events) or {}
             result = await traffic
@@ -262,6 +321,7 @@ async def run_chaos(
         events=events,
         notes=notes,
         final_states=final_states,
+        victims=victims(),
     )
     write_row(outcome.row())
     return outcome

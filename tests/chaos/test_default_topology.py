@@ -31,10 +31,8 @@ import pytest_asyncio
 
 import blitzmesh
 from services.common.waiting import wait_until
-from services.mesh.__main__ import LOCAL_POLICY_PARAMS, LOCAL_WINDOW_S, SCHEDULE_WAIT_S
 from services.mesh.launcher import Mesh
-from services.mesh.supervision import RestartPolicy
-from tests.chaos.conftest import chaos_config
+from tests.chaos.conftest import default_topology_config
 from tests.chaos.harness import MODEL, gateway_counter, write_row
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
@@ -49,24 +47,7 @@ STALL_S = 30.0  # the stall a load used to suffer from a dropped hop (publish_wa
 @pytest_asyncio.fixture(loop_scope="function")
 async def default_mesh(chaos_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Mesh]:
     monkeypatch.setenv("BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS", "0.01")
-    cfg = chaos_config(
-        chaos_model_dir,
-        tmp_path / "run",
-        # After the kill, up to 3 workers reload from the one host cache at once: its 10 Mbit/s
-        # link then moves each ~1 MiB group message in ~2.5 s, past the suite's 2 s stall timeout,
-        # and every reload would restart from its late group again and again.
-        ("--stall-timeout-s", "5"),
-        workers=3,
-        initial_instances=1,
-        host_caches=1,
-        autoscale=True,
-        policy_params=dict(LOCAL_POLICY_PARAMS),
-        window_s=LOCAL_WINDOW_S,
-        schedule_wait_s=SCHEDULE_WAIT_S,
-        supervise=True,
-        restart_policy=RestartPolicy(initial_backoff_s=0.2, max_backoff_s=1.0, max_restarts=5, window_s=120.0),
-    )
-    async with Mesh(cfg) as m:
+    async with Mesh(default_topology_config(chaos_model_dir, tmp_path / "run")) as m:
         yield m
 
 
