@@ -1,12 +1,16 @@
 """HeteroScale's queue-aware trigger (`queue_target_s`): queued prompt tokens and the wait they
-mean at the pool's prefill rate grow the pools in one step, before TTFT rises; off, the
-docs/algorithms.md 1 vectors hold as written."""
+mean at each instance's measured prefill capacity (or, before any is measured, the pool's served
+prefill rate) grow the pools in one step, before TTFT rises; off, the docs/algorithms.md 1
+vectors hold as written."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.global_manager.core.policies import HeteroScaleConfig, HeteroScalePolicy
+from services.global_manager.core.load_monitor import LoadMonitor
+from services.global_manager.core.policies import HeteroScaleConfig, HeteroScalePolicy, queue_wait_s
+from services.global_manager.core.types import ClusterSnapshot, LoadSample, Role
+from tests.unit.test_gm_monitor import view
 from tests.unit.test_gm_policies import colo, counts, split
 
 
@@ -59,6 +63,7 @@ def test_the_queue_trigger_waits_out_the_cooldown_and_holds_a_scale_in() -> None
 def test_the_shipped_default_is_on_at_half_a_second() -> None:
     cfg = HeteroScaleConfig()
     assert (cfg.queue_target_s, cfg.queue_max_factor, cfg.queue_min_tokens) == (0.5, 8.0, 512)
+    assert cfg.queue_rate == "capacity"
 
 
 def test_off_it_leaves_the_written_heteroscale() -> None:
@@ -70,3 +75,67 @@ def test_off_it_leaves_the_written_heteroscale() -> None:
 def test_bad_values_are_refused(field: str, bad: float) -> None:
     with pytest.raises(ValueError, match=field):
         HeteroScaleConfig(**{field: bad})
+
+
+# -- the wait at each instance's measured prefill capacity ----------------------------------------
+
+
+def monitored(*samples: tuple[str, int, float], served: float = 0.0) -> ClusterSnapshot:
+    """A colocated snapshot through the real LoadMonitor: one heartbeat per (instance, queued
+    prompt tokens, measured prefill capacity; 0 = none yet), each serving `served` tokens/s."""
+    mon = LoadMonitor(window_s=10.0, lost_after_s=30.0)
+    for iid, queued, capacity in samples:
+        mon.observe(
+            LoadSample(
+                iid,
+                1.0,
+                decode_tps=100.0,
+                prefill_tps=served,
+                waiting_prefill_tokens=queued,
+                prefill_capacity_tps=capacity,
+            )
+        )
+    return mon.snapshot(1.0, [view(iid, Role.COLOCATED) for iid, _, _ in samples])
+
+
+def test_a_near_idle_pool_never_reads_as_a_queue_at_its_capacity() -> None:
+    """40 queued tokens served at 20 tokens/s read as 2 s, but the instances prefill 10,000
+    tokens/s: 4 ms. No floor on the tokens is needed, unlike the served rate's."""
+    snap = monitored(("a", 40, 10_000.0), ("b", 0, 10_000.0), served=20.0)
+    assert queue_wait_s(snap.token_pool) == pytest.approx(0.002)
+    assert policy(queue_min_tokens=0).decide(2.0, snap).action == "no_change"
+    served = policy(queue_min_tokens=0, queue_rate="served").decide(2.0, snap)
+    assert served.action == "scale_out" and "at 40 tokens/s" in served.reason  # the false alarm it avoids
+
+
+def test_a_backlog_on_slow_instances_waits_longer_than_the_same_on_fast_ones() -> None:
+    # 3,000 tokens on an instance that prefills 1,000 tokens/s: 3 s; its fast peer is empty.
+    # The mean wait over the two, 1.5 s, is x3 the 0.5 s target.
+    slow = monitored(("slow", 3000, 1000.0), ("fast", 0, 10_000.0))
+    assert queue_wait_s(slow.token_pool) == pytest.approx(1.5)
+    d = policy().decide(2.0, slow)
+    assert d.action == "scale_out" and d.instances_to == 6 and d.reason.startswith("QUEUE: 3000 prompt tokens")
+    fast = monitored(("slow", 0, 1000.0), ("fast", 3000, 10_000.0))  # 0.3 s on the fast one
+    assert queue_wait_s(fast.token_pool) == pytest.approx(0.15)
+    assert policy().decide(2.0, fast).action == "no_change"
+
+
+def test_an_instance_without_a_capacity_yet_counts_at_the_pools_mean() -> None:
+    # "new" has not prefilled yet: its 8,000 tokens count at the measured mean, 4,000 tokens/s.
+    snap = monitored(("a", 0, 2000.0), ("b", 0, 6000.0), ("new", 8000, 0.0))
+    assert queue_wait_s(snap.token_pool) == pytest.approx(2.0 / 3)
+
+
+def test_with_no_capacity_measured_anywhere_the_served_rate_and_its_floor_decide() -> None:
+    snap = monitored(("a", 3000, 0.0), ("b", 0, 0.0), served=500.0)
+    assert queue_wait_s(snap.token_pool) is None
+    d = policy().decide(2.0, snap)  # 3,000 tokens at 1,000 tokens/s served: 3 s
+    assert d.action == "scale_out" and "at 1000 tokens/s > 0.5s" in d.reason
+    assert policy(queue_min_tokens=4000).decide(2.0, snap).action == "no_change"
+
+
+def test_a_negative_capacity_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"prefill_capacity_tps must be >= 0, got -1\.0"):
+        LoadSample("w", 0.0, prefill_capacity_tps=-1.0)
+    with pytest.raises(ValueError, match="queue_rate"):
+        HeteroScaleConfig(queue_rate="guess")  # type: ignore[arg-type]
