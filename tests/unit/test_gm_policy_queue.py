@@ -139,3 +139,14 @@ def test_a_negative_capacity_is_refused_by_name() -> None:
         LoadSample("w", 0.0, prefill_capacity_tps=-1.0)
     with pytest.raises(ValueError, match="queue_rate"):
         HeteroScaleConfig(queue_rate="guess")  # type: ignore[arg-type]
+
+
+def test_the_wait_is_each_instances_latest_heartbeat_not_its_window_mean() -> None:
+    """A queue is a state: a burst's backlog counts at its size now, not averaged with the
+    empty heartbeats before it."""
+    mon = LoadMonitor(window_s=10.0, lost_after_s=30.0)
+    for t, queued in ((1.0, 0), (2.0, 0), (3.0, 0), (4.0, 5000)):
+        mon.observe(LoadSample("a", t, waiting_prefill_tokens=queued, prefill_capacity_tps=1000.0))
+    pool = mon.snapshot(4.0, [view("a", Role.COLOCATED)]).token_pool
+    assert queue_wait_s(pool) == pytest.approx(5.0)  # 5,000 tokens at 1,000 tokens/s; a mean: 1.25
+    assert pool.waiting_prefill_tokens == pytest.approx(1250.0)  # the rates and counts stay window means

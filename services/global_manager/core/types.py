@@ -176,9 +176,9 @@ class PoolSnapshot:
     waiting_prefill_tokens: float = 0.0
     kv_blocks_used: float = 0.0
     kv_blocks_total: float = 0.0
-    # From each instance's measured prefill capacity (LoadSample.prefill_capacity_tps), summed
-    # like the rates: the capacities, the instances with one (a window mean of 0/1 each), the
-    # seconds their queued prompt tokens wait at it, and the queued tokens of those without one.
+    # From each instance's latest heartbeat in the window, summed over the pool: its measured
+    # prefill capacity (LoadSample.prefill_capacity_tps), whether it has one (0/1), the seconds
+    # its queued prompt tokens wait at it, and the queued tokens of one without a capacity.
     prefill_capacity_tps: float = 0.0
     prefill_measured: float = 0.0
     prefill_wait_s: float = 0.0
