@@ -150,3 +150,12 @@ def test_the_wait_is_each_instances_latest_heartbeat_not_its_window_mean() -> No
     pool = mon.snapshot(4.0, [view("a", Role.COLOCATED)]).token_pool
     assert queue_wait_s(pool) == pytest.approx(5.0)  # 5,000 tokens at 1,000 tokens/s; a mean: 1.25
     assert pool.waiting_prefill_tokens == pytest.approx(1250.0)  # the rates and counts stay window means
+
+
+def test_drain_growth_keeps_the_served_load_and_adds_the_backlogs_drain() -> None:
+    # 1.5 s of backlog against a 0.5 s target: wait grows the 2 instances x3, drain x(1 + 3).
+    slow = monitored(("slow", 3000, 1000.0), ("fast", 0, 10_000.0))
+    assert policy().decide(2.0, slow).instances_to == 6
+    d = policy(queue_growth="drain").decide(2.0, slow)
+    assert d.action == "scale_out" and d.instances_to == 8 and d.extra["queue_factor"] == pytest.approx(4.0)
+    assert policy(queue_growth="drain", queue_max_factor=2.5).decide(2.0, slow).instances_to == 5

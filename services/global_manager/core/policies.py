@@ -325,6 +325,13 @@ class HeteroScaleConfig(_BaseConfig):
         "(docs/algorithms.md 1's HeteroScale as written)",
     )
     queue_max_factor: float = Field(8.0, ge=1, description="the most one queue-aware scale-out multiplies a pool by")
+    queue_growth: Literal["wait", "drain"] = Field(
+        "wait",
+        description="how far the queue-aware trigger grows the pools. wait: by wait / queue_target_s. drain: "
+        "by 1 + wait / queue_target_s, the instances that keep up with what the pool serves (all of it: an "
+        "instance with prompts queued prefills at its capacity) plus those that drain the backlog within "
+        "the target",
+    )
     queue_rate: Literal["capacity", "served"] = Field(
         "capacity",
         description="what the queue-aware trigger divides queued prompt tokens by. capacity: each instance's "
@@ -435,7 +442,10 @@ class HeteroScalePolicy(_PolicyBase):
             at = f"{pool.prefill_tps:.0f} tokens/s"
         if wait_s <= cfg.queue_target_s:
             return None
-        factor = min(cfg.queue_max_factor, wait_s / cfg.queue_target_s)
+        growth = wait_s / cfg.queue_target_s
+        if cfg.queue_growth == "drain":
+            growth += 1.0  # keep up with the pool's load (it is all served at capacity) and drain the backlog
+        factor = min(cfg.queue_max_factor, growth)
         why = f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {at} > {_g(cfg.queue_target_s)}s"
         return factor, why
 
