@@ -325,6 +325,13 @@ class HeteroScaleConfig(_BaseConfig):
         "(docs/algorithms.md 1's HeteroScale as written)",
     )
     queue_max_factor: float = Field(8.0, ge=1, description="the most one queue-aware scale-out multiplies a pool by")
+    queue_cooldown_s: float | None = Field(
+        None,
+        ge=0,
+        description="the queue-aware trigger may scale out again this long after the last scale-out, instead "
+        "of scale_out_cooldown_s (None): a backlog measured at capacity is real work waiting, and the pool "
+        "it grew from counts the instances still loading",
+    )
     queue_growth: Literal["wait", "drain"] = Field(
         "wait",
         description="how far the queue-aware trigger grows the pools. wait: by wait / queue_target_s. drain: "
@@ -480,14 +487,16 @@ class HeteroScalePolicy(_PolicyBase):
         queue = self._queue_wait(snapshot)
         if queue is not None:
             factor, why = queue
-            if out_ok:
+            queue_cooldown_s = cfg.scale_out_cooldown_s if cfg.queue_cooldown_s is None else cfg.queue_cooldown_s
+            if self.cooldown.out_ready(now_s, queue_cooldown_s):
                 after = {r: cfg.clamp(r, max(n + 1, ceil_eps(n * factor))) for r, n in before.items()}
                 if after != before:
                     extra = {"queue_factor": factor} | ({"tbt_s": tbt_s} if tbt_s is not None else {})
                     return _make_decision(self.name, now_s, "scale_out", why, before, after, extra)
                 note = f"{why} but every pool is at max_instances={cfg.max_instances}; "
             else:
-                note = f"{why} held by scale_out cooldown until t={_g(out_until_s)}; "
+                until_s = self.cooldown.last_scale_out_s + queue_cooldown_s
+                note = f"{why} held by scale_out cooldown until t={_g(until_s)}; "
 
         # Step 1: latency panic. Blocked by the scale-out cooldown, it falls through to step 2.
         panic_reason = self._latency_panic(snapshot)
