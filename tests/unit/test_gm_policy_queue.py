@@ -22,7 +22,8 @@ def test_a_queue_that_waits_past_the_target_grows_the_pool_by_the_wait_in_one_st
     # 10 instances in band on decode TPS; 60,000 prompt tokens queued at 20,000 tokens/s: 3 s.
     snap = colo(10, tps=1000.0, waiting_prefill_tokens=60_000, prefill_tps=20_000)
     d = policy(queue_target_s=1.0).decide(0.0, snap)
-    assert d.action == "scale_out" and d.instances_to == 30  # x3, not x1.2
+    assert d.action == "scale_out" and d.instances_to == 40  # drain (the default): x(1 + 3), not x1.2
+    assert policy(queue_target_s=1.0, queue_growth="wait").decide(0.0, snap).instances_to == 30  # x3
     assert d.reason.startswith("QUEUE: 60000 prompt tokens queued wait 3s at 20000 tokens/s > 1s")
     capped = policy(queue_target_s=0.1, queue_max_factor=4.0).decide(0.0, snap)
     assert capped.instances_to == 40  # x30 wanted, queue_max_factor 4
@@ -45,12 +46,12 @@ def test_a_small_backlog_on_a_near_idle_pool_is_not_a_queue() -> None:
 
 def test_disaggregated_reads_the_prefill_pools_queue_and_grows_both_pools() -> None:
     snap = split(4, 12, tps=1200.0, prefill={"waiting_prefill_tokens": 40_000, "prefill_tps": 10_000})
-    d = policy(queue_target_s=2.0).decide(0.0, snap)
+    d = policy(queue_target_s=2.0, queue_growth="wait").decide(0.0, snap)
     assert d.action == "scale_out" and counts(d) == (8, 24)
 
 
 def test_the_queue_trigger_waits_out_the_cooldown_and_holds_a_scale_in() -> None:
-    p = policy(queue_target_s=1.0, scale_out_cooldown_s=10.0, hold_scale_in_on_panic=True)
+    p = policy(queue_target_s=1.0, scale_out_cooldown_s=10.0, queue_cooldown_s=None, hold_scale_in_on_panic=True)
     snap = colo(10, tps=1000.0, waiting_prefill_tokens=60_000, prefill_tps=20_000)
     assert p.decide(0.0, snap).action == "scale_out"
     held = p.decide(5.0, snap)
@@ -63,7 +64,7 @@ def test_the_queue_trigger_waits_out_the_cooldown_and_holds_a_scale_in() -> None
 def test_the_shipped_default_is_on_at_half_a_second() -> None:
     cfg = HeteroScaleConfig()
     assert (cfg.queue_target_s, cfg.queue_max_factor, cfg.queue_min_tokens) == (0.5, 8.0, 512)
-    assert cfg.queue_rate == "capacity"
+    assert (cfg.queue_rate, cfg.queue_growth, cfg.queue_cooldown_s) == ("capacity", "drain", 2.0)
 
 
 def test_off_it_leaves_the_written_heteroscale() -> None:
@@ -113,7 +114,7 @@ def test_a_backlog_on_slow_instances_waits_longer_than_the_same_on_fast_ones() -
     # The mean wait over the two, 1.5 s, is x3 the 0.5 s target.
     slow = monitored(("slow", 3000, 1000.0), ("fast", 0, 10_000.0))
     assert queue_wait_s(slow.token_pool) == pytest.approx(1.5)
-    d = policy().decide(2.0, slow)
+    d = policy(queue_growth="wait").decide(2.0, slow)
     assert d.action == "scale_out" and d.instances_to == 6 and d.reason.startswith("QUEUE: 3000 prompt tokens")
     fast = monitored(("slow", 0, 1000.0), ("fast", 3000, 10_000.0))  # 0.3 s on the fast one
     assert queue_wait_s(fast.token_pool) == pytest.approx(0.15)
@@ -155,7 +156,19 @@ def test_the_wait_is_each_instances_latest_heartbeat_not_its_window_mean() -> No
 def test_drain_growth_keeps_the_served_load_and_adds_the_backlogs_drain() -> None:
     # 1.5 s of backlog against a 0.5 s target: wait grows the 2 instances x3, drain x(1 + 3).
     slow = monitored(("slow", 3000, 1000.0), ("fast", 0, 10_000.0))
-    assert policy().decide(2.0, slow).instances_to == 6
-    d = policy(queue_growth="drain").decide(2.0, slow)
+    assert policy(queue_growth="wait").decide(2.0, slow).instances_to == 6
+    d = policy().decide(2.0, slow)
     assert d.action == "scale_out" and d.instances_to == 8 and d.extra["queue_factor"] == pytest.approx(4.0)
     assert policy(queue_growth="drain", queue_max_factor=2.5).decide(2.0, slow).instances_to == 5
+
+
+def test_the_queue_trigger_has_its_own_shorter_cooldown() -> None:
+    """2 s by default: a backlog at capacity is work waiting now, and the pool it grows from
+    already counts the instances still loading. The other rules keep scale_out_cooldown_s."""
+    p = policy(queue_target_s=1.0, scale_out_cooldown_s=10.0)
+    snap = colo(10, tps=1000.0, waiting_prefill_tokens=60_000, prefill_tps=20_000)
+    assert p.decide(0.0, snap).instances_to == 40
+    held = p.decide(1.0, colo(40, tps=4000.0, waiting_prefill_tokens=240_000, prefill_tps=80_000))
+    assert held.action == "no_change" and "held by scale_out cooldown until t=2" in held.reason
+    again = p.decide(2.0, colo(40, tps=4000.0, waiting_prefill_tokens=240_000, prefill_tps=80_000))
+    assert again.action == "scale_out" and again.instances_to == 100  # x4, at max_instances

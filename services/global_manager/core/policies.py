@@ -326,14 +326,14 @@ class HeteroScaleConfig(_BaseConfig):
     )
     queue_max_factor: float = Field(8.0, ge=1, description="the most one queue-aware scale-out multiplies a pool by")
     queue_cooldown_s: float | None = Field(
-        None,
+        2.0,
         ge=0,
         description="the queue-aware trigger may scale out again this long after the last scale-out, instead "
         "of scale_out_cooldown_s (None): a backlog measured at capacity is real work waiting, and the pool "
         "it grew from counts the instances still loading",
     )
     queue_growth: Literal["wait", "drain"] = Field(
-        "wait",
+        "drain",
         description="how far the queue-aware trigger grows the pools. wait: by wait / queue_target_s. drain: "
         "by 1 + wait / queue_target_s, the instances that keep up with what the pool serves (all of it: an "
         "instance with prompts queued prefills at its capacity) plus those that drain the backlog within "
