@@ -433,6 +433,7 @@ def load_report_to_proto(load: LoadReport) -> common_pb2.LoadReport:
         preempted_total=load.preempted_total,
         prefix_hit_tokens=load.prefix_hit_tokens,
         prefix_query_tokens=load.prefix_query_tokens,
+        prefill_capacity_tps=load.prefill_capacity_tps,
     )
 
 
@@ -458,6 +459,7 @@ def load_report_from_proto(msg: common_pb2.LoadReport) -> LoadReport:
         preempted_total=msg.preempted_total,
         prefix_hit_tokens=msg.prefix_hit_tokens,
         prefix_query_tokens=msg.prefix_query_tokens,
+        prefill_capacity_tps=msg.prefill_capacity_tps,
     )
 
 

@@ -336,6 +336,9 @@ class LoadReport:
     """Prompt tokens served from cached KV blocks since start."""
     prefix_query_tokens: int = 0
     """Prompt tokens looked up in the prefix cache since start."""
+    prefill_capacity_tps: float = 0.0
+    """Prompt tokens per second the engine computes while prefilling, from its recent prefill
+    steps (0 = no prefill step yet); queued prompt tokens / this = the wait a new arrival sees."""
 
 
 @dataclass(frozen=True, slots=True)

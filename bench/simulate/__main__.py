@@ -24,6 +24,7 @@ A100s with a long-context mix, each at rising rates; it writes the max throughpu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -36,6 +37,21 @@ from .cluster import Simulation
 from .scenarios import PD_VARIANTS, SCENARIOS, VARIANTS, build_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _overrides(items: list[str]) -> dict[str, Any]:
+    """`KEY=JSON` pairs as a dict; a pair without `=` or with a value that is not JSON is refused
+    with the pair quoted."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--heteroscale takes KEY=JSON, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--heteroscale {item!r}: the value is not JSON ({e.msg})") from e
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(PD_VARIANTS),
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--heteroscale",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override one HeteroScale parameter of the scenario's runs, e.g. queue_target_s=0.25 or "
+        "queue_rate='\"served\"' (repeatable; recorded in the JSON's policy_params)",
+    )
     p.add_argument("--out", type=Path, default=None, help="default bench/results/simulate_<scenario>.json")
     p.add_argument(
         "--validate",
@@ -70,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     sc = SCENARIOS[args.scenario]
     variants = sc.variants if args.variants is None else tuple(v for v in args.variants.split(",") if v)
     runs, meta = build_runs(sc, variants, seed=args.seed)
+    overrides = _overrides(args.heteroscale)
+    if overrides:
+        runs = [
+            dataclasses.replace(r, policy_params={**r.policy_params, **overrides}) if r.policy == "heteroscale" else r
+            for r in runs
+        ]
+        meta.setdefault("policy_params", {}).setdefault("heteroscale", {}).update(overrides)
     build_s = time.perf_counter() - started
     out = args.out or REPO_ROOT / "bench" / "results" / f"simulate_{sc.name}.json"
     result = {
@@ -108,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 "events": summary["sim_events"],
                 "instances_max": summary["instances_max"],
                 "machine": _machine(load_before),
-                "command": f"python -m bench.simulate --scenario {sc.name}",
+                "command": f"python -m bench.simulate --scenario {sc.name}"
+                + "".join(f" --heteroscale {item}" for item in args.heteroscale),
             }
             result[sc.wall_key] = wall
             if args.out is None:

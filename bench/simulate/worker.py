@@ -171,6 +171,10 @@ class SimWorker:
         self.step = FastStep(profile.step)
         self.max_batch = profile.max_batch
         self.max_num_tokens = profile.max_num_tokens
+        # The prefill capacity it reports (the real engine's is measured from its prefill steps):
+        # its own speed, a whole chunk of prompt tokens per step of that chunk alone.
+        chunk = profile.max_num_tokens
+        self.prefill_capacity_tps = chunk / self.step(chunk, chunk * (chunk + 1) / 2, 1, 0, 0)
         self.kv_total = profile.kv_blocks
         self.block_size = profile.block_size
         self.on_first_token, self.on_finish, self.on_empty = on_first_token, on_finish, on_empty
@@ -547,6 +551,7 @@ class SimWorker:
                 waiting_prefill_tokens=self._waiting_tokens + self._prefill_left,
                 kv_blocks_used=self.kv_used if serving else 0,
                 kv_blocks_total=self.kv_total if serving else 0,
+                prefill_capacity_tps=self.prefill_capacity_tps * self._speedup,
             )
         ttft_p50, ttft_p99 = _p50_p99(s.ttfts)
         tbt_p50, tbt_p99 = _p50_p99(s.tbts)
@@ -564,4 +569,5 @@ class SimWorker:
             waiting_prefill_tokens=self._waiting_tokens + self._prefill_left,
             kv_blocks_used=self.kv_used if serving else 0,
             kv_blocks_total=self.kv_total if serving else 0,
+            prefill_capacity_tps=self.prefill_capacity_tps * self._speedup,
         )

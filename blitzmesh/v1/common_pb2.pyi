@@ -430,6 +430,7 @@ class LoadReport(_message.Message):
     PREEMPTED_TOTAL_FIELD_NUMBER: _builtins.int
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_CAPACITY_TPS_FIELD_NUMBER: _builtins.int
     decode_tps: _builtins.float
     prefill_tps: _builtins.float
     ttft_p50_s: _builtins.float
@@ -457,6 +458,12 @@ class LoadReport(_message.Message):
     prefix_hit_tokens: _builtins.int
     """Prefix caching: prompt tokens served from cached KV blocks / looked up, since start."""
     prefix_query_tokens: _builtins.int
+    prefill_capacity_tps: _builtins.float
+    """Prefill capacity: prompt tokens per second of step time the engine achieves while it
+    computes prompts (from its recent prefill steps; 0 = no prefill step yet). Unlike
+    prefill_tps (the demand served), it does not fall with the load, so queued prompt tokens
+    divided by it is the wait a new arrival sees.
+    """
     def __init__(
         self,
         *,
@@ -480,10 +487,11 @@ class LoadReport(_message.Message):
         preempted_total: _builtins.int = ...,
         prefix_hit_tokens: _builtins.int = ...,
         prefix_query_tokens: _builtins.int = ...,
+        prefill_capacity_tps: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tps", b"decode_tps", "est_tpot_s", b"est_tpot_s", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "preempted_total", b"preempted_total", "prefill_tps", b"prefill_tps", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "running", b"running", "slo_rejected_total", b"slo_rejected_total", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "tokens_generated_total", b"tokens_generated_total", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s", "waiting", b"waiting", "waiting_prefill_tokens", b"waiting_prefill_tokens", "zigzag_continued_total", b"zigzag_continued_total", "zigzag_relayed_total", b"zigzag_relayed_total", "zigzag_running", b"zigzag_running"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tps", b"decode_tps", "est_tpot_s", b"est_tpot_s", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "preempted_total", b"preempted_total", "prefill_capacity_tps", b"prefill_capacity_tps", "prefill_tps", b"prefill_tps", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "running", b"running", "slo_rejected_total", b"slo_rejected_total", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "tokens_generated_total", b"tokens_generated_total", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s", "waiting", b"waiting", "waiting_prefill_tokens", b"waiting_prefill_tokens", "zigzag_continued_total", b"zigzag_continued_total", "zigzag_relayed_total", b"zigzag_relayed_total", "zigzag_running", b"zigzag_running"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

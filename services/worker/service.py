@@ -209,6 +209,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             preempted_total=s.preempted_total,
             prefix_hit_tokens=s.prefix_hit_tokens,
             prefix_query_tokens=s.prefix_query_tokens,
+            prefill_capacity_tps=s.prefill_capacity_tps,
         )
 
     async def GetStatus(self, request, context):

@@ -590,6 +590,18 @@ async def test_stats_report_load_and_latency(model: LlamaForCausalLM) -> None:
     assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
 
 
+async def test_prefill_capacity_is_the_paced_slope_not_the_demand(model: LlamaForCausalLM) -> None:
+    # Each step is paced to 0.03 s + 0.004 s a token: prefill steps of 8, 24 and 48 prompt
+    # tokens give a capacity of 1 / 0.004 = 250 tokens/s, however rarely prompts arrive.
+    pacing = PacingProfile(base_s=0.03, per_token_s=0.004)
+    async with make_engine(model, pacing=pacing) as engine:
+        assert engine.stats().prefill_capacity_tps == 0.0  # no prefill step yet: not measured
+        for i, n in enumerate((8, 24, 48)):
+            await collect(engine, f"r{i}", prompt_of(n, i), SamplingParams(temperature=0, max_tokens=1))
+        capacity = engine.stats().prefill_capacity_tps
+    assert 200 <= capacity <= 260, capacity
+
+
 async def test_waiting_prefill_tokens_counts_queued_prompts(model: LlamaForCausalLM) -> None:
     async with make_engine(model, max_batch_size=1, max_num_tokens=64) as engine:
         long = asyncio.create_task(

@@ -6,77 +6,65 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.gateway.attempts import (
-    MAX_MOVES,
-    AttemptLimits,
-    AttemptState,
-    Fail,
-    Migrate,
-    Move,
-    Retry,
-    ScheduleFailed,
-    Wait,
-    WorkerFailed,
-    decide,
-)
+from services.gateway import attempts as at
 
 C = grpc.StatusCode
-LIMITS = AttemptLimits(retries_before_first_token=2, max_migrations=1)
+LIMITS = at.AttemptLimits(retries_before_first_token=2, max_migrations=1)
 
 
 def failed(
     code: C = C.UNAVAILABLE, generated: int = 0, *, moved: str | None = None, slo: str | None = None
-) -> WorkerFailed:
-    return WorkerFailed("w0", code, generated, moved=moved, slo_kind=slo)
+) -> at.WorkerFailed:
+    return at.WorkerFailed("w0", code, generated, moved=moved, slo_kind=slo)
 
 
 def test_a_failure_before_the_first_token_waits_for_capacity_elsewhere_until_the_retries_run_out() -> None:
-    state = AttemptState()
+    state = at.AttemptState()
     for n in (1, 2):
-        verdict = decide(state, failed(C.UNAVAILABLE), LIMITS)
-        assert isinstance(verdict, Wait) and verdict.instance_id == "w0"
+        verdict = at.decide(state, failed(C.UNAVAILABLE), LIMITS)
+        assert isinstance(verdict, at.Wait) and verdict.instance_id == "w0"
         state = verdict.state
         assert state.retries == n and state.last_code is C.UNAVAILABLE
         assert state.schedule_waits(generated=0)  # after an exclusion the next route waits
-    verdict = decide(state, failed(C.RESOURCE_EXHAUSTED), LIMITS)
-    assert isinstance(verdict, Fail) and verdict.why == "retries_exhausted" and verdict.excluded
+    verdict = at.decide(state, failed(C.RESOURCE_EXHAUSTED), LIMITS)
+    assert isinstance(verdict, at.Fail) and verdict.why == "retries_exhausted" and verdict.excluded
     assert verdict.state.last_code is C.RESOURCE_EXHAUSTED  # back-pressure, told as OVERLOADED
 
 
 def test_a_failure_after_tokens_migrates_up_to_max_migrations() -> None:
-    verdict = decide(AttemptState(), failed(C.UNAVAILABLE, generated=5), LIMITS)
-    assert isinstance(verdict, Migrate) and verdict.state.migrations == 1 and verdict.state.retries == 0
-    again = decide(verdict.state, failed(C.UNAVAILABLE, generated=9), LIMITS)
-    assert isinstance(again, Fail) and again.why == "migrations_exhausted" and again.excluded
+    verdict = at.decide(at.AttemptState(), failed(C.UNAVAILABLE, generated=5), LIMITS)
+    assert isinstance(verdict, at.Migrate) and verdict.state.migrations == 1 and verdict.state.retries == 0
+    again = at.decide(verdict.state, failed(C.UNAVAILABLE, generated=9), LIMITS)
+    assert isinstance(again, at.Fail) and again.why == "migrations_exhausted" and again.excluded
     assert again.state.migrations == 1
 
 
 def test_a_released_request_moves_without_spending_a_retry_up_to_max_moves() -> None:
-    state = AttemptState()
-    for n in range(1, MAX_MOVES + 1):
-        verdict = decide(state, failed(C.ABORTED, moved="rebalance"), LIMITS)
-        assert isinstance(verdict, Move) and verdict.reason == "rebalance"
+    state = at.AttemptState()
+    for n in range(1, at.MAX_MOVES + 1):
+        verdict = at.decide(state, failed(C.ABORTED, moved="rebalance"), LIMITS)
+        assert isinstance(verdict, at.Move) and verdict.reason == "rebalance"
         state = verdict.state
         assert (state.moves, state.retries) == (n, 0)
     # One move too many counts as the failure it is (ABORTED is retryable): a waiting retry.
-    beyond = decide(state, failed(C.ABORTED, moved="rebalance"), LIMITS)
-    assert isinstance(beyond, Wait) and beyond.state.retries == 1
+    beyond = at.decide(state, failed(C.ABORTED, moved="rebalance"), LIMITS)
+    assert isinstance(beyond, at.Wait) and beyond.state.retries == 1
 
 
 def test_an_slo_refusal_asks_one_other_instance_without_waiting_then_is_the_answer() -> None:
-    first = decide(AttemptState(), failed(C.RESOURCE_EXHAUSTED, slo="ttft"), LIMITS)
-    assert isinstance(first, Retry) and first.state.slo_refusals == 1 and first.state.retries == 1
+    first = at.decide(at.AttemptState(), failed(C.RESOURCE_EXHAUSTED, slo="ttft"), LIMITS)
+    assert isinstance(first, at.Retry) and first.state.slo_refusals == 1 and first.state.retries == 1
     assert not first.state.schedule_waits(generated=0)  # SLO refusals do not wait for capacity
     assert first.state.schedule_waits(generated=3)  # a stream already under way does
-    second = decide(first.state, failed(C.RESOURCE_EXHAUSTED, slo="tpot"), LIMITS)
-    assert isinstance(second, Fail) and second.why == "slo" and second.excluded
-    no_retries = decide(AttemptState(), failed(C.RESOURCE_EXHAUSTED, slo="ttft"), AttemptLimits(0, 0))
-    assert isinstance(no_retries, Fail) and no_retries.why == "slo"
+    second = at.decide(first.state, failed(C.RESOURCE_EXHAUSTED, slo="tpot"), LIMITS)
+    assert isinstance(second, at.Fail) and second.why == "slo" and second.excluded
+    no_retries = at.decide(at.AttemptState(), failed(C.RESOURCE_EXHAUSTED, slo="ttft"), at.AttemptLimits(0, 0))
+    assert isinstance(no_retries, at.Fail) and no_retries.why == "slo"
 
 
 def test_an_slo_refusal_after_tokens_is_an_ordinary_failure() -> None:
-    verdict = decide(AttemptState(), failed(C.RESOURCE_EXHAUSTED, generated=4, slo="tpot"), LIMITS)
-    assert isinstance(verdict, Migrate) and verdict.state.slo_refusals == 0
+    verdict = at.decide(at.AttemptState(), failed(C.RESOURCE_EXHAUSTED, generated=4, slo="tpot"), LIMITS)
+    assert isinstance(verdict, at.Migrate) and verdict.state.slo_refusals == 0
 
 
 @pytest.mark.parametrize(
@@ -91,13 +79,13 @@ def test_an_slo_refusal_after_tokens_is_an_ordinary_failure() -> None:
     ],
 )
 def test_final_failures_end_the_choice_without_excluding_the_instance(code: C, generated: int, why: str) -> None:
-    verdict = decide(AttemptState(), failed(code, generated), LIMITS)
-    assert isinstance(verdict, Fail) and verdict.why == why and not verdict.excluded
+    verdict = at.decide(at.AttemptState(), failed(code, generated), LIMITS)
+    assert isinstance(verdict, at.Fail) and verdict.why == why and not verdict.excluded
 
 
 def test_a_deadline_beats_a_release() -> None:
-    verdict = decide(AttemptState(), failed(C.DEADLINE_EXCEEDED, moved="rebalance"), LIMITS)
-    assert isinstance(verdict, Fail) and verdict.why == "timeout"
+    verdict = at.decide(at.AttemptState(), failed(C.DEADLINE_EXCEEDED, moved="rebalance"), LIMITS)
+    assert isinstance(verdict, at.Fail) and verdict.why == "timeout"
 
 
 @pytest.mark.parametrize(
@@ -111,18 +99,18 @@ def test_a_deadline_beats_a_release() -> None:
     ],
 )
 def test_a_schedule_failure(slo_refusals: int, generated: int, timeout: bool, why: str) -> None:
-    verdict = decide(AttemptState(slo_refusals=slo_refusals), ScheduleFailed(generated, timeout), LIMITS)
-    assert isinstance(verdict, Fail) and verdict.why == why
+    verdict = at.decide(at.AttemptState(slo_refusals=slo_refusals), at.ScheduleFailed(generated, timeout), LIMITS)
+    assert isinstance(verdict, at.Fail) and verdict.why == why
 
 
 def test_a_normal_failure_after_an_slo_refusal_reroutes_without_waiting() -> None:
-    refused = decide(AttemptState(), failed(C.RESOURCE_EXHAUSTED, slo="ttft"), LIMITS)
-    verdict = decide(refused.state, failed(C.UNAVAILABLE), LIMITS)
-    assert isinstance(verdict, Wait) and verdict.state.retries == 2
+    refused = at.decide(at.AttemptState(), failed(C.RESOURCE_EXHAUSTED, slo="ttft"), LIMITS)
+    verdict = at.decide(refused.state, failed(C.UNAVAILABLE), LIMITS)
+    assert isinstance(verdict, at.Wait) and verdict.state.retries == 2
     assert not verdict.state.schedule_waits(generated=0)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_limits_reject_a_bad_value(bad: object) -> None:
     with pytest.raises(ValueError, match=rf"retries_before_first_token must be an int >= 0, got {bad!r}"):
-        AttemptLimits(bad, 1)  # type: ignore[arg-type]
+        at.AttemptLimits(bad, 1)  # type: ignore[arg-type]

@@ -1,12 +1,16 @@
 """HeteroScale's queue-aware trigger (`queue_target_s`): queued prompt tokens and the wait they
-mean at the pool's prefill rate grow the pools in one step, before TTFT rises; off, the
-docs/algorithms.md 1 vectors hold as written."""
+mean at each instance's measured prefill capacity (or, before any is measured, the pool's served
+prefill rate) grow the pools in one step, before TTFT rises; off, the docs/algorithms.md 1
+vectors hold as written."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.global_manager.core.policies import HeteroScaleConfig, HeteroScalePolicy
+from services.global_manager.core.load_monitor import LoadMonitor
+from services.global_manager.core.policies import HeteroScaleConfig, HeteroScalePolicy, queue_wait_s
+from services.global_manager.core.types import ClusterSnapshot, LoadSample, Role
+from tests.unit.test_gm_monitor import view
 from tests.unit.test_gm_policies import colo, counts, split
 
 
@@ -18,7 +22,8 @@ def test_a_queue_that_waits_past_the_target_grows_the_pool_by_the_wait_in_one_st
     # 10 instances in band on decode TPS; 60,000 prompt tokens queued at 20,000 tokens/s: 3 s.
     snap = colo(10, tps=1000.0, waiting_prefill_tokens=60_000, prefill_tps=20_000)
     d = policy(queue_target_s=1.0).decide(0.0, snap)
-    assert d.action == "scale_out" and d.instances_to == 30  # x3, not x1.2
+    assert d.action == "scale_out" and d.instances_to == 40  # drain (the default): x(1 + 3), not x1.2
+    assert policy(queue_target_s=1.0, queue_growth="wait").decide(0.0, snap).instances_to == 30  # x3
     assert d.reason.startswith("QUEUE: 60000 prompt tokens queued wait 3s at 20000 tokens/s > 1s")
     capped = policy(queue_target_s=0.1, queue_max_factor=4.0).decide(0.0, snap)
     assert capped.instances_to == 40  # x30 wanted, queue_max_factor 4
@@ -41,12 +46,12 @@ def test_a_small_backlog_on_a_near_idle_pool_is_not_a_queue() -> None:
 
 def test_disaggregated_reads_the_prefill_pools_queue_and_grows_both_pools() -> None:
     snap = split(4, 12, tps=1200.0, prefill={"waiting_prefill_tokens": 40_000, "prefill_tps": 10_000})
-    d = policy(queue_target_s=2.0).decide(0.0, snap)
+    d = policy(queue_target_s=2.0, queue_growth="wait").decide(0.0, snap)
     assert d.action == "scale_out" and counts(d) == (8, 24)
 
 
 def test_the_queue_trigger_waits_out_the_cooldown_and_holds_a_scale_in() -> None:
-    p = policy(queue_target_s=1.0, scale_out_cooldown_s=10.0, hold_scale_in_on_panic=True)
+    p = policy(queue_target_s=1.0, scale_out_cooldown_s=10.0, queue_cooldown_s=None, hold_scale_in_on_panic=True)
     snap = colo(10, tps=1000.0, waiting_prefill_tokens=60_000, prefill_tps=20_000)
     assert p.decide(0.0, snap).action == "scale_out"
     held = p.decide(5.0, snap)
@@ -59,6 +64,7 @@ def test_the_queue_trigger_waits_out_the_cooldown_and_holds_a_scale_in() -> None
 def test_the_shipped_default_is_on_at_half_a_second() -> None:
     cfg = HeteroScaleConfig()
     assert (cfg.queue_target_s, cfg.queue_max_factor, cfg.queue_min_tokens) == (0.5, 8.0, 512)
+    assert (cfg.queue_rate, cfg.queue_growth, cfg.queue_cooldown_s) == ("capacity", "drain", 2.0)
 
 
 def test_off_it_leaves_the_written_heteroscale() -> None:
@@ -70,3 +76,99 @@ def test_off_it_leaves_the_written_heteroscale() -> None:
 def test_bad_values_are_refused(field: str, bad: float) -> None:
     with pytest.raises(ValueError, match=field):
         HeteroScaleConfig(**{field: bad})
+
+
+# -- the wait at each instance's measured prefill capacity ----------------------------------------
+
+
+def monitored(*samples: tuple[str, int, float], served: float = 0.0) -> ClusterSnapshot:
+    """A colocated snapshot through the real LoadMonitor: one heartbeat per (instance, queued
+    prompt tokens, measured prefill capacity; 0 = none yet), each serving `served` tokens/s."""
+    mon = LoadMonitor(window_s=10.0, lost_after_s=30.0)
+    for iid, queued, capacity in samples:
+        mon.observe(
+            LoadSample(
+                iid,
+                1.0,
+                decode_tps=100.0,
+                prefill_tps=served,
+                waiting_prefill_tokens=queued,
+                prefill_capacity_tps=capacity,
+            )
+        )
+    return mon.snapshot(1.0, [view(iid, Role.COLOCATED) for iid, _, _ in samples])
+
+
+def test_a_near_idle_pool_never_reads_as_a_queue_at_its_capacity() -> None:
+    """40 queued tokens served at 20 tokens/s read as 2 s, but the instances prefill 10,000
+    tokens/s: 4 ms. No floor on the tokens is needed, unlike the served rate's."""
+    snap = monitored(("a", 40, 10_000.0), ("b", 0, 10_000.0), served=20.0)
+    assert queue_wait_s(snap.token_pool) == pytest.approx(0.002)
+    assert policy(queue_min_tokens=0).decide(2.0, snap).action == "no_change"
+    served = policy(queue_min_tokens=0, queue_rate="served").decide(2.0, snap)
+    assert served.action == "scale_out" and "at 40 tokens/s" in served.reason  # the false alarm it avoids
+
+
+def test_a_backlog_on_slow_instances_waits_longer_than_the_same_on_fast_ones() -> None:
+    # 3,000 tokens on an instance that prefills 1,000 tokens/s: 3 s; its fast peer is empty.
+    # The mean wait over the two, 1.5 s, is x3 the 0.5 s target.
+    slow = monitored(("slow", 3000, 1000.0), ("fast", 0, 10_000.0))
+    assert queue_wait_s(slow.token_pool) == pytest.approx(1.5)
+    d = policy(queue_growth="wait").decide(2.0, slow)
+    assert d.action == "scale_out" and d.instances_to == 6 and d.reason.startswith("QUEUE: 3000 prompt tokens")
+    fast = monitored(("slow", 0, 1000.0), ("fast", 3000, 10_000.0))  # 0.3 s on the fast one
+    assert queue_wait_s(fast.token_pool) == pytest.approx(0.15)
+    assert policy().decide(2.0, fast).action == "no_change"
+
+
+def test_an_instance_without_a_capacity_yet_counts_at_the_pools_mean() -> None:
+    # "new" has not prefilled yet: its 8,000 tokens count at the measured mean, 4,000 tokens/s.
+    snap = monitored(("a", 0, 2000.0), ("b", 0, 6000.0), ("new", 8000, 0.0))
+    assert queue_wait_s(snap.token_pool) == pytest.approx(2.0 / 3)
+
+
+def test_with_no_capacity_measured_anywhere_the_served_rate_and_its_floor_decide() -> None:
+    snap = monitored(("a", 3000, 0.0), ("b", 0, 0.0), served=500.0)
+    assert queue_wait_s(snap.token_pool) is None
+    d = policy().decide(2.0, snap)  # 3,000 tokens at 1,000 tokens/s served: 3 s
+    assert d.action == "scale_out" and "at 1000 tokens/s > 0.5s" in d.reason
+    assert policy(queue_min_tokens=4000).decide(2.0, snap).action == "no_change"
+
+
+def test_a_negative_capacity_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"prefill_capacity_tps must be >= 0, got -1\.0"):
+        LoadSample("w", 0.0, prefill_capacity_tps=-1.0)
+    with pytest.raises(ValueError, match="queue_rate"):
+        HeteroScaleConfig(queue_rate="guess")  # type: ignore[arg-type]
+
+
+def test_the_wait_is_each_instances_latest_heartbeat_not_its_window_mean() -> None:
+    """A queue is a state: a burst's backlog counts at its size now, not averaged with the
+    empty heartbeats before it."""
+    mon = LoadMonitor(window_s=10.0, lost_after_s=30.0)
+    for t, queued in ((1.0, 0), (2.0, 0), (3.0, 0), (4.0, 5000)):
+        mon.observe(LoadSample("a", t, waiting_prefill_tokens=queued, prefill_capacity_tps=1000.0))
+    pool = mon.snapshot(4.0, [view("a", Role.COLOCATED)]).token_pool
+    assert queue_wait_s(pool) == pytest.approx(5.0)  # 5,000 tokens at 1,000 tokens/s; a mean: 1.25
+    assert pool.waiting_prefill_tokens == pytest.approx(1250.0)  # the rates and counts stay window means
+
+
+def test_drain_growth_keeps_the_served_load_and_adds_the_backlogs_drain() -> None:
+    # 1.5 s of backlog against a 0.5 s target: wait grows the 2 instances x3, drain x(1 + 3).
+    slow = monitored(("slow", 3000, 1000.0), ("fast", 0, 10_000.0))
+    assert policy(queue_growth="wait").decide(2.0, slow).instances_to == 6
+    d = policy().decide(2.0, slow)
+    assert d.action == "scale_out" and d.instances_to == 8 and d.extra["queue_factor"] == pytest.approx(4.0)
+    assert policy(queue_growth="drain", queue_max_factor=2.5).decide(2.0, slow).instances_to == 5
+
+
+def test_the_queue_trigger_has_its_own_shorter_cooldown() -> None:
+    """2 s by default: a backlog at capacity is work waiting now, and the pool it grows from
+    already counts the instances still loading. The other rules keep scale_out_cooldown_s."""
+    p = policy(queue_target_s=1.0, scale_out_cooldown_s=10.0)
+    snap = colo(10, tps=1000.0, waiting_prefill_tokens=60_000, prefill_tps=20_000)
+    assert p.decide(0.0, snap).instances_to == 40
+    held = p.decide(1.0, colo(40, tps=4000.0, waiting_prefill_tokens=240_000, prefill_tps=80_000))
+    assert held.action == "no_change" and "held by scale_out cooldown until t=2" in held.reason
+    again = p.decide(2.0, colo(40, tps=4000.0, waiting_prefill_tokens=240_000, prefill_tps=80_000))
+    assert again.action == "scale_out" and again.instances_to == 100  # x4, at max_instances

@@ -10,22 +10,13 @@ import pytest
 
 from bench.simulate.cluster import RunConfig
 from services.global_manager.config import GlobalManagerConfig
+from services.global_manager.core import zigzag as zz
 from services.global_manager.core.types import InstanceView
-from services.global_manager.core.zigzag import (
-    HandBack,
-    LiveLayers,
-    Paired,
-    StoppedLive,
-    WentLive,
-    ZigzagSettings,
-    ZigzagTracker,
-    plan_hand_back,
-)
 from tests.unit.test_gm_zigzag import C, S, view
 
 
 def test_the_manager_and_the_simulator_share_the_core_defaults() -> None:
-    core = ZigzagSettings()
+    core = zz.ZigzagSettings()
     gm = GlobalManagerConfig()
     assert (gm.zigzag_live, gm.zigzag_ttft_s, gm.zigzag_stall_s) == (core.live, core.ttft_s, core.stall_s)
     sim = RunConfig.__dataclass_fields__
@@ -48,43 +39,43 @@ def test_the_manager_and_the_simulator_share_the_core_defaults() -> None:
 )
 def test_settings_reject_bad_values(field: str, bad: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        ZigzagSettings(**{field: bad})  # type: ignore[arg-type]
+        zz.ZigzagSettings(**{field: bad})  # type: ignore[arg-type]
 
 
 def test_a_load_goes_live_with_its_first_layer_and_reports_its_layers() -> None:
-    t = ZigzagTracker()
+    t = zz.ZigzagTracker()
     assert t.load_progress(0.0, "n", "m", 0, 8).effects == ()
     step = t.load_progress(1.0, "n", "m", 1, 8)
-    assert step.effects == (WentLive("n", "m", 1, 8, chain_tail=False), LiveLayers("n", 1))
+    assert step.effects == (zz.WentLive("n", "m", 1, 8, chain_tail=False), zz.LiveLayers("n", 1))
     assert t.started == {"n": 1.0}
-    assert t.load_progress(2.0, "n", "m", 3, 8).effects == (LiveLayers("n", 3),)
+    assert t.load_progress(2.0, "n", "m", 3, 8).effects == (zz.LiveLayers("n", 3),)
     assert t.started == {"n": 1.0}  # went live once
 
 
 def test_with_tails_only_a_chain_tail_goes_live() -> None:
-    t = ZigzagTracker(ZigzagSettings(live="tails"))
+    t = zz.ZigzagTracker(zz.ZigzagSettings(live="tails"))
     t.chain_tails(["tail"])
     assert t.load_progress(0.0, "mid", "m", 2, 8).effects == ()
-    assert t.load_progress(0.0, "tail", "m", 2, 8).effects[0] == WentLive("tail", "m", 2, 8, chain_tail=True)
+    assert t.load_progress(0.0, "tail", "m", 2, 8).effects[0] == zz.WentLive("tail", "m", 2, 8, chain_tail=True)
     assert set(t.started) == {"tail"}
 
 
 def test_a_stalled_load_stops_serving_until_its_next_layer() -> None:
-    t = ZigzagTracker(ZigzagSettings(stall_s=5.0))
+    t = zz.ZigzagTracker(zz.ZigzagSettings(stall_s=5.0))
     t.load_progress(0.0, "n", "m", 1, 8)
     assert t.expire_stalled(5.0).effects == ()  # exactly stall_s: not yet
     (stopped,) = t.expire_stalled(5.5).effects
-    assert isinstance(stopped, StoppedLive) and stopped.stalled and stopped.model == "m"
+    assert isinstance(stopped, zz.StoppedLive) and stopped.stalled and stopped.model == "m"
     assert "no new layer for 5.5s > zigzag_stall_s=5.0" in stopped.reason
     assert t.started == {}
-    assert t.load_progress(6.0, "n", "m", 2, 8).effects[0] == WentLive("n", "m", 2, 8, chain_tail=False)
+    assert t.load_progress(6.0, "n", "m", 2, 8).effects[0] == zz.WentLive("n", "m", 2, 8, chain_tail=False)
 
 
 def test_the_end_of_a_load_forgets_it() -> None:
-    t = ZigzagTracker()
+    t = zz.ZigzagTracker()
     t.load_progress(0.0, "n", "m", 1, 8)
     t.partner["n"] = "a"
-    assert t.load_done("n").effects == (StoppedLive("n", "m", stalled=False, reason="load ended"),)
+    assert t.load_done("n").effects == (zz.StoppedLive("n", "m", stalled=False, reason="load ended"),)
     assert (t.started, t.partner, t.progress) == ({}, {}, {})
     assert t.load_done("n").effects == ()  # twice is harmless
 
@@ -98,7 +89,7 @@ def overloaded_pool() -> list[InstanceView]:
 
 
 def test_route_splits_at_k_with_the_overloaded_partner_and_pairs_once() -> None:
-    t = ZigzagTracker()
+    t = zz.ZigzagTracker()
     t.load_progress(0.0, "n", "m", 3, 8)
     step = t.route(0.1, overloaded_pool(), "m", C, excluded=(), reachable={"n"})
     assert step.split is not None
@@ -109,13 +100,13 @@ def test_route_splits_at_k_with_the_overloaded_partner_and_pairs_once() -> None:
         8,
     )
     (paired,) = step.effects
-    assert isinstance(paired, Paired) and (paired.instance_id, paired.partner_id) == ("n", "b")
+    assert isinstance(paired, zz.Paired) and (paired.instance_id, paired.partner_id) == ("n", "b")
     again = t.route(0.2, overloaded_pool(), "m", C, excluded=(), reachable={"n"})
     assert again.split is not None and again.effects == ()  # the same pair is not announced twice
 
 
 def test_route_gives_no_split_when_the_gate_is_shut_unreachable_or_excluded() -> None:
-    t = ZigzagTracker()
+    t = zz.ZigzagTracker()
     t.load_progress(0.0, "n", "m", 3, 8)
     calm = [view("n", S.LOADING, role=C, layers=3), view("a", role=C, waiting=0)]
     shut = t.route(0.1, calm, "m", C, excluded=(), reachable={"n"})
@@ -125,7 +116,7 @@ def test_route_gives_no_split_when_the_gate_is_shut_unreachable_or_excluded() ->
 
 
 def test_route_respects_the_in_flight_cap() -> None:
-    t = ZigzagTracker()
+    t = zz.ZigzagTracker()
     t.load_progress(0.0, "n", "m", 3, 8)
     busy = overloaded_pool()
     busy[0] = dataclasses.replace(busy[0], routes_since_heartbeat=4)
@@ -134,7 +125,7 @@ def test_route_respects_the_in_flight_cap() -> None:
 
 
 def test_pull_peers_pair_each_live_instance_with_one_partner() -> None:
-    t = ZigzagTracker()
+    t = zz.ZigzagTracker()
     t.load_progress(0.0, "n", "m", 3, 8)
     pool = overloaded_pool()
     by_id = {v.instance_id: v for v in pool}
@@ -153,53 +144,53 @@ def test_pair_all_spreads_live_instances_over_partners_then_shares() -> None:
         view("a", role=C, waiting=2, kv_used=300),
         view("b", role=C, waiting=1, kv_used=100),
     ]
-    t = ZigzagTracker()
+    t = zz.ZigzagTracker()
     for v in pool[:3]:
         t.load_progress(0.0, v.instance_id, "m", v.layers_loaded, 8)
     live = t.live_views(pool, "m")
     assert [v.instance_id for v in live] == ["n1", "n2", "n3"]  # most layers first
-    assert ZigzagTracker.pair_all(live, pool, "m") == [("b", "n1"), ("a", "n2"), ("b", "n3")]
+    assert zz.ZigzagTracker.pair_all(live, pool, "m") == [("b", "n1"), ("a", "n2"), ("b", "n3")]
 
 
 def test_a_live_instance_that_loaded_hands_work_back_from_its_partner() -> None:
-    t = ZigzagTracker()
+    t = zz.ZigzagTracker()
     t.load_progress(0.0, "n", "m", 3, 8)
     assert t.route(0.1, overloaded_pool(), "m", C, excluded=(), reachable={"n"}).split is not None
     step = t.load_done("n", loaded=True)
-    assert step.effects[-1] == HandBack("n", "b", "m")
+    assert step.effects[-1] == zz.HandBack("n", "b", "m")
     assert t.split_with == {}
     # A failed load hands nothing back; nor does a load that never split a request.
     t.load_progress(0.0, "f", "m", 3, 8)
     t.note_split("f", "b")
-    assert not any(isinstance(e, HandBack) for e in t.load_done("f", loaded=False).effects)
+    assert not any(isinstance(e, zz.HandBack) for e in t.load_done("f", loaded=False).effects)
     t.load_progress(0.0, "q", "m", 3, 8)
-    assert not any(isinstance(e, HandBack) for e in t.load_done("q", loaded=True).effects)
-    off = ZigzagTracker(ZigzagSettings(hand_back=False))
+    assert not any(isinstance(e, zz.HandBack) for e in t.load_done("q", loaded=True).effects)
+    off = zz.ZigzagTracker(zz.ZigzagSettings(hand_back=False))
     off.load_progress(0.0, "n", "m", 3, 8)
     off.note_split("n", "b")
-    assert not any(isinstance(e, HandBack) for e in off.load_done("n", loaded=True).effects)
+    assert not any(isinstance(e, zz.HandBack) for e in off.load_done("n", loaded=True).effects)
 
 
 def test_hand_back_moves_the_partners_running_requests_above_an_even_share() -> None:
-    back = HandBack("n", "b", "m")
+    back = zz.HandBack("n", "b", "m")
     views = [view("n", role=C, running=1), view("b", role=C, running=9, waiting=4), view("a", role=C, running=9)]
-    move = plan_hand_back(views, back)
+    move = zz.plan_hand_back(views, back)
     assert move is not None
     assert (move.source, move.model, move.n, move.running) == ("b", "m", 4, True)  # 9 + 1 -> 5 and 5
     assert move.reason.startswith("live migration: hand-back to n")
     even = [view("n", role=C, running=3), view("b", role=C, running=3)]
-    assert plan_hand_back(even, back) is None
+    assert zz.plan_hand_back(even, back) is None
     gone = [view("n", role=C), view("b", S.DRAINING, role=C, running=9)]
-    assert plan_hand_back(gone, back) is None
+    assert zz.plan_hand_back(gone, back) is None
     # Its last report is from while it loaded: the ZigZag first layers it ran are not its own.
     loading_report = view("n", role=C, running=2)
     loading_report = dataclasses.replace(
         loading_report, load=dataclasses.replace(loading_report.load, zigzag_running=2)
     )
-    move = plan_hand_back([loading_report, view("b", role=C, running=2)], back)
+    move = zz.plan_hand_back([loading_report, view("b", role=C, running=2)], back)
     assert move is not None and move.n == 1
     unreported = [view("n", role=C, waiting=None), view("b", role=C, running=5)]
-    move = plan_hand_back(unreported, back)
+    move = zz.plan_hand_back(unreported, back)
     assert move is not None and move.n == 2  # no report from the new one yet: it runs nothing
 
 
@@ -209,7 +200,7 @@ def test_the_gate_opens_on_a_backlog_of_prompt_tokens_before_ttft_rises() -> Non
     busy = view("a", role=C, running=1)
     busy = dataclasses.replace(busy, load=dataclasses.replace(busy.load, waiting_prefill_tokens=1800))
     idle = view("b", role=C, running=1)
-    t = ZigzagTracker()
+    t = zz.ZigzagTracker()
     assert t.gate([busy], "m", C).zigzag
     assert "a backlog of requests or prompt tokens" in t.gate([busy], "m", C).reason
     assert not t.gate([busy, idle], "m", C).zigzag  # b could take the request at once

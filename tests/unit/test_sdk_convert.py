@@ -66,6 +66,7 @@ LOAD = LoadReport(
     kv_blocks_used=700,
     kv_blocks_total=1024,
     tokens_generated_total=2**40,
+    prefill_capacity_tps=12000.5,
 )
 INSTANCE = InstanceInfo(
     instance_id="w-3",

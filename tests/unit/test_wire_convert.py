@@ -136,6 +136,7 @@ def test_manager_load_sample_every_field_both_ways():
         waiting_prefill_tokens=4096,
         kv_blocks_used=700,
         kv_blocks_total=1024,
+        prefill_capacity_tps=12000.5,
     )
     msg = gm_convert.sample_to_proto(sample)
     # The core does not keep the worker's lifetime token count; everything else travels.

@@ -44,9 +44,19 @@ _COLUMNS = (
     "ttft_p99_s",
     "tbt_p50_s",
     "tbt_p99_s",
+    # The queue trigger's inputs, from each sample's measured prefill capacity (0 = none yet):
+    # the capacity, whether there is one, the wait its queued prompt tokens make at it, and the
+    # queued prompt tokens of an instance without one. A queue is a state, not a rate: these
+    # take each instance's latest sample in the window (a window mean would show a burst's
+    # queue at a tenth of its size a second in).
+    "prefill_capacity_tps",
+    "prefill_measured",
+    "prefill_wait_s",
+    "unmeasured_prefill_tokens",
 )
 _T = 0
 _MEAN_COLS = range(1, 8)
+_LATEST_COLS = range(12, 16)
 _LATENCY_COLS = ((8, 0.5), (9, 0.99), (10, 0.5), (11, 0.99))
 _ROLE_ORDER = (Role.COLOCATED, Role.PREFILL, Role.DECODE)
 _ROLE_CODE = {role: code for code, role in enumerate(_ROLE_ORDER)}
@@ -112,6 +122,7 @@ class LoadMonitor:
             index = self._index[iid] = self._next_index
             self._next_index += 1
         nan = math.nan
+        capacity, queued = sample.prefill_capacity_tps, sample.waiting_prefill_tokens
         self._pending.append(
             (
                 sample.now_s,
@@ -126,6 +137,10 @@ class LoadMonitor:
                 nan if sample.ttft_p99_s is None else sample.ttft_p99_s,
                 nan if sample.tbt_p50_s is None else sample.tbt_p50_s,
                 nan if sample.tbt_p99_s is None else sample.tbt_p99_s,
+                capacity,
+                1.0 if capacity > 0 else 0.0,
+                queued / capacity if capacity > 0 else 0.0,
+                0 if capacity > 0 else queued,
             )
         )
         self._pending_owner.append(index)
@@ -253,6 +268,14 @@ class LoadMonitor:
             # Mean per instance, then summed per pool.
             means[_COLUMNS[col]] = np.bincount(
                 reporting_pool, weights=sums[reporting] / reporting_count, minlength=len(_ROLE_ORDER)
+            )
+        # Rows are in time order for each instance, so its last selected row is its latest sample.
+        last_row = np.full(self._next_index, -1, dtype=np.int64)
+        np.maximum.at(last_row, sel_owner, np.flatnonzero(selected))
+        latest_rows = last_row[reporting]
+        for col in _LATEST_COLS:
+            means[_COLUMNS[col]] = np.bincount(
+                reporting_pool, weights=rows[col][latest_rows], minlength=len(_ROLE_ORDER)
             )
         latency_cols = {col: rows[col][selected] for col, _ in _LATENCY_COLS}
         for code, role in enumerate(_ROLE_ORDER):

@@ -43,6 +43,7 @@ __all__ = [
     "UtilizationPolicy",
     "make_policy",
     "policy_names",
+    "queue_wait_s",
 ]
 
 _EPS = 1e-9
@@ -60,6 +61,18 @@ def floor_eps(x: float) -> int:
 def round_half_up(x: float) -> int:
     # Python's round() is banker's rounding (round(6.5) == 6); half-up is what readers expect.
     return math.floor(x + 0.5 + _EPS)
+
+
+def queue_wait_s(pool: PoolSnapshot) -> float | None:
+    """The mean over `pool`'s reporting instances of the seconds their queued prompt tokens take
+    at each one's measured prefill capacity: the wait a new arrival sees, which stays near zero on
+    a near-idle pool (its capacity does not fall with the load) and grows with a backlog, more on
+    slow instances. An instance without a measured capacity counts at the pool's mean one. None
+    when no instance has measured a capacity (the caller falls back to the served rate)."""
+    if pool.instances_reporting == 0 or pool.prefill_measured <= 0 or pool.prefill_capacity_tps <= 0:
+        return None
+    mean_capacity = pool.prefill_capacity_tps / pool.prefill_measured
+    return (pool.prefill_wait_s + pool.unmeasured_prefill_tokens / mean_capacity) / pool.instances_reporting
 
 
 def _g(x: float | None) -> str:
@@ -312,12 +325,35 @@ class HeteroScaleConfig(_BaseConfig):
         "(docs/algorithms.md 1's HeteroScale as written)",
     )
     queue_max_factor: float = Field(8.0, ge=1, description="the most one queue-aware scale-out multiplies a pool by")
+    queue_cooldown_s: float | None = Field(
+        2.0,
+        ge=0,
+        description="the queue-aware trigger may scale out again this long after the last scale-out, instead "
+        "of scale_out_cooldown_s (None): a backlog measured at capacity is real work waiting, and the pool "
+        "it grew from counts the instances still loading",
+    )
+    queue_growth: Literal["wait", "drain"] = Field(
+        "drain",
+        description="how far the queue-aware trigger grows the pools. wait: by wait / queue_target_s. drain: "
+        "by 1 + wait / queue_target_s, the instances that keep up with what the pool serves (all of it: an "
+        "instance with prompts queued prefills at its capacity) plus those that drain the backlog within "
+        "the target",
+    )
+    queue_rate: Literal["capacity", "served"] = Field(
+        "capacity",
+        description="what the queue-aware trigger divides queued prompt tokens by. capacity: each instance's "
+        "measured prefill capacity (LoadSample.prefill_capacity_tps, the tokens per second its prefill steps "
+        "achieve), so the wait is the one a new arrival sees whatever the load, and a near-idle pool reads as "
+        "no wait (`queue_wait_s`); instances that have not measured one yet count at the pool's mean, and a "
+        "pool where none has falls back to served. served: the pool's prefill TPS (the demand it served, as "
+        "low as the load on a near-idle pool), gated by queue_min_tokens",
+    )
     queue_min_tokens: int = Field(
         512,
         ge=0,
-        description="the queue-aware trigger ignores a backlog of fewer prompt tokens than this: the prefill rate "
-        "it divides by is measured, so on a near-idle pool it is as low as the demand, and a few queued prompts "
-        "would read as a long wait",
+        description="with the served rate (queue_rate=served, or no capacity measured yet), the trigger ignores "
+        "a backlog of fewer prompt tokens than this: the served rate is as low as the demand on a near-idle "
+        "pool, and a few queued prompts would read as a long wait. The capacity rate needs no such floor",
     )
     scale_in_stabilization_s: float = Field(
         0.0,
@@ -393,23 +429,31 @@ class HeteroScalePolicy(_PolicyBase):
 
     def _queue_wait(self, snapshot: ClusterSnapshot) -> tuple[float, str] | None:
         """(growth factor, why) when the queued prompt tokens would wait longer than
-        `queue_target_s` at the pool's prefill rate; None otherwise or when the trigger is off.
-        No prefill rate measured yet with tokens queued counts as the largest factor."""
+        `queue_target_s`; None otherwise or when the trigger is off. The wait is `queue_wait_s`
+        (measured capacity) or, with queue_rate=served or no capacity measured, the tokens over
+        the served prefill TPS, where none served with tokens queued counts as the largest factor."""
         cfg = self.config
         if cfg.queue_target_s is None:
             return None
         pool = snapshot.prefill if snapshot.disaggregated else snapshot.token_pool
         queued = pool.waiting_prefill_tokens
-        if queued <= 0 or queued < cfg.queue_min_tokens:
+        if queued <= 0:
             return None
-        wait_s = queued / pool.prefill_tps if pool.prefill_tps > 0 else math.inf
+        wait_s = queue_wait_s(pool) if cfg.queue_rate == "capacity" else None
+        if wait_s is not None:
+            at = f"measured capacities ({pool.prefill_capacity_tps:.0f} tokens/s in all)"
+        elif queued < cfg.queue_min_tokens:
+            return None
+        else:
+            wait_s = queued / pool.prefill_tps if pool.prefill_tps > 0 else math.inf
+            at = f"{pool.prefill_tps:.0f} tokens/s"
         if wait_s <= cfg.queue_target_s:
             return None
-        factor = min(cfg.queue_max_factor, wait_s / cfg.queue_target_s)
-        why = (
-            f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {pool.prefill_tps:.0f} tokens/s"
-            f" > {_g(cfg.queue_target_s)}s"
-        )
+        growth = wait_s / cfg.queue_target_s
+        if cfg.queue_growth == "drain":
+            growth += 1.0  # keep up with the pool's load (it is all served at capacity) and drain the backlog
+        factor = min(cfg.queue_max_factor, growth)
+        why = f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {at} > {_g(cfg.queue_target_s)}s"
         return factor, why
 
     def _latency_panic(self, snapshot: ClusterSnapshot) -> str | None:
@@ -443,14 +487,16 @@ class HeteroScalePolicy(_PolicyBase):
         queue = self._queue_wait(snapshot)
         if queue is not None:
             factor, why = queue
-            if out_ok:
+            queue_cooldown_s = cfg.scale_out_cooldown_s if cfg.queue_cooldown_s is None else cfg.queue_cooldown_s
+            if self.cooldown.out_ready(now_s, queue_cooldown_s):
                 after = {r: cfg.clamp(r, max(n + 1, ceil_eps(n * factor))) for r, n in before.items()}
                 if after != before:
                     extra = {"queue_factor": factor} | ({"tbt_s": tbt_s} if tbt_s is not None else {})
                     return _make_decision(self.name, now_s, "scale_out", why, before, after, extra)
                 note = f"{why} but every pool is at max_instances={cfg.max_instances}; "
             else:
-                note = f"{why} held by scale_out cooldown until t={_g(out_until_s)}; "
+                until_s = self.cooldown.last_scale_out_s + queue_cooldown_s
+                note = f"{why} held by scale_out cooldown until t={_g(until_s)}; "
 
         # Step 1: latency panic. Blocked by the scale-out cooldown, it falls through to step 2.
         panic_reason = self._latency_panic(snapshot)

@@ -74,6 +74,9 @@ class LoadSample:
     preempted_total: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens served from cached KV blocks, since start
     prefix_query_tokens: int = 0
+    # Prompt tokens per second the instance computes while prefilling (its recent prefill steps),
+    # not the demand it served; 0 = not measured yet (no prefill step).
+    prefill_capacity_tps: float = 0.0
 
     def __post_init__(self) -> None:
         # Cheap checks only: heartbeats arrive at (instances x Hz) and a bad one must be loud.
@@ -85,6 +88,7 @@ class LoadSample:
             and self.running >= 0
             and self.waiting >= 0
             and self.waiting_prefill_tokens >= 0
+            and self.prefill_capacity_tps >= 0
             and 0 <= self.kv_blocks_used <= self.kv_blocks_total
         ):
             return  # the common case, without the loop below that names the bad field
@@ -94,6 +98,7 @@ class LoadSample:
             "running",
             "waiting",
             "waiting_prefill_tokens",
+            "prefill_capacity_tps",
             "kv_blocks_used",
             "kv_blocks_total",
         ):
@@ -171,6 +176,13 @@ class PoolSnapshot:
     waiting_prefill_tokens: float = 0.0
     kv_blocks_used: float = 0.0
     kv_blocks_total: float = 0.0
+    # From each instance's latest heartbeat in the window, summed over the pool: its measured
+    # prefill capacity (LoadSample.prefill_capacity_tps), whether it has one (0/1), the seconds
+    # its queued prompt tokens wait at it, and the queued tokens of one without a capacity.
+    prefill_capacity_tps: float = 0.0
+    prefill_measured: float = 0.0
+    prefill_wait_s: float = 0.0
+    unmeasured_prefill_tokens: float = 0.0
 
     @property
     def count(self) -> int:

@@ -52,6 +52,7 @@ from services.worker.engine.scheduler import (
     WaitingSeq,
     schedule,
 )
+from services.worker.engine.scorpio import PrefillRate
 from services.worker.engine.slo import RequestSLO, SLOUnattainable
 from services.worker.engine.step import (
     Continuation,
@@ -295,6 +296,9 @@ class EngineStats:
     # Prefix caching: prompt tokens whose KV was found in the cache / looked up, since start.
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    # Prompt tokens per second of step time while prefilling (the recent prefill steps' fit),
+    # 0 before the first prefill step: the capacity the manager's queue trigger divides by.
+    prefill_capacity_tps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -408,6 +412,7 @@ class Engine:
         window = self.config.stats_window_s
         self._decode_window = _Window(window)
         self._prefill_window = _Window(window)
+        self._prefill_capacity = PrefillRate()
         self._ttft = _Window(window)
         self._tbt = _Window(window)
         self._started_s: float | None = None
@@ -1305,6 +1310,7 @@ class Engine:
         (aborted while the step ran) is skipped: its blocks are already back in the pool."""
         started_s = outputs.started_s if outputs.started_s is not None else now_s
         self._policy.observe(plan, now_s - started_s, now_s - plan.now_s, self._steps + 1)
+        self._prefill_capacity.observe(plan.prefill_tokens, now_s - started_s)
         inp = plan.inputs
         for part, hidden in zip(inp.partials, outputs.hidden, strict=True):
             seq = part.seq
@@ -1604,4 +1610,5 @@ class Engine:
             preempted_total=sum(self.preemptions.values()),
             prefix_hit_tokens=self._prefix_hit_tokens,
             prefix_query_tokens=self._prefix_query_tokens,
+            prefill_capacity_tps=self._prefill_capacity.tokens_per_s or 0.0,
         )
