@@ -33,6 +33,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,26 +115,43 @@ def best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
+@contextlib.contextmanager
+def _alone(server: servers.Server, started: list[servers.Server]) -> Iterator[None]:
+    """`server` running alone: the others paused for the duration, then resumed."""
+    others = [s for s in started if s is not server]
+    for other in others:
+        other.pause()
+    try:
+        load.warm_up(server.url, MODEL_ID)
+        yield
+    finally:
+        for other in others:
+            other.resume()
+
+
 def measure(
     started: list[servers.Server], guidellm: Path, settings: dict[str, Any], minute: list[list[float]]
 ) -> dict[str, dict[str, Any]]:
-    """Every figure of every server, all started (the idle ones wait on their sockets): rounds
-    alternate between them (A B B A ...), so each sees the same drift of the shared machine."""
+    """Every figure of every server, all started and the ones not measured paused (SIGSTOP):
+    rounds alternate between them (A B B A ...), so each sees the same drift of the shared
+    machine and none shares the cores with another's idle threads."""
     for server in started:
         load.warm_up(server.url, MODEL_ID)
     rounds: dict[str, list[dict[str, Any]]] = {s.name: [] for s in started}
     for k in range(settings["rounds"]):
         order = started if k % 2 == 0 else started[::-1]
         for server in order:
-            rounds[server.name].append(_round(server, guidellm, settings, minute))
+            with _alone(server, started):
+                rounds[server.name].append(_round(server, guidellm, settings, minute))
     out: dict[str, dict[str, Any]] = {}
     for server in started:
         # GuideLLM's own TTFT for the shortest prompt, for the record: on 2 cores its client-side
         # work lands in TTFT (vLLM's 256-token TTFT read 1.24 s through it, 0.30 s through ours).
-        m = load.guidellm_run(
-            guidellm, server.url, MODEL_ID, MODEL_DIR, prompt_tokens=256, output_tokens=1, streams=1,
-            max_requests=settings["prefill_requests"],
-        )  # fmt: skip
+        with _alone(server, started):
+            m = load.guidellm_run(
+                guidellm, server.url, MODEL_ID, MODEL_DIR, prompt_tokens=256, output_tokens=1, streams=1,
+                max_requests=settings["prefill_requests"],
+            )  # fmt: skip
         out[server.name] = {
             **best_of(rounds[server.name]),
             "ready_s": server.ready_s,

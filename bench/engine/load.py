@@ -6,17 +6,29 @@ from __future__ import annotations
 import json
 import subprocess
 import tempfile
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 
-def warm_up(url: str, model: str) -> None:
-    """One short completion, so neither server's first-request costs land in a measurement."""
+def warm_up(url: str, model: str, within_s: float = 60.0) -> None:
+    """One short completion, so neither server's first-request costs land in a measurement;
+    retried for up to `within_s` (a server just resumed from a pause may answer 503 until its
+    parts have heard from each other again)."""
     body = json.dumps({"model": model, "prompt": "Hello there", "max_tokens": 8, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        r.read()
+    deadline = time.monotonic() + within_s
+    while True:
+        req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                r.read()
+            return
+        except (urllib.error.HTTPError, urllib.error.URLError) as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"warm-up of {url} failed for {within_s} s: {e}") from e
+            time.sleep(0.5)
 
 
 def _successful(metrics: dict[str, Any], key: str) -> dict[str, Any]:
