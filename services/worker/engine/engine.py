@@ -30,7 +30,6 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.prefix import ROOT_HASH, block_hashes, chain_hash
-from services.worker.engine.allocator import tune_allocator
 from services.worker.engine.cpu_share import CpuShare
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.policy import FcfsPolicy, QueuePolicy, ScorpioPolicy
@@ -493,8 +492,6 @@ class Engine:
             return
         if not self.model.is_complete and not (partial and "embed" in self.model.loaded_groups):
             raise RuntimeError(f"model is not complete: loaded groups {self.model.loaded_groups!r}")
-        if self.model.device.type == "cpu":
-            tune_allocator()
         threads = self.config.num_threads
         if self._cpu_share is not None:
             self._cpu_share.join(f"engine{id(self)}")
