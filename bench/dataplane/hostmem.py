@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from services.common.waiting import wait_for
 from services.mesh.launcher import Mesh, MeshConfig, Proc
 
 MODULE = "services.param_manager"
@@ -127,7 +128,7 @@ async def _stop(mesh: Mesh, timeout_s: float = 10.0) -> None:
             proc.terminate()
     for proc in live:
         try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
+            await wait_for(proc.wait(), timeout_s)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

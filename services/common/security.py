@@ -14,7 +14,6 @@ launcher sets it with `use_identity()`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +28,7 @@ from prometheus_client import Counter
 from services.common import pki
 from services.common.config import ServiceConfig
 from services.common.roles import ALL_ROLES, allowed_roles
+from services.common.waiting import wait_for
 
 log = structlog.get_logger(__name__)
 
@@ -169,7 +169,7 @@ async def abort_stream(
     still in flight reaches the client as INTERNAL now and then (the stream ends under the
     client's write): that message is taken first, unread, for a moment."""
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(anext(aiter(requests)), _REFUSED_STREAM_WAIT_S)
+        await wait_for(anext(aiter(requests)), _REFUSED_STREAM_WAIT_S)
     await context.abort(code, details)
 
 

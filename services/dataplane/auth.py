@@ -32,6 +32,8 @@ from typing import Final
 import structlog
 from prometheus_client import Counter
 
+from services.common.waiting import wait_for
+
 from .errors import PeerClosed, ProtocolError, TransferTimeout, TransportError
 from .transport import MAX_TAG, Endpoint, Transport, WrappedTransport
 
@@ -148,7 +150,7 @@ class AuthenticatedTransport(WrappedTransport):
 
     async def accept(self, *, timeout_s: float | None = None) -> Endpoint:
         try:
-            return self.wrap(await asyncio.wait_for(self._accepted.get(), timeout_s))
+            return self.wrap(await wait_for(self._accepted.get(), timeout_s))
         except TimeoutError:
             raise TransferTimeout(f"no authenticated incoming connection within {timeout_s}s") from None
 

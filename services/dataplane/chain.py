@@ -61,6 +61,8 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import structlog
 
+from services.common.waiting import wait_for
+
 from .buffers import as_uint8_array, host_buffer
 from .checksum import GroupDigests, checksum_algo_of, releases_gil
 from .errors import (
@@ -294,7 +296,7 @@ class GroupStore:
             fut: asyncio.Future[None] = loop.create_future()
             self._waiters.append(fut)
             try:
-                await asyncio.wait_for(fut, remaining)
+                await wait_for(fut, remaining)
             except TimeoutError:
                 pass
 
@@ -425,7 +427,7 @@ class GroupServer:
         if model_id not in self._stores and model_id not in self._dropped:
             ev = self._published.setdefault(model_id, asyncio.Event())
             try:
-                await asyncio.wait_for(ev.wait(), self._publish_wait_s)
+                await wait_for(ev.wait(), self._publish_wait_s)
             except TimeoutError:
                 return None
         return self._stores.get(model_id)
@@ -510,7 +512,7 @@ class GroupServer:
                 sent = await self._stream(ep, store, todo)
                 # Wait for "done" so the last chunks are not cut off by closing the endpoint, and
                 # answer it so the receiver's posted control receive completes instead of leaking.
-                await asyncio.wait_for(asyncio.shield(reader), self._send_timeout_s)
+                await wait_for(asyncio.shield(reader), self._send_timeout_s)
             except TimeoutError:
                 raise TransferTimeout(f"{ep.peer} sent no 'done' within {self._send_timeout_s}s") from None
             finally:
@@ -890,7 +892,7 @@ class _ReceiveSession:
             await ep.send_msg(_encode({"done": True}), CONTROL_TAG, timeout_s=self._stall_timeout_s)
             try:
                 while True:  # a pong may still be on its way ahead of the bye
-                    bye = _decode(await asyncio.wait_for(control, self._stall_timeout_s), "bye", label)
+                    bye = _decode(await wait_for(control, self._stall_timeout_s), "bye", label)
                     if "pong" not in bye:
                         break
                     control = loop.create_task(ep.recv_msg(CONTROL_TAG, max_bytes=1 << 20))

@@ -20,6 +20,8 @@ from typing import Any, Final
 
 import structlog
 
+from services.common.waiting import wait_for
+
 from .buffers import as_byte_view
 from .errors import PeerClosed, ProtocolError, TransferTimeout, TransportError
 from .transport import Endpoint, Transport, address_kind, check_tag
@@ -159,7 +161,7 @@ class _TcpEndpoint(Endpoint):
         fut: asyncio.Future[None] = self._loop.create_future()
         self._pending.setdefault(tag, deque()).append(_PendingRecv(view, fut))
         try:
-            await asyncio.wait_for(fut, timeout_s)
+            await wait_for(fut, timeout_s)
         except TimeoutError:
             self.abort()
             raise TransferTimeout(f"no message with tag {tag} from {self.peer} within {timeout_s}s") from None
@@ -199,7 +201,7 @@ class _TcpEndpoint(Endpoint):
         view = as_byte_view(buffer, writable=False)
         check_tag(tag)
         try:
-            await asyncio.wait_for(self._send_frame(tag, view), timeout_s)
+            await wait_for(self._send_frame(tag, view), timeout_s)
         except TimeoutError:
             self.abort()
             raise TransferTimeout(
@@ -369,7 +371,7 @@ class TcpTransport(Transport):
 
     async def accept(self, *, timeout_s: float | None = None) -> Endpoint:
         try:
-            return await asyncio.wait_for(self._accepted.get(), timeout_s)
+            return await wait_for(self._accepted.get(), timeout_s)
         except TimeoutError:
             raise TransferTimeout(f"no incoming connection within {timeout_s}s") from None
 

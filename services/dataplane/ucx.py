@@ -50,6 +50,8 @@ from ucxx._lib.arr import Array
 from ucxx._lib_async import application_context as _ucxx_app
 from ucxx.types import Tag, TagMaskFull
 
+from services.common.waiting import wait_for
+
 from .buffers import as_uint8_array
 from .errors import DataPlaneError, PeerClosed, PeerUnreachable, ProtocolError, TransferTimeout, TransportError
 from .transport import Endpoint, Transport, address_kind, check_tag
@@ -277,7 +279,7 @@ class _UcxEndpoint(Endpoint):
             raise PeerClosed(f"endpoint to {self.peer} is closed")
         full = self._full_tag(tag, self._send_dir)
         try:
-            await asyncio.wait_for(self._peer.transport._send(self._peer.ep, arr, full), timeout_s)
+            await wait_for(self._peer.transport._send(self._peer.ep, arr, full), timeout_s)
         except TimeoutError:
             self.abort()
             raise TransferTimeout(
@@ -298,7 +300,7 @@ class _UcxEndpoint(Endpoint):
             raise PeerClosed(f"endpoint to {self.peer} is closed")
         full = self._full_tag(tag, 1 - self._send_dir)
         try:
-            await asyncio.wait_for(self._peer.transport._recv(self._peer.ep, arr, full), timeout_s)
+            await wait_for(self._peer.transport._recv(self._peer.ep, arr, full), timeout_s)
         except TimeoutError:
             self.abort()  # cancels the posted receive: nothing lands in `arr` after this
             raise TransferTimeout(
@@ -502,7 +504,7 @@ class UcxTransport(Transport):
         hello[: len(packed)] = np.frombuffer(packed, np.uint8)
         try:
             # The hello goes to the peer's worker, not to a connection: raw tag, no conn id.
-            await asyncio.wait_for(self._send(peer.ep, hello, _ACCEPT_TAG), timeout_s)
+            await wait_for(self._send(peer.ep, hello, _ACCEPT_TAG), timeout_s)
             ack = np.zeros(_ACK.size, dtype=np.uint8)
             await endpoint._recv_raw(ack, _ACK_TAG, timeout_s)
             warmup_bytes, generation = _ACK.unpack(ack.tobytes())
@@ -529,7 +531,7 @@ class UcxTransport(Transport):
 
     async def accept(self, *, timeout_s: float | None = None) -> Endpoint:
         try:
-            return await asyncio.wait_for(self._accepted.get(), timeout_s)
+            return await wait_for(self._accepted.get(), timeout_s)
         except TimeoutError:
             raise TransferTimeout(f"no incoming connection within {timeout_s}s") from None
 
@@ -546,8 +548,8 @@ class UcxTransport(Transport):
             me = await self._peer_for(self._address[len(_ADDRESS_PREFIX) :])
             bye = np.zeros(_HELLO_BYTES, dtype=np.uint8)
             bye[:4] = np.frombuffer(_BYE_MAGIC, np.uint8)
-            await asyncio.wait_for(self._send(me.ep, bye, _ACCEPT_TAG), 2.0)
-            await asyncio.wait_for(asyncio.shield(task), 2.0)
+            await wait_for(self._send(me.ep, bye, _ACCEPT_TAG), 2.0)
+            await wait_for(asyncio.shield(task), 2.0)
         except (TimeoutError, DataPlaneError, ucxx.exceptions.UCXError) as exc:
             log.warning("dataplane_ucx_stop_accepting_failed", error=repr(exc))
 

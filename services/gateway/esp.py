@@ -16,6 +16,7 @@ import grpc
 import structlog
 
 from blitzmesh.v1 import global_manager_pb2, worker_pb2, worker_pb2_grpc
+from services.common.waiting import wait_for
 
 log = structlog.get_logger()
 
@@ -89,7 +90,7 @@ async def wait_holders(calls: EspCalls | None, timeout_s: float = 5.0) -> None:
     if calls is None or not calls.tasks:
         return
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.gather(*calls.tasks, return_exceptions=True), timeout_s)
+        await wait_for(asyncio.gather(*calls.tasks, return_exceptions=True), timeout_s)
     calls.cancel()
 
 
@@ -98,5 +99,5 @@ async def failed_member(calls: EspCalls, master_id: str, detail: str, wait_s: fl
     group, in which case the holder whose call failed (waited for up to `wait_s`) if any."""
     if "lost its group" in detail and calls.lost_id is None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(calls.lost.wait(), wait_s)
+            await wait_for(calls.lost.wait(), wait_s)
     return calls.lost_id or master_id

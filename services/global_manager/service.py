@@ -39,6 +39,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from blitzmesh.v1 import admin_pb2, global_manager_pb2, global_manager_pb2_grpc
 from services.common import roles
 from services.common.server import ServeContext
+from services.common.waiting import wait_for
 from services.global_manager.actuator import GrpcActuator
 from services.global_manager.config import GlobalManagerConfig
 from services.global_manager.convert import (
@@ -911,7 +912,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         """Tick every `tick_s` of real time (or when woken). A simulator calls `tick()` itself."""
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.cfg.tick_s)
+                await wait_for(self._wake.wait(), self.cfg.tick_s)
             self._wake.clear()
             self.tick()
 

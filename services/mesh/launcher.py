@@ -27,6 +27,7 @@ from services.common.grpc_util import channel
 from services.common.pki import ensure_pki
 from services.common.security import Identity, load_identity
 from services.common.server import wait_for_serving
+from services.common.waiting import wait_for
 from services.mesh import netns, topology
 from services.mesh.supervision import ChildHistory, GiveUp, RestartPolicy, decide, describe_exit
 from services.model_format.default_model import DEFAULT_MODEL_ID
@@ -563,7 +564,7 @@ class Mesh:
                     proc.process.send_signal(signal.SIGTERM)
         for proc in self.procs.values():
             try:
-                await asyncio.wait_for(proc.process.wait(), timeout_s)
+                await wait_for(proc.process.wait(), timeout_s)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.process.kill()

@@ -39,6 +39,7 @@ import torch
 
 from blitzmesh.convert import finish_reason_to_proto
 from blitzmesh.v1 import worker_pb2
+from services.common.waiting import wait_for
 from services.dataplane.chain import CONTROL_TAG, GroupServer
 from services.dataplane.errors import DataPlaneError, ProtocolError
 from services.dataplane.transport import Endpoint, Transport
@@ -100,7 +101,7 @@ class EspRouter:
         w = _Waiting(ep, hello, loop.create_future(), loop.create_future())
         self._queue(str(hello.get("group"))).put_nowait(w)
         try:
-            await asyncio.wait_for(asyncio.shield(w.taken), self._wait_s)
+            await wait_for(asyncio.shield(w.taken), self._wait_s)
         except TimeoutError:
             ep.abort()
             return
@@ -110,7 +111,7 @@ class EspRouter:
         async def accept(timeout_s: float) -> tuple[Endpoint, dict[str, Any]]:
             queue = self._queue(group)
             while True:
-                w = await asyncio.wait_for(queue.get(), timeout_s)
+                w = await wait_for(queue.get(), timeout_s)
                 if not w.taken.done() and not w.endpoint.closed:
                     w.taken.set_result(None)
                     self._taken.setdefault(group, []).append(w)

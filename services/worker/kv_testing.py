@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.common.waiting import wait_for
 from services.dataplane.chain import CONTROL_TAG, DATA_TAG_BASE, GroupServer
 from services.dataplane.errors import DataPlaneError, ProtocolError
 from services.dataplane.transport import Endpoint, Transport, make_transport
@@ -139,7 +140,7 @@ async def pull_bare_stream(
             while len(posted) >= 2 * window:
                 await posted.pop(0)
         await asyncio.gather(*posted)
-        await asyncio.wait_for(control, 30)
+        await wait_for(control, 30)
         await ep.send_msg(b'{"done":true}', CONTROL_TAG, timeout_s=30)
     except BaseException:
         ep.abort()

@@ -56,6 +56,7 @@ import structlog
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common.waiting import wait_for
 from services.dataplane.buffers import as_uint8_array
 from services.dataplane.chain import CONTROL_TAG, DATA_TAG_BASE, GroupServer
 from services.dataplane.checksum import checksum_algo_of, group_checksum
@@ -369,7 +370,7 @@ class KVOffer:
     async def wait(self, timeout_s: float | None = None) -> KVTransferResult:
         """The transfer's result once the consumer has every byte and checked it; raises the
         transfer's error (a DataPlaneError) if it failed or expired."""
-        return await asyncio.wait_for(asyncio.shield(self._outcome), timeout_s)
+        return await wait_for(asyncio.shield(self._outcome), timeout_s)
 
     def cancel(self, reason: str = "cancelled by the producer") -> None:
         """Withdraw an offer not yet pulled (a transfer in progress is not interrupted)."""
@@ -761,7 +762,7 @@ async def receive_kv(
                 )
         if trailer is None:
             try:
-                trailer = _trailer(await asyncio.wait_for(control, config.stall_timeout_s), label, what)
+                trailer = _trailer(await wait_for(control, config.stall_timeout_s), label, what)
             except TimeoutError:
                 raise TransferTimeout(f"{what}: {label} sent no checksums within {config.stall_timeout_s}s") from None
         if config.checksum:

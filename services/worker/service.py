@@ -20,6 +20,7 @@ from services.common import roles
 from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
 from services.common.security import abort_stream, dataplane_key
 from services.common.server import ServeContext
+from services.common.waiting import wait_for
 from services.dataplane.chain import (
     FALLBACK_ROUNDS,
     GroupServer,
@@ -763,11 +764,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.heartbeat_sent.clear()
         self.heartbeat_now.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), _DEAD_ENGINE_UNWIND_S)
+            await wait_for(self._idle.wait(), _DEAD_ENGINE_UNWIND_S)
         if self.ctx is not None and self.cfg.global_manager:
             # Unanswered (the manager is down), the IDLE report below still takes it off routes.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.heartbeat_sent.wait(), _DEAD_ENGINE_TELL_S)
+                await wait_for(self.heartbeat_sent.wait(), _DEAD_ENGINE_TELL_S)
         if self.instance is inst:
             await self._drop_instance()
         if self.ctx is not None and self.engine_deaths < MAX_ENGINE_DEATHS:
@@ -839,7 +840,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         aborted = 0
         deadline = asyncio.get_running_loop().time() + timeout_s
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            await wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
             inst = self.instance
             for rid in list(self._inflight):
@@ -849,7 +850,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # Returned only once the aborted streams have ended (each with "abort", which the
             # gateway migrates), so Unload right after it finds nothing in flight.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), _DRAIN_UNWIND_S)
+                await wait_for(self._idle.wait(), _DRAIN_UNWIND_S)
         inst = self.instance
         if inst is not None and inst.handoffs:
             # KV handed off to decode instances stays until they have pulled it (bounded by the
@@ -967,7 +968,7 @@ class WorkerService:
                     registered = registered and e.code() != grpc.StatusCode.UNAVAILABLE
                 s.heartbeat_now.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(s.heartbeat_now.wait(), self.cfg.heartbeat_interval_s)
+                    await wait_for(s.heartbeat_now.wait(), self.cfg.heartbeat_interval_s)
 
     async def drain(self) -> None:
         """serve() calls this on SIGTERM while the gRPC server still runs: nothing in flight is

@@ -170,11 +170,6 @@ async def test_a_full_master_without_a_spare_fails_clearly(tiny_models: Path, se
         await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 20, what="every ESP block freed")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="regressed on 2026-11-27 (the fresh-clone CI of 7464b0c): after the holder's call is "
-    "cancelled the master finishes all 400 tokens instead of ending UNAVAILABLE; to fix first",
-)
 async def test_a_member_that_goes_away_ends_the_request_with_unavailable(
     tiny_models: Path, serve_in_process: Any
 ) -> None:

@@ -30,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.prefix import ROOT_HASH, block_hashes, chain_hash
+from services.common.waiting import wait_for
 from services.worker.engine.cpu_share import CpuShare
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.policy import FcfsPolicy, QueuePolicy, ScorpioPolicy
@@ -923,7 +924,7 @@ class Engine:
             seq.relay_waiters.append(waiter)
             self._wake.set()
             try:
-                return await asyncio.wait_for(asyncio.shield(waiter), wait_s)
+                return await wait_for(asyncio.shield(waiter), wait_s)
             except TimeoutError:
                 if waiter.done():
                     return waiter.result()
