@@ -11,8 +11,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# (out, in) of the fused projections of one layer: QKV, O, gate+up, down.
-SHAPES = ((1344, 576), (576, 576), (3072, 576), (576, 1536))
+# (out, in) of the fused projections of one layer: QKV (9 query heads and 3 KV heads of 64), O,
+# gate+up, down.
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 ROWS = 1024
 
 

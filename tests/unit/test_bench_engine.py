@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from bench.engine.__main__ import ratios
+from bench.engine.__main__ import FLOP_PER_TOKEN, HIDDEN, LAYERS, VOCAB, over_gemm_limit, prompt_flop, ratios
+from bench.engine.limits import SHAPES
 from bench.engine.load import summarize
 from bench.engine.replay import MAX_OUTPUT, MAX_PROMPT, load_minute, thin
 
@@ -73,3 +74,18 @@ def test_the_stored_minute_is_the_busiest_and_thinning_bounds_the_offered_load()
     assert [t for t, _, _ in picked] == sorted(t for t, _, _ in picked)
     with pytest.raises(ValueError, match="no request"):
         thin([[70.0, 10, 10]], 60.0)
+
+
+def test_prompt_flop_counts_projections_causal_attention_and_the_head_once() -> None:
+    """Counted the slow way (each query row against itself and every earlier key, in every layer);
+    the projections' count is the limit's GEMM shapes'."""
+    assert FLOP_PER_TOKEN == LAYERS * sum(2 * o * i for o, i in SHAPES)
+    for n in (1, 7, 354):
+        attention = sum(LAYERS * 2 * 2 * HIDDEN * (row + 1) for row in range(n))
+        assert prompt_flop(n) == n * FLOP_PER_TOKEN + attention + 2 * HIDDEN * VOCAB
+    assert round(prompt_flop(354) / 354 / 1e6) == 225  # the figure the issue's own arithmetic used
+    # at the GEMM rate exactly, a prompt runs at the limit; linear-only reads lower by attention's share
+    n, gflops = 2048, 200.0
+    tok_s = gflops * 1e9 * n / prompt_flop(n)
+    assert over_gemm_limit(tok_s, n, gflops) == 1.0
+    assert over_gemm_limit(tok_s, n, gflops, linear_only=True) == round(n * FLOP_PER_TOKEN / prompt_flop(n), 3)
