@@ -308,15 +308,23 @@ int paged_decode_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const @
 # (cache type, its suffix, q/out type, its suffix, entry suffix): a float32 cache; a bfloat16
 # cache with float32 queries and output; a bfloat16 cache read by bfloat16 queries straight from
 # the QKV projection, the output written back in bfloat16 (no conversion passes around it).
-_VARIANTS = (
+KERNEL_VARIANTS = (
     ("float", "f32", "float", "f32", "f32"),
     ("uint16_t", "bf16", "float", "f32", "bf16"),
     ("uint16_t", "bf16", "uint16_t", "bf16", "bf16io"),
 )
-_SOURCE = _PRELUDE + "".join(
-    _BODY.replace("@T@", t).replace("@KS@", ks).replace("@Q@", q).replace("@QS@", qs).replace("@S@", s)
-    for t, ks, q, qs, s in _VARIANTS
-)
+
+
+def expand_variants(prelude: str, body: str) -> str:
+    """`prelude` then `body` once per `KERNEL_VARIANTS` entry, its @T@ / @KS@ / @Q@ / @QS@ / @S@
+    placeholders filled in (the attention kernels' C sources)."""
+    return prelude + "".join(
+        body.replace("@T@", t).replace("@KS@", ks).replace("@Q@", q).replace("@QS@", qs).replace("@S@", s)
+        for t, ks, q, qs, s in KERNEL_VARIANTS
+    )
+
+
+_SOURCE = expand_variants(_PRELUDE, _BODY)
 
 _ENV_SWITCH = "BLITZMESH_NATIVE_ATTENTION"
 

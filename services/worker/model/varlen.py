@@ -28,7 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.model import varlen_dot
-from services.worker.model.native import AVX512_EXP16, KV_DTYPES, LazyKernel, build_library, vector_flags
+from services.worker.model.native import (
+    AVX512_EXP16,
+    KV_DTYPES,
+    LazyKernel,
+    build_library,
+    expand_variants,
+    vector_flags,
+)
 
 _PRELUDE = (
     r"""
@@ -311,18 +318,7 @@ int paged_prefill_@S@(const @Q@* q, int64_t q_stride, const @T@* k_cache, const 
 }
 """
 
-# (cache type, q/out type, suffix, q/out conversion suffix): a float32 cache; a bfloat16 cache
-# with float32 queries and output; a bfloat16 cache read by bfloat16 queries straight from the
-# QKV projection and written back in bfloat16 (no conversion passes around the kernel).
-_VARIANTS = (
-    ("float", "f32", "float", "f32", "f32"),
-    ("uint16_t", "bf16", "float", "f32", "bf16"),
-    ("uint16_t", "bf16", "uint16_t", "bf16", "bf16io"),
-)
-_SOURCE = _PRELUDE + "".join(
-    _BODY.replace("@T@", t).replace("@KS@", ks).replace("@Q@", q).replace("@QS@", qs).replace("@S@", s)
-    for t, ks, q, qs, s in _VARIANTS
-)
+_SOURCE = expand_variants(_PRELUDE, _BODY)  # the three cache / query dtype variants
 
 _ENV_SWITCH = "BLITZMESH_VARLEN_ATTENTION"
 
