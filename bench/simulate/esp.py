@@ -42,6 +42,9 @@ to the master's iteration only (not as busy time on the holder); a group's ring 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import math
 import random
 import statistics
@@ -63,13 +66,20 @@ from services.global_manager.core.esp import (
     plan_batches,
 )
 
-from .profiles import PUBLISHED_PROFILES, FastStep, SimProfile
+from .profiles import LWM_1M_CONTEXT, PUBLISHED_PROFILES, TENSOR_PARALLEL, FastStep, SimProfile
 
-__all__ = ["EspScenario", "run", "simulate", "workload"]
+__all__ = ["MIXES", "REGIMES", "EspScenario", "run", "run_regimes", "simulate", "workload"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STRATEGIES = ("esp", "chunked", "disagg")
 DEGREES = (1, 2, 4, 8)
+MIXES = ("conv", "zipf", "lveval")
+# LV-Eval (Infinigence, 2024): five length levels of 16k-256k words, 11,896 to 387,406 words in all;
+# LoongServe tokenized its English subsets with LWM's (Llama-2) tokenizer. Words per token: assumed.
+LVEVAL_LEVELS_WORDS = (16_000, 32_000, 64_000, 128_000, 256_000)
+LVEVAL_SPREAD = (11_896 / 16_000, 387_406 / 256_000)  # a level's lengths, as fractions of it
+TOKENS_PER_WORD = 1.3
+RATES = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,30 @@ class EspScenario:
     link_gbps: float = 200.0
     exchange_s: float = 0.0003  # per extra group member per iteration (32 layers x ~10 us over NVLink)
     max_dispatch: int = 64
+    mix: str = "conv"  # conv: the trace x a Zipf factor; zipf: LoongServe's Zipf mix; lveval: LV-Eval-like
+    min_prompt: int = 10  # zipf: lengths drawn from [min_prompt, max_prompt) with weight 1 / l^zipf
+    max_prompt: int = 200_000
+    rates: tuple[float, ...] = RATES  # request rates tried, rising (requests/s)
+    # > 1: also chunked prefill on instances of this many GPUs each (tensor parallelism, as
+    # LoongServe's baselines ran), instances / chunked_tp of them, so that one holds every prompt.
+    chunked_tp: int = 1
+
+
+# The regimes the ESP scenario reports side by side: the project's Llama-3-8B on A100s with the
+# conversation trace stretched to 128k, and the regime LoongServe was evaluated in (its model,
+# LWM-Text-1M, whose multi-head KV is 4x Llama-3-8B's per token, and its Zipf mix of ShareGPT,
+# LEval and LV-Eval lengths, alpha 1.0, the mix's widest); `lwm1m-lveval` is LV-Eval alone.
+REGIMES: dict[str, EspScenario] = {
+    "llama3-8b": EspScenario(),
+    "lwm1m": EspScenario(profile="a100-lwm-1m", context=LWM_1M_CONTEXT, mix="zipf", zipf=1.0, chunked_tp=2),
+    "lwm1m-lveval": EspScenario(
+        profile="a100-lwm-1m",
+        context=LWM_1M_CONTEXT,
+        mix="lveval",
+        chunked_tp=4,
+        rates=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4),
+    ),
+}
 
 
 @dataclass
@@ -97,6 +131,7 @@ class Req(BaseReq):
     slices: dict[int, int] = field(default_factory=dict)  # esp: instance -> prompt tokens it holds
     master: int = -1
     ready: float = 0.0  # disagg: when its KV has reached the decode instance
+    admitted: float | None = None  # when its KV was reserved (chunked, esp) or its prefill began (disagg)
     ttft_slo: float = 0.0
     tbt_slo: float = 0.0
 
@@ -127,8 +162,25 @@ def _wake(node: Node, now: float) -> None:
         node.free_at = now
 
 
+@functools.cache
+def _zipf_lengths(lo: int, hi: int, alpha: float) -> tuple[range, list[float]]:
+    lengths = range(lo, hi)
+    return lengths, list(itertools.accumulate(x**-alpha for x in lengths))
+
+
 def workload(rows: Sequence[tuple[int, int]], n: int, rate: float, seed: int, sc: EspScenario) -> list[Req]:
-    """`n` Poisson arrivals at `rate`/s, prompts of `rows` (prompt, output) times a Zipf factor."""
+    """`n` Poisson arrivals at `rate`/s; outputs from `rows` (prompt, output); prompts by `sc.mix`:
+    - conv: the row's prompt times a Zipf factor 1..`max_factor`;
+    - zipf: LoongServe's Zipf mix (its test/longserve/4-mix-dataset-zipf.py): a length drawn from
+      [`min_prompt`, `max_prompt`) with weight 1 / l^`zipf` (the paper picks the dataset request
+      nearest that length; here the length itself);
+    - lveval: one of LV-Eval's five levels (16k-256k words) at random, a length uniform in the
+      level's published spread (0.74x-1.51x), times `TOKENS_PER_WORD`.
+    Prompt + output is kept within `sc.context`."""
+    if sc.mix not in MIXES:
+        raise ValueError(f"unknown mix {sc.mix!r}; known: {', '.join(MIXES)}")
+    if sc.mix == "zipf" and not 0 < sc.min_prompt < sc.max_prompt:
+        raise ValueError(f"zipf mix needs 0 < min_prompt < max_prompt, got {sc.min_prompt!r}, {sc.max_prompt!r}")
     rng = random.Random(seed)
     factors = list(range(1, sc.max_factor + 1))
     weights = [k**-sc.zipf for k in factors]
@@ -137,8 +189,15 @@ def workload(rows: Sequence[tuple[int, int]], n: int, rate: float, seed: int, sc
         t += rng.expovariate(rate)
         p, o = rows[rng.randrange(len(rows))]
         o = max(1, min(o, sc.max_output))
-        p = max(1, min(p * rng.choices(factors, weights)[0], sc.context - o))
-        out.append(Req(i, t, p, o))
+        if sc.mix == "conv":
+            p *= rng.choices(factors, weights)[0]
+        elif sc.mix == "zipf":
+            lengths, cum = _zipf_lengths(sc.min_prompt, sc.max_prompt, sc.zipf)
+            p = rng.choices(lengths, cum_weights=cum)[0]
+        else:
+            level = rng.choice(LVEVAL_LEVELS_WORDS)
+            p = round(level * rng.uniform(*LVEVAL_SPREAD) * TOKENS_PER_WORD)
+        out.append(Req(i, t, max(1, min(p, sc.context - o)), o))
     return out
 
 
@@ -154,12 +213,24 @@ def set_slo(reqs: Sequence[Req], step: FastStep, sc: EspScenario) -> None:
         r.tbt_slo = sc.tbt_scale * step(0, 0, 0, 1, r.prompt + r.output / 2)
 
 
-def core_models(step: FastStep, sc: EspScenario) -> dict[int, StepTimeModel]:
+def ring_s_per_token(u: int, kv_bytes_per_token: float, link_gbps: float) -> float:
+    """Seconds per prompt token of a degree-`u` group's ring exchange: each member's slice (l / u
+    tokens) of K/V travels to the u - 1 others, every member sending (u - 1) / u x l tokens' KV
+    over its own link at once; charged in full, as if not overlapped with the attention."""
+    return (u - 1) / u * kv_bytes_per_token / (link_gbps / 8 * 1e9)
+
+
+def core_models(step: FastStep, sc: EspScenario, kv_bytes_per_token: float) -> dict[int, StepTimeModel]:
     """The core's `T_u = a + b sum l + c sum l^2` for a group of u: the weights read once per
-    member in parallel, the tokens and the causal pairs (l^2 / 2) split over the u members, and
-    the ring exchange per extra member."""
+    member in parallel, the tokens and the causal pairs (l^2 / 2) split over the u members, the
+    ring exchange of the prompt's K/V at `sc.link_gbps` (per token, `ring_s_per_token`) and the
+    exchange's per-layer latency per extra member."""
     return {
-        u: StepTimeModel(step.base + step.overhead + sc.exchange_s * (u - 1), step.ptok / u, step.pair / 2 / u)
+        u: StepTimeModel(
+            step.base + step.overhead + sc.exchange_s * (u - 1),
+            step.ptok / u + ring_s_per_token(u, kv_bytes_per_token, sc.link_gbps),
+            step.pair / 2 / u,
+        )
         for u in DEGREES
         if u <= sc.instances
     }
@@ -175,7 +246,7 @@ class _Sim:
         self.kv_bytes = profile.model.kv_bytes_per_token
         self.queue: list[Req] = []  # esp: waiting for a group; disagg: prefilled, waiting for a decoder
         self.dirty = False
-        self.models = core_models(self.step, sc)
+        self.models = core_models(self.step, sc, profile.model.kv_bytes_per_token)
         self.plans = 0
         self.plan_s = 0.0
         self.degrees: list[tuple[float, int, int]] = []  # (start, group degree, requests) of each prefill batch
@@ -218,7 +289,17 @@ class _Sim:
         if node.prefilling_until:
             node.prefilling_until = 0.0
             self.dirty = True  # out of its prefill group: the pool has grown
-        decoding = [r for r in node.running if r.ready <= now][: self.max_batch]
+        decoding = [r for r in node.running if r.ready <= now]
+        held_up = math.inf  # esp: when the earliest holder busy in a prefill group comes out of it
+        if self.strategy == "esp":
+            # A distributed request's step needs every holder's partial attention: a holder in a
+            # prefill group answers when its group's iteration ends, so the request waits for it.
+            for r in list(decoding):
+                busy = [self.nodes[h].prefilling_until for h in r.held if h != node.idx]
+                if busy and max(busy) > now:
+                    decoding.remove(r)
+                    held_up = min(held_up, max(busy))
+        decoding = decoding[: self.max_batch]
         rows = len(decoding)
         ctx = self._ctx(node, decoding)
         ptok, pairs, seqs = 0, 0.0, 0
@@ -233,6 +314,7 @@ class _Sim:
                         break
                     node.used += r.prompt + r.output
                     r.held = {node.idx: r.prompt + r.output}
+                    r.admitted = now
                 take = min(budget, r.prompt - r.prefilled)
                 pairs += _pairs(r.prefilled, take)
                 ptok += take
@@ -243,9 +325,12 @@ class _Sim:
                     finished.append(r)
                     node.waiting.remove(r)
         if not (rows or ptok):
-            node.free_at = min((r.ready for r in node.running), default=math.inf)
+            waiting = [r.ready for r in node.running if r.ready > now]
+            node.free_at = min([*waiting, held_up], default=math.inf)
             return
         end = now + self.step(ptok, pairs, seqs, rows, ctx)
+        if self.strategy == "esp" and any(h != node.idx for r in decoding for h in r.held):
+            end += self.sc.exchange_s  # the query out to the holders, their partials back, per layer
         node.free_at = end
         for r in decoding:
             self._token(r, node, end)
@@ -298,6 +383,7 @@ class _Sim:
         node.free_at = end
         for r in batch:
             node.waiting.remove(r)
+            r.admitted = now
             r.prefilled = r.prompt
             r.first = end  # the prefill samples the first token
             r.generated = 1
@@ -333,7 +419,8 @@ class _Sim:
         pool_nodes = [n for n in self.nodes if n.prefilling_until <= now]
         if not pool_nodes:
             return
-        view = [EspInstance(str(n.idx), n.used, n.kv, idle=not n.running) for n in pool_nodes]
+        # Idle: decodes nothing and holds no decoding request's KV (a holder attends every step).
+        view = [EspInstance(str(n.idx), n.used, n.kv, idle=not n.running and not n.ctx) for n in pool_nodes]
         real = {v.instance_id: v for v in view}
         t0 = time.perf_counter()
         chosen = dispatch(
@@ -376,6 +463,7 @@ class _Sim:
             for rid in batch.request_ids:
                 r = by_id[rid]
                 self.queue.remove(r)
+                r.admitted = start
                 self._place(r, slices[rid])
                 r.prefilled = r.prompt
                 self._token(r, self.nodes[r.master], end, first=True)
@@ -419,11 +507,16 @@ class _Sim:
                 sample_at = now + 1.0
 
 
-def simulate(strategy: str, reqs: list[Req], profile: SimProfile, sc: EspScenario) -> _Sim:
+def simulate(
+    strategy: str, reqs: list[Req], profile: SimProfile, sc: EspScenario, slo_profile: SimProfile | None = None
+) -> _Sim:
+    """Run `strategy` on `sc.instances` instances of `profile`; the SLO scaled from what one idle
+    instance of `slo_profile` (default `profile`) takes, so that strategies on other instances
+    are judged by the same SLO."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
     sim = _Sim(strategy, reqs, profile, sc)
-    set_slo(reqs, sim.step, sc)
+    set_slo(reqs, FastStep((slo_profile or profile).step), sc)
     sim.run()
     return sim
 
@@ -437,11 +530,19 @@ def summarize(sim: _Sim) -> dict[str, Any]:
     done = [r for r in reqs if r.done is not None]
     ttft = sorted(r.first - r.arrival for r in done if r.first is not None)
     tbt = sorted(r.tbt() for r in done)
+    wait = sorted(r.admitted - r.arrival for r in reqs if r.admitted is not None)
+    refused = sum(r.refused for r in reqs)
     out: dict[str, Any] = {
         "requests": len(reqs),
         "completed": len(done),
-        "refused": sum(r.refused for r in reqs),
+        "refused": refused,
         "slo_attainment": round(sum(r.met() for r in reqs) / len(reqs), 4),
+        # Among the requests this strategy can hold at all (chunked / disagg: one instance's KV).
+        "slo_attainment_servable": round(sum(r.met() for r in reqs) / max(1, len(reqs) - refused), 4),
+        "ttft_misses": sum(r.first is not None and r.first - r.arrival > r.ttft_slo for r in reqs),
+        "tbt_misses": sum(r.done is not None and r.tbt() > r.tbt_slo for r in reqs),
+        "admit_wait_p50_s": _pct(wait, 0.5),  # arrival until its KV is reserved and its prefill may start
+        "admit_wait_p99_s": _pct(wait, 0.99),
         "ttft_p50_s": _pct(ttft, 0.5),
         "ttft_p99_s": _pct(ttft, 0.99),
         "tbt_p50_s": _pct(tbt, 0.5),
@@ -458,8 +559,19 @@ def summarize(sim: _Sim) -> dict[str, Any]:
     return out
 
 
+def _best(rows: Sequence[dict[str, Any]], key: str, attainment: float) -> float:
+    return max((x["rate_rps"] for x in rows if x[key] >= attainment), default=0.0)
+
+
+def _ratios(best: dict[str, float]) -> dict[str, float | None]:
+    return {k: (round(best["esp"] / best[k], 2) if best[k] else None) for k in best if k != "esp"}
+
+
 def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> dict[str, Any]:
-    """Every strategy at rising rates until it misses the SLO; the max rate at SLO of each."""
+    """Every strategy at rising rates until it misses the SLO; the max rate at SLO of each.
+    A request that no single instance holds is refused by chunked prefill and disaggregation and
+    counts as an SLO miss; `max_rate_at_slo_servable_rps` is the same figure counting only the
+    requests one instance can hold (what those strategies could serve at all)."""
     from bench.replay.trace import read_azure_trace
 
     sc = sc or EspScenario()
@@ -468,36 +580,69 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
         (r.prompt_tokens, r.output_tokens) for r in read_azure_trace(REPO_ROOT / "traces" / "azure_llm_2023_conv.csv")
     ]
     n = 150 if quick else 400
-    rates = [0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]
     per_rate: dict[str, list[dict[str, Any]]] = {}
-    best: dict[str, float] = {}
+    # chunked_tp: chunked prefill on instances of `chunked_tp` GPUs each, as many as the GPUs allow.
+    setups = {s: (s, profile, sc) for s in STRATEGIES}
+    if sc.chunked_tp > 1:
+        tp_sc = dataclasses.replace(sc, instances=sc.instances // sc.chunked_tp)
+        setups["chunked_tp"] = ("chunked", TENSOR_PARALLEL[sc.profile](sc.chunked_tp), tp_sc)
     t0 = time.perf_counter()
-    for s in STRATEGIES:
-        per_rate[s], best[s] = [], 0.0
+    for s, (strategy, prof, ssc) in setups.items():
+        per_rate[s] = []
         misses = 0
-        for rate in rates:
-            sim = simulate(s, workload(rows, n, rate, seed, sc), profile, sc)
+        for rate in sc.rates:
+            sim = simulate(strategy, workload(rows, n, rate, seed, sc), prof, ssc, slo_profile=profile)
             row = {"rate_rps": rate, **summarize(sim)}
             per_rate[s].append(row)
-            if row["slo_attainment"] >= sc.attainment:
-                best[s] = rate
-            else:
+            if row["slo_attainment"] < sc.attainment and row["slo_attainment_servable"] < sc.attainment:
                 misses += 1
                 if misses >= 2:
-                    break  # two rates in a row missed: higher ones miss too
-    ratio = {k: (round(best["esp"] / best[k], 2) if best[k] else None) for k in ("chunked", "disagg")}
+                    break  # two rates missed: higher ones miss too
+    best = {s: _best(rows_, "slo_attainment", sc.attainment) for s, rows_ in per_rate.items()}
+    servable = {s: _best(rows_, "slo_attainment_servable", sc.attainment) for s, rows_ in per_rate.items()}
+    ratio, ratio_servable = _ratios(best), _ratios(servable)
+    kv = profile.kv_blocks * profile.block_size
+    reqs = workload(rows, n, sc.rates[0], seed, sc)
     return {
-        "how": "EMULATED: simulated time; each iteration paced by the a100-llama3-8b roofline ESTIMATE "
+        "how": f"EMULATED: simulated time; each iteration paced by the {sc.profile} roofline ESTIMATE "
         "(bench/simulate/profiles.py); the ESP variant runs the global manager's ESP core unchanged",
         "command": "python -m bench.simulate --scenario esp" + (" --quick" if quick else ""),
-        "scenario": {**vars(sc), "kv_tokens_per_instance": profile.kv_blocks * profile.block_size},
+        "scenario": {**vars(sc), "kv_tokens_per_instance": kv},
+        "model": profile.model.name,
+        "kv_bytes_per_token": profile.model.kv_bytes_per_token,
         "requests_per_rate": n,
         "seed": seed,
+        "workload": {
+            "prompt_p50": _pct(sorted(r.prompt for r in reqs), 0.5),
+            "prompt_mean": round(statistics.fmean(r.prompt for r in reqs)),
+            "prompt_max": max(r.prompt for r in reqs),
+            "over_one_instance_kv": sum(r.prompt + r.output > kv for r in reqs),
+        },
         "slo": f"TTFT <= max(1 s, {sc.ttft_scale} x one idle instance's prefill); mean TBT <= {sc.tbt_scale} x "
         f"one decode step at the request's context; attainment >= {sc.attainment}",
         "max_rate_at_slo_rps": best,
+        "max_rate_at_slo_servable_rps": servable,
         "esp_over_chunked": ratio["chunked"],
         "esp_over_disagg": ratio["disagg"],
+        "esp_over_chunked_servable": ratio_servable["chunked"],
+        "esp_over_disagg_servable": ratio_servable["disagg"],
+        **(
+            {
+                "chunked_tp_instances": f"{sc.instances // sc.chunked_tp} x TP={sc.chunked_tp}, "
+                f"{TENSOR_PARALLEL[sc.profile](sc.chunked_tp).kv_blocks * profile.block_size} KV tokens each",
+                "esp_over_chunked_tp": ratio["chunked_tp"],
+            }
+            if sc.chunked_tp > 1
+            else {}
+        ),
         "per_rate": per_rate,
         "sim_wall_s": round(time.perf_counter() - t0, 1),
     }
+
+
+def run_regimes(quick: bool = False, names: Sequence[str] = tuple(REGIMES), seed: int = 0) -> dict[str, Any]:
+    """`run` in each named regime of `REGIMES`, side by side."""
+    unknown = [x for x in names if x not in REGIMES]
+    if unknown:
+        raise ValueError(f"unknown regime {unknown[0]!r}; known: {', '.join(REGIMES)}")
+    return {name: run(quick, REGIMES[name], seed) for name in names}

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from bench.simulate.esp import EspScenario, Req, simulate, summarize
-from bench.simulate.profiles import PUBLISHED_PROFILES, FastStep
+from bench.simulate.esp import REGIMES, EspScenario, Req, _Sim, core_models, simulate, summarize, workload
+from bench.simulate.profiles import PUBLISHED_PROFILES, FastStep, lwm_1m_a100
 
 PROFILE = PUBLISHED_PROFILES["a100-llama3-8b"]
 SC = EspScenario(instances=8)
@@ -66,3 +66,89 @@ def test_a_group_never_outgrows_the_instances() -> None:
 def test_an_unknown_strategy_is_named() -> None:
     with pytest.raises(ValueError, match="'static'"):
         simulate("static", _reqs([(0.0, 10, 1)]), PROFILE, SC)
+
+
+# -- LoongServe's regime: LWM-Text-1M (multi-head KV) and its evaluation mixes ----------------------
+
+LWM = PUBLISHED_PROFILES["a100-lwm-1m"]
+ROWS = [(500, 100), (1500, 300)]
+
+
+def test_the_lwm_profile_has_four_times_the_kv_per_token_and_loongserves_capacity() -> None:
+    assert LWM.model.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2 == 4 * PROFILE.model.kv_bytes_per_token
+    tokens = LWM.kv_blocks * LWM.block_size
+    assert tokens == 111_616  # (72 GB - 13.48 GB of weights) / 524,288 B, in blocks of 16
+    assert abs(tokens - 110_000) / 110_000 < 0.02  # LoongServe's launcher: 110,000 on one GPU
+    two = lwm_1m_a100(2)
+    assert two.kv_blocks * two.block_size > 200_000 + 1024  # TP=2 holds the Zipf mix's longest
+    assert FastStep(two.step)(8192, 0, 0, 0, 0) < FastStep(LWM.step)(8192, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="got 0"):
+        lwm_1m_a100(0)
+
+
+def test_the_zipf_mix_is_loongserves() -> None:
+    sc = REGIMES["lwm1m"]
+    prompts = sorted(r.prompt for r in workload(ROWS, 4000, 1.0, 0, sc))
+    assert prompts[0] >= 10 and prompts[-1] < 200_000
+    # Weight 1 / l over [10, 200,000): log-uniform, median sqrt(10 x 200,000) ~ 1,414, and
+    # ln(200,000 / 111,616) / ln(20,000) = 5.9 % beyond one instance's KV.
+    assert 1_100 < prompts[len(prompts) // 2] < 1_800
+    beyond = sum(p > LWM.kv_blocks * LWM.block_size for p in prompts) / len(prompts)
+    assert 0.045 < beyond < 0.075
+
+
+def test_the_lveval_mix_spans_its_five_levels() -> None:
+    sc = REGIMES["lwm1m-lveval"]
+    prompts = [r.prompt for r in workload(ROWS, 3000, 1.0, 0, sc)]
+    assert min(prompts) >= round(11_896 * 1.3) - 1 and max(prompts) <= round(387_406 * 1.3) + 1
+    assert 135_000 < sum(prompts) / len(prompts) < 155_000  # 1.13 x 99,200 words x 1.3
+    assert sum(p < 30_000 for p in prompts) > 300 and sum(p > 400_000 for p in prompts) > 100
+
+
+def test_an_unknown_mix_is_named() -> None:
+    with pytest.raises(ValueError, match="'sharegpt'"):
+        workload(ROWS, 1, 1.0, 0, dataclasses.replace(SC, mix="sharegpt"))
+
+
+def test_a_prompt_no_instance_holds_is_refused_by_chunked_and_served_by_esp_and_tp() -> None:
+    sc = dataclasses.replace(REGIMES["lwm1m"], instances=4)
+    spec = [(0.0, 150_000, 8), (0.5, 2_000, 8)]
+    esp = simulate("esp", _reqs(spec), LWM, sc)
+    chunked = simulate("chunked", _reqs(spec), LWM, sc)
+    tp = simulate("chunked", _reqs(spec), lwm_1m_a100(2), dataclasses.replace(sc, instances=2), slo_profile=LWM)
+    assert summarize(chunked)["refused"] == 1 and chunked.reqs[0].done is None
+    assert summarize(chunked)["slo_attainment"] <= 0.5  # the refused request counts as a miss
+    assert summarize(chunked)["slo_attainment_servable"] == 1.0
+    assert esp.reqs[0].done is not None and tp.reqs[0].done is not None
+    # The SLO is the same whatever the instances: scaled from one GPU's time.
+    assert [r.ttft_slo for r in tp.reqs] == [r.ttft_slo for r in chunked.reqs]
+
+
+def test_the_group_prefill_pays_the_ring_exchange_of_the_kv_at_the_link_speed() -> None:
+    sc = dataclasses.replace(REGIMES["lwm1m"], instances=8)
+    step = FastStep(LWM.step)
+    models = core_models(step, sc, LWM.model.kv_bytes_per_token)
+    link_bytes_s = sc.link_gbps / 8 * 1e9
+    assert models[1].b == pytest.approx(step.ptok)  # alone: nothing to exchange
+    assert models[8].b == pytest.approx(step.ptok / 8 + 7 / 8 * 524_288 / link_bytes_s)
+    sim = simulate("esp", _reqs([(0.0, 100_000, 2)]), LWM, sc)
+    assert sim.degrees == [(0.0, 8, 1)]
+    length = 100_002  # the core plans on the KV a request will hold: prompt + output
+    ring = 7 / 8 * length * 524_288 / link_bytes_s  # 1.84 s of K/V over 200 Gb/s
+    compute = step.base + step.overhead + sc.exchange_s * 7 + step.ptok * length / 8
+    compute += step.pair * length**2 / 2 / 8 + step.seq
+    assert sim.reqs[0].first == pytest.approx(compute + ring)
+
+
+def test_a_holder_in_a_prefill_group_holds_up_its_masters_step() -> None:
+    sim = _Sim("esp", [], LWM, dataclasses.replace(REGIMES["lwm1m"], instances=2))
+    r = Req(0, 0.0, 150_000, 10)
+    r.held, r.slices, r.master, r.generated = {0: 75_000, 1: 75_010}, {0: 75_000, 1: 75_000}, 1, 1
+    master, holder = sim.nodes[1], sim.nodes[0]
+    master.running.append(r)
+    holder.prefilling_until = 5.0  # in a group prefilling another request until t = 5 s
+    sim.iterate(master, 1.0)
+    assert r.generated == 1 and master.free_at == 5.0  # no step until the holder can attend
+    holder.prefilling_until = 0.0
+    sim.iterate(master, 5.0)
+    assert r.generated == 2 and master.free_at > 5.0
