@@ -68,7 +68,7 @@ from services.global_manager.core.esp import (
 
 from .profiles import LWM_1M_CONTEXT, PUBLISHED_PROFILES, TENSOR_PARALLEL, FastStep, SimProfile
 
-__all__ = ["MIXES", "REGIMES", "EspScenario", "run", "run_regimes", "simulate", "workload"]
+__all__ = ["MIXES", "REGIMES", "EspScenario", "regime_suffix", "run", "run_regimes", "simulate", "workload"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STRATEGIES = ("esp", "chunked", "disagg")
@@ -586,6 +586,7 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
     if sc.chunked_tp > 1:
         tp_sc = dataclasses.replace(sc, instances=sc.instances // sc.chunked_tp)
         setups["chunked_tp"] = ("chunked", TENSOR_PARALLEL[sc.profile](sc.chunked_tp), tp_sc)
+    timelines: dict[float, list[list[float]]] = {}  # esp: (start s, degree, requests) of each prefill batch
     t0 = time.perf_counter()
     for s, (strategy, prof, ssc) in setups.items():
         per_rate[s] = []
@@ -594,6 +595,8 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
             sim = simulate(strategy, workload(rows, n, rate, seed, sc), prof, ssc, slo_profile=profile)
             row = {"rate_rps": rate, **summarize(sim)}
             per_rate[s].append(row)
+            if s == "esp":
+                timelines[rate] = [[round(t, 3), u, k] for t, u, k in sim.degrees]
             if row["slo_attainment"] < sc.attainment and row["slo_attainment_servable"] < sc.attainment:
                 misses += 1
                 if misses >= 2:
@@ -636,13 +639,32 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
             else {}
         ),
         "per_rate": per_rate,
+        # ESP's group degree over time at the lowest rate and at its max rate at SLO (the plot's data).
+        "degree_timeline": {str(r): timelines[r] for r in sorted({sc.rates[0], best["esp"] or sc.rates[0]})},
         "sim_wall_s": round(time.perf_counter() - t0, 1),
     }
 
 
+def regime_suffix(name: str) -> str:
+    """The suffix of a regime's keys: none for the first (the project's own), `_lwm1m` etc."""
+    return "" if name == next(iter(REGIMES)) else "_" + name.replace("-", "_")
+
+
 def run_regimes(quick: bool = False, names: Sequence[str] = tuple(REGIMES), seed: int = 0) -> dict[str, Any]:
-    """`run` in each named regime of `REGIMES`, side by side."""
+    """`run` in each named regime of `REGIMES`, side by side, and each one's ratios at the top
+    level under its suffixed keys (`esp_over_chunked`, `esp_over_chunked_lwm1m`, ...)."""
     unknown = [x for x in names if x not in REGIMES]
     if unknown:
         raise ValueError(f"unknown regime {unknown[0]!r}; known: {', '.join(REGIMES)}")
-    return {name: run(quick, REGIMES[name], seed) for name in names}
+    regimes = {name: run(quick, REGIMES[name], seed) for name in names}
+    out: dict[str, Any] = {
+        "how": "EMULATED: simulated time, roofline ESTIMATES of bench/simulate/profiles.py; the ESP variant "
+        "runs the global manager's ESP core unchanged",
+        "command": "python -m bench.simulate --scenario esp" + (" --quick" if quick else ""),
+    }
+    for name, r in regimes.items():
+        for key in ("esp_over_chunked", "esp_over_disagg", "esp_over_chunked_tp"):
+            if key in r:
+                out[key + regime_suffix(name)] = r[key]
+    out["regimes"] = regimes
+    return out

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on the benchmark machines
 import matplotlib.pyplot as plt
 
-__all__ = ["COLORS", "plot_paper", "plot_timeline", "plot_ttft_cdf"]
+__all__ = ["COLORS", "plot_esp_degrees", "plot_paper", "plot_timeline", "plot_ttft_cdf"]
 
 COLORS = {
     "blitzmesh": "tab:blue",
@@ -97,3 +97,23 @@ def plot_ttft_cdf(paper: dict[str, Any], out: Path) -> Path:
 
 def plot_paper(paper: dict[str, Any], folder: Path) -> list[Path]:
     return [plot_timeline(paper, folder / TIMELINE_PNG), plot_ttft_cdf(paper, folder / CDF_PNG)]
+
+
+def plot_esp_degrees(regimes: dict[str, Any], out: Path) -> Path:
+    """ESP's group degree over time (`bench.simulate --scenario esp`): one panel per regime, each
+    prefill batch a point at its start (degree; size by its requests), at the lowest rate tried and
+    at ESP's max rate at SLO, from each regime's `degree_timeline`."""
+    fig, axes = plt.subplots(len(regimes), 1, figsize=(12, 2.6 * len(regimes) + 0.6), squeeze=False)
+    for ax, (name, r) in zip(axes[:, 0], regimes.items(), strict=True):
+        for color, (rate, points) in zip(("tab:gray", "tab:blue"), r["degree_timeline"].items(), strict=False):
+            if points:
+                t, u, k = zip(*points, strict=True)
+                ax.scatter(t, u, s=[6 + 4 * x for x in k], alpha=0.5, color=color, label=f"{rate} rps")
+        sc = r["scenario"]
+        ax.set_title(f"{name}: {sc['instances']} x {sc['profile']}, {sc['mix']} mix", fontsize=9)
+        ax.set_yscale("log", base=2)
+        ax.set_yticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        ax.set_ylabel("group degree")
+        ax.legend(fontsize=8, loc="upper right")
+    axes[-1, 0].set_xlabel("simulated time (s); a point per prefill batch, larger = more requests")
+    return _save(fig, "ESP prefill group degree over time (EMULATED)", out)

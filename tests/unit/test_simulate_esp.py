@@ -5,10 +5,23 @@ timing follows the emulated step-time model."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
-from bench.simulate.esp import REGIMES, EspScenario, Req, _Sim, core_models, simulate, summarize, workload
+from bench.simulate.esp import (
+    REGIMES,
+    EspScenario,
+    Req,
+    _Sim,
+    core_models,
+    regime_suffix,
+    run_regimes,
+    simulate,
+    summarize,
+    workload,
+)
+from bench.simulate.plots import plot_esp_degrees
 from bench.simulate.profiles import PUBLISHED_PROFILES, FastStep, lwm_1m_a100
 
 PROFILE = PUBLISHED_PROFILES["a100-llama3-8b"]
@@ -152,3 +165,21 @@ def test_a_holder_in_a_prefill_group_holds_up_its_masters_step() -> None:
     holder.prefilling_until = 0.0
     sim.iterate(master, 5.0)
     assert r.generated == 2 and master.free_at > 5.0
+
+
+def test_regimes_report_under_their_own_keys_and_an_unknown_one_is_named() -> None:
+    assert [regime_suffix(x) for x in REGIMES] == ["", "_lwm1m", "_lwm1m_lveval"]
+    with pytest.raises(ValueError, match="'lwm2m'"):
+        run_regimes(names=["lwm2m"])
+
+
+def test_the_degree_plot_draws_each_regimes_timeline(tmp_path: Path) -> None:
+    regimes = {
+        name: {
+            "scenario": {"instances": 16, "profile": sc.profile, "mix": sc.mix},
+            "degree_timeline": {"0.1": [[0.0, 8, 1], [3.5, 4, 2]], "1.0": [[0.2, 1, 5]]},
+        }
+        for name, sc in REGIMES.items()
+    }
+    out = plot_esp_degrees(regimes, tmp_path / "degrees.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
