@@ -79,6 +79,12 @@ MIXES = ("conv", "zipf", "lveval")
 LVEVAL_LEVELS_WORDS = (16_000, 32_000, 64_000, 128_000, 256_000)
 LVEVAL_SPREAD = (11_896 / 16_000, 387_406 / 256_000)  # a level's lengths, as fractions of it
 TOKENS_PER_WORD = 1.3
+# LoongServe's SLO for its Zipf-mix evaluation (its test/longserve/6-data-analyse-evaluation.ipynb,
+# the ablation on zipf1.0-1.4): TTFT <= max(15 s, 25 x the request's predicted prefill alone),
+# time per output token <= 50 ms, 90 % of requests within both.
+PAPER_TTFT_SCALE = 25.0
+PAPER_TTFT_FLOOR_S = 15.0
+PAPER_TPOT_S = 0.050
 RATES = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
 
 
@@ -134,10 +140,15 @@ class Req(BaseReq):
     admitted: float | None = None  # when its KV was reserved (chunked, esp) or its prefill began (disagg)
     ttft_slo: float = 0.0
     tbt_slo: float = 0.0
+    paper_ttft_slo: float = 0.0  # LoongServe's SLO for its Zipf runs (EspScenario.paper_*)
 
-    def met(self) -> bool:
+    def met(self, paper: bool = False) -> bool:
+        """Within its SLO: this scenario's (scaled from one idle instance), or, with `paper`,
+        LoongServe's (TTFT within its bound, mean time per output token <= `paper_tpot_s`)."""
         if self.first is None or self.done is None:
             return False
+        if paper:
+            return self.first - self.arrival <= self.paper_ttft_slo and self.tbt() <= PAPER_TPOT_S
         return self.first - self.arrival <= self.ttft_slo and self.tbt() <= self.tbt_slo
 
 
@@ -210,6 +221,7 @@ def set_slo(reqs: Sequence[Req], step: FastStep, sc: EspScenario) -> None:
     for r in reqs:
         alone = step(r.prompt, _pairs(0, r.prompt), 1, 0, 0)
         r.ttft_slo = max(1.0, sc.ttft_scale * alone)
+        r.paper_ttft_slo = max(PAPER_TTFT_FLOOR_S, PAPER_TTFT_SCALE * alone)
         r.tbt_slo = sc.tbt_scale * step(0, 0, 0, 1, r.prompt + r.output / 2)
 
 
@@ -539,6 +551,7 @@ def summarize(sim: _Sim) -> dict[str, Any]:
         "slo_attainment": round(sum(r.met() for r in reqs) / len(reqs), 4),
         # Among the requests this strategy can hold at all (chunked / disagg: one instance's KV).
         "slo_attainment_servable": round(sum(r.met() for r in reqs) / max(1, len(reqs) - refused), 4),
+        "slo_attainment_paper": round(sum(r.met(paper=True) for r in reqs) / len(reqs), 4),  # LoongServe's SLO
         "ttft_misses": sum(r.first is not None and r.first - r.arrival > r.ttft_slo for r in reqs),
         "tbt_misses": sum(r.done is not None and r.tbt() > r.tbt_slo for r in reqs),
         "admit_wait_p50_s": _pct(wait, 0.5),  # arrival until its KV is reserved and its prefill may start
@@ -597,13 +610,14 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
             per_rate[s].append(row)
             if s == "esp":
                 timelines[rate] = [[round(t, 3), u, k] for t, u, k in sim.degrees]
-            if row["slo_attainment"] < sc.attainment and row["slo_attainment_servable"] < sc.attainment:
+            if max(row["slo_attainment"], row["slo_attainment_servable"], row["slo_attainment_paper"]) < sc.attainment:
                 misses += 1
                 if misses >= 2:
                     break  # two rates missed: higher ones miss too
     best = {s: _best(rows_, "slo_attainment", sc.attainment) for s, rows_ in per_rate.items()}
     servable = {s: _best(rows_, "slo_attainment_servable", sc.attainment) for s, rows_ in per_rate.items()}
-    ratio, ratio_servable = _ratios(best), _ratios(servable)
+    paper = {s: _best(rows_, "slo_attainment_paper", sc.attainment) for s, rows_ in per_rate.items()}
+    ratio, ratio_servable, ratio_paper = _ratios(best), _ratios(servable), _ratios(paper)
     kv = profile.kv_blocks * profile.block_size
     reqs = workload(rows, n, sc.rates[0], seed, sc)
     return {
@@ -627,6 +641,10 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
         "max_rate_at_slo_servable_rps": servable,
         "esp_over_chunked": ratio["chunked"],
         "esp_over_disagg": ratio["disagg"],
+        "slo_paper": f"LoongServe's: TTFT <= max({PAPER_TTFT_FLOOR_S:g} s, {PAPER_TTFT_SCALE:g} x one idle instance's "
+        f"prefill); mean time per output token <= {PAPER_TPOT_S * 1000:g} ms; attainment >= {sc.attainment}",
+        "max_rate_at_paper_slo_rps": paper,
+        **{f"esp_over_{k}_paper_slo": v for k, v in ratio_paper.items()},
         "esp_over_chunked_servable": ratio_servable["chunked"],
         "esp_over_disagg_servable": ratio_servable["disagg"],
         **(
@@ -664,7 +682,8 @@ def run_regimes(quick: bool = False, names: Sequence[str] = tuple(REGIMES), seed
     }
     for name, r in regimes.items():
         for key in ("esp_over_chunked", "esp_over_disagg", "esp_over_chunked_tp"):
-            if key in r:
-                out[key + regime_suffix(name)] = r[key]
+            for slo in ("", "_paper_slo"):
+                if key + slo in r:
+                    out[key + regime_suffix(name) + slo] = r[key + slo]
     out["regimes"] = regimes
     return out

@@ -51,6 +51,7 @@ def test_targets_carry_value_target_met_and_how() -> None:
                 "lwm1m": {
                     "scenario": {"instances": 16, "profile": "a100-lwm-1m", "mix": "zipf"},
                     "max_rate_at_slo_rps": {"esp": 1.0, "chunked": 0.0, "disagg": 0.25, "chunked_tp": 0.5},
+                    "max_rate_at_paper_slo_rps": {"esp": 1.5, "chunked": 0.5, "disagg": 0.25, "chunked_tp": 0.75},
                     "per_rate": {"chunked": [{"refused": 21}, {"refused": 20}]},
                 },
             }
@@ -62,6 +63,11 @@ def test_targets_carry_value_target_met_and_how() -> None:
     out = targets(results)
     extra = {"esp_over_chunked_4_instances", "esp_over_disagg_4_instances", "scheduler_cpu_p99_ms"}
     extra |= {"esp_over_chunked_lwm1m", "esp_over_disagg_lwm1m", "esp_over_chunked_tp_lwm1m"}
+    extra |= {
+        "esp_over_chunked_lwm1m_paper_slo",
+        "esp_over_disagg_lwm1m_paper_slo",
+        "esp_over_chunked_tp_lwm1m_paper_slo",
+    }
     assert set(out) == {*KEYS, *extra}
     # The reported ratios are the cluster-scale simulation's; the 4-instance ones stay beside them.
     assert out["esp_over_chunked"] == {

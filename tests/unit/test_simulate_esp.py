@@ -17,6 +17,7 @@ from bench.simulate.esp import (
     core_models,
     regime_suffix,
     run_regimes,
+    set_slo,
     simulate,
     summarize,
     workload,
@@ -183,3 +184,15 @@ def test_the_degree_plot_draws_each_regimes_timeline(tmp_path: Path) -> None:
     }
     out = plot_esp_degrees(regimes, tmp_path / "degrees.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_loongserves_slo_is_its_own_ttft_bound_and_50_ms_per_output_token() -> None:
+    reqs = _reqs([(0.0, 20_000, 11), (0.0, 20_000, 11), (0.0, 20_000, 11)])
+    set_slo(reqs, FastStep(LWM.step), REGIMES["lwm1m"])
+    alone = FastStep(LWM.step)(20_000, 20_000 * 20_001 / 2, 1, 0, 0)
+    assert reqs[0].paper_ttft_slo == max(15.0, 25 * alone)
+    for r, (ttft, tpot) in zip(reqs, [(13.0, 0.04), (13.0, 0.06), (reqs[0].paper_ttft_slo + 0.1, 0.01)], strict=True):
+        r.first, r.generated = ttft, 11
+        r.done = ttft + 10 * tpot
+    assert [r.met(paper=True) for r in reqs] == [True, False, False]
+    assert not reqs[0].met()  # 13 s is past this scenario's TTFT bound, 5x its 2.4 s alone
