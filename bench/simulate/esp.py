@@ -599,7 +599,7 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
     if sc.chunked_tp > 1:
         tp_sc = dataclasses.replace(sc, instances=sc.instances // sc.chunked_tp)
         setups["chunked_tp"] = ("chunked", TENSOR_PARALLEL[sc.profile](sc.chunked_tp), tp_sc)
-    timelines: dict[float, list[list[float]]] = {}  # esp: (start s, degree, requests) of each prefill batch
+    timelines: dict[float, list[tuple[float, int, int]]] = {}  # esp: (start s, degree, requests) per prefill batch
     t0 = time.perf_counter()
     for s, (strategy, prof, ssc) in setups.items():
         per_rate[s] = []
@@ -609,7 +609,7 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
             row = {"rate_rps": rate, **summarize(sim)}
             per_rate[s].append(row)
             if s == "esp":
-                timelines[rate] = [[round(t, 3), u, k] for t, u, k in sim.degrees]
+                timelines[rate] = [(round(t, 3), u, k) for t, u, k in sim.degrees]
             if max(row["slo_attainment"], row["slo_attainment_servable"], row["slo_attainment_paper"]) < sc.attainment:
                 misses += 1
                 if misses >= 2:
@@ -657,8 +657,12 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
             else {}
         ),
         "per_rate": per_rate,
-        # ESP's group degree over time at the lowest rate and at its max rate at SLO (the plot's data).
-        "degree_timeline": {str(r): timelines[r] for r in sorted({sc.rates[0], best["esp"] or sc.rates[0]})},
+        # ESP's group degree over time at the lowest rate and at its max rate at SLO (the plot's data):
+        # one "start_s:degree:requests" per prefill batch, space-separated (one line each in the JSON).
+        "degree_timeline": {
+            str(r): " ".join(f"{t:g}:{u}:{k}" for t, u, k in timelines[r])
+            for r in sorted({sc.rates[0], best["esp"] or sc.rates[0]})
+        },
         "sim_wall_s": round(time.perf_counter() - t0, 1),
     }
 

@@ -16,6 +16,7 @@ from bench.simulate.esp import (
     _Sim,
     core_models,
     regime_suffix,
+    run,
     run_regimes,
     set_slo,
     simulate,
@@ -178,7 +179,7 @@ def test_the_degree_plot_draws_each_regimes_timeline(tmp_path: Path) -> None:
     regimes = {
         name: {
             "scenario": {"instances": 16, "profile": sc.profile, "mix": sc.mix},
-            "degree_timeline": {"0.1": [[0.0, 8, 1], [3.5, 4, 2]], "1.0": [[0.2, 1, 5]]},
+            "degree_timeline": {"0.1": "0:8:1 3.5:4:2", "1.0": "0.2:1:5"},
         }
         for name, sc in REGIMES.items()
     }
@@ -196,3 +197,16 @@ def test_loongserves_slo_is_its_own_ttft_bound_and_50_ms_per_output_token() -> N
         r.done = ttft + 10 * tpot
     assert [r.met(paper=True) for r in reqs] == [True, False, False]
     assert not reqs[0].met()  # 13 s is past this scenario's TTFT bound, 5x its 2.4 s alone
+
+
+def test_a_run_reports_every_strategy_and_esps_degree_timeline() -> None:
+    sc = dataclasses.replace(REGIMES["lwm1m"], instances=4, rates=(0.02,))
+    out = run(quick=True, sc=sc)
+    assert set(out["max_rate_at_slo_rps"]) == {"esp", "chunked", "disagg", "chunked_tp"}
+    assert out["chunked_tp_instances"].startswith("2 x TP=2")
+    refused = out["per_rate"]["chunked"][0]["refused"]
+    assert refused == out["workload"]["over_one_instance_kv"] > 0
+    assert out["per_rate"]["chunked_tp"][0]["refused"] == 0 and out["per_rate"]["esp"][0]["refused"] == 0
+    timeline = out["degree_timeline"]["0.02"].split()
+    assert sum(int(x.split(":")[2]) for x in timeline) == out["per_rate"]["esp"][0]["completed"] == 150
+    assert {int(x.split(":")[1]) for x in timeline} <= {1, 2, 4}
