@@ -2,18 +2,26 @@
 parallelism (LoongServe) against chunked prefill and P/D disaggregation on a long-context mix,
 in simulated time.
 
-EMULATED: no model runs. Every instance is an A100 80GB serving Llama-3-8B's architecture
-(bench/simulate/profiles.py `a100-llama3-8b`, a roofline ESTIMATE from data sheets; Llama-3.1-8B
-has the same sizes and a 128k context), and each iteration lasts what that step-time model says
-for the tokens, attention pairs, decode rows and KV context it runs. So every figure this module
-writes is an emulated accelerator's, not a measurement.
+EMULATED: no model runs. Every instance is an A100 80GB serving the regime's model (bench/
+simulate/profiles.py, roofline ESTIMATES from data sheets), and each iteration lasts what that
+step-time model says for the tokens, attention pairs, decode rows and KV context it runs. So
+every figure this module writes is an emulated accelerator's, not a measurement.
 
-Workload: Poisson arrivals; prompts of the Azure conversation trace times a Zipf factor (1..128,
-exponent 1.1: the trace's own lengths the likeliest, a heavy tail of long prompts up to the
-128k context), outputs from the trace (<= 1,024). SLO per request, scaled from what one idle
+Regimes (`REGIMES`, run side by side by `run_regimes`):
+- llama3-8b: Llama-3-8B's architecture (`a100-llama3-8b`; Llama-3.1-8B has the same sizes and a
+  128k context); prompts of the Azure conversation trace times a Zipf factor (1..128, exponent
+  1.1: the trace's own lengths the likeliest, a heavy tail up to the 128k context).
+- lwm1m: LoongServe's evaluated model, LWM-Text-1M (`a100-lwm-1m`: multi-head attention, 4x the
+  KV per token, 111,616 KV tokens per A100), on LoongServe's Zipf mix (lengths 10..199,999,
+  weight 1 / l); chunked prefill also on TP=2 instances (`chunked_tp`), which hold every prompt.
+- lwm1m-lveval: the same model on LV-Eval-like lengths (up to ~503k tokens); `chunked_tp` TP=4.
+Outputs come from the trace (<= 1,024) in every regime. SLO per request, scaled from what one idle
 instance takes alone: TTFT <= `ttft_scale` x its prefill time (at least 1 s), TBT (mean) <=
 `tbt_scale` x one decode step at its context. Maximum throughput at SLO = the highest rate tried
-whose attainment is >= 90 %.
+whose attainment is >= 90 %. LoongServe's own SLO for its Zipf runs is computed beside it
+(`PAPER_*`). A request that no single instance holds is refused by chunked prefill and
+disaggregation (they cannot serve it at all) and counts as a miss; `slo_attainment_servable`
+counts only the requests they can hold.
 
 The strategies, on `instances` instances (KV: profile blocks x block size tokens each):
 - chunked: independent instances; a request goes to the instance with the least KV promised
@@ -31,13 +39,17 @@ The strategies, on `instances` instances (KV: profile blocks x block size tokens
   whose free KV covers prompt + output (`decode_degree`, proactive scale-down), the one with
   the most free KV the master; a batch's requests may have different masters. A master
   decodes its requests each iteration; a distributed request's holders attend in parallel, so
-  its iteration lasts as long as the busiest holder's KV context needs. An instance in a
-  prefill group decodes nothing during it (its requests wait).
+  its iteration lasts as long as the busiest holder's KV context needs (a holder's own
+  iterations also read the slices it holds), plus `exchange_s`; while a holder is in a prefill
+  group, the requests it holds wait for it. An instance in a prefill group decodes nothing
+  during it (its requests wait). A group prefill pays the ring exchange of the prompt's K/V at
+  `link_gbps` (`ring_s_per_token`, in the core's per-token term) and `exchange_s` per extra
+  member.
 
-Simplifications (each a place the figures could be off): holders' partial attention is charged
-to the master's iteration only (not as busy time on the holder); a group's ring exchange costs
-`exchange_s` per extra member per iteration; preemption with KV migration is not simulated
-(a preempted instance joins a prefill with its current free KV, its decoding paused).
+Simplifications (each a place the figures could be off): the ring exchange is not overlapped
+with the attention (LoongServe overlaps it); preemption with KV migration is not simulated (a
+preempted instance joins a prefill with its current free KV, its decoding paused); the core
+plans a prefill on prompt + output tokens.
 """
 
 from __future__ import annotations
