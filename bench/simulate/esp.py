@@ -42,14 +42,15 @@ The strategies, on `instances` instances (KV: profile blocks x block size tokens
   its iteration lasts as long as the busiest holder's KV context needs (a holder's own
   iterations also read the slices it holds), plus `exchange_s`; while a holder is in a prefill
   group, the requests it holds wait for it. An instance in a prefill group decodes nothing
-  during it (its requests wait). A group prefill pays the ring exchange of the prompt's K/V at
+  during it: a busy one first migrates its decoding requests' KV to instances outside the plan
+  (`migrate`; the core's preemption), which decode them once the KV has arrived. A group prefill pays the ring exchange of the prompt's K/V at
   `link_gbps` (`ring_s_per_token`, in the core's per-token term) and `exchange_s` per extra
   member.
 
 Simplifications (each a place the figures could be off): the ring exchange is not overlapped
-with the attention (LoongServe overlaps it); preemption with KV migration is not simulated (a
-preempted instance joins a prefill with its current free KV, its decoding paused); the core
-plans a prefill on prompt + output tokens.
+with the attention (LoongServe overlaps it); a preempted instance joins a prefill with its
+current free KV (the core plans it as emptied), and a migration's receiving side is not
+charged; the core plans a prefill on prompt + output tokens.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class EspScenario:
     # > 1: also chunked prefill on instances of this many GPUs each (tensor parallelism, as
     # LoongServe's baselines ran), instances / chunked_tp of them, so that one holds every prompt.
     chunked_tp: int = 1
+    # esp: a busy instance taken into a prefill group hands its decoding requests' KV to
+    # instances outside the plan (at link_gbps) so they decode on; off: they wait for the group.
+    migrate: bool = True
 
 
 # The regimes the ESP scenario reports side by side: the project's Llama-3-8B on A100s with the
@@ -268,6 +272,7 @@ class _Sim:
         self.nodes = [Node(i, kv) for i in range(sc.instances)]
         self.max_tokens, self.max_batch = profile.max_num_tokens, profile.max_batch
         self.kv_bytes = profile.model.kv_bytes_per_token
+        self.link_bytes_s = sc.link_gbps / 8 * 1e9
         self.queue: list[Req] = []  # esp: waiting for a group; disagg: prefilled, waiting for a decoder
         self.dirty = False
         self.models = core_models(self.step, sc, profile.model.kv_bytes_per_token)
@@ -275,6 +280,8 @@ class _Sim:
         self.plan_s = 0.0
         self.degrees: list[tuple[float, int, int]] = []  # (start, group degree, requests) of each prefill batch
         self.kv_samples: list[float] = []
+        self.migrated = 0  # esp: decoding requests whose KV moved off a preempted instance
+        self.migrated_tokens = 0
         n_prefill = max(1, sc.instances // 4)
         self.prefillers = self.nodes[:n_prefill] if strategy == "disagg" else []
         self.decoders = self.nodes[n_prefill:] if strategy == "disagg" else self.nodes
@@ -470,15 +477,20 @@ class _Sim:
         if plan is None:
             return
         by_id = {str(r.rid): r for r in self.queue}
+        planned = {int(i) for b in plan.batches for i in b.instance_ids}
         for batch in plan.batches:
             members = [self.nodes[int(i)] for i in batch.instance_ids]
+            # A preempted member's link first carries its decoding requests' KV away.
+            sent = max((self._migrate_from(m, now, planned) for m in members), default=0) if self.sc.migrate else 0
             slices = plan_batch_slices(
                 [(EspRequest(rid, by_id[rid].prompt), by_id[rid].output) for rid in batch.request_ids],
                 [EspInstance(str(m.idx), m.used, m.kv) for m in members],
             )
             if slices is None:  # cannot happen when the batch fits its members; kept queued if it does
                 continue
-            start = max([now, *(m.free_at for m in members if m.free_at != math.inf)])
+            start = max(
+                [now + sent * self.kv_bytes / self.link_bytes_s, *(m.free_at for m in members if m.free_at != math.inf)]
+            )
             end = start + batch.time + self.step.seq * len(batch.request_ids)
             self.degrees.append((start, len(members), len(batch.request_ids)))
             for m in members:
@@ -491,6 +503,40 @@ class _Sim:
                 self._place(r, slices[rid])
                 r.prefilled = r.prompt
                 self._token(r, self.nodes[r.master], end, first=True)
+
+    def _migrate_from(self, m: Node, now: float, planned: set[int]) -> int:
+        """Preemption with KV migration (the core's `allocate_instances`): each decoding request
+        with KV on `m` moves that KV to an instance outside the plan and not prefilling (its
+        master if it can, else the one with the most free KV), and decodes on once the KV has
+        crossed the link (one after another over `m`'s link); without room anywhere it stays and
+        waits for the group. Returns the KV tokens sent."""
+        sent = 0
+        for r in [r for n in self.nodes for r in n.running if m.idx in r.held]:
+            share = r.held[m.idx]
+            targets = [n for n in self.nodes if n.idx not in planned and n.prefilling_until <= now and n.free >= share]
+            if not targets:
+                continue
+            t = next((n for n in targets if n.idx == r.master), None) or max(targets, key=lambda n: (n.free, -n.idx))
+            sl = r.slices.pop(m.idx, 0)
+            ctx = sl + (r.generated if r.master == m.idx else 0)  # the KV that exists now
+            del r.held[m.idx]
+            m.used -= share
+            m.ctx -= ctx
+            t.used += share
+            t.ctx += ctx
+            r.held[t.idx] = r.held.get(t.idx, 0) + share
+            if sl:
+                r.slices[t.idx] = r.slices.get(t.idx, 0) + sl
+            if r.master == m.idx:
+                m.running.remove(r)
+                t.running.append(r)
+                r.master = t.idx
+            sent += ctx
+            r.ready = max(r.ready, now + sent * self.kv_bytes / self.link_bytes_s)
+            _wake(t, now)
+            self.migrated += 1
+            self.migrated_tokens += ctx
+        return sent
 
     def _place(self, r: Req, group: GroupPlan) -> None:
         """The request's KV where the core's `plan_batch_slices` put it: each member keeps the
@@ -579,6 +625,8 @@ def summarize(sim: _Sim) -> dict[str, Any]:
         degrees = [d for _, d, _ in sim.degrees]
         out["group_degrees"] = {str(u): degrees.count(u) for u in DEGREES if degrees.count(u)}  # batches
         out["requests_per_batch_max"] = max((k for _, _, k in sim.degrees), default=0)
+        out["migrated_requests"] = sim.migrated
+        out["migrated_kv_tokens"] = sim.migrated_tokens
         out["core_decisions"] = sim.plans
         out["core_decision_mean_ms"] = round(sim.plan_s / max(sim.plans, 1) * 1000, 3)
     return out

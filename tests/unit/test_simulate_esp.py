@@ -210,3 +210,37 @@ def test_a_run_reports_every_strategy_and_esps_degree_timeline() -> None:
     timeline = out["degree_timeline"]["0.02"].split()
     assert sum(int(x.split(":")[2]) for x in timeline) == out["per_rate"]["esp"][0]["completed"] == 150
     assert {int(x.split(":")[1]) for x in timeline} <= {1, 2, 4}
+
+
+def test_a_preempted_instance_hands_its_decoding_kv_to_one_outside_the_plan() -> None:
+    sim = _Sim("esp", [], LWM, dataclasses.replace(REGIMES["lwm1m"], instances=3))
+    r = Req(0, 0.0, 150_000, 10)
+    r.held, r.slices, r.master, r.generated = {0: 75_010, 1: 75_000}, {0: 75_000, 1: 75_000}, 0, 4
+    for idx, n in r.held.items():
+        sim.nodes[idx].used += n
+        sim.nodes[idx].ctx += r.slices[idx]
+    sim.nodes[0].ctx += r.generated
+    sim.nodes[0].running.append(r)
+    sent = sim._migrate_from(sim.nodes[0], 2.0, planned={0})
+    # Its master's share (slice, 4 decoded tokens, room for 6 more) moves to node 2, the one
+    # outside the plan with the most free KV; node 1 keeps its slice. Nothing stays on node 0.
+    assert sent == 75_004 and r.master == 2 and r.held == {1: 75_000, 2: 75_010}
+    assert (sim.nodes[0].used, sim.nodes[0].ctx, sim.nodes[0].running) == (0, 0, [])
+    assert (sim.nodes[2].used, sim.nodes[2].ctx, sim.nodes[2].running) == (75_010, 75_004, [r])
+    assert r.ready == pytest.approx(2.0 + 75_004 * 524_288 / (200e9 / 8))  # 1.57 s over 200 Gb/s
+    sim.iterate(sim.nodes[2], 2.5)
+    assert r.generated == 4 and sim.nodes[2].free_at == r.ready  # decodes once its KV is there
+    sim.iterate(sim.nodes[2], r.ready)
+    assert r.generated == 5
+    # No room outside the plan: it stays where it is and waits for the group.
+    assert sim._migrate_from(sim.nodes[2], 9.0, planned={0, 2}) == 0 and r.master == 2
+
+
+@pytest.mark.parametrize("migrate", [True, False])
+def test_with_or_without_migration_every_request_completes_and_the_kv_balances(migrate: bool) -> None:
+    sc = dataclasses.replace(REGIMES["lwm1m"], instances=8, migrate=migrate)
+    spec = [(0.2 * i, [900, 60_000, 4_000, 200_000][i % 4], 200) for i in range(24)]
+    sim = simulate("esp", _reqs(spec), LWM, sc)
+    out = summarize(sim)
+    assert out["completed"] == 24 and all(n.used == 0 and n.ctx == 0 for n in sim.nodes)
+    assert (out["migrated_requests"] > 0) == migrate
