@@ -18,7 +18,10 @@ other keys (so a trial or profiled run with `--out` leaves the published figure 
 
 `--scenario esp` (bench/simulate/esp.py) is of another kind: elastic sequence parallelism, driven
 by the global manager's ESP core, against chunked prefill and P/D disaggregation on 16 emulated
-A100s with a long-context mix, each at rising rates; it writes the max throughput at SLO of each.
+A100s, each at rising rates, in each regime of bench/simulate/esp.py's REGIMES (Llama-3-8B on the
+conversation trace stretched to 128k; LoongServe's LWM-Text-1M on its Zipf mix and on LV-Eval
+lengths); it writes the max throughput at SLO of each, and plots ESP's group degree over time
+(`<out stem>_degrees.png`).
 """
 
 from __future__ import annotations
@@ -179,16 +182,19 @@ def _write_key(path: Path, key: str, value: Any) -> None:
 
 
 def _esp(out: Path, quick: bool, seed: int, load_before: tuple[float, float, float]) -> int:
-    from .esp import run
+    from .esp import run_regimes
+    from .plots import plot_esp_degrees
 
-    result = run(quick=quick, seed=seed)
+    result = run_regimes(quick=quick, seed=seed)
     result["machine"] = _machine(load_before)
-    for s, rate in result["max_rate_at_slo_rps"].items():
-        print(f"esp/{s}: max rate at SLO {rate} rps", flush=True)
-    print(f"esp_over_chunked {result['esp_over_chunked']}, esp_over_disagg {result['esp_over_disagg']} (EMULATED)")
+    for name, r in result["regimes"].items():
+        for s, rate in r["max_rate_at_slo_rps"].items():
+            print(f"esp {name}/{s}: max rate at SLO {rate} rps", flush=True)
+    print(", ".join(f"{k} {v}" for k, v in result.items() if k.startswith("esp_over")) + " (EMULATED)")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {out}")
+    print(f"wrote {plot_esp_degrees(result['regimes'], out.with_name(out.stem + '_degrees.png'))}")
     return 0
 
 

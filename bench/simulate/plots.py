@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on the benchmark machines
 import matplotlib.pyplot as plt
 
-__all__ = ["COLORS", "plot_paper", "plot_timeline", "plot_ttft_cdf"]
+__all__ = ["COLORS", "plot_esp_degrees", "plot_paper", "plot_timeline", "plot_ttft_cdf"]
 
 COLORS = {
     "blitzmesh": "tab:blue",
@@ -97,3 +97,24 @@ def plot_ttft_cdf(paper: dict[str, Any], out: Path) -> Path:
 
 def plot_paper(paper: dict[str, Any], folder: Path) -> list[Path]:
     return [plot_timeline(paper, folder / TIMELINE_PNG), plot_ttft_cdf(paper, folder / CDF_PNG)]
+
+
+def plot_esp_degrees(regimes: dict[str, Any], out: Path) -> Path:
+    """ESP's group degree over time (`bench.simulate --scenario esp`): a row per regime, a panel
+    per rate (the lowest tried, ESP's max rate at SLO), each prefill batch a point at its start
+    (its degree; larger with more requests), from each regime's `degree_timeline`."""
+    fig, axes = plt.subplots(len(regimes), 2, figsize=(14, 2.6 * len(regimes) + 0.6), squeeze=False)
+    for row, (name, r) in zip(axes, regimes.items(), strict=True):
+        sc = r["scenario"]
+        timelines = list(r["degree_timeline"].items())
+        for ax, (rate, points) in zip(row, timelines + timelines[-1:] * (2 - len(timelines)), strict=True):
+            if points:
+                t, u, k = zip(*(tuple(float(x) for x in p.split(":")) for p in points.split()), strict=True)
+                ax.scatter(t, u, s=[6 + 4 * x for x in k], alpha=0.5, color="tab:blue")
+            ax.set_title(f"{name} ({sc['instances']} x {sc['profile']}, {sc['mix']} mix) at {rate} rps", fontsize=9)
+            ax.set_yscale("log", base=2)
+            ax.set_yticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+            ax.set_ylabel("group degree")
+    for ax in axes[-1]:
+        ax.set_xlabel("simulated time (s); a point per prefill batch, larger = more requests")
+    return _save(fig, "ESP prefill group degree over time: lowest rate (left), max rate at SLO (right), EMULATED", out)

@@ -21,20 +21,37 @@ head_dim 128, vocabulary 128,256; 141.1 GB of bf16 weights, 2 x 80 x 8 x 128 x 2
 of KV per token) served with tensor parallelism 8 on one host of 8 H100s: the bandwidth and
 FLOPS of the 8 GPUs, times a further 80% for the two all-reduces per layer (assumed, not
 measured), and KV blocks from 8 x 80 GB x 0.9 less the weights.
+The LoongServe entry (`a100-lwm-1m`) is the model LoongServe (SOSP'24) evaluated, LWM-Text-1M:
+Llama-2-7B's architecture (6.74e9 parameters, 32 layers, hidden 4096, 32 attention heads and no
+KV-head field, so multi-head attention: 32 KV heads x head_dim 128, vocabulary 32,000) trained to
+a 1,048,576-token context; 13.48 GB of bf16 weights and 2 x 32 x 32 x 128 x 2 B = 524,288 B of
+KV per token, 4x Llama-3-8B's (which shares its 32 query heads over 8 KV heads). One instance is
+one A100 80GB, the same roofline.
 Validating these against a real GPU run is a later slice's job.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common.worker_profile import StepTimeModel, load_profile
 
-__all__ = ["PUBLISHED_PROFILES", "FastStep", "ModelSpec", "SimProfile", "kv_bytes_per_token", "measured_profile"]
+__all__ = [
+    "LWM_1M_CONTEXT",
+    "PUBLISHED_PROFILES",
+    "TENSOR_PARALLEL",
+    "FastStep",
+    "ModelSpec",
+    "SimProfile",
+    "kv_blocks_after_weights",
+    "kv_bytes_per_token",
+    "lwm_1m_a100",
+    "measured_profile",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,9 +125,25 @@ class _Arch:
         return 2 * self.params  # bf16
 
 
+# LWM-Text-1M's config.json (LargeWorldModel): Llama-2-7B's sizes, multi-head attention.
+LWM_1M_CONFIG = {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096}
+LWM_1M_CONTEXT = 1_048_576
 LLAMA3_70B_CONFIG = {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192}
 _LLAMA3_8B = _Arch("llama-3-8b", "Llama-3-8B", 8.03e9, LLAMA3_8B_CONFIG, 128_256)
 _LLAMA3_70B = _Arch("llama-3-70b", "Llama-3-70B", 70.55e9, LLAMA3_70B_CONFIG, 128_256)
+_LWM_1M = _Arch("lwm-text-1m", "LWM-Text-1M (Llama-2-7B, multi-head)", 6.74e9, LWM_1M_CONFIG, 32_000)
+
+
+def kv_blocks_after_weights(device_bytes: float, arch: _Arch, block_size: int = 16, utilization: float = 0.9) -> int:
+    """KV blocks one device holds once `arch`'s bf16 weights are loaded: `utilization` of its
+    memory (the rest for activations and the runtime) less the weights, in blocks of
+    `block_size` tokens."""
+    free = device_bytes * utilization - arch.weight_bytes
+    if free <= 0:
+        raise ValueError(
+            f"{arch.title}'s {arch.weight_bytes / 1e9:.2f} GB of weights leave no KV on {device_bytes / 1e9:.0f} GB"
+        )
+    return int(free // kv_bytes_per_token(arch.config, 2) // block_size)
 
 
 def _roofline(
@@ -146,13 +179,30 @@ def _roofline(
     )
 
 
+def lwm_1m_a100(tp: int = 1) -> SimProfile:
+    """LWM-Text-1M served by one instance over `tp` A100 80GB with tensor parallelism: the same
+    roofline with `tp` GPUs' bandwidth and FLOPS (times `TP_EFFICIENCY`), and the KV blocks of
+    all `tp` devices' memory less one copy of the weights (tp=1 is `a100-lwm-1m`)."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp!r}")
+    device = "NVIDIA A100 SXM4 80GB" if tp == 1 else f"{tp}x NVIDIA A100 SXM4 80GB (TP={tp})"
+    return _roofline(device, 2.039e12, 312e12, kv_blocks_after_weights(tp * 80e9, _LWM_1M), _LWM_1M, tp=tp)
+
+
 # KV blocks of 16 tokens: (80 GB x 0.9 - 16.06 GB weights) / 131,072 B per token / 16 ~ 26,700;
 # 70B on 8 GPUs: (8 x 80 GB x 0.9 - 141.1 GB) / 327,680 B per token / 16 ~ 82,900.
+# LWM-Text-1M on one A100 80GB: (72 GB - 13.48 GB) / 524,288 B per token / 16 = 6,976 blocks,
+# 111,616 tokens (LoongServe's own launcher gives a one-GPU instance of it 110,000 tokens).
 PUBLISHED_PROFILES: dict[str, SimProfile] = {
     "h100-llama3-8b": _roofline("NVIDIA H100 SXM5 80GB", 3.35e12, 989e12, 26_000),
     "a100-llama3-8b": _roofline("NVIDIA A100 SXM4 80GB", 2.039e12, 312e12, 26_000),
     "h100x8-llama3-70b": _roofline("8x NVIDIA H100 SXM5 80GB (TP=8)", 3.35e12, 989e12, 82_000, _LLAMA3_70B, tp=8),
+    "a100-lwm-1m": lwm_1m_a100(),
 }
+
+
+# Profiles that can also be built for an instance spanning several GPUs (tensor parallelism).
+TENSOR_PARALLEL: dict[str, Callable[[int], SimProfile]] = {"a100-lwm-1m": lwm_1m_a100}
 
 
 def measured_profile(path: str | Path = REPO_ROOT / "profiles" / "smollm2-135m-instruct.json") -> SimProfile:

@@ -45,21 +45,47 @@ def test_workload_is_a_zipf_mix_within_the_context() -> None:
 def test_targets_carry_value_target_met_and_how() -> None:
     results = {
         "throughput": {"max_rate_at_slo_rps": {"esp": 2.0, "chunked": 1.0, "static_sp": 0.5, "disagg": 0.0}},
-        "cluster": {"max_rate_at_slo_rps": {"esp": 3.0, "chunked": 2.0, "disagg": 0.5}},
+        "cluster": {
+            "regimes": {
+                "llama3-8b": {"max_rate_at_slo_rps": {"esp": 3.0, "chunked": 2.0, "disagg": 0.5}},
+                "lwm1m": {
+                    "scenario": {"instances": 16, "profile": "a100-lwm-1m", "mix": "zipf"},
+                    "max_rate_at_slo_rps": {"esp": 1.0, "chunked": 0.0, "disagg": 0.25, "chunked_tp": 0.5},
+                    "max_rate_at_paper_slo_rps": {"esp": 1.5, "chunked": 0.5, "disagg": 0.25, "chunked_tp": 0.75},
+                    "per_rate": {"chunked": [{"refused": 21}, {"refused": 20}]},
+                },
+            }
+        },
         "longest_prompt": {"longest_prompt_served": 240, "instance_kv_tokens": 64, "lost": 0},
         "scheduler": {"p99_ms": 32.0, "cpu_p99_ms": 7.5},
         "machine": {"load_avg_before_scheduler": [9.1, 8.0, 7.0]},
     }
     out = targets(results)
     extra = {"esp_over_chunked_4_instances", "esp_over_disagg_4_instances", "scheduler_cpu_p99_ms"}
+    extra |= {"esp_over_chunked_lwm1m", "esp_over_disagg_lwm1m", "esp_over_chunked_tp_lwm1m"}
+    extra |= {
+        "esp_over_chunked_lwm1m_paper_slo",
+        "esp_over_disagg_lwm1m_paper_slo",
+        "esp_over_chunked_tp_lwm1m_paper_slo",
+    }
     assert set(out) == {*KEYS, *extra}
     # The reported ratios are the cluster-scale simulation's; the 4-instance ones stay beside them.
     assert out["esp_over_chunked"] == {
         "value": 1.5,
         "target": ">= 2.0",
         "met": False,
-        "how": "EMULATED (bench/simulate/esp.py: 16 A100-roofline instances, simulated time, the ESP core)",
+        "how": "EMULATED (bench/simulate/esp.py, regime llama3-8b: 16 a100-llama3-8b instances, conv mix, "
+        "simulated time, the ESP core)",
     }
+    # LoongServe's regime under its own keys: chunked refused what one instance cannot hold.
+    lwm = out["esp_over_chunked_lwm1m"]
+    assert lwm["value"] is None and lwm["met"] is None
+    assert "cannot hold 21 of each rate's requests" in lwm["how"] and "no rate tried" in lwm["how"]
+    assert out["esp_over_disagg_lwm1m"]["value"] == 4.0 and out["esp_over_disagg_lwm1m"]["met"]
+    assert (
+        out["esp_over_chunked_tp_lwm1m"]["value"] == 2.0
+        and "cannot hold" not in out["esp_over_chunked_tp_lwm1m"]["how"]
+    )
     assert out["esp_over_disagg"]["value"] == 6.0 and out["esp_over_disagg"]["met"]
     assert out["esp_over_chunked_4_instances"]["value"] == 2.0 and out["esp_over_chunked_4_instances"]["met"]
     assert "4 instances" in out["esp_over_chunked_4_instances"]["how"]

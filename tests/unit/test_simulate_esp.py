@@ -5,11 +5,26 @@ timing follows the emulated step-time model."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
-from bench.simulate.esp import EspScenario, Req, simulate, summarize
-from bench.simulate.profiles import PUBLISHED_PROFILES, FastStep
+from bench.simulate.esp import (
+    REGIMES,
+    EspScenario,
+    Req,
+    _Sim,
+    core_models,
+    regime_suffix,
+    run,
+    run_regimes,
+    set_slo,
+    simulate,
+    summarize,
+    workload,
+)
+from bench.simulate.plots import plot_esp_degrees
+from bench.simulate.profiles import PUBLISHED_PROFILES, FastStep, lwm_1m_a100
 
 PROFILE = PUBLISHED_PROFILES["a100-llama3-8b"]
 SC = EspScenario(instances=8)
@@ -66,3 +81,166 @@ def test_a_group_never_outgrows_the_instances() -> None:
 def test_an_unknown_strategy_is_named() -> None:
     with pytest.raises(ValueError, match="'static'"):
         simulate("static", _reqs([(0.0, 10, 1)]), PROFILE, SC)
+
+
+# -- LoongServe's regime: LWM-Text-1M (multi-head KV) and its evaluation mixes ----------------------
+
+LWM = PUBLISHED_PROFILES["a100-lwm-1m"]
+ROWS = [(500, 100), (1500, 300)]
+
+
+def test_the_lwm_profile_has_four_times_the_kv_per_token_and_loongserves_capacity() -> None:
+    assert LWM.model.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2 == 4 * PROFILE.model.kv_bytes_per_token
+    tokens = LWM.kv_blocks * LWM.block_size
+    assert tokens == 111_616  # (72 GB - 13.48 GB of weights) / 524,288 B, in blocks of 16
+    assert abs(tokens - 110_000) / 110_000 < 0.02  # LoongServe's launcher: 110,000 on one GPU
+    two = lwm_1m_a100(2)
+    assert two.kv_blocks * two.block_size > 200_000 + 1024  # TP=2 holds the Zipf mix's longest
+    assert FastStep(two.step)(8192, 0, 0, 0, 0) < FastStep(LWM.step)(8192, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="got 0"):
+        lwm_1m_a100(0)
+
+
+def test_the_zipf_mix_is_loongserves() -> None:
+    sc = REGIMES["lwm1m"]
+    prompts = sorted(r.prompt for r in workload(ROWS, 4000, 1.0, 0, sc))
+    assert prompts[0] >= 10 and prompts[-1] < 200_000
+    # Weight 1 / l over [10, 200,000): log-uniform, median sqrt(10 x 200,000) ~ 1,414, and
+    # ln(200,000 / 111,616) / ln(20,000) = 5.9 % beyond one instance's KV.
+    assert 1_100 < prompts[len(prompts) // 2] < 1_800
+    beyond = sum(p > LWM.kv_blocks * LWM.block_size for p in prompts) / len(prompts)
+    assert 0.045 < beyond < 0.075
+
+
+def test_the_lveval_mix_spans_its_five_levels() -> None:
+    sc = REGIMES["lwm1m-lveval"]
+    prompts = [r.prompt for r in workload(ROWS, 3000, 1.0, 0, sc)]
+    assert min(prompts) >= round(11_896 * 1.3) - 1 and max(prompts) <= round(387_406 * 1.3) + 1
+    assert 135_000 < sum(prompts) / len(prompts) < 155_000  # 1.13 x 99,200 words x 1.3
+    assert sum(p < 30_000 for p in prompts) > 300 and sum(p > 400_000 for p in prompts) > 100
+
+
+def test_an_unknown_mix_is_named() -> None:
+    with pytest.raises(ValueError, match="'sharegpt'"):
+        workload(ROWS, 1, 1.0, 0, dataclasses.replace(SC, mix="sharegpt"))
+
+
+def test_a_prompt_no_instance_holds_is_refused_by_chunked_and_served_by_esp_and_tp() -> None:
+    sc = dataclasses.replace(REGIMES["lwm1m"], instances=4)
+    spec = [(0.0, 150_000, 8), (0.5, 2_000, 8)]
+    esp = simulate("esp", _reqs(spec), LWM, sc)
+    chunked = simulate("chunked", _reqs(spec), LWM, sc)
+    tp = simulate("chunked", _reqs(spec), lwm_1m_a100(2), dataclasses.replace(sc, instances=2), slo_profile=LWM)
+    assert summarize(chunked)["refused"] == 1 and chunked.reqs[0].done is None
+    assert summarize(chunked)["slo_attainment"] <= 0.5  # the refused request counts as a miss
+    assert summarize(chunked)["slo_attainment_servable"] == 1.0
+    assert esp.reqs[0].done is not None and tp.reqs[0].done is not None
+    # The SLO is the same whatever the instances: scaled from one GPU's time.
+    assert [r.ttft_slo for r in tp.reqs] == [r.ttft_slo for r in chunked.reqs]
+
+
+def test_the_group_prefill_pays_the_ring_exchange_of_the_kv_at_the_link_speed() -> None:
+    sc = dataclasses.replace(REGIMES["lwm1m"], instances=8)
+    step = FastStep(LWM.step)
+    models = core_models(step, sc, LWM.model.kv_bytes_per_token)
+    link_bytes_s = sc.link_gbps / 8 * 1e9
+    assert models[1].b == pytest.approx(step.ptok)  # alone: nothing to exchange
+    assert models[8].b == pytest.approx(step.ptok / 8 + 7 / 8 * 524_288 / link_bytes_s)
+    sim = simulate("esp", _reqs([(0.0, 100_000, 2)]), LWM, sc)
+    assert sim.degrees == [(0.0, 8, 1)]
+    length = 100_002  # the core plans on the KV a request will hold: prompt + output
+    ring = 7 / 8 * length * 524_288 / link_bytes_s  # 1.84 s of K/V over 200 Gb/s
+    compute = step.base + step.overhead + sc.exchange_s * 7 + step.ptok * length / 8
+    compute += step.pair * length**2 / 2 / 8 + step.seq
+    assert sim.reqs[0].first == pytest.approx(compute + ring)
+
+
+def test_a_holder_in_a_prefill_group_holds_up_its_masters_step() -> None:
+    sim = _Sim("esp", [], LWM, dataclasses.replace(REGIMES["lwm1m"], instances=2))
+    r = Req(0, 0.0, 150_000, 10)
+    r.held, r.slices, r.master, r.generated = {0: 75_000, 1: 75_010}, {0: 75_000, 1: 75_000}, 1, 1
+    master, holder = sim.nodes[1], sim.nodes[0]
+    master.running.append(r)
+    holder.prefilling_until = 5.0  # in a group prefilling another request until t = 5 s
+    sim.iterate(master, 1.0)
+    assert r.generated == 1 and master.free_at == 5.0  # no step until the holder can attend
+    holder.prefilling_until = 0.0
+    sim.iterate(master, 5.0)
+    assert r.generated == 2 and master.free_at > 5.0
+
+
+def test_regimes_report_under_their_own_keys_and_an_unknown_one_is_named() -> None:
+    assert [regime_suffix(x) for x in REGIMES] == ["", "_lwm1m", "_lwm1m_lveval"]
+    with pytest.raises(ValueError, match="'lwm2m'"):
+        run_regimes(names=["lwm2m"])
+
+
+def test_the_degree_plot_draws_each_regimes_timeline(tmp_path: Path) -> None:
+    regimes = {
+        name: {
+            "scenario": {"instances": 16, "profile": sc.profile, "mix": sc.mix},
+            "degree_timeline": {"0.1": "0:8:1 3.5:4:2", "1.0": "0.2:1:5"},
+        }
+        for name, sc in REGIMES.items()
+    }
+    out = plot_esp_degrees(regimes, tmp_path / "degrees.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_loongserves_slo_is_its_own_ttft_bound_and_50_ms_per_output_token() -> None:
+    reqs = _reqs([(0.0, 20_000, 11), (0.0, 20_000, 11), (0.0, 20_000, 11)])
+    set_slo(reqs, FastStep(LWM.step), REGIMES["lwm1m"])
+    alone = FastStep(LWM.step)(20_000, 20_000 * 20_001 / 2, 1, 0, 0)
+    assert reqs[0].paper_ttft_slo == max(15.0, 25 * alone)
+    for r, (ttft, tpot) in zip(reqs, [(13.0, 0.04), (13.0, 0.06), (reqs[0].paper_ttft_slo + 0.1, 0.01)], strict=True):
+        r.first, r.generated = ttft, 11
+        r.done = ttft + 10 * tpot
+    assert [r.met(paper=True) for r in reqs] == [True, False, False]
+    assert not reqs[0].met()  # 13 s is past this scenario's TTFT bound, 5x its 2.4 s alone
+
+
+def test_a_run_reports_every_strategy_and_esps_degree_timeline() -> None:
+    sc = dataclasses.replace(REGIMES["lwm1m"], instances=4, rates=(0.02,))
+    out = run(quick=True, sc=sc)
+    assert set(out["max_rate_at_slo_rps"]) == {"esp", "chunked", "disagg", "chunked_tp"}
+    assert out["chunked_tp_instances"].startswith("2 x TP=2")
+    refused = out["per_rate"]["chunked"][0]["refused"]
+    assert refused == out["workload"]["over_one_instance_kv"] > 0
+    assert out["per_rate"]["chunked_tp"][0]["refused"] == 0 and out["per_rate"]["esp"][0]["refused"] == 0
+    timeline = out["degree_timeline"]["0.02"].split()
+    assert sum(int(x.split(":")[2]) for x in timeline) == out["per_rate"]["esp"][0]["completed"] == 150
+    assert {int(x.split(":")[1]) for x in timeline} <= {1, 2, 4}
+
+
+def test_a_preempted_instance_hands_its_decoding_kv_to_one_outside_the_plan() -> None:
+    sim = _Sim("esp", [], LWM, dataclasses.replace(REGIMES["lwm1m"], instances=3))
+    r = Req(0, 0.0, 150_000, 10)
+    r.held, r.slices, r.master, r.generated = {0: 75_010, 1: 75_000}, {0: 75_000, 1: 75_000}, 0, 4
+    for idx, n in r.held.items():
+        sim.nodes[idx].used += n
+        sim.nodes[idx].ctx += r.slices[idx]
+    sim.nodes[0].ctx += r.generated
+    sim.nodes[0].running.append(r)
+    sent = sim._migrate_from(sim.nodes[0], 2.0, planned={0})
+    # Its master's share (slice, 4 decoded tokens, room for 6 more) moves to node 2, the one
+    # outside the plan with the most free KV; node 1 keeps its slice. Nothing stays on node 0.
+    assert sent == 75_004 and r.master == 2 and r.held == {1: 75_000, 2: 75_010}
+    assert (sim.nodes[0].used, sim.nodes[0].ctx, sim.nodes[0].running) == (0, 0, [])
+    assert (sim.nodes[2].used, sim.nodes[2].ctx, sim.nodes[2].running) == (75_010, 75_004, [r])
+    assert r.ready == pytest.approx(2.0 + 75_004 * 524_288 / (200e9 / 8))  # 1.57 s over 200 Gb/s
+    sim.iterate(sim.nodes[2], 2.5)
+    assert r.generated == 4 and sim.nodes[2].free_at == r.ready  # decodes once its KV is there
+    sim.iterate(sim.nodes[2], r.ready)
+    assert r.generated == 5
+    # No room outside the plan: it stays where it is and waits for the group.
+    assert sim._migrate_from(sim.nodes[2], 9.0, planned={0, 2}) == 0 and r.master == 2
+
+
+@pytest.mark.parametrize("migrate", [True, False])
+def test_with_or_without_migration_every_request_completes_and_the_kv_balances(migrate: bool) -> None:
+    sc = dataclasses.replace(REGIMES["lwm1m"], instances=8, migrate=migrate)
+    spec = [(0.2 * i, [900, 60_000, 4_000, 200_000][i % 4], 200) for i in range(24)]
+    sim = simulate("esp", _reqs(spec), LWM, sc)
+    out = summarize(sim)
+    assert out["completed"] == 24 and all(n.used == 0 and n.ctx == 0 for n in sim.nodes)
+    assert (out["migrated_requests"] > 0) == migrate
