@@ -116,13 +116,14 @@ class _TcpEndpoint(Endpoint):
                     pending = self._take_waiter(tag, length)
                     if pending is None:
                         self._unexpected.setdefault(tag, deque()).append(data)
-                        continue
-                    pending.view[:] = data
-                if not pending.future.done():
+                    else:
+                        pending.view[:] = data
+                if pending is not None and not pending.future.done():
                     pending.future.set_result(None)
                 # `sock_recv_into` returns without yielding while data is ready, so a fast sender
                 # could keep this loop running for a whole transfer and starve the rest of the
-                # process (the receiver's progress, its heartbeats); one yield per message.
+                # process (the receiver's progress, its heartbeats); one yield per message, the
+                # ones nobody waits for yet included (a sender ahead of the posted receives).
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             self._fail(PeerClosed(f"endpoint to {self.peer} was closed locally"))
