@@ -314,7 +314,8 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
     sc = results.get("scheduler")
     if sc:
         load = results.get("machine", {}).get("load_avg_before_scheduler", ["?"])[0]
-        how = f"MEASURED (shared 2-core box, under nice 19, load {load})"
+        niceness = os.nice(0)
+        how = f"MEASURED (shared 2-core box, nice {niceness}, load {load})"
         out["scheduler_p99_ms"] = _entry(sc["p99_ms"], "< 20", sc["p99_ms"] < 20, how + ": wall time")
         if "cpu_p99_ms" in sc:
             out["scheduler_cpu_p99_ms"] = _entry(
