@@ -1,7 +1,7 @@
 """Live scaling: one step burst against five setups, side by side in one run.
 
 Usage:
-    python -m bench.live_scaling [--quick] [--rdma-gbps 0.1] [--param-scale 2] [--shape code|conv]
+    python -m bench.live_scaling [--quick] [--rdma-gbps 1.0] [--param-scale 20] [--shape code|conv]
         [--out bench/results/live_scaling.json]
 
 Each setup is a fresh mesh of `small`-model workers with EMULATED accelerator pacing (every
@@ -96,11 +96,15 @@ DISAGG_LIVE_SETUPS = ("disagg_zigzag", "disagg_borrowed")
 # scheme can go below (ZigZag only ever makes the loading window behave more like no window).
 ABLATIONS = ("zigzag_relay_first", "zigzag_pull", "instant_load")
 INSTANT_OVER_RDMA = 100.0
-# A load at --rdma-gbps 0.1 with the model's own bytes takes about 7 s: the queue-aware trigger's
-# new instances then serve within a third of the quick burst, and a burst that has piled up for
-# 7 s leaves little for a live scheme to win. Twice the bytes (about 15 s) let a load last two
-# thirds of it. --param-scale 1 gives the earlier runs' setting.
-PARAM_SCALE = 2.0
+# The links and the model's emulated size. The earlier runs (--rdma-gbps 0.1 --param-scale 1)
+# paced every byte at 0.1 Gbit/s: a load took 7 s, so the queue-aware trigger's instances served
+# within a third of the quick burst; and a 256-token prompt's KV (3 MB) took 0.25 s, so at the
+# burst's 5 requests/s one prefill worker's hand-offs (15 MB/s) outran its link (12.5 MB/s),
+# which an 8B model's KV over RDMA never does. Now the link is 10 times faster and the
+# parameters 20 times larger: a load takes about 14 s (two thirds of the quick burst), and the
+# KV and hidden states take a tenth of what they did.
+RDMA_GBPS = 1.0
+PARAM_SCALE = 20.0
 
 
 # Request shapes (prompt tokens, output tokens), uniform in each range. `code` follows the Azure
@@ -334,17 +338,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rdma-gbps",
         type=float,
-        default=0.1,
-        help="the emulated RDMA link (0.1: a load of the model's own bytes takes 7 s, several decision"
-        " intervals, as a multi-GB model does over RDMA); PCIe and SSD scale with it",
+        default=RDMA_GBPS,
+        help=f"the emulated RDMA link (default {RDMA_GBPS:g}: with --param-scale {PARAM_SCALE:g} a load takes 14 s,"
+        " several decision intervals, as a multi-GB model does over RDMA; KV and hidden states go at this rate);"
+        " PCIe and SSD scale with it",
     )
     p.add_argument(
         "--param-scale",
         type=float,
         default=PARAM_SCALE,
         help="emulate parameters this many times larger than the model's: every parameter stream goes at its"
-        f" link's rate over this (default {PARAM_SCALE:g}: a load lasts about 15 s, two thirds of the quick"
-        " burst); KV and hidden states keep their sizes; 1 = the earlier runs' setting",
+        f" link's rate over this (default {PARAM_SCALE:g}: a load lasts about 14 s, two thirds of the quick"
+        " burst); KV and hidden states keep their sizes. --rdma-gbps 0.1 --param-scale 1 is the earlier runs'"
+        " setting",
     )
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {SETUPS + ABLATIONS}")
     p.add_argument("--shape", choices=sorted(SHAPES), default="code", help="request shape of the burst (see SHAPES)")
