@@ -80,6 +80,11 @@ POLICY = {
     "scale_in_cooldown_s": 60.0,
     "scale_in_stabilization_s": 60.0,
 }
+# The split deployment's pools: HeteroScale's default pd_ratio (0.33, 1 prefill : 3 decode)
+# grows the decode pool to 3 of the 4 workers at the first decision, before any burst (decode =
+# prefill x round(1 / pd_ratio)), and leaves no worker for the prefill pool this prompt-heavy
+# burst needs. 1:1 is the most prefill instances the policy allows per decode instance.
+DISAGG_POLICY = {**POLICY, "pd_ratio": 1.0}
 BULKY = ("timeline", "events", "tokens_per_s", "loading")
 DISAGG_SETUPS = ("disagg_stop_the_world", "disagg_zigzag", "disagg_borrowed")
 SETUPS = ("stop_the_world", "zigzag", "sllm_hit", "sllm_miss", "fixed_peak", "hand_back", *DISAGG_SETUPS)
@@ -141,7 +146,7 @@ def _links(setup: str, rdma_gbps: float) -> tuple[float, float]:
     return rdma_gbps, rdma_gbps
 
 
-def _manager_args(setup: str) -> list[str]:
+def _manager_args(setup: str, policy: dict[str, Any] = POLICY) -> list[str]:
     live = setup.startswith("zigzag") or setup in ("hand_back", "disagg_zigzag", "disagg_borrowed")
     flags = ["--zigzag" if live else "--no-zigzag"]
     flags.append("--zigzag-hand-back" if setup == "hand_back" else "--no-zigzag-hand-back")
@@ -156,7 +161,7 @@ def _manager_args(setup: str) -> list[str]:
         "--policy",
         "heteroscale",
         "--policy-params",
-        json.dumps(POLICY),
+        json.dumps(policy),
         "--max-instances",
         str(WORKERS),
         "--window-s",
@@ -232,13 +237,13 @@ def run_setup(
             str(STEP_B_S),
             *(["--zigzag-partner-order", "relay_first"] if setup == "zigzag_relay_first" else []),
         ],
-        manager_args=_manager_args(setup),
+        manager_args=_manager_args(setup, DISAGG_POLICY if disagg else POLICY),
         netns_rate_mbit=worker_gbps * 1000 if use_netns else None,
     )
     # The peak pool: every worker loaded from the start.
     name = "fixed_peak" if setup == "fixed_peak" else "autoscaled"
     pools = {"autoscaled": 2 if disagg else 1, "fixed_peak": WORKERS}
-    policies = {"autoscaled": ("heteroscale", POLICY)}
+    policies = {"autoscaled": ("heteroscale", DISAGG_POLICY if disagg else POLICY)}
     print(f"--- {setup}: worker link {worker_gbps} Gbit/s, host cache {pm_gbps} Gbit/s ---", flush=True)
     run = asyncio.run(run_all([name], cfg, pools, arrivals, run_args, policies, 40.0))[name]
     s = run["summary"]
@@ -266,6 +271,8 @@ def run_setup(
         "routes": s.get("routes", {}),
         "load_overhead": loads,
         "load_overhead_median": percentile(loads, 0.5),
+        # How busy the shared machine was as the run ended (1, 5, 15 min load averages).
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "timeline": run["timeline"],
         "tokens_per_s": run["tokens_per_s"],
         "loading": run["loading"],
@@ -330,6 +337,96 @@ def best_live(
         return None
     setup = min(ratios, key=lambda s: (ratios[s]["value"], s))
     return {**ratios[setup], "setup": setup}
+
+
+def write_results(
+    by_setup: dict[str, list[dict[str, Any]]],
+    args: argparse.Namespace,
+    workload: dict[str, Any],
+    model_bytes: int,
+    run_args: argparse.Namespace,
+    started: float,
+) -> dict[str, Any]:
+    """Combine the repeats so far, write the JSON and the figure to `args.out`; the targets."""
+    results = {setup: combine(runs) for setup, runs in by_setup.items()}
+    targets: dict[str, Any] = {}
+    for num, den, target in (
+        ("zigzag", "stop_the_world", 0.5),
+        ("hand_back", "stop_the_world", None),
+        ("hand_back", "zigzag", None),
+        ("zigzag", "sllm_miss", 0.5),
+        ("instant_load", "stop_the_world", None),
+        ("zigzag", "instant_load", None),
+        ("zigzag_pull", "stop_the_world", None),
+        ("zigzag_pull", "zigzag", None),
+        ("disagg_zigzag", "disagg_stop_the_world", None),
+        ("disagg_borrowed", "disagg_stop_the_world", None),
+        ("disagg_borrowed", "disagg_zigzag", None),
+    ):
+        if num in by_setup and den in by_setup:
+            targets[f"ttft_p99_{num}_over_{den}"] = paired_ratio(by_setup[num], by_setup[den], target)
+    best = best_live(by_setup)
+    if best is not None:
+        targets["ttft_p99_best_live_over_stop_the_world"] = best
+    best = best_live(by_setup, live=DISAGG_LIVE_SETUPS, baseline="disagg_stop_the_world")
+    if best is not None:
+        targets["ttft_p99_disagg_best_live_over_stop_the_world"] = best
+    overheads = [
+        x
+        for k in ("stop_the_world", "zigzag", "disagg_stop_the_world", "disagg_zigzag")
+        if k in results
+        for x in results[k]["load_overhead"]
+    ]
+    if overheads:
+        med = percentile(overheads, 0.5)
+        targets["load_overhead"] = {"median": med, "max": max(overheads), "target": 1.2, "met": med <= 1.2}
+    targets["lost"] = {"value": sum(r["lost"] for r in results.values()), "target": 0}
+    out = {
+        **results,
+        "targets": targets,
+        "setup": {
+            "quick": args.quick,
+            "repeats": args.repeats,
+            "repeats_done": min(len(runs) for runs in by_setup.values()),
+            "model": MODEL,
+            "model_bytes": model_bytes,
+            "param_scale": args.param_scale,
+            "emulated_model_bytes": round(model_bytes * args.param_scale),
+            "workers": WORKERS,
+            "burst": workload,
+            "shape": {
+                "name": args.shape,
+                "prompt_tokens": SHAPES[args.shape][0],
+                "output_tokens": SHAPES[args.shape][1],
+            },
+            "pacing": {"emulated": True, "step_a_s": STEP_A_S, "step_b_s_per_token": STEP_B_S},
+            "links": {
+                "emulated": "network-namespace hosts, each uplink a tc tbf qdisc"
+                if args.netns
+                else "app-level pacing of each sender (not netns + tc tbf)",
+                "rdma_gbps": args.rdma_gbps,
+                "pcie_gbps": round(args.rdma_gbps * PCIE_OVER_RDMA, 4),
+                "ssd_gbps": round(args.rdma_gbps * SSD_OVER_RDMA, 4),
+            },
+            "policy": POLICY,
+            "disagg_policy": DISAGG_POLICY,
+            "slo": {"ttft_s": run_args.ttft_slo_s, "tbt_mean_s": run_args.tbt_slo_s},
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
+            "elapsed_s": round(time.monotonic() - started, 1),
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    plot_path = args.out.with_suffix(".png")
+    plot(
+        results,
+        TOKEN_RATE_BIN_S,
+        f"one burst ({args.shape} shape), {WORKERS} workers, emulated accelerator pacing and links"
+        f" (RDMA {args.rdma_gbps} Gbit/s, parameters x{args.param_scale:g})",
+        plot_path,
+    )
+    print(f"wrote {plot_path}")
+    return targets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,82 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                     setup, arrivals, run_args, model_dir, model_bytes, args.rdma_gbps, args.netns, args.param_scale
                 )
             )
-    results = {setup: combine(runs) for setup, runs in by_setup.items()}
-    targets: dict[str, Any] = {}
-    for num, den, target in (
-        ("zigzag", "stop_the_world", 0.5),
-        ("hand_back", "stop_the_world", None),
-        ("hand_back", "zigzag", None),
-        ("zigzag", "sllm_miss", 0.5),
-        ("instant_load", "stop_the_world", None),
-        ("zigzag", "instant_load", None),
-        ("zigzag_pull", "stop_the_world", None),
-        ("zigzag_pull", "zigzag", None),
-        ("disagg_zigzag", "disagg_stop_the_world", None),
-        ("disagg_borrowed", "disagg_stop_the_world", None),
-        ("disagg_borrowed", "disagg_zigzag", None),
-    ):
-        if num in by_setup and den in by_setup:
-            targets[f"ttft_p99_{num}_over_{den}"] = paired_ratio(by_setup[num], by_setup[den], target)
-    best = best_live(by_setup)
-    if best is not None:
-        targets["ttft_p99_best_live_over_stop_the_world"] = best
-    best = best_live(by_setup, live=DISAGG_LIVE_SETUPS, baseline="disagg_stop_the_world")
-    if best is not None:
-        targets["ttft_p99_disagg_best_live_over_stop_the_world"] = best
-    overheads = [
-        x
-        for k in ("stop_the_world", "zigzag", "disagg_stop_the_world", "disagg_zigzag")
-        if k in results
-        for x in results[k]["load_overhead"]
-    ]
-    if overheads:
-        med = percentile(overheads, 0.5)
-        targets["load_overhead"] = {"median": med, "max": max(overheads), "target": 1.2, "met": med <= 1.2}
-    targets["lost"] = {"value": sum(r["lost"] for r in results.values()), "target": 0}
-    out = {
-        **results,
-        "targets": targets,
-        "setup": {
-            "quick": args.quick,
-            "repeats": args.repeats,
-            "model": MODEL,
-            "model_bytes": model_bytes,
-            "param_scale": args.param_scale,
-            "emulated_model_bytes": round(model_bytes * args.param_scale),
-            "workers": WORKERS,
-            "burst": workload,
-            "shape": {
-                "name": args.shape,
-                "prompt_tokens": SHAPES[args.shape][0],
-                "output_tokens": SHAPES[args.shape][1],
-            },
-            "pacing": {"emulated": True, "step_a_s": STEP_A_S, "step_b_s_per_token": STEP_B_S},
-            "links": {
-                "emulated": "network-namespace hosts, each uplink a tc tbf qdisc"
-                if args.netns
-                else "app-level pacing of each sender (not netns + tc tbf)",
-                "rdma_gbps": args.rdma_gbps,
-                "pcie_gbps": round(args.rdma_gbps * PCIE_OVER_RDMA, 4),
-                "ssd_gbps": round(args.rdma_gbps * SSD_OVER_RDMA, 4),
-            },
-            "policy": POLICY,
-            "slo": {"ttft_s": run_args.ttft_slo_s, "tbt_mean_s": run_args.tbt_slo_s},
-            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
-            "elapsed_s": round(time.monotonic() - started, 1),
-        },
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    plot_path = args.out.with_suffix(".png")
-    plot(
-        results,
-        TOKEN_RATE_BIN_S,
-        f"one burst ({args.shape} shape), {WORKERS} workers, emulated accelerator pacing and links"
-        f" (RDMA {args.rdma_gbps} Gbit/s, parameters x{args.param_scale:g})",
-        plot_path,
-    )
-    print(f"wrote {plot_path}")
+        # Written after every repeat: a run cut short keeps the repeats it finished.
+        targets = write_results(by_setup, args, workload, model_bytes, run_args, started)
     print(json.dumps(targets, indent=2))
     print(f"wrote {args.out}")
     return 0 if targets["lost"]["value"] == 0 else 1
