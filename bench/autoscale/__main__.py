@@ -51,7 +51,7 @@ from bench.replay import (
     timeline,
     token_rate,
 )
-from services.mesh.launcher import Mesh, MeshConfig
+from services.mesh.launcher import Mesh, MeshConfig, metrics_targets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKEN_RATE_BIN_S = 1.0
@@ -208,6 +208,7 @@ async def run_all(
                     await admin.set_policy(policy, params, advisory=False)
                 print(f"[{name}] {pools[name]} serving; replaying {len(arrivals)} requests", flush=True)
                 zigzag_before = await _gateway_counter(mesh, "blitzmesh_gateway_zigzag_total")
+                routes_before = await _gateway_counter(mesh, "blitzmesh_gm_schedule_total", "global_manager")
                 continued_before = await _zigzag_continued(admin, args.model)
                 result = await replay(
                     arrivals,
@@ -220,11 +221,14 @@ async def run_all(
                 )
                 summary = summarize(result.records, result.instances, result.duration_s, slo)
                 zigzag_after = await _gateway_counter(mesh, "blitzmesh_gateway_zigzag_total")
+                routes_after = await _gateway_counter(mesh, "blitzmesh_gm_schedule_total", "global_manager")
                 summary.update(
                     {
                         "initial_instances": pools[name],
                         "notes": result.notes,
                         "zigzag_requests": {k: round(v - zigzag_before.get(k, 0.0)) for k, v in zigzag_after.items()},
+                        # The manager's Schedule answers by outcome (pd_pair, one_hop, borrowed, ...).
+                        "routes": {k: round(v - routes_before.get(k, 0.0)) for k, v in routes_after.items()},
                         # Taken over by a partner after their first layers ran on a loading
                         # instance, however they got there (routed, or pulled from the queue).
                         "zigzag_continued": await _zigzag_continued(admin, args.model) - continued_before,
@@ -261,9 +265,11 @@ async def run_all(
     return runs
 
 
-async def _gateway_counter(mesh: Mesh, name: str) -> dict[str, float]:
-    """A gateway counter's samples by label set, from its /metrics."""
-    async with aiohttp.ClientSession() as s, s.get(mesh.gateway_http + "/metrics") as r:
+async def _gateway_counter(mesh: Mesh, name: str, service: str = "gateway") -> dict[str, float]:
+    """A counter's samples by label set, from the /metrics of `service` (the gateway's HTTP port,
+    or another process's metrics port)."""
+    url = mesh.gateway_http if service == "gateway" else f"http://{metrics_targets(mesh)[service]}"
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
         text = await r.text()
     return {labels: float(v) for labels, v in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M)}
 

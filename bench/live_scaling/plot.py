@@ -36,7 +36,8 @@ def plot(results: dict[str, dict[str, Any]], bin_s: float, title: str, out: Path
         ax.set_ylim(0, peak * 1.1)
         ax.set_ylabel("tokens/s", color="tab:blue")
         ax.set_title(
-            f"{setup}: TTFT p99 {r['ttft_p99_s']:.2f} s, served while loading {r['served_while_loading']}",
+            f"{setup}: TTFT p99 {r['ttft_p99_s']:.2f} s, served while loading {r['served_while_loading']}"
+            + (f", borrowed {r['borrowed']}" if r.get("borrowed") else ""),
             fontsize=9,
             loc="left",
         )

@@ -78,6 +78,7 @@ from .errors import (
     UpstreamAborted,
 )
 from .manifest import Chunk, GroupEntry, Manifest, chunks, group_tensors
+from .shaped import LinkShaper
 from .transport import MAX_TAG, Endpoint, Transport, address_label
 
 if TYPE_CHECKING:
@@ -353,10 +354,21 @@ class GroupServer:
         publish_wait_s: float = 30.0,
         land_timeout_s: float = 300.0,
         request_timeout_s: float = 10.0,
+        stream_gbps: float = 0.0,
+        stream_per_peer: bool = False,
     ) -> None:
         if window_chunks < 1:
             raise ValueError(f"window_chunks must be >= 1, got {window_chunks}")
+        if not stream_gbps >= 0:
+            raise ValueError(f"stream_gbps must be >= 0 (0 = off), got {stream_gbps!r}")
         self.transport = transport
+        # Emulation (benchmarks): the parameter streams this server sends go at most this fast,
+        # all of them sharing one link, or each its own (`stream_per_peer`), as a model with more
+        # bytes than it has would load; the transport's own pacing, if any, still applies to
+        # every message. 0: off.
+        self._stream_gbps = stream_gbps
+        self._stream_link = LinkShaper(stream_gbps) if stream_gbps > 0 and not stream_per_peer else None
+        self._stream_per_peer = stream_per_peer
         self._window = window_chunks
         self._send_timeout_s = send_timeout_s
         self._publish_wait_s = publish_wait_s
@@ -553,6 +565,7 @@ class GroupServer:
         inflight: deque[asyncio.Task[None]] = deque()
         loop = asyncio.get_running_loop()
         sent = 0
+        link = LinkShaper(self._stream_gbps) if self._stream_per_peer and self._stream_gbps > 0 else self._stream_link
         try:
             for seq, chunk in enumerate(chunks(store.manifest, todo)):
                 if DATA_TAG_BASE + seq > MAX_TAG:
@@ -560,6 +573,8 @@ class GroupServer:
                 await store.wait_landed(
                     chunk.group_index, chunk.offset_bytes + chunk.length_bytes, timeout_s=self._land_timeout_s
                 )
+                if link is not None:
+                    await link.take(chunk.length_bytes)
                 inflight.append(
                     loop.create_task(ep.send(store.view(chunk), DATA_TAG_BASE + seq, timeout_s=self._send_timeout_s))
                 )

@@ -8,10 +8,12 @@ from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
 from services.global_manager.core.policies import make_policy
+from services.global_manager.core.routing import BorrowPrefill
 from services.global_manager.core.types import Role
 from services.global_manager.core.zigzag import ZigzagSettings
 
 ZIGZAG_DEFAULTS = ZigzagSettings()
+BORROW_DEFAULTS = BorrowPrefill()
 
 
 class GlobalManagerConfig(ServiceConfig):
@@ -117,6 +119,24 @@ class GlobalManagerConfig(ServiceConfig):
         ZIGZAG_DEFAULTS.hand_back,
         description="when a ZigZag-serving instance finishes loading, its partner's running requests above an even "
         "share of the two move to it by live migration, with their KV",
+    )
+    borrow_prefill: bool = Field(
+        True,
+        description="borrowed prefill (TokenScale), split deployments: while every SERVING prefill instance's queued "
+        "prompt tokens take longer than borrow_prefill_wait_s at its measured prefill capacity, a new request runs "
+        "whole (prompt and decode, no KV transfer) on a decode instance holding fewer than "
+        "borrow_prefill_max_decode_requests requests whose own prompt queue is shorter",
+    )
+    borrow_prefill_wait_s: float = Field(
+        BORROW_DEFAULTS.wait_s,
+        ge=0,
+        description="borrowed prefill: the prefill pool's backlog (seconds of queued prompt tokens on its least "
+        "backlogged instance) above which a decode instance may take a request (the queue trigger's own target)",
+    )
+    borrow_prefill_max_decode_requests: int = Field(
+        BORROW_DEFAULTS.max_decode_requests,
+        ge=1,
+        description="borrowed prefill: a decode instance lends only while it holds fewer requests than this",
     )
     rebalance: bool = Field(
         True,

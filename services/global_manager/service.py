@@ -72,7 +72,7 @@ from services.global_manager.core.reconcile import (
     live,
     release_report,
 )
-from services.global_manager.core.routing import PrefixAffinity, plan_route
+from services.global_manager.core.routing import BorrowPrefill, PrefixAffinity, choose_borrower, plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, Role, ScaleDecision
 from services.global_manager.core.zigzag import (
     HandBack,
@@ -93,7 +93,9 @@ log = structlog.get_logger(__name__)
 S = InstanceState
 INSTANCES = Gauge("blitzmesh_gm_instances", "Instances by state", ["state"])
 SCHEDULED = Counter(
-    "blitzmesh_gm_schedule_total", "Schedule calls by outcome (pd_pair, one_hop, unavailable)", ["outcome"]
+    "blitzmesh_gm_schedule_total",
+    "Schedule calls by outcome (pd_pair, one_hop, borrowed, unavailable, esp_group, esp_unplaced)",
+    ["outcome"],
 )
 ZIGZAG_ROUTES = Counter(
     "blitzmesh_gm_zigzag_routes_total", "Requests routed to a LOADING instance and its partner (ZigZag)", ["instance"]
@@ -223,6 +225,13 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 stall_s=cfg.zigzag_stall_s,
                 hand_back=cfg.zigzag_hand_back,
             )
+        )
+        # Borrowed prefill: while the prefill pool is backlogged, a decode-light decode instance
+        # runs a new request whole (None: off).
+        self.borrow: BorrowPrefill | None = (
+            BorrowPrefill(cfg.borrow_prefill_wait_s, cfg.borrow_prefill_max_decode_requests)
+            if cfg.borrow_prefill
+            else None
         )
         self._t0 = clock()
         self._wake = asyncio.Event()
@@ -431,6 +440,22 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 f"suspect: {suspects}){waking}",
             )
         pd_pair = len(hops) == 2 and hops[0].role is Role.PREFILL and hops[1].role is Role.DECODE
+        outcome = "pd_pair" if len(hops) == 2 else "one_hop"
+        if pd_pair and self.borrow is not None:
+            lender = choose_borrower(
+                views,
+                self.borrow,
+                prompt_tokens=request.prompt_tokens,
+                max_tokens=request.max_tokens,
+                exclude_ids=excluded,
+                model=request.model_id,
+                kv_block_size_tokens=self.cfg.kv_block_size_tokens,
+                tpot_slo_s=request.slo.tpot_s if request.slo.HasField("tpot_s") else None,
+            )
+            if lender is not None:
+                # The prefill pool is backlogged: the decode instance runs the request whole (and
+                # no ZigZag split: a single DECODE hop is neither condition below).
+                hops, pd_pair, outcome = (lender,), False, "borrowed"
         if self.cfg.zigzag and ((len(hops) == 1 and hops[0].role is Role.COLOCATED) or pd_pair):
             # ZigZag splits the pool that runs prompts: the colocated one, or the prefill pool
             # (then the route's decode instance takes the whole prompt's KV from the partner).
@@ -447,11 +472,12 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         if request.prefix_block_hashes and self.cfg.prefix_overlap_weight > 0:
             # The first hop computes the prompt and caches its blocks (a decode hop pulls them).
             self.prefix_index.record(hops[0].instance_id, hops[0].model, request.prefix_block_hashes)
-        SCHEDULED.labels("pd_pair" if len(hops) == 2 else "one_hop").inc()
+        SCHEDULED.labels(outcome).inc()
         return global_manager_pb2.Route(
             request_id=request.request_id,
             # A pair is [PREFILL, DECODE]; a single hop keeps its instance's role (a prefill- or
-            # decode-role instance serving alone while the other pool is gone).
+            # decode-role instance serving alone while the other pool is gone, or a decode instance
+            # lending to a backlogged prefill pool).
             hops=[self._hop(view) for view in hops],
         )
 

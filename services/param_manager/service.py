@@ -70,6 +70,13 @@ class ParamManagerConfig(ServiceConfig):
         description="with dataplane_link_gbps: every receiver gets a link of that rate of its own, as if it read a "
         "copy on its own host (ServerlessLLM-style baselines in benchmarks)",
     )
+    dataplane_param_link_gbps: float = Field(
+        0.0,
+        ge=0,
+        description="emulation (benchmarks): the parameter streams this process serves go at most this many Gbit/s "
+        "(per receiver with dataplane_link_per_peer), on top of dataplane_link_gbps: a model with more bytes than "
+        "it has; 0 = off",
+    )
     dataplane_corrupt_sends: int = Field(
         0,
         ge=0,
@@ -296,7 +303,9 @@ class ParamManagerService:
             cfg.dataplane_corrupt_sends,
         )
         await self.transport.start()
-        self.group_server = GroupServer(self.transport)
+        self.group_server = GroupServer(
+            self.transport, stream_gbps=cfg.dataplane_param_link_gbps, stream_per_peer=cfg.dataplane_link_per_peer
+        )
         await self.group_server.start()
         s.holder.grpc_address = f"{cfg.advertise_host or cfg.host}:{ctx.grpc_port}"
         s.holder.dataplane_address = self.transport.address()

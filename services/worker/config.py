@@ -84,6 +84,13 @@ class WorkerConfig(ServiceConfig):
     dataplane_link_gbps: float = Field(
         0.0, ge=0, description="emulate an egress link of this many Gbit/s on one machine (0 = off; benchmarks, tests)"
     )
+    dataplane_param_link_gbps: float = Field(
+        0.0,
+        ge=0,
+        description="emulation (benchmarks): the parameter streams this worker serves to others go at most this "
+        "many Gbit/s, all sharing it, on top of dataplane_link_gbps (a model with more bytes than it has: its loads "
+        "take longer, its KV and hidden states do not); 0 = off",
+    )
     dataplane_corrupt_sends: int = Field(
         0,
         ge=0,

@@ -915,7 +915,7 @@ class WorkerService:
         )
         await transport.start()
         self.servicer.transport = transport
-        self.servicer.group_server = GroupServer(transport)
+        self.servicer.group_server = GroupServer(transport, stream_gbps=cfg.dataplane_param_link_gbps)
         self.servicer.esp = EspWorker(transport, self.servicer.group_server, self.servicer._serving_engine)
         await self.servicer.group_server.start()
         if self.cfg.preload_model:

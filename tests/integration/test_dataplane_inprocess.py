@@ -299,6 +299,35 @@ async def test_checksum_mismatch_leaves_only_verified_groups_usable(receiver) ->
         await t.close()
 
 
+async def test_parameter_streams_go_at_the_emulated_parameter_link(receiver) -> None:  # type: ignore[no-untyped-def]
+    """`stream_gbps` (a model emulated with more bytes than it has): the server's parameter
+    streams leave at most that fast, every byte intact; without it the same stream is faster
+    than that rate, and a negative rate is refused quoting it."""
+    manifest, bufs = synthetic_model(SPEC)  # 4 layers of 512 KiB, plus embedding and head
+    rt, _ = receiver
+    gbps = 8 * manifest.total_bytes / 0.5 / 1e9  # the whole model in 0.5 s
+    elapsed: dict[float, float] = {}
+    for rate in (gbps, 0.0):
+        t = make_transport("tcp")
+        await t.start()
+        server = GroupServer(t, stream_gbps=rate)
+        await server.start()
+        await serve_groups(t, manifest, bufs, server=server)
+        try:
+            started = time.monotonic()
+            result = await receive_chain(rt, t.address(), manifest, stall_timeout_s=5)
+            elapsed[rate] = time.monotonic() - started
+            for i, g in enumerate(manifest.groups):
+                assert bytes(result.store.buffer(g.name)) == bytes(np.asarray(bufs[i]).view(np.uint8)), g.name
+        finally:
+            await server.close()
+            await t.close()
+    assert elapsed[gbps] >= 0.5 * 0.95, elapsed
+    assert elapsed[0.0] < elapsed[gbps], elapsed
+    with pytest.raises(ValueError, match="stream_gbps must be >= 0 .* got -1.0"):
+        GroupServer(rt, stream_gbps=-1.0)
+
+
 async def test_a_chunk_corrupted_on_the_wire_is_fetched_again(receiver) -> None:  # type: ignore[no-untyped-def]
     """A flipped byte in flight (CorruptingTransport on the source, one chunk): the receiver's
     checksum catches it, the group is fetched again from the same source, and every byte

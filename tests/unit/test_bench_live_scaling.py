@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.live_scaling.__main__ import _links, _manager_args, best_live, combine, load_overheads, paired_ratio
+from bench.live_scaling.__main__ import (
+    DISAGG_LIVE_SETUPS,
+    _links,
+    _manager_args,
+    best_live,
+    combine,
+    load_overheads,
+    paired_ratio,
+)
 from bench.live_scaling.plot import loading_series
 from bench.replay import RequestRecord, token_rate
 
@@ -51,7 +59,7 @@ def test_loading_series_follows_each_instance() -> None:
 
 def _run(p99: float, lost: int = 0, overheads: tuple[float, ...] = (1.0,)) -> dict[str, object]:
     fields = dict.fromkeys(
-        ("ttft_p50_s", "tbt_p99_s", "slo_attainment", "instance_seconds", "served_while_loading"), 1.0
+        ("ttft_p50_s", "tbt_p99_s", "slo_attainment", "instance_seconds", "served_while_loading", "borrowed"), 1.0
     )
     return {
         **fields,
@@ -101,3 +109,24 @@ def test_the_best_live_setup_is_the_lowest_median_ratio_over_stop_the_world() ->
     assert out == {"value": 0.6, "per_repeat": [0.5, 0.7, 0.6], "target": 0.6, "met": True, "setup": "hand_back"}
     assert best_live({"zigzag": stw}) is None
     assert best_live({"stop_the_world": stw, "instant_load": stw}) is None
+
+
+def test_disaggregated_setups_switch_zigzag_and_borrowed_prefill() -> None:
+    assert {"--no-zigzag", "--no-borrow-prefill"} <= set(_manager_args("disagg_stop_the_world"))
+    assert {"--zigzag", "--no-borrow-prefill", "--no-zigzag-hand-back"} <= set(_manager_args("disagg_zigzag"))
+    assert {"--zigzag", "--borrow-prefill"} <= set(_manager_args("disagg_borrowed"))
+    # Borrowing is for split deployments: every colocated setup has it off.
+    assert all("--no-borrow-prefill" in _manager_args(s) for s in ("stop_the_world", "zigzag", "hand_back"))
+
+
+def test_the_disaggregated_best_live_setup_is_over_disaggregated_stop_the_world() -> None:
+    by_setup = {
+        "stop_the_world": [_run(1.0), _run(1.0), _run(1.0)],
+        "zigzag": [_run(0.1), _run(0.1), _run(0.1)],  # colocated: not a disaggregated setup
+        "disagg_stop_the_world": [_run(10.0), _run(10.0), _run(10.0)],
+        "disagg_zigzag": [_run(9.0), _run(9.0), _run(8.0)],
+        "disagg_borrowed": [_run(5.0), _run(8.0), _run(7.0)],
+    }
+    out = best_live(by_setup, live=DISAGG_LIVE_SETUPS, baseline="disagg_stop_the_world")
+    assert out == {"value": 0.7, "per_repeat": [0.5, 0.8, 0.7], "target": 0.6, "met": False, "setup": "disagg_borrowed"}
+    assert best_live({"disagg_borrowed": by_setup["disagg_borrowed"]}, live=DISAGG_LIVE_SETUPS) is None

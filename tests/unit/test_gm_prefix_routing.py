@@ -28,6 +28,8 @@ def inst(
     role: Role = Role.COLOCATED,
     state: InstanceState = S.SERVING,
     model: str = "m",
+    prefill_capacity_tps: float = 0.0,
+    est_tpot_s: float | None = None,
 ) -> InstanceView:
     load = LoadSample(
         iid,
@@ -37,6 +39,8 @@ def inst(
         waiting_prefill_tokens=waiting_prefill_tokens,
         kv_blocks_used=kv_used,
         kv_blocks_total=kv_total,
+        prefill_capacity_tps=prefill_capacity_tps,
+        est_tpot_s=est_tpot_s,
     )
     layers = 8 if state in (S.SERVING, S.DRAINING) else 0
     return InstanceView(iid, model, role, state, layers, 8, "h", 0.0, load, routes)

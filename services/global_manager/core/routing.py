@@ -1,6 +1,8 @@
 """Routing choices: least loaded (with the routes handed out since each instance's last heartbeat
-counted as load), and for a prefill/decode split a (prefill, decode) pair placed by load, KV room
-and topology (`plan_route`). Only SERVING instances are ever picked.
+counted as load), for a prefill/decode split a (prefill, decode) pair placed by load, KV room
+and topology (`plan_route`), and borrowed prefill: while the whole prefill pool has a backlog, a
+decode-light decode instance runs a new request whole (`choose_borrower`). Only SERVING instances
+are ever picked.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from .types import InstanceState, InstanceView, Role
 
 __all__ = [
     "NEAR_EQUAL_LOAD",
+    "BorrowPrefill",
     "PrefixAffinity",
     "affinity_cost",
+    "choose_borrower",
     "choose_instance",
     "choose_near",
     "choose_pair",
     "instance_load",
     "meets_tpot",
     "plan_route",
+    "prompt_wait_s",
 ]
 
 S = InstanceState
@@ -253,6 +258,98 @@ def choose_pair(
         load_slack=load_slack,
     )
     return None if decode is None else (prefill, decode)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BorrowPrefill:
+    """Borrowed prefill (TokenScale) in a split deployment: while every prefill instance has a
+    backlog, a decode-light decode instance runs a new request whole (its prompt and its decode,
+    no KV transfer) instead of queueing it behind the prefill pool. See `choose_borrower`.
+
+    `wait_s`: the backlog, as the seconds every SERVING prefill instance's queued prompt tokens take
+    at its measured prefill capacity (`prompt_wait_s`), above which a request may be borrowed.
+    `max_decode_requests`: a decode instance lends while it holds fewer requests than this
+    (running + waiting + routed since its heartbeat), so with the borrowed one at most this many.
+    """
+
+    wait_s: float = 0.5
+    max_decode_requests: int = 4
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.wait_s) and self.wait_s >= 0):
+            raise ValueError(f"BorrowPrefill.wait_s must be a finite number of seconds >= 0, got {self.wait_s!r}")
+        if self.max_decode_requests < 1:
+            raise ValueError(f"BorrowPrefill.max_decode_requests must be >= 1, got {self.max_decode_requests!r}")
+
+
+def prompt_wait_s(view: InstanceView, mean_capacity_tps: float, tokens_per_route: int = 0) -> float:
+    """Seconds the instance's queued prompt tokens take at its measured prefill capacity, the wait
+    `policies.queue_wait_s` averages over a pool, taken from its latest report: its queued tokens
+    (`waiting_prefill_tokens`) plus `tokens_per_route` for each route its report cannot show yet,
+    over its `prefill_capacity_tps`, or over `mean_capacity_tps` while it has measured none."""
+    if not mean_capacity_tps > 0:
+        raise ValueError(f"mean_capacity_tps must be > 0, got {mean_capacity_tps!r}")
+    queued = view.routes_since_heartbeat * tokens_per_route
+    capacity = mean_capacity_tps
+    if view.load is not None:
+        queued += view.load.waiting_prefill_tokens
+        capacity = view.load.prefill_capacity_tps or mean_capacity_tps
+    return queued / capacity
+
+
+def _requests(view: InstanceView) -> int:
+    held = 0 if view.load is None else view.load.running + view.load.waiting
+    return held + view.routes_since_heartbeat
+
+
+def choose_borrower(
+    instances: Iterable[InstanceView],
+    borrow: BorrowPrefill,
+    *,
+    prompt_tokens: int,
+    max_tokens: int = 0,
+    exclude_ids: Collection[str] = (),
+    model: str | None = None,
+    kv_block_size_tokens: int | None = None,
+    tpot_slo_s: float | None = None,
+) -> InstanceView | None:
+    """The decode instance that runs a new request whole because the prefill pool is backlogged,
+    or None for the ordinary (prefill, decode) pair.
+
+    Borrow only when:
+    - every SERVING prefill instance (of `model`, not excluded) has a queue wait above
+      `borrow.wait_s` (`prompt_wait_s`; a route since its report counts as this request's
+      prompt). Without a prefill instance, or before any has measured its capacity, there is
+      no backlog to read: None;
+    - a SERVING decode instance is decode-light: fewer than `borrow.max_decode_requests`
+      requests, free KV blocks for the whole request, its TPOT estimate within `tpot_slo_s`,
+      and its own queued prompt tokens a shorter wait than the shortest prefill queue (it starts
+      this prompt sooner).
+    Of those, the least loaded (`instance_load`, then the id)."""
+    if prompt_tokens < 0 or max_tokens < 0:
+        raise ValueError(f"prompt_tokens and max_tokens must be >= 0, got {prompt_tokens!r} and {max_tokens!r}")
+    pool = list(instances)
+    prefills = [v for v in pool if _eligible(v, exclude_ids, Role.PREFILL, model)]
+    measured = [v.load.prefill_capacity_tps for v in prefills if v.load is not None and v.load.prefill_capacity_tps > 0]
+    if not measured:
+        return None
+    mean_capacity = sum(measured) / len(measured)
+    shortest = min(prompt_wait_s(v, mean_capacity, prompt_tokens) for v in prefills)
+    if shortest <= borrow.wait_s:
+        return None
+    blocks_needed = _blocks_needed(prompt_tokens + max_tokens, kv_block_size_tokens)
+    light = [
+        v
+        for v in pool
+        if _eligible(v, exclude_ids, Role.DECODE, model)
+        and _requests(v) < borrow.max_decode_requests
+        and (not blocks_needed or _fits(v, blocks_needed))
+        and meets_tpot(v, tpot_slo_s)
+        # Its routes are mostly decode halves of pairs (no prompt to compute): only the
+        # reported queue counts.
+        and prompt_wait_s(v, mean_capacity) < shortest
+    ]
+    return min(light, key=lambda v: (instance_load(v), v.instance_id), default=None)
 
 
 def plan_route(
