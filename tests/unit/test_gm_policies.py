@@ -75,6 +75,16 @@ def test_heteroscale_default_rounding_is_ceil() -> None:
     assert counts(HeteroScalePolicy().decide(0.0, split(10, 30, tps=2500))) == (7, 21)
 
 
+def test_heteroscale_scale_in_never_grows_a_pool_nor_scale_out_shrinks_one() -> None:
+    """Split by the 1:3 ratio, a scale-in of a 1:1 deployment would ask for 1 prefill and 3
+    decode instances, and a scale-out of 3 prefill + 1 decode for 2 prefill and 6 decode."""
+    d = HeteroScalePolicy().decide(0.0, split(1, 1, tps=1.0))
+    assert d.reason.startswith("SCALE_IN") and (d.action, counts(d)) == ("no_change", (1, 1))
+    policy = HeteroScalePolicy(HeteroScaleConfig(target_decode_tps_per_instance=100.0))
+    d = policy.decide(0.0, split(3, 1, tps=500.0))
+    assert (d.action, counts(d)) == ("scale_out", (3, 6))
+
+
 def test_latency_panic_grows_both_pools_by_factor() -> None:
     d = HeteroScalePolicy().decide(30.0, split(10, 30, tps=3000, tbt=0.15))
     assert (d.action, counts(d)) == ("scale_out", (12, 36))

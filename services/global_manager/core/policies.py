@@ -558,6 +558,11 @@ class HeteroScalePolicy(_PolicyBase):
             reason = f"{reason}; HELD: no scale-in while latency is above the panic line"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
         after = self._targets(need, snapshot.disaggregated)
+        # A scale-in never grows a pool and a scale-out never shrinks one: split by pd_ratio, a
+        # small need can ask for more decode instances than a 1:1 deployment has (1 prefill ->
+        # 3 decode at 1:3), and a scale-out for fewer prefill instances than are serving.
+        keep = min if action == "scale_in" else max
+        after = {role: keep(n, before.get(role, n)) for role, n in after.items()}
         self._wish = after
         if after == before:
             # Rounding (ceil of need) or the [min, max] clamp lands on the current sizes.
