@@ -131,6 +131,9 @@ _FINAL: Final = (InsufficientMemory, ChecksumMismatch)
 
 Allocate = Callable[[GroupEntry], Any]
 OnGroupReady = Callable[[str], None]
+# The sources that hold these groups now (group names -> dataplane addresses): asked before each
+# fallback round, since a source that restarted listens at a new address the plan never knew.
+Relocate = Callable[[Sequence[str]], Awaitable[Sequence[bytes]]]
 # Serves one connection whose request names a registered op: (endpoint, decoded request).
 OpHandler = Callable[[Endpoint, dict[str, Any]], Awaitable[None]]
 
@@ -651,9 +654,11 @@ class _ReceiveSession:
         connect_timeout_s: float,
         window_chunks: int,
         fallback_rounds: int = 0,
+        relocate: Relocate | None = None,
     ) -> None:
         self.transport = transport
         self._fallback_rounds = fallback_rounds
+        self._relocate = relocate
         self.store = store
         self.manifest = store.manifest
         self._allocate = allocate
@@ -755,7 +760,8 @@ class _ReceiveSession:
         """Pull `indices` from `pull.address`, then from each fallback in turn after a failure.
         A source that delivered bytes in the attempt that failed (a stall on a congested link,
         not a dead peer) is asked again, up to MAX_RESUMES times; when every source has failed,
-        the fallbacks get up to `fallback_rounds` more rounds, with a doubling backoff."""
+        the fallbacks get up to `fallback_rounds` more rounds, with a doubling backoff, each
+        round asking `relocate` (if given) where the missing groups are now."""
         sources = [pull.address, *pull.fallbacks]
         again = list(pull.fallbacks) or [pull.address]
         resumes = dict.fromkeys(sources, 0)
@@ -800,12 +806,37 @@ class _ReceiveSession:
                     await asyncio.sleep(_RESUME_BACKOFF_S)
                 elif not sources and rounds < self._fallback_rounds:
                     rounds += 1
-                    sources = list(again)
                     await asyncio.sleep(backoff_s)
                     backoff_s = min(_ROUND_BACKOFF_MAX_S, backoff_s * 2)
+                    sources = await self._sources_now(indices, again)
         raise _every_source_failed(
             last, f"every source failed for model {self.manifest.model_id!r}: " + "; ".join(errors)
         )
+
+    async def _sources_now(self, indices: list[int], planned: list[bytes]) -> list[bytes]:
+        """The sources of a new fallback round: where `relocate` says the missing groups are now
+        (a restarted host cache, at its new address), then the planned ones it did not name."""
+        if self._relocate is None:
+            return list(planned)
+        missing = [
+            self.manifest.groups[gi].name
+            for gi in indices
+            if self.store.landed_bytes(gi) < self.manifest.groups[gi].size_bytes
+        ]
+        try:
+            found = list(await self._relocate(missing))
+        except Exception as exc:  # the locator down too: the planned sources, as before
+            log.warning("dataplane_relocate_failed", model=self.manifest.model_id, error=repr(exc))
+            return list(planned)
+        fresh = [a for a in found if a not in planned]
+        if fresh:
+            log.info(
+                "dataplane_relocated",
+                model=self.manifest.model_id,
+                groups=missing,
+                sources=[address_label(a) for a in found],
+            )
+        return [*dict.fromkeys([*found, *planned])]
 
     async def _pull_once(self, address: bytes, label: str, indices: list[int]) -> None:
         todo = [
@@ -977,11 +1008,13 @@ async def receive_groups(
     connect_timeout_s: float = 10.0,
     window_chunks: int = 4,
     fallback_rounds: int = 0,
+    relocate: Relocate | None = None,
 ) -> TransferResult:
     """Receive groups of one model from one or more sources, concurrently (sharded transfer,
     all-gather), into `target` (a store, or a manifest to make a new one from).
     `fallback_rounds`: how many more rounds a pull whose every source failed gives its
-    fallbacks (see FALLBACK_ROUNDS); 0, one pass over the sources.
+    fallbacks (see FALLBACK_ROUNDS); 0, one pass over the sources. `relocate`, if given, is
+    asked before each such round where the missing groups are now.
 
     Each `Pull` names a source, its groups (disjoint across pulls) and its fallbacks. With a
     `server`, the store is published first so that downstream hops can pull from us while we
@@ -1026,6 +1059,7 @@ async def receive_groups(
         connect_timeout_s=connect_timeout_s,
         window_chunks=window_chunks,
         fallback_rounds=fallback_rounds,
+        relocate=relocate,
     )
     for gi in wanted:
         if manifest.groups[gi].size_bytes == 0 and not store.is_ready(gi):

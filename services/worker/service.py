@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 
@@ -61,7 +62,13 @@ from services.worker.engine.slo import RequestSLO, SLOUnattainable
 from services.worker.esp_worker import EspError, EspWorker, event_to_proto
 from services.worker.kv_pool import engine_config, free_memory_bytes, kv_pool_blocks
 from services.worker.kv_transfer import KVDescriptor, KVOffer, KVServer, KVTransferConfig, receive_kv
-from services.worker.loader import fetch_eos_token_ids, fetch_layout_and_locations, pinned_allocate, plan_pulls
+from services.worker.loader import (
+    fetch_eos_token_ids,
+    fetch_layout_and_locations,
+    locate_sources,
+    pinned_allocate,
+    plan_pulls,
+)
 from services.worker.model.llama import LlamaForCausalLM, resolve_dtype
 from services.worker.zigzag import RelayServer, take_over
 from services.worker.zigzag_pull import Peer, ZigzagOffloader
@@ -574,6 +581,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         # costs this long before the fallback, not the transport's 10 s.
                         connect_timeout_s=min(_PULL_CONNECT_TIMEOUT_S, self.cfg.stall_timeout_s),
                         fallback_rounds=FALLBACK_ROUNDS,
+                        relocate=functools.partial(locate_sources, pm_address, model_id, exclude=self.instance_id),
                         # On a GPU, groups land in pinned host memory: the copy to the device
                         # (in `load_group`, per group as it lands) then runs at full PCIe speed.
                         allocate=pinned_allocate if device.type == "cuda" else default_allocate,

@@ -472,6 +472,40 @@ async def test_source_that_never_answers_times_out(receiver) -> None:  # type: i
         silent.close()
 
 
+def _dead_tcp_address() -> bytes:
+    """The address of a port nothing listens on (a source that died, or restarted elsewhere)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return b'TCP1{"host": "127.0.0.1", "port": %d}' % port
+
+
+async def test_a_restarted_source_is_found_at_its_new_address(source, receiver) -> None:  # type: ignore[no-untyped-def]
+    """Upstream and planned fallback both gone (a host cache restarted: the plan holds its old
+    address): with `relocate`, the next fallback round asks where the missing groups are now
+    and pulls them there, exactly; without it, the load fails with every source named."""
+    src_t, _, manifest, bufs = source
+    rt, _ = receiver
+    gone, stale = _dead_tcp_address(), _dead_tcp_address()
+    asked: list[list[str]] = []
+
+    async def relocate(groups):  # type: ignore[no-untyped-def]
+        asked.append(list(groups))
+        return [src_t.address()]
+
+    pull = Pull(gone, None, (stale,))
+    result = await receive_groups(rt, manifest, [pull], fallback_rounds=2, relocate=relocate, stall_timeout_s=5)
+    assert asked == [manifest.group_names]  # once: the first round found them
+    assert result.bytes_received == manifest.total_bytes
+    for gi, entry in enumerate(manifest.groups):
+        assert np.array_equal(result.store.buffer(entry.name), bufs[gi])
+    assert result.bytes_by_source == {address_label(src_t.address()): manifest.total_bytes}
+
+    with pytest.raises(Exception, match="every source failed") as failed:
+        await receive_groups(rt, manifest, [pull], fallback_rounds=2, stall_timeout_s=5)
+    assert address_label(stale) in str(failed.value)
+
+
 async def test_empty_group_is_ready_without_bytes(receiver) -> None:  # type: ignore[no-untyped-def]
     from services.dataplane.manifest import pack_groups
 

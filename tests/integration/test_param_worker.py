@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import structlog
+import structlog.testing
 import torch
 
 from blitzmesh.v1 import common_pb2, param_manager_pb2, param_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
+from services.common.waiting import wait_until
 from services.model_format.checkpoint import iter_groups
 from services.param_manager.service import ParamManagerConfig, ParamManagerService
 from services.worker.config import WorkerConfig
 from services.worker.engine.sampling import SamplingParams
+from services.worker.loader import fetch_layout_and_locations, locate_sources
 from services.worker.model.llama import load_model
 from services.worker.service import WorkerService
 
@@ -157,3 +163,45 @@ async def test_load_from_another_parameter_source_is_refused(tiny_models: Path, 
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "'203.0.113.9:50060'" in (e.value.details() or "") and "'127.0.0.1:1'" in (e.value.details() or "")
         assert (await _status(w_ctx.address)).state == common_pb2.INSTANCE_STATE_IDLE
+
+
+async def test_locate_sources_names_whole_holders_host_caches_first(
+    tiny_models: Path, serve_in_process: ServeFactory
+) -> None:
+    """Where a pull's missing groups are now: holders of all of them (host cache first, then a
+    SERVING instance), never the asking instance, never one that holds only some."""
+    pm = ParamManagerService(pm_config(tiny_models))
+    async with serve_in_process(pm, pm.servicer.config) as ctx, channel(ctx.address) as ch:
+        stub = param_manager_pb2_grpc.ParamManagerStub(ch)
+        for holder, groups in (("w1", []), ("w2", ["embed"]), ("me", [])):
+            await stub.UpdateLocation(
+                param_manager_pb2.UpdateLocationRequest(
+                    model_id="tiny", holder=holder, groups=groups, present=True, dataplane_address=holder.encode()
+                ),
+                timeout=5,
+            )
+        cache = pm.transport.address()
+        assert await locate_sources(ctx.address, "tiny", ["head"], exclude="me") == [cache, b"w1"]
+        assert await locate_sources(ctx.address, "tiny", ["embed"], exclude="me") == [cache, b"w1", b"w2"]
+        with pytest.raises(grpc.aio.AioRpcError, match="unknown model"):
+            await locate_sources(ctx.address, "nope", ["head"])
+
+
+async def test_a_restarting_parameter_manager_is_waited_for(tiny_models: Path, serve_in_process: ServeFactory) -> None:
+    """A load that asks while the parameter manager is down (its supervisor restarting it)
+    waits for it within its time instead of failing; past that time, UNAVAILABLE."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    with pytest.raises(grpc.aio.AioRpcError) as down:
+        await fetch_layout_and_locations(address, "tiny", timeout_s=0.5)
+    assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+    with structlog.testing.capture_logs() as logs:
+        asking = asyncio.create_task(fetch_layout_and_locations(address, "tiny", timeout_s=30))
+        retried = lambda: any(e["event"] == "param_manager_unavailable" for e in logs)  # noqa: E731
+        await wait_until(retried, 10, what="a failed attempt, retried")
+        pm = ParamManagerService(pm_config(tiny_models).model_copy(update={"port": port}))
+        async with serve_in_process(pm, pm.servicer.config):
+            layout, where = await asyncio.wait_for(asking, 30)
+    assert [g.name for g in layout.groups] == [loc.group for loc in where.locations]
