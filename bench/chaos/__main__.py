@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 from tests.chaos.conftest import FULL_MATRIX_ENV
@@ -51,9 +52,11 @@ def pytest_args(topologies: list[str], kinds: list[str]) -> list[str]:
     return ids
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], since: str = "", ran: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Per topology: the matrix's kinds with nothing lost or hung and no rollback (`passed`, the
-    count against the target), those with a loss or a rollback (`failed`, with why). The
+    count against the target), those with a loss or a rollback (`failed`, with why). A test of
+    this run (its row name in `ran`) whose row is older than `since` (the run's start, as rows
+    stamp `at`) failed before it could write one: failed too, never passed on an old row. The
     default topology's own tests (test_default_topology.py) are listed apart, not counted: some
     repeat a matrix kind with more streams. The faults below the mesh are apart too."""
     kinds = {k.name for k in FAULTS}
@@ -67,6 +70,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 missing.append(kind)
                 continue
             why = [f"{k}={r.get(k)}" for k in ("lost", "hung", "rolled_back") if r.get(k)]
+            if since and r["fault"] in ran and r.get("at", "") < since:
+                why = [f"no row from this run (the test failed before writing one; its last row is from {r.get('at')})"]
             if why:
                 failed[kind] = ", ".join(why)
             else:
@@ -98,9 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "pytest", "-m", "chaos", "-p", "no:cacheprovider", "-q", "-rA"]
     cmd += [*args.pytest_arg, *pytest_args(topologies, args.kind)]
     print(" ".join(cmd), flush=True)
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     code = subprocess.run(cmd, env={**os.environ, FULL_MATRIX_ENV: "1"}).returncode
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
-    data["summary"] = summarize(data["rows"])
+    ran = frozenset(
+        TOPOLOGIES[t].row_prefix + k.name for t in topologies for k in FAULTS if not args.kind or k.name in args.kind
+    )
+    data["summary"] = summarize(data["rows"], since, ran)
     RESULTS.write_text(json.dumps(data, indent=2) + "\n")
     print(json.dumps(data["summary"], indent=2))
     return code

@@ -33,6 +33,18 @@ def test_summary_counts_only_matrix_kinds_with_nothing_lost_and_no_rollback() ->
     assert s["target_kinds"] == TARGET_KINDS == 16
 
 
+def test_a_kind_this_run_left_without_a_row_is_failed_not_passed_on_its_old_row() -> None:
+    rows = [
+        {**row("worker_sigstop"), "at": "2026-11-27T14:30:00Z"},
+        {**row("chain_hop_killed"), "at": "2026-11-27T07:00:00Z"},  # failed before its row this run
+        {**row("gateway_sigstop"), "at": "2026-11-27T07:00:00Z"},  # not in this run: its row stands
+    ]
+    s = summarize(rows, "2026-11-27T14:00:00Z", frozenset({"worker_sigstop", "chain_hop_killed"}))
+    assert s["four"]["passed"] == ["gateway_sigstop", "worker_sigstop"]
+    assert "no row from this run" in s["four"]["failed"]["chain_hop_killed"]
+    assert "2026-11-27T07:00:00Z" in s["four"]["failed"]["chain_hop_killed"]
+
+
 def test_runner_picks_each_kind_in_each_topology() -> None:
     ids = pytest_args(["four", "default"], [])
     for kind in FAULTS:
