@@ -34,6 +34,11 @@ TOPOLOGY_FILES = {"four": ["tests/chaos/test_link_collapse.py", "tests/chaos/tes
 TOPOLOGY_FILES["default"] = ["tests/chaos/test_default_topology.py"]
 
 
+def matrix_cases(topologies: list[str], kinds: list[str]) -> list[tuple[str, str]]:
+    """The matrix's (topology, kind name) pairs a run covers: every kind, or only `kinds`."""
+    return [(t, k.name) for t in topologies for k in FAULTS if not kinds or k.name in kinds]
+
+
 def pytest_args(topologies: list[str], kinds: list[str]) -> list[str]:
     """The test ids to run: the matrix's (topology, kind) pairs, and with no `kinds` the
     topologies' own test files."""
@@ -41,12 +46,7 @@ def pytest_args(topologies: list[str], kinds: list[str]) -> list[str]:
     unknown = sorted(set(kinds) - known)
     if unknown:
         raise SystemExit(f"unknown fault kind(s) {unknown}; known: {sorted(known)}")
-    ids = [
-        f"tests/chaos/test_matrix.py::test_fault[{t}-{k.name}]"
-        for t in topologies
-        for k in FAULTS
-        if not kinds or k.name in kinds
-    ]
+    ids = [f"tests/chaos/test_matrix.py::test_fault[{t}-{k}]" for t, k in matrix_cases(topologies, kinds)]
     if not kinds:
         ids += [f for t in topologies for f in TOPOLOGY_FILES[t]]
     return ids
@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     code = subprocess.run(cmd, env={**os.environ, FULL_MATRIX_ENV: "1"}).returncode
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
-    ran = frozenset(
-        TOPOLOGIES[t].row_prefix + k.name for t in topologies for k in FAULTS if not args.kind or k.name in args.kind
-    )
+    ran = frozenset(TOPOLOGIES[t].row_prefix + k for t, k in matrix_cases(topologies, args.kind))
     data["summary"] = summarize(data["rows"], since, ran)
     RESULTS.write_text(json.dumps(data, indent=2) + "\n")
     print(json.dumps(data["summary"], indent=2))

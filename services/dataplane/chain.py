@@ -756,6 +756,10 @@ class _ReceiveSession:
     def _landed_total(self, indices: list[int]) -> int:
         return sum(self.store.landed_bytes(gi) for gi in indices)
 
+    def _missing(self, indices: list[int]) -> list[int]:
+        """The groups of `indices` not all landed yet."""
+        return [gi for gi in indices if self.store.landed_bytes(gi) < self.manifest.groups[gi].size_bytes]
+
     async def run_pull(self, pull: Pull, indices: list[int]) -> None:
         """Pull `indices` from `pull.address`, then from each fallback in turn after a failure.
         A source that delivered bytes in the attempt that failed (a stall on a congested link,
@@ -776,9 +780,7 @@ class _ReceiveSession:
             before = self._landed_total(indices)
             try:
                 if attempt:
-                    missing = [
-                        gi for gi in indices if self.store.landed_bytes(gi) < self.manifest.groups[gi].size_bytes
-                    ]
+                    missing = self._missing(indices)
                     self.resourced.update(missing)
                     log.warning(
                         "dataplane_resourcing",
@@ -792,7 +794,7 @@ class _ReceiveSession:
                 # past MAX_REFETCHES its verification raises ChecksumMismatch).
                 while True:
                     await asyncio.gather(*[t for t in self._verify_tasks if not t.done()])
-                    if all(self.store.landed_bytes(gi) >= self.manifest.groups[gi].size_bytes for gi in indices):
+                    if not self._missing(indices):
                         return
                     await self._pull_once(address, label, indices)
             except _FINAL:
@@ -818,18 +820,13 @@ class _ReceiveSession:
         (a restarted host cache, at its new address), then the planned ones it did not name."""
         if self._relocate is None:
             return list(planned)
-        missing = [
-            self.manifest.groups[gi].name
-            for gi in indices
-            if self.store.landed_bytes(gi) < self.manifest.groups[gi].size_bytes
-        ]
+        missing = [self.manifest.groups[gi].name for gi in self._missing(indices)]
         try:
             found = list(await self._relocate(missing))
         except Exception as exc:  # the locator down too: the planned sources, as before
             log.warning("dataplane_relocate_failed", model=self.manifest.model_id, error=repr(exc))
             return list(planned)
-        fresh = [a for a in found if a not in planned]
-        if fresh:
+        if any(a not in planned for a in found):
             log.info(
                 "dataplane_relocated",
                 model=self.manifest.model_id,

@@ -113,8 +113,8 @@ async def locate_sources(
         for h in loc.holder_info:
             if h.dataplane_address and h.holder_id != exclude:
                 holding.setdefault(h.dataplane_address, (h.kind, set()))[1].add(loc.group)
-    whole = [(kind != "host_cache", addr) for addr, (kind, held) in holding.items() if held.issuperset(groups)]
-    return [addr for _, addr in sorted(whole, key=lambda t: t[0])]
+    whole = [addr for addr, (_, held) in holding.items() if held.issuperset(groups)]
+    return sorted(whole, key=lambda addr: holding[addr][0] != "host_cache")  # stable: host caches first
 
 
 def host_shards(where: param_manager_pb2.LocateResponse) -> dict[bytes, list[str]]:
