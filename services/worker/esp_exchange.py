@@ -8,6 +8,12 @@ nothing migrates after the prefill), sends them to every later member, receives 
 member's, attends its queries to each of those key ranges and to its own, and merges the
 partial results by the log-sum-exp rule. Only the last member's last token samples.
 
+The exchange overlaps the compute, as LoongServe's ring does: the layer compute runs off the event
+loop, so the transfers progress beside it; a member does not wait for its sends before the next
+layer (an earlier member streams its slices ahead of the later ones), and attends to its own
+slice while the earlier slices' K/V land. The partial results merge in slice order, so the
+floats do not depend on the order the slices arrive in.
+
 `connect_group` opens the links: each member connects to every later one and says who it is;
 each accepts one connection from every earlier one. Messages are tagged by layer and K/V, so a
 member never confuses two layers' slices. Any failure (a peer gone or stalled, a refused
@@ -17,9 +23,11 @@ handshake) aborts the member's links and frees its blocks before it is raised.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -146,42 +154,105 @@ async def prefill_member(
     start, end = bounds[j], bounds[j + 1]
     cache.allocate(request_id, end - start)
     shard = Shard(cache, request_id, start, end)
+    pending: list[asyncio.Future[None]] = []
+    compute: asyncio.Future[Any] | None = None
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        nonlocal compute
+        compute = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        return await asyncio.shield(compute)
+
     try:
         positions = torch.arange(start, end, device=model.device)
         hidden = model.embed(torch.tensor(list(prompt[start:end]), dtype=torch.long))
         cos, sin_half = model.rope_tables(positions)
         slots = shard.slots(0, end - start)
         for layer in range(cfg.num_hidden_layers):
-            with torch.inference_mode():
-                q, k, v = model.attention_inputs(layer, hidden, cos, sin_half)
-                cache.write(layer, slots, k, v)
-                k, v = k.contiguous(), v.contiguous()
-            sends = [
+            q, k, v = await off_loop(_layer_qkv, model, cache, layer, hidden, cos, sin_half, slots)
+            # The sends go out while this member computes on (off the event loop), so a member
+            # ahead of the later ones streams layer after layer without waiting for its sends;
+            # the receives of this layer's earlier slices land while it attends to its own.
+            for f in pending:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+            pending = [f for f in pending if not f.done()]
+            pending += [
                 asyncio.ensure_future(ep.send(x, _kv_tag(layer, w), timeout_s=timeout_s))
                 for ep in links.later.values()
                 for w, x in ((0, k), (1, v))
             ]
-            window = model.layer_window(layer)
-            parts = []
+            arrived: dict[int, asyncio.Future[None]] = {}
+            earlier: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
             for m in sorted(links.earlier):
                 ep, a, b = links.earlier[m], bounds[m], bounds[m + 1]
                 km = torch.empty((b - a, *k.shape[1:]), dtype=k.dtype)
                 vm = torch.empty_like(km)
-                await ep.recv_into(km, _kv_tag(layer, 0), timeout_s=timeout_s)
-                await ep.recv_into(vm, _kv_tag(layer, 1), timeout_s=timeout_s)
-                with torch.inference_mode():
-                    parts.append(partial_attention(q, positions, km, vm, torch.arange(a, b), window))
-            with torch.inference_mode():
-                parts.append(partial_attention(q, positions, k, v, positions, window))
-                hidden = model.finish_layer(layer, hidden, merge(parts).to(q.dtype))
-            await asyncio.gather(*sends)
+                earlier[m] = (km, vm, torch.arange(a, b))
+                arrived[m] = asyncio.ensure_future(_recv_kv(ep, km, vm, layer, timeout_s))
+            pending += arrived.values()
+            window = model.layer_window(layer)
+            own = await off_loop(_attend, q, positions, k, v, positions, window)
+            parts = []
+            for m in sorted(earlier):  # merged in slice order, whatever order they land in
+                await arrived[m]
+                parts.append(await off_loop(_attend, q, positions, *earlier[m], window))
+            parts.append(own)
+            hidden = await off_loop(_layer_out, model, layer, hidden, parts, q.dtype)
+        await asyncio.gather(*pending)
         if j < n - 1:
             return None
         return model.head(hidden[-1:])[0]
     except BaseException:
         links.abort()
+        for fut in pending:
+            if not fut.cancel() and not fut.cancelled():
+                fut.exception()  # retrieved: the first failure is the one raised
+        if compute is not None and not compute.done():
+            # The compute thread may still be writing this slice's blocks: they are freed after.
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(compute)
         cache.free(request_id)
         raise
+
+
+async def _recv_kv(ep: Endpoint, k: torch.Tensor, v: torch.Tensor, layer: int, timeout_s: float) -> None:
+    await ep.recv_into(k, _kv_tag(layer, 0), timeout_s=timeout_s)
+    await ep.recv_into(v, _kv_tag(layer, 1), timeout_s=timeout_s)
+
+
+def _layer_qkv(
+    model: LlamaForCausalLM,
+    cache: KVCache,
+    layer: int,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin_half: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A slice's Q/K/V of one layer, its K/V written to the member's own cache."""
+    with torch.inference_mode():
+        q, k, v = model.attention_inputs(layer, hidden, cos, sin_half)
+        cache.write(layer, slots, k, v)
+        return q, k.contiguous(), v.contiguous()
+
+
+def _attend(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_positions: torch.Tensor,
+    window: int | None,
+) -> Partial:
+    with torch.inference_mode():
+        return partial_attention(q, positions, k, v, key_positions, window)
+
+
+def _layer_out(
+    model: LlamaForCausalLM, layer: int, hidden: torch.Tensor, parts: list[Partial], dtype: torch.dtype
+) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.finish_layer(layer, hidden, merge(parts).to(dtype))
 
 
 # -- distributed decode ---------------------------------------------------------------------------
