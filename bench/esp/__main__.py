@@ -14,6 +14,10 @@ Three parts, each labelled by how its figures were obtained:
   sequence. Longest prompt served / one instance's KV capacity; lost = requests not completed.
 - scheduler (MEASURED): one ESP decision (dispatch, instance allocation and the exact batching
   DP of core/esp.py) at 64 instances and 256 queued requests, p50/p99 over repetitions.
+- overlap (MEASURED, real processes; bench/esp/overlap.py): how much of a group prefill's K/V
+  exchange the members hide behind their compute, over an emulated link as slow as the compute
+  (groups of 2 and 3 member processes, TCP data plane); the cluster part's cost model charges the
+  exchange with this share hidden (`exchange_hidden`).
 - cluster (EMULATED, simulated time; bench/simulate/esp.py, also `python -m bench.simulate
   --scenario esp`): the same comparison at cluster scale, 16 instances paced by the A100 rooflines
   of bench/simulate/profiles.py, the ESP variant driven by the manager's ESP core (dispatch,
@@ -58,7 +62,7 @@ from services.global_manager.core.esp import (
 
 REPO = Path(__file__).resolve().parents[2]
 STRATEGIES = ("esp", "chunked", "static_sp", "disagg")
-PARTS = ("scheduler", "throughput", "cluster", "longest_prompt")
+PARTS = ("scheduler", "throughput", "overlap", "cluster", "longest_prompt")
 
 
 def _load() -> list[float]:
@@ -232,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = scheduler(args.quick)
         elif name == "throughput":
             results[name] = throughput(args.quick)
+        elif name == "overlap":
+            from bench.esp.overlap import measure
+
+            results[name] = {f"members_{n}": measure(args.quick, members=n) for n in (2, 3)}
         elif name == "cluster":
             from bench.simulate.esp import run_regimes
             from bench.simulate.plots import plot_esp_degrees
@@ -305,7 +313,31 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
                     note = how + slo_note
                     if refused and other in ("chunked", "disagg"):
                         note += f"; {other} cannot hold {refused} of each rate's requests (one instance's KV), counted as misses"
-                    out[f"esp_over_{other}{regime_suffix(name)}{slo}"] = _ratio(best, other, note)
+                    key = f"esp_over_{other}{regime_suffix(name)}{slo}"
+                    seeds = run.get("seeds")
+                    if seeds and len(seeds) > 1:  # the median over the workload seeds
+                        per_seed = [x.get(f"esp_over_{other}{slo}") for x in seeds.values()]
+                        value = run.get(f"median_esp_over_{other}{slo}")
+                        note += f"; median over {len(per_seed)} workload seeds: {per_seed}"
+                        out[key] = _entry(value, ">= 2.0", None if value is None else value >= 2.0, note)
+                        out[key]["per_seed"] = per_seed
+                    else:
+                        out[key] = _ratio(best, other, note)
+    ov = results.get("overlap")
+    if ov:
+        runs = [ov[k] for k in sorted(ov) if k.startswith("members_")]
+        hidden = min(r["hidden_median"] for r in runs)
+        out["exchange_hidden"] = _entry(
+            hidden,
+            "(no target: the cluster part's exchange_hidden rests on it)",
+            None,
+            "MEASURED (real member processes, emulated link; the smallest median over groups of "
+            + ", ".join(str(len(r["bounds"]) - 1) for r in runs)
+            + ")",
+        )
+        out["exchange_exact"] = _entry(
+            all(r["exact"] for r in runs), "true", all(r["exact"] for r in runs), "MEASURED: logits within 1e-4"
+        )
     lp = results.get("longest_prompt")
     if lp:
         ratio = round(lp["longest_prompt_served"] / lp["instance_kv_tokens"], 2)

@@ -18,7 +18,9 @@ Regimes (`REGIMES`, run side by side by `run_regimes`):
 Outputs come from the trace (<= 1,024) in every regime. SLO per request, scaled from what one idle
 instance takes alone: TTFT <= `ttft_scale` x its prefill time (at least 1 s), TBT (mean) <=
 `tbt_scale` x one decode step at its context. Maximum throughput at SLO = the highest rate tried
-whose attainment is >= 90 %. LoongServe's own SLO for its Zipf runs is computed beside it
+whose attainment is >= 90 % (the grid's best rate met and the next missed bisected
+`REFINE_STEPS` times). Each regime runs with several workload seeds (`SEEDS`); its ratios are
+the median over them, each seed's beside it. LoongServe's own SLO for its Zipf runs is computed beside it
 (`PAPER_*`). A request that no single instance holds is refused by chunked prefill and
 disaggregation (they cannot serve it at all) and counts as a miss; `slo_attainment_servable`
 counts only the requests they can hold.
@@ -30,7 +32,10 @@ The strategies, on `instances` instances (KV: profile blocks x block size tokens
 - disagg: a quarter of the instances prefill whole prompts (FCFS, batched up to
   `max_num_tokens`, a longer prompt alone), the rest decode; the KV moves to the decode instance
   with the most free KV at `link_gbps` (RDMA), waiting while none holds it.
-- esp: the global manager's ESP core (services/global_manager/core/esp.py), unchanged: each time
+- esp: a prompt within one iteration's token budget (`max_num_tokens`; `esp_min_prompt`) that one
+  instance holds takes the ordinary route, as in the live mesh: chunked prefill on one instance
+  (not one in a prefill group), beside its decodes. Every longer prompt goes to the global
+  manager's ESP core (services/global_manager/core/esp.py), unchanged: each time
   the queue or the free KV changes, `dispatch` takes queued requests in arrival order while the
   free KV holds them, `allocate_instances` picks the instances (most free KV first),
   `plan_batches` cuts them into batches on groups of 1, 2, 4 or 8 instances (the exact DP), and
@@ -43,12 +48,13 @@ The strategies, on `instances` instances (KV: profile blocks x block size tokens
   iterations also read the slices it holds), plus `exchange_s`; while a holder is in a prefill
   group, the requests it holds wait for it. An instance in a prefill group decodes nothing
   during it: a busy one first migrates its decoding requests' KV to instances outside the plan
-  (`migrate`; the core's preemption), which decode them once the KV has arrived. A group prefill pays the ring exchange of the prompt's K/V at
-  `link_gbps` (`ring_s_per_token`, in the core's per-token term) and `exchange_s` per extra
-  member.
+  (`migrate`; the core's preemption), which decode them once the KV has arrived. A group
+  prefill pays `exchange_s` per extra member and the ring exchange of the prompt's K/V at
+  `link_gbps` (`ring_s_per_token`) less the share its compute hides (`exchange_hidden`, as
+  measured with real member processes by bench.esp's `overlap` part).
 
-Simplifications (each a place the figures could be off): the ring exchange is not overlapped
-with the attention (LoongServe overlaps it); a preempted instance joins a prefill with its
+Simplifications (each a place the figures could be off): the overlap measured on 2 CPU cores
+with a small model stands for an A100's; a preempted instance joins a prefill with its
 current free KV (the core plans it as emptied), and a migration's receiving side is not
 charged; the core plans a prefill on prompt + output tokens.
 """
@@ -99,6 +105,8 @@ PAPER_TTFT_SCALE = 25.0
 PAPER_TTFT_FLOOR_S = 15.0
 PAPER_TPOT_S = 0.050
 RATES = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+SEEDS = 3  # workload seeds per regime (the ratios are their median)
+REFINE_STEPS = 3  # bisections between the grid's best rate met and the next missed (1/8 of the gap)
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,16 @@ class EspScenario:
     attainment: float = 0.9
     link_gbps: float = 200.0
     exchange_s: float = 0.0003  # per extra group member per iteration (32 layers x ~10 us over NVLink)
+    # The share of a group prefill's K/V exchange (or of its compute, when shorter) hidden behind
+    # the other: bench.esp's `overlap` part measured 0.84-0.89 with real member processes over an
+    # emulated link as slow as the compute (services/worker/esp_exchange.py overlaps them).
+    exchange_hidden: float = 0.85
+    # esp: a prompt shorter than this that one instance holds takes the ordinary route (chunked
+    # prefill on one instance, beside its decodes), as the live manager's --esp-min-prompt-tokens;
+    # None: one iteration's token budget (the profile's max_num_tokens), so only a prompt that
+    # chunked prefill would split over iterations goes to a group; 0: every request goes
+    # through the ESP core (LoongServe's design).
+    esp_min_prompt: int | None = None
     max_dispatch: int = 64
     mix: str = "conv"  # conv: the trace x a Zipf factor; zipf: LoongServe's Zipf mix; lveval: LV-Eval-like
     min_prompt: int = 10  # zipf: lengths drawn from [min_prompt, max_prompt) with weight 1 / l^zipf
@@ -244,20 +262,23 @@ def set_slo(reqs: Sequence[Req], step: FastStep, sc: EspScenario) -> None:
 def ring_s_per_token(u: int, kv_bytes_per_token: float, link_gbps: float) -> float:
     """Seconds per prompt token of a degree-`u` group's ring exchange: each member's slice (l / u
     tokens) of K/V travels to the u - 1 others, every member sending (u - 1) / u x l tokens' KV
-    over its own link at once; charged in full, as if not overlapped with the attention."""
+    over its own link at once (before any of it is hidden behind the compute)."""
     return (u - 1) / u * kv_bytes_per_token / (link_gbps / 8 * 1e9)
 
 
 def core_models(step: FastStep, sc: EspScenario, kv_bytes_per_token: float) -> dict[int, StepTimeModel]:
     """The core's `T_u = a + b sum l + c sum l^2` for a group of u: the weights read once per
-    member in parallel, the tokens and the causal pairs (l^2 / 2) split over the u members, the
-    ring exchange of the prompt's K/V at `sc.link_gbps` (per token, `ring_s_per_token`) and the
-    exchange's per-layer latency per extra member."""
+    member in parallel, the tokens and the causal pairs (l^2 / 2) split over the u members, and
+    the exchange's per-layer latency per extra member; the ring exchange of the prompt's K/V at
+    `sc.link_gbps` (per token, `ring_s_per_token`) runs beside the compute, which hides
+    `sc.exchange_hidden` of the shorter of the two (`StepTimeModel`)."""
     return {
         u: StepTimeModel(
             step.base + step.overhead + sc.exchange_s * (u - 1),
-            step.ptok / u + ring_s_per_token(u, kv_bytes_per_token, sc.link_gbps),
+            step.ptok / u,
             step.pair / 2 / u,
+            r=ring_s_per_token(u, kv_bytes_per_token, sc.link_gbps),
+            hidden=sc.exchange_hidden,
         )
         for u in DEGREES
         if u <= sc.instances
@@ -271,6 +292,7 @@ class _Sim:
         kv = profile.kv_blocks * profile.block_size
         self.nodes = [Node(i, kv) for i in range(sc.instances)]
         self.max_tokens, self.max_batch = profile.max_num_tokens, profile.max_batch
+        self.esp_min_prompt = profile.max_num_tokens if sc.esp_min_prompt is None else sc.esp_min_prompt
         self.kv_bytes = profile.model.kv_bytes_per_token
         self.link_bytes_s = sc.link_gbps / 8 * 1e9
         self.queue: list[Req] = []  # esp: waiting for a group; disagg: prefilled, waiting for a decoder
@@ -293,8 +315,12 @@ class _Sim:
         if need > largest:
             r.refused = True  # no instance (esp: no group of the largest degree) can hold it
             return
-        if self.strategy == "chunked":
+        short = self.strategy == "esp" and r.prompt < self.esp_min_prompt and need <= self.nodes[0].kv
+        if self.strategy == "chunked" or short:
+            # esp: a short request takes the live mesh's ordinary route (chunked prefill on one
+            # instance, beside its decodes), preferring instances not in a prefill group.
             fits = [n for n in self.nodes if need <= n.kv]
+            fits = [n for n in fits if n.prefilling_until <= now] or fits
             node = min(fits, key=lambda n: (n.used + sum(x.prompt + x.output for x in n.waiting), n.idx))
             node.waiting.append(r)
             _wake(node, now)
@@ -335,7 +361,7 @@ class _Sim:
         ctx = self._ctx(node, decoding)
         ptok, pairs, seqs = 0, 0.0, 0
         finished: list[Req] = []
-        if self.strategy == "chunked":
+        if node.waiting:  # chunked; esp: the short requests on the ordinary route
             budget = self.max_tokens - rows
             for r in list(node.waiting):
                 if budget <= 0:
@@ -367,6 +393,9 @@ class _Sim:
             self._token(r, node, end)
         for r in finished:
             r.master = node.idx
+            if self.strategy == "esp":
+                r.slices = {node.idx: r.prompt}
+                node.ctx += r.prompt
             self._token(r, node, end, first=True)
 
     def _ctx(self, node: Node, decoding: Sequence[Req]) -> float:
@@ -451,7 +480,10 @@ class _Sim:
         if not pool_nodes:
             return
         # Idle: decodes nothing and holds no decoding request's KV (a holder attends every step).
-        view = [EspInstance(str(n.idx), n.used, n.kv, idle=not n.running and not n.ctx) for n in pool_nodes]
+        view = [
+            EspInstance(str(n.idx), n.used, n.kv, idle=not n.running and not n.ctx and not n.waiting)
+            for n in pool_nodes
+        ]
         real = {v.instance_id: v for v in view}
         t0 = time.perf_counter()
         chosen = dispatch(
@@ -674,6 +706,20 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
                 misses += 1
                 if misses >= 2:
                     break  # two rates missed: higher ones miss too
+        # The grid is coarse (1.0, 1.5, 2.0 ...): bisect between the best rate met and the next
+        # one missed, for the SLO and for LoongServe's, so a ratio is not an artefact of the grid.
+        for key in ("slo_attainment", "slo_attainment_paper"):
+            for _ in range(REFINE_STEPS):
+                lo = _best(per_rate[s], key, sc.attainment)
+                hi = min((x["rate_rps"] for x in per_rate[s] if x["rate_rps"] > lo), default=None)
+                if not lo or hi is None:
+                    break
+                rate = round((lo + hi) / 2, 4)
+                sim = simulate(strategy, workload(rows, n, rate, seed, sc), prof, ssc, slo_profile=profile)
+                per_rate[s].append({"rate_rps": rate, **summarize(sim)})
+                per_rate[s].sort(key=lambda x: x["rate_rps"])
+                if s == "esp":
+                    timelines[rate] = [(round(t, 3), u, k) for t, u, k in sim.degrees]
     best = {s: _best(rows_, "slo_attainment", sc.attainment) for s, rows_ in per_rate.items()}
     servable = {s: _best(rows_, "slo_attainment_servable", sc.attainment) for s, rows_ in per_rate.items()}
     paper = {s: _best(rows_, "slo_attainment_paper", sc.attainment) for s, rows_ in per_rate.items()}
@@ -732,22 +778,45 @@ def regime_suffix(name: str) -> str:
     return "" if name == next(iter(REGIMES)) else "_" + name.replace("-", "_")
 
 
-def run_regimes(quick: bool = False, names: Sequence[str] = tuple(REGIMES), seed: int = 0) -> dict[str, Any]:
-    """`run` in each named regime of `REGIMES`, side by side, and each one's ratios at the top
-    level under its suffixed keys (`esp_over_chunked`, `esp_over_chunked_lwm1m`, ...)."""
+def run_regimes(
+    quick: bool = False, names: Sequence[str] = tuple(REGIMES), seed: int = 0, seeds: int | None = None
+) -> dict[str, Any]:
+    """`run` in each named regime of `REGIMES`, side by side, with `seeds` workload seeds from
+    `seed` on (default `SEEDS`, one when `quick`); each one's ratios at the top level under its
+    suffixed keys (`esp_over_chunked`, `esp_over_chunked_lwm1m`, ...), the median over the seeds,
+    each seed's under `<key>_per_seed`. A regime's own entry is its first seed's run, with every
+    seed's rates and ratios under `seeds`."""
     unknown = [x for x in names if x not in REGIMES]
     if unknown:
         raise ValueError(f"unknown regime {unknown[0]!r}; known: {', '.join(REGIMES)}")
-    regimes = {name: run(quick, REGIMES[name], seed) for name in names}
+    n_seeds = seeds if seeds is not None else (1 if quick else SEEDS)
+    if n_seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {n_seeds!r}")
     out: dict[str, Any] = {
         "how": "EMULATED: simulated time, roofline ESTIMATES of bench/simulate/profiles.py; the ESP variant "
         "runs the global manager's ESP core unchanged",
         "command": "python -m bench.simulate --scenario esp" + (" --quick" if quick else ""),
+        "seeds": list(range(seed, seed + n_seeds)),
     }
-    for name, r in regimes.items():
+    regimes: dict[str, Any] = {}
+    for name in names:
+        runs = [run(quick, REGIMES[name], s) for s in range(seed, seed + n_seeds)]
+        regimes[name] = {**runs[0], "seeds": {str(seed + i): _seed_summary(r) for i, r in enumerate(runs)}}
         for key in ("esp_over_chunked", "esp_over_disagg", "esp_over_chunked_tp"):
             for slo in ("", "_paper_slo"):
-                if key + slo in r:
-                    out[key + regime_suffix(name) + slo] = r[key + slo]
+                if key + slo not in runs[0]:
+                    continue
+                values = [r[key + slo] for r in runs]
+                name_key = key + regime_suffix(name) + slo
+                out[name_key] = None if None in values else round(statistics.median(values), 2)
+                out[name_key + "_per_seed"] = values
+                regimes[name]["median_" + key + slo] = out[name_key]
     out["regimes"] = regimes
     return out
+
+
+def _seed_summary(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("max_rate_at_slo_rps", "max_rate_at_paper_slo_rps", "esp_over_chunked", "esp_over_disagg")
+    keys += ("esp_over_chunked_paper_slo", "esp_over_disagg_paper_slo", "esp_over_chunked_tp")
+    keys += ("esp_over_chunked_tp_paper_slo",)
+    return {k: r[k] for k in keys if k in r}

@@ -18,8 +18,9 @@ the data plane), with the request's KV in the engine's own KV cache.
 - **End**: every member frees its blocks however the request ends; a member that goes away fails
   the others within the group's timeout (UNAVAILABLE), never a hang.
 
-The ESP compute runs on the event loop thread beside the engine's own steps; its blocks count
-against the engine's free KV, so the engine admits around them.
+The ESP compute runs beside the engine's own steps: the prefill's layers on threads off the event
+loop (so the group's transfers progress beside them), the decode steps on the event loop thread.
+Its blocks count against the engine's free KV, so the engine admits around them.
 """
 
 from __future__ import annotations

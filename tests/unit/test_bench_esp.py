@@ -94,3 +94,14 @@ def test_targets_carry_value_target_met_and_how() -> None:
     assert out["longest_prompt_over_instance_kv"]["value"] == 3.75 and out["lost"]["met"]
     assert not out["scheduler_p99_ms"]["met"] and "load 9.1" in out["scheduler_p99_ms"]["how"]
     assert out["scheduler_cpu_p99_ms"]["value"] == 7.5 and out["scheduler_cpu_p99_ms"]["met"]
+
+
+def test_the_overlap_part_reports_the_least_hidden_share_of_its_groups() -> None:
+    def run(members: int, hidden: float, exact: bool) -> dict:
+        return {"bounds": list(range(members + 1)), "hidden_median": hidden, "exact": exact}
+
+    out = targets({"overlap": {"members_2": run(2, 0.89, True), "members_3": run(3, 0.84, True)}})
+    assert out["exchange_hidden"]["value"] == 0.84 and "groups of 2, 3" in out["exchange_hidden"]["how"]
+    assert out["exchange_exact"]["met"] is True
+    out = targets({"overlap": {"members_2": run(2, 0.89, True), "members_3": run(3, 0.84, False)}})
+    assert out["exchange_exact"]["met"] is False

@@ -60,7 +60,7 @@ def _brute(lengths, free, models):
                 for u, m in models.items():
                     if first + u > len(free) or sum(batch) > sum(free[first : first + u]):
                         continue
-                    t = m.a + m.b * sum(batch) + m.c * sum(x * x for x in batch)
+                    t = m.time(sum(batch), sum(x * x for x in batch))
                     place(end, first + u, acc + t * sum(1 / x for x in batch))
 
     place(0, 0, 0.0)
@@ -103,20 +103,36 @@ def _reference_dp(lengths, free, models):
                 for j in range(i):
                     batch = ls[j:i]
                     if sum(batch) <= room and f[j][k - u] < math.inf:
-                        t = m.a + m.b * sum(batch) + m.c * sum(x * x for x in batch)
+                        t = m.time(sum(batch), sum(x * x for x in batch))
                         best = min(best, t * sum(1 / x for x in batch) + f[j][k - u])
             f[i][k] = best
     return f[n][kk]
 
 
+def test_the_exchange_costs_what_the_compute_does_not_hide() -> None:
+    m = StepTimeModel(1.0, 0.01, 1e-6, r=0.02, hidden=0.75)
+    # 100 tokens, sum l^2 = 10,000: compute 1.0 + 0.01 s, the exchange 2.0 s; 0.75 of the shorter hidden.
+    assert m.time(100, 10_000) == pytest.approx(1.0 + 1.01 + 2.0 - 0.75 * 1.01)
+    # 1,000 tokens, sum l^2 = 10^6: compute 10 + 1 = 11 s, the exchange 20 s: the compute is the shorter.
+    assert m.time(1_000, 1_000_000) == pytest.approx(1.0 + 11.0 + 20.0 - 0.75 * 11.0)
+    assert StepTimeModel(1.0, 0.01, 1e-6, r=0.02, hidden=1.0).time(100, 10_000) == pytest.approx(3.0)
+    assert StepTimeModel(1.0, 0.01, 1e-6).time(100, 10_000) == pytest.approx(2.01)
+    with pytest.raises(ValueError, match="hidden=1.5"):
+        StepTimeModel(1.0, 0.01, 1e-6, r=0.02, hidden=1.5)
+
+
 @pytest.mark.parametrize("seed", range(8))
-def test_the_bounded_dp_equals_the_unbounded_recurrence(seed) -> None:
+@pytest.mark.parametrize("exchange", [False, True])
+def test_the_bounded_dp_equals_the_unbounded_recurrence(seed, exchange) -> None:
     """Larger than brute force reaches: 24-34 requests on 7-10 instances of uneven free KV, with
-    lengths that fill rooms exactly (the bounds' edge cases), and degrees 1-4."""
+    lengths that fill rooms exactly (the bounds' edge cases), and degrees 1-4; with and without
+    a K/V exchange partly hidden behind the compute (a cost no longer linear in the sums)."""
     rng = random.Random(100 + seed)
     lengths = [rng.choice([500, 1000, 2000, 4000, 6000]) for _ in range(rng.randint(24, 34))]
     free = [rng.choice([4000, 6000, 8000, 12000, 24000, 32000]) for _ in range(rng.randint(7, 10))]
     models = {1: MODELS[1], 2: MODELS[2], 3: StepTimeModel(18, 0.0035, 3.5e-7), 4: StepTimeModel(22, 0.0026, 2.6e-7)}
+    if exchange:
+        models = {u: StepTimeModel(m.a, m.b, m.c, r=0.002 * (u - 1) / u, hidden=0.8) for u, m in models.items()}
     plan = plan_batches(_reqs(lengths), _insts(free), models)
     want = _reference_dp(lengths, free, models)
     if want == math.inf:

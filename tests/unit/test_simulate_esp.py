@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.replay.trace import read_azure_trace
 from bench.simulate.esp import (
     REGIMES,
+    REPO_ROOT,
     EspScenario,
     Req,
     _Sim,
@@ -59,8 +61,13 @@ def test_every_request_completes_and_the_kv_balances() -> None:
         assert out["longest_prompt_served"] == 120_000
     esp = summarize(simulate("esp", _reqs(spec), PROFILE, SC))
     assert esp["core_decisions"] > 0
+    # Prompts within one iteration's token budget (8,192) take the ordinary route; the others are
+    # each prefilled once, in the core's batches.
     sim = simulate("esp", _reqs(spec), PROFILE, SC)
-    assert sum(k for _, _, k in sim.degrees) == 24  # each request prefilled once, in the core's batches
+    assert sum(k for _, _, k in sim.degrees) == 12
+    core = simulate("esp", _reqs(spec), PROFILE, dataclasses.replace(SC, esp_min_prompt=0))
+    assert sum(k for _, _, k in core.degrees) == 24  # esp_min_prompt=0: every request through the core
+    assert summarize(core)["completed"] == 24 and all(n.used == 0 and n.ctx == 0 for n in core.nodes)
 
 
 def test_disaggregation_decodes_after_the_kv_transfer() -> None:
@@ -139,20 +146,24 @@ def test_a_prompt_no_instance_holds_is_refused_by_chunked_and_served_by_esp_and_
     assert [r.ttft_slo for r in tp.reqs] == [r.ttft_slo for r in chunked.reqs]
 
 
-def test_the_group_prefill_pays_the_ring_exchange_of_the_kv_at_the_link_speed() -> None:
+def test_the_group_prefill_pays_the_ring_exchange_less_what_the_compute_hides() -> None:
     sc = dataclasses.replace(REGIMES["lwm1m"], instances=8)
     step = FastStep(LWM.step)
     models = core_models(step, sc, LWM.model.kv_bytes_per_token)
     link_bytes_s = sc.link_gbps / 8 * 1e9
-    assert models[1].b == pytest.approx(step.ptok)  # alone: nothing to exchange
-    assert models[8].b == pytest.approx(step.ptok / 8 + 7 / 8 * 524_288 / link_bytes_s)
+    assert models[1].r == 0.0  # alone: nothing to exchange
+    assert models[8].b == pytest.approx(step.ptok / 8)
+    assert models[8].r == pytest.approx(7 / 8 * 524_288 / link_bytes_s)
     sim = simulate("esp", _reqs([(0.0, 100_000, 2)]), LWM, sc)
     assert sim.degrees == [(0.0, 8, 1)]
     length = 100_002  # the core plans on the KV a request will hold: prompt + output
     ring = 7 / 8 * length * 524_288 / link_bytes_s  # 1.84 s of K/V over 200 Gb/s
-    compute = step.base + step.overhead + sc.exchange_s * 7 + step.ptok * length / 8
-    compute += step.pair * length**2 / 2 / 8 + step.seq
-    assert sim.reqs[0].first == pytest.approx(compute + ring)
+    compute = step.ptok * length / 8 + step.pair * length**2 / 2 / 8
+    fixed = step.base + step.overhead + sc.exchange_s * 7 + step.seq
+    assert sim.reqs[0].first == pytest.approx(fixed + compute + ring - sc.exchange_hidden * min(compute, ring))
+    # Nothing hidden: the exchange is paid in full after the compute.
+    serial = simulate("esp", _reqs([(0.0, 100_000, 2)]), LWM, dataclasses.replace(sc, exchange_hidden=0.0))
+    assert serial.reqs[0].first == pytest.approx(fixed + compute + ring)
 
 
 def test_a_holder_in_a_prefill_group_holds_up_its_masters_step() -> None:
@@ -173,6 +184,25 @@ def test_regimes_report_under_their_own_keys_and_an_unknown_one_is_named() -> No
     assert [regime_suffix(x) for x in REGIMES] == ["", "_lwm1m", "_lwm1m_lveval"]
     with pytest.raises(ValueError, match="'lwm2m'"):
         run_regimes(names=["lwm2m"])
+
+
+def test_a_regimes_ratio_is_the_median_over_its_workload_seeds(monkeypatch) -> None:
+    import bench.simulate.esp as esp_sim
+
+    small = dataclasses.replace(REGIMES["lwm1m"], instances=4, rates=(0.02, 0.05, 0.1, 0.2))
+    monkeypatch.setattr(esp_sim, "REGIMES", {"llama3-8b": small})
+    out = run_regimes(quick=True, names=["llama3-8b"], seeds=3)
+    assert out["seeds"] == [0, 1, 2]
+    seeds = out["regimes"]["llama3-8b"]["seeds"]
+    assert list(seeds) == ["0", "1", "2"]
+    per_seed = out["esp_over_disagg_per_seed"]
+    assert per_seed == [seeds[k]["esp_over_disagg"] for k in ("0", "1", "2")]
+    assert None not in per_seed and out["esp_over_disagg"] == round(sorted(per_seed)[1], 2)
+    for key in (k for k in out if k.endswith("_per_seed")):  # a seed with no rate met: no median
+        if None in out[key]:
+            assert out[key.removesuffix("_per_seed")] is None
+    with pytest.raises(ValueError, match="seeds must be >= 1, got 0"):
+        run_regimes(quick=True, names=["llama3-8b"], seeds=0)
 
 
 def test_the_degree_plot_draws_each_regimes_timeline(tmp_path: Path) -> None:
@@ -208,7 +238,16 @@ def test_a_run_reports_every_strategy_and_esps_degree_timeline() -> None:
     assert refused == out["workload"]["over_one_instance_kv"] > 0
     assert out["per_rate"]["chunked_tp"][0]["refused"] == 0 and out["per_rate"]["esp"][0]["refused"] == 0
     timeline = out["degree_timeline"]["0.02"].split()
-    assert sum(int(x.split(":")[2]) for x in timeline) == out["per_rate"]["esp"][0]["completed"] == 150
+    # Prompts past one iteration's token budget go through the core's batches; the rest take the
+    # ordinary route.
+    rows = [
+        (r.prompt_tokens, r.output_tokens) for r in read_azure_trace(REPO_ROOT / "traces" / "azure_llm_2023_conv.csv")
+    ]
+    reqs = workload(rows, 150, 0.02, 0, sc)
+    longer = sum(r.prompt >= LWM.max_num_tokens for r in reqs)
+    assert 0 < longer < 150
+    assert sum(int(x.split(":")[2]) for x in timeline) == longer
+    assert out["per_rate"]["esp"][0]["completed"] == 150
     assert {int(x.split(":")[1]) for x in timeline} <= {1, 2, 4}
 
 

@@ -11,7 +11,8 @@ Each iteration, in the paper's four steps:
 3. `plan_batches`: how the dispatched requests are cut into batches and which instances each
    batch runs on, by dynamic programming over requests sorted by length (longest first) and
    instances sorted by used slots (fewest first). A batch of requests with lengths l on u
-   instances takes `T_u(sum l, sum l^2) = A_u + B_u sum l + C_u sum l^2` and costs that time
+   instances takes `T_u(sum l, sum l^2) = A_u + B_u sum l + C_u sum l^2` (plus what the compute
+   does not hide of the group's K/V exchange, `StepTimeModel`) and costs that time
    times `sum 1/l` (its per-token latency summed over its requests); a batch must fit the free
    KV of its instances. The DP is solved exactly over that structure, not pruned.
 4. `decode_degree`: after the prefill a request decodes on the fewest of its holders whose free
@@ -47,14 +48,29 @@ __all__ = [
 @dataclass(frozen=True)
 class StepTimeModel:
     """`T = a + b * sum l + c * sum l^2`: a prefill batch's time on its degree of instances
-    (fitted from profiles; a degree without a model is never planned)."""
+    (fitted from profiles; a degree without a model is never planned).
+
+    A group's K/V exchange, `r` seconds per prompt token, runs beside that compute: `hidden` is
+    the share of the shorter of the two that the other covers (0: one after the other; 1: the
+    batch takes the longer of the two), so `T = a + comp + ex - hidden * min(comp, ex)` with
+    `comp = b * sum l + c * sum l^2` and `ex = r * sum l`."""
 
     a: float
     b: float
     c: float
+    r: float = 0.0
+    hidden: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.r < 0 or not 0.0 <= self.hidden <= 1.0:
+            raise ValueError(f"need r >= 0 and 0 <= hidden <= 1, got r={self.r!r}, hidden={self.hidden!r}")
 
     def time(self, s1: float, s2: float) -> float:
-        return self.a + self.b * s1 + self.c * s2
+        t = self.a + self.b * s1 + self.c * s2
+        if self.r:
+            comp, ex = self.b * s1 + self.c * s2, self.r * s1
+            t += ex - self.hidden * min(comp, ex)
+        return t
 
 
 @dataclass(frozen=True)
@@ -196,6 +212,10 @@ def plan_batches(
         cost = np.multiply(sums[:, :w], m.b)
         cost += m.a
         cost += np.multiply(sq[:, :w], m.c)
+        if m.r:  # the exchange, less what the compute hides of it (StepTimeModel.time)
+            comp = np.multiply(sums[:, :w], m.b) + np.multiply(sq[:, :w], m.c)
+            ex = np.multiply(sums[:, :w], m.r)
+            cost += ex - m.hidden * np.minimum(comp, ex)
         cost *= weight[:, :w]
         costs[u] = cost
     # reach[k]: the most requests the first k instances can hold (sum of lengths <= their total
