@@ -462,6 +462,11 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             pool = Role.PREFILL if pd_pair else Role.COLOCATED
             split = self._zigzag_route(request.model_id, views, excluded, pool)
             if split is not None:
+                if request.prefix_block_hashes and self.cfg.prefix_overlap_weight > 0 and not pd_pair:
+                    # The loading instance caches the prompt's blocks if its load completes
+                    # under the request, so the request moved off its partner's backlog then
+                    # prefers it (served from its prefix cache).
+                    self.prefix_index.record(split[0].instance_id, request.model_id, request.prefix_block_hashes)
                 if pd_pair:
                     self.table.registry.note_routed(hops[1].instance_id)
                     split.append(self._hop(hops[1]))

@@ -165,6 +165,8 @@ async def test_layers_arriving_while_a_request_waits_are_run_in_turn(ckpt: Path)
         ]
         for k in (1, 2, 3):
             await wait_until(lambda k=k: through(new, 2, k), 5, what=f"both through {k} layers")
+            # Both have run every layer the instance holds: they wait, no work pending here.
+            assert (new.stats().zigzag_running, new.stats().zigzag_pending) == (2, 0)
             load_layer(model, source, f"layers.{k}")
             new.notify_layers()
         await wait_until(lambda: through(new, 2, 4), 5, what="both through all 4 layers")
@@ -182,6 +184,34 @@ def through(engine: Engine, n: int, layers: int) -> bool:
     """Requests r0..r{n-1} have run exactly `layers` layers on the loading engine."""
     seqs = [engine._by_id.get(f"r{i}") for i in range(n)]
     return all(s is not None and s.zz_layers == layers for s in seqs)
+
+
+async def test_a_prompt_run_through_every_layer_while_loading_serves_from_the_prefix_cache(ckpt: Path) -> None:
+    """The load completed under a ZigZag request: its prompt's KV is whole here. When the
+    request then moves here whole (its partner's backlog rebalanced onto this instance), its
+    first-layer hop is cancelled, and the prompt's full blocks serve it from the prefix cache,
+    with the tokens of a whole run."""
+    full = full_model(ckpt)
+    prompt = prompt_of(40, 5)
+    model, source = partial_model(ckpt, 1)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        stream = asyncio.create_task(collect_stream(new.generate("r0", prompt, PARAMS, zigzag=True)))
+        for k in (1, 2, 3):
+            await wait_until(lambda k=k: through(new, 1, k), 5, what=f"through {k} layers")
+            load_layer(model, source, f"layers.{k}")
+            new.notify_layers()
+        await wait_until(lambda: through(new, 1, 4), 5, what="through all 4 layers")
+        load_layer(model, source, "head")
+        new.abort("r0")  # the gateway cancels the first-layer hop
+        await stream
+        before = new.stats().prefix_hit_tokens
+        served = [e.token_id for e in await collect(new, "r0-moved", prompt, PARAMS)]
+        assert new.stats().prefix_hit_tokens - before >= new.kv_cache.block_size
+        assert served == await whole_run(full, prompt)
+    finally:
+        await new.stop()
 
 
 async def test_a_loading_engine_refuses_whole_requests(ckpt: Path) -> None:

@@ -175,16 +175,18 @@ def test_index_is_bounded_per_instance_least_recent_first() -> None:
 def test_index_drops_instances_that_leave_or_change_model() -> None:
     index = PrefixIndex(max_blocks_per_instance=10)
     hashes = block_hashes(list(range(32)), BS)
-    for iid in ("a", "b", "c", "d"):
+    for iid in ("a", "b", "c", "d", "e"):
         index.record(iid, "m", hashes)
     index.sync(
         [
             inst("a"),
             inst("b", state=S.DRAINING),
             inst("c", model="other"),  # unloaded and loaded another model since
+            inst("e", state=S.LOADING),  # a live ZigZag instance: its blocks are whole once loaded
         ]  # d is gone from the registry
     )
-    assert "a" in index and len(index) == 1
+    assert "a" in index and "e" in index and len(index) == 2
+    index.forget("e")
     index.record("a", "other", hashes)  # now routed for another model: starts afresh
     assert index.overlap("a", "m", hashes) == 0 and index.overlap("a", "other", hashes) == 2
     index.forget("a")

@@ -81,8 +81,10 @@ class PrefixIndex:
         self._model.pop(instance_id, None)
 
     def sync(self, views: Iterable[InstanceView]) -> None:
-        """Keep only instances SERVING the model they were recorded for; `views` lists every
-        instance the registry knows (one missing is gone)."""
-        serving = {v.instance_id: v.model for v in views if v.state is InstanceState.SERVING}
+        """Keep only instances SERVING (or LOADING: a live one runs ZigZag first layers, whose
+        prompt blocks are whole once the load completes under them) the model they were
+        recorded for; `views` lists every instance the registry knows (one missing is gone)."""
+        kept = (InstanceState.SERVING, InstanceState.LOADING)
+        serving = {v.instance_id: v.model for v in views if v.state in kept}
         for iid in [i for i in self._blocks if serving.get(i) != self._model.get(i)]:
             self.forget(iid)

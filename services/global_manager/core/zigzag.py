@@ -820,7 +820,8 @@ class ZigzagTracker:
         """The split of the next request of `model` (`--zigzag-dispatch route`): while the gate
         says every SERVING instance of `pool` is overloaded, the live LOADING instance with the
         most layers under its in-flight cap (`choose_live_instance`; in flight = its reported
-        ZigZag requests plus those routed since) runs layers [0, k), and the overloaded instance
+        ZigZag requests with layers still to run there, plus those routed since) runs layers
+        [0, k), and the overloaded instance
         with the fewest used KV blocks (`choose_zigzag_partner`) finishes them. `reachable`:
         the instances whose data plane is known (a new one needs it to relay). No split: route
         as usual."""
@@ -832,8 +833,13 @@ class ZigzagTracker:
         if not gate.zigzag:
             return ZigzagStep(effects=expired, gate=gate)
         views = [v for v in views if v.role is pool]
+        # In flight: the ZigZag requests with work still to do on the live instance (a loaded
+        # layer not yet run), plus those routed since its report. One that has run every layer
+        # the instance holds only waits for its partner to take it over (relay): it costs the
+        # instance nothing until the next layer lands, so it does not hold the cap, else a
+        # partner's backlog, which the split requests wait in, would stop the splits at the cap.
         inflight = {
-            v.instance_id: (v.load.zigzag_running if v.load is not None else 0) + v.routes_since_heartbeat
+            v.instance_id: (v.load.zigzag_pending if v.load is not None else 0) + v.routes_since_heartbeat
             for v in views
             if v.instance_id in live
         }

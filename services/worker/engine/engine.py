@@ -277,6 +277,7 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_parked: int  # held by hand-offs until their decode side has pulled them
     zigzag_running: int  # ZigZag requests running their first layers here (a loading instance)
+    zigzag_pending: int  # of those, the ones with a loaded layer not yet run (work to do here)
     zigzag_relayed_total: int  # ZigZag requests taken over by their partner so far (a loading instance)
     zigzag_continued_total: int  # ZigZag requests taken over from a loading instance (a full partner)
     decode_tokens_per_s: float  # generated tokens per second
@@ -1315,6 +1316,11 @@ class Engine:
             if seq.status.is_finished():
                 continue
             seq.zz_layers, seq.zz_hidden = part.layer_end, hidden
+            if part.layer_end == self.model.config.num_hidden_layers and self.config.enable_prefix_caching:
+                # Every layer of its prompt ran here (the load completed under it): its full
+                # blocks may serve the request whole when it moves here (the partner's backlog
+                # is rebalanced onto this instance), or any later prompt with that prefix.
+                self._register_prefix(seq, computed=seq.prefill_len)
             if seq.relay_waiters:
                 self._relay_now(seq)
         for work, results in zip(inp.prompt_work, outputs.prompt_logprobs, strict=True):
@@ -1361,10 +1367,11 @@ class Engine:
             seq.block_hashes = block_hashes(seq.tokens(0, n * bs), bs)
         return self.kv_cache.match_prefix(seq.tokens(0, n * bs), seq.block_hashes[:n])
 
-    def _register_prefix(self, seq: EngineRequest) -> None:
-        """Offer `seq`'s full blocks whose KV is now computed to the prefix cache."""
+    def _register_prefix(self, seq: EngineRequest, computed: int | None = None) -> None:
+        """Offer `seq`'s full blocks whose KV is now computed (its first `computed` tokens,
+        default `num_computed`) to the prefix cache."""
         bs = self.kv_cache.block_size
-        full = seq.num_computed // bs
+        full = (seq.num_computed if computed is None else computed) // bs
         if full <= seq.num_registered:
             return
         hashes = seq.block_hashes
@@ -1592,6 +1599,13 @@ class Engine:
             kv_blocks_total=self.kv_cache.total_blocks,
             kv_blocks_parked=sum(self._parked.values()),
             zigzag_running=sum(1 for s in self._running if s.mode is RequestMode.ZIGZAG_FIRST_LAYERS),
+            zigzag_pending=sum(
+                1
+                for s in self._running
+                if s.mode is RequestMode.ZIGZAG_FIRST_LAYERS
+                and not s.status.is_finished()
+                and s.zz_layers < self.model.num_layers_loaded
+            ),
             zigzag_relayed_total=self.zigzag["relayed"],
             zigzag_continued_total=self.zigzag["continued"],
             decode_tokens_per_s=self._decode_window.total(now) / span,
