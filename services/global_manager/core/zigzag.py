@@ -908,7 +908,11 @@ class ZigzagTracker:
                 effects.append(Paired(new_id, partner_id, me.model, reason))
             if partner_id == me.instance_id:
                 self.split_with[new_id] = partner_id
-                peers.append(PullPeer(new, self.limit(now_s, new_id)))
+                # The partner counts every request it handed over until it ends; those the live
+                # instance has run through every layer it holds wait in the partner's queue and
+                # cost it nothing more: they raise the cap by their number (as `route` does).
+                parked = max(0, new.load.zigzag_running - new.load.zigzag_pending) if new.load is not None else 0
+                peers.append(PullPeer(new, self.limit(now_s, new_id) + parked))
         return ZigzagStep(effects=tuple(effects), peers=tuple(peers))
 
     # ---- the fluid model's pairing (bench.simulate) ---------------------------------------
