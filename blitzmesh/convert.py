@@ -434,7 +434,6 @@ def load_report_to_proto(load: LoadReport) -> common_pb2.LoadReport:
         prefix_hit_tokens=load.prefix_hit_tokens,
         prefix_query_tokens=load.prefix_query_tokens,
         prefill_capacity_tps=load.prefill_capacity_tps,
-        zigzag_pending=load.zigzag_pending,
     )
 
 
@@ -461,7 +460,6 @@ def load_report_from_proto(msg: common_pb2.LoadReport) -> LoadReport:
         prefix_hit_tokens=msg.prefix_hit_tokens,
         prefix_query_tokens=msg.prefix_query_tokens,
         prefill_capacity_tps=msg.prefill_capacity_tps,
-        zigzag_pending=msg.zigzag_pending,
     )
 
 

@@ -339,9 +339,6 @@ class LoadReport:
     prefill_capacity_tps: float = 0.0
     """Prompt tokens per second the engine computes while prefilling, from its recent prefill
     steps (0 = no prefill step yet); queued prompt tokens / this = the wait a new arrival sees."""
-    zigzag_pending: int = 0
-    """Of `zigzag_running`, those with a loaded layer not yet run here (work this instance has
-    to do); the others have run every layer it holds and wait for their partner."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -431,7 +431,6 @@ class LoadReport(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     PREFILL_CAPACITY_TPS_FIELD_NUMBER: _builtins.int
-    ZIGZAG_PENDING_FIELD_NUMBER: _builtins.int
     decode_tps: _builtins.float
     prefill_tps: _builtins.float
     ttft_p50_s: _builtins.float
@@ -465,10 +464,6 @@ class LoadReport(_message.Message):
     prefill_tps (the demand served), it does not fall with the load, so queued prompt tokens
     divided by it is the wait a new arrival sees.
     """
-    zigzag_pending: _builtins.int
-    """ZigZag on a loading instance: of zigzag_running, those with loaded layers still to run here
-    (work it has to do); the others have run every layer it holds and wait for their partner.
-    """
     def __init__(
         self,
         *,
@@ -493,11 +488,10 @@ class LoadReport(_message.Message):
         prefix_hit_tokens: _builtins.int = ...,
         prefix_query_tokens: _builtins.int = ...,
         prefill_capacity_tps: _builtins.float = ...,
-        zigzag_pending: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tps", b"decode_tps", "est_tpot_s", b"est_tpot_s", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "preempted_total", b"preempted_total", "prefill_capacity_tps", b"prefill_capacity_tps", "prefill_tps", b"prefill_tps", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "running", b"running", "slo_rejected_total", b"slo_rejected_total", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "tokens_generated_total", b"tokens_generated_total", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s", "waiting", b"waiting", "waiting_prefill_tokens", b"waiting_prefill_tokens", "zigzag_continued_total", b"zigzag_continued_total", "zigzag_pending", b"zigzag_pending", "zigzag_relayed_total", b"zigzag_relayed_total", "zigzag_running", b"zigzag_running"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tps", b"decode_tps", "est_tpot_s", b"est_tpot_s", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "preempted_total", b"preempted_total", "prefill_capacity_tps", b"prefill_capacity_tps", "prefill_tps", b"prefill_tps", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "running", b"running", "slo_rejected_total", b"slo_rejected_total", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "tokens_generated_total", b"tokens_generated_total", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s", "waiting", b"waiting", "waiting_prefill_tokens", b"waiting_prefill_tokens", "zigzag_continued_total", b"zigzag_continued_total", "zigzag_relayed_total", b"zigzag_relayed_total", "zigzag_running", b"zigzag_running"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -210,7 +210,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_blocks_total=s.kv_blocks_total,
             tokens_generated_total=s.total_generated_tokens,
             zigzag_running=s.zigzag_running,
-            zigzag_pending=s.zigzag_pending,
             zigzag_relayed_total=s.zigzag_relayed_total,
             zigzag_continued_total=s.zigzag_continued_total,
             est_tpot_s=s.est_tpot_s or 0.0,

@@ -165,8 +165,6 @@ async def test_layers_arriving_while_a_request_waits_are_run_in_turn(ckpt: Path)
         ]
         for k in (1, 2, 3):
             await wait_until(lambda k=k: through(new, 2, k), 5, what=f"both through {k} layers")
-            # Both have run every layer the instance holds: they wait, no work pending here.
-            assert (new.stats().zigzag_running, new.stats().zigzag_pending) == (2, 0)
             load_layer(model, source, f"layers.{k}")
             new.notify_layers()
         await wait_until(lambda: through(new, 2, 4), 5, what="both through all 4 layers")

@@ -124,30 +124,6 @@ def test_route_respects_the_in_flight_cap() -> None:
     assert t.limit(1.0, "n") == 2  # the cap shrinks to its floor as the load goes on
 
 
-def test_requests_waiting_for_their_partner_do_not_hold_the_cap() -> None:
-    """A split request that has run every layer the live instance holds only waits in its
-    partner's backlog: the instance has nothing to do for it until the next layer lands."""
-    t = zz.ZigzagTracker()
-    t.load_progress(0.0, "n", "m", 3, 8)
-
-    def reporting(running: int, pending: int) -> list:
-        pool = overloaded_pool()
-        pool[0] = dataclasses.replace(
-            pool[0], load=dataclasses.replace(pool[0].load, zigzag_running=running, zigzag_pending=pending)
-        )
-        return pool
-
-    assert reporting(6, 0)[0].instance_id == "n"
-    assert t.route(1.0, reporting(6, 0), "m", C, excluded=(), reachable={"n"}).split is not None
-    assert t.route(1.0, reporting(6, 1), "m", C, excluded=(), reachable={"n"}).split is not None  # 1 < cap 2
-    assert t.route(1.0, reporting(6, 2), "m", C, excluded=(), reachable={"n"}).split is None  # at the cap
-    # Pulled: the partner counts every request it handed over until it ends, so the parked ones
-    # raise the cap it is given.
-    pool = reporting(6, 1)
-    step = t.pull_peers(1.0, pool, next(v for v in pool if v.instance_id == "b"), reachable={"n"})
-    assert [(p.instance.instance_id, p.inflight_limit) for p in step.peers] == [("n", 2 + 5)]
-
-
 def test_pull_peers_pair_each_live_instance_with_one_partner() -> None:
     t = zz.ZigzagTracker()
     t.load_progress(0.0, "n", "m", 3, 8)

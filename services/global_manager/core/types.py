@@ -65,7 +65,6 @@ class LoadSample:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     zigzag_running: int = 0  # ZigZag requests running their first layers there (a loading instance)
-    zigzag_pending: int = 0  # of those, the ones with a loaded layer still to run there
     zigzag_relayed_total: int = 0
     zigzag_continued_total: int = 0
     # SLO-aware engine: its TPOT estimate for the running set (None = no estimate yet), and the

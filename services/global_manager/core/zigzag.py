@@ -820,8 +820,7 @@ class ZigzagTracker:
         """The split of the next request of `model` (`--zigzag-dispatch route`): while the gate
         says every SERVING instance of `pool` is overloaded, the live LOADING instance with the
         most layers under its in-flight cap (`choose_live_instance`; in flight = its reported
-        ZigZag requests with layers still to run there, plus those routed since) runs layers
-        [0, k), and the overloaded instance
+        ZigZag requests plus those routed since) runs layers [0, k), and the overloaded instance
         with the fewest used KV blocks (`choose_zigzag_partner`) finishes them. `reachable`:
         the instances whose data plane is known (a new one needs it to relay). No split: route
         as usual."""
@@ -833,13 +832,8 @@ class ZigzagTracker:
         if not gate.zigzag:
             return ZigzagStep(effects=expired, gate=gate)
         views = [v for v in views if v.role is pool]
-        # In flight: the ZigZag requests with work still to do on the live instance (a loaded
-        # layer not yet run), plus those routed since its report. One that has run every layer
-        # the instance holds only waits for its partner to take it over (relay): it costs the
-        # instance nothing until the next layer lands, so it does not hold the cap, else a
-        # partner's backlog, which the split requests wait in, would stop the splits at the cap.
         inflight = {
-            v.instance_id: (v.load.zigzag_pending if v.load is not None else 0) + v.routes_since_heartbeat
+            v.instance_id: (v.load.zigzag_running if v.load is not None else 0) + v.routes_since_heartbeat
             for v in views
             if v.instance_id in live
         }
@@ -908,11 +902,7 @@ class ZigzagTracker:
                 effects.append(Paired(new_id, partner_id, me.model, reason))
             if partner_id == me.instance_id:
                 self.split_with[new_id] = partner_id
-                # The partner counts every request it handed over until it ends; those the live
-                # instance has run through every layer it holds wait in the partner's queue and
-                # cost it nothing more: they raise the cap by their number (as `route` does).
-                parked = max(0, new.load.zigzag_running - new.load.zigzag_pending) if new.load is not None else 0
-                peers.append(PullPeer(new, self.limit(now_s, new_id) + parked))
+                peers.append(PullPeer(new, self.limit(now_s, new_id)))
         return ZigzagStep(effects=tuple(effects), peers=tuple(peers))
 
     # ---- the fluid model's pairing (bench.simulate) ---------------------------------------

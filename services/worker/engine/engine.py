@@ -277,7 +277,6 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_parked: int  # held by hand-offs until their decode side has pulled them
     zigzag_running: int  # ZigZag requests running their first layers here (a loading instance)
-    zigzag_pending: int  # of those, the ones with a loaded layer not yet run (work to do here)
     zigzag_relayed_total: int  # ZigZag requests taken over by their partner so far (a loading instance)
     zigzag_continued_total: int  # ZigZag requests taken over from a loading instance (a full partner)
     decode_tokens_per_s: float  # generated tokens per second
@@ -1599,13 +1598,6 @@ class Engine:
             kv_blocks_total=self.kv_cache.total_blocks,
             kv_blocks_parked=sum(self._parked.values()),
             zigzag_running=sum(1 for s in self._running if s.mode is RequestMode.ZIGZAG_FIRST_LAYERS),
-            zigzag_pending=sum(
-                1
-                for s in self._running
-                if s.mode is RequestMode.ZIGZAG_FIRST_LAYERS
-                and not s.status.is_finished()
-                and s.zz_layers < self.model.num_layers_loaded
-            ),
             zigzag_relayed_total=self.zigzag["relayed"],
             zigzag_continued_total=self.zigzag["continued"],
             decode_tokens_per_s=self._decode_window.total(now) / span,
