@@ -693,15 +693,23 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
         setups["chunked_tp"] = ("chunked", TENSOR_PARALLEL[sc.profile](sc.chunked_tp), tp_sc)
     timelines: dict[float, list[tuple[float, int, int]]] = {}  # esp: (start s, degree, requests) per prefill batch
     t0 = time.perf_counter()
-    for s, (strategy, prof, ssc) in setups.items():
+
+    def trial(s: str, rate: float) -> dict[str, Any]:
+        """Setup `s` at `rate`, its row kept in order with the others (ESP: its degrees too)."""
+        strategy, prof, ssc = setups[s]
+        sim = simulate(strategy, workload(rows, n, rate, seed, sc), prof, ssc, slo_profile=profile)
+        row = {"rate_rps": rate, **summarize(sim)}
+        per_rate[s].append(row)
+        per_rate[s].sort(key=lambda x: x["rate_rps"])
+        if s == "esp":
+            timelines[rate] = [(round(t, 3), u, k) for t, u, k in sim.degrees]
+        return row
+
+    for s in setups:
         per_rate[s] = []
         misses = 0
         for rate in sc.rates:
-            sim = simulate(strategy, workload(rows, n, rate, seed, sc), prof, ssc, slo_profile=profile)
-            row = {"rate_rps": rate, **summarize(sim)}
-            per_rate[s].append(row)
-            if s == "esp":
-                timelines[rate] = [(round(t, 3), u, k) for t, u, k in sim.degrees]
+            row = trial(s, rate)
             if max(row["slo_attainment"], row["slo_attainment_servable"], row["slo_attainment_paper"]) < sc.attainment:
                 misses += 1
                 if misses >= 2:
@@ -714,12 +722,7 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
                 hi = min((x["rate_rps"] for x in per_rate[s] if x["rate_rps"] > lo), default=None)
                 if not lo or hi is None:
                     break
-                rate = round((lo + hi) / 2, 4)
-                sim = simulate(strategy, workload(rows, n, rate, seed, sc), prof, ssc, slo_profile=profile)
-                per_rate[s].append({"rate_rps": rate, **summarize(sim)})
-                per_rate[s].sort(key=lambda x: x["rate_rps"])
-                if s == "esp":
-                    timelines[rate] = [(round(t, 3), u, k) for t, u, k in sim.degrees]
+                trial(s, round((lo + hi) / 2, 4))
     best = {s: _best(rows_, "slo_attainment", sc.attainment) for s, rows_ in per_rate.items()}
     servable = {s: _best(rows_, "slo_attainment_servable", sc.attainment) for s, rows_ in per_rate.items()}
     paper = {s: _best(rows_, "slo_attainment_paper", sc.attainment) for s, rows_ in per_rate.items()}
@@ -816,7 +819,6 @@ def run_regimes(
 
 
 def _seed_summary(r: dict[str, Any]) -> dict[str, Any]:
-    keys = ("max_rate_at_slo_rps", "max_rate_at_paper_slo_rps", "esp_over_chunked", "esp_over_disagg")
-    keys += ("esp_over_chunked_paper_slo", "esp_over_disagg_paper_slo", "esp_over_chunked_tp")
-    keys += ("esp_over_chunked_tp_paper_slo",)
-    return {k: r[k] for k in keys if k in r}
+    rates = ("max_rate_at_slo_rps", "max_rate_at_paper_slo_rps")
+    ratios = (f"esp_over_{o}{slo}" for o in ("chunked", "disagg", "chunked_tp") for slo in ("", "_paper_slo"))
+    return {k: r[k] for k in (*rates, *ratios) if k in r}

@@ -37,12 +37,7 @@ async def test_prompts_sharing_a_prefix_follow_it(serve_in_process: Any) -> None
         stub = global_manager_pb2_grpc.GlobalManagerStub(ch)
 
         async def heartbeat(iid: str, load: common_pb2.LoadReport, state: int = common_pb2.INSTANCE_STATE_SERVING):
-            await stub.Heartbeat(
-                global_manager_pb2.HeartbeatRequest(
-                    instance_id=iid, state=state, model_id="m", layers_loaded=4, num_layers=4, load=load
-                ),
-                timeout=5,
-            )
+            await serving_beat(stub, iid, load, state)
 
         async def schedule(suffix: int | None) -> str:
             prompt = [*SYSTEM, *range(1000 * (suffix or 0), 1000 * (suffix or 0) + 40)]
@@ -113,15 +108,13 @@ async def test_a_zigzag_split_leaves_its_prompt_with_the_loading_instance(serve_
         assert [h.instance_id for h in moved.hops] == ["w3"]
 
 
-async def serving_beat(stub: Any, iid: str, load: common_pb2.LoadReport) -> None:
+async def serving_beat(
+    stub: Any, iid: str, load: common_pb2.LoadReport, state: int = common_pb2.INSTANCE_STATE_SERVING
+) -> None:
+    """A heartbeat of `iid`, holding all 4 layers of model m (SERVING unless `state` says)."""
     await stub.Heartbeat(
         global_manager_pb2.HeartbeatRequest(
-            instance_id=iid,
-            state=common_pb2.INSTANCE_STATE_SERVING,
-            model_id="m",
-            layers_loaded=4,
-            num_layers=4,
-            load=load,
+            instance_id=iid, state=state, model_id="m", layers_loaded=4, num_layers=4, load=load
         ),
         timeout=5,
     )
