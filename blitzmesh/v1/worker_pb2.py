@@ -26,7 +26,7 @@ from blitzmesh.v1 import common_pb2 as blitzmesh_dot_v1_dot_common__pb2
 from blitzmesh.v1 import kv_pb2 as blitzmesh_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62litzmesh/v1/worker.proto\x12\x0c\x62litzmesh.v1\x1a\x19\x62litzmesh/v1/common.proto\x1a\x15\x62litzmesh/v1/kv.proto\"\xd2\x05\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.blitzmesh.v1.SamplingParams\x12\x13\n\x0blayer_start\x18\x05 \x01(\x05\x12\x11\n\tlayer_end\x18\x06 \x01(\x05\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x05\x12\x30\n\tcolocated\x18\r \x01(\x0b\x32\x1b.blitzmesh.v1.ColocatedModeH\x00\x12;\n\x0fprefill_handoff\x18\x0e \x01(\x0b\x32 .blitzmesh.v1.PrefillHandoffModeH\x00\x12<\n\x0e\x64\x65\x63ode_from_kv\x18\x0f \x01(\x0b\x32\".blitzmesh.v1.KVTransferDescriptorH\x00\x12\x42\n\x13zigzag_first_layers\x18\x10 \x01(\x0b\x32#.blitzmesh.v1.ZigzagFirstLayersModeH\x00\x12\x34\n\x0ezigzag_partner\x18\x11 \x01(\x0b\x32\x1a.blitzmesh.v1.ZigzagSourceH\x00\x12<\n\x16zigzag_partner_handoff\x18\x12 \x01(\x0b\x32\x1a.blitzmesh.v1.ZigzagSourceH\x00\x12-\n\nesp_member\x18\x13 \x01(\x0b\x32\x17.blitzmesh.v1.EspMemberH\x00\x12%\n\x03slo\x18\x0c \x01(\x0b\x32\x18.blitzmesh.v1.RequestSLOB\x06\n\x04modeJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cR\nkv_handoffR\tkv_sourceR\x06zigzagR\rzigzag_source\"\x0f\n\rColocatedMode\"\x14\n\x12PrefillHandoffMode\"\x17\n\x15ZigzagFirstLayersMode\"\x82\x01\n\tEspMember\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06\x62ounds\x18\x03 \x03(\r\x12\x18\n\x10member_addresses\x18\x04 \x03(\x0c\x12\x17\n\x0fspare_addresses\x18\x05 \x03(\x0c\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\">\n\x0cZigzagSource\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x19\n\x11\x64\x61taplane_address\x18\x02 \x01(\x0c\"\xf0\x02\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x36\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.blitzmesh.v1.FinishReasonH\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x05\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\x12\x36\n\nkv_handoff\x18\x07 \x01(\x0b\x32\".blitzmesh.v1.KVTransferDescriptor\x12\x1a\n\rzigzag_layers\x18\x08 \x01(\x05H\x01\x88\x01\x01\x42\x10\n\x0e_finish_reasonB\x10\n\x0e_zigzag_layers\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"g\n\x10TransferEndpoint\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x19\n\x11\x64\x61taplane_address\x18\x03 \x01(\x0c\x12\x16\n\x0e\x64\x61taplane_kind\x18\x04 \x01(\t\"y\n\tChainSpec\x12.\n\x06source\x18\x01 \x01(\x0b\x32\x1e.blitzmesh.v1.TransferEndpoint\x12,\n\x04hops\x18\x02 \x03(\x0b\x32\x1e.blitzmesh.v1.TransferEndpoint\x12\x0e\n\x06groups\x18\x03 \x03(\t\"\x95\x01\n\x0cTransferPlan\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\'\n\x06\x63hains\x18\x02 \x03(\x0b\x32\x17.blitzmesh.v1.ChainSpec\x12\x38\n\x10\x66\x61llback_sources\x18\x03 \x03(\x0b\x32\x1e.blitzmesh.v1.TransferEndpoint\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x9c\x01\n\x15LoadParametersRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1d\n\x15param_manager_address\x18\x02 \x01(\t\x12(\n\x04plan\x18\x03 \x01(\x0b\x32\x1a.blitzmesh.v1.TransferPlan\x12(\n\x04role\x18\x04 \x01(\x0e\x32\x1a.blitzmesh.v1.InstanceRole\"\x89\x01\n\x0cLoadProgress\x12\x15\n\rgroups_loaded\x18\x01 \x01(\x05\x12\x14\n\x0cgroups_total\x18\x02 \x01(\x05\x12\x15\n\rlayers_loaded\x18\x03 \x01(\x05\x12\x14\n\x0c\x62ytes_loaded\x18\x04 \x01(\x03\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\"=\n\x15ReleaseWaitingRequest\x12\x14\n\x0cmax_requests\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"-\n\x16ReleaseWaitingResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"=\n\x15ReleaseRunningRequest\x12\x14\n\x0cmax_requests\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"-\n\x16ReleaseRunningResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"2\n\rDrainResponse\x12\x10\n\x08\x66inished\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x05\"\x0f\n\rUnloadRequest\"\x10\n\x0eUnloadResponse\"|\n\tLayerWork\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x11\n\tlayer_end\x18\x03 \x01(\x05\x12\x15\n\rhidden_states\x18\x04 \x01(\x0c\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t2\xc9\x05\n\x06Worker\x12W\n\x08Generate\x12#.blitzmesh.v1.WorkerGenerateRequest\x1a$.blitzmesh.v1.WorkerGenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.blitzmesh.v1.AbortRequest\x1a\x1b.blitzmesh.v1.AbortResponse\x12G\n\tGetStatus\x12\x1e.blitzmesh.v1.GetStatusRequest\x1a\x1a.blitzmesh.v1.InstanceInfo\x12S\n\x0eLoadParameters\x12#.blitzmesh.v1.LoadParametersRequest\x1a\x1a.blitzmesh.v1.LoadProgress0\x01\x12@\n\x05\x44rain\x12\x1a.blitzmesh.v1.DrainRequest\x1a\x1b.blitzmesh.v1.DrainResponse\x12[\n\x0eReleaseWaiting\x12#.blitzmesh.v1.ReleaseWaitingRequest\x1a$.blitzmesh.v1.ReleaseWaitingResponse\x12[\n\x0eReleaseRunning\x12#.blitzmesh.v1.ReleaseRunningRequest\x1a$.blitzmesh.v1.ReleaseRunningResponse\x12\x43\n\x06Unload\x12\x1b.blitzmesh.v1.UnloadRequest\x1a\x1c.blitzmesh.v1.UnloadResponse\x12\x45\n\rExecuteLayers\x12\x17.blitzmesh.v1.LayerWork\x1a\x17.blitzmesh.v1.LayerWork(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62litzmesh/v1/worker.proto\x12\x0c\x62litzmesh.v1\x1a\x19\x62litzmesh/v1/common.proto\x1a\x15\x62litzmesh/v1/kv.proto\"\xd2\x05\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.blitzmesh.v1.SamplingParams\x12\x13\n\x0blayer_start\x18\x05 \x01(\x05\x12\x11\n\tlayer_end\x18\x06 \x01(\x05\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x05\x12\x30\n\tcolocated\x18\r \x01(\x0b\x32\x1b.blitzmesh.v1.ColocatedModeH\x00\x12;\n\x0fprefill_handoff\x18\x0e \x01(\x0b\x32 .blitzmesh.v1.PrefillHandoffModeH\x00\x12<\n\x0e\x64\x65\x63ode_from_kv\x18\x0f \x01(\x0b\x32\".blitzmesh.v1.KVTransferDescriptorH\x00\x12\x42\n\x13zigzag_first_layers\x18\x10 \x01(\x0b\x32#.blitzmesh.v1.ZigzagFirstLayersModeH\x00\x12\x34\n\x0ezigzag_partner\x18\x11 \x01(\x0b\x32\x1a.blitzmesh.v1.ZigzagSourceH\x00\x12<\n\x16zigzag_partner_handoff\x18\x12 \x01(\x0b\x32\x1a.blitzmesh.v1.ZigzagSourceH\x00\x12-\n\nesp_member\x18\x13 \x01(\x0b\x32\x17.blitzmesh.v1.EspMemberH\x00\x12%\n\x03slo\x18\x0c \x01(\x0b\x32\x18.blitzmesh.v1.RequestSLOB\x06\n\x04modeJ\x04\x08\x08\x10\tJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cR\nkv_handoffR\tkv_sourceR\x06zigzagR\rzigzag_source\"\x0f\n\rColocatedMode\"\x14\n\x12PrefillHandoffMode\"D\n\x15ZigzagFirstLayersMode\x12+\n\x07partner\x18\x01 \x01(\x0b\x32\x1a.blitzmesh.v1.ZigzagSource\"\x82\x01\n\tEspMember\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06\x62ounds\x18\x03 \x03(\r\x12\x18\n\x10member_addresses\x18\x04 \x03(\x0c\x12\x17\n\x0fspare_addresses\x18\x05 \x03(\x0c\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\">\n\x0cZigzagSource\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x19\n\x11\x64\x61taplane_address\x18\x02 \x01(\x0c\"\xf0\x02\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x36\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.blitzmesh.v1.FinishReasonH\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\x05\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.blitzmesh.v1.TokenLogprob\x12\x36\n\nkv_handoff\x18\x07 \x01(\x0b\x32\".blitzmesh.v1.KVTransferDescriptor\x12\x1a\n\rzigzag_layers\x18\x08 \x01(\x05H\x01\x88\x01\x01\x42\x10\n\x0e_finish_reasonB\x10\n\x0e_zigzag_layers\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"g\n\x10TransferEndpoint\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x19\n\x11\x64\x61taplane_address\x18\x03 \x01(\x0c\x12\x16\n\x0e\x64\x61taplane_kind\x18\x04 \x01(\t\"y\n\tChainSpec\x12.\n\x06source\x18\x01 \x01(\x0b\x32\x1e.blitzmesh.v1.TransferEndpoint\x12,\n\x04hops\x18\x02 \x03(\x0b\x32\x1e.blitzmesh.v1.TransferEndpoint\x12\x0e\n\x06groups\x18\x03 \x03(\t\"\x95\x01\n\x0cTransferPlan\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\'\n\x06\x63hains\x18\x02 \x03(\x0b\x32\x17.blitzmesh.v1.ChainSpec\x12\x38\n\x10\x66\x61llback_sources\x18\x03 \x03(\x0b\x32\x1e.blitzmesh.v1.TransferEndpoint\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x9c\x01\n\x15LoadParametersRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x1d\n\x15param_manager_address\x18\x02 \x01(\t\x12(\n\x04plan\x18\x03 \x01(\x0b\x32\x1a.blitzmesh.v1.TransferPlan\x12(\n\x04role\x18\x04 \x01(\x0e\x32\x1a.blitzmesh.v1.InstanceRole\"\x89\x01\n\x0cLoadProgress\x12\x15\n\rgroups_loaded\x18\x01 \x01(\x05\x12\x14\n\x0cgroups_total\x18\x02 \x01(\x05\x12\x15\n\rlayers_loaded\x18\x03 \x01(\x05\x12\x14\n\x0c\x62ytes_loaded\x18\x04 \x01(\x03\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x11\n\telapsed_s\x18\x06 \x01(\x01\"=\n\x15ReleaseWaitingRequest\x12\x14\n\x0cmax_requests\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"-\n\x16ReleaseWaitingResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"=\n\x15ReleaseRunningRequest\x12\x14\n\x0cmax_requests\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\"-\n\x16ReleaseRunningResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"!\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\"2\n\rDrainResponse\x12\x10\n\x08\x66inished\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x05\"\x0f\n\rUnloadRequest\"\x10\n\x0eUnloadResponse\"|\n\tLayerWork\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\x05\x12\x11\n\tlayer_end\x18\x03 \x01(\x05\x12\x15\n\rhidden_states\x18\x04 \x01(\x0c\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t2\xc9\x05\n\x06Worker\x12W\n\x08Generate\x12#.blitzmesh.v1.WorkerGenerateRequest\x1a$.blitzmesh.v1.WorkerGenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.blitzmesh.v1.AbortRequest\x1a\x1b.blitzmesh.v1.AbortResponse\x12G\n\tGetStatus\x12\x1e.blitzmesh.v1.GetStatusRequest\x1a\x1a.blitzmesh.v1.InstanceInfo\x12S\n\x0eLoadParameters\x12#.blitzmesh.v1.LoadParametersRequest\x1a\x1a.blitzmesh.v1.LoadProgress0\x01\x12@\n\x05\x44rain\x12\x1a.blitzmesh.v1.DrainRequest\x1a\x1b.blitzmesh.v1.DrainResponse\x12[\n\x0eReleaseWaiting\x12#.blitzmesh.v1.ReleaseWaitingRequest\x1a$.blitzmesh.v1.ReleaseWaitingResponse\x12[\n\x0eReleaseRunning\x12#.blitzmesh.v1.ReleaseRunningRequest\x1a$.blitzmesh.v1.ReleaseRunningResponse\x12\x43\n\x06Unload\x12\x1b.blitzmesh.v1.UnloadRequest\x1a\x1c.blitzmesh.v1.UnloadResponse\x12\x45\n\rExecuteLayers\x12\x17.blitzmesh.v1.LayerWork\x1a\x17.blitzmesh.v1.LayerWork(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,47 +40,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLHANDOFFMODE']._serialized_start=835
   _globals['_PREFILLHANDOFFMODE']._serialized_end=855
   _globals['_ZIGZAGFIRSTLAYERSMODE']._serialized_start=857
-  _globals['_ZIGZAGFIRSTLAYERSMODE']._serialized_end=880
-  _globals['_ESPMEMBER']._serialized_start=883
-  _globals['_ESPMEMBER']._serialized_end=1013
-  _globals['_ZIGZAGSOURCE']._serialized_start=1015
-  _globals['_ZIGZAGSOURCE']._serialized_end=1077
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=1080
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=1448
-  _globals['_ABORTREQUEST']._serialized_start=1450
-  _globals['_ABORTREQUEST']._serialized_end=1484
-  _globals['_ABORTRESPONSE']._serialized_start=1486
-  _globals['_ABORTRESPONSE']._serialized_end=1516
-  _globals['_GETSTATUSREQUEST']._serialized_start=1518
-  _globals['_GETSTATUSREQUEST']._serialized_end=1536
-  _globals['_TRANSFERENDPOINT']._serialized_start=1538
-  _globals['_TRANSFERENDPOINT']._serialized_end=1641
-  _globals['_CHAINSPEC']._serialized_start=1643
-  _globals['_CHAINSPEC']._serialized_end=1764
-  _globals['_TRANSFERPLAN']._serialized_start=1767
-  _globals['_TRANSFERPLAN']._serialized_end=1916
-  _globals['_LOADPARAMETERSREQUEST']._serialized_start=1919
-  _globals['_LOADPARAMETERSREQUEST']._serialized_end=2075
-  _globals['_LOADPROGRESS']._serialized_start=2078
-  _globals['_LOADPROGRESS']._serialized_end=2215
-  _globals['_RELEASEWAITINGREQUEST']._serialized_start=2217
-  _globals['_RELEASEWAITINGREQUEST']._serialized_end=2278
-  _globals['_RELEASEWAITINGRESPONSE']._serialized_start=2280
-  _globals['_RELEASEWAITINGRESPONSE']._serialized_end=2325
-  _globals['_RELEASERUNNINGREQUEST']._serialized_start=2327
-  _globals['_RELEASERUNNINGREQUEST']._serialized_end=2388
-  _globals['_RELEASERUNNINGRESPONSE']._serialized_start=2390
-  _globals['_RELEASERUNNINGRESPONSE']._serialized_end=2435
-  _globals['_DRAINREQUEST']._serialized_start=2437
-  _globals['_DRAINREQUEST']._serialized_end=2470
-  _globals['_DRAINRESPONSE']._serialized_start=2472
-  _globals['_DRAINRESPONSE']._serialized_end=2522
-  _globals['_UNLOADREQUEST']._serialized_start=2524
-  _globals['_UNLOADREQUEST']._serialized_end=2539
-  _globals['_UNLOADRESPONSE']._serialized_start=2541
-  _globals['_UNLOADRESPONSE']._serialized_end=2557
-  _globals['_LAYERWORK']._serialized_start=2559
-  _globals['_LAYERWORK']._serialized_end=2683
-  _globals['_WORKER']._serialized_start=2686
-  _globals['_WORKER']._serialized_end=3399
+  _globals['_ZIGZAGFIRSTLAYERSMODE']._serialized_end=925
+  _globals['_ESPMEMBER']._serialized_start=928
+  _globals['_ESPMEMBER']._serialized_end=1058
+  _globals['_ZIGZAGSOURCE']._serialized_start=1060
+  _globals['_ZIGZAGSOURCE']._serialized_end=1122
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=1125
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=1493
+  _globals['_ABORTREQUEST']._serialized_start=1495
+  _globals['_ABORTREQUEST']._serialized_end=1529
+  _globals['_ABORTRESPONSE']._serialized_start=1531
+  _globals['_ABORTRESPONSE']._serialized_end=1561
+  _globals['_GETSTATUSREQUEST']._serialized_start=1563
+  _globals['_GETSTATUSREQUEST']._serialized_end=1581
+  _globals['_TRANSFERENDPOINT']._serialized_start=1583
+  _globals['_TRANSFERENDPOINT']._serialized_end=1686
+  _globals['_CHAINSPEC']._serialized_start=1688
+  _globals['_CHAINSPEC']._serialized_end=1809
+  _globals['_TRANSFERPLAN']._serialized_start=1812
+  _globals['_TRANSFERPLAN']._serialized_end=1961
+  _globals['_LOADPARAMETERSREQUEST']._serialized_start=1964
+  _globals['_LOADPARAMETERSREQUEST']._serialized_end=2120
+  _globals['_LOADPROGRESS']._serialized_start=2123
+  _globals['_LOADPROGRESS']._serialized_end=2260
+  _globals['_RELEASEWAITINGREQUEST']._serialized_start=2262
+  _globals['_RELEASEWAITINGREQUEST']._serialized_end=2323
+  _globals['_RELEASEWAITINGRESPONSE']._serialized_start=2325
+  _globals['_RELEASEWAITINGRESPONSE']._serialized_end=2370
+  _globals['_RELEASERUNNINGREQUEST']._serialized_start=2372
+  _globals['_RELEASERUNNINGREQUEST']._serialized_end=2433
+  _globals['_RELEASERUNNINGRESPONSE']._serialized_start=2435
+  _globals['_RELEASERUNNINGRESPONSE']._serialized_end=2480
+  _globals['_DRAINREQUEST']._serialized_start=2482
+  _globals['_DRAINREQUEST']._serialized_end=2515
+  _globals['_DRAINRESPONSE']._serialized_start=2517
+  _globals['_DRAINRESPONSE']._serialized_end=2567
+  _globals['_UNLOADREQUEST']._serialized_start=2569
+  _globals['_UNLOADREQUEST']._serialized_end=2584
+  _globals['_UNLOADRESPONSE']._serialized_start=2586
+  _globals['_UNLOADRESPONSE']._serialized_end=2602
+  _globals['_LAYERWORK']._serialized_start=2604
+  _globals['_LAYERWORK']._serialized_end=2728
+  _globals['_WORKER']._serialized_start=2731
+  _globals['_WORKER']._serialized_end=3444
 # @@protoc_insertion_point(module_scope)

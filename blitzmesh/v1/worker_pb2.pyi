@@ -175,12 +175,21 @@ Global___PrefillHandoffMode: _TypeAlias = PrefillHandoffMode  # noqa: Y015
 class ZigzagFirstLayersMode(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PARTNER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def partner(self) -> Global___ZigzagSource:
+        """The full partner. A loading instance receives the decoder layers before the embedding; until
+        its own lands, the partner's data plane looks the prompt's embedding up for it.
+        """
+
     def __init__(
         self,
+        *,
+        partner: Global___ZigzagSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["partner", b"partner"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["partner", b"partner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -242,7 +251,7 @@ class ZigzagSource(_message.Message):
     DATAPLANE_ADDRESS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     dataplane_address: _builtins.bytes
-    """the loading instance's data plane (Transport.address())"""
+    """the instance's data plane (Transport.address())"""
     def __init__(
         self,
         *,

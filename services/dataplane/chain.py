@@ -867,6 +867,7 @@ class _ReceiveSession:
             self._check_response(resp, label)
             control = loop.create_task(ep.recv_msg(CONTROL_TAG, max_bytes=1 << 20))
             plan = chunks(self.manifest, todo)
+            after = {gi: nxt for (gi, _), (nxt, _) in zip(todo, todo[1:], strict=False)}
             seq = 0
 
             async def post_next() -> None:
@@ -877,7 +878,7 @@ class _ReceiveSession:
                 await self._alloc_task(chunk.group_index)
                 if chunk.offset_bytes == 0:
                     # Start faulting in the next group's memory while this one is on the wire.
-                    nxt = next((gi for gi, _ in todo if gi > chunk.group_index), None)
+                    nxt = after.get(chunk.group_index)
                     if nxt is not None:
                         self._alloc_task(nxt)
                 task = loop.create_task(ep.recv_into(self.store.view(chunk), DATA_TAG_BASE + seq))
@@ -1027,7 +1028,8 @@ async def receive_groups(
     claimed: dict[int, str] = {}
     for pull in pulls:
         names = manifest.group_names if pull.groups is None else list(pull.groups)
-        indices = sorted(manifest.group_index(n) for n in names)
+        # In the order the pull names them (a live load streams the decoder layers first).
+        indices = list(dict.fromkeys(manifest.group_index(n) for n in names))
         for gi in indices:
             if gi in claimed:
                 raise ValueError(

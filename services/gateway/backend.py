@@ -644,7 +644,7 @@ class Backend:
                         prefill, hop = hop, hops[2]
                     self.metrics.zigzag.labels("routed").inc()
                     first_hop = asyncio.create_task(
-                        self._zigzag_first_hop(req, new, prompt_ids, max_tokens, deadline_s, bound),
+                        self._zigzag_first_hop(req, new, zigzag[1], prompt_ids, max_tokens, deadline_s, bound),
                         name=f"zigzag-{req.request_id}",
                     )
                     self._background.add(first_hop)
@@ -1131,13 +1131,15 @@ class Backend:
         self,
         req: InferenceRequest,
         hop: global_manager_pb2.RouteHop,
+        partner: global_manager_pb2.RouteHop,
         prompt_ids: list[int],
         max_tokens: int,
         deadline_s: float,
         bound: structlog.typing.FilteringBoundLogger,
     ) -> None:
         """The loading instance's part of a ZigZag request: it runs the prompt's first layers
-        until the partner relays it. Its failure costs nothing but speed: the partner then
+        until the partner relays it (the partner embeds the prompt while the loading instance has
+        no embedding yet). Its failure costs nothing but speed: the partner then
         computes the prompt whole. Cancelled (the partner failed, the client left): aborted there."""
         call = self._worker(hop.address).Generate(
             worker_pb2.WorkerGenerateRequest(
@@ -1147,7 +1149,11 @@ class Backend:
                 sampling=sampling_to_proto(replace(req.sampling, max_tokens=max_tokens, stop=(), prompt_logprobs=None)),
                 layer_start=hop.layer_start,
                 layer_end=hop.layer_end,
-                zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode(),
+                zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode(
+                    partner=worker_pb2.ZigzagSource(
+                        instance_id=partner.instance_id, dataplane_address=partner.dataplane_address
+                    )
+                ),
             ),
             timeout=max(deadline_s - time.monotonic(), 0.001),
         )

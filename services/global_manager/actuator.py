@@ -36,6 +36,7 @@ from services.global_manager.core.multicast import SendingLinks, traffic_from_in
 from services.global_manager.core.types import InstanceState
 from services.global_manager.instance_table import InstanceTable
 from services.global_manager.transfer import Node, build_plan
+from services.model_format.groups import live_load_order
 
 log = structlog.get_logger(__name__)
 
@@ -219,7 +220,8 @@ class GrpcActuator:
             plan, planned = build_plan(
                 nodes,
                 where,
-                [loc.group for loc in where.locations],
+                # Layers first, the embedding after: a ZigZag instance goes live with its first layer.
+                live_load_order(loc.group for loc in where.locations),
                 self.cfg.topology,
                 self.cfg.load_timeout_s,
                 serving_traffic=traffic,

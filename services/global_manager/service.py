@@ -659,6 +659,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 layer_start=k,
                 layer_end=step.split.num_layers,
                 role=role_to_proto(old.role),
+                # Embeds the prompt for the loading instance until its embedding lands.
+                dataplane_address=self.table.dataplane[old.instance_id][0],
             ),
         ]
 

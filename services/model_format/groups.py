@@ -8,6 +8,7 @@ layer's biases (Qwen2's Q/K/V, Llama's attention_bias / mlp_bias) travel in its 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from services.model_format.config import LlamaConfig
 
@@ -52,8 +53,24 @@ def layer_index(group: str) -> int | None:
 
 
 def param_groups(cfg: LlamaConfig) -> list[str]:
-    """All groups of a model, in load order."""
+    """All groups of a model, in model order (a load streams them in `live_load_order`)."""
     return [EMBED, *(layer_group(i) for i in range(cfg.num_hidden_layers)), HEAD]
+
+
+def live_load_order(groups: Iterable[str]) -> list[str]:
+    """The order a load streams `groups` in: the decoder layers first, by index, then the
+    embedding, then the head (any other name last, as given). A loading instance serves ZigZag
+    requests from its first layer on, its partner embedding their prompts meanwhile, so the
+    embedding (a quarter of a small model) is not in the way of the first layer."""
+    named = list(groups)
+    rank = {EMBED: 1, HEAD: 2}
+
+    def key(item: tuple[int, str]) -> tuple[int, int, int]:
+        pos, name = item
+        i = layer_index(name)
+        return (0, i, pos) if i is not None else (rank.get(name, 3), 0, pos)
+
+    return [name for _, name in sorted(enumerate(named), key=key)]
 
 
 def layer_tensors(cfg: LlamaConfig) -> tuple[str, ...]:

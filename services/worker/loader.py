@@ -30,6 +30,7 @@ from services.common.grpc_util import channel
 from services.dataplane.chain import Pull
 from services.dataplane.manifest import GroupEntry, Manifest
 from services.model_format.generation import eos_token_ids
+from services.model_format.groups import live_load_order
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -151,7 +152,7 @@ def plan_pulls(
     if plan is None or not plan.chains:
         if missing:
             raise ValueError(f"no host cache holds groups {missing} of {manifest.model_id!r}")
-        return [Pull(addr, tuple(gs)) for addr, gs in shards.items()]
+        return [Pull(addr, tuple(live_load_order(gs))) for addr, gs in shards.items()]
     pulls: list[Pull] = []
     covered: set[str] = set()
     for chain in plan.chains:

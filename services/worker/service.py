@@ -70,7 +70,7 @@ from services.worker.loader import (
     plan_pulls,
 )
 from services.worker.model.llama import LlamaForCausalLM, resolve_dtype
-from services.worker.zigzag import RelayServer, take_over
+from services.worker.zigzag import RelayServer, embed_from, take_over
 from services.worker.zigzag_pull import Peer, ZigzagOffloader
 
 log = structlog.get_logger(__name__)
@@ -171,7 +171,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.esp: EspWorker | None = None  # elastic sequence parallelism (esp_worker.py)
         # ZigZag pulled by loading peers (manager --zigzag-dispatch pull): hands them the
         # first layers of this instance's waiting requests to run ahead.
-        self.offloader = ZigzagOffloader(self._serving_engine, self._offload_relay_fill)
+        self.offloader = ZigzagOffloader(self._serving_engine, self._offload_relay_fill, self._zigzag_source)
 
     # ---- status -------------------------------------------------------------------------
     def info(self) -> common_pb2.InstanceInfo:
@@ -230,13 +230,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         first_layers = mode == "zigzag_first_layers"
         handoff = mode in ("prefill_handoff", "zigzag_partner_handoff")
         # A loading instance serves ZigZag requests with the layers it holds (its engine runs
-        # once the embedding has arrived).
+        # once the first decoder layer has arrived).
         zigzag_ok = first_layers and self.state == "loading" and inst is not None and inst.engine is not None
         if (self.state != "serving" and not zigzag_ok) or inst is None or inst.engine is None:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"instance {self.instance_id} is {self.state.upper()}, not SERVING"
-                + (" (a ZigZag request needs its embedding loaded)" if first_layers else ""),
+                + (" (a ZigZag request needs its first decoder layer loaded)" if first_layers else ""),
             )
         assert inst is not None and inst.engine is not None
         if request.model_id and request.model_id != inst.model_id:
@@ -258,7 +258,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return
         kv_fill: KVFill | None = None
         relay_fill: RelayFill | None = None
+        embedded: torch.Tensor | None = None
         slo: RequestSLO | None = None
+        if first_layers and "embed" not in inst.model.loaded_groups:
+            embedded = await self._partner_embedding(inst, request, context)
         try:
             sampling = sampling_from_proto(request.sampling, default_max_tokens=16)
             if request.HasField("slo"):
@@ -295,6 +298,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             handoff=handoff,
             kv_fill=kv_fill,
             zigzag=first_layers,
+            zigzag_embedded=embedded,
             relay_fill=relay_fill,
             slo=slo,
         )
@@ -461,9 +465,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         inst = self.instance
         return inst.engine if inst is not None and self.state == "serving" else None
 
+    def _zigzag_source(self) -> worker_pb2.ZigzagSource:
+        """This instance as a ZigZag partner (its data plane embeds prompts for a loading peer)."""
+        address = self.transport.address() if self.transport is not None else b""
+        return worker_pb2.ZigzagSource(instance_id=self.instance_id, dataplane_address=address)
+
     def _offload_relay_fill(self, request_id: str, address: bytes) -> RelayFill:
         assert self.instance is not None
         return self._relay_fill(self.instance, request_id, address)
+
+    async def _partner_embedding(self, inst: Instance, request, context) -> torch.Tensor:
+        """A ZigZag request on a loading instance whose embedding has not arrived (it comes after
+        the decoder layers): the prompt's embedding, looked up by the request's full partner.
+        UNAVAILABLE if it cannot be had (the partner then computes the prompt whole)."""
+        address = request.zigzag_first_layers.partner.dataplane_address
+        transport = self.transport
+        if not address or transport is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"instance {self.instance_id} has not loaded its embedding yet, and the ZigZag request names"
+                " no partner data plane to look the prompt up",
+            )
+        config = self._pull_config()
+        try:
+            return await embed_from(
+                transport,
+                bytes(address),
+                list(request.prompt_token_ids),
+                model_id=inst.model_id,
+                stall_timeout_s=config.stall_timeout_s,
+                connect_timeout_s=config.connect_timeout_s,
+            )
+        except (DataPlaneError, OSError, TimeoutError) as e:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"instance {self.instance_id}: the partner could not embed the prompt ({e}); it computes it whole",
+            )
+        raise AssertionError("unreachable")  # context.abort raises
 
     def _relay_fill(self, inst: Instance, request_id: str, address: bytes) -> RelayFill:
         """ZigZag, the full partner: take `request_id` over from the loading instance at `address`
@@ -602,8 +640,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     loaded += 1
                     self._check_engine(self.instance)
                     LAYERS_LOADED.set(model.num_layers_loaded)
-                    if self.instance.engine is None and "embed" in model.loaded_groups:
-                        # Serve ZigZag requests with the layers as they arrive (live scaling).
+                    if self.instance.engine is None and (model.num_layers_loaded or "embed" in model.loaded_groups):
+                        # Serve ZigZag requests with the layers as they arrive (live scaling); the
+                        # embedding comes after them, the partner's stands in until then.
                         await self._start_engine(model_id, model, eos_ids, partial=True)
                     yield worker_pb2.LoadProgress(
                         groups_loaded=loaded,

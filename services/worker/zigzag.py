@@ -16,6 +16,15 @@ Wire protocol, on one connection served by the loading instance's `GroupServer` 
      partner computes the prompt whole); or {"ok": false, "error"}.
 Every wait is bounded by `stall_timeout_s`; any failure leaves the partner to compute the prompt
 whole, which gives the same tokens.
+
+A loading instance receives the decoder layers first and the embedding after them (it is a
+quarter of a small model, and a loading instance needs only a prompt's rows of it), so it goes
+live with its first layer. Until its own embedding lands it asks the partner, on the partner's
+`GroupServer` (op "zigzag_embed"):
+  1. loading -> partner, CONTROL_TAG: {"op": "zigzag_embed", "model_id", "token_ids"}.
+  2. partner -> loading, CONTROL_TAG: {"ok": true, "shape", "dtype", "checksum"}, then the prompt's
+     embedding on DATA_TAG_BASE; or {"ok": false, "error"}.
+The rows are the partner's own lookup of the same weights: the same floats as a local one.
 """
 
 from __future__ import annotations
@@ -46,11 +55,12 @@ from services.worker.kv_transfer import (
     receive_kv,
 )
 
-__all__ = ["RELAY_OP", "RelayServer", "RelayState", "relay_from", "take_over"]
+__all__ = ["EMBED_OP", "RELAY_OP", "RelayServer", "RelayState", "embed_from", "relay_from", "take_over"]
 
 log = structlog.get_logger(__name__)
 
 RELAY_OP: Final = "zigzag_relay"
+EMBED_OP: Final = "zigzag_embed"
 _MAX_CONTROL_BYTES: Final = 1 << 20
 _DTYPES: Final = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,7 +87,8 @@ def _np_view(t: torch.Tensor) -> np.ndarray:
 
 
 class RelayServer:
-    """The loading instance's side: answers relays of its ZigZag requests."""
+    """The loading instance's side: answers relays of its ZigZag requests. And the partner's:
+    looks up the prompts of a loading instance that has not received its embedding yet."""
 
     def __init__(
         self,
@@ -94,9 +105,41 @@ class RelayServer:
         self._stall_timeout_s = stall_timeout_s
         self._group_server = group_server
         group_server.register_op(RELAY_OP, self._serve)
+        group_server.register_op(EMBED_OP, self._serve_embed)
 
     def close(self) -> None:
         self._group_server.unregister_op(RELAY_OP)
+        self._group_server.unregister_op(EMBED_OP)
+
+    async def _serve_embed(self, ep: Endpoint, req: dict[str, Any]) -> None:
+        timeout = self._stall_timeout_s
+        model = self.engine.model
+        ids = req.get("token_ids")
+        error = None
+        if req.get("model_id") != self.model_id:
+            error = f"this instance serves {self.model_id!r}, not {req.get('model_id')!r}"
+        elif "embed" not in model.loaded_groups:
+            error = f"the embedding of {self.model_id!r} is not loaded here"
+        elif (
+            not isinstance(ids, list)
+            or not ids
+            or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < model.config.vocab_size for t in ids)
+        ):
+            error = f"token_ids must be a non-empty list of ids in [0, {model.config.vocab_size}), got {ids!r:.200}"
+        if error is not None:
+            await ep.send_msg(encode_control({"ok": False, "error": error}), CONTROL_TAG, timeout_s=timeout)
+            return
+        # A row lookup (no compute worth a thread), of weights that never change once loaded.
+        hidden = model.embed(torch.tensor(ids, dtype=torch.long, device=model.device)).cpu().contiguous()
+        data = _np_view(hidden)
+        answer = {
+            "ok": True,
+            "shape": list(hidden.shape),
+            "dtype": dtype_name(hidden.dtype),
+            "checksum": group_checksum(data),
+        }
+        await ep.send_msg(encode_control(answer), CONTROL_TAG, timeout_s=timeout)
+        await ep.send(data, DATA_TAG_BASE, timeout_s=timeout)
 
     async def _serve(self, ep: Endpoint, req: dict[str, Any]) -> None:
         request_id = str(req.get("request_id", ""))
@@ -187,6 +230,52 @@ async def relay_from(
             )
         ok = True
         return RelayState(layers, desc, hidden)
+    finally:
+        if ok:
+            await ep.close()
+        else:
+            ep.abort()
+
+
+async def embed_from(
+    transport: Transport,
+    address: bytes,
+    token_ids: list[int],
+    *,
+    model_id: str,
+    stall_timeout_s: float = 10.0,
+    connect_timeout_s: float | None = None,
+) -> torch.Tensor:
+    """The embedding of `token_ids`, looked up by the partner at `address` (a loading instance
+    that has its first decoder layers but not its embedding yet). Raises on any failure."""
+    peer = address_label(address)
+    ep = await transport.connect(address, timeout_s=connect_timeout_s or stall_timeout_s)
+    ok = False
+    try:
+        await ep.send_msg(
+            encode_control({"op": EMBED_OP, "model_id": model_id, "token_ids": list(token_ids)}),
+            CONTROL_TAG,
+            timeout_s=stall_timeout_s,
+        )
+        answer = decode_control(
+            await ep.recv_msg(CONTROL_TAG, timeout_s=stall_timeout_s, max_bytes=_MAX_CONTROL_BYTES),
+            "zigzag embed answer",
+            peer,
+        )
+        if answer.get("ok") is not True:
+            raise ProtocolError(f"zigzag embedding refused by {peer}: {answer.get('error')}")
+        dtype = _DTYPES.get(answer.get("dtype", ""))
+        shape = [int(n) for n in answer.get("shape", [])]
+        if dtype is None or len(shape) != 2 or shape[0] != len(token_ids):
+            raise ProtocolError(f"zigzag embedding from {peer}: bad shape or dtype {answer!r:.200}")
+        hidden = torch.empty(shape, dtype=dtype)
+        data = _np_view(hidden)
+        await ep.recv_into(data, DATA_TAG_BASE, timeout_s=stall_timeout_s)
+        got = group_checksum(data)
+        if got != answer.get("checksum"):
+            raise ChecksumMismatch(f"zigzag embedding from {peer}: checksum {got} != {answer.get('checksum')}")
+        ok = True
+        return hidden
     finally:
         if ok:
             await ep.close()

@@ -80,9 +80,15 @@ class Peer:
 class ZigzagOffloader:
     """Hands this instance's waiting requests to its loading peers to run ahead (module doc)."""
 
-    def __init__(self, engine: Callable[[], Engine | None], relay_fill: Callable[[str, bytes], RelayFill]) -> None:
+    def __init__(
+        self,
+        engine: Callable[[], Engine | None],
+        relay_fill: Callable[[str, bytes], RelayFill],
+        me: Callable[[], worker_pb2.ZigzagSource] = worker_pb2.ZigzagSource,
+    ) -> None:
         self._engine = engine  # the current engine (None while there is none)
         self._relay_fill = relay_fill  # (request id, peer's data-plane address) -> the take-over
+        self._me = me  # this instance and its data plane (embeds prompts for a peer without its embedding)
         self.peers: dict[str, Peer] = {}
         self._ahead: dict[str, tuple[str, asyncio.Task[None]]] = {}  # request id -> (peer id, run-ahead)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -150,7 +156,7 @@ class ZigzagOffloader:
                     sampling=sampling_to_proto(replace(params, prompt_logprobs=None)),
                     layer_start=0,
                     layer_end=peer.layers_loaded,
-                    zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode(),
+                    zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode(partner=self._me()),
                 ),
                 timeout=_RUN_AHEAD_TIMEOUT_S,
             )

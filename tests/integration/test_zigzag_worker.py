@@ -107,9 +107,10 @@ async def test_a_loading_worker_runs_first_layers_and_its_partner_finishes_exact
     models: Path, serve_in_process: ServeFactory
 ) -> None:
     prompts = [[1, *range(7, 7 + n)] for n in (5, 40, 90)]
-    # 0.02 Gbit/s: the ~5 MB model takes a couple of seconds to arrive, layer by layer.
-    async with pair(models, serve_in_process, link_gbps=0.02) as p:
-        (_, old), (new_svc, new) = p["old"], p["new"]
+    # 0.01 Gbit/s: the ~6 MB model takes about 5 s to arrive, layer by layer, the embedding (a
+    # sixth of it) after the six layers.
+    async with pair(models, serve_in_process, link_gbps=0.01) as p:
+        (old_svc, old), (new_svc, new) = p["old"], p["new"]
         expected = [await tokens(old.Generate(request(f"whole-{i}", pr), timeout=30)) for i, pr in enumerate(prompts)]
         await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
         info = await new.GetStatus(worker_pb2.GetStatusRequest())
@@ -121,15 +122,15 @@ async def test_a_loading_worker_runs_first_layers_and_its_partner_finishes_exact
         address = new_svc.servicer.transport.address()  # type: ignore[union-attr]
         firsts = [
             asyncio.create_task(
-                collect(
-                    new.Generate(
-                        request(f"r{i}", pr, zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode()), timeout=60
-                    )
-                )
+                collect(new.Generate(request(f"r{i}", pr, zigzag_first_layers=first_layers_with(old_svc)), timeout=60))
             )
             for i, pr in enumerate(prompts)
         ]
         engine = engine_of(new_svc)
+        # Live from its first layer: the partner embedded the prompts (no embedding here yet).
+        await wait_until(
+            lambda: engine.zigzag["partner_embedded"] == 3, 10, what="three prompts embedded by the partner"
+        )
         await wait_until(
             lambda: all((s := engine._by_id.get(f"r{i}")) is not None and s.zz_layers >= 1 for i in range(3)),
             30,
@@ -151,9 +152,10 @@ async def test_a_loading_worker_runs_first_layers_and_its_partner_finishes_exact
         assert status.load.zigzag_relayed_total == 3
         # The loading worker frees each relayed request's KV once its partner has pulled it.
         await wait_until(lambda: engine.kv_cache.used_blocks == 0, 10, what="relayed KV freed")
-        # It then finishes loading and serves on its own.
+        # It then finishes loading and serves on its own. The layers came first, one group each.
         progress = await p["load"]
         assert progress[-1].done
+        assert [m.layers_loaded for m in progress[:6]] == [1, 2, 3, 4, 5, 6]
         assert await tokens(new.Generate(request("after", prompts[1]), timeout=30)) == expected[1]
 
 
@@ -167,9 +169,7 @@ async def test_a_dead_loading_worker_leaves_its_requests_to_be_recomputed(
         await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
         address = new_svc.servicer.transport.address()  # type: ignore[union-attr]
         first = asyncio.create_task(
-            collect(
-                new.Generate(request("r", prompt, zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode()), timeout=60)
-            )
+            collect(new.Generate(request("r", prompt, zigzag_first_layers=first_layers_with(old_svc)), timeout=60))
         )
         await wait_until(lambda: "r" in engine_of(new_svc)._by_id, 10, what="the request on the loading worker")
         # The loading worker's load fails (its engine stops): the partner's relay finds nothing.
@@ -181,6 +181,16 @@ async def test_a_dead_loading_worker_leaves_its_requests_to_be_recomputed(
         assert engine_of(old_svc).zigzag["recomputed"] == 1
         with pytest.raises(grpc.aio.AioRpcError):
             await first
+
+
+def first_layers_with(partner: WorkerService) -> worker_pb2.ZigzagFirstLayersMode:
+    """The first hop's mode as the gateway sends it: naming the full partner, whose data plane
+    embeds the prompt while the loading worker has no embedding yet (it arrives after the layers)."""
+    transport = partner.servicer.transport
+    assert transport is not None
+    return worker_pb2.ZigzagFirstLayersMode(
+        partner=worker_pb2.ZigzagSource(instance_id="old", dataplane_address=transport.address())
+    )
 
 
 def engine_of(svc: WorkerService) -> Any:
@@ -198,9 +208,7 @@ async def test_disaggregated_zigzag_hands_the_whole_kv_to_decode(models: Path, s
         expected = await tokens(old.Generate(request("whole", prompt), timeout=30))
         await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
         first = asyncio.create_task(
-            collect(
-                new.Generate(request("r", prompt, zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode()), timeout=60)
-            )
+            collect(new.Generate(request("r", prompt, zigzag_first_layers=first_layers_with(old_svc)), timeout=60))
         )
         await wait_until(
             lambda: getattr(engine_of(new_svc)._by_id.get("r"), "zz_layers", 0) >= 1, 30, what="a first layer run"
@@ -318,7 +326,7 @@ async def test_hand_back_moves_a_split_requests_decode_to_the_loaded_worker_with
         (old_svc, old), (new_svc, new) = p["old"], p["new"]
         await wait_until(lambda: engine_of(new_svc) is not None, 30, what="the loading worker's engine started")
         first = asyncio.create_task(
-            collect(new.Generate(req("r", zigzag_first_layers=worker_pb2.ZigzagFirstLayersMode()), timeout=120))
+            collect(new.Generate(req("r", zigzag_first_layers=first_layers_with(old_svc)), timeout=120))
         )
         await wait_until(
             lambda: getattr(engine_of(new_svc)._by_id.get("r"), "zz_layers", 0) >= 1, 30, what="a first layer run"

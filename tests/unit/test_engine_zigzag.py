@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.common.waiting import wait_until
 from services.model_format import synth
@@ -42,11 +43,12 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def partial_model(path: Path, layers: int) -> tuple[LlamaForCausalLM, Checkpoint]:
-    """The model as a loading instance holds it: embed and decoder layers [0, layers)."""
+def partial_model(path: Path, layers: int, *, embed: bool = True) -> tuple[LlamaForCausalLM, Checkpoint]:
+    """The model as a loading instance holds it: decoder layers [0, layers), and the embedding
+    (which a live load streams after the layers) when `embed`."""
     ckpt = Checkpoint(path)
     model = LlamaForCausalLM(ckpt.config)
-    model.load_groups(ckpt.iter_groups(["embed", *(f"layers.{i}" for i in range(layers))]))
+    model.load_groups(ckpt.iter_groups([*(["embed"] if embed else []), *(f"layers.{i}" for i in range(layers))]))
     return model, ckpt
 
 
@@ -129,10 +131,64 @@ async def test_a_request_split_at_any_layer_gives_the_tokens_of_a_whole_run(
                 "relayed": 0,
                 "continued": len(prompts) if layers else 0,
                 "recomputed": 0 if layers else len(prompts),
+                "partner_embedded": 0,
             }
             assert old.kv_cache.used_blocks == 0
         assert new.zigzag["relayed"] == len(prompts)
         assert new.kv_cache.used_blocks == 0 and new.stats().kv_blocks_parked == 0
+    finally:
+        await new.stop()
+
+
+def embedded(model: LlamaForCausalLM, prompt: Sequence[int]) -> torch.Tensor:
+    return model.embed(torch.tensor(prompt, dtype=torch.long))
+
+
+def layers_run(engine: Engine, request_id: str) -> int | None:
+    seq = engine._by_id.get(request_id)
+    return None if seq is None else seq.zz_layers
+
+
+@pytest.mark.parametrize("params", [PARAMS, SEEDED], ids=["greedy", "seeded"])
+async def test_a_loading_instance_without_its_embedding_runs_prompts_the_partner_embedded(
+    ckpt: Path, params: SamplingParams
+) -> None:
+    full = full_model(ckpt)
+    prompts = [prompt_of(n, seed) for seed, n in enumerate((7, 23, 40))]
+    async with make_engine(full) as whole:
+        expected = await asyncio.gather(*(collect(whole, f"r{i}", p, params) for i, p in enumerate(prompts)))
+    # Layers 0 and 1 arrived; the embedding (streamed after every layer) has not.
+    model, ckpt_ = partial_model(ckpt, 2, embed=False)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        with pytest.raises(ValueError, match="embedding is not loaded here yet"):
+            await collect_stream(new.generate("bare", prompts[0], params, zigzag=True))
+        with pytest.raises(ValueError, match=r"expected \(7, 128\)"):
+            await collect_stream(
+                new.generate("short", prompts[0], params, zigzag=True, zigzag_embedded=embedded(full, prompts[1]))
+            )
+        async with make_engine(full) as old:
+            for i, p in enumerate(prompts):
+                # The partner's lookup of the same weights (services/worker/zigzag.py `embed_from`).
+                first = asyncio.create_task(
+                    collect_stream(new.generate(f"r{i}", p, params, zigzag=True, zigzag_embedded=embedded(full, p)))
+                )
+                loaded = model.num_layers_loaded
+                await wait_until(
+                    lambda i=i, k=loaded: layers_run(new, f"r{i}") == k, 10, what="the prompt through the loaded layers"
+                )
+                if i == 1:
+                    # The next layer lands: the request runs it too, from its hidden states.
+                    load_layer(model, ckpt_, "layers.2")
+                    new.notify_layers()
+                    await wait_until(lambda: layers_run(new, "r1") == 3, 10, what="the prompt through the third layer")
+                rest = await collect_stream(old.generate(f"r{i}", p, params, relay_fill=relay_from(new, f"r{i}")))
+                assert (await first)[0].zigzag_layers == (2 if i == 0 else 3)
+                assert [e.token_id for e in rest] == [e.token_id for e in expected[i]], i
+            assert old.zigzag["continued"] == len(prompts) and old.zigzag["recomputed"] == 0
+        assert new.zigzag["partner_embedded"] == len(prompts)
+        assert new.kv_cache.used_blocks == 0
     finally:
         await new.stop()
 
@@ -393,7 +449,7 @@ async def test_a_relayed_prompt_longer_than_one_iteration_is_computed_whole(ckpt
                 collect_stream(old.generate("long", prompt, PARAMS, relay_fill=relay_from(new, "long"))), 60
             )
             assert [e.token_id for e in rest] == expected
-            assert old.zigzag == {"relayed": 0, "continued": 0, "recomputed": 0}
+            assert old.zigzag == {"relayed": 0, "continued": 0, "recomputed": 0, "partner_embedded": 0}
             new.abort("long")  # what the gateway does once the partner's stream has ended
             assert [e.finish_reason for e in await asyncio.wait_for(first, 10)] == ["abort"]
     finally:

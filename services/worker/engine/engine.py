@@ -421,7 +421,12 @@ class Engine:
         self._parked: dict[str, int] = {}  # cache id -> blocks, KV kept for a hand-off
         self._park_seq = 0
         self.kv_fills = {"pulled": 0, "recomputed": 0}  # decode side: how each KV fill ended
-        self.zigzag = {"relayed": 0, "continued": 0, "recomputed": 0}  # ZigZag outcomes, both sides
+        self.zigzag = {
+            "relayed": 0,
+            "continued": 0,
+            "recomputed": 0,
+            "partner_embedded": 0,
+        }  # ZigZag outcomes, both sides
         self._in_step: set[str] = set()  # requests the compute thread works on right now
         # Prefix caching: tokens of looked-up prompts found cached / looked up, since start.
         self._prefix_hit_tokens = 0
@@ -485,13 +490,15 @@ class Engine:
 
     async def start(self, *, partial: bool = False) -> None:
         """Start the engine loop (idempotent). The model must be complete, unless `partial`: a
-        loading instance serves ZigZag requests with the layers it holds (their embedding first),
-        and everything else once the model is complete."""
+        loading instance serves ZigZag requests with the decoder layers it holds (from the first
+        layer on: a request's embedding comes with it while this instance has none), and
+        everything else once the model is complete."""
         if self._stopped:
             raise EngineStoppedError("engine was stopped; build a new one")
         if self._task is not None:
             return
-        if not self.model.is_complete and not (partial and "embed" in self.model.loaded_groups):
+        runnable = self.model.num_layers_loaded >= 1 or "embed" in self.model.loaded_groups
+        if not self.model.is_complete and not (partial and runnable):
             raise RuntimeError(f"model is not complete: loaded groups {self.model.loaded_groups!r}")
         threads = self.config.num_threads
         if self._cpu_share is not None:
@@ -585,6 +592,7 @@ class Engine:
         handoff: bool = False,
         kv_fill: KVFill | None = None,
         zigzag: bool = False,
+        zigzag_embedded: torch.Tensor | None = None,
         relay_fill: RelayFill | None = None,
         slo: RequestSLO | None = None,
     ) -> EngineRequest:
@@ -624,6 +632,20 @@ class Engine:
             raise ValueError(f"request {request_id!r}: a ZigZag request cannot resume tokens")
         if zigzag and sampling.prompt_logprobs is not None:
             raise ValueError(f"request {request_id!r}: a ZigZag request cannot ask for prompt_logprobs")
+        if zigzag_embedded is not None:
+            hidden_size = self.model.config.hidden_size
+            if not zigzag:
+                raise ValueError(f"request {request_id!r}: only a ZigZag request comes with its embedding")
+            if tuple(zigzag_embedded.shape) != (len(prompt), hidden_size) or zigzag_embedded.dtype != self.model.dtype:
+                raise ValueError(
+                    f"request {request_id!r}: its embedding has shape {tuple(zigzag_embedded.shape)} and dtype"
+                    f" {zigzag_embedded.dtype}, expected ({len(prompt)}, {hidden_size}) and {self.model.dtype}"
+                )
+        elif zigzag and "embed" not in self.model.loaded_groups:
+            raise ValueError(
+                f"request {request_id!r}: the embedding is not loaded here yet, so a ZigZag request must bring"
+                " its prompt's embedding (looked up by its partner)"
+            )
         if not zigzag and not self.model.is_complete:
             raise EngineStoppedError(
                 f"the model is still loading ({self.model.num_layers_loaded} of"
@@ -671,6 +693,8 @@ class Engine:
         )
         if mode is RequestMode.ZIGZAG_FIRST_LAYERS:
             seq.blocks_reserved = self.kv_cache.blocks_needed(len(prompt))
+            seq.zz_embedded = zigzag_embedded
+            self.zigzag["partner_embedded"] += zigzag_embedded is not None
         # Prefix caching skips computing a request's first tokens, so it is off where those must
         # run here or arrive from elsewhere: a ZigZag request on a loading instance runs its prompt
         # through some layers only (its blocks never hold every layer's KV), one taken over from a
@@ -709,6 +733,7 @@ class Engine:
         handoff: bool = False,
         kv_fill: KVFill | None = None,
         zigzag: bool = False,
+        zigzag_embedded: torch.Tensor | None = None,
         relay_fill: RelayFill | None = None,
         slo: RequestSLO | None = None,
     ) -> AsyncIterator[TokenEvent]:
@@ -735,7 +760,9 @@ class Engine:
         - `zigzag` (a loading instance): the prompt runs through the decoder layers held here, as
           they arrive (requests whose next layer is loaded first, then in arrival order), until
           its full partner takes it over (`relay`). The stream's one event then carries
-          `zigzag_layers`. No token is sampled here.
+          `zigzag_layers`. No token is sampled here. A loading instance receives its embedding
+          after the decoder layers (the partner holds one and serves them in the meantime):
+          until then `zigzag_embedded` is the prompt's embedding, looked up by the partner.
         - `relay_fill` (the full partner): once admitted (in arrival order, as any request),
           `relay_fill` takes the request over from the loading instance, pulling the KV of the
           layers that ran there (the loading instance has worked on it while it queued here); the remaining layers run here on the hidden states it brings,
@@ -756,6 +783,7 @@ class Engine:
             handoff=handoff,
             kv_fill=kv_fill,
             zigzag=zigzag,
+            zigzag_embedded=zigzag_embedded,
             relay_fill=relay_fill,
             slo=slo,
         )
@@ -1314,7 +1342,7 @@ class Engine:
             seq = part.seq
             if seq.status.is_finished():
                 continue
-            seq.zz_layers, seq.zz_hidden = part.layer_end, hidden
+            seq.zz_layers, seq.zz_hidden, seq.zz_embedded = part.layer_end, hidden, None
             if part.layer_end == self.model.config.num_hidden_layers and self.config.enable_prefix_caching:
                 # Every layer of its prompt ran here (the load completed under it): its full
                 # blocks may serve the request whole when it moves here (the partner's backlog
@@ -1537,7 +1565,9 @@ class Engine:
             batch = ForwardBatch.build(
                 [part.num_tokens], [0], [part.block_table], self.kv_cache.block_size, device=device
             )
-            if part.layer_start == 0:
+            if part.layer_start == 0 and part.seq.zz_embedded is not None:
+                hidden = part.seq.zz_embedded.to(device)  # looked up by its partner (no embedding here yet)
+            elif part.layer_start == 0:
                 hidden = model.embed(torch.tensor(part.seq.prompt, dtype=torch.long, device=device))
             else:
                 assert part.hidden is not None

@@ -156,6 +156,9 @@ class EngineRequest:
     fill_task: asyncio.Task[None] | None = None  # the pull, while it runs (status WAITING_FOR_KV)
     zz_layers: int = 0  # ZigZag: decoder layers of the prompt that ran (loading side) or arrived (partner)
     zz_hidden: torch.Tensor | None = None  # the prompt's hidden states after layer zz_layers
+    # ZigZag on a loading instance without its embedding yet: the prompt's embedding, looked up
+    # by the partner, until the first layers have run.
+    zz_embedded: torch.Tensor | None = None
     relay_waiters: list[asyncio.Future[RelayOutcome]] = field(default_factory=list)
     slo: RequestSLO | None = None  # latency objectives (SCORPIO schedules by them; FCFS ignores them)
     scorpio: SLOTicket | None = None  # SCORPIO's view of it (scheduling_policy="scorpio" only)
