@@ -155,6 +155,7 @@ class RunConfig:
     # When a live instance finishes loading, its partner's running requests above an even share
     # move to it with their KV (`plan_hand_back`, as the live GM does).
     zigzag_hand_back: bool = _ZIGZAG.hand_back
+    zigzag_hand_back_min_tokens_left: int = _ZIGZAG.hand_back_min_tokens_left
     # "always": pair every live loading instance whatever the gate says (an upper bound of the
     # layer-level model, not what the live GM does).
     zigzag_gate: Literal["all_overloaded", "always"] = "all_overloaded"
@@ -330,6 +331,7 @@ class Simulation:
                 ttft_s=cfg.zigzag_ttft_s,
                 stall_s=cfg.zigzag_stall_s,
                 hand_back=cfg.zigzag_hand_back,
+                hand_back_min_tokens_left=cfg.zigzag_hand_back_min_tokens_left,
             )
         )
         self.boosted: dict[str, float] = {}
@@ -894,7 +896,7 @@ class Simulation:
         if not source.alive:
             return
         if action.running:
-            moved = source.release_running(action.n)
+            moved = source.release_running(action.n, action.min_tokens_left)
             for req in moved:
                 req.kv_from, req.kv_kind = action.source, "migration"
                 req.resumed += 1

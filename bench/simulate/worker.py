@@ -257,12 +257,16 @@ class SimWorker:
             out.append(r)
         return out
 
-    def release_running(self, n: int) -> list[SimRequest]:
-        """Live migration: up to n decoding rows, the most recently started first (the least KV
-        to move), leave between steps; their KV stays offered here until the new instance has
-        pulled it (`release_offer`). Each one's `generated` is brought up to date."""
+    def release_running(self, n: int, min_tokens_left: int = 0) -> list[SimRequest]:
+        """Live migration: up to n decoding rows with at least `min_tokens_left` tokens left, the
+        most recently started first (the least KV to move), leave between steps; their KV stays
+        offered here until the new instance has pulled it (`release_offer`). Each one's
+        `generated` is brought up to date."""
         self._interrupt()
-        rows = sorted(self.decoding, key=lambda e: (-e[2].step0, -e[2].index))[:n]
+        left = [
+            e for e in self.decoding if e[2].output - (e[2].generated + self.step_no - e[2].step0) >= min_tokens_left
+        ]
+        rows = sorted(left, key=lambda e: (-e[2].step0, -e[2].index))[:n]
         out = []
         for entry in rows:
             r = entry[2]

@@ -588,17 +588,23 @@ class ReleaseRunningRequest(_message.Message):
 
     MAX_REQUESTS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_LEFT_FIELD_NUMBER: _builtins.int
     max_requests: _builtins.int
     reason: _builtins.str
+    min_tokens_left: _builtins.int
+    """Only requests with at least this many tokens left of their max_tokens leave (0: any). A move
+    costs a round trip through the gateway and a KV pull: not worth it for a few last tokens.
+    """
     def __init__(
         self,
         *,
         max_requests: _builtins.int = ...,
         reason: _builtins.str = ...,
+        min_tokens_left: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_requests", b"max_requests", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_requests", b"max_requests", "min_tokens_left", b"min_tokens_left", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -343,9 +343,10 @@ class GrpcActuator:
         if address is not None:
             try:
                 stub = worker_pb2_grpc.WorkerStub(self._channel(address))
-                resp = await getattr(stub, rpc)(
-                    request_type(max_requests=action.n, reason=action.reason), timeout=RELEASE_TIMEOUT_S
-                )
+                request = request_type(max_requests=action.n, reason=action.reason)
+                if action.running:
+                    request.min_tokens_left = action.min_tokens_left
+                resp = await getattr(stub, rpc)(request, timeout=RELEASE_TIMEOUT_S)
                 moved = len(resp.request_ids)
             except grpc.aio.AioRpcError as e:
                 log.warning(

@@ -120,6 +120,12 @@ class GlobalManagerConfig(ServiceConfig):
         description="when a ZigZag-serving instance finishes loading, its partner's running requests above an even "
         "share of the two move to it by live migration, with their KV",
     )
+    zigzag_hand_back_min_tokens_left: int = Field(
+        ZIGZAG_DEFAULTS.hand_back_min_tokens_left,
+        ge=0,
+        description="hand-back moves only running requests with at least this many tokens left to generate (a move "
+        "costs a new route and a KV pull; 0: any)",
+    )
     borrow_prefill: bool = Field(
         True,
         description="borrowed prefill (TokenScale), split deployments: while every SERVING prefill instance's queued "

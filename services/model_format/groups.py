@@ -61,7 +61,7 @@ def live_load_order(groups: Iterable[str]) -> list[str]:
     """The order a load streams `groups` in: the decoder layers first, by index, then the
     embedding, then the head (any other name last, as given). A loading instance serves ZigZag
     requests from its first layer on, its partner embedding their prompts meanwhile, so the
-    embedding (a quarter of a small model) is not in the way of the first layer."""
+    embedding (a fifth of the `small` model) is not in the way of the first layer."""
     named = list(groups)
     rank = {EMBED: 1, HEAD: 2}
 

@@ -860,13 +860,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def ReleaseRunning(self, request, context):
         inst = self.instance
-        if request.max_requests < 0:
+        if request.max_requests < 0 or request.min_tokens_left < 0:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"max_requests must be >= 0, got {request.max_requests}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_requests and min_tokens_left must be >= 0, got {request.max_requests} and"
+                f" {request.min_tokens_left}",
             )
         if self.state != "serving" or inst is None or inst.engine is None or inst.kv_server is None:
             return worker_pb2.ReleaseRunningResponse()
-        released = inst.engine.release_running(request.max_requests, request.reason or "live migration")
+        released = inst.engine.release_running(
+            request.max_requests, request.reason or "live migration", min_tokens_left=request.min_tokens_left
+        )
         return worker_pb2.ReleaseRunningResponse(request_ids=released)
 
     async def Drain(self, request, context):

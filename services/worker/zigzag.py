@@ -18,7 +18,7 @@ Every wait is bounded by `stall_timeout_s`; any failure leaves the partner to co
 whole, which gives the same tokens.
 
 A loading instance receives the decoder layers first and the embedding after them (it is a
-quarter of a small model, and a loading instance needs only a prompt's rows of it), so it goes
+fifth of the `small` model, and a loading instance needs only a prompt's rows of it), so it goes
 live with its first layer. Until its own embedding lands it asks the partner, on the partner's
 `GroupServer` (op "zigzag_embed"):
   1. loading -> partner, CONTROL_TAG: {"op": "zigzag_embed", "model_id", "token_ids"}.

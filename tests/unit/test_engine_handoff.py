@@ -242,3 +242,27 @@ async def test_a_live_migrated_request_continues_exactly_with_its_kv(model: Llam
         assert source.release_parked(last.parked_kv) > 0 and source.kv_cache.used_blocks == 0
         # Nothing else is released: a queued or prefilling request has no KV worth moving.
         assert source.release_running(4, "test") == []
+
+
+async def test_a_live_migration_leaves_requests_too_close_to_their_end_to_be_worth_moving(
+    model: LlamaForCausalLM,
+) -> None:
+    """`min_tokens_left` (the manager's hand-back): a request with fewer tokens left of its
+    max_tokens stays and finishes here; one with enough left leaves with its KV."""
+    pacing = PacingProfile(base_s=0.01, per_token_s=0)
+    short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    async with make_engine(model, pacing=pacing) as source:
+        events: dict[str, list[TokenEvent]] = {"short": [], "long": []}
+
+        async def run(rid: str, params: SamplingParams) -> None:
+            async for ev in source.generate(rid, prompt_of(17, 3), params):
+                events[rid].append(ev)
+
+        tasks = [asyncio.create_task(run("short", short)), asyncio.create_task(run("long", long))]
+        await wait_until(lambda: all(len(e) >= 4 for e in events.values()), 5, what="four tokens of each")
+        # "short" has at most 8 of 12 left, "long" at least 50 of 60.
+        assert source.release_running(4, "test", min_tokens_left=20) == ["long"]
+        await asyncio.gather(*tasks)
+        assert events["long"][-1].parked_kv is not None and events["long"][-1].token_id is None
+        assert events["short"][-1].finish_reason == "length" and len(events["short"]) == 12

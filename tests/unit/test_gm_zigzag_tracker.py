@@ -157,7 +157,7 @@ def test_a_live_instance_that_loaded_hands_work_back_from_its_partner() -> None:
     t.load_progress(0.0, "n", "m", 3, 8)
     assert t.route(0.1, overloaded_pool(), "m", C, excluded=(), reachable={"n"}).split is not None
     step = t.load_done("n", loaded=True)
-    assert step.effects[-1] == zz.HandBack("n", "b", "m")
+    assert step.effects[-1] == zz.HandBack("n", "b", "m", zz.ZigzagSettings().hand_back_min_tokens_left)
     assert t.split_with == {}
     # A failed load hands nothing back; nor does a load that never split a request.
     t.load_progress(0.0, "f", "m", 3, 8)
@@ -165,6 +165,16 @@ def test_a_live_instance_that_loaded_hands_work_back_from_its_partner() -> None:
     assert not any(isinstance(e, zz.HandBack) for e in t.load_done("f", loaded=False).effects)
     t.load_progress(0.0, "q", "m", 3, 8)
     assert not any(isinstance(e, zz.HandBack) for e in t.load_done("q", loaded=True).effects)
+    # The settings' threshold goes with it, and on to the partner's release.
+    picky = zz.ZigzagTracker(zz.ZigzagSettings(hand_back_min_tokens_left=40))
+    picky.load_progress(0.0, "n", "m", 3, 8)
+    picky.note_split("n", "b")
+    (back,) = [e for e in picky.load_done("n", loaded=True).effects if isinstance(e, zz.HandBack)]
+    assert back.min_tokens_left == 40
+    move = zz.plan_hand_back([view("n", role=C), view("b", role=C, running=6)], back)
+    assert move is not None and (move.n, move.min_tokens_left) == (3, 40)
+    with pytest.raises(ValueError, match="hand_back_min_tokens_left must be >= 0, got -1"):
+        zz.ZigzagSettings(hand_back_min_tokens_left=-1)
     off = zz.ZigzagTracker(zz.ZigzagSettings(hand_back=False))
     off.load_progress(0.0, "n", "m", 3, 8)
     off.note_split("n", "b")

@@ -139,6 +139,21 @@ def test_worker_does_skip_steps() -> None:
     assert w.step_no == 500 and loop.events_run < 10  # spans of 8, 16, ... 256 steps
 
 
+def test_a_live_migration_leaves_rows_too_close_to_their_end() -> None:
+    """As the engine's `release_running(min_tokens_left=...)`: the manager's hand-back moves
+    only rows with enough tokens left to be worth a move."""
+    loop = EventLoop()
+    w = SimWorker("w", "h", H100, loop, lambda r: None, lambda r: None, lambda i: None)
+    near, far = SimRequest(0, 0.0, 100, 30), SimRequest(1, 0.0, 100, 500)
+    w.submit(near)
+    w.submit(far)
+    loop.run(0.2)  # both decoding; `near` has fewer than 30 tokens left, `far` hundreds
+    assert len(w.decoding) == 2
+    assert [r.index for r in w.release_running(2, min_tokens_left=50)] == [1]
+    assert far.generated > 0 and far.remaining >= 50
+    assert [r.index for r in w.release_running(2, min_tokens_left=50)] == []
+
+
 # ---- routing index ---------------------------------------------------------------------------
 def _plan_route(reg: IndexedRegistry, tokens: int, exclude: set[str]) -> tuple[Any, ...]:
     """The core's answer for a request of `tokens` (16-token KV blocks) on model "m"."""

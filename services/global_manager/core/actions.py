@@ -54,14 +54,16 @@ class UpdateLocation:
 @dataclasses.dataclass(frozen=True, slots=True)
 class MigrateRequests:
     """Ask `source` to release up to `n` requests for the gateway to re-route: running ones with
-    their KV (live migration, `why` the target it is over) or, with `running=False`, queued ones
-    (a rebalance after a scale-out, `why` the instance that joined)."""
+    their KV (live migration, `why` the target it is over; only those with at least
+    `min_tokens_left` tokens left to generate) or, with `running=False`, queued ones (a rebalance
+    after a scale-out, `why` the instance that joined)."""
 
     source: str
     model: str
     n: int
     running: bool
     why: str
+    min_tokens_left: int = 0
 
     @property
     def reason(self) -> str:

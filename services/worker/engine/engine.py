@@ -860,9 +860,10 @@ class Engine:
         if seq is not None and not seq.status.is_finished():
             self._finish(seq, "abort")
 
-    def release_running(self, max_requests: int, reason: str) -> list[str]:
+    def release_running(self, max_requests: int, reason: str, *, min_tokens_left: int = 0) -> list[str]:
         """Live migration: up to `max_requests` decoding requests (the most recently started
-        first: they have the least KV to move) leave this instance with their KV, between steps.
+        first: they have the least KV to move) leave this instance with their KV, between steps;
+        only those with at least `min_tokens_left` tokens left of their `max_tokens`.
         Each one's stream ends with an event carrying `parked_kv` (the KV of every token but the
         last, kept until `release_parked`) and no token; the caller offers it to the instance that
         resumes the request, which pulls it and goes on decoding. Returns their ids."""
@@ -877,6 +878,7 @@ class Engine:
                 or seq.status is not RequestStatus.RUNNING
                 or seq.mode is RequestMode.ZIGZAG_FIRST_LAYERS
                 or seq.zz_hidden is not None
+                or seq.params.max_tokens - len(seq.output) < min_tokens_left
             ):
                 continue
             seq.status = RequestStatus.MIGRATING
