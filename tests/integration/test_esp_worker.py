@@ -133,6 +133,34 @@ async def test_a_group_of_workers_gives_one_workers_tokens(
         await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 10, what="every ESP block freed")
 
 
+async def test_groups_sharing_members_with_different_masters_run_at_once(
+    tiny_models: Path, serve_in_process: Any
+) -> None:
+    """Multi-master: three requests at once over the same workers, in groups that overlap with a
+    different master each ([a, b] mastered by b, [b, a] by a, [a, b, c] by c), greedy and seeded.
+    Every member holds slices of several requests and attends each master's queries to the
+    right one: each master streams its request's colocated tokens."""
+    async with esp_workers(tiny_models, serve_in_process, {"ref": 4096, "a": 512, "b": 512, "c": 512}) as ws:
+        cases = [
+            (["a", "b"], [1, *range(5, 70)], sampling(14, None), [0, 30, 66]),
+            (["b", "a"], [1, *range(200, 251)], sampling(10, 3), [0, 26, 52]),
+            (["a", "b", "c"], [1, *range(400, 489)], sampling(12, None), [0, 30, 60, 90]),
+        ]
+        want = [
+            tokens_of(await collect(ws["ref"][1].Generate(esp_request(f"whole{i}", p, sp), timeout=60)))
+            for i, (_, p, sp, _) in enumerate(cases)
+        ]
+        results = await asyncio.gather(
+            *(run_group(ws, members, f"multi{i}", p, sp, bounds) for i, (members, p, sp, bounds) in enumerate(cases))
+        )
+        for i, ((members, _, sp, _), streams) in enumerate(zip(cases, results, strict=True)):
+            *holders, master = streams
+            assert tokens_of(master) == want[i], (i, members)
+            assert master[-1].completion_tokens == sp.max_tokens
+            assert all(len(h) == 1 and not h[0].token_ids for h in holders)
+        await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 10, what="every ESP block freed")
+
+
 async def test_a_prompt_no_single_worker_can_hold_is_served_by_a_group(
     tiny_models: Path, serve_in_process: Any
 ) -> None:
