@@ -41,7 +41,7 @@ from blitzmesh.v1 import kv_pb2
 from services.dataplane.chain import CONTROL_TAG, DATA_TAG_BASE, GroupServer
 from services.dataplane.checksum import group_checksum
 from services.dataplane.errors import ChecksumMismatch, ProtocolError
-from services.dataplane.transport import Endpoint, Transport, address_label
+from services.dataplane.transport import Endpoint, Transport
 from services.worker.convert import kv_descriptor_from_proto, kv_descriptor_to_proto
 from services.worker.engine.engine import Engine, KVBlocks, Relayed
 from services.worker.engine.kv_cache import KVCache
@@ -182,6 +182,33 @@ class RelayServer:
         await ep.send(data, DATA_TAG_BASE, timeout_s=timeout)
 
 
+async def _ask(ep: Endpoint, request: dict[str, Any], what: str, timeout_s: float) -> dict[str, Any]:
+    """Send `request` and read the answer; ProtocolError naming `what` and the peer if it is
+    refused or not JSON."""
+    await ep.send_msg(encode_control(request), CONTROL_TAG, timeout_s=timeout_s)
+    answer = decode_control(
+        await ep.recv_msg(CONTROL_TAG, timeout_s=timeout_s, max_bytes=_MAX_CONTROL_BYTES), f"{what} answer", ep.peer
+    )
+    if answer.get("ok") is not True:
+        raise ProtocolError(f"{what} refused by {ep.peer}: {answer.get('error')}")
+    return answer
+
+
+async def _recv_rows(ep: Endpoint, spec: dict[str, Any], rows: int, what: str, timeout_s: float) -> torch.Tensor:
+    """Receive the [rows, hidden] tensor `spec` announces ({"shape", "dtype", "checksum"}), checked."""
+    dtype = _DTYPES.get(spec.get("dtype", ""))
+    shape = [int(n) for n in spec.get("shape", [])]
+    if dtype is None or len(shape) != 2 or shape[0] != rows:
+        raise ProtocolError(f"{what} from {ep.peer}: bad shape or dtype {spec!r:.200}")
+    out = torch.empty(shape, dtype=dtype)
+    data = _np_view(out)
+    await ep.recv_into(data, DATA_TAG_BASE, timeout_s=timeout_s)
+    got = group_checksum(data)
+    if got != spec.get("checksum"):
+        raise ChecksumMismatch(f"{what} from {ep.peer}: checksum {got} != {spec.get('checksum')}")
+    return out
+
+
 async def relay_from(
     transport: Transport,
     address: bytes,
@@ -193,41 +220,18 @@ async def relay_from(
 ) -> RelayState:
     """Ask the loading instance at `address` for `request_id`; raises on any failure (the caller
     then computes the prompt whole)."""
-    peer = address_label(address)
     ep = await transport.connect(address, timeout_s=connect_timeout_s or stall_timeout_s)
     ok = False
     try:
-        await ep.send_msg(
-            encode_control({"op": RELAY_OP, "request_id": request_id, "model_id": model_id}),
-            CONTROL_TAG,
-            timeout_s=stall_timeout_s,
-        )
         # The loading instance answers once its current step has ended: at most one step.
-        answer = decode_control(
-            await ep.recv_msg(CONTROL_TAG, timeout_s=stall_timeout_s, max_bytes=_MAX_CONTROL_BYTES),
-            "zigzag relay answer",
-            peer,
-        )
-        if answer.get("ok") is not True:
-            raise ProtocolError(f"zigzag relay of {request_id!r} refused by {peer}: {answer.get('error')}")
+        what = f"zigzag relay of {request_id!r}"
+        answer = await _ask(ep, {"op": RELAY_OP, "request_id": request_id, "model_id": model_id}, what, stall_timeout_s)
         layers = int(answer.get("layers", 0))
         if layers == 0:
             ok = True
             return RelayState(0)
         desc = kv_descriptor_from_proto(kv_pb2.KVTransferDescriptor.FromString(bytes.fromhex(answer["kv"])))
-        spec = answer["hidden"]
-        dtype = _DTYPES.get(spec.get("dtype", ""))
-        shape = [int(n) for n in spec.get("shape", [])]
-        if dtype is None or len(shape) != 2 or shape[0] != desc.num_tokens:
-            raise ProtocolError(f"zigzag relay of {request_id!r} from {peer}: bad hidden states {spec!r:.200}")
-        hidden = torch.empty(shape, dtype=dtype)
-        data = _np_view(hidden)
-        await ep.recv_into(data, DATA_TAG_BASE, timeout_s=stall_timeout_s)
-        got = group_checksum(data)
-        if got != spec.get("checksum"):
-            raise ChecksumMismatch(
-                f"zigzag relay of {request_id!r} from {peer}: hidden states checksum {got} != {spec.get('checksum')}"
-            )
+        hidden = await _recv_rows(ep, answer["hidden"], desc.num_tokens, what, stall_timeout_s)
         ok = True
         return RelayState(layers, desc, hidden)
     finally:
@@ -248,32 +252,14 @@ async def embed_from(
 ) -> torch.Tensor:
     """The embedding of `token_ids`, looked up by the partner at `address` (a loading instance
     that has its first decoder layers but not its embedding yet). Raises on any failure."""
-    peer = address_label(address)
     ep = await transport.connect(address, timeout_s=connect_timeout_s or stall_timeout_s)
     ok = False
     try:
-        await ep.send_msg(
-            encode_control({"op": EMBED_OP, "model_id": model_id, "token_ids": list(token_ids)}),
-            CONTROL_TAG,
-            timeout_s=stall_timeout_s,
+        what = "zigzag embedding"
+        answer = await _ask(
+            ep, {"op": EMBED_OP, "model_id": model_id, "token_ids": list(token_ids)}, what, stall_timeout_s
         )
-        answer = decode_control(
-            await ep.recv_msg(CONTROL_TAG, timeout_s=stall_timeout_s, max_bytes=_MAX_CONTROL_BYTES),
-            "zigzag embed answer",
-            peer,
-        )
-        if answer.get("ok") is not True:
-            raise ProtocolError(f"zigzag embedding refused by {peer}: {answer.get('error')}")
-        dtype = _DTYPES.get(answer.get("dtype", ""))
-        shape = [int(n) for n in answer.get("shape", [])]
-        if dtype is None or len(shape) != 2 or shape[0] != len(token_ids):
-            raise ProtocolError(f"zigzag embedding from {peer}: bad shape or dtype {answer!r:.200}")
-        hidden = torch.empty(shape, dtype=dtype)
-        data = _np_view(hidden)
-        await ep.recv_into(data, DATA_TAG_BASE, timeout_s=stall_timeout_s)
-        got = group_checksum(data)
-        if got != answer.get("checksum"):
-            raise ChecksumMismatch(f"zigzag embedding from {peer}: checksum {got} != {answer.get('checksum')}")
+        hidden = await _recv_rows(ep, answer, len(token_ids), what, stall_timeout_s)
         ok = True
         return hidden
     finally:

@@ -120,6 +120,15 @@ async def test_a_loading_worker_runs_first_layers_and_its_partner_finishes_exact
             await tokens(new.Generate(request("whole", prompts[0]), timeout=10))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "LOADING" in (refused.value.details() or "")
         address = new_svc.servicer.transport.address()  # type: ignore[union-attr]
+        # A "partner" without the embedding (the loading worker itself) cannot look the prompt up:
+        # the first hop fails at once, saying why (the real partner then computes it whole).
+        itself = worker_pb2.ZigzagFirstLayersMode(
+            partner=worker_pb2.ZigzagSource(instance_id="new", dataplane_address=address)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as no_rows:
+            await collect(new.Generate(request("self", prompts[0], zigzag_first_layers=itself), timeout=10))
+        assert no_rows.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "embedding of 'tiny6' is not loaded here" in (no_rows.value.details() or "")
         firsts = [
             asyncio.create_task(
                 collect(new.Generate(request(f"r{i}", pr, zigzag_first_layers=first_layers_with(old_svc)), timeout=60))
