@@ -151,11 +151,13 @@ def status_text(state: ClusterState) -> str:
                 g.degree,
                 " ".join(f"{m}[{a}:{b})" for m, a, b in zip(g.member_ids, g.bounds, g.bounds[1:], strict=False)),
                 " ".join(g.spare_ids) or "-",
+                ("live:" + (",".join(g.holder_ids) or "-")) if g.live else "ended",
                 f"{g.age_s:.1f}",
             ]
             for g in state.esp_groups
         ]
-        text += "\nESP groups (newest first)\n" + table(["GROUP", "DEGREE", "MEMBERS[SLICE]", "SPARES", "AGE_S"], rows)
+        headers = ["GROUP", "DEGREE", "MEMBERS[SLICE]", "SPARES", "HOLDERS", "AGE_S"]
+        text += "\nESP groups (newest first)\n" + table(headers, rows)
     return text
 
 

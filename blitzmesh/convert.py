@@ -434,6 +434,7 @@ def load_report_to_proto(load: LoadReport) -> common_pb2.LoadReport:
         prefix_hit_tokens=load.prefix_hit_tokens,
         prefix_query_tokens=load.prefix_query_tokens,
         prefill_capacity_tps=load.prefill_capacity_tps,
+        esp_groups=list(load.esp_groups),
     )
 
 
@@ -460,6 +461,7 @@ def load_report_from_proto(msg: common_pb2.LoadReport) -> LoadReport:
         prefix_hit_tokens=msg.prefix_hit_tokens,
         prefix_query_tokens=msg.prefix_query_tokens,
         prefill_capacity_tps=msg.prefill_capacity_tps,
+        esp_groups=tuple(msg.esp_groups),
     )
 
 
@@ -509,6 +511,8 @@ def esp_group_to_proto(g: EspGroup) -> admin_pb2.EspGroupInfo:
         spare_ids=list(g.spare_ids),
         age_s=g.age_s,
         degree=g.degree,
+        holder_ids=list(g.holder_ids),
+        live=g.live,
     )
 
 
@@ -521,6 +525,8 @@ def esp_group_from_proto(msg: admin_pb2.EspGroupInfo) -> EspGroup:
         bounds=tuple(msg.bounds),
         spare_ids=tuple(msg.spare_ids),
         age_s=msg.age_s,
+        holder_ids=tuple(msg.holder_ids),
+        live=msg.live,
     )
 
 

@@ -339,6 +339,8 @@ class LoadReport:
     prefill_capacity_tps: float = 0.0
     """Prompt tokens per second the engine computes while prefilling, from its recent prefill
     steps (0 = no prefill step yet); queued prompt tokens / this = the wait a new arrival sees."""
+    esp_groups: tuple[str, ...] = ()
+    """ESP groups this instance is in now (computing a slice, holding one's KV, or master)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,6 +380,8 @@ class EspGroup:
     bounds: tuple[int, ...]
     spare_ids: tuple[str, ...] = ()
     age_s: float = 0.0
+    holder_ids: tuple[str, ...] = ()  # instances in it now, by their heartbeats
+    live: bool = False  # False once it ended (no instance reports it any more)
 
     @property
     def degree(self) -> int:

@@ -147,6 +147,8 @@ class EspGroupInfo(_message.Message):
     SPARE_IDS_FIELD_NUMBER: _builtins.int
     AGE_S_FIELD_NUMBER: _builtins.int
     DEGREE_FIELD_NUMBER: _builtins.int
+    HOLDER_IDS_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     request_id: _builtins.str
     model_id: _builtins.str
@@ -154,6 +156,8 @@ class EspGroupInfo(_message.Message):
     """since the manager formed it"""
     degree: _builtins.int
     """members in the prefill"""
+    live: _builtins.bool
+    """false once it ended (no instance reports it any more)"""
     @_builtins.property
     def member_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """in slice order; the last is the master"""
@@ -164,6 +168,10 @@ class EspGroupInfo(_message.Message):
 
     @_builtins.property
     def spare_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def holder_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """instances whose heartbeats say they are in it now"""
+
     def __init__(
         self,
         *,
@@ -175,10 +183,12 @@ class EspGroupInfo(_message.Message):
         spare_ids: _abc.Iterable[_builtins.str] | None = ...,
         age_s: _builtins.float = ...,
         degree: _builtins.int = ...,
+        holder_ids: _abc.Iterable[_builtins.str] | None = ...,
+        live: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "bounds", b"bounds", "degree", b"degree", "group_id", b"group_id", "member_ids", b"member_ids", "model_id", b"model_id", "request_id", b"request_id", "spare_ids", b"spare_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "bounds", b"bounds", "degree", b"degree", "group_id", b"group_id", "holder_ids", b"holder_ids", "live", b"live", "member_ids", b"member_ids", "model_id", b"model_id", "request_id", b"request_id", "spare_ids", b"spare_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

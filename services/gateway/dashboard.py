@@ -130,6 +130,8 @@ def cluster_json(state: admin_pb2.ClusterState) -> dict[str, Any]:
                 "bounds": list(g.bounds),
                 "spares": list(g.spare_ids),
                 "age_s": g.age_s,
+                "live": g.live,
+                "holders": list(g.holder_ids),
             }
             for g in sdk.esp_groups
         ],

@@ -5,11 +5,17 @@ heartbeats). The route is one hop, the group's master, carrying the whole group
 (`RouteHop.esp`); the gateway calls every member. A request too long for every group now gets
 UNAVAILABLE naming the KV it needs and what is free, so the gateway waits within its deadline
 and asks again; one longer than all of them together hold is refused at once (400). The groups formed most recently are kept for `GetCluster` and the metrics.
+
+The workers' heartbeats name the groups each instance is in now (`LoadReport.esp_groups`). From
+them the router knows each recent group's holders, when a spare joins one (the master scaled up
+during decode: event `esp_scale_up`) and when one ends (no instance reports it any more: event
+`esp_group_end`), so `GetCluster` shows which groups are live and who holds their KV.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 import time
@@ -27,6 +33,7 @@ from services.global_manager.core.types import InstanceState, InstanceView
 ESP_GROUPS = Counter("blitzmesh_gm_esp_groups_total", "ESP groups formed, by degree", ["degree"])
 ESP_REFUSED = Counter("blitzmesh_gm_esp_unplaced_total", "Requests no ESP group could hold at the time")
 ESP_DEGREE = Gauge("blitzmesh_gm_esp_last_degree", "Members of the ESP group formed last")
+ESP_LIVE = Gauge("blitzmesh_gm_esp_groups_live", "ESP groups some instance reports being in now")
 ESP_DECISION = Histogram(
     "blitzmesh_gm_esp_decision_seconds",
     "Time to plan one ESP group",
@@ -35,6 +42,10 @@ ESP_DECISION = Histogram(
 
 _RECENT = 32  # groups kept for GetCluster
 _SEEN_AFTER_S = 0.5  # a heartbeat sampled this long after a group was planned shows its blocks
+# A holder not heard from for this long is dropped (a lost instance sends no heartbeat saying it
+# left); a group no heartbeat ever named within this long ended before any showed it (or never
+# started: the gateway gave up on it).
+_HOLDER_STALE_S = 10.0
 
 
 class EspUnplaced(Exception):
@@ -52,6 +63,16 @@ class GroupRecord:
     formed_s: float
 
 
+@dataclass
+class GroupLife:
+    """What the heartbeats say of one group: its holders (instance id -> when last reported) and
+    whether it ended."""
+
+    holders: dict[str, float]
+    seen: bool = False
+    ended: bool = False
+
+
 class EspRouter:
     """Plans ESP groups for the manager's Schedule and remembers the recent ones."""
 
@@ -64,6 +85,7 @@ class EspRouter:
         self.min_prompt_tokens = min_prompt_tokens
         self.enabled = enabled
         self.recent: collections.deque[GroupRecord] = collections.deque(maxlen=_RECENT)
+        self.life: dict[str, GroupLife] = {}  # group id -> its holders, for the groups in `recent`
         self._ids = itertools.count(1)
         # KV tokens promised to groups planned in the last `reserve_s` seconds, which the
         # instances' heartbeats may not show yet: two groups are never planned on the same room.
@@ -145,11 +167,14 @@ class EspRouter:
         promised[plan.members[-1]] += request.max_tokens
         self._reserved.append((now_s, promised))
         group_id = f"esp-{next(self._ids)}-{request.request_id}"
+        if len(self.recent) == self.recent.maxlen:
+            self.life.pop(self.recent[-1].group_id, None)
         self.recent.appendleft(
             GroupRecord(
                 group_id, request.request_id, request.model_id, plan.members, plan.bounds, plan.spares, time.time()
             )
         )
+        self.life[group_id] = GroupLife({})
         ESP_GROUPS.labels(str(len(plan.members))).inc()
         ESP_DEGREE.set(len(plan.members))
         master = global_manager_pb2.RouteHop()
@@ -164,13 +189,43 @@ class EspRouter:
         )
         return master
 
+    def observe(self, instance_id: str, group_ids: Collection[str], now_s: float) -> list[tuple[str, GroupRecord, str]]:
+        """A heartbeat of `instance_id` naming the groups it is in now (`now_s` on the clock of
+        `GroupRecord.formed_s`): the groups that scaled up (a spare reports one) or ended (no
+        holder left), as (event kind, group, detail)."""
+        reported = set(group_ids)
+        events: list[tuple[str, GroupRecord, str]] = []
+        for rec in self.recent:
+            life = self.life.get(rec.group_id)
+            if life is None or life.ended:
+                continue
+            if rec.group_id in reported:
+                joined = instance_id not in life.holders and instance_id not in rec.members and not life.ended
+                life.holders[instance_id] = now_s
+                life.seen = True
+                if joined:
+                    events.append(("esp_scale_up", rec, f"{instance_id} joined as master (the last one's KV was full)"))
+            else:
+                life.holders.pop(instance_id, None)
+            for iid, heard in list(life.holders.items()):
+                if now_s - heard > _HOLDER_STALE_S:
+                    del life.holders[iid]
+            if not life.holders and (life.seen or now_s - rec.formed_s > _HOLDER_STALE_S):
+                life.ended = True
+                why = "no instance reports it any more" if life.seen else "no heartbeat ever showed it"
+                events.append(("esp_group_end", rec, f"ended after {now_s - rec.formed_s:.1f} s: {why}"))
+        ESP_LIVE.set(sum(1 for life in self.life.values() if not life.ended))
+        return events
+
     def to_proto(self) -> list[admin_pb2.EspGroupInfo]:
         now = time.time()
-        return [
-            esp_group_to_proto(
-                EspGroup(
-                    g.group_id, g.request_id, g.model_id, g.members, g.bounds, g.spares, max(0.0, now - g.formed_s)
-                )
+        out = []
+        for g in self.recent:
+            life = self.life.get(g.group_id)
+            holders = tuple(sorted(life.holders)) if life is not None else ()
+            live = life is not None and not life.ended
+            group = EspGroup(
+                g.group_id, g.request_id, g.model_id, g.members, g.bounds, g.spares, max(0.0, now - g.formed_s)
             )
-            for g in self.recent
-        ]
+            out.append(esp_group_to_proto(dataclasses.replace(group, holder_ids=holders, live=live)))
+        return out

@@ -218,6 +218,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prefix_hit_tokens=s.prefix_hit_tokens,
             prefix_query_tokens=s.prefix_query_tokens,
             prefill_capacity_tps=s.prefill_capacity_tps,
+            esp_groups=tuple(sorted(self.esp.groups)) if self.esp is not None else (),
         )
 
     async def GetStatus(self, request, context):

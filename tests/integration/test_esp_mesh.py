@@ -141,7 +141,13 @@ async def test_a_prompt_three_times_one_instances_kv_is_served_through_the_gatew
         slices = [b - a for a, b in zip(group.bounds, group.bounds[1:], strict=False)]
         assert max(slices) <= KV_TOKENS and slices[-1] + 16 <= KV_TOKENS
         # WatchEvents (and the decision log) tell each group's members and slices.
-        formed = [e for e in (events.get_nowait() for _ in range(events.qsize())) if e.action == "esp_group"]
+        seen: list[Any] = []
+
+        def drained() -> list[Any]:
+            seen.extend(events.get_nowait() for _ in range(events.qsize()))
+            return seen
+
+        formed = [e for e in drained() if e.action == "esp_group"]
         assert len(formed) == 2 and formed[-1].status == "formed" and "degree=4" in formed[-1].reason
         assert f"{group.member_ids[0]}[0:{group.bounds[1]})" in formed[-1].reason
         # The OpenAI endpoint, unchanged for the user.
@@ -154,6 +160,16 @@ async def test_a_prompt_three_times_one_instances_kv_is_served_through_the_gatew
         for w in mesh.workers:
             engine = w.servicer.instance.engine  # type: ignore[union-attr]
             await wait_until(lambda e=engine: e.kv_cache.used_blocks == 0, 10, what="ESP blocks freed")
+        # The workers' heartbeats tell the manager when each group ends.
+
+        async def all_ended() -> bool:
+            cluster = await mesh.manager.GetCluster(admin_pb2.GetClusterRequest(), timeout=5)
+            return len(cluster.esp_groups) == 3 and not any(g.live or g.holder_ids for g in cluster.esp_groups)
+
+        await wait_until(all_ended, 30, interval_s=0.2, what="all three ESP groups ended")
+        ended = {e.status for e in drained() if e.action == "esp_group_end"}
+        cluster = await mesh.manager.GetCluster(admin_pb2.GetClusterRequest(), timeout=5)
+        assert ended == {g.group_id for g in cluster.esp_groups}
 
 
 async def test_requests_no_group_holds_fail_saying_so(tiny_models: Path, serve_in_process: Any) -> None:

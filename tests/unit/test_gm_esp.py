@@ -268,6 +268,59 @@ def test_the_manager_does_not_plan_two_groups_on_the_same_room_until_heartbeats_
     assert [g.request_id for g in router.to_proto()] == ["b", "a"]
 
 
+def test_the_manager_follows_a_groups_holders_its_scale_up_and_its_end_from_heartbeats() -> None:
+    from blitzmesh.v1 import global_manager_pb2
+    from services.global_manager.core.types import InstanceState, InstanceView, LoadSample, Role
+    from services.global_manager.esp_routing import EspRouter
+
+    views = [
+        InstanceView(
+            f"w{k}", "m", Role.COLOCATED, InstanceState.SERVING, 2, 2, "h", 0.0,
+            load=LoadSample(f"w{k}", 0.0, kv_blocks_used=0, kv_blocks_total=4),
+        )
+        for k in range(4)
+    ]  # fmt: skip
+    router = EspRouter(block_size=16)
+    hops = {f"w{k}": global_manager_pb2.RouteHop(instance_id=f"w{k}") for k in range(4)}
+    req = global_manager_pb2.ScheduleRequest(request_id="a", model_id="m", prompt_tokens=150, max_tokens=30)
+    hop = router.plan(req, views, hops, now_s=10.0)
+    gid, members = hop.esp.group_id, [m.instance_id for m in hop.esp.members]
+    spare = next(i for i in hops if i not in members)
+    t0 = router.recent[0].formed_s
+    (info,) = router.to_proto()
+    assert info.live and not info.holder_ids  # formed; no heartbeat has named it yet
+    for m in members:
+        assert router.observe(m, [gid], t0 + 0.5) == []
+    assert list(router.to_proto()[0].holder_ids) == sorted(members)
+    # The master's KV fills up and a spare joins: its heartbeat names the group.
+    (event,) = router.observe(spare, [gid], t0 + 1.0)
+    assert event[0] == "esp_scale_up" and event[1].group_id == gid and spare in event[2]
+    assert router.observe(spare, [gid], t0 + 1.5) == []  # told once
+    # The request ends: each holder's next heartbeat leaves it out; the last one ends the group.
+    for m in [*members, spare][:-1]:
+        assert router.observe(m, [], t0 + 2.0) == []
+    (end,) = router.observe(spare, [], t0 + 2.0)
+    assert end[0] == "esp_group_end" and "no instance reports it any more" in end[2]
+    info = router.to_proto()[0]
+    assert not info.live and not info.holder_ids
+    assert router.observe(spare, [gid], t0 + 2.5) == []  # an ended group stays ended
+    # A group no heartbeat ever named (it ended between two) ends once that is long enough ago,
+    # and a holder that stops reporting (a lost instance) is dropped after as long.
+    req.request_id = "b"
+    later = router.plan(req, views, hops, now_s=30.0)
+    t1 = router.recent[0].formed_s
+    assert router.observe(members[0], [], t1 + 1.0) == []
+    (gone,) = router.observe(members[0], [], t1 + 11.0)
+    assert gone[1].group_id == later.esp.group_id and "no heartbeat ever showed it" in gone[2]
+    req.request_id = "c"
+    third = router.plan(req, views, hops, now_s=60.0)
+    t2 = router.recent[0].formed_s
+    assert router.observe("w0", [third.esp.group_id], t2 + 0.5) == []
+    assert router.observe("w1", [], t2 + 5.0) == []  # w0 heard from 4.5 s ago: still a holder
+    (lost,) = router.observe("w1", [], t2 + 11.0)  # w0 silent for 10.5 s: dropped, the group ends
+    assert lost[0] == "esp_group_end" and lost[1].group_id == third.esp.group_id
+
+
 # -- plan_batch_slices: several requests in one group iteration ------------------------------------
 
 

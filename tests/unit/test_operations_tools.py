@@ -52,10 +52,12 @@ def test_status_text_counts_states_and_aligns_columns() -> None:
 def test_status_text_lists_esp_groups_with_each_members_slice() -> None:
     from blitzmesh.types import EspGroup
 
-    state = ClusterState(esp_groups=(EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5),))
-    lines = cli.status_text(state).splitlines()
-    assert lines[-2].split() == ["GROUP", "DEGREE", "MEMBERS[SLICE]", "SPARES", "AGE_S"]
-    assert lines[-1].split() == ["esp-1-r", "2", "w-1[0:64)", "w-2[64:120)", "w-3", "1.5"]
+    live = EspGroup("esp-2-s", "s", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 0.5, ("w-1", "w-2", "w-3"), True)
+    ended = EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5)
+    lines = cli.status_text(ClusterState(esp_groups=(live, ended))).splitlines()
+    assert lines[-3].split() == ["GROUP", "DEGREE", "MEMBERS[SLICE]", "SPARES", "HOLDERS", "AGE_S"]
+    assert lines[-2].split() == ["esp-2-s", "2", "w-1[0:64)", "w-2[64:120)", "w-3", "live:w-1,w-2,w-3", "0.5"]
+    assert lines[-1].split() == ["esp-1-r", "2", "w-1[0:64)", "w-2[64:120)", "w-3", "ended", "1.5"]
 
 
 def test_parse_params_quotes_what_is_wrong() -> None:
@@ -129,6 +131,8 @@ def test_dashboard_snapshot_carries_esp_groups_with_their_slices() -> None:
         "bounds": [0, 64, 120],
         "spares": ["w-3"],
         "age_s": 1.5,
+        "live": False,
+        "holders": [],
     }
     js = (Path(__file__).resolve().parents[2] / "services/gateway/static/app.js").read_text()
     assert "renderEsp(data.esp_groups" in js  # the page draws what the snapshot carries
