@@ -42,6 +42,8 @@ class NoModel:
         self.config = CONFIG
         self.num_layers_loaded = layers_loaded
         self.is_complete = layers_loaded == CONFIG.num_hidden_layers
+        # As a ZigZag request's admission checks: the embedding is here (it need not bring it).
+        self.loaded_groups = ["embed", *(f"layers.{i}" for i in range(layers_loaded))]
         self.dtype = torch.float32
         self.device = torch.device("cpu")
 

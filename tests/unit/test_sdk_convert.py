@@ -67,6 +67,7 @@ LOAD = LoadReport(
     kv_blocks_total=1024,
     tokens_generated_total=2**40,
     prefill_capacity_tps=12000.5,
+    esp_groups=("esp-1-r", "esp-2-s"),
 )
 INSTANCE = InstanceInfo(
     instance_id="w-3",
@@ -163,7 +164,10 @@ ROUND_TRIPS = [
     pytest.param(
         ClusterState(
             instances=(INSTANCE,),
-            esp_groups=(EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5),),
+            esp_groups=(
+                EspGroup("esp-2-s", "s", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 0.5, ("w-2", "w-3"), True),
+                EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5),
+            ),
         ),
         convert.cluster_state_to_proto,
         convert.cluster_state_from_proto,

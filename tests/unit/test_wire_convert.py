@@ -93,9 +93,16 @@ def test_load_report_every_field_both_ways():
     fields = common_pb2.LoadReport.DESCRIPTOR.fields
     assert [f.name for f in fields] == [f.name for f in dataclasses.fields(types.LoadReport)]
     real = (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE)
-    load = types.LoadReport(**{f.name: (i + 1) * 1.5 if f.cpp_type in real else i + 1 for i, f in enumerate(fields)})
+
+    def value(i: int, f: FieldDescriptor) -> typing.Any:
+        if f.is_repeated:  # the ESP group ids
+            return (f"g{i}", f"h{i}")
+        return (i + 1) * 1.5 if f.cpp_type in real else i + 1
+
+    load = types.LoadReport(**{f.name: value(i, f) for i, f in enumerate(fields)})
     msg = convert.load_report_to_proto(load)
-    assert [getattr(msg, f.name) for f in fields] == [getattr(load, f.name) for f in fields]
+    as_python = [tuple(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name) for f in fields]
+    assert as_python == [getattr(load, f.name) for f in fields]
     assert convert.load_report_from_proto(msg) == load
 
 
