@@ -15,7 +15,6 @@ during decode: event `esp_scale_up`) and when one ends (no instance reports it a
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import math
 import time
@@ -200,7 +199,7 @@ class EspRouter:
             if life is None or life.ended:
                 continue
             if rec.group_id in reported:
-                joined = instance_id not in life.holders and instance_id not in rec.members and not life.ended
+                joined = instance_id not in life.holders and instance_id not in rec.members
                 life.holders[instance_id] = now_s
                 life.seen = True
                 if joined:
@@ -219,13 +218,14 @@ class EspRouter:
 
     def to_proto(self) -> list[admin_pb2.EspGroupInfo]:
         now = time.time()
+        ended = GroupLife({}, ended=True)  # a group `life` no longer follows
         out = []
         for g in self.recent:
-            life = self.life.get(g.group_id)
-            holders = tuple(sorted(life.holders)) if life is not None else ()
-            live = life is not None and not life.ended
+            life = self.life.get(g.group_id, ended)
+            age = max(0.0, now - g.formed_s)
             group = EspGroup(
-                g.group_id, g.request_id, g.model_id, g.members, g.bounds, g.spares, max(0.0, now - g.formed_s)
-            )
-            out.append(esp_group_to_proto(dataclasses.replace(group, holder_ids=holders, live=live)))
+                g.group_id, g.request_id, g.model_id, g.members, g.bounds, g.spares, age,
+                holder_ids=tuple(sorted(life.holders)), live=not life.ended,
+            )  # fmt: skip
+            out.append(esp_group_to_proto(group))
         return out

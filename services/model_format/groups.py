@@ -62,15 +62,13 @@ def live_load_order(groups: Iterable[str]) -> list[str]:
     embedding, then the head (any other name last, as given). A loading instance serves ZigZag
     requests from its first layer on, its partner embedding their prompts meanwhile, so the
     embedding (a fifth of the `small` model) is not in the way of the first layer."""
-    named = list(groups)
     rank = {EMBED: 1, HEAD: 2}
 
-    def key(item: tuple[int, str]) -> tuple[int, int, int]:
-        pos, name = item
+    def key(name: str) -> tuple[int, int]:
         i = layer_index(name)
-        return (0, i, pos) if i is not None else (rank.get(name, 3), 0, pos)
+        return (0, i) if i is not None else (rank.get(name, 3), 0)
 
-    return [name for _, name in sorted(enumerate(named), key=key)]
+    return sorted(groups, key=key)  # stable: other names keep the order given
 
 
 def layer_tensors(cfg: LlamaConfig) -> tuple[str, ...]:

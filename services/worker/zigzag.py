@@ -29,7 +29,8 @@ The rows are the partner's own lookup of the same weights: the same floats as a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -43,7 +44,7 @@ from services.dataplane.checksum import group_checksum
 from services.dataplane.errors import ChecksumMismatch, ProtocolError
 from services.dataplane.transport import Endpoint, Transport
 from services.worker.convert import kv_descriptor_from_proto, kv_descriptor_to_proto
-from services.worker.engine.engine import Engine, KVBlocks, Relayed
+from services.worker.engine.engine import Engine, KVBlocks, Relayed, out_of_vocab
 from services.worker.engine.kv_cache import KVCache
 from services.worker.kv_transfer import (
     KVDescriptor,
@@ -120,25 +121,14 @@ class RelayServer:
             error = f"this instance serves {self.model_id!r}, not {req.get('model_id')!r}"
         elif "embed" not in model.loaded_groups:
             error = f"the embedding of {self.model_id!r} is not loaded here"
-        elif (
-            not isinstance(ids, list)
-            or not ids
-            or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < model.config.vocab_size for t in ids)
-        ):
+        elif not isinstance(ids, list) or not ids or out_of_vocab(ids, model.config.vocab_size):
             error = f"token_ids must be a non-empty list of ids in [0, {model.config.vocab_size}), got {ids!r:.200}"
         if error is not None:
             await ep.send_msg(encode_control({"ok": False, "error": error}), CONTROL_TAG, timeout_s=timeout)
             return
         # A row lookup (no compute worth a thread), of weights that never change once loaded.
-        hidden = model.embed(torch.tensor(ids, dtype=torch.long, device=model.device)).cpu().contiguous()
-        data = _np_view(hidden)
-        answer = {
-            "ok": True,
-            "shape": list(hidden.shape),
-            "dtype": dtype_name(hidden.dtype),
-            "checksum": group_checksum(data),
-        }
-        await ep.send_msg(encode_control(answer), CONTROL_TAG, timeout_s=timeout)
+        spec, data = _rows_spec(model.embed(torch.tensor(ids, dtype=torch.long, device=model.device)).cpu())
+        await ep.send_msg(encode_control({"ok": True, **spec}), CONTROL_TAG, timeout_s=timeout)
         await ep.send(data, DATA_TAG_BASE, timeout_s=timeout)
 
     async def _serve(self, ep: Endpoint, req: dict[str, Any]) -> None:
@@ -162,24 +152,25 @@ class RelayServer:
         except BaseException:
             self.engine.release_parked(outcome.parked_kv)
             raise
-        hidden = outcome.hidden.contiguous()
-        data = _np_view(hidden)
+        spec, data = _rows_spec(outcome.hidden)
         answer = {
             "ok": True,
             "layers": outcome.layers,
             "num_tokens": outcome.num_tokens,
             "kv": kv_descriptor_to_proto(offer.descriptor).SerializeToString().hex(),
-            "hidden": {
-                "shape": list(hidden.shape),
-                "dtype": dtype_name(hidden.dtype),
-                "checksum": group_checksum(data),
-            },
+            "hidden": spec,
         }
         log.info(
             "zigzag_relayed", request_id=request_id, layers=outcome.layers, tokens=outcome.num_tokens, peer=ep.peer
         )
         await ep.send_msg(encode_control(answer), CONTROL_TAG, timeout_s=timeout)
         await ep.send(data, DATA_TAG_BASE, timeout_s=timeout)
+
+
+def _rows_spec(rows: torch.Tensor) -> tuple[dict[str, Any], np.ndarray]:
+    """What announces a [rows, hidden] tensor (`_recv_rows` reads it) and its bytes to send."""
+    data = _np_view(rows.contiguous())
+    return {"shape": list(rows.shape), "dtype": dtype_name(rows.dtype), "checksum": group_checksum(data)}, data
 
 
 async def _ask(ep: Endpoint, request: dict[str, Any], what: str, timeout_s: float) -> dict[str, Any]:
@@ -209,6 +200,18 @@ async def _recv_rows(ep: Endpoint, spec: dict[str, Any], rows: int, what: str, t
     return out
 
 
+@contextlib.asynccontextmanager
+async def _session(transport: Transport, address: bytes, timeout_s: float) -> AsyncIterator[Endpoint]:
+    """A connection to `address`: closed when the block ends normally, aborted when it raises."""
+    ep = await transport.connect(address, timeout_s=timeout_s)
+    try:
+        yield ep
+    except BaseException:
+        ep.abort()
+        raise
+    await ep.close()
+
+
 async def relay_from(
     transport: Transport,
     address: bytes,
@@ -220,25 +223,16 @@ async def relay_from(
 ) -> RelayState:
     """Ask the loading instance at `address` for `request_id`; raises on any failure (the caller
     then computes the prompt whole)."""
-    ep = await transport.connect(address, timeout_s=connect_timeout_s or stall_timeout_s)
-    ok = False
-    try:
+    async with _session(transport, address, connect_timeout_s or stall_timeout_s) as ep:
         # The loading instance answers once its current step has ended: at most one step.
         what = f"zigzag relay of {request_id!r}"
         answer = await _ask(ep, {"op": RELAY_OP, "request_id": request_id, "model_id": model_id}, what, stall_timeout_s)
         layers = int(answer.get("layers", 0))
         if layers == 0:
-            ok = True
             return RelayState(0)
         desc = kv_descriptor_from_proto(kv_pb2.KVTransferDescriptor.FromString(bytes.fromhex(answer["kv"])))
         hidden = await _recv_rows(ep, answer["hidden"], desc.num_tokens, what, stall_timeout_s)
-        ok = True
         return RelayState(layers, desc, hidden)
-    finally:
-        if ok:
-            await ep.close()
-        else:
-            ep.abort()
 
 
 async def embed_from(
@@ -252,21 +246,10 @@ async def embed_from(
 ) -> torch.Tensor:
     """The embedding of `token_ids`, looked up by the partner at `address` (a loading instance
     that has its first decoder layers but not its embedding yet). Raises on any failure."""
-    ep = await transport.connect(address, timeout_s=connect_timeout_s or stall_timeout_s)
-    ok = False
-    try:
-        what = "zigzag embedding"
-        answer = await _ask(
-            ep, {"op": EMBED_OP, "model_id": model_id, "token_ids": list(token_ids)}, what, stall_timeout_s
-        )
-        hidden = await _recv_rows(ep, answer, len(token_ids), what, stall_timeout_s)
-        ok = True
-        return hidden
-    finally:
-        if ok:
-            await ep.close()
-        else:
-            ep.abort()
+    async with _session(transport, address, connect_timeout_s or stall_timeout_s) as ep:
+        request = {"op": EMBED_OP, "model_id": model_id, "token_ids": list(token_ids)}
+        answer = await _ask(ep, request, "zigzag embedding", stall_timeout_s)
+        return await _recv_rows(ep, answer, len(token_ids), "zigzag embedding", stall_timeout_s)
 
 
 async def take_over(

@@ -20,7 +20,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -339,6 +339,12 @@ class _Window:
         return [values[max(0, math.ceil(q * len(values)) - 1)] for q in qs]
 
 
+def out_of_vocab(ids: Iterable[object], vocab_size: int) -> list[object]:
+    """The entries of `ids` that are not token ids of a `vocab_size` vocabulary (bools and
+    non-integers included), in order."""
+    return [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+
+
 def _eos_set(ids: Collection[int]) -> frozenset[int]:
     if isinstance(ids, int) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"eos_token_ids must be a collection of token ids, got {ids!r}")
@@ -605,7 +611,7 @@ class Engine:
         vocab = self.model.config.vocab_size
         resumed = list(resume_token_ids)
         for what, ids in (("token ids", prompt), ("resumed token ids", resumed)):
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            bad = out_of_vocab(ids, vocab)
             if bad:
                 raise ValueError(f"request {request_id!r} has {what} outside [0, {vocab}): {bad[:5]!r}")
         if len(resumed) >= sampling.max_tokens:
