@@ -33,7 +33,8 @@ to start, the other workers IDLE; the policy grows both pools, the prefill pool 
   disagg_borrowed        the same, and borrowed prefill (the manager's --borrow-prefill): while every
                          prefill instance has a backlog, a decode-light decode instance runs new
                          requests whole.
-(g) pipelined decode is not built; (h) borrowed prefill is the disaggregated setup only (a
+(g) pipelined decode is not built (`python -m bench.simulate.live_scaling`: even free decode on
+every ZigZag partner, its bound, leaves the tail where it is); (h) borrowed prefill is the disaggregated setup only (a
 colocated pool has no decode instances to borrow). Every autoscaled setup runs the same policy,
 HeteroScale with its shipped queue-aware trigger (`queue_target_s`).
 Per setup: TTFT p50/p99 (`ttft_p50_s`, `ttft_p99_s`), TBT p99, SLO attainment, instance-seconds,

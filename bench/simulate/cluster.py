@@ -159,6 +159,14 @@ class RunConfig:
     # "always": pair every live loading instance whatever the gate says (an upper bound of the
     # layer-level model, not what the live GM does).
     zigzag_gate: Literal["all_overloaded", "always"] = "all_overloaded"
+    # How ZigZag work reaches a live instance (the GM's --zigzag-dispatch): "route" pairs live
+    # instances under the gate above; "pull" pairs each with one SERVING partner by the core's
+    # `pull_pairs` and speeds the partner up only while requests wait in its queue (the
+    # requests it hands over), whatever the rest of the pool does.
+    zigzag_dispatch: Literal["route", "pull"] = "route"
+    # A bound on pipelined decode (BlitzScale's ZigZag is prefill only): a partner sped up by
+    # ZigZag decodes for free (`SimWorker.decode_free_bound`). Not a mechanism.
+    zigzag_decode_free_bound: bool = False
     # CPU contention (opt-in; None: off, every step lasts exactly its paced time). Each host has
     # `host_cpu_cores` cores, `host_cpu_reserved` of them busy with other processes; a step
     # computes cpu_step_base_s + cpu_step_token_s x batch tokens CPU-seconds, shared among the
@@ -287,6 +295,7 @@ class Simulation:
                 cpu=self.host_cpus.get(host),
                 cpu_step=(cfg.cpu_step_base_s, cfg.cpu_step_token_s),
                 skip=cfg.fast_path,
+                decode_free_bound=cfg.zigzag_decode_free_bound,
             )
             if cfg.report_window_s is not None:
                 self.workers[gpu].window = WindowStats(cfg.report_window_s)
@@ -935,6 +944,7 @@ class Simulation:
             and self._gate[0] == version
             and not self._gate[1].zigzag
             and self.cfg.zigzag_gate != "always"
+            and self.cfg.zigzag_dispatch == "route"
         ):
             return  # nothing is paired and the gate is shut at this version: nothing changes
         for iid in self.boosted:
@@ -944,6 +954,9 @@ class Simulation:
             return
         live = self.zigzag.live_views((registry.get(i) for i in self.zigzag.started if i in registry), model)
         if not live:
+            return
+        if self.cfg.zigzag_dispatch == "pull":
+            self._pull_pairs(live)
             return
         # The gate reads the SERVING instances' states and load reports only: between two
         # heartbeat rounds (many layers land) it is asked the same question again.
@@ -976,6 +989,26 @@ class Simulation:
             paired.setdefault(partner, []).append(registry.get(iid).layers_loaded)
             self.zigzag_paired.add(iid)
         for partner, ks in paired.items():
+            factor = partner_speedup(self.model.num_layers, ks)
+            self.boosted[partner] = factor
+            self.workers[partner].speedup = factor
+
+    def _pull_pairs(self, live: list[InstanceView]) -> None:
+        """`zigzag_dispatch="pull"`: each live instance keeps the partner the core's `pull_pairs`
+        gives it; a partner runs faster (`partner_speedup` over its live instances' layers)
+        while requests wait in its queue, the ones it would hand over to run ahead."""
+        model = self.model.name
+        views = self.registry.views(model=model)
+        by_partner: dict[str, list[int]] = {}
+        for role in sorted({v.role for v in live}, key=lambda r: r.value):
+            step = self.zigzag.pull_pairs(self.loop.now_s, views, model, role, {v.instance_id for v in live})
+            for iid, partner in step.pairs:
+                if not self.workers[partner].waiting:
+                    continue
+                self.zigzag.note_split(iid, partner)
+                by_partner.setdefault(partner, []).append(self.registry.get(iid).layers_loaded)
+                self.zigzag_paired.add(iid)
+        for partner, ks in by_partner.items():
             factor = partner_speedup(self.model.num_layers, ks)
             self.boosted[partner] = factor
             self.workers[partner].speedup = factor

@@ -15,10 +15,14 @@ from a small pool: a 150 s slice (full-size prompts, mean ~2,000 tokens, short o
 Variants: `stop_the_world` (HeteroScale, the GM's multicast chains, ZigZag off: a new instance
 serves only once fully loaded), `zigzag` (the same with ZigZag as the live GM runs it: every
 LOADING target live from its first layer, the gate open while every SERVING instance has requests
-waiting, is at batch capacity or has a TTFT p50 of at least 1 s), `serverlessllm` (same policy,
-per-host cache with keep-alive, a miss reads the 10 Gbps SSD, no ZigZag), `fixed_peak` (a pool
-sized for the busiest 5 s, no scaling). The sweep reruns stop_the_world and zigzag over the link
-bandwidth, i.e. the load time.
+waiting, is at batch capacity or has a TTFT p50 of at least 1 s), `zigzag_pull` (the GM's
+`--zigzag-dispatch pull`: each live instance keeps a partner by the core's `pull_pairs` and speeds
+it up while requests wait in its queue), `zigzag_decode_bound` (a bound on pipelined decode, not a
+mechanism: ZigZag's partners decode for free while sped up), `zigzag_ungated` (a bound of the
+layer-level model: every live instance paired whatever the gate says), `serverlessllm` (same
+policy, per-host cache with keep-alive, a miss reads the 10 Gbps SSD, no ZigZag), `fixed_peak` (a
+pool sized for the busiest 5 s, no scaling). The sweep reruns stop_the_world, zigzag and
+zigzag_ungated over the link bandwidth, i.e. the load time.
 
 Simulated figures of an unvalidated step-time estimate, not measurements.
 """
@@ -47,8 +51,18 @@ from .scenarios import FULL_SIZE, TARGET_UTILIZATION, TRACES, Scenario, build_ru
 __all__ = ["VARIANTS", "live8b_runs", "main", "run_variant"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ("stop_the_world", "zigzag", "zigzag_ungated", "instant_load", "fixed_peak", "serverlessllm")
-PAIR = ("stop_the_world", "zigzag", "zigzag_ungated", "instant_load")
+VARIANTS = (
+    "stop_the_world",
+    "zigzag",
+    "zigzag_pull",
+    "zigzag_decode_bound",
+    "zigzag_ungated",
+    "instant_load",
+    "fixed_peak",
+    "serverlessllm",
+)
+PAIR = ("stop_the_world", "zigzag", "zigzag_pull", "zigzag_decode_bound", "zigzag_ungated", "instant_load")
+SWEEP_PAIR = ("stop_the_world", "zigzag", "zigzag_ungated")
 SPAN_S = 150.0
 BURST = (40.0, 100.0)
 BURST_FACTOR = 8
@@ -140,20 +154,19 @@ def live8b_runs(
     initial = INITIAL
     meta["sizing"]["initial"] = initial
     blitz, sllm = (dataclasses.replace(r, min_instances=initial) for r in (blitz, sllm))
+
+    def zigzag(name: str, **changes: Any) -> RunConfig:
+        """ZigZag as the live GM runs it (every target live from its first layer), with `changes`."""
+        return dataclasses.replace(
+            blitz, name=name, initial=initial, zigzag=True, zigzag_live="all", zigzag_ttft_s=1.0, **changes
+        )
+
     table = {
         "stop_the_world": dataclasses.replace(blitz, name="stop_the_world", initial=initial, zigzag=False),
-        "zigzag": dataclasses.replace(
-            blitz, name="zigzag", initial=initial, zigzag=True, zigzag_live="all", zigzag_ttft_s=1.0
-        ),
-        "zigzag_ungated": dataclasses.replace(
-            blitz,
-            name="zigzag_ungated",
-            initial=initial,
-            zigzag=True,
-            zigzag_live="all",
-            zigzag_ttft_s=1.0,
-            zigzag_gate="always",
-        ),
+        "zigzag": zigzag("zigzag"),
+        "zigzag_pull": zigzag("zigzag_pull", zigzag_dispatch="pull"),
+        "zigzag_decode_bound": zigzag("zigzag_decode_bound", zigzag_decode_free_bound=True),
+        "zigzag_ungated": zigzag("zigzag_ungated", zigzag_gate="always"),
         "instant_load": dataclasses.replace(
             blitz,
             name="instant_load",
@@ -233,7 +246,7 @@ def _short(out: dict[str, Any]) -> dict[str, Any]:
 def _ratios(r: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     stw = r.get("stop_the_world", {})
     out = {}
-    for name in ("zigzag", "zigzag_ungated", "instant_load"):
+    for name in ("zigzag", "zigzag_pull", "zigzag_decode_bound", "zigzag_ungated", "instant_load"):
         if name in r:
             out[f"p99_{name}_over_stop_the_world"] = _ratio(r[name]["ttft_p99_s"], stw.get("ttft_p99_s"))
     if "zigzag" in r and "serverlessllm" in r:
@@ -284,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     # The load time: link bandwidth per GPU NIC and host NIC.
     result["sweep"] = []
     for gbps in [float(g) for g in args.sweep.split(",") if g]:
-        pair, _ = live8b_runs(PAIR[:3], gbps, 0, arrivals)
+        pair, _ = live8b_runs(SWEEP_PAIR, gbps, 0, arrivals)
         row = {"gbps": gbps, "one_link_16gb_s": round(16.06e9 * 8 / (gbps * 1e9), 2)}
         result["sweep"].append(_run_pair(pair, row, f"sweep@{gbps:g}"))
 

@@ -162,8 +162,13 @@ class SimWorker:
         cpu: HostCpu | None = None,
         cpu_step: tuple[float, float] = (0.0, 0.0),
         skip: bool = True,
+        decode_free_bound: bool = False,
     ) -> None:
         self.iid, self.host, self.loop = iid, host, loop
+        # A bound, not a mechanism: while sped up as a ZigZag partner, its decode rows and their
+        # context cost nothing (more than pipelined decode could take off it: that moves only
+        # layers [0, k) of the split requests' decode to the loading instance).
+        self.decode_free_bound = decode_free_bound
         # Opt-in CPU contention (`cpu.py`): each step computes cpu_step[0] + cpu_step[1] x batch
         # tokens CPU-seconds on the host's shared cores and lasts max(pace, that compute).
         self.cpu = cpu
@@ -377,7 +382,8 @@ class SimWorker:
             self.on_empty(self.iid)
             return
         self.busy = True
-        dt = self.step(ptok, pairs, seqs, rows, self.ctx_sum) / self._speedup
+        free = self.decode_free_bound and self._speedup > 1.0
+        dt = self.step(ptok, pairs, seqs, 0 if free else rows, 0 if free else self.ctx_sum) / self._speedup
         epoch = self._epoch
         if self.skip and not plan and self.decoding[0][0] - self.step_no > 1:
             self._start_span(rows, dt)
@@ -460,6 +466,8 @@ class SimWorker:
         # add zeros, so (base + row x rows) + ctx_coeff x ctx, bit for bit.
         step, speedup = self.step, self._speedup
         head, per_ctx, overhead = step.base + step.row * rows, step.ctx, step.overhead
+        if self.decode_free_bound and speedup > 1.0:
+            head, per_ctx = step.base, 0.0
         ctx = self.ctx_sum
         t = self.loop.now_s + dt
         ends, dts = [t], [dt]

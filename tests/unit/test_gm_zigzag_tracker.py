@@ -136,6 +136,25 @@ def test_pull_peers_pair_each_live_instance_with_one_partner() -> None:
     assert t.pull_peers(0.0, pool, by_id["n"], reachable={"n"}).peers == ()  # a LOADING instance pulls, not serves
 
 
+def test_pull_pairs_move_a_live_instance_off_a_partner_with_nothing_queued() -> None:
+    t = zz.ZigzagTracker()
+    t.load_progress(0.0, "n", "m", 3, 8)
+    pool = overloaded_pool()
+    assert t.pull_pairs(0.0, pool, "m", C, reachable={"n"}).pairs == (("n", "b"),)
+    # b still has a backlog: n stays, even though a is busier.
+    pool[1] = dataclasses.replace(pool[1], load=dataclasses.replace(pool[1].load, waiting=9))
+    assert t.pull_pairs(0.1, pool, "m", C, reachable={"n"}).pairs == (("n", "b"),)
+    # b's queue drained while a still has one: n pulls from a now, and says why.
+    pool[2] = dataclasses.replace(pool[2], load=dataclasses.replace(pool[2].load, waiting=0))
+    step = t.pull_pairs(0.2, pool, "m", C, reachable={"n"})
+    assert step.pairs == (("n", "a"),) and t.partner == {"n": "a"}
+    assert [type(e) for e in step.effects] == [zz.Paired] and "pulls queued requests from a" in step.effects[0].reason
+    # Nobody has a backlog: n keeps a (pairing costs nothing while there is nothing to hand over).
+    pool[1] = dataclasses.replace(pool[1], load=dataclasses.replace(pool[1].load, waiting=0))
+    step = t.pull_pairs(0.3, pool, "m", C, reachable={"n"})
+    assert step.pairs == (("n", "a"),) and step.effects == ()
+
+
 def test_pair_all_spreads_live_instances_over_partners_then_shares() -> None:
     pool = [
         view("n1", S.LOADING, role=C, layers=5),

@@ -60,8 +60,19 @@ def test_fast_path_gives_the_reference_results_with_pd_kills_and_migration(varia
     assert fast_events < ref_events
 
 
-@pytest.mark.parametrize(("live", "gate"), [("all", "always"), ("tails", "all_overloaded"), ("all", "all_overloaded")])
-def test_fast_path_gives_the_reference_results_with_report_windows_and_zigzag(live: str, gate: str) -> None:
+@pytest.mark.parametrize(
+    ("live", "gate", "dispatch", "bound"),
+    [
+        ("all", "always", "route", False),
+        ("tails", "all_overloaded", "route", False),
+        ("all", "all_overloaded", "route", False),
+        ("all", "all_overloaded", "pull", False),
+        ("all", "always", "route", True),
+    ],
+)
+def test_fast_path_gives_the_reference_results_with_report_windows_and_zigzag(
+    live: str, gate: str, dispatch: str, bound: bool
+) -> None:
     # The engine-faithful reports (per-step appends to a sliding window) and ZigZag's speedups
     # changing under running spans: a small H100 cluster under a burst, every target live.
     arrivals = [Arrival(i, 0.02 * i, 1500 + 37 * (i % 11), 20 + 13 * (i % 7)) for i in range(1500)]
@@ -78,10 +89,12 @@ def test_fast_path_gives_the_reference_results_with_report_windows_and_zigzag(li
         zigzag_live=live,  # type: ignore[arg-type]
         zigzag_gate=gate,  # type: ignore[arg-type]
         zigzag_ttft_s=0.5,
+        zigzag_dispatch=dispatch,  # type: ignore[arg-type]
+        zigzag_decode_free_bound=bound,
         grace_s=120.0,
     )
     (ref, ref_requests, _), (fast, fast_requests, _) = _both(cfg)
-    if gate == "always":
+    if gate == "always" or dispatch == "pull":
         assert ref["zigzag"]["loading_instances_paired"] > 0  # the speedups did change mid-run
     assert fast_requests == ref_requests
     assert fast == ref

@@ -5,6 +5,9 @@ never serves a request on an instance before it is SERVING."""
 
 from __future__ import annotations
 
+import statistics
+from typing import Any
+
 import pytest
 
 from bench.simulate.cluster import RunConfig, Simulation, partner_speedup
@@ -23,24 +26,35 @@ L = PROFILE.model.num_layers
 OLD, NEW = "h00g0", "h00g1"
 
 
-def _pair(zigzag: bool, k: int, queued: int = 1500, gate: str = "all_overloaded") -> tuple[Simulation, float, float]:
+def _config(gpus: int, **changes: Any) -> RunConfig:
+    """A one-host cluster of `gpus` H100s, no arrivals, no autoscaling, with `changes`."""
+    return RunConfig(
+        name="pair",
+        profile=PROFILE,
+        cluster=ClusterSpec(hosts=1, gpus_per_host=gpus, hosts_per_leaf=1),
+        arrivals=(),
+        initial=1,
+        autoscale=False,
+        max_instances=gpus,
+        **changes,
+    )
+
+
+def _pair(
+    zigzag: bool, k: int, queued: int = 1500, gate: str = "all_overloaded", dispatch: str = "route"
+) -> tuple[Simulation, float, float]:
     """One SERVING instance with `queued` prefill-only requests (2,048-token prompts, 1 output
     token) and one LOADING instance holding k of L layers, ZigZag as the live GM runs it.
     Returns the simulation, the partner's speedup, and the requests per second the pair
     completes over 20 s of saturation."""
-    cfg = RunConfig(
-        name="pair",
-        profile=PROFILE,
-        cluster=ClusterSpec(hosts=1, gpus_per_host=2, hosts_per_leaf=1),
-        arrivals=(),
-        initial=1,
-        autoscale=False,
-        max_instances=2,
+    cfg = _config(
+        gpus=2,
         zigzag=zigzag,
         zigzag_live="all",
         zigzag_ttft_s=1.0,
         zigzag_stall_s=60.0,  # the load is held at k on purpose: not a stall over the 21 s
-        zigzag_gate=gate,  # type: ignore[arg-type]
+        zigzag_gate=gate,
+        zigzag_dispatch=dispatch,
     )
     sim = Simulation(cfg)
     sim.registry.transition(NEW, InstanceState.LOADING, model=PROFILE.model.name, num_layers=L)
@@ -91,6 +105,44 @@ def test_zigzag_off_or_gate_shut_or_no_layer_serves_nothing_while_loading() -> N
     # The ungated upper bound pairs regardless of the gate.
     _, speedup, _ = _pair(zigzag=True, k=16, queued=1, gate="always")
     assert speedup == pytest.approx(2.0)
+
+
+def test_pulled_zigzag_speeds_the_partner_up_only_while_requests_wait_in_its_queue() -> None:
+    # Saturated: requests wait, the loading instance runs ahead the partner's queued prompts.
+    sim, speedup, _ = _pair(zigzag=True, k=8, dispatch="pull")
+    assert speedup == pytest.approx(L * pair_throughput(L, 8))
+    assert sim.zigzag.partner == {NEW: OLD} and sim.zigzag.split_with == {NEW: OLD}
+    # One request, admitted at once: nothing waits, nothing to hand over, no speedup.
+    idle, speedup, _ = _pair(zigzag=True, k=8, queued=1, dispatch="pull")
+    assert speedup == 1.0 and idle.zigzag_assisted == 0 and NEW not in idle.zigzag.split_with
+
+
+def test_the_decode_bound_prices_a_boosted_partners_decode_at_nothing() -> None:
+    """`zigzag_decode_free_bound`: a sped-up partner's decode rows and context cost nothing
+    (a bound on pipelined decode); unboosted, or with the bound off, they cost what they do."""
+    costs = {}
+    for bound in (False, True):
+        # Every step an event (the fast path gives the same: test_simulate_fastpath).
+        cfg = _config(gpus=1, zigzag_decode_free_bound=bound, fast_path=False)
+        sim = Simulation(cfg)
+        w = sim.workers[OLD]
+        for i in range(64):
+            w.submit(SimRequest(i, 0.0, 512, 400))
+        sim.loop.run(2.0)  # all prefilled, decoding
+        assert len(w.decoding) == 64
+        n = len(w.stats.tbts)
+        sim.loop.run(3.0)
+        plain = statistics.median(w.stats.tbts[n:])  # each decode step's duration
+        w.speedup = 2.0
+        n = len(w.stats.tbts)
+        sim.loop.run(4.0)
+        costs[bound] = (plain, statistics.median(w.stats.tbts[n:]))
+    (plain_off, boosted_off), (plain_on, boosted_on) = costs[False], costs[True]
+    assert plain_on == pytest.approx(plain_off)  # unboosted: the same steps
+    # Boosted: half the time each (the context grew a little between the two windows).
+    assert boosted_off == pytest.approx(plain_off / 2, rel=0.05)
+    base = (w.step.base + w.step.overhead) / 2  # boosted under the bound: no rows, no context
+    assert boosted_on < boosted_off and boosted_on == pytest.approx(base)
 
 
 def test_partner_speedup_extends_the_pair_model_to_shared_partners() -> None:

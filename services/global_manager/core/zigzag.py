@@ -717,12 +717,13 @@ class PullPeer:
 
 @dataclass(frozen=True, slots=True)
 class ZigzagStep:
-    """What one call decided: the split or peers (when asked for) and the effects to carry out."""
+    """What one call decided: the split, peers or pairs (when asked for) and the effects to carry out."""
 
     effects: tuple[ZigzagEffect, ...] = ()
     split: ZigzagSplit | None = None
     peers: tuple[PullPeer, ...] = ()
     gate: ZigzagGate | None = None
+    pairs: tuple[tuple[str, str], ...] = ()  # (live instance, partner) of `pull_pairs`
 
 
 class ZigzagTracker:
@@ -877,43 +878,60 @@ class ZigzagTracker:
         return ZigzagStep(effects=tuple(effects), split=ZigzagSplit(new, old, k, num_layers), gate=gate)
 
     # ---- dispatch: pull -------------------------------------------------------------------
-    def pull_peers(
-        self, now_s: float, views: list[InstanceView], me: InstanceView, reachable: Collection[str]
+    def pull_pairs(
+        self, now_s: float, views: list[InstanceView], model: str, role: Role, reachable: Collection[str]
     ) -> ZigzagStep:
-        """`--zigzag-dispatch pull`: the live LOADING instances that pull queued requests from
-        SERVING instance `me`, each with its in-flight cap now.
+        """`--zigzag-dispatch pull`: the partner each live LOADING instance of `model` and `role`
+        pulls queued requests from (`ZigzagStep.pairs`, (live instance, partner)).
 
         Every live LOADING instance (>= 1 layer, not all, in `reachable`: its data plane and
         address known) keeps one partner until that partner stops SERVING: an overloaded
         instance of its model and role that no other one pulls from yet if there is one, else
         the overloaded one with the fewest used KV blocks (`choose_pull_partner`). No request is
         routed to the pair: the partner's own queue is the work (it only hands over requests it
-        has waiting), so an instance with nothing queued costs nothing to pair."""
-        if me.state is not InstanceState.SERVING or not me.model or not self.started:
+        has waiting), so an instance with nothing queued costs nothing to pair, and no gate over
+        the whole pool is asked: one backlogged partner is reason enough."""
+        if not self.started:
             return ZigzagStep()
         effects = list(self.expire_stalled(now_s).effects)
         by_id = {v.instance_id: v for v in views}
-        peers: list[PullPeer] = []
+        pairs: list[tuple[str, str]] = []
         for new_id in sorted(self.started):
             new = by_id.get(new_id)
-            if new is None or new.model != me.model or new.role is not me.role:
+            if new is None or new.model != model or new.role is not role:
                 continue
             if not 1 <= new.layers_loaded < new.num_layers or new_id not in reachable:
                 continue
             partner_id = self.partner.get(new_id)
             partner = by_id.get(partner_id) if partner_id is not None else None
-            if partner is None or partner.state is not InstanceState.SERVING:
+            if partner is None or partner.state is not InstanceState.SERVING or not _overloaded(partner, None):
                 taken = {p for n, p in self.partner.items() if n != new_id}
-                pair = choose_pull_partner(views, new_id, me.model, taken)
+                pair = choose_pull_partner(views, new_id, model, taken)
                 if pair is None:
                     continue
-                partner_id = self.partner[new_id] = pair.partner.instance_id
-                reason = f"pulls queued requests from {partner_id}: {pair.reason}"
-                effects.append(Paired(new_id, partner_id, me.model, reason))
+                if partner is None or partner.state is not InstanceState.SERVING or pair.overloaded:
+                    if pair.partner.instance_id != partner_id:
+                        partner_id = self.partner[new_id] = pair.partner.instance_id
+                        reason = f"pulls queued requests from {partner_id}: {pair.reason}"
+                        effects.append(Paired(new_id, partner_id, model, reason))
+            pairs.append((new_id, partner_id))
+        return ZigzagStep(effects=tuple(effects), pairs=tuple(pairs))
+
+    def pull_peers(
+        self, now_s: float, views: list[InstanceView], me: InstanceView, reachable: Collection[str]
+    ) -> ZigzagStep:
+        """The live LOADING instances that pull queued requests from SERVING instance `me`
+        (`pull_pairs`), each with its in-flight cap now."""
+        if me.state is not InstanceState.SERVING or not me.model or not self.started:
+            return ZigzagStep()
+        step = self.pull_pairs(now_s, views, me.model, me.role, reachable)
+        by_id = {v.instance_id: v for v in views}
+        peers: list[PullPeer] = []
+        for new_id, partner_id in step.pairs:
             if partner_id == me.instance_id:
                 self.split_with[new_id] = partner_id
-                peers.append(PullPeer(new, self.limit(now_s, new_id)))
-        return ZigzagStep(effects=tuple(effects), peers=tuple(peers))
+                peers.append(PullPeer(by_id[new_id], self.limit(now_s, new_id)))
+        return ZigzagStep(effects=step.effects, peers=tuple(peers))
 
     # ---- the fluid model's pairing (bench.simulate) ---------------------------------------
     def live_views(self, views: Iterable[InstanceView], model: str) -> list[InstanceView]:
