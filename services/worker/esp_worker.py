@@ -14,7 +14,9 @@ the data plane), with the request's KV in the engine's own KV cache.
 - **Scale up**: when the master's cache is full and the request names spares, the first spare
   joins as master (op `esp_join` on its data plane) and takes the new KV; the old master becomes
   one more holder and relays the new master's tokens, which ride in the step headers, to its own
-  stream. No KV moves. Without a spare the request ends with RESOURCE_EXHAUSTED naming the group.
+  stream. No KV moves. A spare that fills up in turn hands over to the next spare the same way;
+  the first master, which owns the stream, relays whichever master's tokens. Without a spare the
+  request ends with RESOURCE_EXHAUSTED naming the group (with none left, with an error saying so).
 - **End**: every member frees its blocks however the request ends; a member that goes away fails
   the others within the group's timeout (UNAVAILABLE), never a hang.
 
@@ -373,58 +375,103 @@ class EspWorker:
         timeout_s: float,
     ) -> AsyncIterator[EspEvent]:
         """Hand the mastership to the first spare; serve it as one more holder and relay the
-        tokens it reports in its step headers."""
+        tokens it reports in its step headers. When that master fills up in turn and hands over
+        to the next spare, serve the next one the same way, to the end of the request."""
         group = spec.group_id
         await hand_over(holders, timeout_s=timeout_s)
         self.scale_ups_total += 1
         self.groups[group]["role"] = "holder (handed over)"
-        ep = await self.transport.connect(spec.spare_addresses[0], timeout_s=timeout_s)
+        ep = await self._send_join(
+            spec.spare_addresses[0],
+            group,
+            [bytes(spec.member_addresses[i]) for i in sorted(holders)],
+            [bytes(a) for a in spec.spare_addresses[1:]],
+            sampler,
+            shard.end,
+            [],
+            timeout_s,
+        )
         ended = False
         try:
-            order = sorted(holders)
-            join = {
-                "op": ESP_JOIN_OP,
-                "group": group,
-                "holders": [bytes(spec.member_addresses[i]).hex() for i in order],
-                "spares": [bytes(a).hex() for a in spec.spare_addresses[1:]],
-                "prompt": list(sampler.prompt),
-                "output": list(sampler.output),
-                "sampling": _sampling_to_json(sampler.params),
-                "stop_ids": sorted(sampler.stop_ids),
-                "pos": shard.end,
-                "timeout_s": timeout_s,
-            }
-            await ep.send_msg(json.dumps(join).encode(), CONTROL_TAG, timeout_s=timeout_s)
-            notes: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-            serving = asyncio.ensure_future(
-                serve_holder(model, shard, ep, timeout_s=timeout_s, on_header=notes.put_nowait)
-            )
-            try:
-                while True:
-                    getter = asyncio.ensure_future(notes.get())
-                    await asyncio.wait({getter, serving}, return_when=asyncio.FIRST_COMPLETED)
-                    if not getter.done():
-                        getter.cancel()
-                        serving.result()  # raises what ended it
+            while True:
+                notes: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+                serving = asyncio.ensure_future(
+                    serve_holder(model, shard, ep, timeout_s=timeout_s, on_header=notes.put_nowait)
+                )
+                try:
+                    while True:
+                        getter = asyncio.ensure_future(notes.get())
+                        await asyncio.wait({getter, serving}, return_when=asyncio.FIRST_COMPLETED)
+                        if not getter.done():
+                            getter.cancel()  # a header put just before the holder returned stays queued
+                            if notes.empty():
+                                break
+                            note = notes.get_nowait()
+                        else:
+                            note = getter.result()
+                        if "error" in note:
+                            raise EspError(grpc.StatusCode.UNAVAILABLE, f"ESP group {group!r}: {note['error']}")
+                        for token in note.get("emit", ()):
+                            sampler.output.append(int(token))
+                            reason = note.get("finish") if note.get("end") else None
+                            yield EspEvent(int(token), reason, len(sampler.prompt), len(sampler.output))
+                        if note.get("end"):
+                            await serving
+                            ended = True
+                            return
+                    outcome, _ = serving.result()  # raises what ended it
+                    if outcome != "handover":
                         raise ProtocolError(f"ESP group {group!r}: the new master ended without an end message")
-                    note = getter.result()
-                    if "error" in note:
-                        raise EspError(grpc.StatusCode.UNAVAILABLE, f"ESP group {group!r}: {note['error']}")
-                    for token in note.get("emit", ()):
-                        sampler.output.append(int(token))
-                        reason = note.get("finish") if note.get("end") else None
-                        yield EspEvent(int(token), reason, len(sampler.prompt), len(sampler.output))
-                    if note.get("end"):
-                        await serving
-                        ended = True
-                        return
-            finally:
-                serving.cancel()
+                finally:
+                    serving.cancel()
+                # That master filled up and handed over to the next spare, which connects here.
+                await _end(ep, True)
+                ep = await accept_master(self.transport, group, timeout_s=timeout_s, accept=self.router.acceptor(group))
         finally:
             await _end(ep, ended)
 
+    async def _send_join(
+        self,
+        spare: bytes,
+        group: str,
+        holders: list[bytes],
+        spares: list[bytes],
+        sampler: _Sampler,
+        pos: int,
+        emit: list[int],
+        timeout_s: float,
+    ) -> Endpoint:
+        """Ask `spare` to become the request's master from position `pos` on, over `holders`
+        (every holder but this instance, which serves it on the connection returned). `emit`:
+        tokens sampled here that the request's stream has not had yet (the new master sends them
+        in its first step header). The join names this instance's address, so that a later spare
+        connects here too."""
+        ep = await self.transport.connect(spare, timeout_s=timeout_s)
+        join = {
+            "op": ESP_JOIN_OP,
+            "group": group,
+            "holders": [a.hex() for a in holders],
+            "from": self.transport.address().hex(),
+            "spares": [a.hex() for a in spares],
+            "prompt": list(sampler.prompt),
+            "output": list(sampler.output),
+            "emit": emit,
+            "sampling": _sampling_to_json(sampler.params),
+            "stop_ids": sorted(sampler.stop_ids),
+            "pos": pos,
+            "timeout_s": timeout_s,
+        }
+        try:
+            await ep.send_msg(json.dumps(join).encode(), CONTROL_TAG, timeout_s=timeout_s)
+        except BaseException:
+            ep.abort()
+            raise
+        return ep
+
     async def _serve_join(self, ep: Endpoint, req: dict[str, Any]) -> None:
-        """A spare's side of a scale-up: become the request's master over the holders named."""
+        """A spare's side of a scale-up: become the request's master over the holders named. When
+        its own KV fills up and the join names more spares, hand over to the next one and serve
+        it as one more holder."""
         group = str(req.get("group"))
         seq = f"esp/{group}/master"
         holders: dict[int, Endpoint] = {}
@@ -450,12 +497,20 @@ class EspWorker:
             pos = int(req["pos"])
             cache.allocate(seq, 0)
             shard = Shard(cache, seq, pos, pos)
-            token, emit = sampler.output[-1], []
+            token, emit = sampler.output[-1], [int(t) for t in req.get("emit", ())]
             while True:
                 started_s = time.monotonic()
-                logits = await decode_master_step(
-                    model, cache, shard, holders, token, timeout_s=timeout_s, note={"emit": emit}
-                )
+                try:
+                    logits = await decode_master_step(
+                        model, cache, shard, holders, token, timeout_s=timeout_s, note={"emit": emit}
+                    )
+                except OutOfBlocks:
+                    spares = [bytes.fromhex(a) for a in req.get("spares", ())]
+                    if not spares:
+                        raise
+                    await self._hand_on(model, shard, holders, ep, req, others, spares, sampler, emit, timeout_s)
+                    ended = True
+                    return
                 await _pace(engine, started_s, 1)
                 token, _, _ = sampler.pick(logits)
                 emit = [token]
@@ -467,7 +522,10 @@ class EspWorker:
         except OutOfBlocks:
             log.warning("esp scale-up master full", group=group)
             with contextlib.suppress(DataPlaneError):
-                await end_decode(holders or {0: ep}, note={"error": "the scaled-up master's KV is full too"})
+                await end_decode(
+                    holders or {0: ep},
+                    note={"error": "the scaled-up master's KV is full too and the request names no further spare"},
+                )
         except Exception as e:  # reported to the old master, which ends its stream with it
             log.warning("esp join failed", group=group, error=str(e))
             with contextlib.suppress(DataPlaneError):
@@ -478,7 +536,41 @@ class EspWorker:
                     await _end(h, ended)
             if engine is not None:
                 engine.kv_cache.free(seq)
+            self.router.release(group)
             self.groups.pop(group, None)
+
+    async def _hand_on(
+        self,
+        model: Any,
+        shard: Shard,
+        holders: dict[int, Endpoint],
+        ep: Endpoint,
+        req: dict[str, Any],
+        others: list[bytes],
+        spares: list[bytes],
+        sampler: _Sampler,
+        emit: list[int],
+        timeout_s: float,
+    ) -> None:
+        """A scaled-up master that filled up too: the next spare becomes master over every
+        holder (the old masters included), this instance serves it its slice as one more holder
+        to the end of the request, and `emit` (sampled here, not yet streamed) reaches the
+        stream in the next master's first step header."""
+        group = str(req["group"])
+        await hand_over(holders, timeout_s=timeout_s)
+        self.scale_ups_total += 1
+        self.groups[group]["role"] = "holder (handed over)"
+        # The old master that asked this instance to join holds a slice too; the next master
+        # connects to it as to every other holder.
+        nxt = await self._send_join(
+            spares[0], group, [*others, bytes.fromhex(req["from"])], spares[1:], sampler, shard.end, emit, timeout_s
+        )
+        ok = False
+        try:
+            await self._hold(model, shard, nxt, group, timeout_s)
+            ok = True
+        finally:
+            await _end(nxt, ok)
 
 
 def event_to_proto(ev: EspEvent, params: SamplingParams) -> worker_pb2.WorkerGenerateResponse:

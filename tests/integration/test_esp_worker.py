@@ -2,7 +2,7 @@
 with its own engine and KV pool) serve one request as a group, each called with `Generate` in
 mode `esp_member`. The master's tokens equal one colocated worker's, greedy and seeded, for a
 prompt that fits one instance and one that fits only the group; a full master scales up to a
-spare; a member that goes away ends the request with UNAVAILABLE in time, blocks freed."""
+spare, and a full spare to the next; a member that goes away ends the request with UNAVAILABLE in time, blocks freed."""
 
 from __future__ import annotations
 
@@ -184,6 +184,49 @@ async def test_a_prompt_no_single_worker_can_hold_is_served_by_a_group(
         assert [h[0].completion_tokens for h in holders] == [19, 19]
         assert a.joined_total == b.joined_total == 1  # type: ignore[union-attr]
         await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 10, what="every ESP block freed")
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+async def test_a_spare_that_fills_up_hands_over_to_the_next_spare(
+    tiny_models: Path, serve_in_process: Any, seed: int | None
+) -> None:
+    """Two scale-ups in one request: the master fills after 8 tokens, the first spare (one
+    16-token block) after 16 more, and the second spare decodes the rest. Every old master
+    stays a holder of its own slice, no KV moves, and the stream has one worker's tokens."""
+    kv = {"ref": 4096, "a": 48, "b": 48, "c": 48, "s1": 16, "s2": 48}
+    async with esp_workers(tiny_models, serve_in_process, kv) as ws:
+        prompt = [1, *range(5, 124)]
+        params = sampling(40, seed)
+        want = tokens_of(await collect(ws["ref"][1].Generate(esp_request("whole", prompt, params), timeout=60)))
+        assert len(want) == 40
+        c, s1, s2 = (ws[k][0].servicer.esp for k in ("c", "s1", "s2"))
+        results = await run_group(
+            ws, ["a", "b", "c"], f"chain-{seed}", prompt, params, [0, 40, 80, 120], spares=["s1", "s2"]
+        )
+        *holders, master = results
+        assert tokens_of(master) == want and master[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert master[-1].completion_tokens == 40
+        assert (c.scale_ups_total, s1.joined_total, s1.scale_ups_total, s2.joined_total) == (1, 1, 1, 1)  # type: ignore[union-attr]
+        assert s2.scale_ups_total == 0  # type: ignore[union-attr]
+        assert [h[0].completion_tokens for h in holders] == [39, 39]
+        await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 10, what="every ESP block freed")
+        assert not any(ws[k][0].servicer.esp.groups for k in kv)  # type: ignore[union-attr]
+
+
+async def test_the_last_spare_full_too_fails_clearly(tiny_models: Path, serve_in_process: Any) -> None:
+    """The only spare fills up as well: the request ends with an error that says so, every
+    block freed."""
+    kv = {"a": 48, "b": 48, "c": 48, "s1": 16}
+    async with esp_workers(tiny_models, serve_in_process, kv) as ws:
+        prompt = [1, *range(5, 124)]
+        results = await asyncio.gather(
+            run_group(ws, ["a", "b", "c"], "full2", prompt, sampling(40, None), [0, 40, 80, 120], spares=["s1"]),
+            return_exceptions=True,
+        )
+        err = results[0]
+        assert isinstance(err, grpc.aio.AioRpcError), err
+        assert "no further spare" in str(err.details()), err.details()
+        await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 20, what="every ESP block freed")
 
 
 async def test_a_full_master_without_a_spare_fails_clearly(tiny_models: Path, serve_in_process: Any) -> None:
