@@ -2,7 +2,8 @@
 with its own engine and KV pool) serve one request as a group, each called with `Generate` in
 mode `esp_member`. The master's tokens equal one colocated worker's, greedy and seeded, for a
 prompt that fits one instance and one that fits only the group; a full master scales up to a
-spare, and a full spare to the next; a member that goes away ends the request with UNAVAILABLE in time, blocks freed."""
+spare, and a full spare to the next (also over UCX, one process per instance); a member that
+goes away ends the request with UNAVAILABLE in time, blocks freed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from blitzmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
@@ -270,3 +272,132 @@ async def test_a_member_that_goes_away_ends_the_request_with_unavailable(
         with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
             await holder_task
         await wait_until(lambda: set(used_blocks(ws).values()) == {0}, 20, what="every ESP block freed")
+
+
+# ---- one process per instance: UCX as well as TCP ------------------------------------------
+# ucxx allows one worker per process, so the tests above (every worker in this process) run on
+# TCP. Here each instance is a process of its own with the worker's ESP operations (`EspWorker`
+# over its own transport and `GroupServer`, an engine's model and KV pool), which exercises the
+# distributed decode and both scale-ups over either transport.
+
+
+def _instance_process(path: str, kind: str, kv_tokens: int, conn: Any) -> None:
+    """One instance: sends its data plane address, then either runs the member it is sent
+    (`{"spec", "prompt", "max_tokens", "seed"}`; answers its tokens, or the error) or, sent None,
+    serves as a spare until told to stop. Last it answers its counters and KV blocks in use."""
+    from services.dataplane.chain import GroupServer
+    from services.dataplane.transport import make_transport
+    from services.worker.engine.engine import Engine, EngineConfig
+    from services.worker.engine.kv_cache import KVCache
+    from services.worker.engine.sampling import SamplingParams
+    from services.worker.esp_worker import EspError, EspWorker
+    from services.worker.model.llama import load_model
+
+    async def run() -> None:
+        model = load_model(path)
+        kv = KVCache.for_model(model.config, num_blocks=kv_tokens // 16, block_size=16, dtype=model.dtype)
+        engine = Engine(model, kv, (0,), EngineConfig())
+        async with make_transport(kind) as transport:
+            server = GroupServer(transport)
+            await server.start()
+            esp = EspWorker(transport, server, lambda: engine)
+            conn.send(transport.address())
+            job = await asyncio.to_thread(conn.recv)
+            if job is not None:
+                spec = worker_pb2.EspMember.FromString(job["spec"])
+                seed = job["seed"]
+                params = SamplingParams(
+                    temperature=0.0 if seed is None else 0.9,
+                    top_p=1.0 if seed is None else 0.9,
+                    seed=seed,
+                    max_tokens=job["max_tokens"],
+                    ignore_eos=True,
+                )
+                tokens, done = [], 0
+                try:
+                    async for ev in esp.member("r", job["prompt"], params, spec):
+                        if ev.token is not None:
+                            tokens.append(ev.token)
+                        done = ev.completion_tokens
+                    conn.send({"tokens": tokens, "completion_tokens": done})
+                except EspError as e:
+                    conn.send({"error": str(e)})
+            await asyncio.to_thread(conn.recv)  # stop
+            conn.send({"joined": esp.joined_total, "scale_ups": esp.scale_ups_total, "used_blocks": kv.used_blocks})
+            await server.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.ucx
+def test_two_scale_ups_over_ucx_with_each_instance_in_its_own_process(tiny_models: Path) -> None:
+    """Over UCX (TCP: the in-process tests above), seeded: three members (48 KV tokens each) and
+    two spares (16 and 48), one process each. The master fills after 8 tokens, the first spare
+    after 16 more, the second decodes the rest. The master streams one instance's tokens, every
+    block is freed, each spare joined once."""
+    import multiprocessing
+
+    from services.worker.engine.sampling import SamplingParams, sample
+    from services.worker.model.llama import load_model
+
+    pytest.importorskip("ucxx")
+    kind, seed = "ucx", 7
+    path = str(tiny_models / "tiny")
+    prompt, max_tokens = [1, *range(5, 124)], 40
+    params = SamplingParams(
+        temperature=0.0 if seed is None else 0.9,
+        top_p=1.0 if seed is None else 0.9,
+        seed=seed,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+    )
+    model = load_model(path)
+    ids, want, gen = list(prompt), [], params.make_generator()
+    for _ in range(max_tokens):
+        token = sample(model.forward(torch.tensor(ids))[-1:], [params], [gen]).tokens[0]
+        want.append(token)
+        ids.append(token)
+    kv = [48, 48, 48, 16, 48]  # members a, b, c (the master), spares s1, s2
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in kv]
+    procs = [
+        ctx.Process(target=_instance_process, args=(path, kind, n, child), daemon=True)
+        for n, (_, child) in zip(kv, pipes, strict=True)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for parent, _ in pipes:
+            assert parent.poll(90), "an instance did not start"
+        addresses = [parent.recv() for parent, _ in pipes]
+        for j, (parent, _) in enumerate(pipes[:3]):
+            spec = worker_pb2.EspMember(
+                group_id="chain",
+                index=j,
+                bounds=[0, 40, 80, 120],
+                member_addresses=addresses[:3],
+                spare_addresses=addresses[3:],
+                timeout_s=20,
+            )
+            parent.send({"spec": spec.SerializeToString(), "prompt": prompt, "max_tokens": max_tokens, "seed": seed})
+        for parent, _ in pipes[3:]:
+            parent.send(None)
+        streams = []
+        for parent, _ in pipes[:3]:
+            assert parent.poll(120), "a member did not finish"
+            streams.append(parent.recv())
+        counters = []
+        for parent, _ in pipes:
+            parent.send("stop")
+            assert parent.poll(30), "an instance did not stop"
+            counters.append(parent.recv())
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    *holders, master = streams
+    assert master == {"tokens": want, "completion_tokens": max_tokens}, master
+    assert holders == [{"tokens": [], "completion_tokens": max_tokens - 1}] * 2
+    assert [(c["joined"], c["scale_ups"]) for c in counters] == [(1, 0), (1, 0), (1, 1), (1, 1), (1, 0)]
+    assert [c["used_blocks"] for c in counters] == [0] * 5
