@@ -151,7 +151,9 @@ def status_text(state: ClusterState) -> str:
                 g.degree,
                 " ".join(f"{m}[{a}:{b})" for m, a, b in zip(g.member_ids, g.bounds, g.bounds[1:], strict=False)),
                 " ".join(g.spare_ids) or "-",
-                ("live:" + (",".join(g.holder_ids) or "-")) if g.live else "ended",
+                ("live:" + (",".join(h if n is None else f"{h}={n}" for h, n in g.kv_placement.items()) or "-"))
+                if g.live
+                else "ended",
                 f"{g.age_s:.1f}",
             ]
             for g in state.esp_groups

@@ -435,6 +435,7 @@ def load_report_to_proto(load: LoadReport) -> common_pb2.LoadReport:
         prefix_query_tokens=load.prefix_query_tokens,
         prefill_capacity_tps=load.prefill_capacity_tps,
         esp_groups=list(load.esp_groups),
+        esp_group_kv_tokens=list(load.esp_group_kv_tokens),
     )
 
 
@@ -462,6 +463,7 @@ def load_report_from_proto(msg: common_pb2.LoadReport) -> LoadReport:
         prefix_query_tokens=msg.prefix_query_tokens,
         prefill_capacity_tps=msg.prefill_capacity_tps,
         esp_groups=tuple(msg.esp_groups),
+        esp_group_kv_tokens=tuple(msg.esp_group_kv_tokens),
     )
 
 
@@ -513,6 +515,7 @@ def esp_group_to_proto(g: EspGroup) -> admin_pb2.EspGroupInfo:
         degree=g.degree,
         holder_ids=list(g.holder_ids),
         live=g.live,
+        holder_kv_tokens=list(g.holder_kv_tokens),
     )
 
 
@@ -527,6 +530,7 @@ def esp_group_from_proto(msg: admin_pb2.EspGroupInfo) -> EspGroup:
         age_s=msg.age_s,
         holder_ids=tuple(msg.holder_ids),
         live=msg.live,
+        holder_kv_tokens=tuple(msg.holder_kv_tokens),
     )
 
 

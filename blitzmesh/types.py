@@ -341,6 +341,8 @@ class LoadReport:
     steps (0 = no prefill step yet); queued prompt tokens / this = the wait a new arrival sees."""
     esp_groups: tuple[str, ...] = ()
     """ESP groups this instance is in now (computing a slice, holding one's KV, or master)."""
+    esp_group_kv_tokens: tuple[int, ...] = ()
+    """The KV tokens this instance holds for each of `esp_groups`, in the same order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,6 +384,14 @@ class EspGroup:
     age_s: float = 0.0
     holder_ids: tuple[str, ...] = ()  # instances in it now, by their heartbeats
     live: bool = False  # False once it ended (no instance reports it any more)
+    holder_kv_tokens: tuple[int, ...] = ()  # the KV tokens each of `holder_ids` holds for it
+
+    @property
+    def kv_placement(self) -> dict[str, int | None]:
+        """Where the request's KV lies now: holder id -> the KV tokens it holds (from its
+        heartbeats; None where the manager did not say)."""
+        tokens = self.holder_kv_tokens if len(self.holder_kv_tokens) == len(self.holder_ids) else ()
+        return {h: (tokens[k] if tokens else None) for k, h in enumerate(self.holder_ids)}
 
     @property
     def degree(self) -> int:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from blitzmesh.v1 import common_pb2 as blitzmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62litzmesh/v1/admin.proto\x12\x0c\x62litzmesh.v1\x1a\x19\x62litzmesh/v1/common.proto\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.blitzmesh.v1.ModelInfo\"\x13\n\x11GetClusterRequest\"\xb2\x02\n\x0c\x43lusterState\x12-\n\tinstances\x18\x01 \x03(\x0b\x32\x1a.blitzmesh.v1.InstanceInfo\x12\'\n\x06models\x18\x02 \x03(\x0b\x32\x17.blitzmesh.v1.ModelInfo\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x10\n\x08\x61\x64visory\x18\x04 \x01(\x08\x12\x43\n\rpolicy_params\x18\x05 \x03(\x0b\x32,.blitzmesh.v1.ClusterState.PolicyParamsEntry\x12.\n\nesp_groups\x18\x06 \x03(\x0b\x32\x1a.blitzmesh.v1.EspGroupInfo\x1a\x33\n\x11PolicyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbe\x01\n\x0c\x45spGroupInfo\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nmember_ids\x18\x04 \x03(\t\x12\x0e\n\x06\x62ounds\x18\x05 \x03(\r\x12\x11\n\tspare_ids\x18\x06 \x03(\t\x12\r\n\x05\x61ge_s\x18\x07 \x01(\x01\x12\x0e\n\x06\x64\x65gree\x18\x08 \x01(\x05\x12\x12\n\nholder_ids\x18\t \x03(\t\x12\x0c\n\x04live\x18\n \x01(\x08\"}\n\x0cScaleRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x05\x12(\n\x04role\x18\x03 \x01(\x0e\x32\x1a.blitzmesh.v1.InstanceRole\x12\x0c\n\x04wait\x18\x04 \x01(\x08\x12\x14\n\x0cinstance_ids\x18\x05 \x03(\t\"5\n\rScaleResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xb1\x01\n\x10SetPolicyRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12:\n\x06params\x18\x02 \x03(\x0b\x32*.blitzmesh.v1.SetPolicyRequest.ParamsEntry\x12\x15\n\x08\x61\x64visory\x18\x03 \x01(\x08H\x00\x88\x01\x01\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0b\n\t_advisory\"\xa1\x01\n\x11SetPolicyResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12;\n\x06params\x18\x02 \x03(\x0b\x32+.blitzmesh.v1.SetPolicyResponse.ParamsEntry\x12\x10\n\x08\x61\x64visory\x18\x03 \x01(\x08\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x14\n\x12WatchEventsRequest\"s\n\x0c\x43lusterEvent\x12\x0e\n\x06time_s\x18\x01 \x01(\x01\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t2\x82\x03\n\x05\x41\x64min\x12O\n\nListModels\x12\x1f.blitzmesh.v1.ListModelsRequest\x1a .blitzmesh.v1.ListModelsResponse\x12I\n\nGetCluster\x12\x1f.blitzmesh.v1.GetClusterRequest\x1a\x1a.blitzmesh.v1.ClusterState\x12@\n\x05Scale\x12\x1a.blitzmesh.v1.ScaleRequest\x1a\x1b.blitzmesh.v1.ScaleResponse\x12L\n\tSetPolicy\x12\x1e.blitzmesh.v1.SetPolicyRequest\x1a\x1f.blitzmesh.v1.SetPolicyResponse\x12M\n\x0bWatchEvents\x12 .blitzmesh.v1.WatchEventsRequest\x1a\x1a.blitzmesh.v1.ClusterEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x62litzmesh/v1/admin.proto\x12\x0c\x62litzmesh.v1\x1a\x19\x62litzmesh/v1/common.proto\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.blitzmesh.v1.ModelInfo\"\x13\n\x11GetClusterRequest\"\xb2\x02\n\x0c\x43lusterState\x12-\n\tinstances\x18\x01 \x03(\x0b\x32\x1a.blitzmesh.v1.InstanceInfo\x12\'\n\x06models\x18\x02 \x03(\x0b\x32\x17.blitzmesh.v1.ModelInfo\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x10\n\x08\x61\x64visory\x18\x04 \x01(\x08\x12\x43\n\rpolicy_params\x18\x05 \x03(\x0b\x32,.blitzmesh.v1.ClusterState.PolicyParamsEntry\x12.\n\nesp_groups\x18\x06 \x03(\x0b\x32\x1a.blitzmesh.v1.EspGroupInfo\x1a\x33\n\x11PolicyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd8\x01\n\x0c\x45spGroupInfo\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x12\n\nmember_ids\x18\x04 \x03(\t\x12\x0e\n\x06\x62ounds\x18\x05 \x03(\r\x12\x11\n\tspare_ids\x18\x06 \x03(\t\x12\r\n\x05\x61ge_s\x18\x07 \x01(\x01\x12\x0e\n\x06\x64\x65gree\x18\x08 \x01(\x05\x12\x12\n\nholder_ids\x18\t \x03(\t\x12\x0c\n\x04live\x18\n \x01(\x08\x12\x18\n\x10holder_kv_tokens\x18\x0b \x03(\x03\"}\n\x0cScaleRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\x05\x12(\n\x04role\x18\x03 \x01(\x0e\x32\x1a.blitzmesh.v1.InstanceRole\x12\x0c\n\x04wait\x18\x04 \x01(\x08\x12\x14\n\x0cinstance_ids\x18\x05 \x03(\t\"5\n\rScaleResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xb1\x01\n\x10SetPolicyRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12:\n\x06params\x18\x02 \x03(\x0b\x32*.blitzmesh.v1.SetPolicyRequest.ParamsEntry\x12\x15\n\x08\x61\x64visory\x18\x03 \x01(\x08H\x00\x88\x01\x01\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0b\n\t_advisory\"\xa1\x01\n\x11SetPolicyResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12;\n\x06params\x18\x02 \x03(\x0b\x32+.blitzmesh.v1.SetPolicyResponse.ParamsEntry\x12\x10\n\x08\x61\x64visory\x18\x03 \x01(\x08\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x14\n\x12WatchEventsRequest\"s\n\x0c\x43lusterEvent\x12\x0e\n\x06time_s\x18\x01 \x01(\x01\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t2\x82\x03\n\x05\x41\x64min\x12O\n\nListModels\x12\x1f.blitzmesh.v1.ListModelsRequest\x1a .blitzmesh.v1.ListModelsResponse\x12I\n\nGetCluster\x12\x1f.blitzmesh.v1.GetClusterRequest\x1a\x1a.blitzmesh.v1.ClusterState\x12@\n\x05Scale\x12\x1a.blitzmesh.v1.ScaleRequest\x1a\x1b.blitzmesh.v1.ScaleResponse\x12L\n\tSetPolicy\x12\x1e.blitzmesh.v1.SetPolicyRequest\x1a\x1f.blitzmesh.v1.SetPolicyResponse\x12M\n\x0bWatchEvents\x12 .blitzmesh.v1.WatchEventsRequest\x1a\x1a.blitzmesh.v1.ClusterEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,23 +49,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLUSTERSTATE_POLICYPARAMSENTRY']._serialized_start=430
   _globals['_CLUSTERSTATE_POLICYPARAMSENTRY']._serialized_end=481
   _globals['_ESPGROUPINFO']._serialized_start=484
-  _globals['_ESPGROUPINFO']._serialized_end=674
-  _globals['_SCALEREQUEST']._serialized_start=676
-  _globals['_SCALEREQUEST']._serialized_end=801
-  _globals['_SCALERESPONSE']._serialized_start=803
-  _globals['_SCALERESPONSE']._serialized_end=856
-  _globals['_SETPOLICYREQUEST']._serialized_start=859
-  _globals['_SETPOLICYREQUEST']._serialized_end=1036
-  _globals['_SETPOLICYREQUEST_PARAMSENTRY']._serialized_start=978
-  _globals['_SETPOLICYREQUEST_PARAMSENTRY']._serialized_end=1023
-  _globals['_SETPOLICYRESPONSE']._serialized_start=1039
-  _globals['_SETPOLICYRESPONSE']._serialized_end=1200
-  _globals['_SETPOLICYRESPONSE_PARAMSENTRY']._serialized_start=978
-  _globals['_SETPOLICYRESPONSE_PARAMSENTRY']._serialized_end=1023
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=1202
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=1222
-  _globals['_CLUSTEREVENT']._serialized_start=1224
-  _globals['_CLUSTEREVENT']._serialized_end=1339
-  _globals['_ADMIN']._serialized_start=1342
-  _globals['_ADMIN']._serialized_end=1728
+  _globals['_ESPGROUPINFO']._serialized_end=700
+  _globals['_SCALEREQUEST']._serialized_start=702
+  _globals['_SCALEREQUEST']._serialized_end=827
+  _globals['_SCALERESPONSE']._serialized_start=829
+  _globals['_SCALERESPONSE']._serialized_end=882
+  _globals['_SETPOLICYREQUEST']._serialized_start=885
+  _globals['_SETPOLICYREQUEST']._serialized_end=1062
+  _globals['_SETPOLICYREQUEST_PARAMSENTRY']._serialized_start=1004
+  _globals['_SETPOLICYREQUEST_PARAMSENTRY']._serialized_end=1049
+  _globals['_SETPOLICYRESPONSE']._serialized_start=1065
+  _globals['_SETPOLICYRESPONSE']._serialized_end=1226
+  _globals['_SETPOLICYRESPONSE_PARAMSENTRY']._serialized_start=1004
+  _globals['_SETPOLICYRESPONSE_PARAMSENTRY']._serialized_end=1049
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=1228
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=1248
+  _globals['_CLUSTEREVENT']._serialized_start=1250
+  _globals['_CLUSTEREVENT']._serialized_end=1365
+  _globals['_ADMIN']._serialized_start=1368
+  _globals['_ADMIN']._serialized_end=1754
 # @@protoc_insertion_point(module_scope)

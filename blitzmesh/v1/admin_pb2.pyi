@@ -149,6 +149,7 @@ class EspGroupInfo(_message.Message):
     DEGREE_FIELD_NUMBER: _builtins.int
     HOLDER_IDS_FIELD_NUMBER: _builtins.int
     LIVE_FIELD_NUMBER: _builtins.int
+    HOLDER_KV_TOKENS_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     request_id: _builtins.str
     model_id: _builtins.str
@@ -172,6 +173,10 @@ class EspGroupInfo(_message.Message):
     def holder_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """instances whose heartbeats say they are in it now"""
 
+    @_builtins.property
+    def holder_kv_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the KV tokens each of holder_ids holds for it, same order"""
+
     def __init__(
         self,
         *,
@@ -185,10 +190,11 @@ class EspGroupInfo(_message.Message):
         degree: _builtins.int = ...,
         holder_ids: _abc.Iterable[_builtins.str] | None = ...,
         live: _builtins.bool = ...,
+        holder_kv_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "bounds", b"bounds", "degree", b"degree", "group_id", b"group_id", "holder_ids", b"holder_ids", "live", b"live", "member_ids", b"member_ids", "model_id", b"model_id", "request_id", b"request_id", "spare_ids", b"spare_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "bounds", b"bounds", "degree", b"degree", "group_id", b"group_id", "holder_ids", b"holder_ids", "holder_kv_tokens", b"holder_kv_tokens", "live", b"live", "member_ids", b"member_ids", "model_id", b"model_id", "request_id", b"request_id", "spare_ids", b"spare_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -432,6 +432,7 @@ class LoadReport(_message.Message):
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     PREFILL_CAPACITY_TPS_FIELD_NUMBER: _builtins.int
     ESP_GROUPS_FIELD_NUMBER: _builtins.int
+    ESP_GROUP_KV_TOKENS_FIELD_NUMBER: _builtins.int
     decode_tps: _builtins.float
     prefill_tps: _builtins.float
     ttft_p50_s: _builtins.float
@@ -472,6 +473,12 @@ class LoadReport(_message.Message):
         when a group scales up (a spare reports it) and when it ends (no one does).
         """
 
+    @_builtins.property
+    def esp_group_kv_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The KV tokens this instance holds for each of esp_groups, in the same order (a member's
+        slice, a master's slice and the tokens decoded there, a spare's share after a scale-up).
+        """
+
     def __init__(
         self,
         *,
@@ -497,10 +504,11 @@ class LoadReport(_message.Message):
         prefix_query_tokens: _builtins.int = ...,
         prefill_capacity_tps: _builtins.float = ...,
         esp_groups: _abc.Iterable[_builtins.str] | None = ...,
+        esp_group_kv_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tps", b"decode_tps", "esp_groups", b"esp_groups", "est_tpot_s", b"est_tpot_s", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "preempted_total", b"preempted_total", "prefill_capacity_tps", b"prefill_capacity_tps", "prefill_tps", b"prefill_tps", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "running", b"running", "slo_rejected_total", b"slo_rejected_total", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "tokens_generated_total", b"tokens_generated_total", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s", "waiting", b"waiting", "waiting_prefill_tokens", b"waiting_prefill_tokens", "zigzag_continued_total", b"zigzag_continued_total", "zigzag_relayed_total", b"zigzag_relayed_total", "zigzag_running", b"zigzag_running"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tps", b"decode_tps", "esp_group_kv_tokens", b"esp_group_kv_tokens", "esp_groups", b"esp_groups", "est_tpot_s", b"est_tpot_s", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "preempted_total", b"preempted_total", "prefill_capacity_tps", b"prefill_capacity_tps", "prefill_tps", b"prefill_tps", "prefix_hit_tokens", b"prefix_hit_tokens", "prefix_query_tokens", b"prefix_query_tokens", "running", b"running", "slo_rejected_total", b"slo_rejected_total", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "tokens_generated_total", b"tokens_generated_total", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s", "waiting", b"waiting", "waiting_prefill_tokens", b"waiting_prefill_tokens", "zigzag_continued_total", b"zigzag_continued_total", "zigzag_relayed_total", b"zigzag_relayed_total", "zigzag_running", b"zigzag_running"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -132,6 +132,7 @@ def cluster_json(state: admin_pb2.ClusterState) -> dict[str, Any]:
                 "age_s": g.age_s,
                 "live": g.live,
                 "holders": list(g.holder_ids),
+                "holder_kv_tokens": list(g.holder_kv_tokens),  # the KV tokens each holder holds for it
             }
             for g in sdk.esp_groups
         ],

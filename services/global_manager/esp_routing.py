@@ -15,10 +15,11 @@ during decode: event `esp_scale_up`) and when one ends (no instance reports it a
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -70,6 +71,7 @@ class GroupLife:
     holders: dict[str, float]
     seen: bool = False
     ended: bool = False
+    kv_tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # holder -> KV tokens, last reported
 
 
 class EspRouter:
@@ -188,11 +190,15 @@ class EspRouter:
         )
         return master
 
-    def observe(self, instance_id: str, group_ids: Collection[str], now_s: float) -> list[tuple[str, GroupRecord, str]]:
+    def observe(
+        self, instance_id: str, group_ids: Sequence[str], now_s: float, kv_tokens: Sequence[int] = ()
+    ) -> list[tuple[str, GroupRecord, str]]:
         """A heartbeat of `instance_id` naming the groups it is in now (`now_s` on the clock of
-        `GroupRecord.formed_s`): the groups that scaled up (a spare reports one) or ended (no
-        holder left), as (event kind, group, detail)."""
+        `GroupRecord.formed_s`) and the KV tokens it holds for each (`kv_tokens`, same order;
+        none from a worker that does not say): the groups that scaled up (a spare reports one)
+        or ended (no holder left), as (event kind, group, detail)."""
         reported = set(group_ids)
+        tokens = dict(zip(group_ids, kv_tokens, strict=False))
         events: list[tuple[str, GroupRecord, str]] = []
         for rec in self.recent:
             life = self.life.get(rec.group_id)
@@ -201,14 +207,18 @@ class EspRouter:
             if rec.group_id in reported:
                 joined = instance_id not in life.holders and instance_id not in rec.members
                 life.holders[instance_id] = now_s
+                if rec.group_id in tokens:
+                    life.kv_tokens[instance_id] = int(tokens[rec.group_id])
                 life.seen = True
                 if joined:
                     events.append(("esp_scale_up", rec, f"{instance_id} joined as master (the last one's KV was full)"))
             else:
                 life.holders.pop(instance_id, None)
+                life.kv_tokens.pop(instance_id, None)
             for iid, heard in list(life.holders.items()):
                 if now_s - heard > _HOLDER_STALE_S:
                     del life.holders[iid]
+                    life.kv_tokens.pop(iid, None)
             if not life.holders and (life.seen or now_s - rec.formed_s > _HOLDER_STALE_S):
                 life.ended = True
                 why = "no instance reports it any more" if life.seen else "no heartbeat ever showed it"
@@ -223,9 +233,11 @@ class EspRouter:
         for g in self.recent:
             life = self.life.get(g.group_id, ended)
             age = max(0.0, now - g.formed_s)
+            holders = tuple(sorted(life.holders))
             group = EspGroup(
                 g.group_id, g.request_id, g.model_id, g.members, g.bounds, g.spares, age,
-                holder_ids=tuple(sorted(life.holders)), live=not life.ended,
+                holder_ids=holders, live=not life.ended,
+                holder_kv_tokens=tuple(life.kv_tokens.get(h, 0) for h in holders),
             )  # fmt: skip
             out.append(esp_group_to_proto(group))
         return out

@@ -330,7 +330,9 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         state = view.state
         self.table.registry.heartbeat(sample_from_proto(iid, now, request.load))
         self.monitor.observe(sample_from_proto(iid, now, request.load))
-        for kind, group, detail in self.esp.observe(iid, request.load.esp_groups, time.time()):
+        for kind, group, detail in self.esp.observe(
+            iid, request.load.esp_groups, time.time(), request.load.esp_group_kv_tokens
+        ):
             # Named after the spare that joined, or the group's first master when it ends.
             self.emit(
                 kind, group.model_id, group.group_id, detail, iid if kind == "esp_scale_up" else group.members[-1]

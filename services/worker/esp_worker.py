@@ -221,6 +221,14 @@ class EspWorker:
         self.scale_ups_total = 0
         group_server.register_op(ESP_JOIN_OP, self._serve_join)
 
+    def kv_tokens(self) -> dict[str, int]:
+        """Group id -> the KV tokens held here for it now (its heartbeat's `esp_group_kv_tokens`)."""
+        out = {}
+        for group, g in self.groups.items():
+            shard = g.get("shard")
+            out[group] = shard.num_tokens if shard is not None else int(g.get("kv_tokens", 0))
+        return out
+
     def _serving_engine(self) -> Engine:
         engine = self._engine()
         if engine is None:
@@ -271,7 +279,14 @@ class EspWorker:
             raise EspError(grpc.StatusCode.FAILED_PRECONDITION, f"this instance is already a member of {group!r}")
         timeout_s = spec.timeout_s or DEFAULT_TIMEOUT_S
         seq = f"esp/{group}/{request_id}"
-        self.groups[group] = {"request_id": request_id, "index": j, "size": n, "role": "member"}
+        # The KV it holds for the group: its slice while it computes it, then its shard's tokens.
+        self.groups[group] = {
+            "request_id": request_id,
+            "index": j,
+            "size": n,
+            "role": "member",
+            "kv_tokens": bounds[j + 1] - bounds[j],
+        }
         self.joined_total += 1
         links = None
         ok = False
@@ -295,6 +310,7 @@ class EspWorker:
                     grpc.StatusCode.RESOURCE_EXHAUSTED, f"ESP group {group!r}: member {j} has no room: {e}"
                 ) from None
             shard = Shard(cache, seq, bounds[j], bounds[j + 1])
+            self.groups[group]["shard"] = shard
             if j < n - 1:
                 self.groups[group]["role"] = "holder"
                 steps = await self._hold(model, shard, links.later[n - 1], group, timeout_s)
@@ -497,6 +513,7 @@ class EspWorker:
             pos = int(req["pos"])
             cache.allocate(seq, 0)
             shard = Shard(cache, seq, pos, pos)
+            self.groups[group]["shard"] = shard
             token, emit = sampler.output[-1], [int(t) for t in req.get("emit", ())]
             while True:
                 started_s = time.monotonic()

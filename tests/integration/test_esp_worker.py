@@ -266,6 +266,11 @@ async def test_a_member_that_goes_away_ends_the_request_with_unavailable(
             async for msg in master_stream:
                 got += len(msg.token_ids)
                 if got == 3:
+                    # Mid-decode, each worker's heartbeat tells where the request's KV lies: the
+                    # holder its slice, the master its slice and the tokens decoded so far.
+                    reports = {k: ws[k][0].servicer.load_report() for k in ("a", "b")}  # type: ignore[union-attr]
+                    assert reports["a"].esp_groups == ("kill",) and reports["a"].esp_group_kv_tokens == (30,)
+                    assert reports["b"].esp_groups == ("kill",) and reports["b"].esp_group_kv_tokens[0] >= 26 + 2
                     holder.cancel()
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "'kill'" in str(ended.value.details())
         assert 3 <= got < 400

@@ -289,13 +289,19 @@ def test_the_manager_follows_a_groups_holders_its_scale_up_and_its_end_from_hear
     t0 = router.recent[0].formed_s
     (info,) = router.to_proto()
     assert info.live and not info.holder_ids  # formed; no heartbeat has named it yet
+    slices = dict(zip(members, (b - a for a, b in zip(hop.esp.bounds, hop.esp.bounds[1:], strict=False)), strict=True))
     for m in members:
-        assert router.observe(m, [gid], t0 + 0.5) == []
-    assert list(router.to_proto()[0].holder_ids) == sorted(members)
-    # The master's KV fills up and a spare joins: its heartbeat names the group.
-    (event,) = router.observe(spare, [gid], t0 + 1.0)
+        assert router.observe(m, ["other", gid], t0 + 0.5, [7, slices[m]]) == []
+    info = router.to_proto()[0]
+    assert list(info.holder_ids) == sorted(members)
+    # Where its KV lies, by the holders' heartbeats: each member's slice.
+    assert list(info.holder_kv_tokens) == [slices[m] for m in sorted(members)]
+    # The master's KV fills up and a spare joins: its heartbeat names the group, with its share.
+    (event,) = router.observe(spare, [gid], t0 + 1.0, [3])
     assert event[0] == "esp_scale_up" and event[1].group_id == gid and spare in event[2]
-    assert router.observe(spare, [gid], t0 + 1.5) == []  # told once
+    assert router.observe(spare, [gid], t0 + 1.5) == []  # told once; no figure: the last one holds
+    info = router.to_proto()[0]
+    assert dict(zip(info.holder_ids, info.holder_kv_tokens, strict=True))[spare] == 3
     # The request ends: each holder's next heartbeat leaves it out; the last one ends the group.
     for m in [*members, spare][:-1]:
         assert router.observe(m, [], t0 + 2.0) == []

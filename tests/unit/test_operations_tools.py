@@ -52,12 +52,19 @@ def test_status_text_counts_states_and_aligns_columns() -> None:
 def test_status_text_lists_esp_groups_with_each_members_slice() -> None:
     from blitzmesh.types import EspGroup
 
-    live = EspGroup("esp-2-s", "s", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 0.5, ("w-1", "w-2", "w-3"), True)
+    holders = ("w-1", "w-2", "w-3")
+    live = EspGroup("esp-2-s", "s", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 0.5, holders, True, (64, 60, 12))
+    unsaid = EspGroup("esp-3-t", "t", "m", ("w-1", "w-2"), (0, 64, 120), (), 0.2, holders, True)  # no KV figures
     ended = EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5)
-    lines = cli.status_text(ClusterState(esp_groups=(live, ended))).splitlines()
-    assert lines[-3].split() == ["GROUP", "DEGREE", "MEMBERS[SLICE]", "SPARES", "HOLDERS", "AGE_S"]
-    assert lines[-2].split() == ["esp-2-s", "2", "w-1[0:64)", "w-2[64:120)", "w-3", "live:w-1,w-2,w-3", "0.5"]
+    lines = cli.status_text(ClusterState(esp_groups=(live, unsaid, ended))).splitlines()
+    assert lines[-4].split() == ["GROUP", "DEGREE", "MEMBERS[SLICE]", "SPARES", "HOLDERS", "AGE_S"]
+    # Each holder with the KV tokens it holds: the members' slices (the master's with its
+    # decoded tokens, 56 + 4) and the spare's share after a scale-up.
+    assert lines[-3].split() == ["esp-2-s", "2", "w-1[0:64)", "w-2[64:120)", "w-3", "live:w-1=64,w-2=60,w-3=12", "0.5"]
+    assert lines[-2].split()[-2] == "live:w-1,w-2,w-3"
     assert lines[-1].split() == ["esp-1-r", "2", "w-1[0:64)", "w-2[64:120)", "w-3", "ended", "1.5"]
+    assert live.kv_placement == {"w-1": 64, "w-2": 60, "w-3": 12}
+    assert unsaid.kv_placement == {"w-1": None, "w-2": None, "w-3": None}
 
 
 def test_parse_params_quotes_what_is_wrong() -> None:
@@ -121,8 +128,10 @@ def test_dashboard_snapshot_carries_esp_groups_with_their_slices() -> None:
     from blitzmesh.types import EspGroup
     from services.gateway.dashboard import cluster_json
 
-    state = ClusterState(esp_groups=(EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5),))
-    (group,) = cluster_json(convert.cluster_state_to_proto(state))["esp_groups"]
+    live = EspGroup("esp-2-s", "s", "m", ("w-1", "w-2"), (0, 64, 120), (), 0.5, ("w-1", "w-2"), True, (64, 60))
+    state = ClusterState(esp_groups=(EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5), live))
+    group, live_json = cluster_json(convert.cluster_state_to_proto(state))["esp_groups"]
+    assert (live_json["holders"], live_json["holder_kv_tokens"]) == (["w-1", "w-2"], [64, 60])
     assert group == {
         "group_id": "esp-1-r",
         "request_id": "r",
@@ -133,6 +142,8 @@ def test_dashboard_snapshot_carries_esp_groups_with_their_slices() -> None:
         "age_s": 1.5,
         "live": False,
         "holders": [],
+        "holder_kv_tokens": [],
     }
     js = (Path(__file__).resolve().parents[2] / "services/gateway/static/app.js").read_text()
     assert "renderEsp(data.esp_groups" in js  # the page draws what the snapshot carries
+    assert "g.holder_kv_tokens" in js

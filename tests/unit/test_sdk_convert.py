@@ -165,7 +165,9 @@ ROUND_TRIPS = [
         ClusterState(
             instances=(INSTANCE,),
             esp_groups=(
-                EspGroup("esp-2-s", "s", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 0.5, ("w-2", "w-3"), True),
+                EspGroup(
+                    "esp-2-s", "s", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 0.5, ("w-2", "w-3"), True, (60, 12)
+                ),
                 EspGroup("esp-1-r", "r", "m", ("w-1", "w-2"), (0, 64, 120), ("w-3",), 1.5),
             ),
         ),

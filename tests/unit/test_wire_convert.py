@@ -95,8 +95,8 @@ def test_load_report_every_field_both_ways():
     real = (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE)
 
     def value(i: int, f: FieldDescriptor) -> typing.Any:
-        if f.is_repeated:  # the ESP group ids
-            return (f"g{i}", f"h{i}")
+        if f.is_repeated:  # the ESP group ids, and the KV tokens held for each
+            return (f"g{i}", f"h{i}") if f.cpp_type == FieldDescriptor.CPPTYPE_STRING else (i + 1, i + 2)
         return (i + 1) * 1.5 if f.cpp_type in real else i + 1
 
     load = types.LoadReport(**{f.name: value(i, f) for i, f in enumerate(fields)})

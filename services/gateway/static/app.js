@@ -110,7 +110,8 @@ function renderEsp(groups) {
       const slice = " [" + g.bounds[k] + "," + g.bounds[k + 1] + ")";
       li.append(el("span", "node", m + slice + (k === g.members.length - 1 ? " master" : "")));
     });
-    const state = g.live ? " · live on " + ((g.holders || []).join(", ") || "-") : " · ended";
+    const held = (g.holders || []).map((h, k) => h + " (" + ((g.holder_kv_tokens || [])[k] ?? "?") + " KV tokens)");
+    const state = g.live ? " · live on " + (held.join(", ") || "-") : " · ended";
     li.append(el("span", "empty", "  " + g.request_id + (g.spares.length ? " · spares " + g.spares.join(", ") : "") + state));
     ul.append(li);
   }
