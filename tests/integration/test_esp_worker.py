@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from blitzmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
@@ -271,6 +272,9 @@ async def test_a_member_that_goes_away_ends_the_request_with_unavailable(
                     reports = {k: ws[k][0].servicer.load_report() for k in ("a", "b")}  # type: ignore[union-attr]
                     assert reports["a"].esp_groups == ("kill",) and reports["a"].esp_group_kv_tokens == (30,)
                     assert reports["b"].esp_groups == ("kill",) and reports["b"].esp_group_kv_tokens[0] >= 26 + 2
+                    # The metrics say it too (one registry in this process: the worker started last, b).
+                    assert REGISTRY.get_sample_value("blitzmesh_worker_esp_groups") == 1
+                    assert REGISTRY.get_sample_value("blitzmesh_worker_esp_kv_tokens") >= 26 + 2
                     holder.cancel()
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "'kill'" in str(ended.value.details())
         assert 3 <= got < 400
