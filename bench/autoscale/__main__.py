@@ -125,6 +125,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="ZigZag live scaling in the manager; 'both' replays the runs with it on and off, each in a fresh "
         "mesh, --repeats times in alternating order, and adds the key `zigzag` (side by side)",
     )
+    p.add_argument(
+        "--zigzag-dispatch",
+        choices=("route", "pull"),
+        default="route",
+        help="how ZigZag work reaches a loading instance (the manager's --zigzag-dispatch)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="with --zigzag/--rebalance both: on/off pairs to run")
     p.add_argument(
         "--link-gbps",
@@ -440,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         f"--{flag}" if getattr(args, flag) == "on" else f"--no-{flag}"
         for flag in ("rebalance", "zigzag")
         if flag != ab_flag
-    ]
+    ] + ["--zigzag-dispatch", args.zigzag_dispatch]
     ab_result: dict[str, Any] | None = None
     if ab_flag is not None:
         by_setting: dict[str, list[dict[str, dict[str, Any]]]] = {"on": [], "off": []}
@@ -502,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["setup"]["rebalance"] = args.rebalance
     result["setup"]["zigzag"] = args.zigzag
+    result["setup"]["zigzag_dispatch"] = args.zigzag_dispatch
     result["setup"]["link_gbps"] = args.link_gbps
     result["setup"]["max_batch_size"] = args.max_batch_size or "worker default (32)"
     if ab_result is not None:
