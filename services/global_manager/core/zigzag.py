@@ -885,9 +885,10 @@ class ZigzagTracker:
         pulls queued requests from (`ZigzagStep.pairs`, (live instance, partner)).
 
         Every live LOADING instance (>= 1 layer, not all, in `reachable`: its data plane and
-        address known) keeps one partner until that partner stops SERVING: an overloaded
-        instance of its model and role that no other one pulls from yet if there is one, else
-        the overloaded one with the fewest used KV blocks (`choose_pull_partner`). No request is
+        address known) keeps one partner: an overloaded instance of its model and role that no
+        other one pulls from yet if there is one, else the overloaded one with the fewest used KV
+        blocks (`choose_pull_partner`). It moves when that partner stops SERVING, or when the
+        partner has no backlog left and another instance has one. No request is
         routed to the pair: the partner's own queue is the work (it only hands over requests it
         has waiting), so an instance with nothing queued costs nothing to pair, and no gate over
         the whole pool is asked: one backlogged partner is reason enough."""
