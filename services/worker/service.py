@@ -202,6 +202,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return LoadReport()
         s = engine.stats()
         held = self.esp.kv_tokens() if self.esp is not None else {}  # ESP group -> KV tokens held here
+        groups = sorted(held)
         return LoadReport(
             decode_tps=s.decode_tokens_per_s,
             prefill_tps=s.prefill_tokens_per_s,
@@ -224,8 +225,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prefix_hit_tokens=s.prefix_hit_tokens,
             prefix_query_tokens=s.prefix_query_tokens,
             prefill_capacity_tps=s.prefill_capacity_tps,
-            esp_groups=tuple(sorted(held)),
-            esp_group_kv_tokens=tuple(held[g] for g in sorted(held)),
+            esp_groups=tuple(groups),
+            esp_group_kv_tokens=tuple(held[g] for g in groups),
         )
 
     async def GetStatus(self, request, context):

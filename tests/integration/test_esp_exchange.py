@@ -17,6 +17,7 @@ from services.worker.engine.kv_cache import KVCache
 from services.worker.esp_exchange import connect_group, prefill_member
 from services.worker.model.esp import sequence_parallel_prefill
 from services.worker.model.llama import load_model
+from tests.integration.spawned import spawned
 
 BLOCK = 4
 
@@ -111,36 +112,21 @@ def _member_process(path: str, kind: str, j: int, prompt, bounds, conn) -> None:
 @pytest.mark.parametrize("kind", ["tcp", pytest.param("ucx", marks=pytest.mark.ucx)])
 def test_members_in_their_own_processes(tmp_path, kind) -> None:
     """Three members, three processes, over TCP and over UCX: one instance's logits."""
-    import multiprocessing
-
     if kind == "ucx":
         pytest.importorskip("ucxx")
     path = str(synth.synthesize(tmp_path / "tiny", "tiny", seed=7))
     prompt = list(range(5, 36))
     bounds = [0, 11, 22, 31]
-    ctx = multiprocessing.get_context("spawn")
-    pipes = [ctx.Pipe() for _ in range(3)]
-    procs = [
-        ctx.Process(target=_member_process, args=(path, kind, j, prompt, bounds, pipes[j][1]), daemon=True)
-        for j in range(3)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        for parent, _ in pipes:
+    with spawned(_member_process, [(path, kind, j, prompt, bounds) for j in range(3)]) as pipes:
+        for parent in pipes:
             assert parent.poll(90), "a member did not start"
-        addresses = [parent.recv() for parent, _ in pipes]
-        for parent, _ in pipes:
+        addresses = [parent.recv() for parent in pipes]
+        for parent in pipes:
             parent.send(addresses)
         results = []
-        for parent, _ in pipes:
+        for parent in pipes:
             assert parent.poll(90), "a member did not finish"
             results.append(parent.recv())
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
     assert results[0] is None and results[1] is None
     whole = load_model(path).forward(torch.tensor(prompt))[-1]
     torch.testing.assert_close(torch.tensor(results[2]), whole, atol=1e-4, rtol=1e-4)

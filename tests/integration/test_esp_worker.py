@@ -24,6 +24,7 @@ from services.common.waiting import wait_until
 from services.param_manager.service import ParamManagerService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
+from tests.integration.spawned import spawned
 from tests.integration.test_param_worker import pm_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -344,8 +345,6 @@ def test_two_scale_ups_over_ucx_with_each_instance_in_its_own_process(tiny_model
     two spares (16 and 48), one process each. The master fills after 8 tokens, the first spare
     after 16 more, the second decodes the rest. The master streams one instance's tokens, every
     block is freed, each spare joined once."""
-    import multiprocessing
-
     from services.worker.engine.sampling import SamplingParams, sample
     from services.worker.model.llama import load_model
 
@@ -367,19 +366,11 @@ def test_two_scale_ups_over_ucx_with_each_instance_in_its_own_process(tiny_model
         want.append(token)
         ids.append(token)
     kv = [48, 48, 48, 16, 48]  # members a, b, c (the master), spares s1, s2
-    ctx = multiprocessing.get_context("spawn")
-    pipes = [ctx.Pipe() for _ in kv]
-    procs = [
-        ctx.Process(target=_instance_process, args=(path, kind, n, child), daemon=True)
-        for n, (_, child) in zip(kv, pipes, strict=True)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        for parent, _ in pipes:
+    with spawned(_instance_process, [(path, kind, n) for n in kv]) as pipes:
+        for parent in pipes:
             assert parent.poll(90), "an instance did not start"
-        addresses = [parent.recv() for parent, _ in pipes]
-        for j, (parent, _) in enumerate(pipes[:3]):
+        addresses = [parent.recv() for parent in pipes]
+        for j, parent in enumerate(pipes[:3]):
             spec = worker_pb2.EspMember(
                 group_id="chain",
                 index=j,
@@ -389,22 +380,17 @@ def test_two_scale_ups_over_ucx_with_each_instance_in_its_own_process(tiny_model
                 timeout_s=20,
             )
             parent.send({"spec": spec.SerializeToString(), "prompt": prompt, "max_tokens": max_tokens, "seed": seed})
-        for parent, _ in pipes[3:]:
+        for parent in pipes[3:]:
             parent.send(None)
         streams = []
-        for parent, _ in pipes[:3]:
+        for parent in pipes[:3]:
             assert parent.poll(120), "a member did not finish"
             streams.append(parent.recv())
         counters = []
-        for parent, _ in pipes:
+        for parent in pipes:
             parent.send("stop")
             assert parent.poll(30), "an instance did not stop"
             counters.append(parent.recv())
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
     *holders, master = streams
     assert master == {"tokens": want, "completion_tokens": max_tokens}, master
     assert holders == [{"tokens": [], "completion_tokens": max_tokens - 1}] * 2
