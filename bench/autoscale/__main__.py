@@ -51,6 +51,7 @@ from bench.replay import (
     timeline,
     token_rate,
 )
+from services.global_manager.config import ZIGZAG_DEFAULTS
 from services.mesh.launcher import Mesh, MeshConfig, metrics_targets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -128,8 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--zigzag-dispatch",
         choices=("route", "pull"),
-        default="route",
-        help="how ZigZag work reaches a loading instance (the manager's --zigzag-dispatch)",
+        default=ZIGZAG_DEFAULTS.dispatch,
+        help="how ZigZag work reaches a loading instance (the manager's --zigzag-dispatch, default its own)",
     )
     p.add_argument("--repeats", type=int, default=1, help="with --zigzag/--rebalance both: on/off pairs to run")
     p.add_argument(

@@ -90,17 +90,19 @@ BULKY = ("timeline", "events", "tokens_per_s", "loading")
 DISAGG_SETUPS = ("disagg_stop_the_world", "disagg_zigzag", "disagg_borrowed")
 SETUPS = ("stop_the_world", "zigzag", "sllm_hit", "sllm_miss", "fixed_peak", "hand_back", *DISAGG_SETUPS)
 # The setups that serve while loading: the best of them is compared with stop-the-world.
-LIVE_SETUPS = ("zigzag", "hand_back", "zigzag_relay_first", "zigzag_pull")
+LIVE_SETUPS = ("zigzag", "hand_back", "zigzag_relay_first", "zigzag_route", "zigzag_routed_cap")
 # The same for the disaggregated burst, against disagg_stop_the_world.
 DISAGG_LIVE_SETUPS = ("disagg_zigzag", "disagg_borrowed")
 # Ablations, run on request: ZigZag with the partner taking relayed requests before its own
-# (the worker's --zigzag-partner-order relay_first) instead of in arrival order; ZigZag pulled
-# (the manager's --zigzag-dispatch pull: loading instances run the first layers of the requests
-# queued on their partner, BlitzScale's NewPrefill); and
+# (the worker's --zigzag-partner-order relay_first) instead of in arrival order; ZigZag routed
+# (the manager's --zigzag-dispatch route: new requests are sent to a loading instance and its
+# partner, two hops; the default pulls, BlitzScale's NewPrefill: loading instances run the first
+# layers of the requests queued on their partner); `zigzag_routed_cap`, pulled but each puller
+# held to the routed cap (4 shrinking to 2, --zigzag-pull-limit 0) instead of 8; and
 # `instant_load`, stop-the-world with every link INSTANT_OVER_RDMA times faster, so a load takes a
 # fraction of a second: the same decisions with no loading window, the floor no live-scaling
 # scheme can go below (ZigZag only ever makes the loading window behave more like no window).
-ABLATIONS = ("zigzag_relay_first", "zigzag_pull", "instant_load")
+ABLATIONS = ("zigzag_relay_first", "zigzag_route", "zigzag_routed_cap", "instant_load")
 INSTANT_OVER_RDMA = 100.0
 # The links and the model's emulated size. The earlier runs (--rdma-gbps 0.1 --param-scale 1)
 # paced every byte at 0.1 Gbit/s: a load took 7 s, so the queue-aware trigger's instances served
@@ -152,8 +154,10 @@ def _manager_args(setup: str, policy: dict[str, Any] = POLICY) -> list[str]:
     flags = ["--zigzag" if live else "--no-zigzag"]
     flags.append("--zigzag-hand-back" if setup == "hand_back" else "--no-zigzag-hand-back")
     flags.append("--borrow-prefill" if setup == "disagg_borrowed" else "--no-borrow-prefill")
-    if setup == "zigzag_pull":
-        flags += ["--zigzag-dispatch", "pull"]
+    if setup == "zigzag_route":
+        flags += ["--zigzag-dispatch", "route"]
+    if setup == "zigzag_routed_cap":
+        flags += ["--zigzag-pull-limit", "0"]
     if setup.startswith("sllm"):
         flags.append("--no-transfer-plans")
     return [
@@ -358,8 +362,10 @@ def write_results(
         ("zigzag", "sllm_miss", 0.5),
         ("instant_load", "stop_the_world", None),
         ("zigzag", "instant_load", None),
-        ("zigzag_pull", "stop_the_world", None),
-        ("zigzag_pull", "zigzag", None),
+        ("zigzag_route", "stop_the_world", None),
+        ("zigzag", "zigzag_route", None),
+        ("zigzag_routed_cap", "stop_the_world", None),
+        ("zigzag", "zigzag_routed_cap", None),
         ("disagg_zigzag", "disagg_stop_the_world", None),
         ("disagg_borrowed", "disagg_stop_the_world", None),
         ("disagg_borrowed", "disagg_zigzag", None),

@@ -53,6 +53,7 @@ from services.global_manager.core.routing import plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, Role
 from services.global_manager.core.zigzag import (
     HandBack,
+    ZigzagDispatch,
     ZigzagGate,
     ZigzagLive,
     ZigzagSettings,
@@ -161,9 +162,9 @@ class RunConfig:
     zigzag_gate: Literal["all_overloaded", "always"] = "all_overloaded"
     # How ZigZag work reaches a live instance (the GM's --zigzag-dispatch): "route" pairs live
     # instances under the gate above; "pull" pairs each with one SERVING partner by the core's
-    # `pull_pairs` and speeds the partner up only while requests wait in its queue (the
+    # `pull_pairs` and speeds the partner up only while it holds prompts not started (the
     # requests it hands over), whatever the rest of the pool does.
-    zigzag_dispatch: Literal["route", "pull"] = "route"
+    zigzag_dispatch: ZigzagDispatch = _ZIGZAG.dispatch
     # A bound on pipelined decode (BlitzScale's ZigZag is prefill only): a partner sped up by
     # ZigZag decodes for free (`SimWorker.decode_free_bound`). Not a mechanism.
     zigzag_decode_free_bound: bool = False
@@ -996,14 +997,15 @@ class Simulation:
     def _pull_pairs(self, live: list[InstanceView]) -> None:
         """`zigzag_dispatch="pull"`: each live instance keeps the partner the core's `pull_pairs`
         gives it; a partner runs faster (`partner_speedup` over its live instances' layers)
-        while requests wait in its queue, the ones it would hand over to run ahead."""
+        while it holds prompts not started (`SimWorker.unstarted_prompts`), the ones the live
+        engine would still have waiting and hand over to run ahead."""
         model = self.model.name
         views = self.registry.views(model=model)
         by_partner: dict[str, list[int]] = {}
         for role in sorted({v.role for v in live}, key=lambda r: r.value):
             step = self.zigzag.pull_pairs(self.loop.now_s, views, model, role, {v.instance_id for v in live})
             for iid, partner in step.pairs:
-                if not self.workers[partner].waiting:
+                if not self.workers[partner].unstarted_prompts:
                     continue
                 self.zigzag.note_split(iid, partner)
                 by_partner.setdefault(partner, []).append(self.registry.get(iid).layers_loaded)
@@ -1016,15 +1018,20 @@ class Simulation:
 
 def partner_speedup(num_layers: int, k_layers: Sequence[int]) -> float:
     """How much faster a full instance serves prefills with loading instances holding
-    `k_layers` (each in [1, L)) running the first layers of its requests, by the fluid
+    `k_layers` (each in [1, L]) running the first layers of its requests, by the fluid
     layer-level model of `core.zigzag.pair_throughput` extended to several loading instances:
     the partner spends its time on split requests of the loading instance with the most layers
     first (each costs it L - k layer-times instead of L), at most (L - k) / k of its time per
     loading instance (that one's own rate, 1/k requests per layer-time), and the rest on whole
-    requests. One loading instance: exactly `L * pair_throughput(L, k)`."""
+    requests. One loading instance with k < L: exactly `L * pair_throughput(L, k)`. One with
+    all L (only its embedding and head still loading) adds its own rate, 1/L, at no cost to
+    the partner (the head is priced at nothing, as a layer is the model's unit here)."""
     L = num_layers
     left, rate = 1.0, 0.0
     for k in sorted(k_layers, reverse=True):
+        if k >= L:
+            rate += 1.0 / L
+            continue
         share = min(left, (L - k) / k)
         rate += share / (L - k)
         left -= share

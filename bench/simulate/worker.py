@@ -223,6 +223,14 @@ class SimWorker:
         return len(self.prefilling) + len(self.decoding) + len(self.pulling)
 
     @property
+    def unstarted_prompts(self) -> bool:
+        """Whether a prompt here has not started its prefill: queued, or admitted with nothing
+        prefilled yet. This worker admits up to its batch and KV whatever the step's token
+        budget; the live engine admits a prompt only when its prefill starts, so these are the
+        requests it still holds waiting (and a pulled ZigZag partner can hand over)."""
+        return self._waiting_tokens > 0 or any(r.prefilled == 0 for r in self.prefilling)
+
+    @property
     def empty(self) -> bool:
         return not (self.waiting or self.prefilling or self.decoding or self.pulling or self.offered)
 

@@ -85,9 +85,8 @@ class GlobalManagerConfig(ServiceConfig):
     )
     zigzag: bool = Field(
         True,
-        description="ZigZag live scaling: while every SERVING instance of a colocated pool has requests waiting, "
-        "route requests to a LOADING instance (the tail of its transfer chain, with >= 1 layer) that runs their "
-        "first layers, paired with the overloaded instance with the fewest used KV blocks, which finishes them",
+        description="ZigZag live scaling: a LOADING instance holding >= 1 decoder layer runs the first layers of "
+        "prompts an overloaded SERVING instance (its partner) finishes; how the work reaches it: zigzag_dispatch",
     )
     zigzag_live: str = Field(
         ZIGZAG_DEFAULTS.live,
@@ -103,12 +102,18 @@ class GlobalManagerConfig(ServiceConfig):
         "None = only requests waiting open it",
     )
     zigzag_dispatch: str = Field(
-        "route",
+        ZIGZAG_DEFAULTS.dispatch,
         pattern="^(route|pull)$",
         description="how ZigZag work reaches a LOADING instance: 'route' (Schedule sends a new request to it and its "
         "partner, two hops) or 'pull' (as BlitzScale's NewPrefill: each live LOADING instance is paired with a SERVING "
         "one, which hands it the requests at the head of its own queue to run ahead and takes them over when it "
         "admits them)",
+    )
+    zigzag_pull_limit: int = Field(
+        ZIGZAG_DEFAULTS.pull_limit,
+        ge=0,
+        description="with zigzag_dispatch 'pull', the most queued requests one LOADING instance runs ahead at once "
+        "(0: the routed cap, 4 shrinking to 2 as BlitzScale's; a partner admits a step's worth of prompts at once)",
     )
     zigzag_stall_s: float = Field(
         ZIGZAG_DEFAULTS.stall_s,

@@ -54,7 +54,7 @@ async def test_a_mesh_on_shaped_hosts_serves_scales_out_and_splits_exactly(
         netns_rate_mbit=RATE_MBIT,
         # A busy instance (a small batch, emulated pacing) so that requests queue during the load.
         worker_args=["--step-time-a-s", "0.03", "--step-time-b-s", "0.0005", "--max-batch-size", "2"],
-        manager_args=["--zigzag-stall-s", "30", "--zigzag-ttft-s", "0.001"],
+        manager_args=["--zigzag-dispatch", "route", "--zigzag-stall-s", "30", "--zigzag-ttft-s", "0.001"],
     )
     mesh = Mesh(cfg)
     try:

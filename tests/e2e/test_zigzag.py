@@ -42,7 +42,7 @@ async def slow_mesh(
 ) -> AsyncIterator[Mesh]:
     """A mesh of the 6-layer model whose data plane is shaped to LINK_GBPS, with `layout`'s
     workers (MeshConfig fields: workers, initial_instances, prefill, decode) and the manager's
-    ZigZag flags plus `manager_args`; `dataplane` ("tcp"/"ucx", None: the default, UCX where
+    ZigZag flags (routed) plus `manager_args`; `dataplane` ("tcp"/"ucx", None: the default, UCX where
     ucxx imports) for the parameter manager and every worker."""
     models = tmp_path_factory.mktemp(f"{name}-models")
     synthesize(models / MODEL, "tiny", seed=0, overrides={"num_hidden_layers": 6})
@@ -64,9 +64,18 @@ async def slow_mesh(
             "--dataplane-link-gbps",
             LINK_GBPS,
         ],
-        # The gate opens on the TTFT signal as soon as an instance has served anything, so the
-        # test does not race a heartbeat to see requests waiting.
-        manager_args=["--zigzag-stall-s", "30", "--zigzag-ttft-s", "0.001", *manager_args],
+        # Routed dispatch unless `manager_args` says pull (the default pulls; these tests pin
+        # the manager's split). The gate opens on the TTFT signal as soon as an instance has
+        # served anything, so the test does not race a heartbeat to see requests waiting.
+        manager_args=[
+            "--zigzag-dispatch",
+            "route",
+            "--zigzag-stall-s",
+            "30",
+            "--zigzag-ttft-s",
+            "0.001",
+            *manager_args,
+        ],
         **layout,  # type: ignore[arg-type]
     )
     env = {"BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS": LINK_GBPS}

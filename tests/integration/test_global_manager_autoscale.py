@@ -471,8 +471,9 @@ def schedule(c: Cluster, rid: str = "r") -> Any:
 async def test_zigzag_splits_requests_with_a_live_loading_instance_while_the_pool_is_overloaded(
     serve_in_process: Any,
 ) -> None:
+    # Routed dispatch (the default pulls: test_gm_zigzag_pull.py).
     settings = {"min_instances": 1, "max_instances": 2, "autoscale": False, "zigzag_stall_s": 30.0}
-    async with cluster(serve_in_process, n_workers=2, **settings) as c:
+    async with cluster(serve_in_process, n_workers=2, zigzag_dispatch="route", **settings) as c:
         await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok")
         c.workers["w1"].load_s = 60.0  # the new instance holds 1 of 2 layers for the whole test
         # w0 is busy but nothing waits: requests go to it whole.
@@ -538,7 +539,9 @@ async def test_zigzag_in_a_split_deployment_splits_the_prefill_pool(serve_in_pro
     instance finishes the prompt, and the route's decode instance takes the KV from it."""
     roles = {"w0": ROLE.INSTANCE_ROLE_PREFILL, "w1": ROLE.INSTANCE_ROLE_DECODE, "w2": ROLE.INSTANCE_ROLE_PREFILL}
     settings = {"min_instances": 0, "min_prefill": 1, "min_decode": 1, "max_instances": 3, "autoscale": False}
-    async with cluster(serve_in_process, n_workers=3, roles=roles, zigzag_stall_s=30.0, **settings) as c:
+    async with cluster(
+        serve_in_process, n_workers=3, roles=roles, zigzag_stall_s=30.0, zigzag_dispatch="route", **settings
+    ) as c:
         await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=2)
         c.workers["w2"].load_s = 60.0
         c.workers["w0"].load = common_pb2.LoadReport(running=4, waiting=3, kv_blocks_used=10, kv_blocks_total=100)

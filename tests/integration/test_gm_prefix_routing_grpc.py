@@ -75,11 +75,12 @@ async def test_prompts_sharing_a_prefix_follow_it(serve_in_process: Any) -> None
 async def test_a_zigzag_split_leaves_its_prompt_with_the_loading_instance(serve_in_process: Any) -> None:
     """The loading instance of a ZigZag split computes the prompt's blocks as its layers arrive
     (whole once its load completes under the request): the manager remembers them for it, so the
-    request, moved off its partner's backlog when the load completes, goes back to them."""
+    request, moved off its partner's backlog when the load completes, goes back to them
+    (routed dispatch: the split is the manager's)."""
     from services.global_manager.core.actions import LoadInstances
     from services.global_manager.core.types import Role
 
-    gm = GlobalManagerService(GlobalManagerConfig(port=0))
+    gm = GlobalManagerService(GlobalManagerConfig(port=0, zigzag_dispatch="route"))
     svc = gm.servicer
     async with serve_in_process(gm, svc.cfg) as ctx, channel(ctx.address) as ch:
         stub = global_manager_pb2_grpc.GlobalManagerStub(ch)

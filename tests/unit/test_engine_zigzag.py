@@ -193,6 +193,43 @@ async def test_a_loading_instance_without_its_embedding_runs_prompts_the_partner
         await new.stop()
 
 
+@pytest.mark.parametrize("params", [PARAMS, SEEDED], ids=["greedy", "seeded"])
+async def test_every_layer_but_no_embedding_or_head_leaves_the_partner_only_the_head(
+    ckpt: Path, params: SamplingParams
+) -> None:
+    """The last stretch of a live load: every decoder layer is here, the embedding and the head
+    are not. The loading instance runs all L layers of prompts its partner embedded; the partner
+    pulls the KV of every layer and applies only the head."""
+    full = full_model(ckpt)
+    num_layers = full.config.num_hidden_layers
+    prompts = [prompt_of(n, seed) for seed, n in enumerate((9, 31))]
+    async with make_engine(full) as whole:
+        expected = await asyncio.gather(*(collect(whole, f"r{i}", p, params) for i, p in enumerate(prompts)))
+    model, _ = partial_model(ckpt, num_layers, embed=False)
+    assert model.num_layers_loaded == num_layers and not model.is_complete
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        with pytest.raises(EngineStoppedError, match="still loading"):
+            await collect_stream(new.generate("whole", prompts[0], params))
+        async with make_engine(full) as old:
+            for i, p in enumerate(prompts):
+                first = asyncio.create_task(
+                    collect_stream(new.generate(f"r{i}", p, params, zigzag=True, zigzag_embedded=embedded(full, p)))
+                )
+                await wait_until(
+                    lambda i=i: layers_run(new, f"r{i}") == num_layers, 10, what="the prompt through every layer"
+                )
+                rest = await collect_stream(old.generate(f"r{i}", p, params, relay_fill=relay_from(new, f"r{i}")))
+                assert (await first)[0].zigzag_layers == num_layers
+                assert [e.token_id for e in rest] == [e.token_id for e in expected[i]], i
+            assert old.zigzag["continued"] == len(prompts) and old.zigzag["recomputed"] == 0
+            assert old.kv_cache.used_blocks == 0
+        assert new.kv_cache.used_blocks == 0 and new.stats().kv_blocks_parked == 0
+    finally:
+        await new.stop()
+
+
 async def zigzag_after_progress(
     new: Engine, old: Engine, request_id: str, prompt: Sequence[int], params: SamplingParams, layers: int
 ) -> tuple[list[TokenEvent], list[TokenEvent]]:

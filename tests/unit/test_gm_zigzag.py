@@ -366,12 +366,14 @@ def test_live_instance_eligibility() -> None:
     views = [
         view("no-start", S.LOADING, layers=4),  # a chain middle: never went live
         view("empty", S.LOADING, layers=0),
-        view("done", S.LOADING, layers=8),
         view("serving"),
         view("other-model", S.LOADING, model="m2", layers=4),
     ]
     started = {v.instance_id: 0.0 for v in views if v.instance_id != "no-start"}
     assert choose_live_instance(views, "m", {}, 0.0, started) is None
+    # Every decoder layer but not yet the embedding and head: still runs ahead (all L layers).
+    full = choose_live_instance([*views, view("all-layers", S.LOADING, layers=8)], "m", {}, 0.0, {"all-layers": 0.0})
+    assert full is not None and full.instance.instance_id == "all-layers"
     tie = [view("y", S.LOADING, layers=3), view("x", S.LOADING, layers=3), view("w", S.LOADING, layers=3)]
     pick = choose_live_instance(tie, "m", {"w": 1}, 0.0, {"x": 0.0, "y": 0.0, "w": 0.0})
     assert pick.instance.instance_id == "x"  # fewer in flight, then id

@@ -36,18 +36,22 @@ async def test_a_live_loading_instance_is_paired_with_an_overloaded_one_through_
     (peer,) = (await mesh.heartbeat("w0")).zigzag_peers
     assert (peer.instance_id, peer.layers_loaded, peer.num_layers) == ("w1", 1, 4)
     assert peer.dataplane_address == b"dp-w1" and peer.address == "w1:1"
-    assert peer.inflight_limit == 4  # BlitzScale's cap at the start of live scaling
+    assert peer.inflight_limit == 8  # --zigzag-pull-limit: a puller runs ahead a step's worth of admissions
     (pair,) = mesh.find("zigzag_pair")
     assert (pair.instance_id, pair.target, pair.status) == (
         "w1",
         MODEL,
         "w0",
     ) and "pulls queued requests from w0" in pair.reason
-    # 0.6 s later the cap is down to the floor of 2, and k has grown.
+    # 0.6 s later k has grown; a puller's cap does not shrink (the routed one is down to 2).
     mesh.clock.now_s += 0.6
     mesh.act.progress("w1", 3, 6)
     (peer,) = (await mesh.heartbeat("w0")).zigzag_peers
-    assert (peer.layers_loaded, peer.inflight_limit) == (3, 2)
+    assert (peer.layers_loaded, peer.inflight_limit) == (3, 8)
+    # Every decoder layer, the head still loading: it still pulls, and runs all four.
+    mesh.act.progress("w1", 4, 6)
+    (peer,) = (await mesh.heartbeat("w0")).zigzag_peers
+    assert (peer.instance_id, peer.layers_loaded) == ("w1", 4)
     # Nothing is routed to the pair: the partner's queue is the work.
     route = await mesh.gm.Schedule(global_manager_pb2.ScheduleRequest(request_id="r", model_id=MODEL), Context())
     assert [h.instance_id for h in route.hops] == ["w0"]

@@ -19,12 +19,14 @@ def test_the_manager_and_the_simulator_share_the_core_defaults() -> None:
     core = zz.ZigzagSettings()
     gm = GlobalManagerConfig()
     assert (gm.zigzag_live, gm.zigzag_ttft_s, gm.zigzag_stall_s) == (core.live, core.ttft_s, core.stall_s)
+    assert gm.zigzag_pull_limit == core.pull_limit == 8
     sim = RunConfig.__dataclass_fields__
     assert (sim["zigzag_live"].default, sim["zigzag_ttft_s"].default, sim["zigzag_stall_s"].default) == (
         core.live,
         core.ttft_s,
         core.stall_s,
     )
+    assert gm.zigzag_dispatch == sim["zigzag_dispatch"].default == core.dispatch == "pull"
     assert (core.live, core.ttft_s) == ("all", 1.0)
 
 
@@ -35,6 +37,8 @@ def test_the_manager_and_the_simulator_share_the_core_defaults() -> None:
         ("ttft_s", 0.0, "ttft_s must be None or finite and > 0, got 0.0"),
         ("stall_s", float("nan"), "stall_s must be finite and > 0, got nan"),
         ("limit_floor", 5, "limit_floor <= limit_start, got 5, 4"),
+        ("pull_limit", -1, "pull_limit must be >= 0, got -1"),
+        ("dispatch", "push", "dispatch must be 'route' or 'pull', got 'push'"),
     ],
 )
 def test_settings_reject_bad_values(field: str, bad: object, match: str) -> None:
@@ -124,14 +128,35 @@ def test_route_respects_the_in_flight_cap() -> None:
     assert t.limit(1.0, "n") == 2  # the cap shrinks to its floor as the load goes on
 
 
+def test_a_load_with_every_decoder_layer_but_not_the_head_still_runs_ahead() -> None:
+    # Layers stream first, then the embedding and the head: at L of L the instance is still
+    # LOADING and runs every decoder layer of a prompt, its partner only the head.
+    t = zz.ZigzagTracker()
+    assert t.load_progress(0.0, "n", "m", 8, 8).effects[0] == zz.WentLive("n", "m", 8, 8, chain_tail=False)
+    pool = overloaded_pool()
+    pool[0] = dataclasses.replace(pool[0], layers_loaded=8)
+    step = t.route(0.1, pool, "m", C, excluded=(), reachable={"n"})
+    assert step.split is not None and (step.split.k, step.split.num_layers) == (8, 8)
+    assert t.pull_pairs(0.1, pool, "m", C, reachable={"n"}).pairs == (("n", "b"),)
+    assert [v.instance_id for v in t.live_views(pool, "m")] == ["n"]
+    done = dataclasses.replace(pool[0], state=S.SERVING)  # the head landed: it serves whole
+    assert t.live_views([done, *pool[1:]], "m") == []
+
+
 def test_pull_peers_pair_each_live_instance_with_one_partner() -> None:
     t = zz.ZigzagTracker()
     t.load_progress(0.0, "n", "m", 3, 8)
     pool = overloaded_pool()
     by_id = {v.instance_id: v for v in pool}
     step = t.pull_peers(0.0, pool, by_id["b"], reachable={"n"})
-    assert [p.instance.instance_id for p in step.peers] == ["n"] and step.peers[0].inflight_limit == 4
+    # A puller's cap is pull_limit (8), not the routed cap that shrinks to 2.
+    assert [p.instance.instance_id for p in step.peers] == ["n"] and step.peers[0].inflight_limit == 8
     assert t.partner == {"n": "b"}
+    assert t.pull_peers(5.0, pool, by_id["b"], reachable={"n"}).peers[0].inflight_limit == 8
+    routed_cap = zz.ZigzagTracker(zz.ZigzagSettings(pull_limit=0))
+    routed_cap.load_progress(0.0, "n", "m", 3, 8)
+    assert routed_cap.pull_peers(0.0, pool, by_id["b"], reachable={"n"}).peers[0].inflight_limit == 4
+    assert routed_cap.pull_peers(5.0, pool, by_id["b"], reachable={"n"}).peers[0].inflight_limit == 2
     assert t.pull_peers(0.0, pool, by_id["a"], reachable={"n"}).peers == ()  # n pulls from b only
     assert t.pull_peers(0.0, pool, by_id["n"], reachable={"n"}).peers == ()  # a LOADING instance pulls, not serves
 

@@ -117,6 +117,25 @@ def test_pulled_zigzag_speeds_the_partner_up_only_while_requests_wait_in_its_que
     assert speedup == 1.0 and idle.zigzag_assisted == 0 and NEW not in idle.zigzag.split_with
 
 
+def test_a_prompt_admitted_but_not_started_counts_as_waiting_for_a_pulled_partner() -> None:
+    # The simulated worker admits past the step's token budget; the live engine would still
+    # hold those prompts waiting, so a pulled partner hands them over too.
+    sim, _, _ = _pair(zigzag=False, k=0, queued=0)
+    worker = sim.workers[OLD]
+    assert not worker.unstarted_prompts
+    for i in range(3):
+        worker.submit(SimRequest(i, sim.loop.now_s, worker.max_num_tokens, 1))
+    assert worker.waiting and worker.unstarted_prompts  # the first runs, two queue behind its step
+    for _ in range(10_000):  # a bound: the first step ends within seconds of simulated time
+        if not worker.waiting:
+            break
+        sim.loop.run(sim.loop.now_s + 0.01)
+    # Both admitted when the step ended, one step's budget for one of them: nothing prefilled
+    # of either yet, and the live engine would still hold the second waiting.
+    assert not worker.waiting and [r.prefilled for r in worker.prefilling] == [0, 0]
+    assert worker.unstarted_prompts
+
+
 def test_the_decode_bound_prices_a_boosted_partners_decode_at_nothing() -> None:
     """`zigzag_decode_free_bound`: a sped-up partner's decode rows and context cost nothing
     (a bound on pipelined decode); unboosted, or with the bound off, they cost what they do."""
@@ -153,7 +172,10 @@ def test_partner_speedup_extends_the_pair_model_to_shared_partners() -> None:
     # Near L each loading instance is a whole one: it runs k layers, the partner L - k.
     assert partner_speedup(L, [30, 30, 30]) == pytest.approx(4.0)
     # Never more than the instances involved, all busy.
-    assert all(partner_speedup(L, [k] * n) <= 1 + n + 1e-12 for k in range(1, L) for n in (1, 2, 3, 8))
+    assert all(partner_speedup(L, [k] * n) <= 1 + n + 1e-12 for k in range(1, L + 1) for n in (1, 2, 3, 8))
+    # All L layers (the embedding and head still loading): a whole instance beside the partner.
+    assert partner_speedup(L, [L]) == pytest.approx(2.0)
+    assert partner_speedup(L, [L, L, 30]) == pytest.approx(3.0 + partner_speedup(L, [30]) - 1.0)
 
 
 def test_live8b_stop_the_world_serves_only_on_serving_instances() -> None:
