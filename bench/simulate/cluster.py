@@ -355,6 +355,7 @@ class Simulation:
         self._gate: tuple[int | None, ZigzagGate] | None = None  # the ZigZag gate at a registry version
         # The pairs (partner, loading instance) at a registry version and order of live instances.
         self._pairs: tuple[tuple[int, tuple[str, ...]], list[tuple[str, str]]] | None = None
+        self._pull_cache: list[tuple[str, str]] | None = None  # the last pulled pairs
         self.reached_serving: list[tuple[float, str]] = []
         # P/D hand-offs and live migrations: the decode instance chosen with each prefill hop,
         # the KV pulls in flight (request index -> flow id, source, destination, start), and
@@ -839,7 +840,7 @@ class Simulation:
             self.monitor.mark_seen(iid, self.loop.now_s)
             self.zigzag.load_progress(self.loop.now_s, iid, view.model, k, view.num_layers)
             if iid in self.zigzag.started:
-                self._update_zigzag()
+                self._update_zigzag(repair=False)
 
     def _load_done(self, load: LoadInstances, iid: str) -> None:
         now = self.loop.now_s
@@ -928,13 +929,15 @@ class Simulation:
         return None
 
     # ---- ZigZag ----------------------------------------------------------------------------
-    def _update_zigzag(self) -> None:
+    def _update_zigzag(self, repair: bool = True) -> None:
         """Drive the manager's own ZigZag core (`ZigzagTracker`, the live GM's defaults unless
-        the config says otherwise): while its gate says every SERVING instance is overloaded,
-        give each live LOADING instance (most layers first) a partner by `pair_all`. A
-        partner's throughput follows the layer-level model (`partner_speedup`): with one loading
-        instance at k of L, x `L * pair_throughput(L, k)`."""
-        registry, model = self.registry, self.model.name
+        the config says otherwise): give each live LOADING instance a partner, pulled (the
+        default) by `pull_pairs`, routed while the gate says every SERVING instance is
+        overloaded by `pair_all` (most layers first). A partner's throughput follows the
+        layer-level model (`partner_speedup`): with one loading instance at k of L, x
+        `L * pair_throughput(L, k)`. `repair` False (a layer landed): pulled pairs stay as
+        they were, only the speedups follow the layers."""
+        registry = self.registry
         expired = self.zigzag.expire_stalled(self.loop.now_s).effects
         version = registry.version if isinstance(registry, IndexedRegistry) else None
         if (
@@ -948,16 +951,27 @@ class Simulation:
             and self.cfg.zigzag_dispatch == "route"
         ):
             return  # nothing is paired and the gate is shut at this version: nothing changes
-        for iid in self.boosted:
-            self.workers[iid].speedup = 1.0
-        self.boosted = {}
+        old, self.boosted = self.boosted, {}
+        try:
+            self._pair_live(version, repair)
+        finally:
+            # Only a speedup that changes touches its worker (a change interrupts the step under
+            # way), in a fixed order.
+            for iid in sorted(old.keys() - self.boosted.keys()):
+                self.workers[iid].speedup = 1.0
+            for iid, factor in self.boosted.items():
+                self.workers[iid].speedup = factor
+
+    def _pair_live(self, version: int | None, repair: bool) -> None:
+        """`self.boosted`: each partner's speedup now (`_update_zigzag` applies it)."""
+        registry, model = self.registry, self.model.name
         if not self.cfg.zigzag or not self.zigzag.started:
             return
         live = self.zigzag.live_views((registry.get(i) for i in self.zigzag.started if i in registry), model)
         if not live:
             return
         if self.cfg.zigzag_dispatch == "pull":
-            self._pull_pairs(live)
+            self._pull_pairs(live, repair)
             return
         # The gate reads the SERVING instances' states and load reports only: between two
         # heartbeat rounds (many layers land) it is asked the same question again.
@@ -990,30 +1004,36 @@ class Simulation:
             paired.setdefault(partner, []).append(registry.get(iid).layers_loaded)
             self.zigzag_paired.add(iid)
         for partner, ks in paired.items():
-            factor = partner_speedup(self.model.num_layers, ks)
-            self.boosted[partner] = factor
-            self.workers[partner].speedup = factor
+            self.boosted[partner] = partner_speedup(self.model.num_layers, ks)
 
-    def _pull_pairs(self, live: list[InstanceView]) -> None:
+    def _pull_pairs(self, live: list[InstanceView], repair: bool) -> None:
         """`zigzag_dispatch="pull"`: each live instance keeps the partner the core's `pull_pairs`
         gives it; a partner runs faster (`partner_speedup` over its live instances' layers)
         while it holds prompts not started (`SimWorker.unstarted_prompts`), the ones the live
-        engine would still have waiting and hand over to run ahead."""
+        engine would still have waiting and hand over to run ahead. As the live manager
+        pairs at heartbeats, not as layers land, the pairs are asked for on a tick or a load's
+        end (`repair`); a layer landing only changes the speedups (and an instance that just
+        went live waits for the next tick, as for the next heartbeat)."""
         model = self.model.name
-        views = self.registry.views(model=model)
+        ids = {v.instance_id for v in live}
+        if repair or self._pull_cache is None:
+            views = self.registry.views(model=model)
+            pairs = []
+            for role in sorted({v.role for v in live}, key=lambda r: r.value):
+                pairs.extend(self.zigzag.pull_pairs(self.loop.now_s, views, model, role, ids).pairs)
+            self._pull_cache = pairs
+        else:
+            pairs = [(iid, partner) for iid, partner in self._pull_cache if iid in ids]
         by_partner: dict[str, list[int]] = {}
-        for role in sorted({v.role for v in live}, key=lambda r: r.value):
-            step = self.zigzag.pull_pairs(self.loop.now_s, views, model, role, {v.instance_id for v in live})
-            for iid, partner in step.pairs:
-                if not self.workers[partner].unstarted_prompts:
-                    continue
-                self.zigzag.note_split(iid, partner)
-                by_partner.setdefault(partner, []).append(self.registry.get(iid).layers_loaded)
-                self.zigzag_paired.add(iid)
+        for iid, partner in pairs:
+            worker = self.workers.get(partner)
+            if worker is None or not worker.alive or not worker.unstarted_prompts:
+                continue
+            self.zigzag.note_split(iid, partner)
+            by_partner.setdefault(partner, []).append(self.registry.get(iid).layers_loaded)
+            self.zigzag_paired.add(iid)
         for partner, ks in by_partner.items():
-            factor = partner_speedup(self.model.num_layers, ks)
-            self.boosted[partner] = factor
-            self.workers[partner].speedup = factor
+            self.boosted[partner] = partner_speedup(self.model.num_layers, ks)
 
 
 def partner_speedup(num_layers: int, k_layers: Sequence[int]) -> float:
