@@ -342,6 +342,7 @@ class Simulation:
                 stall_s=cfg.zigzag_stall_s,
                 hand_back=cfg.zigzag_hand_back,
                 hand_back_min_tokens_left=cfg.zigzag_hand_back_min_tokens_left,
+                dispatch=cfg.zigzag_dispatch,
             )
         )
         self.boosted: dict[str, float] = {}

@@ -226,6 +226,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 hand_back=cfg.zigzag_hand_back,
                 hand_back_min_tokens_left=cfg.zigzag_hand_back_min_tokens_left,
                 pull_limit=cfg.zigzag_pull_limit,
+                dispatch=cfg.zigzag_dispatch,  # type: ignore[arg-type]
             )
         )
         # Borrowed prefill: while the prefill pool is backlogged, a decode-light decode instance

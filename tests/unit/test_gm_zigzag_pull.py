@@ -27,6 +27,7 @@ async def test_a_live_loading_instance_is_paired_with_an_overloaded_one_through_
 ) -> None:
     monkeypatch.setattr("tests.unit.test_gm_control_loop.Mesh", DataplaneMesh)
     mesh = await started(3, zigzag_dispatch="pull", max_instances=2)
+    assert (mesh.gm.zigzag.settings.dispatch, mesh.gm.zigzag.settings.pull_limit) == ("pull", 8)
     mesh.set_load(decode_tps=50, running=4, waiting=6, kv_blocks_used=10, kv_blocks_total=100)
     await mesh.run(0.3)
     assert mesh.state("w1") == "LOADING"
