@@ -227,8 +227,10 @@ class SimWorker:
         """Whether a prompt here has not started its prefill: queued, or admitted with nothing
         prefilled yet. This worker admits up to its batch and KV whatever the step's token
         budget; the live engine admits a prompt only when its prefill starts, so these are the
-        requests it still holds waiting (and a pulled ZigZag partner can hand over)."""
-        return self._waiting_tokens > 0 or any(r.prefilled == 0 for r in self.prefilling)
+        requests it still holds waiting (and a pulled ZigZag partner can hand over). A step
+        gives its budget to `prefilling` in order and admissions append with nothing
+        prefilled, so the started ones are a prefix: the last one says it (a hot path)."""
+        return self._waiting_tokens > 0 or (bool(self.prefilling) and self.prefilling[-1].prefilled == 0)
 
     @property
     def empty(self) -> bool:
