@@ -277,6 +277,28 @@ def _ratio(best: dict[str, float], other: str, how: str) -> dict[str, Any]:
     return _entry(ratio, ">= 2.0", None if ratio is None else ratio >= 2.0, how)
 
 
+def _ceiling(entry: dict[str, Any], run: dict[str, Any], other: str, slo: str) -> None:
+    """Beside a cluster ratio (of the scenario's own SLO): the most ESP could reach over `other`,
+    the GPUs' compute bound over `other`'s max rate (bench/simulate/esp.py `compute_bound_rps`),
+    the median over the seeds as the ratio is, and ESP's own share of that bound."""
+    if slo:
+        return
+    ceiling = run.get(f"median_esp_ceiling_over_{other}", run.get(f"esp_ceiling_over_{other}"))
+    if ceiling is None:
+        return
+    entry["ceiling"] = ceiling
+    seeds = run.get("seeds") or {}
+    if len(seeds) > 1:
+        entry["ceiling_per_seed"] = [x.get(f"esp_ceiling_over_{other}") for x in seeds.values()]
+        entry["esp_share_of_compute_bound_per_seed"] = [
+            x.get("share_of_compute_bound", {}).get("esp") for x in seeds.values()
+        ]
+    entry["how"] += (
+        "; ceiling: what the GPUs can compute at all (every request's prefill and decode work on the "
+        f"step-time model, no iteration's fixed cost) over {other}'s max rate at SLO, the most any schedule could beat it by"
+    )
+
+
 def targets(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tp = results.get("throughput")
@@ -323,6 +345,7 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
                         out[key]["per_seed"] = per_seed
                     else:
                         out[key] = _ratio(best, other, note)
+                    _ceiling(out[key], run, other, slo)
     ov = results.get("overlap")
     if ov:
         runs = [ov[k] for k in sorted(ov) if k.startswith("members_")]

@@ -104,6 +104,9 @@ TOKENS_PER_WORD = 1.3
 PAPER_TTFT_SCALE = 25.0
 PAPER_TTFT_FLOOR_S = 15.0
 PAPER_TPOT_S = 0.050
+# The compute bound over each other strategy's max rate at SLO (`compute_bound_rps`): the most
+# any schedule on one-GPU instances could beat it by.
+CEILINGS = ("esp_ceiling_over_chunked", "esp_ceiling_over_disagg", "esp_ceiling_over_chunked_tp")
 RATES = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
 SEEDS = 3  # workload seeds per regime (the ratios are their median)
 REFINE_STEPS = 3  # bisections between the grid's best rate met and the next missed (1/8 of the gap)
@@ -257,6 +260,25 @@ def set_slo(reqs: Sequence[Req], step: FastStep, sc: EspScenario) -> None:
         r.ttft_slo = max(1.0, sc.ttft_scale * alone)
         r.paper_ttft_slo = max(PAPER_TTFT_FLOOR_S, PAPER_TTFT_SCALE * alone)
         r.tbt_slo = sc.tbt_scale * step(0, 0, 0, 1, r.prompt + r.output / 2)
+
+
+def compute_bound_rps(reqs: Sequence[Req], step: FastStep, instances: int) -> float:
+    """The request rate at which `instances` instances would compute `reqs`' own work without a
+    pause: each request's prefill (its tokens, its causal pairs, the head) and its decode steps
+    (a row each, reading a context of prompt + half the output on average), on the step-time
+    model, leaving out an iteration's fixed cost (the weights read once, shared by a batch). No
+    schedule sustains a higher rate on these instances; a finite run at 90 % attainment can
+    pass it a little, since its slowest tenth may finish late."""
+    if not reqs or instances < 1:
+        raise ValueError(f"need requests and instances >= 1, got {len(reqs)} requests, {instances!r} instances")
+    work = sum(
+        step.ptok * r.prompt
+        + step.pair * _pairs(0, r.prompt)
+        + step.seq
+        + (r.output - 1) * (step.row + step.ctx * (r.prompt + r.output / 2))
+        for r in reqs
+    )
+    return instances * len(reqs) / work
 
 
 def ring_s_per_token(u: int, kv_bytes_per_token: float, link_gbps: float) -> float:
@@ -728,7 +750,16 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
     paper = {s: _best(rows_, "slo_attainment_paper", sc.attainment) for s, rows_ in per_rate.items()}
     ratio, ratio_servable, ratio_paper = _ratios(best), _ratios(servable), _ratios(paper)
     kv = profile.kv_blocks * profile.block_size
-    reqs = workload(rows, n, sc.rates[0], seed, sc)
+    reqs = workload(rows, n, sc.rates[0], seed, sc)  # the same lengths at every rate
+    # What the GPUs could compute at all: one-GPU instances (ESP, chunked, disaggregation) and,
+    # when run, the tensor-parallel ones; each strategy's max rate as a share of its own bound,
+    # and the most ESP could beat each other strategy by were it to reach the bound.
+    bound = {"one_gpu": round(compute_bound_rps(reqs, FastStep(profile.step), sc.instances), 4)}
+    if sc.chunked_tp > 1:
+        tp_step = FastStep(TENSOR_PARALLEL[sc.profile](sc.chunked_tp).step)
+        bound["chunked_tp"] = round(compute_bound_rps(reqs, tp_step, sc.instances // sc.chunked_tp), 4)
+    share = {s: round(best[s] / bound.get(s, bound["one_gpu"]), 3) for s in best}
+    ceiling = {k: (round(bound["one_gpu"] / best[k], 2) if best[k] else None) for k in best if k != "esp"}
     return {
         "how": f"EMULATED: simulated time; each iteration paced by the {sc.profile} roofline ESTIMATE "
         "(bench/simulate/profiles.py); the ESP variant runs the global manager's ESP core unchanged",
@@ -765,6 +796,9 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
             if sc.chunked_tp > 1
             else {}
         ),
+        "compute_bound_rps": bound,
+        "share_of_compute_bound": share,
+        **{f"esp_ceiling_over_{k}": v for k, v in ceiling.items()},
         "per_rate": per_rate,
         # ESP's group degree over time at the lowest rate and at its max rate at SLO (the plot's data):
         # one "start_s:degree:requests" per prefill batch, space-separated (one line each in the JSON).
@@ -805,7 +839,7 @@ def run_regimes(
     for name in names:
         runs = [run(quick, REGIMES[name], s) for s in range(seed, seed + n_seeds)]
         regimes[name] = {**runs[0], "seeds": {str(seed + i): _seed_summary(r) for i, r in enumerate(runs)}}
-        for key in ("esp_over_chunked", "esp_over_disagg", "esp_over_chunked_tp"):
+        for key in ("esp_over_chunked", "esp_over_disagg", "esp_over_chunked_tp", *CEILINGS):
             for slo in ("", "_paper_slo"):
                 if key + slo not in runs[0]:
                     continue
@@ -819,6 +853,6 @@ def run_regimes(
 
 
 def _seed_summary(r: dict[str, Any]) -> dict[str, Any]:
-    rates = ("max_rate_at_slo_rps", "max_rate_at_paper_slo_rps")
+    rates = ("max_rate_at_slo_rps", "max_rate_at_paper_slo_rps", "compute_bound_rps", "share_of_compute_bound")
     ratios = (f"esp_over_{o}{slo}" for o in ("chunked", "disagg", "chunked_tp") for slo in ("", "_paper_slo"))
-    return {k: r[k] for k in (*rates, *ratios) if k in r}
+    return {k: r[k] for k in (*rates, *ratios, *CEILINGS) if k in r}

@@ -53,6 +53,18 @@ def test_targets_carry_value_target_met_and_how() -> None:
                     "max_rate_at_slo_rps": {"esp": 1.0, "chunked": 0.0, "disagg": 0.25, "chunked_tp": 0.5},
                     "max_rate_at_paper_slo_rps": {"esp": 1.5, "chunked": 0.5, "disagg": 0.25, "chunked_tp": 0.75},
                     "per_rate": {"chunked": [{"refused": 21}, {"refused": 20}]},
+                    "median_esp_ceiling_over_chunked_tp": 1.9,
+                    "seeds": {
+                        "0": {"esp_ceiling_over_chunked_tp": 2.2, "share_of_compute_bound": {"esp": 0.9}},
+                        "1": {"esp_ceiling_over_chunked_tp": 1.9, "share_of_compute_bound": {"esp": 0.8}},
+                        "2": {"esp_ceiling_over_chunked_tp": 1.6, "share_of_compute_bound": {"esp": 0.95}},
+                    },
+                    "median_esp_over_chunked_tp": 1.6,
+                    "median_esp_over_disagg": 4.0,
+                    "median_esp_over_chunked": None,
+                    "median_esp_over_chunked_tp_paper_slo": 2.0,
+                    "median_esp_over_disagg_paper_slo": 6.0,
+                    "median_esp_over_chunked_paper_slo": 3.0,
                 },
             }
         },
@@ -80,12 +92,14 @@ def test_targets_carry_value_target_met_and_how() -> None:
     # LoongServe's regime under its own keys: chunked refused what one instance cannot hold.
     lwm = out["esp_over_chunked_lwm1m"]
     assert lwm["value"] is None and lwm["met"] is None
-    assert "cannot hold 21 of each rate's requests" in lwm["how"] and "no rate tried" in lwm["how"]
+    assert "cannot hold 21 of each rate's requests" in lwm["how"]
     assert out["esp_over_disagg_lwm1m"]["value"] == 4.0 and out["esp_over_disagg_lwm1m"]["met"]
-    assert (
-        out["esp_over_chunked_tp_lwm1m"]["value"] == 2.0
-        and "cannot hold" not in out["esp_over_chunked_tp_lwm1m"]["how"]
-    )
+    tp = out["esp_over_chunked_tp_lwm1m"]
+    assert tp["value"] == 1.6 and not tp["met"] and "cannot hold" not in tp["how"]
+    # Beside it, the most any schedule could reach over chunked_tp: the compute bound's ratio.
+    assert tp["ceiling"] == 1.9 and tp["ceiling_per_seed"] == [2.2, 1.9, 1.6]
+    assert tp["esp_share_of_compute_bound_per_seed"] == [0.9, 0.8, 0.95] and "ceiling:" in tp["how"]
+    assert "ceiling" not in out["esp_over_chunked_tp_lwm1m_paper_slo"]
     assert out["esp_over_disagg"]["value"] == 6.0 and out["esp_over_disagg"]["met"]
     assert out["esp_over_chunked_4_instances"]["value"] == 2.0 and out["esp_over_chunked_4_instances"]["met"]
     assert "4 instances" in out["esp_over_chunked_4_instances"]["how"]

@@ -16,6 +16,7 @@ from bench.simulate.esp import (
     EspScenario,
     Req,
     _Sim,
+    compute_bound_rps,
     core_models,
     regime_suffix,
     run,
@@ -283,3 +284,30 @@ def test_with_or_without_migration_every_request_completes_and_the_kv_balances(m
     out = summarize(sim)
     assert out["completed"] == 24 and all(n.used == 0 and n.ctx == 0 for n in sim.nodes)
     assert (out["migrated_requests"] > 0) == migrate
+
+
+def test_the_compute_bound_is_the_work_the_requests_bring() -> None:
+    step = FastStep(LWM.step)
+    one = _reqs([(0.0, 1_000, 1)])  # a prefill, no decode step
+    assert compute_bound_rps(one, step, 1) == pytest.approx(1 / (step.ptok * 1_000 + step.pair * 500_500 + step.seq))
+    assert compute_bound_rps(one, step, 4) == pytest.approx(4 * compute_bound_rps(one, step, 1))
+    spec = [(0.0, p, o) for p, o in [(30_000, 64), (4_000, 200), (90_000, 16)]]
+    bound = compute_bound_rps(_reqs(spec), step, 1)
+    assert bound < compute_bound_rps(_reqs([(0.0, p, 1) for _, p, _ in spec]), step, 1)  # decode costs too
+    # One instance serving them back to back is busy at least that long (plus its iterations' fixed costs).
+    sim = simulate("chunked", _reqs(spec), LWM, dataclasses.replace(REGIMES["lwm1m"], instances=1))
+    assert max(r.done for r in sim.reqs if r.done is not None) > len(spec) / bound
+    with pytest.raises(ValueError, match="instances >= 1"):
+        compute_bound_rps(one, step, 0)
+
+
+def test_a_run_reports_the_compute_bound_and_esps_ceiling_over_each_strategy() -> None:
+    sc = dataclasses.replace(REGIMES["lwm1m"], instances=4, rates=(0.02, 0.05))
+    out = run(quick=True, sc=sc)
+    bound = out["compute_bound_rps"]
+    assert set(bound) == {"one_gpu", "chunked_tp"} and bound["chunked_tp"] < bound["one_gpu"]  # TP pays its efficiency
+    best = out["max_rate_at_slo_rps"]
+    for other in ("chunked", "disagg", "chunked_tp"):
+        expected = round(bound["one_gpu"] / best[other], 2) if best[other] else None
+        assert out[f"esp_ceiling_over_{other}"] == expected
+    assert out["share_of_compute_bound"]["esp"] == round(best["esp"] / bound["one_gpu"], 3)
