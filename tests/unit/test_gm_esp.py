@@ -166,6 +166,30 @@ def test_dispatch_is_in_arrival_order_and_stops_at_the_first_that_does_not_fit()
     assert [r.request_id for r in dispatch(queue, 1300, max_requests=2)] == ["a", "b"]
 
 
+def test_dispatch_backfills_past_a_request_that_does_not_fit_until_it_has_waited_long_enough() -> None:
+    queue = [
+        EspRequest("long", 900, 1.0),
+        EspRequest("a", 300, 2.0),
+        EspRequest("b", 500, 3.0),
+        EspRequest("c", 100, 4.0),
+    ]
+    assert dispatch(queue, 800) == []  # strict arrival order: nothing passes the long request
+    # Backfilling: the long one is passed over; a and b fill 800 of the free KV; c would not fit (100 > 0 left).
+    backfilled = dispatch(queue, 800, now_s=10.0, backfill_wait_s=30.0)
+    assert [r.request_id for r in backfilled] == ["a", "b"]
+    assert [r.request_id for r in dispatch(queue, 850, now_s=10.0, backfill_wait_s=30.0)] == ["a", "b"]
+    assert [r.request_id for r in dispatch(queue, 900, now_s=10.0, backfill_wait_s=30.0)] == ["long"]
+    # Once it has waited 30 s, nothing passes it any more: the free KV accumulates for it.
+    assert dispatch(queue, 800, now_s=31.0, backfill_wait_s=30.0) == []
+    # A later request that does not fit is passed over too, and the cap still holds.
+    assert [r.request_id for r in dispatch(queue, 500, now_s=10.0, backfill_wait_s=30.0)] == ["a", "c"]
+    assert [r.request_id for r in dispatch(queue, 500, 1, now_s=10.0, backfill_wait_s=30.0)] == ["a"]
+    with pytest.raises(ValueError, match="needs now_s"):
+        dispatch(queue, 800, backfill_wait_s=30.0)
+    with pytest.raises(ValueError, match="-1"):
+        dispatch(queue, 800, now_s=1.0, backfill_wait_s=-1)
+
+
 def test_allocation_takes_idle_first_then_preempts_the_least_used() -> None:
     insts = [
         EspInstance("busy-heavy", 900, 1000, idle=False),

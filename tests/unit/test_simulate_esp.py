@@ -311,3 +311,18 @@ def test_a_run_reports_the_compute_bound_and_esps_ceiling_over_each_strategy() -
         expected = round(bound["one_gpu"] / best[other], 2) if best[other] else None
         assert out[f"esp_ceiling_over_{other}"] == expected
     assert out["share_of_compute_bound"]["esp"] == round(best["esp"] / bound["one_gpu"], 3)
+
+
+def test_a_short_request_backfills_past_a_long_one_the_free_kv_cannot_hold_yet() -> None:
+    # A takes most of two instances' KV; B (150k) must wait for A to end; C (10k) fits now.
+    spec = [(0.0, 200_000, 400), (1.0, 150_000, 4), (2.0, 10_000, 4)]
+    admitted = {}
+    for wait in (None, 120.0):
+        sc = dataclasses.replace(REGIMES["lwm1m"], instances=2, backfill_wait_s=wait)
+        sim = simulate("esp", _reqs(spec), LWM, sc)
+        a, b, c = sim.reqs
+        assert all(r.done is not None for r in sim.reqs) and all(n.used == 0 for n in sim.nodes)
+        assert b.admitted is not None and a.done is not None and b.admitted >= a.done  # B waits for A's KV
+        admitted[wait] = c.admitted
+    assert admitted[None] is not None and admitted[120.0] is not None
+    assert admitted[120.0] < admitted[None] - 5.0  # in arrival order C waited behind B for A's decode

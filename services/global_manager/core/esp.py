@@ -106,18 +106,36 @@ class BatchPlan:
     cost: float
 
 
-def dispatch(queue: Sequence[EspRequest], free_tokens: int, max_requests: int | None = None) -> list[EspRequest]:
+def dispatch(
+    queue: Sequence[EspRequest],
+    free_tokens: int,
+    max_requests: int | None = None,
+    *,
+    now_s: float | None = None,
+    backfill_wait_s: float | None = None,
+) -> list[EspRequest]:
     """The queued requests that enter prefill now: in arrival order while their lengths fit
-    `free_tokens` in all (stopping at the first that does not)."""
+    `free_tokens` in all (stopping at the first that does not).
+
+    With `backfill_wait_s` (and `now_s`), a request that does not fit is passed over and later,
+    shorter ones that do fit enter instead (backfilling), until a passed-over request has waited
+    `backfill_wait_s`: from it on nothing enters, so the free KV accumulates for it and no
+    request waits for room behind later ones for longer than that."""
     if free_tokens < 0:
         raise ValueError(f"free_tokens must be >= 0, got {free_tokens!r}")
+    if backfill_wait_s is not None and (now_s is None or backfill_wait_s < 0):
+        raise ValueError(f"backfill_wait_s needs now_s and must be >= 0, got {backfill_wait_s!r} (now_s {now_s!r})")
     out: list[EspRequest] = []
     left = free_tokens
     for req in sorted(queue, key=lambda r: r.arrival_s):
         if req.length <= 0:
             raise ValueError(f"request {req.request_id!r} has length {req.length!r}; lengths must be > 0")
-        if req.length > left or (max_requests is not None and len(out) >= max_requests):
+        if max_requests is not None and len(out) >= max_requests:
             break
+        if req.length > left:
+            if backfill_wait_s is None or now_s is None or now_s - req.arrival_s >= backfill_wait_s:
+                break
+            continue
         out.append(req)
         left -= req.length
     return out
