@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.esp.sim import Pace, Slo, simulate, summarize, workload
+from bench.esp.sim import Pace, Slo, compute_bound_rps, simulate, summarize, workload
 from bench.replay.trace import read_azure_trace
 from services.global_manager.core.esp import (
     EspInstance,
@@ -83,6 +83,7 @@ def throughput(quick: bool) -> dict[str, Any]:
     best = {
         s: max((x["rate_rps"] for x in runs if x["slo_attainment"] >= 0.9), default=0.0) for s, runs in per_rate.items()
     }
+    bound = round(compute_bound_rps(workload(rows, n, rates[0], seed=0), pace, 4), 4)  # lengths as at every rate
     return {
         "how": "EMULATED: simulated time with an emulated accelerator step-time model; no model runs",
         "instances": 4,
@@ -95,6 +96,9 @@ def throughput(quick: bool) -> dict[str, Any]:
             "attainment_needed": 0.9,
         },
         "max_rate_at_slo_rps": best,
+        "compute_bound_rps": bound,
+        "share_of_compute_bound": {k: round(v / bound, 3) for k, v in best.items()},
+        **{f"esp_ceiling_over_{k}": (round(bound / v, 2) if v else None) for k, v in best.items() if k != "esp"},
         "per_rate": per_rate,
     }
 
@@ -306,6 +310,7 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         how = "EMULATED (bench/esp/sim.py: 4 instances, simulated time, step-time model)"
         for other in ("chunked", "disagg"):
             out[f"esp_over_{other}_4_instances"] = _ratio(tp["max_rate_at_slo_rps"], other, how)
+            _ceiling(out[f"esp_over_{other}_4_instances"], tp, other, "")
     cluster = results.get("cluster")
     if cluster:
         from bench.simulate.esp import regime_suffix

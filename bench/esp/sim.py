@@ -76,6 +76,19 @@ class Slo:
         return r.first - r.arrival <= self.ttft_base_s + self.ttft_per_token_s * r.prompt and r.tbt() <= self.tbt_s
 
 
+def compute_bound_rps(reqs: Sequence[Req], pace: Pace, n: int) -> float:
+    """The rate at which `n` instances would compute `reqs`' own work without a pause on `pace`:
+    each request's prompt and decoded tokens (`b` each) and the pairs its prefill and decode
+    steps attend (`c` each), leaving out each iteration's `a`. No strategy sustains more."""
+    if not reqs or n < 1:
+        raise ValueError(f"need requests and n >= 1, got {len(reqs)} requests, n={n!r}")
+    work = sum(
+        pace.b * (r.prompt + r.output - 1) + pace.c * (r.prompt**2 / 2 + (r.output - 1) * (r.prompt + r.output / 2))
+        for r in reqs
+    )
+    return n * len(reqs) / work
+
+
 def workload(rows: Sequence[tuple[int, int]], n: int, rate: float, seed: int, max_context: int = 8192) -> list[Req]:
     """`n` Poisson arrivals at `rate`/s; lengths from `rows` (prompt, output) of the conversation
     trace, each prompt scaled by a Zipf-distributed factor (1..32, exponent 1.2) up to the

@@ -5,8 +5,10 @@ prompt's TTFT; every target key comes as {value, target, met, how}."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.esp.__main__ import KEYS, targets
-from bench.esp.sim import Pace, Req, Slo, simulate, summarize, workload
+from bench.esp.sim import Pace, Req, Slo, compute_bound_rps, simulate, summarize, workload
 
 
 def _reqs() -> list[Req]:
@@ -119,3 +121,13 @@ def test_the_overlap_part_reports_the_least_hidden_share_of_its_groups() -> None
     assert out["exchange_exact"]["met"] is True
     out = targets({"overlap": {"members_2": run(2, 0.89, True), "members_3": run(3, 0.84, False)}})
     assert out["exchange_exact"]["met"] is False
+
+
+def test_the_four_instance_bound_is_the_requests_own_work() -> None:
+    pace = Pace()
+    one = [Req(0, 0.0, 1000, 3)]  # 1000 prompt tokens, 2 decode steps at contexts 1001 and 1002
+    work = pace.b * 1002 + pace.c * (1000**2 / 2 + 1001 + 1002)
+    assert compute_bound_rps(one, pace, 1) == pytest.approx(1 / work, rel=1e-3)
+    assert compute_bound_rps(one, pace, 4) == pytest.approx(4 / work, rel=1e-3)
+    with pytest.raises(ValueError, match="n >= 1"):
+        compute_bound_rps(one, pace, 0)
