@@ -190,6 +190,20 @@ def test_dispatch_backfills_past_a_request_that_does_not_fit_until_it_has_waited
         dispatch(queue, 800, now_s=1.0, backfill_wait_s=-1)
 
 
+def test_shortest_first_dispatch_still_serves_a_request_that_has_waited_first() -> None:
+    queue = [EspRequest("long", 900, 1.0), EspRequest("mid", 500, 2.0), EspRequest("short", 100, 3.0)]
+    kw = {"backfill_wait_s": 30.0, "order": "shortest"}
+    assert [r.request_id for r in dispatch(queue, 1000, now_s=10.0, **kw)] == ["short", "mid"]
+    assert [r.request_id for r in dispatch(queue, 600, 1, now_s=10.0, **kw)] == ["short"]
+    # The long one has waited 30 s: it goes first, and nothing passes it while it does not fit.
+    assert [r.request_id for r in dispatch(queue, 1000, now_s=31.0, **kw)] == ["long", "short"]
+    assert dispatch(queue, 800, now_s=31.0, **kw) == []
+    with pytest.raises(ValueError, match="needs backfill_wait_s"):
+        dispatch(queue, 800, now_s=1.0, order="shortest")
+    with pytest.raises(ValueError, match="'random'"):
+        dispatch(queue, 800, order="random")  # type: ignore[arg-type]
+
+
 def test_allocation_takes_idle_first_then_preempts_the_least_used() -> None:
     insts = [
         EspInstance("busy-heavy", 900, 1000, idle=False),

@@ -318,7 +318,7 @@ def test_a_short_request_backfills_past_a_long_one_the_free_kv_cannot_hold_yet()
     spec = [(0.0, 200_000, 400), (1.0, 150_000, 4), (2.0, 10_000, 4)]
     admitted = {}
     for wait in (None, 120.0):
-        sc = dataclasses.replace(REGIMES["lwm1m"], instances=2, backfill_wait_s=wait)
+        sc = dataclasses.replace(REGIMES["lwm1m"], instances=2, backfill_wait_s=wait, dispatch_order="arrival")
         sim = simulate("esp", _reqs(spec), LWM, sc)
         a, b, c = sim.reqs
         assert all(r.done is not None for r in sim.reqs) and all(n.used == 0 for n in sim.nodes)
@@ -326,3 +326,19 @@ def test_a_short_request_backfills_past_a_long_one_the_free_kv_cannot_hold_yet()
         admitted[wait] = c.admitted
     assert admitted[None] is not None and admitted[120.0] is not None
     assert admitted[120.0] < admitted[None] - 5.0  # in arrival order C waited behind B for A's decode
+
+
+def test_shortest_first_dispatch_lets_a_short_request_ahead_of_a_longer_one_that_also_fits() -> None:
+    # A holds most of the KV; B (20k) and then C (5k) queue while it prefills. Once A's prefill
+    # ends only one of them fits next to it; shortest first, C goes before B.
+    spec = [(0.0, 190_000, 200), (1.0, 20_000, 4), (2.0, 5_000, 4)]
+    first = {}
+    for order in ("arrival", "shortest"):
+        sc = dataclasses.replace(REGIMES["lwm1m"], instances=2, dispatch_order=order, esp_min_prompt=0)
+        sim = simulate("esp", _reqs(spec), LWM, sc)
+        assert all(r.done is not None for r in sim.reqs) and all(n.used == 0 and n.ctx == 0 for n in sim.nodes)
+        _, b, c = sim.reqs
+        first[order] = (b.admitted, c.admitted)
+    (b_fifo, c_fifo), (b_sjf, c_sjf) = first["arrival"], first["shortest"]
+    assert b_fifo <= c_fifo  # arrival order: B first
+    assert c_sjf < b_sjf  # shortest first: C first

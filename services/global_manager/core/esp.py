@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -113,6 +114,7 @@ def dispatch(
     *,
     now_s: float | None = None,
     backfill_wait_s: float | None = None,
+    order: Literal["arrival", "shortest"] = "arrival",
 ) -> list[EspRequest]:
     """The queued requests that enter prefill now: in arrival order while their lengths fit
     `free_tokens` in all (stopping at the first that does not).
@@ -120,16 +122,29 @@ def dispatch(
     With `backfill_wait_s` (and `now_s`), a request that does not fit is passed over and later,
     shorter ones that do fit enter instead (backfilling), until a passed-over request has waited
     `backfill_wait_s`: from it on nothing enters, so the free KV accumulates for it and no
-    request waits for room behind later ones for longer than that."""
+    request waits for room behind later ones for longer than that. With `order="shortest"` (which
+    needs that bound), the requests that have waited `backfill_wait_s` go first, in arrival order
+    and stopping at the first that does not fit; then the others, shortest first, each that fits."""
     if free_tokens < 0:
         raise ValueError(f"free_tokens must be >= 0, got {free_tokens!r}")
     if backfill_wait_s is not None and (now_s is None or backfill_wait_s < 0):
         raise ValueError(f"backfill_wait_s needs now_s and must be >= 0, got {backfill_wait_s!r} (now_s {now_s!r})")
-    out: list[EspRequest] = []
-    left = free_tokens
-    for req in sorted(queue, key=lambda r: r.arrival_s):
+    if order not in ("arrival", "shortest"):
+        raise ValueError(f"order must be 'arrival' or 'shortest', got {order!r}")
+    if order == "shortest" and backfill_wait_s is None:
+        raise ValueError("order='shortest' needs backfill_wait_s: it bounds how long a long request is passed over")
+    for req in queue:
         if req.length <= 0:
             raise ValueError(f"request {req.request_id!r} has length {req.length!r}; lengths must be > 0")
+    ordered = sorted(queue, key=lambda r: r.arrival_s)
+    if order == "shortest":
+        assert now_s is not None and backfill_wait_s is not None
+        due = [r for r in ordered if now_s - r.arrival_s >= backfill_wait_s]
+        rest = sorted((r for r in ordered if now_s - r.arrival_s < backfill_wait_s), key=lambda r: r.length)
+        ordered = due + rest
+    out: list[EspRequest] = []
+    left = free_tokens
+    for req in ordered:
         if max_requests is not None and len(out) >= max_requests:
             break
         if req.length > left:
