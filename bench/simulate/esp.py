@@ -771,9 +771,9 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
     # when run, the tensor-parallel ones; each strategy's max rate as a share of its own bound,
     # and the most ESP could beat each other strategy by were it to reach the bound.
     bound = {"one_gpu": round(compute_bound_rps(reqs, FastStep(profile.step), sc.instances), 4)}
-    if sc.chunked_tp > 1:
-        tp_step = FastStep(TENSOR_PARALLEL[sc.profile](sc.chunked_tp).step)
-        bound["chunked_tp"] = round(compute_bound_rps(reqs, tp_step, sc.instances // sc.chunked_tp), 4)
+    if "chunked_tp" in setups:
+        _, tp_profile, tp_sc = setups["chunked_tp"]
+        bound["chunked_tp"] = round(compute_bound_rps(reqs, FastStep(tp_profile.step), tp_sc.instances), 4)
     share = {s: round(best[s] / bound.get(s, bound["one_gpu"]), 3) for s in best}
     ceiling = {k: (round(bound["one_gpu"] / best[k], 2) if best[k] else None) for k in best if k != "esp"}
     return {

@@ -136,19 +136,21 @@ def dispatch(
     for req in queue:
         if req.length <= 0:
             raise ValueError(f"request {req.request_id!r} has length {req.length!r}; lengths must be > 0")
+
+    def due(req: EspRequest) -> bool:
+        """Nothing may pass it: no backfilling, or it has waited the bound."""
+        return backfill_wait_s is None or now_s is None or now_s - req.arrival_s >= backfill_wait_s
+
     ordered = sorted(queue, key=lambda r: r.arrival_s)
     if order == "shortest":
-        assert now_s is not None and backfill_wait_s is not None
-        due = [r for r in ordered if now_s - r.arrival_s >= backfill_wait_s]
-        rest = sorted((r for r in ordered if now_s - r.arrival_s < backfill_wait_s), key=lambda r: r.length)
-        ordered = due + rest
+        ordered = [r for r in ordered if due(r)] + sorted((r for r in ordered if not due(r)), key=lambda r: r.length)
     out: list[EspRequest] = []
     left = free_tokens
     for req in ordered:
         if max_requests is not None and len(out) >= max_requests:
             break
         if req.length > left:
-            if backfill_wait_s is None or now_s is None or now_s - req.arrival_s >= backfill_wait_s:
+            if due(req):
                 break
             continue
         out.append(req)
