@@ -163,7 +163,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.instance: Instance | None = None
         self.address = ""
         self._load_lock = asyncio.Lock()
-        self._inflight: dict[str, asyncio.Task[object] | None] = {}
+        # Generate handlers running per request id: usually one, two for the moment a request
+        # routed here whole supersedes its ZigZag first-layer hop whose cancel is still on its way.
+        self._inflight: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self.heartbeat_now = asyncio.Event()
@@ -296,8 +298,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"instance {self.instance_id} has no data plane to hand KV off"
             )
         request_id = request.request_id or f"req-{time.monotonic_ns()}"
-        self._inflight[request_id] = None
-        self._idle.clear()
+        self._enter(request_id)
         outcome = "error"
         stream = inst.engine.generate(
             request_id,
@@ -372,9 +373,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await stream.aclose()
             REQUESTS.labels(outcome).inc()
             self.offloader.request_done(request_id)
+            self._leave(request_id)
+
+    def _enter(self, request_id: str) -> None:
+        self._inflight[request_id] = self._inflight.get(request_id, 0) + 1
+        self._idle.clear()
+
+    def _leave(self, request_id: str) -> None:
+        left = self._inflight.get(request_id, 0) - 1
+        if left > 0:
+            self._inflight[request_id] = left
+        else:
             self._inflight.pop(request_id, None)
-            if not self._inflight:
-                self._idle.set()
+        if not self._inflight:
+            self._idle.set()
 
     async def _esp_generate(self, request, context):
         """This instance's part in an ESP group (services/worker/esp_worker.py)."""
@@ -382,8 +394,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"instance {self.instance_id} has no data plane")
         assert self.esp is not None
         request_id = request.request_id or f"req-{time.monotonic_ns()}"
-        self._inflight[request_id] = None
-        self._idle.clear()
+        self._enter(request_id)
         outcome = "error"
         try:
             sampling = sampling_from_proto(request.sampling, default_max_tokens=16)
@@ -404,9 +415,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(e.code, f"instance {self.instance_id}: {e}")
         finally:
             REQUESTS.labels(f"esp_{outcome}").inc()
-            self._inflight.pop(request_id, None)
-            if not self._inflight:
-                self._idle.set()
+            self._leave(request_id)
 
     def _offer_handoff(
         self, inst: Instance, parked_kv: str, num_tokens: int, layers: tuple[int, int] | None = None

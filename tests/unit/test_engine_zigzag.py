@@ -305,6 +305,31 @@ async def test_a_prompt_run_through_every_layer_while_loading_serves_from_the_pr
         await new.stop()
 
 
+async def test_the_whole_request_supersedes_its_first_layer_hop_still_held_here(ckpt: Path) -> None:
+    """The partner released a queued ZigZag request (rebalanced onto this instance, loaded now)
+    and the gateway routes it here whole, under the same id, before the cancel of its
+    first-layer hop has reached this instance: the whole request takes the id over (it was
+    refused as 'already in flight', found by the chaos suite), the hop's stream ends aborted,
+    and the tokens are those of a whole run."""
+    full = full_model(ckpt)
+    prompt = prompt_of(40, 6)
+    model, source = partial_model(ckpt, 1)
+    new = loading_engine(model)
+    await new.start(partial=True)
+    try:
+        hop = asyncio.create_task(collect_stream(new.generate("r0", prompt, PARAMS, zigzag=True)))
+        await wait_until(lambda: through(new, 1, 1), 5, what="through 1 layer")
+        for group in ("layers.1", "layers.2", "layers.3", "head"):
+            load_layer(model, source, group)
+        new.notify_layers()
+        served = [e.token_id for e in await collect(new, "r0", prompt, PARAMS)]
+        assert served == await whole_run(full, prompt)
+        events = await asyncio.wait_for(hop, 5)
+        assert [e.finish_reason for e in events] == ["abort"]
+    finally:
+        await new.stop()
+
+
 async def test_a_loading_engine_refuses_whole_requests(ckpt: Path) -> None:
     model, _ = partial_model(ckpt, 2)
     new = loading_engine(model)

@@ -603,6 +603,14 @@ class Engine:
         slo: RequestSLO | None = None,
     ) -> EngineRequest:
         """Check a request and queue it (the loop must be running; `generate` checks)."""
+        held = self._by_id.get(request_id)
+        if held is not None and held.mode is RequestMode.ZIGZAG_FIRST_LAYERS and not zigzag:
+            # The request comes here whole (its partner released it, this instance now serves):
+            # the gateway has cancelled the first-layer hop it sent here, but that abort may
+            # not have arrived yet. The whole request supersedes it (the partner, which let the
+            # request go, will not relay it).
+            log.info("zigzag_first_layers_superseded", request_id=request_id, layers_run=held.zz_layers)
+            self._finish(held, "abort")
         if request_id in self._by_id:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         prompt = list(prompt_token_ids)
