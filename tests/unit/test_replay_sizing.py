@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.autoscale.__main__ import decision_log
+from bench.autoscale.__main__ import autoscale_targets, decision_log
 from bench.autoscale.sizing import Profile, size_pools
 
 
@@ -72,3 +72,31 @@ def test_decision_log_lines() -> None:
         "1.500,autoscaling_decision,scale_out,instances:1->2,SCALE_OUT: ratio=1.2; hot",
         "1.600,scale_out,small,loading,r [worker-1]",
     ]
+
+
+def _runs(slo: dict[str, float], inst_s: dict[str, float], lost: int = 0) -> dict[str, dict]:
+    return {
+        n: {"summary": {"slo_attainment": slo[n], "instance_seconds": inst_s[n], "lost": lost}}
+        for n in ("autoscaled", "fixed_average", "fixed_peak")
+    }
+
+
+def test_the_autoscale_target_is_the_median_of_paired_differences() -> None:
+    inst = {"autoscaled": 140.0, "fixed_average": 120.0, "fixed_peak": 200.0}
+    repeats = [
+        _runs({"autoscaled": 0.85, "fixed_average": 0.70, "fixed_peak": 0.99}, inst),  # +0.15
+        _runs({"autoscaled": 0.80, "fixed_average": 0.75, "fixed_peak": 0.99}, inst),  # +0.05
+        _runs({"autoscaled": 0.90, "fixed_average": 0.78, "fixed_peak": 0.99}, {**inst, "autoscaled": 210.0}),
+    ]
+    t = autoscale_targets(repeats)
+    gain = t["slo_autoscaled_minus_fixed_average"]
+    assert gain["per_repeat"] == [0.15, 0.05, 0.12]
+    assert gain["value"] == 0.12 and gain["met"] is True
+    cost = t["instance_seconds_autoscaled_over_fixed_peak"]
+    assert cost["per_repeat"] == [0.7, 0.7, 1.05] and cost["value"] == 0.7 and cost["met"] is True
+    assert t["lost"] == {"value": 0, "target": 0}
+    # Two repeats: the median is the mean of the two, and under the target here.
+    two = autoscale_targets(repeats[1:])
+    assert two["slo_autoscaled_minus_fixed_average"]["value"] == pytest.approx(0.085)
+    assert two["slo_autoscaled_minus_fixed_average"]["met"] is False
+    assert autoscale_targets([{"autoscaled": repeats[0]["autoscaled"]}]) == {}
