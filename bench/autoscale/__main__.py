@@ -233,15 +233,7 @@ async def run_all(
                 zigzag_before = await _gateway_counter(mesh, "blitzmesh_gateway_zigzag_total")
                 routes_before = await _gateway_counter(mesh, "blitzmesh_gm_schedule_total", "global_manager")
                 continued_before = await _zigzag_continued(admin, args.model)
-                result = await replay(
-                    arrivals,
-                    http_url=mesh.gateway_http,
-                    model=args.model,
-                    admin_target=mesh.gateway_grpc,
-                    request_timeout_s=60.0,
-                    drain_timeout_s=drain_timeout_s,
-                    vocab_size=args.vocab_size,
-                )
+                result = await _replay(mesh, arrivals, args, drain_timeout_s)
                 summary = summarize(result.records, result.instances, result.duration_s, slo)
                 zigzag_after = await _gateway_counter(mesh, "blitzmesh_gateway_zigzag_total")
                 routes_after = await _gateway_counter(mesh, "blitzmesh_gm_schedule_total", "global_manager")
@@ -288,6 +280,18 @@ async def run_all(
     return runs
 
 
+async def _replay(mesh: Mesh, arrivals: list[Any], args: argparse.Namespace, drain_timeout_s: float) -> Any:
+    return await replay(
+        arrivals,
+        http_url=mesh.gateway_http,
+        model=args.model,
+        admin_target=mesh.gateway_grpc,
+        request_timeout_s=60.0,
+        drain_timeout_s=drain_timeout_s,
+        vocab_size=args.vocab_size,
+    )
+
+
 WARMUP_REQUESTS = 24
 
 
@@ -310,15 +314,7 @@ async def _warm_up(
     await _resize(admin, args.model, peak)
     await _settle(admin, args.model, peak, timeout_s=90)
     started = time.perf_counter()
-    await replay(
-        arrivals[:WARMUP_REQUESTS],
-        http_url=mesh.gateway_http,
-        model=args.model,
-        admin_target=mesh.gateway_grpc,
-        request_timeout_s=60.0,
-        drain_timeout_s=drain_timeout_s,
-        vocab_size=args.vocab_size,
-    )
+    await _replay(mesh, arrivals[:WARMUP_REQUESTS], args, drain_timeout_s)
     print(
         f"warm-up: {WARMUP_REQUESTS} requests on {peak} instances in {time.perf_counter() - started:.1f}s", flush=True
     )
