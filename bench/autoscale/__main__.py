@@ -165,7 +165,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "autoscale.json")
     p.add_argument("--plot", type=Path, default=None, help="default: the --out path with .png")
     p.add_argument("--run-dir", type=Path, default=REPO_ROOT / "run" / "bench-autoscale")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
 
 
 async def _settle(admin: blitzmesh.AsyncClient, model: str, serving: int, timeout_s: float) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.autoscale.__main__ import autoscale_targets, decision_log
+from bench.autoscale.__main__ import autoscale_targets, decision_log, parse_args
 from bench.autoscale.sizing import Profile, size_pools
 
 
@@ -100,3 +100,10 @@ def test_the_autoscale_target_is_the_median_of_paired_differences() -> None:
     assert two["slo_autoscaled_minus_fixed_average"]["value"] == pytest.approx(0.085)
     assert two["slo_autoscaled_minus_fixed_average"]["met"] is False
     assert autoscale_targets([{"autoscaled": repeats[0]["autoscaled"]}]) == {}
+
+
+def test_repeats_below_one_is_refused_quoting_the_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
+    assert parse_args(["--repeats", "3"]).repeats == 3
