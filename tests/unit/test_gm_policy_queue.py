@@ -22,7 +22,7 @@ def test_a_queue_that_waits_past_the_target_grows_the_pool_by_the_wait_in_one_st
     # 10 instances in band on decode TPS; 60,000 prompt tokens queued at 20,000 tokens/s: 3 s.
     snap = colo(10, tps=1000.0, waiting_prefill_tokens=60_000, prefill_tps=20_000)
     d = policy(queue_target_s=1.0).decide(0.0, snap)
-    assert d.action == "scale_out" and d.instances_to == 40  # drain (the default): x(1 + 3), not x1.2
+    assert d.action == "scale_out" and d.instances_to == 40  # x(1 + 3), not x1.2: no slope yet, as drain
     assert policy(queue_target_s=1.0, queue_growth="wait").decide(0.0, snap).instances_to == 30  # x3
     assert d.reason.startswith("QUEUE: 60000 prompt tokens queued wait 3s at 20000 tokens/s > 1s")
     capped = policy(queue_target_s=0.1, queue_max_factor=4.0).decide(0.0, snap)
@@ -64,7 +64,8 @@ def test_the_queue_trigger_waits_out_the_cooldown_and_holds_a_scale_in() -> None
 def test_the_shipped_default_is_on_at_half_a_second() -> None:
     cfg = HeteroScaleConfig()
     assert (cfg.queue_target_s, cfg.queue_max_factor, cfg.queue_min_tokens) == (0.5, 8.0, 512)
-    assert (cfg.queue_rate, cfg.queue_growth, cfg.queue_cooldown_s) == ("capacity", "drain", 2.0)
+    assert (cfg.queue_rate, cfg.queue_growth, cfg.queue_cooldown_s) == ("capacity", "arrivals", 2.0)
+    assert (cfg.queue_lead_s, cfg.queue_slope_window_s) == (2.0, 1.0)
 
 
 def test_off_it_leaves_the_written_heteroscale() -> None:
@@ -172,3 +173,67 @@ def test_the_queue_trigger_has_its_own_shorter_cooldown() -> None:
     assert held.action == "no_change" and "held by scale_out cooldown until t=2" in held.reason
     again = p.decide(2.0, colo(40, tps=4000.0, waiting_prefill_tokens=240_000, prefill_tps=80_000))
     assert again.action == "scale_out" and again.instances_to == 100  # x4, at max_instances
+
+
+# -- arrivals growth: the wait's slope ------------------------------------------------------------
+
+
+def queued(n: int, tokens: int, tps: float = 1000.0) -> ClusterSnapshot:
+    """`n` instances with `tokens` prompt tokens queued at 20,000 tokens/s served (the served
+    rate: no capacity measured), decode TPS `tps` (100 per instance is in band)."""
+    return colo(n, tps=tps, waiting_prefill_tokens=tokens, prefill_tps=20_000)
+
+
+def test_a_wait_that_grows_sizes_the_step_by_the_arrivals_and_the_backlog_at_load_end() -> None:
+    """Nothing queued at 0 s, 1.2 s of wait at 0.5 s: the wait gains 2.4 s per second, so the
+    arrivals are 3.4x what the pool computes. Grown by 1 + 2.4 to keep up, and by
+    (1.2 + 2.4 * 2 s of load) / 1 s to drain the backlog there will be when the new instances
+    have loaded: x9.4. Drain, blind to the slope, grows x2.2."""
+    p = policy(queue_target_s=1.0, queue_max_factor=10.0)
+    assert p.decide(0.0, queued(10, 0)).action == "no_change"
+    d = p.decide(0.5, queued(10, 24_000))
+    assert d.action == "scale_out" and d.instances_to == 94
+    assert d.extra["queue_factor"] == pytest.approx(9.4)
+    assert "rising 2.4s/s" in d.reason
+    drain = policy(queue_target_s=1.0, queue_max_factor=10.0, queue_growth="drain")
+    drain.decide(0.0, queued(10, 0))
+    assert drain.decide(0.5, queued(10, 24_000)).instances_to == 22
+    shorter = policy(queue_target_s=1.0, queue_max_factor=10.0, queue_lead_s=0.5)
+    shorter.decide(0.0, queued(10, 0))
+    assert shorter.decide(0.5, queued(10, 24_000)).extra["queue_factor"] == pytest.approx(1 + 2.4 + 1.2 + 1.2)
+
+
+def test_no_slope_from_a_wait_too_recent_or_too_old_and_none_from_a_falling_one() -> None:
+    # 0.1 s apart is under a quarter of the 1 s window: no slope, so as drain (x(1 + 1.2)).
+    p = policy(queue_target_s=1.0, queue_max_factor=10.0)
+    p.decide(0.0, queued(10, 0))
+    assert p.decide(0.1, queued(10, 24_000)).instances_to == 22
+    # The empty queue 2 s ago fell out of the window.
+    old = policy(queue_target_s=1.0, queue_max_factor=10.0)
+    old.decide(0.0, queued(10, 0))
+    assert old.decide(2.0, queued(10, 24_000)).instances_to == 22
+    # A shrinking backlog: drain's growth, never less.
+    falling = policy(queue_target_s=1.0, queue_max_factor=10.0, queue_cooldown_s=0.0)
+    falling.decide(0.0, queued(10, 48_000))
+    assert falling.decide(0.5, queued(10, 24_000)).instances_to == 22
+
+
+def test_no_scale_in_while_the_queued_prompts_wait_grows_even_below_the_target() -> None:
+    """Decode TPS says scale in (100 tokens/s on 10 instances), but the queue went from empty to
+    0.5 s of wait in half a second: a burst the TPS window has not seen. Held; the same queue
+    not growing lets the scale-in go."""
+    p = policy(queue_target_s=1.0, hold_scale_in_on_panic=True, scale_in_cooldown_s=0.0)
+    p.decide(0.0, queued(10, 0, tps=100.0))
+    held = p.decide(0.5, queued(10, 10_000, tps=100.0))
+    assert held.action == "no_change" and "HELD: no scale-in while the queued prompts' wait grows" in held.reason
+    steady = p.decide(1.6, queued(10, 10_000, tps=100.0))  # the empty queue left the 1 s window
+    assert steady.action == "scale_in" and steady.instances_to == 1
+    unheld = policy(queue_target_s=1.0, scale_in_cooldown_s=0.0)  # hold_scale_in_on_panic off
+    unheld.decide(0.0, queued(10, 0, tps=100.0))
+    assert unheld.decide(0.5, queued(10, 10_000, tps=100.0)).action == "scale_in"
+
+
+@pytest.mark.parametrize(("field", "bad"), [("queue_lead_s", -1.0), ("queue_slope_window_s", 0.0)])
+def test_bad_slope_settings_are_refused(field: str, bad: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        HeteroScaleConfig(**{field: bad})

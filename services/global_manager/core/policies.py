@@ -332,12 +332,28 @@ class HeteroScaleConfig(_BaseConfig):
         "of scale_out_cooldown_s (None): a backlog measured at capacity is real work waiting, and the pool "
         "it grew from counts the instances still loading",
     )
-    queue_growth: Literal["wait", "drain"] = Field(
-        "drain",
+    queue_growth: Literal["wait", "drain", "arrivals"] = Field(
+        "arrivals",
         description="how far the queue-aware trigger grows the pools. wait: by wait / queue_target_s. drain: "
         "by 1 + wait / queue_target_s, the instances that keep up with what the pool serves (all of it: an "
         "instance with prompts queued prefills at its capacity) plus those that drain the backlog within "
-        "the target",
+        "the target. arrivals: by max(1, 1 + slope) + (wait + slope * queue_lead_s) / queue_target_s, where "
+        "slope is how fast the wait grew over the last queue_slope_window_s (seconds of wait per second): "
+        "a saturated pool's wait grows at arrivals / capacity - 1, so 1 + slope keeps up with the arrivals, "
+        "and the second term drains, within the target, the backlog there will be once the new instances "
+        "have loaded. With the wait not growing it is drain",
+    )
+    queue_lead_s: float = Field(
+        2.0,
+        ge=0,
+        description="arrivals growth: the seconds a scale-out takes to add capacity (a load), over which the "
+        "backlog goes on growing at its slope",
+    )
+    queue_slope_window_s: float = Field(
+        1.0,
+        gt=0,
+        description="arrivals growth: the wait's slope is taken between now and the oldest wait this policy "
+        "saw within this many seconds (none older than a quarter of it: no slope)",
     )
     queue_rate: Literal["capacity", "served"] = Field(
         "capacity",
@@ -392,7 +408,8 @@ class HeteroScalePolicy(_PolicyBase):
     Extensions: a TTFT trigger beside the TBT one (`ttft_slo_s`), concurrency beside decode TPS
     in step 2 (`target_requests_per_instance`), and a scale-in stabilization window
     (`scale_in_stabilization_s`), for which the policy remembers the pool sizes it wanted
-    (its only state besides the cooldown timers), all off by default; and the queue-aware
+    (state besides the cooldown timers, as are the recent queue waits the arrivals growth takes
+    a slope from), all off by default; and the queue-aware
     trigger (`queue_target_s`, on by default: it fires only on queued prompt tokens, which the
     docs/algorithms.md vectors do not have, so they hold as written; None turns it off).
     """
@@ -405,6 +422,9 @@ class HeteroScalePolicy(_PolicyBase):
         # (now_s, wanted pool sizes) of recent decisions, oldest first, for the stabilization window.
         self._wanted: deque[tuple[float, dict[Role, int]]] = deque()
         self._wish: dict[Role, int] | None = None  # what the rule wanted before cooldowns and the window
+        # (now_s, queued prompts' wait) at recent decisions, oldest first, for the arrivals growth's slope.
+        self._waits: deque[tuple[float, float]] = deque()
+        self._queue_rising = False  # the last decision saw queued prompts with their wait growing
 
     def decide(self, now_s: float, snapshot: ClusterSnapshot) -> ScaleDecision:
         self._wish = None
@@ -427,34 +447,60 @@ class HeteroScalePolicy(_PolicyBase):
                         out[role] = min(before[role], max(out[role], n))
         return out
 
-    def _queue_wait(self, snapshot: ClusterSnapshot) -> tuple[float, str] | None:
+    def _queue_wait(self, now_s: float, snapshot: ClusterSnapshot) -> tuple[float, str] | None:
         """(growth factor, why) when the queued prompt tokens would wait longer than
         `queue_target_s`; None otherwise or when the trigger is off. The wait is `queue_wait_s`
         (measured capacity) or, with queue_rate=served or no capacity measured, the tokens over
-        the served prefill TPS, where none served with tokens queued counts as the largest factor."""
+        the served prefill TPS, where none served with tokens queued counts as the largest factor.
+        Every call records the wait (0 with nothing queued) for the arrivals growth's slope."""
         cfg = self.config
+        self._queue_rising = False
         if cfg.queue_target_s is None:
             return None
         pool = snapshot.prefill if snapshot.disaggregated else snapshot.token_pool
         queued = pool.waiting_prefill_tokens
+        wait_s = queue_wait_s(pool) if queued > 0 and cfg.queue_rate == "capacity" else None
         if queued <= 0:
-            return None
-        wait_s = queue_wait_s(pool) if cfg.queue_rate == "capacity" else None
-        if wait_s is not None:
+            wait_s = 0.0
+        elif wait_s is not None:
             at = f"measured capacities ({pool.prefill_capacity_tps:.0f} tokens/s in all)"
         elif queued < cfg.queue_min_tokens:
-            return None
+            wait_s = 0.0  # too few tokens to judge at the served rate
         else:
             wait_s = queued / pool.prefill_tps if pool.prefill_tps > 0 else math.inf
             at = f"{pool.prefill_tps:.0f} tokens/s"
+        slope = self._wait_slope(now_s, wait_s)
+        self._queue_rising = slope > 0 and wait_s > 0
         if wait_s <= cfg.queue_target_s:
             return None
         growth = wait_s / cfg.queue_target_s
+        why = f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {at} > {_g(cfg.queue_target_s)}s"
         if cfg.queue_growth == "drain":
             growth += 1.0  # keep up with the pool's load (it is all served at capacity) and drain the backlog
+        elif cfg.queue_growth == "arrivals":
+            # Keep up with the arrivals (a saturated pool's wait grows at arrivals / capacity - 1) and
+            # drain, within the target, the backlog there will be when the new instances have loaded.
+            rising = max(0.0, slope)
+            growth = 1.0 + rising + (wait_s + rising * cfg.queue_lead_s) / cfg.queue_target_s
+            if rising > 0:
+                why = f"{why}, rising {_g(rising)}s/s"
         factor = min(cfg.queue_max_factor, growth)
-        why = f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {at} > {_g(cfg.queue_target_s)}s"
         return factor, why
+
+    def _wait_slope(self, now_s: float, wait_s: float) -> float:
+        """Seconds of wait gained per second, from the oldest wait recorded within
+        `queue_slope_window_s` (at least a quarter of it old; 0 without one) to `wait_s`, which is
+        then recorded. An infinite wait (nothing served) is not recorded and has no slope."""
+        window_s = self.config.queue_slope_window_s
+        while self._waits and self._waits[0][0] < now_s - window_s:
+            self._waits.popleft()
+        slope = 0.0
+        if math.isfinite(wait_s):
+            if self._waits and now_s - self._waits[0][0] >= window_s / 4:
+                t0_s, w0_s = self._waits[0]
+                slope = (wait_s - w0_s) / (now_s - t0_s)
+            self._waits.append((now_s, wait_s))
+        return slope
 
     def _latency_panic(self, snapshot: ClusterSnapshot) -> str | None:
         """Why the latency trigger fires now, or None."""
@@ -484,7 +530,7 @@ class HeteroScalePolicy(_PolicyBase):
         # Step 0 (queue_target_s): the queue-aware trigger grows every pool by how far the queued
         # prompts' wait is over the target, in one step. Blocked by the cooldown, it goes on.
         note = ""
-        queue = self._queue_wait(snapshot)
+        queue = self._queue_wait(now_s, snapshot)
         if queue is not None:
             factor, why = queue
             queue_cooldown_s = cfg.scale_out_cooldown_s if cfg.queue_cooldown_s is None else cfg.queue_cooldown_s
@@ -553,9 +599,14 @@ class HeteroScalePolicy(_PolicyBase):
             self._wish = self._targets(need, snapshot.disaggregated)
             reason = f"{reason}; COOLDOWN: {action} held until t={_g(until_s)}"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
-        if action == "scale_in" and (panicking or queue is not None) and cfg.hold_scale_in_on_panic:
+        if action == "scale_in" and cfg.hold_scale_in_on_panic and (panicking or queue is not None):
             # Low decode TPS under high TBT means requests are stuck, not that load is gone.
             reason = f"{reason}; HELD: no scale-in while latency is above the panic line"
+            return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
+        if action == "scale_in" and cfg.hold_scale_in_on_panic and self._queue_rising:
+            # Prompts queue faster than they are computed: a burst is starting, which the
+            # decode-TPS window has not seen yet.
+            reason = f"{reason}; HELD: no scale-in while the queued prompts' wait grows"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
         after = self._targets(need, snapshot.disaggregated)
         # A scale-in never grows a pool and a scale-out never shrinks one: split by pd_ratio, a
