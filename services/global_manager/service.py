@@ -38,6 +38,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from blitzmesh.v1 import admin_pb2, global_manager_pb2, global_manager_pb2_grpc
 from services.common import roles
+from services.common.backlog import backlog_is_news, sample_wait_s
 from services.common.server import ServeContext
 from services.common.waiting import wait_for
 from services.global_manager.actuator import GrpcActuator
@@ -330,8 +331,17 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         # Even while an action owns the transitions: a route must carry the full layer range.
         view = self.table.learn_num_layers(iid, request.model_id, request.num_layers)
         state = view.state
-        self.table.registry.heartbeat(sample_from_proto(iid, now, request.load))
-        self.monitor.observe(sample_from_proto(iid, now, request.load))
+        sample = sample_from_proto(iid, now, request.load)
+        self.table.registry.heartbeat(sample)
+        self.monitor.observe(sample)
+        previous = before_view.load
+        if backlog_is_news(
+            sample_wait_s(sample.waiting_prefill_tokens, sample.prefill_capacity_tps),
+            sample_wait_s(previous.waiting_prefill_tokens, previous.prefill_capacity_tps) if previous else 0.0,
+        ):
+            # A backlog formed (or doubled) on this instance: the queue trigger decides now, not
+            # at the next tick.
+            self._wake_reconcile()
         for kind, group, detail in self.esp.observe(
             iid, request.load.esp_groups, time.time(), request.load.esp_group_kv_tokens
         ):

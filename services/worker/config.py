@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from services.common.backlog import BACKLOG_FLOOR_S
 from services.common.config import ServiceConfig
 
 
@@ -21,6 +22,17 @@ class WorkerConfig(ServiceConfig):
     param_manager: str = Field("", description="parameter manager address (weights come only from it)")
     preload_model: str = Field("", description="load this model at start (standalone use and tests)")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period")
+    heartbeat_backlog_check_s: float = Field(
+        0.25,
+        ge=0,
+        description="between heartbeats, how often the worker checks whether a backlog formed: when its queued "
+        "prompts' wait (at its measured prefill capacity) is at least heartbeat_backlog_wait_s and twice what "
+        "the last heartbeat said, a heartbeat goes at once, so the manager's queue trigger sees a burst within "
+        "this rather than a whole period later (0 = off)",
+    )
+    heartbeat_backlog_wait_s: float = Field(
+        BACKLOG_FLOOR_S, gt=0, description="the queued prompts' wait, in seconds, below which no early heartbeat goes"
+    )
     drain_timeout_s: float = Field(
         30.0,
         ge=0,

@@ -612,7 +612,12 @@ async def test_waiting_prefill_tokens_counts_queued_prompts(model: LlamaForCausa
         await wait_until(lambda: engine.stats().total_generated_tokens > 0, 30, interval_s=0.001, what="a first token")
         stats = engine.stats()
         assert (stats.running, stats.waiting, stats.waiting_prefill_tokens) == (1, 1, 9)
+        assert engine.queued_prefill_tokens() == 9
+        # The wait a new arrival sees: at the measured capacity, 0 while none is measured.
+        capacity = stats.prefill_capacity_tps
+        assert engine.queued_prefill_wait_s() == (pytest.approx(9 / capacity) if capacity else 0.0)
         await asyncio.gather(long, queued)
+    assert engine.queued_prefill_wait_s() == 0.0
 
 
 def test_engine_needs_a_complete_model(model: LlamaForCausalLM) -> None:

@@ -368,3 +368,22 @@ async def test_live_migration_releases_running_requests_once_per_cooldown() -> N
     assert ev.status == "moved" and "released 4 of 4" in ev.reason
     await mesh.run(4.5)
     assert len(mesh.act.of_type(MigrateRequests)) == 2  # the cooldown ran out once
+
+
+async def test_a_heartbeat_whose_backlog_formed_or_doubled_wakes_the_control_loop() -> None:
+    """The queue trigger decides on a burst's first heartbeat, not at the next tick."""
+    mesh = Mesh(n_workers=1)
+    mesh.gm.ctx = object()  # type: ignore[assignment]  # as when serving: wakes are taken
+    await mesh.start()
+
+    async def woken_by(queued: int) -> bool:
+        mesh.gm._wake.clear()
+        mesh.loads["w0"] = common_pb2.LoadReport(waiting_prefill_tokens=queued, prefill_capacity_tps=1000.0)
+        await mesh.heartbeat("w0")
+        return mesh.gm._wake.is_set()
+
+    assert not await woken_by(100)  # 0.1 s of wait: under the 0.25 s floor
+    assert await woken_by(400)  # 0.4 s, from 0.1 s
+    assert not await woken_by(500)  # 0.5 s is not twice 0.4 s
+    assert await woken_by(1000)  # doubled
+    assert not await woken_by(0)

@@ -1625,6 +1625,18 @@ class Engine:
         read from another thread (a metrics scrape), unlike `stats()`."""
         return self._prefix_hit_tokens, self._prefix_query_tokens
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens not computed yet: those of queued requests and of unfinished prefills."""
+        return sum(s.prefill_len for s in self._waiting) + sum(
+            max(0, s.prefill_len - s.num_computed) for s in self._running
+        )
+
+    def queued_prefill_wait_s(self) -> float:
+        """The seconds the queued prompt tokens take at this engine's measured prefill capacity
+        (the wait a new arrival sees); 0 before any prefill step measured one."""
+        capacity = self._prefill_capacity.tokens_per_s
+        return self.queued_prefill_tokens() / capacity if capacity else 0.0
+
     def stats(self) -> EngineStats:
         now = self._clock()
         window = self.config.stats_window_s
@@ -1637,8 +1649,7 @@ class Engine:
         return EngineStats(
             running=len(self._running),
             waiting=len(self._waiting),
-            waiting_prefill_tokens=sum(s.prefill_len for s in self._waiting)
-            + sum(max(0, s.prefill_len - s.num_computed) for s in self._running),
+            waiting_prefill_tokens=self.queued_prefill_tokens(),
             kv_blocks_used=self.kv_cache.used_blocks,
             kv_blocks_reserved=reserved,
             kv_blocks_total=self.kv_cache.total_blocks,
