@@ -156,6 +156,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "which is what ZigZag's gate waits for",
     )
     p.add_argument(
+        "--max-num-tokens",
+        type=int,
+        default=256,
+        help="workers' token budget per engine step (0 = the worker's default, 2048). At the emulated 2 ms a "
+        "token, 2048 prompt tokens make one step last 4.1 s, longer than the TTFT SLO, and a burst's prompts "
+        "all start in that step on the instance they reached, where no new instance can take them. 256 "
+        "tokens is a 0.56 s step: the size a deployment picks for its accelerator's step time",
+    )
+    p.add_argument(
         "--warmup",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -273,7 +282,7 @@ async def run_all(
                 )
                 runs[name] = {
                     "summary": summary,
-                    "timeline": timeline(result.records, result.instances, args.bin_s, result.duration_s),
+                    "timeline": timeline(result.records, result.instances, args.bin_s, result.duration_s, slo),
                     "samples": [(round(s.t_s, 2), s.held) for s in result.instances],
                     "tokens_per_s": token_rate(result.records, TOKEN_RATE_BIN_S, result.duration_s),
                     "loading": [(round(s.t_s, 2), s.loading) for s in result.instances if s.loading],
@@ -428,9 +437,11 @@ def _repeat_rows(repeats: list[dict[str, dict[str, Any]]]) -> dict[str, list[dic
 
 
 def _run_row(s: dict[str, Any]) -> dict[str, Any]:
-    """One run's SLO attainment, instance-seconds, TTFT p50/p99 and lost, from its summary."""
+    """One run's SLO attainment and its misses by cause, instance-seconds, TTFT p50/p99 and
+    lost, from its summary."""
     return {
         "slo_attainment": s["slo_attainment"],
+        "slo_misses": s["slo_misses"],
         "instance_seconds": s["instance_seconds"],
         "ttft_p50_s": s["ttft_s"]["p50"],
         "ttft_p99_s": s["ttft_s"]["p99"],
@@ -526,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_args=[
             *profile.worker_args(),
             *(["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else []),
+            *(["--max-num-tokens", str(args.max_num_tokens)] if args.max_num_tokens else []),
         ],
         manager_args=manager_args,
     )
@@ -632,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     result["setup"]["link_gbps"] = args.link_gbps
     result["setup"]["warmup"] = f"{WARMUP_REQUESTS} requests on the peak pool, per mesh" if args.warmup else "none"
     result["setup"]["max_batch_size"] = args.max_batch_size or "worker default (32)"
+    result["setup"]["max_num_tokens"] = args.max_num_tokens or "worker default (2048)"
     if ab_result is not None:
         result[ab_flag] = ab_result
     else:

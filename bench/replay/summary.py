@@ -77,12 +77,18 @@ class Slo:
     tbt_s: float = 0.25
 
     def met(self, r: RequestRecord) -> bool:
-        return (
-            r.outcome == "ok"
-            and r.ttft_s is not None
-            and r.ttft_s <= self.ttft_s
-            and (r.tbt_mean_s is None or r.tbt_mean_s <= self.tbt_s)
-        )
+        return self.miss(r) is None
+
+    def miss(self, r: RequestRecord) -> str | None:
+        """Why `r` missed: "not_completed", "ttft" (first token late, whatever the TBT),
+        "tbt_mean" (in time, but its tokens came too slowly); None when it met the SLO."""
+        if r.outcome != "ok" or r.ttft_s is None:
+            return "not_completed"
+        if r.ttft_s > self.ttft_s:
+            return "ttft"
+        if r.tbt_mean_s is not None and r.tbt_mean_s > self.tbt_s:
+            return "tbt_mean"
+        return None
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -138,6 +144,7 @@ def summarize(
         "lost": sum(r.outcome == "lost" for r in records),
         "slo_attainment": _r(sum(slo.met(r) for r in records) / sent if sent else None),
         "slo": {"ttft_s": slo.ttft_s, "tbt_mean_s": slo.tbt_s},
+        "slo_misses": {k: sum(slo.miss(r) == k for r in records) for k in ("ttft", "tbt_mean", "not_completed")},
         "instance_seconds": round(instance_seconds(samples, end_s), 2),
         "instances_mean": _r(instance_seconds(samples, end_s) / end_s if end_s > 0 else None, 3),
         "instances_max": max(held, default=0),
@@ -150,18 +157,25 @@ def summarize(
 
 
 def timeline(
-    records: Sequence[RequestRecord], samples: Sequence[InstanceSample], bin_s: float, end_s: float
+    records: Sequence[RequestRecord],
+    samples: Sequence[InstanceSample],
+    bin_s: float,
+    end_s: float,
+    slo: Slo | None = None,
 ) -> dict[str, list[float | None]]:
     """Per `bin_s` bin: start time, request rate sent, TTFT p99 of requests sent in the bin
-    (None when none completed), instances held and serving at the bin's end."""
+    (None when none completed), instances held and serving at the bin's end, and with `slo` the
+    requests sent in the bin that missed it (where an SLO's misses are)."""
     n = max(1, math.ceil(end_s / bin_s))
     sent = [0] * n
+    missed = [0] * n
     ttfts: list[list[float]] = [[] for _ in range(n)]
     for r in records:
         if math.isnan(r.sent_s):
             continue
         i = min(n - 1, int(r.sent_s // bin_s))
         sent[i] += 1
+        missed[i] += slo is not None and not slo.met(r)
         if r.outcome == "ok" and r.ttft_s is not None:
             ttfts[i].append(r.ttft_s)
     ordered = sorted(samples, key=lambda s: s.t_s)
@@ -174,13 +188,16 @@ def timeline(
             j += 1
         held.append(ordered[j].held if j >= 0 else None)
         serving.append(ordered[j].serving if j >= 0 else None)
-    return {
+    out: dict[str, list[float | None]] = {
         "t_s": [i * bin_s for i in range(n)],
         "rps": [c / bin_s for c in sent],
         "ttft_p99_s": [percentile(x, 0.99) for x in ttfts],
         "instances": held,
         "serving": serving,
     }
+    if slo is not None:
+        out["slo_missed"] = list(missed)
+    return out
 
 
 def token_rate(records: Sequence[RequestRecord], bin_s: float, end_s: float) -> list[float]:

@@ -229,10 +229,22 @@ def test_summarize_and_timeline() -> None:
     assert s["slo_attainment"] == 0.25 and s["instance_seconds"] == 3.0
     assert s["errors"] == {"HTTP 503: no SERVING instance": 1}
     assert s["ttft_s"]["p99"] == 3.0 and s["instances_max"] == 2
+    assert s["slo_misses"] == {"ttft": 1, "tbt_mean": 0, "not_completed": 2}
     tl = timeline(recs, samples, 1.0, 2.0)
     assert tl["t_s"] == [0.0, 1.0] and tl["rps"] == [2.0, 2.0]
     assert tl["ttft_p99_s"] == [3.0, None] and tl["instances"] == [2, 2]
     assert math.isclose(sum(tl["rps"]), 4.0)
+    assert "slo_missed" not in tl
+    assert timeline(recs, samples, 1.0, 2.0, Slo(ttft_s=2.0, tbt_s=0.1))["slo_missed"] == [1, 2]
+
+
+def test_a_miss_is_named_by_what_broke_first() -> None:
+    slo = Slo(ttft_s=1.0, tbt_s=0.1)
+    slow_tokens = RequestRecord(0, 0.0, 8, 4, outcome="ok", ttft_s=0.5, tbt_mean_s=0.2)
+    late_and_slow = RequestRecord(1, 0.0, 8, 4, outcome="ok", ttft_s=1.5, tbt_mean_s=0.2)
+    one_token = RequestRecord(2, 0.0, 8, 1, outcome="ok", ttft_s=0.5)  # no TBT: only the TTFT counts
+    assert [slo.miss(r) for r in (slow_tokens, late_and_slow, one_token)] == ["tbt_mean", "ttft", None]
+    assert slo.met(one_token) and not slo.met(slow_tokens)
 
 
 def test_results_name_repository_files_relative_to_it(tmp_path: Path) -> None:
