@@ -287,6 +287,14 @@ def run_setup(
     return result
 
 
+def replay_args(quick: bool) -> argparse.Namespace:
+    """What `bench.autoscale.run_all` reads of its command line, for one setup's run. No warm-up:
+    it would load every worker before the run, and a setup's loads are what it measures."""
+    return argparse.Namespace(
+        model=MODEL, vocab_size=8000, ttft_slo_s=1.5, tbt_slo_s=0.2, bin_s=2.5, quick=quick, warmup=False
+    )
+
+
 MEDIAN_KEYS = (
     "ttft_p50_s",
     "ttft_p99_s",
@@ -493,9 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     synthesize(model_dir / MODEL, MODEL)
     model_bytes = PRESETS[MODEL].num_parameters() * 4
     # What bench.autoscale's run_all reads from its arguments.
-    run_args = argparse.Namespace(
-        model=MODEL, vocab_size=8000, ttft_slo_s=1.5, tbt_slo_s=0.2, bin_s=2.5, quick=args.quick
-    )
+    run_args = replay_args(args.quick)
     started = time.monotonic()
     # Repeats alternate the setups (a b c a b c ...), so a slow patch of the shared machine lands
     # on every setup rather than on one.

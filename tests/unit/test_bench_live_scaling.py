@@ -3,6 +3,9 @@ tokens/s and k/L series of its figure."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from bench.live_scaling.__main__ import (
@@ -13,6 +16,7 @@ from bench.live_scaling.__main__ import (
     combine,
     load_overheads,
     paired_ratio,
+    replay_args,
 )
 from bench.live_scaling.plot import loading_series
 from bench.replay import RequestRecord, token_rate
@@ -130,3 +134,22 @@ def test_the_disaggregated_best_live_setup_is_over_disaggregated_stop_the_world(
     out = best_live(by_setup, live=DISAGG_LIVE_SETUPS, baseline="disagg_stop_the_world")
     assert out == {"value": 0.7, "per_repeat": [0.5, 0.8, 0.7], "target": 0.6, "met": False, "setup": "disagg_borrowed"}
     assert best_live({"disagg_borrowed": by_setup["disagg_borrowed"]}, live=DISAGG_LIVE_SETUPS) is None
+
+
+def test_the_replay_arguments_have_every_field_the_shared_runner_reads() -> None:
+    """`bench.autoscale.run_all` (and the replay it starts) read their command line's fields;
+    this bench passes its own. A field added there and not here broke every setup at start."""
+    source = Path(__file__).resolve().parents[2] / "bench" / "autoscale" / "__main__.py"
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    read: set[str] = set()
+    for fn in tree.body:
+        if isinstance(fn, ast.AsyncFunctionDef | ast.FunctionDef) and fn.name in ("run_all", "_replay"):
+            read |= {
+                n.attr
+                for n in ast.walk(fn)
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "args"
+            }
+    assert {"warmup", "model", "ttft_slo_s"} <= read
+    args = replay_args(quick=True)
+    assert read <= set(vars(args)), sorted(read - set(vars(args)))
+    assert args.warmup is False  # a warm-up would load every worker before the setup's own loads
