@@ -1625,6 +1625,11 @@ class Engine:
         read from another thread (a metrics scrape), unlike `stats()`."""
         return self._prefix_hit_tokens, self._prefix_query_tokens
 
+    def active_request_ids(self) -> set[str]:
+        """Ids of the requests queued or running here: what `stats()` counts as waiting and
+        running."""
+        return {s.request_id for s in self._waiting} | {s.request_id for s in self._running}
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens not computed yet: those of queued requests and of unfinished prefills."""
         return sum(s.prefill_len for s in self._waiting) + sum(
