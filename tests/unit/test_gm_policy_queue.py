@@ -237,3 +237,14 @@ def test_no_scale_in_while_the_queued_prompts_wait_grows_even_below_the_target()
 def test_bad_slope_settings_are_refused(field: str, bad: float) -> None:
     with pytest.raises(ValueError, match=field):
         HeteroScaleConfig(**{field: bad})
+
+
+def test_a_tick_held_for_a_growing_wait_does_not_hold_the_window_after_it() -> None:
+    """The held tick records the pool the rule wanted (1), not the current one (10): with a 60 s
+    stabilization window, recording 10 held every scale-in for a minute after each such tick
+    (in hour1000, +32% instance-seconds)."""
+    p = policy(queue_target_s=1.0, hold_scale_in_on_panic=True, scale_in_cooldown_s=0.0, scale_in_stabilization_s=60.0)
+    p.decide(0.0, queued(10, 0, tps=100.0))
+    assert p.decide(0.5, queued(10, 10_000, tps=100.0)).action == "no_change"  # held: the wait grows
+    after = p.decide(1.6, queued(10, 10_000, tps=100.0))
+    assert after.action == "scale_in" and after.instances_to == 1, after.reason

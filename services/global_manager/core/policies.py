@@ -604,8 +604,11 @@ class HeteroScalePolicy(_PolicyBase):
             reason = f"{reason}; HELD: no scale-in while latency is above the panic line"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
         if action == "scale_in" and cfg.hold_scale_in_on_panic and self._queue_rising:
-            # Prompts queue faster than they are computed: a burst is starting, which the
-            # decode-TPS window has not seen yet.
+            # Prompts queue faster than they are computed: a burst may be starting, which the
+            # decode-TPS window has not seen yet. Held for this tick only: the stabilization window
+            # records the smaller pool the rule wanted, not the current one (which would hold
+            # every scale-in for a whole window after each such tick).
+            self._wish = self._targets(need, snapshot.disaggregated)
             reason = f"{reason}; HELD: no scale-in while the queued prompts' wait grows"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
         after = self._targets(need, snapshot.disaggregated)
