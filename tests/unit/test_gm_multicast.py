@@ -176,6 +176,49 @@ def test_host_cache_shards_cover_layers_across_leaves() -> None:
         assert set(chain.groups) <= {g for s in sources if s.node_id == chain.source for g in (s.groups or ())}
 
 
+def test_groups_the_lanes_shards_lack_spread_over_backups_at_a_shard_each() -> None:
+    """Leaf A has two host-cache shards of 2 groups each and a unit of 4 targets; the other 4
+    groups must cross the spine from leaf B's live instances. One backup used to take all 4
+    (the lane's slowest chain by 2x); each now takes one shard's share (8 groups / 4 chains)."""
+    t = topo({"cA": ("A", 100), "cA2": ("A", 100), "tA": ("A", 100), "iB": ("B", 100)})
+    sources = [
+        Source("cache0", "cA", SourceKind.HOST_CACHE, frozenset(GROUPS[0:2])),
+        Source("cache1", "cA2", SourceKind.HOST_CACHE, frozenset(GROUPS[2:4])),
+        Source("live0", "iB"),
+        Source("live1", "iB"),
+    ]
+    targets = [Target(f"t{i}", "tA") for i in range(4)]
+    plan = plan_ok(targets, sources, t)
+    carried = {c.source: c.groups for c in plan.chains}
+    assert carried == {
+        "cache0": ("layer.0", "layer.1"),
+        "cache1": ("layer.2", "layer.3"),
+        "live0": ("layer.4", "layer.5"),
+        "live1": ("layer.6", "layer.7"),
+    }
+    # Entering the unit at four different members: four NICs, no chain sharing one.
+    assert len({c.hops[0] for c in plan.chains}) == 4
+
+
+def test_a_source_sending_for_one_lane_goes_after_idle_ones_in_the_next() -> None:
+    """Leaf A's lane (two units) is planned first and takes backups "b0" and "b1" from leaf B.
+    Leaf B's own lane then picks its idle sources before them, so no NIC carries two chains."""
+    t = topo({"cA": ("A", 100), "tA1": ("A", 100), "tA2": ("A", 100), "sB": ("B", 100), "tB": ("B", 100)})
+    sources = [
+        Source("cacheA", "cA", SourceKind.HOST_CACHE, frozenset(GROUPS[0:2])),
+        *(Source(f"b{i}", "sB") for i in range(4)),
+    ]
+    targets = [Target("a1", "tA1"), Target("a1b", "tA1"), Target("a2", "tA2"), Target("bt", "tB"), Target("bt2", "tB")]
+    plan = plan_ok(targets, sources, t)
+    lanes: dict[int, set[str]] = {}
+    for c in plan.chains:
+        lanes.setdefault(c.lane, set()).add(c.source)
+    assert len(lanes) == 2
+    first, second = (lanes[k] for k in sorted(lanes))
+    assert first == {"cacheA", "b0"} and second == {"b1", "b2"}
+    assert not first & second
+
+
 def test_live_instances_are_preferred_over_host_cache() -> None:
     t = topo({"c": ("L0", 400), "i": ("L0", 100), "t": ("L0", 100)})
     sources = [Source("cache", "c", SourceKind.HOST_CACHE, frozenset(GROUPS)), Source("inst", "i")]

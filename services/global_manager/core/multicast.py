@@ -17,7 +17,9 @@ The plan, step by step:
    to the least-loaded source holding it, so the first layers arrive first) along its own chain,
    entering each unit at a different member; the members then all-gather the rest over the fast
    link. Partial sources (host-cache shards) are topped up with other sources that hold what
-   the lane lacks, same leaf first.
+   the lane lacks, same leaf first, each taking at most a shard's share (len(groups) / the
+   lane's chains) while the lane has NICs for more chains. A source already sending for an
+   earlier lane goes after the idle ones (its NIC would carry two chains).
 
 Everything is pure and deterministic: ties break on names, never on dict or set order.
 Bandwidth is in gigabits per second (`bw_gbps`), sizes in bytes.
@@ -348,23 +350,43 @@ def _prune(
 
 
 def _assign(
-    groups: Sequence[str], lane_sources: list[Source], backups: Callable[[], Iterable[Source]]
+    groups: Sequence[str],
+    lane_sources: list[Source],
+    backups: Callable[[], Iterable[Source]],
+    max_chains: int | None = None,
 ) -> dict[str, list[str]]:
     """Give each group to the source holding it that has the fewest so far (earlier on ties),
     so full sources interleave layers round-robin. When no lane source holds a group, the first
-    backup that does joins the lane. Mutates `lane_sources`."""
+    backup that does joins the lane. With `max_chains` (the chains the lane's units have NICs
+    for), another backup also joins when the group would go to a backup that already carries
+    its share, len(groups) / max_chains, and the lane has fewer chains than that: partial lane
+    sources (host-cache shards) leave the groups they lack to backups, and one backup taking all
+    of them would be the lane's slowest chain by far. Mutates `lane_sources`."""
+    share = -(-len(groups) // max_chains) if max_chains else None
     assigned: dict[str, list[str]] = {s.node_id: [] for s in lane_sources}
+    joined: set[str] = set()
     for group in groups:
         best: Source | None = None
         for src in lane_sources:
             if src.holds(group) and (best is None or len(assigned[src.node_id]) < len(assigned[best.node_id])):
                 best = src
-        if best is None:
-            best = next((s for s in backups() if s.holds(group) and s.node_id not in assigned), None)
-            if best is None:
+        spread = (
+            best is not None
+            and best.node_id in joined
+            and share is not None
+            and len(assigned[best.node_id]) >= share
+            and len(lane_sources) < (max_chains or 0)
+        )
+        if best is None or spread:
+            backup = next((s for s in backups() if s.holds(group) and s.node_id not in assigned), None)
+            if backup is None and best is None:
                 raise ValueError(f"no source holds parameter group {group!r}")
-            lane_sources.append(best)
-            assigned[best.node_id] = []
+            if backup is not None:
+                lane_sources.append(backup)
+                assigned[backup.node_id] = []
+                joined.add(backup.node_id)
+                best = backup
+        assert best is not None
         assigned[best.node_id].append(group)
     return assigned
 
@@ -457,21 +479,25 @@ def plan_multicast(
         lanes[i].units.append(unit)
         heapq.heappush(heap, (length + 1, i))
 
-    # Step 4: shards and chains per lane.
+    # Step 4: shards and chains per lane. A source already sending for an earlier lane goes
+    # after those that are not (a stable reorder): its NIC would be shared.
+    sending: set[str] = set()
     for lane in lanes:
         if not lane.units:
             continue
         lane.units.sort(key=lambda u: (-u.bw_gbps, u.name))
         shards = min(len(lane.sources), max(len(u.members) for u in lane.units))
-        lane.sources = _spread_hosts(lane.sources)
+        lane.sources = sorted(_spread_hosts(lane.sources), key=lambda src: src.node_id in sending)
         lane_ids = {s.node_id for s in lane.sources}
 
         def backups(lane: _Lane = lane, lane_ids: set[str] = lane_ids, shards: int = shards) -> Iterable[Source]:
-            # Same leaf first (no spine hop), then anyone, best first.
+            # Same leaf first (no spine hop), then anyone, best first; idle senders first.
             yield from lane.sources[shards:]
-            yield from (s for s in kept if s.node_id not in lane_ids)
+            yield from sorted((s for s in kept if s.node_id not in lane_ids), key=lambda src: src.node_id in sending)
 
-        chains.extend(_lane_chains(lane.units, list(lane.sources[:shards]), backups, groups, lane=lane_no, local=False))
+        lane_chains = _lane_chains(lane.units, list(lane.sources[:shards]), backups, groups, lane=lane_no, local=False)
+        sending.update(c.source for c in lane_chains)
+        chains.extend(lane_chains)
         lane_no += 1
 
     return MulticastPlan(
@@ -503,7 +529,8 @@ def _lane_chains(
     lane: int,
     local: bool,
 ) -> list[Chain]:
-    assigned = _assign(groups, feeders, backups)
+    # A network lane enters each unit at member k (mod size): it has NICs for that many chains.
+    assigned = _assign(groups, feeders, backups, None if local else max(len(u.members) for u in units))
     chains = []
     for k, src in enumerate(feeders):
         carried = assigned[src.node_id]
