@@ -177,6 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.max_num_tokens < 0:
+        p.error(f"--max-num-tokens must be 0 (the worker's default) or more, got {args.max_num_tokens}")
     return args
 
 

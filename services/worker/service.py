@@ -18,7 +18,7 @@ from blitzmesh.convert import finish_reason_to_proto, instance_info_to_proto, in
 from blitzmesh.types import InstanceInfo, InstanceState, LoadReport
 from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import roles
-from services.common.backlog import backlog_is_news
+from services.common.backlog import backlog_is_news, sample_wait_s
 from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
 from services.common.security import abort_stream, dataplane_key
 from services.common.server import ServeContext
@@ -1066,8 +1066,8 @@ class WorkerService:
                         registered = True
                         log.info("registered", instance_id=s.instance_id, manager=self.cfg.global_manager)
                     sent_state = s.state
-                    reported_wait_s = s.queue_wait_s()
                     info = s.info()
+                    reported_wait_s = sample_wait_s(info.load.waiting_prefill_tokens, info.load.prefill_capacity_tps)
                     hb = await stub.Heartbeat(
                         global_manager_pb2.HeartbeatRequest(
                             instance_id=s.instance_id,

@@ -107,3 +107,10 @@ def test_repeats_below_one_is_refused_quoting_the_value(capsys: pytest.CaptureFi
         parse_args(["--repeats", "0"])
     assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
     assert parse_args(["--repeats", "3"]).repeats == 3
+
+
+def test_a_negative_step_budget_is_refused_quoting_the_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--max-num-tokens", "-5"])
+    assert "--max-num-tokens must be 0 (the worker's default) or more, got -5" in capsys.readouterr().err
+    assert parse_args([]).max_num_tokens == 256 and parse_args(["--max-num-tokens", "0"]).max_num_tokens == 0

@@ -362,7 +362,7 @@ def _assign(
     its share, len(groups) / max_chains, and the lane has fewer chains than that: partial lane
     sources (host-cache shards) leave the groups they lack to backups, and one backup taking all
     of them would be the lane's slowest chain by far. Mutates `lane_sources`."""
-    share = -(-len(groups) // max_chains) if max_chains else None
+    share = -(-len(groups) // max_chains) if max_chains is not None else 0
     assigned: dict[str, list[str]] = {s.node_id: [] for s in lane_sources}
     joined: set[str] = set()
     for group in groups:
@@ -371,11 +371,11 @@ def _assign(
             if src.holds(group) and (best is None or len(assigned[src.node_id]) < len(assigned[best.node_id])):
                 best = src
         spread = (
-            best is not None
+            max_chains is not None
+            and best is not None
             and best.node_id in joined
-            and share is not None
             and len(assigned[best.node_id]) >= share
-            and len(lane_sources) < (max_chains or 0)
+            and len(lane_sources) < max_chains
         )
         if best is None or spread:
             backup = next((s for s in backups() if s.holds(group) and s.node_id not in assigned), None)

@@ -424,7 +424,6 @@ class HeteroScalePolicy(_PolicyBase):
         self._wish: dict[Role, int] | None = None  # what the rule wanted before cooldowns and the window
         # (now_s, queued prompts' wait) at recent decisions, oldest first, for the arrivals growth's slope.
         self._waits: deque[tuple[float, float]] = deque()
-        self._queue_rising = False  # the last decision saw queued prompts with their wait growing
 
     def decide(self, now_s: float, snapshot: ClusterSnapshot) -> ScaleDecision:
         self._wish = None
@@ -447,16 +446,16 @@ class HeteroScalePolicy(_PolicyBase):
                         out[role] = min(before[role], max(out[role], n))
         return out
 
-    def _queue_wait(self, now_s: float, snapshot: ClusterSnapshot) -> tuple[float, str] | None:
-        """(growth factor, why) when the queued prompt tokens would wait longer than
-        `queue_target_s`; None otherwise or when the trigger is off. The wait is `queue_wait_s`
+    def _queue_wait(self, now_s: float, snapshot: ClusterSnapshot) -> tuple[tuple[float, str] | None, bool]:
+        """((growth factor, why) when the queued prompt tokens would wait longer than
+        `queue_target_s`, else None; whether that wait is above 0 and growing). (None, False)
+        when the trigger is off. The wait is `queue_wait_s`
         (measured capacity) or, with queue_rate=served or no capacity measured, the tokens over
         the served prefill TPS, where none served with tokens queued counts as the largest factor.
         Every call records the wait (0 with nothing queued) for the arrivals growth's slope."""
         cfg = self.config
-        self._queue_rising = False
         if cfg.queue_target_s is None:
-            return None
+            return None, False
         pool = snapshot.prefill if snapshot.disaggregated else snapshot.token_pool
         queued = pool.waiting_prefill_tokens
         wait_s = queue_wait_s(pool) if queued > 0 and cfg.queue_rate == "capacity" else None
@@ -470,9 +469,9 @@ class HeteroScalePolicy(_PolicyBase):
             wait_s = queued / pool.prefill_tps if pool.prefill_tps > 0 else math.inf
             at = f"{pool.prefill_tps:.0f} tokens/s"
         slope = self._wait_slope(now_s, wait_s)
-        self._queue_rising = slope > 0 and wait_s > 0
+        rising = slope > 0 and wait_s > 0
         if wait_s <= cfg.queue_target_s:
-            return None
+            return None, rising
         growth = wait_s / cfg.queue_target_s
         why = f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {at} > {_g(cfg.queue_target_s)}s"
         if cfg.queue_growth == "drain":
@@ -480,12 +479,11 @@ class HeteroScalePolicy(_PolicyBase):
         elif cfg.queue_growth == "arrivals":
             # Keep up with the arrivals (a saturated pool's wait grows at arrivals / capacity - 1) and
             # drain, within the target, the backlog there will be when the new instances have loaded.
-            rising = max(0.0, slope)
-            growth = 1.0 + rising + (wait_s + rising * cfg.queue_lead_s) / cfg.queue_target_s
-            if rising > 0:
-                why = f"{why}, rising {_g(rising)}s/s"
-        factor = min(cfg.queue_max_factor, growth)
-        return factor, why
+            gain = max(0.0, slope)
+            growth = 1.0 + gain + (wait_s + gain * cfg.queue_lead_s) / cfg.queue_target_s
+            if gain > 0:
+                why = f"{why}, rising {_g(gain)}s/s"
+        return (min(cfg.queue_max_factor, growth), why), rising
 
     def _wait_slope(self, now_s: float, wait_s: float) -> float:
         """Seconds of wait gained per second, from the oldest wait recorded within
@@ -530,7 +528,7 @@ class HeteroScalePolicy(_PolicyBase):
         # Step 0 (queue_target_s): the queue-aware trigger grows every pool by how far the queued
         # prompts' wait is over the target, in one step. Blocked by the cooldown, it goes on.
         note = ""
-        queue = self._queue_wait(now_s, snapshot)
+        queue, queue_rising = self._queue_wait(now_s, snapshot)
         if queue is not None:
             factor, why = queue
             queue_cooldown_s = cfg.scale_out_cooldown_s if cfg.queue_cooldown_s is None else cfg.queue_cooldown_s
@@ -603,7 +601,7 @@ class HeteroScalePolicy(_PolicyBase):
             # Low decode TPS under high TBT means requests are stuck, not that load is gone.
             reason = f"{reason}; HELD: no scale-in while latency is above the panic line"
             return _make_decision(self.name, now_s, "no_change", reason, before, before, extra)
-        if action == "scale_in" and cfg.hold_scale_in_on_panic and self._queue_rising:
+        if action == "scale_in" and cfg.hold_scale_in_on_panic and queue_rising:
             # Prompts queue faster than they are computed: a burst may be starting, which the
             # decode-TPS window has not seen yet. Held for this tick only: the stabilization window
             # records the smaller pool the rule wanted, not the current one (which would hold

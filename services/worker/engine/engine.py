@@ -29,6 +29,7 @@ import structlog
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.common.backlog import sample_wait_s
 from services.common.prefix import ROOT_HASH, block_hashes, chain_hash
 from services.common.waiting import wait_for
 from services.worker.engine.cpu_share import CpuShare
@@ -1639,8 +1640,7 @@ class Engine:
     def queued_prefill_wait_s(self) -> float:
         """The seconds the queued prompt tokens take at this engine's measured prefill capacity
         (the wait a new arrival sees); 0 before any prefill step measured one."""
-        capacity = self._prefill_capacity.tokens_per_s
-        return self.queued_prefill_tokens() / capacity if capacity else 0.0
+        return sample_wait_s(self.queued_prefill_tokens(), self._prefill_capacity.tokens_per_s or 0.0)
 
     def stats(self) -> EngineStats:
         now = self._clock()
