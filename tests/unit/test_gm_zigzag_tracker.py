@@ -180,6 +180,34 @@ def test_pull_pairs_move_a_live_instance_off_a_partner_with_nothing_queued() -> 
     assert step.pairs == (("n", "a"),) and step.effects == ()
 
 
+def test_pull_pairs_spread_live_instances_evenly_over_the_overloaded_partners() -> None:
+    # Past half its layers a loading instance is the slower half of its pair, so a partner
+    # needs several. Five live instances over two overloaded partners: 3 and 2, not 4 and 1
+    # (b has fewer used KV blocks, so it takes the odd one and every tie).
+    t = zz.ZigzagTracker()
+    live = [f"n{i}" for i in range(5)]
+    for n in live:
+        t.load_progress(0.0, n, "m", 5, 8)
+    pool = [view(n, S.LOADING, role=C, layers=5) for n in live] + overloaded_pool()[1:]
+    pairs = dict(t.pull_pairs(0.0, pool, "m", C, reachable=set(live)).pairs)
+    assert sorted(pairs.values()) == ["a", "a", "b", "b", "b"]
+    # A partner with no backlog still takes none while an overloaded one is there, shared or not.
+    idle = view("c", role=C, waiting=0, kv_used=0)
+    t2 = zz.ZigzagTracker()
+    for n in live:
+        t2.load_progress(0.0, n, "m", 5, 8)
+    assert "c" not in dict(t2.pull_pairs(0.0, [*pool, idle], "m", C, reachable=set(live)).pairs).values()
+
+
+def test_choose_pull_partner_takes_the_least_shared_overloaded_instance() -> None:
+    pool = overloaded_pool()
+    # b has the fewest used KV blocks, but two loading instances pull from it and one from a.
+    assert zz.choose_pull_partner(pool, "n", "m", {"b": 2, "a": 1}).partner.instance_id == "a"
+    assert zz.choose_pull_partner(pool, "n", "m", {"b": 1, "a": 1}).partner.instance_id == "b"
+    assert zz.choose_pull_partner(pool, "n", "m", {"b"}).partner.instance_id == "a"  # a set counts one each
+    assert zz.choose_pull_partner(pool, "n", "m").partner.instance_id == "b"
+
+
 def test_pair_all_spreads_live_instances_over_partners_then_shares() -> None:
     pool = [
         view("n1", S.LOADING, role=C, layers=5),

@@ -10,6 +10,7 @@ request, whether to zigzag at all, and the throughput model the vectors in the i
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -438,16 +439,27 @@ def choose_zigzag_partner(
 
 
 def choose_pull_partner(
-    views: Iterable[InstanceView], new_instance_id: str, model: str, taken: Collection[str] = ()
+    views: Iterable[InstanceView],
+    new_instance_id: str,
+    model: str,
+    taken: Mapping[str, int] | Collection[str] = (),
 ) -> PartnerChoice | None:
     """The partner a live LOADING instance pulls work from (`--zigzag-dispatch pull`): as
-    `choose_zigzag_partner`, preferring an overloaded instance no other loading instance pulls
-    from yet (`taken`), so that new instances spread over the overloaded ones; when every
-    overloaded instance is taken, several share the best one (its queue feeds them all)."""
+    `choose_zigzag_partner`, among the overloaded instances the one the fewest other loading
+    instances pull from (`taken`: partner -> how many pull from it; a plain collection counts
+    one each), so that new instances spread evenly over the overloaded ones. Evenly, not just
+    one each: past half its layers a loading instance is the slower half of its pair (it runs k
+    of L layers, the partner L - k), so a partner needs two or more of them to go faster than
+    twice its own speed, and piling every late one onto one partner leaves the others at 2x."""
     pool = list(views)
-    spread = choose_zigzag_partner(pool, new_instance_id, model, exclude_ids=taken) if taken else None
-    if spread is not None and spread.overloaded:
-        return spread
+    counts: Mapping[str, int] = taken if isinstance(taken, Mapping) else dict.fromkeys(taken, 1)
+    for level in sorted({0, *counts.values()}):
+        busier = {p for p, n in counts.items() if n > level}
+        if not busier:
+            break
+        spread = choose_zigzag_partner(pool, new_instance_id, model, exclude_ids=busier)
+        if spread is not None and spread.overloaded:
+            return spread
     return choose_zigzag_partner(pool, new_instance_id, model)
 
 
@@ -914,9 +926,9 @@ class ZigzagTracker:
         pulls queued requests from (`ZigzagStep.pairs`, (live instance, partner)).
 
         Every live LOADING instance (>= 1 decoder layer, in `reachable`: its data plane and
-        address known) keeps one partner: an overloaded instance of its model and role that no
-        other one pulls from yet if there is one, else the overloaded one with the fewest used KV
-        blocks (`choose_pull_partner`). It moves when that partner stops SERVING, or when the
+        address known) keeps one partner: the overloaded instance of its model and role that the
+        fewest other ones pull from, then the one with the fewest used KV blocks
+        (`choose_pull_partner`). It moves when that partner stops SERVING, or when the
         partner has no backlog left and another instance has one. No request is
         routed to the pair: the partner's own queue is the work (it only hands over requests it
         has waiting), so an instance with nothing queued costs nothing to pair, and no gate over
@@ -935,7 +947,7 @@ class ZigzagTracker:
             partner_id = self.partner.get(new_id)
             partner = by_id.get(partner_id) if partner_id is not None else None
             if partner is None or partner.state is not InstanceState.SERVING or not _overloaded(partner, None):
-                taken = {p for n, p in self.partner.items() if n != new_id}
+                taken = Counter(p for n, p in self.partner.items() if n != new_id)
                 pair = choose_pull_partner(views, new_id, model, taken)
                 if pair is None:
                     continue
