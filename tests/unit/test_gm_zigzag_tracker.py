@@ -202,7 +202,9 @@ def test_pull_pairs_spread_live_instances_evenly_over_the_overloaded_partners() 
 def test_choose_pull_partner_takes_the_least_shared_overloaded_instance() -> None:
     pool = overloaded_pool()
     # b has the fewest used KV blocks, but two loading instances pull from it and one from a.
-    assert zz.choose_pull_partner(pool, "n", "m", {"b": 2, "a": 1}).partner.instance_id == "a"
+    choice = zz.choose_pull_partner(pool, "n", "m", {"b": 2, "a": 1})
+    assert choice is not None and choice.partner.instance_id == "a"
+    assert choice.reason.startswith("pulled by 1 other loading instance, the fewest; fewest used KV blocks (300)")
     assert zz.choose_pull_partner(pool, "n", "m", {"b": 1, "a": 1}).partner.instance_id == "b"
     assert zz.choose_pull_partner(pool, "n", "m", {"b"}).partner.instance_id == "a"  # a set counts one each
     assert zz.choose_pull_partner(pool, "n", "m").partner.instance_id == "b"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from .actions import MigrateRequests
@@ -459,7 +459,9 @@ def choose_pull_partner(
             break
         spread = choose_zigzag_partner(pool, new_instance_id, model, exclude_ids=busier)
         if spread is not None and spread.overloaded:
-            return spread
+            n = counts.get(spread.partner.instance_id, 0)
+            who = f"{n} other loading instance{'' if n == 1 else 's'}"
+            return replace(spread, reason=f"pulled by {who}, the fewest; {spread.reason}")
     return choose_zigzag_partner(pool, new_instance_id, model)
 
 
