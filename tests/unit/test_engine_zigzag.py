@@ -491,29 +491,46 @@ async def test_zigzag_on_a_prefill_instance_hands_the_whole_kv_to_decode(ckpt: P
         await new.stop()
 
 
-async def test_a_relayed_prompt_longer_than_one_iteration_is_computed_whole(ckpt: Path) -> None:
-    """The partner runs a relayed prompt's remaining layers in one step. With chunked prefill (the
-    default) a prompt longer than `max_num_tokens` never gets such a step: it is computed here
-    whole instead of waiting forever (the gateway then aborts the loading instance's part)."""
+@pytest.mark.parametrize("budget", [13, 32], ids=lambda b: f"budget={b}")
+@pytest.mark.parametrize("params", [PARAMS, SEEDED], ids=["greedy", "seeded"])
+async def test_a_relayed_prompt_longer_than_one_iteration_continues_in_chunks(
+    ckpt: Path, budget: int, params: SamplingParams
+) -> None:
+    """With chunked prefill (the default) the partner runs a relayed prompt longer than
+    `max_num_tokens` in chunks, as any prefill: each chunk runs layers [k, L) on its slice of the
+    hidden states the loading instance brought, over the earlier chunks' KV, and only the last
+    samples. With a plain request sharing the steps, both give the tokens of a whole run."""
     full = full_model(ckpt)
-    prompt = prompt_of(40, 7)
-    expected = await whole_run(full, prompt)
+    prompt, other = prompt_of(40, 7), prompt_of(21, 8)
+    async with make_engine(full) as whole:
+        expected = [e.token_id for e in await collect(whole, "long", prompt, params)]
+        expected_other = [e.token_id for e in await collect(whole, "plain", other, params)]
     model, _ = partial_model(ckpt, 2)
     new = loading_engine(model)
     await new.start(partial=True)
     try:
-        config = EngineConfig(max_batch_size=4, max_num_tokens=32, num_kv_blocks=64, num_threads=1)
+        config = EngineConfig(max_batch_size=4, max_num_tokens=budget, num_kv_blocks=64, num_threads=1)
         async with Engine.create(full, [2], config) as old:
             assert old.config.enable_chunked_prefill
-            first = asyncio.create_task(collect_stream(new.generate("long", prompt, PARAMS, zigzag=True)))
-            await wait_until(lambda: "long" in new._by_id, 5, what="the zigzag request on the loading instance")
+            first = asyncio.create_task(collect_stream(new.generate("long", prompt, params, zigzag=True)))
+            await wait_until(
+                lambda: (seq := new._by_id.get("long")) is not None and seq.zz_layers == 2,
+                5,
+                what="the request through 2 layers on the loading instance",
+            )
+            plain = asyncio.create_task(collect(old, "plain", other, params))
             rest = await asyncio.wait_for(
-                collect_stream(old.generate("long", prompt, PARAMS, relay_fill=relay_from(new, "long"))), 60
+                collect_stream(old.generate("long", prompt, params, relay_fill=relay_from(new, "long"))), 60
             )
             assert [e.token_id for e in rest] == expected
-            assert old.zigzag == {"relayed": 0, "continued": 0, "recomputed": 0, "partner_embedded": 0}
-            new.abort("long")  # what the gateway does once the partner's stream has ended
-            assert [e.finish_reason for e in await asyncio.wait_for(first, 10)] == ["abort"]
+            assert [e.token_id for e in await asyncio.wait_for(plain, 60)] == expected_other
+            assert old.zigzag == {"relayed": 0, "continued": 1, "recomputed": 0, "partner_embedded": 0}
+            chunks = [n for rec in old.step_log for rid, n in rec.work if rid == "long" and n > 1]
+            assert sum(chunks) == len(prompt) and len(chunks) >= -(-len(prompt) // budget), chunks
+            (relayed,) = await asyncio.wait_for(first, 10)
+            assert relayed.zigzag_layers == 2 and relayed.token_id is None
+        assert old.kv_cache.used_blocks == 0
+        assert new.kv_cache.used_blocks == 0 and new.stats().kv_blocks_parked == 0
     finally:
         await new.stop()
 

@@ -820,8 +820,7 @@ class Engine:
         whose first layers a loading instance may run ahead (`attach_relay`): (id, prompt,
         sampling). Eligible: a plain request that has not started (nothing computed, no output,
         no KV arriving, not itself split), without prompt log-probs (they need every layer
-        here), and whose prompt fits one iteration (the continuation runs the remaining layers
-        over the whole prompt in one step). `exclude`: ids already offloaded."""
+        here) (`_can_continue`). `exclude`: ids already offloaded."""
         if n <= 0:
             return []
         # The policy's admission order; its refusals are left to the next step (this runs
@@ -848,10 +847,13 @@ class Engine:
         )
 
     def _can_continue(self, prompt_len: int, params: SamplingParams) -> bool:
-        """Whether a prompt can be taken over from a loading instance (ZigZag): the continuation
-        runs its remaining layers in one step, which a prompt longer than one iteration never
-        gets (chunked prefill or not), and prompt log-probs need every layer here."""
-        return params.prompt_logprobs is None and prompt_len <= self.config.max_num_tokens
+        """Whether a prompt can be taken over from a loading instance (ZigZag): prompt log-probs
+        need every layer here; and the continuation runs its remaining layers in chunks as any
+        prefill, so a prompt longer than one iteration needs chunked prefill (without it such a
+        prompt is refused anyway)."""
+        return params.prompt_logprobs is None and (
+            self.config.enable_chunked_prefill or prompt_len <= self.config.max_num_tokens
+        )
 
     def attach_relay(self, request_id: str, relay_fill: RelayFill) -> bool:
         """Make a waiting request a ZigZag continuation: when admitted it takes its first layers
@@ -1272,18 +1274,26 @@ class Engine:
             seq = self._by_id[request_id]
             start = seq.num_computed
             if seq.zz_hidden is not None:
-                # Taken over from a loading instance: the prompt's remaining layers, in one piece.
-                if start != 0 or n != len(seq.prompt):
-                    rows.append(StepRow(seq, start, 0))  # a chunk of it: wait for a step with room for all of it
-                    continue
+                # Taken over from a loading instance: the prompt's remaining layers, from the
+                # hidden states it brought, in chunks as any prefill (the last one samples).
+                last = start + n == len(seq.prompt)
                 rows.append(StepRow(seq, start, n))
                 inp.continuations.append(
-                    Continuation(row, seq.zz_layers, seq.zz_hidden, n, self.kv_cache.block_table(request_id))
+                    Continuation(
+                        row,
+                        seq.zz_layers,
+                        seq.zz_hidden[start : start + n],
+                        n,
+                        self.kv_cache.block_table(request_id),
+                        context_len=start,
+                        sample=last,
+                    )
                 )
-                inp.sample_rows.append(row)
-                inp.params.append(seq.params)
-                inp.generators.append(seq.generator)
-                inp.histories.append(seq.history)
+                if last:
+                    inp.sample_rows.append(row)
+                    inp.params.append(seq.params)
+                    inp.generators.append(seq.generator)
+                    inp.histories.append(seq.history)
                 prefill_tokens += n
                 paced_tokens += n * (num_layers - seq.zz_layers) / num_layers
                 continue
@@ -1386,8 +1396,8 @@ class Engine:
             seq.num_computed += n
             if seq.prefix_register:
                 self._register_prefix(seq)
-            if seq.zz_hidden is not None:
-                seq.zz_hidden = None
+            if seq.zz_hidden is not None and seq.num_computed >= len(seq.prompt):
+                seq.zz_hidden = None  # its last chunk ran: the take-over is complete
                 self.zigzag["continued"] += 1
             if i in sampled:
                 token, logprob, top = sampled[i]
@@ -1573,10 +1583,11 @@ class Engine:
                     prompt_out.append(results)
         for cont in inp.continuations:
             batch = ForwardBatch.build(
-                [cont.num_tokens], [0], [cont.block_table], self.kv_cache.block_size, device=device
+                [cont.num_tokens], [cont.context_len], [cont.block_table], self.kv_cache.block_size, device=device
             )
             hidden = model.run_layers(cont.hidden.to(device), cont.layer_start, num_layers, batch, self.kv_cache)
-            logits_parts.append(model.head(hidden.index_select(0, batch.logits_indices)))
+            if cont.sample:
+                logits_parts.append(model.head(hidden.index_select(0, batch.logits_indices)))
         partial_out: list[torch.Tensor] = []
         for part in inp.partials:
             batch = ForwardBatch.build(

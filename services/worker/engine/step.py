@@ -25,13 +25,18 @@ class PromptWork:
 
 @dataclass(frozen=True)
 class Continuation:
-    """ZigZag, the full partner: a prompt's remaining layers [layer_start, L) from `hidden`."""
+    """ZigZag, the full partner: a prompt's remaining layers [layer_start, L) from `hidden`, for
+    its `num_tokens` positions from `context_len` (a chunk, when the prompt is longer than a
+    step's budget; the earlier chunks' KV of those layers is in the cache). `sample`: the last
+    chunk, whose last position gives the first token."""
 
     row: int
     layer_start: int
     hidden: torch.Tensor
     num_tokens: int
     block_table: list[int]
+    context_len: int = 0
+    sample: bool = True
 
 
 @dataclass(frozen=True)
