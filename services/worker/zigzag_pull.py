@@ -11,8 +11,10 @@ partner admits while a pair is live has (up to) k of its L layers done.
 
 The manager names each SERVING instance's live LOADING peers in its heartbeat answer
 (`HeartbeatResponse.zigzag_peers`, with their cap). `ZigzagOffloader` then:
-  1. picks the partner's next waiting requests (`Engine.offload_candidates`), up to each peer's
-     cap less what that peer already holds, peers with the most layers first;
+  1. picks the partner's next waiting requests (`Engine.offload_candidates`), as many as its
+     peers have room for under their caps, and gives each to the peer holding the fewest
+     (`spread_over_peers`): a peer that took every request as it queued would leave the others
+     idle, and past half its layers one peer runs its share slower than the partner admits it;
   2. marks each one a ZigZag continuation (`Engine.attach_relay`), so that when the partner
      admits it, it takes the first layers over from the peer (`take_over`, services/worker/zigzag.py)
      instead of computing them; a relay that finds nothing run there computes the prompt whole;
@@ -41,7 +43,7 @@ from services.worker.convert import sampling_to_proto
 from services.worker.engine.engine import Engine, RelayFill
 from services.worker.engine.sampling import SamplingParams
 
-__all__ = ["OFFLOADS", "Peer", "ZigzagOffloader"]
+__all__ = ["OFFLOADS", "Peer", "ZigzagOffloader", "spread_over_peers"]
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +77,22 @@ class Peer:
             msg.num_layers,
             max(0, msg.inflight_limit),
         )
+
+
+def spread_over_peers(request_ids: list[str], peers: list[Peer], inflight: dict[str, int]) -> list[tuple[str, Peer]]:
+    """(request, peer) for `request_ids` in order (the partner admits the first one first): each
+    to the peer with room under its cap that holds the fewest (`inflight`: peer id -> run-aheads
+    it holds), ties to the most layers, then the id. Stops when every peer is at its cap."""
+    held = dict(inflight)
+    out: list[tuple[str, Peer]] = []
+    for request_id in request_ids:
+        open_ = [p for p in peers if held.get(p.instance_id, 0) < p.inflight_limit]
+        if not open_:
+            break
+        peer = min(open_, key=lambda p: (held.get(p.instance_id, 0), -p.layers_loaded, p.instance_id))
+        held[peer.instance_id] = held.get(peer.instance_id, 0) + 1
+        out.append((request_id, peer))
+    return out
 
 
 class ZigzagOffloader:
@@ -116,19 +134,22 @@ class ZigzagOffloader:
         engine = self._engine()
         if engine is None or not self.peers:
             return 0
+        peers = list(self.peers.values())
+        inflight = {p.instance_id: self.inflight(p.instance_id) for p in peers}
+        room = sum(max(0, p.inflight_limit - inflight[p.instance_id]) for p in peers)
+        candidates = {
+            rid: (prompt, params) for rid, prompt, params in engine.offload_candidates(room, exclude=self._ahead)
+        }
         handed = 0
-        for peer in sorted(self.peers.values(), key=lambda p: (-p.layers_loaded, p.instance_id)):
-            room = peer.inflight_limit - self.inflight(peer.instance_id)
-            if room <= 0:
+        for request_id, peer in spread_over_peers(list(candidates), peers, inflight):
+            if not engine.attach_relay(request_id, self._relay_fill(request_id, peer.dataplane_address)):
                 continue
-            for request_id, prompt, params in engine.offload_candidates(room, exclude=self._ahead):
-                if not engine.attach_relay(request_id, self._relay_fill(request_id, peer.dataplane_address)):
-                    continue
-                task = asyncio.get_running_loop().create_task(
-                    self._run_ahead(peer, request_id, prompt, params), name=f"zigzag-ahead-{request_id}"
-                )
-                self._ahead[request_id] = (peer.instance_id, task)
-                handed += 1
+            prompt, params = candidates[request_id]
+            task = asyncio.get_running_loop().create_task(
+                self._run_ahead(peer, request_id, prompt, params), name=f"zigzag-ahead-{request_id}"
+            )
+            self._ahead[request_id] = (peer.instance_id, task)
+            handed += 1
         return handed
 
     async def run(self) -> None:
