@@ -489,11 +489,13 @@ def plan_multicast(
         shards = min(len(lane.sources), max(len(u.members) for u in lane.units))
         lane.sources = sorted(_spread_hosts(lane.sources), key=lambda src: src.node_id in sending)
         lane_ids = {s.node_id for s in lane.sources}
+        # Ordered once per lane (`sending` grows only after the lane is planned).
+        others = sorted((s for s in kept if s.node_id not in lane_ids), key=lambda src: src.node_id in sending)
 
-        def backups(lane: _Lane = lane, lane_ids: set[str] = lane_ids, shards: int = shards) -> Iterable[Source]:
+        def backups(lane: _Lane = lane, shards: int = shards, others: list[Source] = others) -> Iterable[Source]:
             # Same leaf first (no spine hop), then anyone, best first; idle senders first.
             yield from lane.sources[shards:]
-            yield from sorted((s for s in kept if s.node_id not in lane_ids), key=lambda src: src.node_id in sending)
+            yield from others
 
         lane_chains = _lane_chains(lane.units, list(lane.sources[:shards]), backups, groups, lane=lane_no, local=False)
         sending.update(c.source for c in lane_chains)

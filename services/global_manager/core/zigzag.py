@@ -940,6 +940,7 @@ class ZigzagTracker:
         effects = list(self.expire_stalled(now_s).effects)
         by_id = {v.instance_id: v for v in views}
         pairs: list[tuple[str, str]] = []
+        pullers = Counter(self.partner.values())  # partner -> live instances pulling from it, kept current
         for new_id in sorted(self.started):
             new = by_id.get(new_id)
             if new is None or new.model != model or new.role is not role:
@@ -949,15 +950,18 @@ class ZigzagTracker:
             partner_id = self.partner.get(new_id)
             partner = by_id.get(partner_id) if partner_id is not None else None
             if partner is None or partner.state is not InstanceState.SERVING or not _overloaded(partner, None):
-                taken = Counter(p for n, p in self.partner.items() if n != new_id)
-                pair = choose_pull_partner(views, new_id, model, taken)
+                if partner_id is not None:
+                    pullers[partner_id] -= 1  # the others pulling from it, not this one
+                pair = choose_pull_partner(views, new_id, model, pullers)
+                moves = pair is not None and pair.partner.instance_id != partner_id
+                if moves and (partner is None or partner.state is not InstanceState.SERVING or pair.overloaded):
+                    partner_id = self.partner[new_id] = pair.partner.instance_id
+                    reason = f"pulls queued requests from {partner_id}: {pair.reason}"
+                    effects.append(Paired(new_id, partner_id, model, reason))
+                if partner_id is not None:
+                    pullers[partner_id] += 1
                 if pair is None:
                     continue
-                if partner is None or partner.state is not InstanceState.SERVING or pair.overloaded:
-                    if pair.partner.instance_id != partner_id:
-                        partner_id = self.partner[new_id] = pair.partner.instance_id
-                        reason = f"pulls queued requests from {partner_id}: {pair.reason}"
-                        effects.append(Paired(new_id, partner_id, model, reason))
             pairs.append((new_id, partner_id))
         return ZigzagStep(effects=tuple(effects), pairs=tuple(pairs))
 
