@@ -70,6 +70,7 @@ SCALE_EVENTS = (
     "zigzag_pair",
     "zigzag_stopped",
     "live_migration",
+    "zigzag_take_back",
 )
 
 # Replay windows of the code trace (trace seconds) and how hard they are squeezed.
@@ -262,6 +263,7 @@ async def run_all(
                         # Taken over by a partner after their first layers ran on a loading
                         # instance, however they got there (routed, or pulled from the queue).
                         "zigzag_continued": await _zigzag_continued(admin, args.model) - continued_before,
+                        "missed": missed_requests(result.records, slo),
                     }
                 )
                 print(
@@ -429,6 +431,28 @@ def autoscale_targets(repeats: list[dict[str, dict[str, Any]]]) -> dict[str, Any
     }
 
 
+def missed_requests(records: list[Any], slo: Slo) -> list[dict[str, Any]]:
+    """The requests that missed the SLO, each with why and the times that tell where it was
+    held up (seconds after the replay started), in order of arrival."""
+    out = []
+    for r in sorted(records, key=lambda r: r.scheduled_s):
+        cause = slo.miss(r)
+        if cause is not None:
+            out.append(
+                {
+                    "index": r.index,
+                    "cause": cause,
+                    "scheduled_s": round(r.scheduled_s, 3),
+                    "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 3),
+                    "tbt_mean_s": None if r.tbt_mean_s is None else round(r.tbt_mean_s, 3),
+                    "tbt_max_s": None if r.tbt_max_s is None else round(r.tbt_max_s, 3),
+                    "prompt_tokens": r.prompt_tokens,
+                    "completion_tokens": r.completion_tokens,
+                }
+            )
+    return out
+
+
 def _repeat_rows(repeats: list[dict[str, dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
     """Per run, each repeat's SLO attainment, instance-seconds, TTFT p50/p99 and lost."""
     rows: dict[str, list[dict[str, Any]]] = {}
@@ -444,6 +468,7 @@ def _run_row(s: dict[str, Any]) -> dict[str, Any]:
     return {
         "slo_attainment": s["slo_attainment"],
         "slo_misses": s["slo_misses"],
+        "missed": s.get("missed", []),
         "instance_seconds": s["instance_seconds"],
         "ttft_p50_s": s["ttft_s"]["p50"],
         "ttft_p99_s": s["ttft_s"]["p99"],

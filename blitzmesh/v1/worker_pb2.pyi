@@ -546,17 +546,24 @@ class ReleaseWaitingRequest(_message.Message):
 
     MAX_REQUESTS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    RAN_AHEAD_BY_FIELD_NUMBER: _builtins.int
     max_requests: _builtins.int
     reason: _builtins.str
+    ran_ahead_by: _builtins.str
+    """ZigZag pulled: also release every queued request this instance (a peer that has just finished
+    loading) ran ahead, beyond max_requests, and offer it no more. It has run their first layers
+    and now holds them all, with an empty batch; here they would wait their turn in the queue.
+    """
     def __init__(
         self,
         *,
         max_requests: _builtins.int = ...,
         reason: _builtins.str = ...,
+        ran_ahead_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_requests", b"max_requests", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_requests", b"max_requests", "ran_ahead_by", b"ran_ahead_by", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

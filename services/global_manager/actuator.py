@@ -346,6 +346,8 @@ class GrpcActuator:
                 request = request_type(max_requests=action.n, reason=action.reason)
                 if action.running:
                     request.min_tokens_left = action.min_tokens_left
+                elif action.ran_ahead_by:
+                    request.ran_ahead_by = action.ran_ahead_by
                 resp = await getattr(stub, rpc)(request, timeout=RELEASE_TIMEOUT_S)
                 moved = len(resp.request_ids)
             except grpc.aio.AioRpcError as e:

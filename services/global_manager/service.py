@@ -85,6 +85,7 @@ from services.global_manager.core.zigzag import (
     ZigzagStep,
     ZigzagTracker,
     plan_hand_back,
+    plan_take_back,
 )
 from services.global_manager.esp_routing import EspRouter, EspUnplaced
 from services.global_manager.instance_table import InstanceTable, Suspicion
@@ -706,9 +707,14 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         """A live instance that split requests is SERVING now: its partner's running requests
         above an even share move to it with their KV (`plan_hand_back`)."""
         actions: list[Action] = []
+        pulled = self.cfg.zigzag_dispatch == "pull"
         for e in step.effects:
             if isinstance(e, HandBack):
-                move = plan_hand_back(self.table.registry.views(model=e.model), e)
+                views = self.table.registry.views(model=e.model)
+                take_back = plan_take_back(views, e) if pulled else None
+                if take_back is not None:
+                    actions.append(take_back)
+                move = plan_hand_back(views, e)
                 if move is not None:
                     actions.append(move)
                     self.emit("zigzag_hand_back", e.model, e.partner_id, f"{move.n} running: {move.why}", e.instance_id)

@@ -921,9 +921,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"max_requests must be >= 0, got {request.max_requests}"
             )
-        released = inst.engine.release_waiting(request.max_requests, request.reason or "rebalance")
+        ran_ahead = self.offloader.take_back(request.ran_ahead_by) if request.ran_ahead_by else []
+        released = inst.engine.release_waiting(request.max_requests, request.reason or "rebalance", also=ran_ahead)
         if released:
-            log.info("released_waiting", requests=len(released), reason=request.reason)
+            log.info("released_waiting", requests=len(released), reason=request.reason, ran_ahead=len(ran_ahead))
         return worker_pb2.ReleaseWaitingResponse(request_ids=released)
 
     async def ReleaseRunning(self, request, context):

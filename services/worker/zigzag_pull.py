@@ -123,6 +123,13 @@ class ZigzagOffloader:
     def inflight(self, peer_id: str) -> int:
         return sum(1 for pid, _ in self._ahead.values() if pid == peer_id)
 
+    def take_back(self, peer_id: str) -> list[str]:
+        """`peer_id` has finished loading: it is offered nothing more (until a pairing names it
+        again), and the ids of the requests it is running ahead are returned, for this instance
+        to release to it while they are still queued here."""
+        self.peers.pop(peer_id, None)
+        return [rid for rid, (pid, _) in self._ahead.items() if pid == peer_id]
+
     def request_done(self, request_id: str) -> None:
         """The request ended here (any way): a run-ahead still going is cancelled."""
         entry = self._ahead.pop(request_id, None)

@@ -278,6 +278,43 @@ async def test_a_partner_hands_its_queued_requests_to_a_loading_peer(
         assert not old_svc.servicer.offloader._ahead  # every run-ahead ended with its request
 
 
+async def test_a_loaded_peer_takes_back_the_queued_requests_it_ran_ahead(
+    models: Path, serve_in_process: ServeFactory
+) -> None:
+    """Take-back (the manager's ReleaseWaiting with `ran_ahead_by`, when the peer has loaded): the
+    partner releases every queued request that peer ran ahead, even with max_requests 0, offers
+    it nothing more, and serves the rest with their whole-run tokens."""
+    prompts = [[1, *range(9 + i, 50 + i)] for i in range(5)]
+    async with pair(models, serve_in_process, link_gbps=0.02, old=BUSY) as p:
+        (old_svc, old), (new_svc, _) = p["old"], p["new"]
+        expected = [await tokens(old.Generate(request(f"w{i}", pr), timeout=30)) for i, pr in enumerate(prompts)]
+        offloader = old_svc.servicer.offloader
+        offloader.set_peers([await loading_peer(new_svc)], MODEL)  # a cap of 2
+        calls = {
+            f"r{i}": asyncio.create_task(tokens(old.Generate(request(f"r{i}", pr), timeout=60)))
+            for i, pr in enumerate(prompts)
+        }
+        await wait_until(lambda: offloader.inflight("new") == 2, 10, what="two requests run ahead on the peer")
+        ahead = {rid for rid, (pid, _) in offloader._ahead.items() if pid == "new"}
+        resp = await old.ReleaseWaiting(
+            worker_pb2.ReleaseWaitingRequest(
+                max_requests=0, reason="scale_out: new finished loading", ran_ahead_by="new"
+            ),
+            timeout=10,
+        )
+        released = set(resp.request_ids)
+        assert released and released <= ahead  # one may have been admitted meanwhile: it stays
+        assert "new" not in offloader.peers
+        for rid, call in calls.items():
+            if rid in released:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() == grpc.StatusCode.ABORTED
+            else:
+                assert await call == expected[int(rid[1:])]
+        await wait_until(lambda: not offloader._ahead, 10, what="every run-ahead ended with its request")
+
+
 async def test_a_run_ahead_that_breaks_strands_nothing(
     models: Path, serve_in_process: ServeFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -342,6 +342,25 @@ async def test_release_waiting_moves_only_queued_requests(model: LlamaForCausalL
         assert engine.kv_cache.used_blocks == 0
 
 
+async def test_release_waiting_also_releases_the_named_queued_requests(model: LlamaForCausalLM) -> None:
+    """ZigZag take-back: the named queued requests (the oldest here, run ahead by a peer that
+    has just loaded) leave besides the `max_requests` newest; a named one already running stays."""
+    async with make_engine(model, max_batch_size=1, pacing=PacingProfile(base_s=0.01, per_token_s=0)) as engine:
+        names = ["running", "queued-1", "queued-2", "queued-3", "queued-4"]
+        streams = {
+            name: asyncio.create_task(collect(engine, name, prompt_of(5, i), GREEDY)) for i, name in enumerate(names)
+        }
+        await wait_until(lambda: engine.stats().waiting == 4, 5, what="four queued requests")
+        released = engine.release_waiting(1, "test", also=["queued-2", "queued-1", "running", "unknown"])
+        assert released == ["queued-1", "queued-2", "queued-4"]  # named in queue order, then the newest
+        for name in released:
+            with pytest.raises(RequestMovedError, match=f"'{name}' released to another instance: test"):
+                await streams[name]
+        assert len(await streams["running"]) == GREEDY.max_tokens
+        assert len(await streams["queued-3"]) == GREEDY.max_tokens
+        assert engine.kv_cache.used_blocks == 0
+
+
 async def collect_resumed(
     engine: Engine, prompt: Sequence[int], params: SamplingParams, resume: Sequence[int]
 ) -> list[TokenEvent]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -112,6 +113,11 @@ def test_rebalance_moves_queued_requests_above_an_even_share() -> None:
     assert plan_rebalance([inst("a", waiting=1), inst("new")], "new") == []  # one queued: it stays
     assert plan_rebalance([inst("a", waiting=0, running=9), inst("new")], "new") == []  # running never moves
     assert plan_rebalance(pool, "unknown") == []
+    # Routed since its last report: queued as far as the manager can tell (here 3 + 6 over 3).
+    joined = dataclasses.replace(inst("b", waiting=0), routes_since_heartbeat=6)
+    assert plan_rebalance([inst("a", waiting=3), joined, inst("new")], "new") == [("b", 3)]
+    unreported = dataclasses.replace(inst("b", loaded=False), routes_since_heartbeat=4)
+    assert plan_rebalance([unreported, inst("new")], "new") == [("b", 2)]
 
 
 def register(reg: Registry, iid: str = "w0") -> InstanceView:

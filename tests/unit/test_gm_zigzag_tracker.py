@@ -11,6 +11,7 @@ import pytest
 from bench.simulate.cluster import RunConfig
 from services.global_manager.config import GlobalManagerConfig
 from services.global_manager.core import zigzag as zz
+from services.global_manager.core.reconcile import release_report
 from services.global_manager.core.types import InstanceView
 from tests.unit.test_gm_zigzag import C, S, view
 
@@ -276,6 +277,25 @@ def test_hand_back_moves_the_partners_running_requests_above_an_even_share() -> 
     unreported = [view("n", role=C, waiting=None), view("b", role=C, running=5)]
     move = zz.plan_hand_back(unreported, back)
     assert move is not None and move.n == 2  # no report from the new one yet: it runs nothing
+
+
+def test_take_back_releases_what_the_loaded_instance_ran_ahead_from_its_partner_queue() -> None:
+    back = zz.HandBack("n", "b", "m")
+    move = zz.plan_take_back([view("n", role=C), view("b", role=C, running=2, waiting=5)], back)
+    assert move is not None
+    assert (move.source, move.model, move.n, move.running, move.ran_ahead_by) == ("b", "m", 0, False, "n")
+    assert move.reason == "scale_out: n finished loading"
+    report = release_report(move, 3)
+    assert report is not None and (report.action, report.status, report.instance_id) == (
+        "zigzag_take_back",
+        "moved",
+        "b",
+    )
+    assert report.reason == "n finished loading; b released 3 queued requests it ran ahead"
+    # Nothing to take back from a partner that is gone or draining, nor for an instance not serving.
+    assert zz.plan_take_back([view("n", role=C)], back) is None
+    assert zz.plan_take_back([view("n", role=C), view("b", S.DRAINING, role=C)], back) is None
+    assert zz.plan_take_back([view("n", S.LOADING, role=C), view("b", role=C)], back) is None
 
 
 def test_the_gate_opens_on_a_backlog_of_prompt_tokens_before_ttft_rises() -> None:

@@ -56,7 +56,9 @@ class MigrateRequests:
     """Ask `source` to release up to `n` requests for the gateway to re-route: running ones with
     their KV (live migration, `why` the target it is over; only those with at least
     `min_tokens_left` tokens left to generate) or, with `running=False`, queued ones (a rebalance
-    after a scale-out, `why` the instance that joined)."""
+    after a scale-out, `why` the instance that joined). `ran_ahead_by` (queued only): an
+    instance that has just finished loading; `source` also releases every queued request it ran
+    ahead (ZigZag pulled), beyond `n`, and offers it no more."""
 
     source: str
     model: str
@@ -64,6 +66,7 @@ class MigrateRequests:
     running: bool
     why: str
     min_tokens_left: int = 0
+    ran_ahead_by: str = ""
 
     @property
     def reason(self) -> str:

@@ -136,10 +136,15 @@ def plan_rebalance(instances: Iterable[InstanceView], new_instance_id: str) -> l
     """Queued requests to move when `new_instance_id` becomes SERVING: (instance id, how many).
 
     The queued requests of its pool (SERVING instances of its model and role, by their latest
-    load reports) are shared evenly over the pool with the new instance counted, starting
-    empty; each instance gives up what it holds above its share, rounded up, so the new one
-    gets at most an even share and nobody is left with more than one over it. Instances are
-    listed most queued first; requests already running are never moved here.
+    load reports, plus the requests routed to each since, which its report cannot show yet) are
+    shared evenly over the pool with the new instance counted, starting empty; each instance
+    gives up what it holds above its share, rounded up, so the new one gets at most an even
+    share and nobody is left with more than one over it. Instances are listed most queued
+    first; requests already running are never moved here (a routed request that is running by
+    now is not queued: the worker releases only what still is).
+
+    The routes matter in a burst: an instance that joined a moment earlier takes every new
+    request as the least loaded, and its last report (up to a heartbeat old) shows none of them.
     """
     views = list(instances)
     new = next((v for v in views if v.instance_id == new_instance_id), None)
@@ -150,9 +155,10 @@ def plan_rebalance(instances: Iterable[InstanceView], new_instance_id: str) -> l
         for v in views
         if v.instance_id != new_instance_id and v.state is S.SERVING and v.model == new.model and v.role is new.role
     ]
-    total = sum(v.load.waiting for v in pool if v.load is not None)
+    queued = {v.instance_id: (v.load.waiting if v.load is not None else 0) + v.routes_since_heartbeat for v in pool}
+    total = sum(queued.values())
     if total == 0:
         return []
     share = math.ceil(total / (len(pool) + 1))
-    moves = [(v.instance_id, v.load.waiting - share) for v in pool if v.load is not None and v.load.waiting > share]
+    moves = [(iid, n - share) for iid, n in queued.items() if n > share]
     return sorted(moves, key=lambda m: (-m[1], m[0]))

@@ -99,6 +99,11 @@ def release_report(action: MigrateRequests, moved: int | None) -> Report | None:
     if action.running:
         reason = f"{action.why}: released {moved} of {action.n} running requests with their KV"
         return Report("live_migration", action.model, status, reason, action.source)
+    if action.ran_ahead_by:
+        reason = f"{action.why}; {action.source} released {moved} queued requests it ran ahead"
+        if action.n:
+            reason = f"{reason} and up to {action.n} more"
+        return Report("zigzag_take_back", action.model, status, reason, action.source)
     reason = (
         f"scale_out: {action.why}; {action.source} released {moved} of the {action.n} queued requests above an "
         "even share"

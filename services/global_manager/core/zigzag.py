@@ -44,6 +44,7 @@ __all__ = [
     "ilp_objective_layers",
     "pair_throughput",
     "plan_hand_back",
+    "plan_take_back",
     "plan_prefill_ilp",
     "should_zigzag",
     "zigzag_req_limit",
@@ -1032,6 +1033,25 @@ class ZigzagTracker:
 # ------------------------------------------------------------------------------------------
 # Hand-back
 # ------------------------------------------------------------------------------------------
+
+
+def plan_take_back(views: Iterable[InstanceView], hand_back: HandBack) -> MigrateRequests | None:
+    """Pulled ZigZag: when a live instance finishes loading, the queued requests of its partner
+    that it was running ahead leave the partner for it (`MigrateRequests.ran_ahead_by`; the
+    gateway routes each again, to the least loaded, which the new, empty instance is). They are
+    the oldest of the partner's queue (a peer pulls from its head), and there they would wait
+    for the partner to admit them and then decode in its full steps; the new instance holds
+    every layer now and has an empty batch. None when either is gone or not SERVING."""
+    by_id = {v.instance_id: v for v in views}
+    partner, new = by_id.get(hand_back.partner_id), by_id.get(hand_back.instance_id)
+    if partner is None or new is None:
+        return None
+    if partner.state is not InstanceState.SERVING or new.state is not InstanceState.SERVING:
+        return None
+    why = f"{hand_back.instance_id} finished loading"
+    return MigrateRequests(
+        hand_back.partner_id, hand_back.model, 0, running=False, why=why, ran_ahead_by=hand_back.instance_id
+    )
 
 
 def plan_hand_back(views: Iterable[InstanceView], hand_back: HandBack) -> MigrateRequests | None:

@@ -914,14 +914,18 @@ class Engine:
                 TokenEvent(None, None, len(seq.prompt), len(seq.output), parked_kv=parked, kv_tokens=kv_tokens)
             )
 
-    def release_waiting(self, max_requests: int, reason: str) -> list[str]:
+    def release_waiting(self, max_requests: int, reason: str, *, also: Collection[str] = ()) -> list[str]:
         """Give up to `max_requests` queued (not yet admitted) requests to another instance: the
-        most recently queued first, as they would wait longest here. Each one's stream raises
-        RequestMovedError; none had KV here, so nothing is lost. A request MAX_UTILIZATION paused
-        is queued too but has streamed tokens from here: it stays, and resumes here. Returns
-        their ids."""
+        most recently queued first, as they would wait longest here; and, besides those, every
+        request of `also` that is still queued. Each one's stream raises RequestMovedError; none
+        had KV here, so nothing is lost. A request MAX_UTILIZATION paused is queued too but has
+        streamed tokens from here: it stays, and resumes here. Returns their ids."""
         released: list[str] = []
-        for seq in [s for s in reversed(self._waiting) if s.status is RequestStatus.WAITING][:max_requests]:
+        wanted = set(also)
+        queued = [s for s in self._waiting if s.status is RequestStatus.WAITING]
+        named = [s for s in queued if s.request_id in wanted]
+        rest = [s for s in reversed(queued) if s.request_id not in wanted][:max_requests]
+        for seq in named + rest:
             self._waiting.remove(seq)
             seq.status = RequestStatus.FINISHED_MOVED
             self._by_id.pop(seq.request_id, None)
