@@ -705,7 +705,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
 
     def _hand_back(self, step: ZigzagStep) -> list[Action]:
         """A live instance that split requests is SERVING now: its partner's running requests
-        above an even share move to it with their KV (`plan_hand_back`)."""
+        above an even share move to it with their KV (`plan_hand_back`), and with pulled
+        dispatch the partner's queued requests it ran ahead go to it too (`plan_take_back`)."""
         actions: list[Action] = []
         pulled = self.cfg.zigzag_dispatch == "pull"
         for e in step.effects:

@@ -3,7 +3,7 @@
 
 const TIMELINE = new Set(["autoscaling_decision", "autoscaling_bound", "scale_from_zero", "scale_out", "scale_in",
   "transfer_plan", "live_scaling", "zigzag_pair", "zigzag_stopped", "load_result", "drain_result", "rebalance",
-  "instance_lost", "policy"]);
+  "zigzag_take_back", "instance_lost", "policy"]);
 const MAX_TIMELINE = 200;
 const SPARK_POINTS = 120;
 // When each instance was first seen loading or serving (ms, this clock): the cards carry it.
