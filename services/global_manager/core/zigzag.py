@@ -1035,6 +1035,18 @@ class ZigzagTracker:
 # ------------------------------------------------------------------------------------------
 
 
+def _serving_pair(views: Iterable[InstanceView], hand_back: HandBack) -> tuple[InstanceView, InstanceView] | None:
+    """(partner, new instance) of `hand_back` from `views`, or None when either is gone or not
+    SERVING: what hand-back and take-back both need before they ask the partner for anything."""
+    by_id = {v.instance_id: v for v in views}
+    partner, new = by_id.get(hand_back.partner_id), by_id.get(hand_back.instance_id)
+    if partner is None or new is None:
+        return None
+    if partner.state is not InstanceState.SERVING or new.state is not InstanceState.SERVING:
+        return None
+    return partner, new
+
+
 def plan_take_back(views: Iterable[InstanceView], hand_back: HandBack) -> MigrateRequests | None:
     """Pulled ZigZag: when a live instance finishes loading, the queued requests of its partner
     that it was running ahead leave the partner for it (`MigrateRequests.ran_ahead_by`; the
@@ -1042,11 +1054,7 @@ def plan_take_back(views: Iterable[InstanceView], hand_back: HandBack) -> Migrat
     the oldest of the partner's queue (a peer pulls from its head), and there they would wait
     for the partner to admit them and then decode in its full steps; the new instance holds
     every layer now and has an empty batch. None when either is gone or not SERVING."""
-    by_id = {v.instance_id: v for v in views}
-    partner, new = by_id.get(hand_back.partner_id), by_id.get(hand_back.instance_id)
-    if partner is None or new is None:
-        return None
-    if partner.state is not InstanceState.SERVING or new.state is not InstanceState.SERVING:
+    if _serving_pair(views, hand_back) is None:
         return None
     why = f"{hand_back.instance_id} finished loading"
     return MigrateRequests(
@@ -1061,11 +1069,11 @@ def plan_hand_back(views: Iterable[InstanceView], hand_back: HandBack) -> Migrat
     started requests leave first (the worker's `release_running` order): the ZigZag requests it
     took over during the load are among the newest. None when the partner is gone, not SERVING,
     or runs no more than its share; queued requests are the rebalance's (`plan_rebalance`)."""
-    by_id = {v.instance_id: v for v in views}
-    partner, new = by_id.get(hand_back.partner_id), by_id.get(hand_back.instance_id)
-    if partner is None or new is None or partner.state is not InstanceState.SERVING or partner.load is None:
+    pair = _serving_pair(views, hand_back)
+    if pair is None:
         return None
-    if new.state is not InstanceState.SERVING:
+    partner, new = pair
+    if partner.load is None:
         return None
     # Its last report is from while it loaded: the ZigZag first layers it ran then are not its
     # own requests (they leave with their relay), so only the rest counts.
