@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from bench.replay.schedule import Arrival
 from bench.replay.summary import InstanceSample, RequestRecord, Slo, percentile, summarize
+from services.common.backlog import BACKLOG_CHECK_S, backlog_is_news
 from services.global_manager.core.actions import (
     Action,
     Count,
@@ -141,6 +142,10 @@ class RunConfig:
     migration_kv_high: float = 0.95
     migration_tbt_slo_s: float | None = None
     rebalance: bool = True  # the core's rebalancing of queued requests onto a new instance
+    # The workers' early heartbeat (`services.common.backlog`): this often between heartbeats a
+    # worker whose prompts were queued looks whether its backlog is news, and if so reports at
+    # once and the manager reconciles at once, as the live worker and manager do (0: off).
+    heartbeat_backlog_check_s: float = BACKLOG_CHECK_S
     decision_repeat_s: float = 30.0  # a 'no change' decision is reported this often (GM default)
     # None: each LoadReport covers the last heartbeat period, one TBT sample per step; seconds:
     # as the real engine reports, over a sliding window, one TBT sample per token.
@@ -293,6 +298,7 @@ class Simulation:
                 self._worker_empty,
                 on_handoff=self._handoff,
                 on_pull=self._pull,
+                on_queued=self._queued,
                 cpu=self.host_cpus.get(host),
                 cpu_step=(cfg.cpu_step_base_s, cfg.cpu_step_token_s),
                 skip=cfg.fast_path,
@@ -328,6 +334,8 @@ class Simulation:
         self.samples: list[InstanceSample] = []
         self.records: list[RequestRecord] = []  # every request's record, once the run is over
         self.events: list[Report] = []
+        self.backlog_check_due: set[str] = set()  # workers whose backlog check is scheduled
+        self.sampled_early: dict[str, float] = {}  # worker -> when it last reported early
         self.decision_log: list[str] = []
         self.counts: dict[str, int] = {}
         self.load_started: dict[str, float] = {}
@@ -718,21 +726,59 @@ class Simulation:
             if not self.workers[view.instance_id].alive:
                 continue  # killed or hung: silent, so the core finds it LOST
             if view.state in (S.SERVING, S.LOADING, S.DRAINING):
+                # A worker that reported early this period covers only the time since then.
+                early = self.sampled_early.pop(view.instance_id, None) if self.sampled_early else None
                 sample = self.workers[view.instance_id].sample(
-                    now, self.cfg.heartbeat_s, serving=view.state is not S.LOADING
+                    now,
+                    self.cfg.heartbeat_s if early is None else max(1e-3, now - early),
+                    serving=view.state is not S.LOADING,
                 )
                 self.registry.heartbeat(sample)
                 self.monitor.observe(sample)
             elif view.state is S.IDLE:
                 self.monitor.mark_seen(view.instance_id, now)
 
-    def _tick(self) -> None:
+    def _queued(self, req: SimRequest) -> None:
+        """A prompt joined `req.worker`'s queue: it looks at its backlog at its next check."""
+        check_s = self.cfg.heartbeat_backlog_check_s
+        iid = req.worker
+        if check_s <= 0 or iid in self.backlog_check_due:
+            return
+        self.backlog_check_due.add(iid)
+        self.loop.at((math.floor(self.loop.now_s / check_s) + 1) * check_s, lambda: self._backlog_check(iid))
+
+    def _backlog_check(self, iid: str) -> None:
+        """The live worker's check between heartbeats: a backlog that formed or doubled since
+        its last report goes out at once, and the manager, which applies the same rule to the
+        report, reconciles at once (`services.common.backlog`)."""
+        self.backlog_check_due.discard(iid)
+        worker = self.workers[iid]
+        if not worker.alive or iid not in self.registry:
+            return
+        view = self.registry.get(iid)
+        if view.state not in (S.SERVING, S.LOADING, S.DRAINING):
+            return
+        if not backlog_is_news(worker.queue_wait_s(), worker.reported_wait_s):
+            return
         now = self.loop.now_s
+        hb = self.cfg.heartbeat_s
+        since = self.sampled_early.get(iid, math.floor(now / hb) * hb)
+        self.sampled_early[iid] = now
+        sample = worker.sample(now, max(1e-3, now - since), serving=view.state is not S.LOADING)
+        self.registry.heartbeat(sample)
+        self.monitor.observe(sample)
+        self.counts["backlog_heartbeats"] = self.counts.get("backlog_heartbeats", 0) + 1
+        self._reconcile()
+
+    def _reconcile(self) -> None:
         actions = self.reconciler.reconcile(
-            now, self.registry, Observations(monitor=self.monitor, busy=self.actuator.busy())
+            self.loop.now_s, self.registry, Observations(monitor=self.monitor, busy=self.actuator.busy())
         )
         self.actuator.execute(actions)
         self._update_zigzag()
+
+    def _tick(self) -> None:
+        self._reconcile()
         self.zigzag_boost_s += self.cfg.tick_s * sum(1 for f in self.boosted.values() if f > 1)
 
     def _sample(self) -> None:

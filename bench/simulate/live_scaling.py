@@ -251,6 +251,12 @@ def _ratios(r: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     for name in ("zigzag", "zigzag_route", "zigzag_decode_bound", "zigzag_ungated", "instant_load"):
         if name in r:
             out[f"p99_{name}_over_stop_the_world"] = _ratio(r[name]["ttft_p99_s"], stw.get("ttft_p99_s"))
+    floor = out.get("p99_instant_load_over_stop_the_world")
+    zz = out.get("p99_zigzag_over_stop_the_world")
+    if floor is not None and zz is not None and floor < 1:
+        # The share of the gap between stop-the-world (1) and instant loads (the floor) that
+        # ZigZag recovers: the "recover >= 2/3 of the gap".
+        out["gap_recovered_zigzag"] = round((1 - zz) / (1 - floor), 3)
     if "zigzag" in r and "serverlessllm" in r:
         out["p99_zigzag_over_serverlessllm"] = _ratio(r["zigzag"]["ttft_p99_s"], r["serverlessllm"]["ttft_p99_s"])
     return out

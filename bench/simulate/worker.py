@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.common.backlog import sample_wait_s
 from services.global_manager.core.types import LoadSample
 
 from .cpu import HostCpu
@@ -159,6 +160,7 @@ class SimWorker:
         on_empty: Callable[[str], None],
         on_handoff: Callable[[SimRequest], None] = _nothing,
         on_pull: Callable[[SimRequest], None] = _nothing,
+        on_queued: Callable[[SimRequest], None] = _nothing,
         cpu: HostCpu | None = None,
         cpu_step: tuple[float, float] = (0.0, 0.0),
         skip: bool = True,
@@ -183,7 +185,8 @@ class SimWorker:
         self.kv_total = profile.kv_blocks
         self.block_size = profile.block_size
         self.on_first_token, self.on_finish, self.on_empty = on_first_token, on_finish, on_empty
-        self.on_handoff, self.on_pull = on_handoff, on_pull
+        self.on_handoff, self.on_pull, self.on_queued = on_handoff, on_pull, on_queued
+        self.reported_wait_s = 0.0  # the queued prompts' wait its last heartbeat said
         self.waiting: deque[SimRequest] = deque()
         self._waiting_tokens = 0  # prompt tokens queued in `waiting` (decode-phase ones: none)
         self.prefilling: list[SimRequest] = []
@@ -258,6 +261,8 @@ class SimWorker:
             self._waiting_tokens += req.ctx
         if not self.busy and self.alive:
             self._start_step()
+        if phase != "decode":
+            self.on_queued(req)
 
     def release_waiting(self, n: int) -> list[SimRequest]:
         """Up to n queued (not yet admitted) requests, newest first, for the gateway to re-route."""
@@ -548,10 +553,18 @@ class SimWorker:
         self.on_finish(r)
 
     # ---- heartbeat -----------------------------------------------------------------------------
+    def queue_wait_s(self) -> float:
+        """The queued prompts' wait at its prefill capacity, as the real worker checks it
+        between heartbeats (`backlog.sample_wait_s`). A span of decode steps leaves it as is."""
+        return sample_wait_s(self._waiting_tokens + self._prefill_left, self.prefill_capacity_tps * self._speedup)
+
     def sample(self, now_s: float, period_s: float, *, serving: bool) -> LoadSample:
         """The LoadReport the real worker sends, from what happened since the last one."""
         if self._span is not None:
             self._advance(now_s)
+        self.reported_wait_s = sample_wait_s(
+            self._waiting_tokens + self._prefill_left, self.prefill_capacity_tps * self._speedup
+        )
         s, self.stats = self.stats, _Stats()
         win = self.window
         if win is not None:

@@ -9,11 +9,14 @@ than at its next tick.
 
 from __future__ import annotations
 
-__all__ = ["BACKLOG_FLOOR_S", "backlog_is_news", "sample_wait_s"]
+__all__ = ["BACKLOG_CHECK_S", "BACKLOG_FLOOR_S", "backlog_is_news", "sample_wait_s"]
 
 # The queued prompts' wait, in seconds, below which a backlog is not news (the worker's default
 # `heartbeat_backlog_wait_s`; half the manager's default queue target).
 BACKLOG_FLOOR_S = 0.25
+# How often, between heartbeats, a worker looks at its queue (the worker's default
+# `heartbeat_backlog_check_s`; the simulator's workers too).
+BACKLOG_CHECK_S = 0.25
 
 
 def backlog_is_news(wait_s: float, reported_wait_s: float, floor_s: float = BACKLOG_FLOOR_S) -> bool:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.common.backlog import BACKLOG_FLOOR_S
+from services.common.backlog import BACKLOG_CHECK_S, BACKLOG_FLOOR_S
 from services.common.config import ServiceConfig
 
 
@@ -23,7 +23,7 @@ class WorkerConfig(ServiceConfig):
     preload_model: str = Field("", description="load this model at start (standalone use and tests)")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="heartbeat period")
     heartbeat_backlog_check_s: float = Field(
-        0.25,
+        BACKLOG_CHECK_S,
         ge=0,
         description="between heartbeats, how often the worker checks whether a backlog formed: when its queued "
         "prompts' wait (at its measured prefill capacity) is at least heartbeat_backlog_wait_s and twice what "
