@@ -53,6 +53,7 @@ from bench.replay import (
     token_rate,
 )
 from services.global_manager.config import ZIGZAG_DEFAULTS
+from services.global_manager.core.reconcile import kept_warm_s
 from services.mesh.launcher import Mesh, MeshConfig, metrics_targets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -266,6 +267,11 @@ async def run_all(
                         "missed": missed_requests(result.records, slo),
                     }
                 )
+                # Drained instances that kept the weights held their GPU meanwhile.
+                warm_s = warm_instance_seconds(result.events, result.duration_s)
+                summary["instance_seconds_held"] = summary["instance_seconds"]
+                summary["warm_instance_seconds"] = warm_s
+                summary["instance_seconds"] = round(summary["instance_seconds"] + warm_s, 2)
                 print(
                     f"[{name}] "
                     + json.dumps(
@@ -474,6 +480,26 @@ def _run_row(s: dict[str, Any]) -> dict[str, Any]:
         "ttft_p99_s": s["ttft_s"]["p99"],
         "lost": s["lost"],
     }
+
+
+def warm_instance_seconds(events: list[dict[str, Any]], end_s: float) -> float:
+    """Instance-seconds that drained instances held the weights after a scale-in (the manager's
+    keep-warm): from each drain's end to the first of its reload, its keep time's end and
+    `end_s`. The GPU holds them, so they count as the pool's."""
+    keep: dict[str, float] = {}
+    since: dict[str, tuple[float, float]] = {}
+    total = 0.0
+    for e in sorted(events, key=lambda e: e["t_s"]):
+        iid = e.get("instance_id") or ""
+        if e["action"] == "scale_in" and e["status"] == "draining":
+            keep[iid] = kept_warm_s(e["reason"])
+        elif e["action"] == "drain_result" and e["status"] == "idle" and keep.get(iid, 0.0) > 0:
+            since[iid] = (e["t_s"], e["t_s"] + keep.pop(iid))
+        elif e["action"] == "scale_out" and e["status"] == "loading" and iid in since:
+            start, until = since.pop(iid)
+            total += max(0.0, min(e["t_s"], until) - start)
+    total += sum(max(0.0, min(end_s, until) - start) for start, until in since.values())
+    return round(total, 2)
 
 
 def decision_log(events: list[dict[str, Any]]) -> list[str]:

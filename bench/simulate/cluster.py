@@ -16,6 +16,7 @@ loading instances share one partner).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -49,7 +50,13 @@ from services.global_manager.core.multicast import (
     traffic_from_instances,
 )
 from services.global_manager.core.policies import make_policy
-from services.global_manager.core.reconcile import Observations, Reconciler, ReconcileSettings, release_report
+from services.global_manager.core.reconcile import (
+    KEEP_WARM_MAX_S,
+    Observations,
+    Reconciler,
+    ReconcileSettings,
+    release_report,
+)
 from services.global_manager.core.routing import plan_route
 from services.global_manager.core.types import InstanceState, InstanceView, Role
 from services.global_manager.core.zigzag import (
@@ -146,6 +153,10 @@ class RunConfig:
     # worker whose prompts were queued looks whether its backlog is news, and if so reports at
     # once and the manager reconciles at once, as the live worker and manager do (0: off).
     heartbeat_backlog_check_s: float = BACKLOG_CHECK_S
+    # A drained instance keeps the weights for its model's last load time, at most this (the
+    # manager's `keep_warm_max_s`); a load onto it within that time is instant. Its time counts
+    # in `gpu_seconds` (`warm_gpu_seconds`): the GPU holds them.
+    keep_warm_max_s: float = KEEP_WARM_MAX_S
     decision_repeat_s: float = 30.0  # a 'no change' decision is reported this often (GM default)
     # None: each LoadReport covers the last heartbeat period, one TBT sample per step; seconds:
     # as the real engine reports, over a sliding window, one TBT sample per token.
@@ -263,6 +274,7 @@ class Simulation:
             migration_kv_high=cfg.migration_kv_high,
             migration_tbt_slo_s=cfg.migration_tbt_slo_s,
             rebalance=cfg.rebalance,
+            keep_warm_max_s=cfg.keep_warm_max_s,
         )
         # The manager's own bounds are the policy's defaults (GlobalManagerServicer._make_policy).
         params = {"min_instances": max(1, floor), "max_instances": cfg.max_instances, **cfg.policy_params}
@@ -324,6 +336,11 @@ class Simulation:
             self.pm_shards.setdefault(f"mem@{hosts[i % len(hosts)]}", []).append(g)
         # ServerlessLLM: host -> time its cached copy expires (inf while an instance holds it).
         self.host_cache: dict[str, float] = {}
+        # Drained instances holding the weights: instance -> (model, since, until); and the
+        # instance-seconds they held them, counted when reused or at their end.
+        self.warm: dict[str, tuple[str, float, float]] = {}
+        self.warm_s = 0.0
+        self.warm_loads = 0
         for gpu in roles:
             self.host_cache[self.fabric.host_of[gpu]] = math.inf
         self.requests: list[SimRequest] = [
@@ -424,18 +441,22 @@ class Simulation:
             if cfg.fast_path:
                 gc.unfreeze()
         end_s = self.loop.now_s
+        for iid in list(self.warm):
+            self._take_warm(iid, "")  # counts what each still-kept copy held, up to now
         self._sample()
         self.records = records = [self._record(r) for r in self.requests]
         summary = summarize(records, self.samples, end_s, cfg.slo)
         summary.update(
             {
-                "gpu_seconds": summary["instance_seconds"],
+                "gpu_seconds": round(summary["instance_seconds"] + self.warm_s, 2),
+                "warm_gpu_seconds": round(self.warm_s, 2),
                 "loads": {
                     "count": len(self.load_times),
                     "mean_s": _r(sum(self.load_times) / len(self.load_times)) if self.load_times else None,
                     "max_s": _r(max(self.load_times, default=0.0)) if self.load_times else None,
                     "p50_s": _r(percentile(self.load_times, 0.5)),
                     "sources": dict(sorted(self.load_sources.items())),
+                    "warm": self.warm_loads,
                 },
                 "actions": dict(sorted(self.counts.items())),
                 "zigzag_boost_instance_s": round(self.zigzag_boost_s, 2),
@@ -646,6 +667,7 @@ class Simulation:
         if not iid:
             self.killed.append({"at_s": kill.at_s, "instance_id": None, "mode": kill.mode, "note": "nothing serving"})
             return
+        self._take_warm(iid, "")  # a kept copy dies with its worker
         view = self.registry.get(iid)
         worker = self.workers[iid]
         self.killed.append(
@@ -808,6 +830,16 @@ class Simulation:
         now = self.loop.now_s
         for iid in load.instance_ids:
             self.load_started[iid] = now
+        warm = [iid for iid in load.instance_ids if self._take_warm(iid, load.model)]
+        for iid in warm:
+            # The weights are still there: SERVING without a transfer, as the live worker's
+            # `_load_warm` (a fresh engine, no bytes moved).
+            self.warm_loads += 1
+            self.loop.after(0.0, lambda iid=iid: self._load_done(load, iid, warm=True))
+        if len(warm) == len(load.instance_ids):
+            return
+        if warm:
+            load = dataclasses.replace(load, instance_ids=tuple(i for i in load.instance_ids if i not in warm))
         if self.cfg.loader == "serverless":
             transfer = self._serverless_transfer(load)
         else:
@@ -889,13 +921,24 @@ class Simulation:
             if iid in self.zigzag.started:
                 self._update_zigzag(repair=False)
 
-    def _load_done(self, load: LoadInstances, iid: str) -> None:
+    def _take_warm(self, iid: str, model: str) -> bool:
+        """Whether `iid` still holds `model`'s weights; they are no longer kept either way (a
+        load takes them, or frees them before it builds another model)."""
+        held = self.warm.pop(iid, None)
+        if held is None:
+            return False
+        now = self.loop.now_s
+        self.warm_s += max(0.0, min(now, held[2]) - held[1])
+        return held[0] == model and now < held[2]
+
+    def _load_done(self, load: LoadInstances, iid: str, warm: bool = False) -> None:
         now = self.loop.now_s
         self.actuator.sending.finish(iid)
         self.monitor.mark_seen(iid, now)
         self.transfers.pop(iid, None)
         started = self.load_started.pop(iid, now)
-        self.load_times.append(now - started)
+        if not warm:
+            self.load_times.append(now - started)
         follow = self.reconciler.load_succeeded(self.registry, load, iid, now - started)
         del self.actuator.loading[iid]
         serving = self.registry.get(iid).state is S.SERVING
@@ -937,6 +980,8 @@ class Simulation:
         follow = [UpdateLocation(drain.model, iid, present=False)]
         follow += self.reconciler.drain_finished(self.registry, drain, "")
         self.monitor.mark_seen(iid, self.loop.now_s)
+        if drain.keep_warm_s > 0 and self.registry.get(iid).state is S.IDLE:
+            self.warm[iid] = (drain.model, self.loop.now_s, self.loop.now_s + drain.keep_warm_s)
         host = self.workers[iid].host
         held = any(
             v.host == host and v.state in (S.LOADING, S.SERVING, S.DRAINING)

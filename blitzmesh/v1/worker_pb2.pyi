@@ -682,12 +682,20 @@ Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015
 class UnloadRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    KEEP_WARM_S_FIELD_NUMBER: _builtins.int
+    keep_warm_s: _builtins.float
+    """Keep the weights this long after unloading (seconds; 0: free them now): a LoadParameters
+    of the same model, with the same manifest, within it reuses them instead of a transfer.
+    Any other load frees them first.
+    """
     def __init__(
         self,
+        *,
+        keep_warm_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_warm_s", b"keep_warm_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -286,7 +286,7 @@ class GrpcActuator:
             await self._update_location(UpdateLocation(drain.model, iid, present=False))
             # Drain returns once the requests it aborted have unwound, so one call suffices; a
             # refusal (still in flight) fails the drain and the worker's reports take over.
-            await stub.Unload(worker_pb2.UnloadRequest(), timeout=30)
+            await stub.Unload(worker_pb2.UnloadRequest(keep_warm_s=drain.keep_warm_s), timeout=30)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as e:

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from services.common.config import ServiceConfig
 from services.global_manager.core.policies import make_policy
+from services.global_manager.core.reconcile import KEEP_WARM_MAX_S
 from services.global_manager.core.routing import BorrowPrefill
 from services.global_manager.core.types import Role
 from services.global_manager.core.zigzag import ZigzagSettings
@@ -71,6 +72,13 @@ class GlobalManagerConfig(ServiceConfig):
     )
     migration_cooldown_s: float = Field(
         5.0, gt=0, description="live migration: least time between moves off one instance"
+    )
+    keep_warm_max_s: float = Field(
+        KEEP_WARM_MAX_S,
+        ge=0,
+        description="a drained instance keeps the weights for as long as its model's last load took, at most this "
+        "long, so a scale-out that reverses a scale-in within it costs no transfer; the instance is IDLE meanwhile "
+        "and any load of another model frees them (0 = unload at once)",
     )
     esp: bool = Field(
         True,

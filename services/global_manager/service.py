@@ -160,6 +160,7 @@ def reconcile_settings(cfg: GlobalManagerConfig) -> ReconcileSettings:
         migration_kv_high=cfg.migration_kv_high,
         migration_tbt_slo_s=cfg.migration_tbt_slo_s,
         migration_cooldown_s=cfg.migration_cooldown_s,
+        keep_warm_max_s=cfg.keep_warm_max_s,
     )
 
 

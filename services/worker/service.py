@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import time
 
 import grpc
@@ -163,6 +164,17 @@ class Instance:
         self.handoffs: set[asyncio.Task[None]] = set()  # offers waiting for their decode side
 
 
+class WarmWeights:
+    """A model's weights an unloaded worker keeps a while (`UnloadRequest.keep_warm_s`): a load of
+    the same model with the same manifest takes them instead of a transfer."""
+
+    def __init__(self, model_id: str, model: LlamaForCausalLM, store: GroupStore) -> None:
+        self.model_id = model_id
+        self.model = model
+        self.store = store
+        self.expiry: asyncio.TimerHandle | None = None  # frees them when it fires
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
@@ -174,6 +186,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.instance: Instance | None = None
         self.address = ""
         self._load_lock = asyncio.Lock()
+        self._warm: WarmWeights | None = None
         # Generate handlers running per request id: usually one, two for the moment a request
         # routed here whole supersedes its ZigZag first-layer hop whose cancel is still on its way.
         self._inflight: dict[str, int] = {}
@@ -622,6 +635,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 eos_ids = await fetch_eos_token_ids(pm_address, model_id, timeout_s)
                 log.info("eos_token_ids", model=model_id, ids=sorted(eos_ids))
                 manifest = Manifest.from_bytes(layout.manifest)
+                warm = self._take_warm()  # kept for this model, or freed before a new one is built
+                if warm is not None and warm.model_id == model_id and warm.store.manifest == manifest:
+                    progress = await self._load_warm(warm, eos_ids, started)
+                    self.heartbeat_now.set()
+                    yield progress
+                    return
                 model_cfg = LlamaConfig.from_hf_dict(json.loads(layout.config_json))
                 device = torch.device(self.cfg.device)
                 model = LlamaForCausalLM(
@@ -719,6 +738,46 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await asyncio.gather(recv, return_exceptions=True)
             await self._drop_instance()
             raise
+
+    async def _load_warm(self, warm: WarmWeights, eos_ids: frozenset[int], started: float) -> worker_pb2.LoadProgress:
+        """SERVING on the weights kept since the last unload: published again as a source, a
+        fresh engine (an empty KV cache), no transfer."""
+        assert self.group_server is not None
+        self.instance = Instance(warm.model_id, warm.model, warm.store)
+        self.group_server.publish(warm.store)
+        await self._start_engine(warm.model_id, warm.model, eos_ids, partial=False)
+        self._check_engine(self.instance)
+        self.state = "serving"
+        LAYERS_LOADED.set(warm.model.num_layers_loaded)
+        elapsed = time.perf_counter() - started
+        total = len(warm.store.manifest.groups)
+        log.info(
+            "model_loaded",
+            model=warm.model_id,
+            layers=warm.model.num_layers_loaded,
+            load_s=round(elapsed, 3),
+            warm=True,
+        )
+        return worker_pb2.LoadProgress(
+            groups_loaded=total,
+            groups_total=total,
+            layers_loaded=warm.model.num_layers_loaded,
+            bytes_loaded=0,
+            done=True,
+            elapsed_s=elapsed,
+        )
+
+    def _take_warm(self) -> WarmWeights | None:
+        """The kept weights, no longer kept (the caller reuses them or lets them go)."""
+        warm, self._warm = self._warm, None
+        if warm is not None and warm.expiry is not None:
+            warm.expiry.cancel()
+        return warm
+
+    def _expire_warm(self, warm: WarmWeights) -> None:
+        if self._warm is warm:
+            self._warm = None
+            log.info("warm_weights_freed", model=warm.model_id)
 
     async def _start_engine(
         self, model_id: str, model: LlamaForCausalLM, eos_ids: frozenset[int], *, partial: bool
@@ -895,7 +954,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if inst.engine is not None and inst.engine.dead is not None:
             raise ValueError(f"the engine loop crashed while loading {inst.model_id!r}: {inst.engine.dead!r}")
 
-    async def _drop_instance(self) -> None:
+    async def _drop_instance(self, keep_warm_s: float = 0.0) -> None:
+        """Stop serving the current model (IDLE). With `keep_warm_s` > 0, a complete model's
+        weights stay that long for a load of the same model (`WarmWeights`)."""
         inst, self.instance = self.instance, None
         self.role = self.cfg.role
         if inst is not None and inst.relay_server is not None:
@@ -909,6 +970,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.group_server.unpublish(inst.model_id)
         if inst is not None and inst.engine is not None:
             await inst.engine.stop()
+        self._take_warm()
+        if keep_warm_s > 0 and inst is not None and inst.model.is_complete:
+            self._warm = WarmWeights(inst.model_id, inst.model, inst.store)
+            self._warm.expiry = asyncio.get_running_loop().call_later(keep_warm_s, self._expire_warm, self._warm)
+            log.info("weights_kept_warm", model=inst.model_id, keep_warm_s=round(keep_warm_s, 3))
         self.state = "idle"
         LAYERS_LOADED.set(0)
         self.heartbeat_now.set()
@@ -985,7 +1051,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"instance {self.instance_id} has {len(self._inflight)} requests in flight; Drain first",
             )
-        await self._drop_instance()
+        if not (math.isfinite(request.keep_warm_s) and request.keep_warm_s >= 0):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"keep_warm_s must be a finite number >= 0, got {request.keep_warm_s}"
+            )
+        await self._drop_instance(keep_warm_s=request.keep_warm_s)
         return worker_pb2.UnloadResponse()
 
     async def ExecuteLayers(self, request_iterator, context):

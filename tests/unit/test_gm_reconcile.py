@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.global_manager.core.actions import (
@@ -180,3 +182,58 @@ def test_live_migration_respects_its_cooldown() -> None:
         monitor.mark_seen(v.instance_id, 5.5)
     assert not of(rec.reconcile(5.9, registry, Observations(monitor)), MigrateRequests)
     assert of(rec.reconcile(6.0, registry, Observations(monitor)), MigrateRequests) == first
+
+
+def test_a_drained_instance_keeps_warm_for_the_last_load_time_and_is_loaded_first() -> None:
+    registry, _ = cluster(serving=3, idle=1)
+    rec = reconciler(keep_warm_max_s=5.0)
+    # Before any load was measured nothing is kept.
+    _, acts = rec.scale_in(registry, set(), M, 1, "test", only={"w0"})
+    (first,) = of(acts, DrainInstance)
+    assert first.keep_warm_s == 0.0
+    rec.drain_finished(registry, first, "")
+    assert rec.warm == {}
+    # A measured load of 1.5 s: a drain now keeps the weights that long (under the 5 s bound).
+    _, acts = rec.scale_out(registry, set(), M, 1, Role.COLOCATED, "test", only={"w3"})
+    (load,) = of(acts, LoadInstances)
+    rec.load_succeeded(registry, load, "w3", 1.5)
+    assert rec.keep_warm_s(M) == 1.5
+    (victim,), acts = rec.scale_in(registry, set(), M, 1, "test", only={"w2"})
+    (drain,) = of(acts, DrainInstance)
+    assert drain.keep_warm_s == 1.5 and "keeps the weights 1.5s" in of(acts, Report)[0].reason
+    rec.drain_finished(registry, drain, "")
+    assert registry.get(victim).state is S.IDLE and rec.warm == {victim: M}
+    # The next scale-out takes the warm one before the others, and its near-instant load does
+    # not become the measure of a reload.
+    idle = sorted(v.instance_id for v in registry.views(state=S.IDLE))
+    chosen, acts = rec.scale_out(registry, set(), M, 1, Role.COLOCATED, "test")
+    assert min(idle) < victim  # by id another would go first
+    assert chosen == [victim] and rec.warm == {}
+    assert "may still hold the weights" in of(acts, Report)[0].reason
+    rec.load_succeeded(registry, of(acts, LoadInstances)[0], victim, 0.01)
+    assert rec.keep_warm_s(M) == 1.5
+    # The bound caps it; 0 turns it off.
+    assert reconciler(keep_warm_max_s=1.0).keep_warm_s(M) == 0.0
+    rec.settings = ReconcileSettings(**{**vars_of(rec.settings), "keep_warm_max_s": 1.0})
+    assert rec.keep_warm_s(M) == 1.0
+    rec.settings = ReconcileSettings(**{**vars_of(rec.settings), "keep_warm_max_s": 0.0})
+    assert rec.keep_warm_s(M) == 0.0
+
+
+def test_a_lost_warm_instance_is_forgotten() -> None:
+    registry, _ = cluster(serving=2, idle=1)
+    rec = reconciler(keep_warm_max_s=5.0)
+    rec.load_s[M] = 2.0
+    (victim,), acts = rec.scale_in(registry, set(), M, 1, "test")
+    rec.drain_finished(registry, of(acts, DrainInstance)[0], "")
+    assert rec.warm == {victim: M}
+    rec.mark_lost(registry, victim, "silent")
+    assert rec.warm == {}
+    # A failed drain keeps nothing either.
+    (other,), acts = rec.scale_in(registry, set(), M, 1, "test", keep_serving=0)
+    rec.drain_finished(registry, of(acts, DrainInstance)[0], "UNAVAILABLE")
+    assert other not in rec.warm
+
+
+def vars_of(settings: ReconcileSettings) -> dict[str, object]:
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}

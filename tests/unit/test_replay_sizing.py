@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.autoscale.__main__ import autoscale_targets, decision_log, parse_args
+from bench.autoscale.__main__ import autoscale_targets, decision_log, parse_args, warm_instance_seconds
 from bench.autoscale.sizing import Profile, size_pools
+from services.global_manager.core.reconcile import KEEP_WARM_NOTE, kept_warm_s
 
 
 def test_size_pools_from_profile() -> None:
@@ -114,3 +115,24 @@ def test_a_negative_step_budget_is_refused_quoting_the_value(capsys: pytest.Capt
         parse_args(["--max-num-tokens", "-5"])
     assert "--max-num-tokens must be 0 (the worker's default) or more, got -5" in capsys.readouterr().err
     assert parse_args([]).max_num_tokens == 256 and parse_args(["--max-num-tokens", "0"]).max_num_tokens == 0
+
+
+def test_warm_instance_seconds_run_from_the_drain_to_the_reload_or_the_keep_time() -> None:
+    def ev(t: float, action: str, status: str, iid: str, reason: str = "") -> dict[str, object]:
+        return {"t_s": t, "action": action, "target": "m", "status": status, "reason": reason, "instance_id": iid}
+
+    keeps = "SCALE_IN: ratio=0.1" + KEEP_WARM_NOTE.format(2.0)
+    events = [
+        ev(10.0, "scale_in", "draining", "a", keeps),
+        ev(10.5, "drain_result", "idle", "a"),
+        ev(11.0, "scale_out", "loading", "a"),  # reloaded 0.5 s after its drain: 0.5
+        ev(20.0, "scale_in", "draining", "b", keeps),
+        ev(21.0, "drain_result", "idle", "b"),  # never reloaded: its whole 2 s
+        ev(30.0, "scale_in", "draining", "c", "SCALE_IN: nothing kept"),
+        ev(30.1, "drain_result", "idle", "c"),
+        ev(31.0, "scale_in", "draining", "d", keeps),
+        ev(39.5, "drain_result", "idle", "d"),  # the run ends 0.5 s later: 0.5
+    ]
+    assert kept_warm_s(keeps) == 2.0 and kept_warm_s("SCALE_IN: nothing kept") == 0.0
+    assert warm_instance_seconds(events, end_s=40.0) == pytest.approx(0.5 + 2.0 + 0.5)
+    assert warm_instance_seconds([], end_s=40.0) == 0.0

@@ -35,11 +35,14 @@ class LoadInstances:
 @dataclasses.dataclass(frozen=True, slots=True)
 class DrainInstance:
     """Drain `instance_id` (already DRAINING: no new requests, in-flight ones finish), take it
-    out of the parameter manager's locations, then unload it."""
+    out of the parameter manager's locations, then unload it. `keep_warm_s` > 0: the worker
+    keeps the weights that long after it unloads, so a load of the same model within it costs
+    no transfer (a scale-in the next decision reverses)."""
 
     instance_id: str
     model: str
     reason: str
+    keep_warm_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

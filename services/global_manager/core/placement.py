@@ -25,16 +25,25 @@ S = InstanceState
 
 
 def choose_idle(
-    instances: Iterable[InstanceView], n: int, role: Role, exclude_ids: Collection[str] = ()
+    instances: Iterable[InstanceView],
+    n: int,
+    role: Role,
+    exclude_ids: Collection[str] = (),
+    warm: Collection[str] = (),
 ) -> list[InstanceView]:
-    """Up to `n` IDLE workers to load for `role`: first those registered with that role (a
-    worker started with `--role decode` is meant to decode), then unassigned (COLOCATED) ones,
-    then those of the other split role; by id within each group."""
+    """Up to `n` IDLE workers to load for `role`: first those still holding the model's weights
+    from a recent scale-in (`warm`: their load costs no transfer), then those registered with
+    that role (a worker started with `--role decode` is meant to decode), then unassigned
+    (COLOCATED) ones, then those of the other split role; by id within each group."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n!r}")
 
-    def rank(v: InstanceView) -> tuple[int, str]:
-        return (0 if v.role is role else 1 if v.role is Role.COLOCATED else 2, v.instance_id)
+    def rank(v: InstanceView) -> tuple[int, int, str]:
+        return (
+            0 if v.instance_id in warm else 1,
+            0 if v.role is role else 1 if v.role is Role.COLOCATED else 2,
+            v.instance_id,
+        )
 
     idle = [v for v in instances if v.state is S.IDLE and v.instance_id not in exclude_ids]
     return sorted(idle, key=rank)[:n]

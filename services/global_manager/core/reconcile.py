@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Collection, Mapping
 
 from .actions import Action, Count, DrainInstance, LoadInstances, MigrateRequests, Report, UpdateLocation
@@ -30,7 +31,15 @@ from .placement import assign_idle, choose_idle, plan_live_migration, plan_rebal
 from .policies import Policy
 from .types import InstanceState, Role, ScaleDecision
 
-__all__ = ["Observations", "ReconcileSettings", "Reconciler", "floor_name", "release_report"]
+__all__ = [
+    "KEEP_WARM_MAX_S",
+    "Observations",
+    "ReconcileSettings",
+    "Reconciler",
+    "floor_name",
+    "kept_warm_s",
+    "release_report",
+]
 
 S = InstanceState
 
@@ -56,6 +65,9 @@ class ReconcileSettings:
     migration_kv_high: float = 0.95
     migration_tbt_slo_s: float | None = None
     migration_cooldown_s: float = 5.0
+    # A drained instance keeps the weights for as long as its model's last load took (the
+    # break-even of keeping against reloading), at most this; 0: unloaded at once.
+    keep_warm_max_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,6 +81,19 @@ class Observations:
     monitor: LoadMonitor
     busy: frozenset[str] = frozenset()
     unhealthy: frozenset[str] = frozenset()
+
+
+# The manager's default bound on how long a drained instance keeps its weights (the sim's too).
+KEEP_WARM_MAX_S = 30.0
+# How a scale-in's report says so (`kept_warm_s` reads it back, e.g. for a benchmark's accounting).
+KEEP_WARM_NOTE = "; it keeps the weights {:.3g}s after it drains"
+_KEEP_WARM_RE = re.compile(r"; it keeps the weights ([0-9.e+-]+)s after it drains")
+
+
+def kept_warm_s(reason: str) -> float:
+    """How long a scale-in's report says the drained instance keeps its weights (0 if not)."""
+    m = _KEEP_WARM_RE.search(reason)
+    return float(m.group(1)) if m else 0.0
 
 
 LIVE_STATES = (S.LOADING, S.SERVING)  # what counts as capacity: already paid for by a scale-out
@@ -125,6 +150,11 @@ class Reconciler:
         self.throttle = DecisionThrottle(repeat_s=decision_repeat_s)
         self.last_decision: ScaleDecision | None = None
         self.migrated_at: dict[str, float] = {}
+        self.load_s: dict[str, float] = {}  # model -> how long its last load took
+        # Drained instances that keep a model's weights a while (instance -> model), preferred
+        # by a scale-out of that model, and the loads handed to them (their time is no reload's).
+        self.warm: dict[str, str] = {}
+        self.warm_loads: set[str] = set()
 
     # ---- one tick -------------------------------------------------------------------------
     def reconcile(self, now_s: float, registry: Registry, observations: Observations) -> list[Action]:
@@ -154,6 +184,7 @@ class Reconciler:
             return []
         model = registry.get(iid).model
         registry.mark_lost(iid)
+        self.warm.pop(iid, None)
         actions: list[Action] = [Report("instance_lost", "-", "LOST", reason, iid)]
         if model:
             actions.append(UpdateLocation(model, iid, present=False))
@@ -323,12 +354,17 @@ class Reconciler:
         and the actions (one `LoadInstances` for the batch)."""
         room = max(0, self.settings.max_instances - len(live(registry, model, unhealthy=unhealthy)))
         candidates = [v for v in registry.views(state=S.IDLE) if only is None or v.instance_id in only]
-        idle = choose_idle(candidates, min(n, room), role, {*busy, *exclude})
+        warm = {iid for iid, m in self.warm.items() if m == model}
+        idle = choose_idle(candidates, min(n, room), role, {*busy, *exclude}, warm=warm)
         actions: list[Action] = []
         for v in idle:
             registry.transition(v.instance_id, S.LOADING, model=model, role=role)
             busy.add(v.instance_id)
-            actions.append(Report("scale_out", model, "loading", reason, v.instance_id))
+            note = ""
+            if self.warm.pop(v.instance_id, None) == model:
+                self.warm_loads.add(v.instance_id)
+                note = " (it may still hold the weights: then no transfer)"
+            actions.append(Report("scale_out", model, "loading", reason + note, v.instance_id))
         ids = tuple(v.instance_id for v in idle)
         if ids:
             actions.append(LoadInstances(model, role, ids, reason, attempt=attempt, tried=exclude))
@@ -360,13 +396,22 @@ class Reconciler:
             model=model,
             role=role,
         )
+        keep_s = self.keep_warm_s(model)
         for victim in order[: max(0, min(n, len(order) - keep_serving))]:
             registry.transition(victim.instance_id, S.DRAINING)
             busy.add(victim.instance_id)
-            actions.append(Report("scale_in", model, "draining", reason, victim.instance_id))
-            actions.append(DrainInstance(victim.instance_id, model, reason))
+            note = KEEP_WARM_NOTE.format(keep_s) if keep_s > 0 else ""
+            actions.append(Report("scale_in", model, "draining", reason + note, victim.instance_id))
+            actions.append(DrainInstance(victim.instance_id, model, reason, keep_warm_s=keep_s))
             chosen.append(victim.instance_id)
         return chosen, actions
+
+    def keep_warm_s(self, model: str) -> float:
+        """How long a drained instance of `model` keeps its weights: as long as the model's last
+        load took (keeping them longer costs more instance-seconds than the reload it might
+        save; shorter, a reversal within that time pays the load), within `keep_warm_max_s`; 0
+        before any load was measured."""
+        return min(self.settings.keep_warm_max_s, self.load_s.get(model, 0.0))
 
     # ---- outcomes ---------------------------------------------------------------------------
     def load_succeeded(self, registry: Registry, load: LoadInstances, iid: str, load_s: float) -> list[Action]:
@@ -389,6 +434,10 @@ class Reconciler:
                     iid,
                 )
             ]
+        if iid not in self.warm_loads:
+            # A load onto a warm copy took no transfer: it says nothing of what a reload costs.
+            self.load_s[load.model] = load_s
+        self.warm_loads.discard(iid)
         actions: list[Action] = [
             UpdateLocation(load.model, iid, present=True),
             Count("load", "ok"),
@@ -411,6 +460,7 @@ class Reconciler:
         """`iid`'s load failed: IDLE again (the worker drops the half-loaded model), and the load
         is retried on another IDLE worker (`load_retries`), else rolled back and reported."""
         actions: list[Action] = [Count("load", "failed"), Report("load_result", load.model, "failed", error, iid)]
+        self.warm_loads.discard(iid)
         if iid in registry and registry.get(iid).state is S.LOADING:
             registry.transition(iid, S.IDLE)
         retries = self.settings.load_retries
@@ -437,10 +487,15 @@ class Reconciler:
         return [*actions, Count("load", "rolled_back"), Report("scale_out", load.model, "rolled_back", reason, iid)]
 
     def drain_finished(
-        self, registry: Registry, drain: DrainInstance, error: str, finished: int = 0, aborted: int = 0
+        self,
+        registry: Registry,
+        drain: DrainInstance,
+        error: str,
+        finished: int = 0,
+        aborted: int = 0,
     ) -> list[Action]:
-        """A drain ended: IDLE (unloaded), or on failure the worker's own reports decide where it
-        is (SERVING again, or LOST)."""
+        """A drain ended: IDLE (unloaded; with `keep_warm_s`, holding the weights until then), or
+        on failure the worker's own reports decide where it is (SERVING again, or LOST)."""
         iid = drain.instance_id
         if error:
             return [
@@ -449,6 +504,8 @@ class Reconciler:
             ]
         if iid in registry and registry.get(iid).state is S.DRAINING:
             registry.transition(iid, S.IDLE)
+            if drain.keep_warm_s > 0:
+                self.warm[iid] = drain.model
         return [
             Count("drain", "ok"),
             Report("drain_result", drain.model, "idle", f"finished={finished} aborted={aborted}", iid),
