@@ -353,6 +353,7 @@ class Simulation:
         self.events: list[Report] = []
         self.backlog_check_due: set[str] = set()  # workers whose backlog check is scheduled
         self.sampled_early: dict[str, float] = {}  # worker -> when it last reported early
+        self.wake_pending = False  # a reconcile woken by an early report is scheduled
         self.decision_log: list[str] = []
         self.counts: dict[str, int] = {}
         self.load_started: dict[str, float] = {}
@@ -790,6 +791,14 @@ class Simulation:
         self.registry.heartbeat(sample)
         self.monitor.observe(sample)
         self.counts["backlog_heartbeats"] = self.counts.get("backlog_heartbeats", 0) + 1
+        if not self.wake_pending:
+            # The live manager's wake is an event its control loop waits on: the reports of one
+            # instant wake it once, and it reconciles after them.
+            self.wake_pending = True
+            self.loop.at(self.loop.now_s, self._woken)
+
+    def _woken(self) -> None:
+        self.wake_pending = False
         self._reconcile()
 
     def _reconcile(self) -> None:
