@@ -487,12 +487,7 @@ class Reconciler:
         return [*actions, Count("load", "rolled_back"), Report("scale_out", load.model, "rolled_back", reason, iid)]
 
     def drain_finished(
-        self,
-        registry: Registry,
-        drain: DrainInstance,
-        error: str,
-        finished: int = 0,
-        aborted: int = 0,
+        self, registry: Registry, drain: DrainInstance, error: str, finished: int = 0, aborted: int = 0
     ) -> list[Action]:
         """A drain ended: IDLE (unloaded; with `keep_warm_s`, holding the weights until then), or
         on failure the worker's own reports decide where it is (SERVING again, or LOST)."""
