@@ -80,6 +80,8 @@ from .worker import SimRequest, SimWorker, WindowStats
 __all__ = ["Kill", "RunConfig", "SimActuator", "Simulation", "partner_speedup"]
 
 S = InstanceState
+# The states whose workers heartbeat a load report (an IDLE one is only seen).
+REPORTING = (S.SERVING, S.LOADING, S.DRAINING)
 _STATE_NAMES = {state: state.value.lower() for state in InstanceState}
 Loader = Literal["blitz", "serverless"]
 _ZIGZAG = ZigzagSettings()  # the live manager's defaults
@@ -748,18 +750,18 @@ class Simulation:
         for view in views:
             if not self.workers[view.instance_id].alive:
                 continue  # killed or hung: silent, so the core finds it LOST
-            if view.state in (S.SERVING, S.LOADING, S.DRAINING):
+            if view.state in REPORTING:
                 # A worker that reported early this period covers only the time since then.
                 early = self.sampled_early.pop(view.instance_id, None) if self.sampled_early else None
-                sample = self.workers[view.instance_id].sample(
-                    now,
-                    self.cfg.heartbeat_s if early is None else max(1e-3, now - early),
-                    serving=view.state is not S.LOADING,
-                )
-                self.registry.heartbeat(sample)
-                self.monitor.observe(sample)
+                self._report(view, now, self.cfg.heartbeat_s if early is None else max(1e-3, now - early))
             elif view.state is S.IDLE:
                 self.monitor.mark_seen(view.instance_id, now)
+
+    def _report(self, view: InstanceView, now: float, period_s: float) -> None:
+        """`view`'s worker reports the `period_s` just ended: the registry and monitor take it."""
+        sample = self.workers[view.instance_id].sample(now, period_s, serving=view.state is not S.LOADING)
+        self.registry.heartbeat(sample)
+        self.monitor.observe(sample)
 
     def _queued(self, req: SimRequest) -> None:
         """A prompt joined `req.worker`'s queue: it looks at its backlog at its next check."""
@@ -779,7 +781,7 @@ class Simulation:
         if not worker.alive or iid not in self.registry:
             return
         view = self.registry.get(iid)
-        if view.state not in (S.SERVING, S.LOADING, S.DRAINING):
+        if view.state not in REPORTING:
             return
         if not backlog_is_news(worker.queue_wait_s(), worker.reported_wait_s):
             return
@@ -787,9 +789,7 @@ class Simulation:
         hb = self.cfg.heartbeat_s
         since = self.sampled_early.get(iid, math.floor(now / hb) * hb)
         self.sampled_early[iid] = now
-        sample = worker.sample(now, max(1e-3, now - since), serving=view.state is not S.LOADING)
-        self.registry.heartbeat(sample)
-        self.monitor.observe(sample)
+        self._report(view, now, max(1e-3, now - since))
         self.counts["backlog_heartbeats"] = self.counts.get("backlog_heartbeats", 0) + 1
         if not self.wake_pending:
             # The live manager's wake is an event its control loop waits on: the reports of one
