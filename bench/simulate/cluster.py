@@ -65,6 +65,7 @@ from services.global_manager.core.zigzag import (
     ZigzagGate,
     ZigzagLive,
     ZigzagSettings,
+    ZigzagStep,
     ZigzagTracker,
     plan_hand_back,
 )
@@ -175,6 +176,7 @@ class RunConfig:
     # move to it with their KV (`plan_hand_back`, as the live GM does).
     zigzag_hand_back: bool = _ZIGZAG.hand_back
     zigzag_hand_back_min_tokens_left: int = _ZIGZAG.hand_back_min_tokens_left
+    zigzag_hand_back_wait_s: float = _ZIGZAG.hand_back_wait_s
     # "always": pair every live loading instance whatever the gate says (an upper bound of the
     # layer-level model, not what the live GM does).
     zigzag_gate: Literal["all_overloaded", "always"] = "all_overloaded"
@@ -211,7 +213,7 @@ class SimActuator:
         self.sim = sim
         self.loading: dict[str, LoadInstances] = {}
         self.draining: dict[str, DrainInstance] = {}
-        self.sending = SendingLinks()
+        self.sending_links = SendingLinks()
         self.executed: list[Action] = []
 
     def execute(self, actions: Sequence[Action]) -> None:
@@ -234,6 +236,9 @@ class SimActuator:
 
     def busy(self) -> frozenset[str]:
         return frozenset(self.loading) | frozenset(self.draining)
+
+    def sending(self) -> frozenset[str]:
+        return self.sending_links.senders
 
     async def wait(self, instance_ids: Collection[str]) -> None:
         return None
@@ -370,6 +375,7 @@ class Simulation:
                 stall_s=cfg.zigzag_stall_s,
                 hand_back=cfg.zigzag_hand_back,
                 hand_back_min_tokens_left=cfg.zigzag_hand_back_min_tokens_left,
+                hand_back_wait_s=cfg.zigzag_hand_back_wait_s,
                 dispatch=cfg.zigzag_dispatch,
             )
         )
@@ -381,6 +387,7 @@ class Simulation:
         self.zigzag_served_while_loading = 0.0
         self.zigzag_paired: set[str] = set()
         self.zigzag_handed_back = 0  # running requests asked to move to a loaded live instance
+        self.zigzag_hand_back_waited_s: list[float] = []  # per hand-back that moved requests
         self._gate: tuple[int | None, ZigzagGate] | None = None  # the ZigZag gate at a registry version
         # The pairs (partner, loading instance) at a registry version and order of live instances.
         self._pairs: tuple[tuple[int, tuple[str, ...]], list[tuple[str, str]]] | None = None
@@ -468,6 +475,8 @@ class Simulation:
                     "served_while_loading": round(self.zigzag_served_while_loading, 2),
                     "loading_instances_paired": len(self.zigzag_paired),
                     "hand_back_requested": self.zigzag_handed_back,
+                    "hand_backs_waited": sum(1 for w in self.zigzag_hand_back_waited_s if w > 0),
+                    "hand_back_wait_max_s": _r(max(self.zigzag_hand_back_waited_s, default=0.0)),
                 },
                 "kv_transfers": {
                     kind: {
@@ -810,6 +819,9 @@ class Simulation:
 
     def _tick(self) -> None:
         self._reconcile()
+        moves = self._hand_back(self.zigzag.hand_backs_due(self.loop.now_s, self.actuator.sending()))
+        if moves:
+            self.actuator.execute(moves)
         self.zigzag_boost_s += self.cfg.tick_s * sum(1 for f in self.boosted.values() if f > 1)
 
     def _sample(self) -> None:
@@ -870,9 +882,9 @@ class Simulation:
             for node, groups in sorted(self.pm_shards.items())
         ]
         targets = [Target(iid, self.registry.get(iid).host) for iid in load.instance_ids]
-        traffic = self.actuator.sending.traffic(traffic_from_instances(views))
+        traffic = self.actuator.sending_links.traffic(traffic_from_instances(views))
         plan = plan_multicast(targets, sources, self.topology, traffic, groups=self.model.groups)
-        self.actuator.sending.start(plan, load.instance_ids)
+        self.actuator.sending_links.start(plan, load.instance_ids)
         self.zigzag.chain_tails(c.hops[-1] for c in plan.chains if c.hops)
         for chain in plan.chains:
             kind = "host_cache" if chain.source.startswith("mem@") else "instance"
@@ -942,7 +954,7 @@ class Simulation:
 
     def _load_done(self, load: LoadInstances, iid: str, warm: bool = False) -> None:
         now = self.loop.now_s
-        self.actuator.sending.finish(iid)
+        self.actuator.sending_links.finish(iid)
         self.monitor.mark_seen(iid, now)
         self.transfers.pop(iid, None)
         started = self.load_started.pop(iid, now)
@@ -953,16 +965,26 @@ class Simulation:
         serving = self.registry.get(iid).state is S.SERVING
         if serving:
             self.reached_serving.append((now, iid))
-        # As the manager's servicer: the ZigZag core hands the partner's work back to it.
-        for effect in self.zigzag.load_done(iid, loaded=serving).effects:
-            if isinstance(effect, HandBack):
-                move = plan_hand_back(self.registry.views(model=effect.model), effect)
-                if move is not None:
-                    follow.append(move)
-                    self.zigzag_handed_back += move.n
+        # As the manager's servicer: the ZigZag core hands the partner's work back to it (and
+        # any hand-back that waited for a partner's link and is due now).
+        follow += self._hand_back(
+            self.zigzag.load_done(iid, loaded=serving, now_s=now, sending=self.actuator.sending())
+        )
         self.actuator.execute(follow)
         self._update_zigzag()
         self._flush_pending()
+
+    def _hand_back(self, step: ZigzagStep) -> list[Action]:
+        """The live migrations of `step`'s hand-backs (`plan_hand_back`), as the servicer's."""
+        moves: list[Action] = []
+        for effect in step.effects:
+            if isinstance(effect, HandBack) and effect.running:
+                move = plan_hand_back(self.registry.views(model=effect.model), effect)
+                if move is not None:
+                    moves.append(move)
+                    self.zigzag_handed_back += move.n
+                    self.zigzag_hand_back_waited_s.append(effect.waited_s)
+        return moves
 
     # ---- drains, releases, locations -------------------------------------------------------------
     def start_drain(self, drain: DrainInstance) -> None:

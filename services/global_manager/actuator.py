@@ -70,6 +70,9 @@ class GrpcActuator:
     def busy(self) -> frozenset[str]:
         return frozenset(self._tasks)
 
+    def sending(self) -> frozenset[str]:
+        return self._sending.senders
+
     async def wait(self, instance_ids: Collection[str]) -> None:
         await asyncio.gather(*(self._tasks[i] for i in instance_ids if i in self._tasks), return_exceptions=True)
 

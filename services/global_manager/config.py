@@ -139,6 +139,13 @@ class GlobalManagerConfig(ServiceConfig):
         description="hand-back moves only running requests with at least this many tokens left to generate (a move "
         "costs a new route and a KV pull; 0: any)",
     )
+    zigzag_hand_back_wait_s: float = Field(
+        ZIGZAG_DEFAULTS.hand_back_wait_s,
+        ge=0,
+        allow_inf_nan=False,
+        description="a hand-back waits while the partner's link carries parameters to a load (its KV would share "
+        "the link with the chain), at most this many seconds (0: never waits)",
+    )
     borrow_prefill: bool = Field(
         True,
         description="borrowed prefill (TokenScale), split deployments: while every SERVING prefill instance's queued "

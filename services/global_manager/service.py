@@ -228,6 +228,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 stall_s=cfg.zigzag_stall_s,
                 hand_back=cfg.zigzag_hand_back,
                 hand_back_min_tokens_left=cfg.zigzag_hand_back_min_tokens_left,
+                hand_back_wait_s=cfg.zigzag_hand_back_wait_s,
                 pull_limit=cfg.zigzag_pull_limit,
                 dispatch=cfg.zigzag_dispatch,  # type: ignore[arg-type]
             )
@@ -713,13 +714,17 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         for e in step.effects:
             if isinstance(e, HandBack):
                 views = self.table.registry.views(model=e.model)
-                take_back = plan_take_back(views, e) if pulled else None
+                take_back = plan_take_back(views, e) if pulled and e.queued else None
                 if take_back is not None:
                     actions.append(take_back)
-                move = plan_hand_back(views, e)
+                move = plan_hand_back(views, e) if e.running else None
                 if move is not None:
                     actions.append(move)
-                    self.emit("zigzag_hand_back", e.model, e.partner_id, f"{move.n} running: {move.why}", e.instance_id)
+                    waited = (
+                        f" (waited {e.waited_s:.2f} s for its link to stop sending parameters)" if e.waited_s else ""
+                    )
+                    reason = f"{move.n} running: {move.why}{waited}"
+                    self.emit("zigzag_hand_back", e.model, e.partner_id, reason, e.instance_id)
         return actions
 
     def _zigzag_pull_peers(self, iid: str) -> list[global_manager_pb2.ZigzagPeer]:
@@ -934,7 +939,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     def load_finished(self, load: LoadInstances, iid: str, error: str) -> list[Action]:
         now = self.now_s()
         self.monitor.mark_seen(iid, now)  # its silence clock restarts after the action
-        ended = self.zigzag.load_done(iid, loaded=not error)
+        ended = self.zigzag.load_done(iid, loaded=not error, now_s=now, sending=self.actuator.sending())
         self._zigzag_effects(ended, now)
         self._upstreams.pop(iid, None)
         started = self._load_started.pop(iid, now)
@@ -944,7 +949,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             )
         else:
             follow = self.reconciler.load_succeeded(self.table.registry, load, iid, now - started)
-            follow += self._hand_back(ended)
+        follow += self._hand_back(ended)  # a failed load's ending can free a link others waited for
         for action in follow:  # a retry's load_s counts from now
             if isinstance(action, LoadInstances):
                 for target in action.instance_ids:
@@ -1000,6 +1005,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         for view in self.table.registry.views(state=S.LOST):
             if view.instance_id not in lost:
                 self.actuator.forget(view.instance_id)
+        # Hand-backs that waited for a partner's link (a chain ended, or they waited long enough).
+        actions += self._hand_back(self.zigzag.hand_backs_due(now, self.actuator.sending()))
         self._execute(actions)
         for state in S:
             INSTANCES.labels(state.value).set(len(self.table.registry.views(state=state)))

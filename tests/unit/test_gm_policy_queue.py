@@ -218,6 +218,18 @@ def test_no_slope_from_a_wait_too_recent_or_too_old_and_none_from_a_falling_one(
     assert falling.decide(0.5, queued(10, 24_000)).instances_to == 22
 
 
+def test_the_slope_is_from_the_latest_wait_old_enough_so_a_calm_stretch_does_not_dilute_a_step() -> None:
+    """Empty at 0 s and at 0.5 s, 1.2 s of wait at 0.75 s: a step burst began after 0.5 s. From
+    0.5 s (the latest wait at least a quarter of the window old) the wait gains 4.8 s per second;
+    from 0 s it would read 1.6, and size the step for a third of the arrivals."""
+    p = policy(queue_target_s=1.0, queue_max_factor=20.0)
+    p.decide(0.0, queued(10, 0))
+    p.decide(0.5, queued(10, 0))
+    d = p.decide(0.75, queued(10, 24_000))
+    assert "rising 4.8s/s" in d.reason
+    assert d.extra["queue_factor"] == pytest.approx(1 + 4.8 + 1.2 + 4.8 * 2)
+
+
 def test_no_scale_in_while_the_queued_prompts_wait_grows_even_below_the_target() -> None:
     """Decode TPS says scale in (100 tokens/s on 10 instances), but the queue went from empty to
     0.5 s of wait in half a second: a burst the TPS window has not seen. Held; the same queue

@@ -5,6 +5,7 @@ simulator."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -28,6 +29,7 @@ def test_the_manager_and_the_simulator_share_the_core_defaults() -> None:
         core.stall_s,
     )
     assert gm.zigzag_dispatch == sim["zigzag_dispatch"].default == core.dispatch == "pull"
+    assert gm.zigzag_hand_back_wait_s == sim["zigzag_hand_back_wait_s"].default == core.hand_back_wait_s == 5.0
     assert (core.live, core.ttft_s) == ("all", 1.0)
 
 
@@ -254,6 +256,53 @@ def test_a_live_instance_that_loaded_hands_work_back_from_its_partner() -> None:
     off.load_progress(0.0, "n", "m", 3, 8)
     off.note_split("n", "b")
     assert not any(isinstance(e, zz.HandBack) for e in off.load_done("n", loaded=True).effects)
+
+
+def hand_backs(step: zz.ZigzagStep) -> list[zz.HandBack]:
+    return [e for e in step.effects if isinstance(e, zz.HandBack)]
+
+
+def test_a_hand_back_waits_while_the_partners_link_sends_parameters() -> None:
+    """The running requests' KV would leave by the partner's link while it feeds a transfer
+    chain: they wait until no chain sends from it, or `hand_back_wait_s`; the queued requests
+    it ran ahead (no KV) go at once."""
+    t = zz.ZigzagTracker(zz.ZigzagSettings(hand_back_wait_s=5.0))
+    for iid in ("n1", "n2"):
+        t.load_progress(0.0, iid, "m", 3, 8)
+        t.note_split(iid, "b")
+    (queued_only,) = hand_backs(t.load_done("n1", loaded=True, now_s=10.0, sending={"b"}))
+    assert (queued_only.queued, queued_only.running) == (True, False)
+    assert set(t.waiting_hand_backs) == {"n1"}
+    assert hand_backs(t.hand_backs_due(11.0, {"b"})) == []  # still sending
+    # n2's load ends with b free: its own hand-back goes whole, and n1's waiting one with it.
+    n2, n1 = hand_backs(t.load_done("n2", loaded=True, now_s=12.5, sending=set()))
+    assert (n2.instance_id, n2.queued, n2.running, n2.waited_s) == ("n2", True, True, 0.0)
+    assert (n1.instance_id, n1.queued, n1.running, n1.waited_s) == ("n1", False, True, 2.5)
+    assert t.waiting_hand_backs == {}
+
+
+def test_a_waiting_hand_back_goes_after_hand_back_wait_s_or_never_waits_at_0() -> None:
+    t = zz.ZigzagTracker(zz.ZigzagSettings(hand_back_wait_s=2.0))
+    t.load_progress(0.0, "n", "m", 3, 8)
+    t.note_split("n", "b")
+    t.load_done("n", loaded=True, now_s=1.0, sending={"b"})
+    assert hand_backs(t.hand_backs_due(2.9, {"b"})) == []
+    (late,) = hand_backs(t.hand_backs_due(3.0, {"b"}))
+    assert late.running and late.waited_s == pytest.approx(2.0)
+    # A failed reload of the same instance forgets a hand-back still waiting.
+    t.load_progress(4.0, "r", "m", 3, 8)
+    t.note_split("r", "b")
+    t.load_done("r", loaded=True, now_s=5.0, sending={"b"})
+    t.load_progress(6.0, "r", "m", 1, 8)
+    assert hand_backs(t.load_done("r", loaded=False, now_s=6.5, sending=set())) == []
+    never = zz.ZigzagTracker(zz.ZigzagSettings(hand_back_wait_s=0.0))
+    never.load_progress(0.0, "n", "m", 3, 8)
+    never.note_split("n", "b")
+    (now,) = hand_backs(never.load_done("n", loaded=True, now_s=1.0, sending={"b"}))
+    assert (now.queued, now.running) == (True, True)
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="hand_back_wait_s must be finite and >= 0"):
+            zz.ZigzagSettings(hand_back_wait_s=bad)
 
 
 def test_hand_back_moves_the_partners_running_requests_above_an_even_share() -> None:

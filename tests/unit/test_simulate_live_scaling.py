@@ -190,6 +190,8 @@ def test_live8b_stop_the_world_serves_only_on_serving_instances() -> None:
         "served_while_loading": 0.0,
         "loading_instances_paired": 0,
         "hand_back_requested": 0,
+        "hand_backs_waited": 0,
+        "hand_back_wait_max_s": 0.0,
     }
     assert summary["zigzag_boost_instance_s"] == 0
     assert all(w.speedup == 1.0 for w in sim.workers.values())

@@ -54,6 +54,11 @@ class Actuator(Protocol):
 
     def busy(self) -> frozenset[str]: ...
 
+    def sending(self) -> frozenset[str]:
+        """The nodes whose links carry parameters to a load now (sources and middle hops of the
+        transfer chains of loads not yet done)."""
+        ...
+
     async def wait(self, instance_ids: Collection[str]) -> None:
         """Until the loads or drains of `instance_ids` are done."""
 
@@ -101,6 +106,9 @@ class RecordingActuator:
 
     def busy(self) -> frozenset[str]:
         return frozenset(self.loading) | frozenset(self.draining)
+
+    def sending(self) -> frozenset[str]:
+        return frozenset()  # it plans no transfer chains
 
     async def wait(self, instance_ids: Collection[str]) -> None:
         return None

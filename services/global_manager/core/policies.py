@@ -352,8 +352,9 @@ class HeteroScaleConfig(_BaseConfig):
     queue_slope_window_s: float = Field(
         1.0,
         gt=0,
-        description="arrivals growth: the wait's slope is taken between now and the oldest wait this policy "
-        "saw within this many seconds (none older than a quarter of it: no slope)",
+        description="arrivals growth: the wait's slope is taken between now and the latest wait this policy saw "
+        "at least a quarter of this many seconds ago and at most this many (none: no slope). The latest, not the "
+        "oldest: a step burst after a calm stretch would read as a fraction of its rate",
     )
     queue_rate: Literal["capacity", "served"] = Field(
         "capacity",
@@ -486,16 +487,17 @@ class HeteroScalePolicy(_PolicyBase):
         return (min(cfg.queue_max_factor, growth), why), rising
 
     def _wait_slope(self, now_s: float, wait_s: float) -> float:
-        """Seconds of wait gained per second, from the oldest wait recorded within
-        `queue_slope_window_s` (at least a quarter of it old; 0 without one) to `wait_s`, which is
-        then recorded. An infinite wait (nothing served) is not recorded and has no slope."""
+        """Seconds of wait gained per second, from the latest wait recorded at least a quarter of
+        `queue_slope_window_s` ago and within it (0 without one) to `wait_s`, which is then
+        recorded. An infinite wait (nothing served) is not recorded and has no slope."""
         window_s = self.config.queue_slope_window_s
         while self._waits and self._waits[0][0] < now_s - window_s:
             self._waits.popleft()
         slope = 0.0
         if math.isfinite(wait_s):
-            if self._waits and now_s - self._waits[0][0] >= window_s / 4:
-                t0_s, w0_s = self._waits[0]
+            old_enough = [(t0_s, w0_s) for t0_s, w0_s in self._waits if now_s - t0_s >= window_s / 4]
+            if old_enough:
+                t0_s, w0_s = old_enough[-1]
                 slope = (wait_s - w0_s) / (now_s - t0_s)
             self._waits.append((now_s, wait_s))
         return slope

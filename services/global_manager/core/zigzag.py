@@ -646,6 +646,11 @@ class ZigzagSettings:
     pull, and the moved request takes a batch slot on the instance that should be draining the
     partner's backlog: measured on `bench.live_scaling` (outputs of 4-16 tokens), handing back
     every running request gave 0.97 of stop-the-world's p99 TTFT where ZigZag alone gave 0.70.
+    `hand_back_wait_s`: a hand-back waits while its partner's link carries parameters to a load
+    (a chain's source or middle hop), at most this long (0: never). The moved requests' KV leaves
+    by that link: on `live8b` seed 2 it slowed the loads of a 47-instance scale-out from 2.8 s
+    to 3.9 s and ZigZag's tail fell behind stop-the-world's; a partner that keeps decoding a few
+    more requests for a while costs less than every load behind its link.
 
     Why every target by default: on a chain the tail gets its first layer only after the hops
     before it have forwarded it; measured on bench.autoscale (3 targets, 0.2 Gbit/s links) the
@@ -661,6 +666,7 @@ class ZigzagSettings:
     limit_floor: int = 2
     hand_back: bool = True
     hand_back_min_tokens_left: int = 16
+    hand_back_wait_s: float = 5.0
     dispatch: ZigzagDispatch = "pull"
     pull_limit: int = 8
 
@@ -673,6 +679,8 @@ class ZigzagSettings:
             raise ValueError(f"ZigzagSettings.ttft_s must be None or finite and > 0, got {self.ttft_s!r}")
         if not (math.isfinite(self.stall_s) and self.stall_s > 0):
             raise ValueError(f"ZigzagSettings.stall_s must be finite and > 0, got {self.stall_s!r}")
+        if not (math.isfinite(self.hand_back_wait_s) and self.hand_back_wait_s >= 0):
+            raise ValueError(f"ZigzagSettings.hand_back_wait_s must be finite and >= 0, got {self.hand_back_wait_s!r}")
         if self.hand_back_min_tokens_left < 0:
             raise ValueError(
                 f"ZigzagSettings.hand_back_min_tokens_left must be >= 0, got {self.hand_back_min_tokens_left!r}"
@@ -736,6 +744,9 @@ class HandBack:
     partner_id: str
     model: str
     min_tokens_left: int = 0  # only running requests with this many tokens left to generate move
+    waited_s: float = 0.0  # how long it waited for the partner's link to stop carrying parameters
+    queued: bool = True  # the partner's queued requests it ran ahead go to it (`plan_take_back`)
+    running: bool = True  # the partner's running requests go with their KV (`plan_hand_back`)
 
 
 ZigzagEffect = WentLive | LiveLayers | StoppedLive | Paired | HandBack
@@ -788,6 +799,8 @@ class ZigzagTracker:
         # Live instance -> the partner it last split requests with (kept through a stall): the
         # instance its load hands work back from.
         self.split_with: dict[str, str] = {}
+        # New instance -> (when it loaded, its hand-back) while the partner's link sends parameters.
+        self.waiting_hand_backs: dict[str, tuple[float, HandBack]] = {}
 
     # ---- load lifecycle ------------------------------------------------------------------
     def chain_tails(self, instance_ids: Iterable[str]) -> None:
@@ -809,10 +822,14 @@ class ZigzagTracker:
             effects.append(LiveLayers(instance_id, layers))
         return ZigzagStep(effects=tuple(effects))
 
-    def load_done(self, instance_id: str, *, loaded: bool = False) -> ZigzagStep:
+    def load_done(
+        self, instance_id: str, *, loaded: bool = False, now_s: float = 0.0, sending: Collection[str] = ()
+    ) -> ZigzagStep:
         """The load ended (`loaded`: SERVING; else failed): the instance is no longer
         live-loading. Loaded, having split requests with a partner, it takes work back
-        (`HandBack`, with `hand_back` on)."""
+        (`HandBack`, with `hand_back` on), at once unless the partner is in `sending` (the nodes
+        whose links carry parameters now, with this load's already taken out): then it waits
+        (`hand_backs_due`). Hand-backs that were waiting and are due now come out too."""
         self.tails.discard(instance_id)
         progress = self.progress.pop(instance_id, None)
         self.partner.pop(instance_id, None)
@@ -821,8 +838,30 @@ class ZigzagTracker:
         effects: list[ZigzagEffect] = []
         if self.started.pop(instance_id, None) is not None:
             effects.append(StoppedLive(instance_id, model, stalled=False, reason="load ended"))
+        self.waiting_hand_backs.pop(instance_id, None)  # a reload of one whose hand-back still waited
         if loaded and partner is not None and self.settings.hand_back:
-            effects.append(HandBack(instance_id, partner, model, self.settings.hand_back_min_tokens_left))
+            hand_back = HandBack(instance_id, partner, model, self.settings.hand_back_min_tokens_left)
+            if partner in sending and self.settings.hand_back_wait_s > 0:
+                # The queued requests it ran ahead carry no KV: they go now, the running ones wait.
+                effects.append(replace(hand_back, running=False))
+                self.waiting_hand_backs[instance_id] = (now_s, replace(hand_back, queued=False))
+            else:
+                effects.append(hand_back)
+        effects.extend(self.hand_backs_due(now_s, sending).effects)
+        return ZigzagStep(effects=tuple(effects))
+
+    def hand_backs_due(self, now_s: float, sending: Collection[str]) -> ZigzagStep:
+        """The waiting hand-backs (their running requests: the queued ones went at once) whose
+        partner is not in `sending` (the nodes whose links carry parameters now) or that have
+        waited `hand_back_wait_s`, each with the time it waited.
+        The caller asks again whenever a load ends (a link may be free then) and on its ticks."""
+        effects: list[ZigzagEffect] = []
+        for iid, (since_s, hand_back) in list(self.waiting_hand_backs.items()):
+            waited_s = max(0.0, now_s - since_s)
+            if hand_back.partner_id in sending and waited_s < self.settings.hand_back_wait_s:
+                continue
+            del self.waiting_hand_backs[iid]
+            effects.append(replace(hand_back, waited_s=waited_s))
         return ZigzagStep(effects=tuple(effects))
 
     def note_split(self, instance_id: str, partner_id: str) -> None:
