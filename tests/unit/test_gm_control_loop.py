@@ -387,3 +387,29 @@ async def test_a_heartbeat_whose_backlog_formed_or_doubled_wakes_the_control_loo
     assert not await woken_by(500)  # 0.5 s is not twice 0.4 s
     assert await woken_by(1000)  # doubled
     assert not await woken_by(0)
+
+
+async def test_the_manager_holds_a_hand_back_while_the_partners_link_sends_parameters() -> None:
+    """The servicer's path: w1 loaded while w0, its ZigZag partner, feeds another load's chain.
+    The running requests (their KV would leave by w0's link) stay; once that link is free a tick
+    hands them back, and the event says how long they waited."""
+    mesh = await started(zigzag=True)
+    mesh.set_load(decode_tps=50, running=4)  # wants 5, held at max_instances=3: w1 and w2 load
+    await mesh.run(0.6)
+    assert sorted(mesh.act.loading) == ["w1", "w2"]
+    mesh.act.progress("w1", 1, 4)  # its first layer: live
+    mesh.gm.zigzag.note_split("w1", "w0")  # as a route that split a request does
+    mesh.loads["w0"] = common_pb2.LoadReport(running=6)
+    await mesh.run(TICK_S)
+    mesh.act.senders = {"w0"}  # w0's link still feeds w2's chain
+    mesh.finish_load("w1")
+    running = [a for a in mesh.act.of_type(MigrateRequests) if a.running]
+    assert running == [] and set(mesh.gm.zigzag.waiting_hand_backs) == {"w1"}
+    await mesh.run(TICK_S)
+    assert [a for a in mesh.act.of_type(MigrateRequests) if a.running] == []  # still sending
+    mesh.act.senders = set()
+    await mesh.run(TICK_S)
+    (move,) = [a for a in mesh.act.of_type(MigrateRequests) if a.running]
+    assert (move.source, move.n) == ("w0", 3)
+    (event,) = mesh.find("zigzag_hand_back")
+    assert "waited" in event.reason and "for its link to stop sending parameters" in event.reason

@@ -90,6 +90,7 @@ class RecordingActuator:
     loading: dict[str, LoadInstances] = dataclasses.field(default_factory=dict)
     draining: dict[str, DrainInstance] = dataclasses.field(default_factory=dict)
     probes: dict[str, str] = dataclasses.field(default_factory=dict)  # instance id -> its probe's answer
+    senders: set[str] = dataclasses.field(default_factory=set)  # what `sending` says: a test sets it
 
     def execute(self, actions: Sequence[Action]) -> None:
         assert self.sink is not None, "RecordingActuator needs a sink"
@@ -108,7 +109,7 @@ class RecordingActuator:
         return frozenset(self.loading) | frozenset(self.draining)
 
     def sending(self) -> frozenset[str]:
-        return frozenset()  # it plans no transfer chains
+        return frozenset(self.senders)  # it plans no transfer chains: what the caller set
 
     async def wait(self, instance_ids: Collection[str]) -> None:
         return None
