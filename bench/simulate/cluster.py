@@ -35,6 +35,7 @@ from services.global_manager.core.actions import (
     LoadInstances,
     MigrateRequests,
     Report,
+    ResumeInstance,
     UpdateLocation,
 )
 from services.global_manager.core.instances import Registry
@@ -229,6 +230,8 @@ class SimActuator:
             elif isinstance(action, DrainInstance):
                 self.draining[action.instance_id] = action
                 self.sim.start_drain(action)
+            elif isinstance(action, ResumeInstance):
+                self.sim.resume(action)
             elif isinstance(action, MigrateRequests):
                 self.sim.release(action)
             elif isinstance(action, UpdateLocation):
@@ -997,6 +1000,21 @@ class Simulation:
             return
         if not worker.busy and worker.empty:
             self.loop.after(0.0, lambda: self._drain_done(drain))
+
+    def resume(self, action: ResumeInstance) -> None:
+        """A scale-out takes a drain back, as the worker's Resume does while its drain waits:
+        the instance serves on with what it holds; the resume's answer and the drain's
+        (resumed) come back at once."""
+        iid = action.instance_id
+        drain = self.actuator.draining.get(iid)
+        if drain is None or not self.workers[iid].alive:
+            self.actuator.execute(self.reconciler.resume_finished(action, "no drain is waiting"))
+            return
+        del self.actuator.draining[iid]  # a `_drain_done` already scheduled finds nothing
+        follow = self.reconciler.resume_finished(action, "")
+        follow += self.reconciler.drain_finished(self.registry, drain, "", resumed=True)
+        self.monitor.mark_seen(iid, self.loop.now_s)
+        self.actuator.execute(follow)
 
     def _worker_empty(self, iid: str) -> None:
         drain = self.actuator.draining.get(iid)

@@ -60,6 +60,11 @@ class WorkerStub:
                 request_serializer=blitzmesh_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=blitzmesh_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/blitzmesh.v1.Worker/Resume',
+                request_serializer=blitzmesh_dot_v1_dot_worker__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=blitzmesh_dot_v1_dot_worker__pb2.ResumeResponse.FromString,
+                _registered_method=True)
         self.ReleaseWaiting = channel.unary_unary(
                 '/blitzmesh.v1.Worker/ReleaseWaiting',
                 request_serializer=blitzmesh_dot_v1_dot_worker__pb2.ReleaseWaitingRequest.SerializeToString,
@@ -112,6 +117,15 @@ class WorkerServicer:
 
     def Drain(self, request, context):
         """Stop taking requests, let in-flight ones finish, then reply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Take a scale-in back: end a Drain still waiting for its requests, so the instance serves
+        again with the weights it holds; that Drain replies with resumed set. FAILED_PRECONDITION
+        when no Drain is waiting (none asked, or it has finished and the unload may follow).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +189,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=blitzmesh_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=blitzmesh_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=blitzmesh_dot_v1_dot_worker__pb2.ResumeRequest.FromString,
+                    response_serializer=blitzmesh_dot_v1_dot_worker__pb2.ResumeResponse.SerializeToString,
             ),
             'ReleaseWaiting': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseWaiting,
@@ -332,6 +351,33 @@ class Worker:
             '/blitzmesh.v1.Worker/Drain',
             blitzmesh_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             blitzmesh_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blitzmesh.v1.Worker/Resume',
+            blitzmesh_dot_v1_dot_worker__pb2.ResumeRequest.SerializeToString,
+            blitzmesh_dot_v1_dot_worker__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,11 @@ class WorkerStub:
     """Fill this instance with a model, from the parameter manager or along a chain plan."""
     Drain: _grpc.UnaryUnaryMultiCallable[_worker_pb2.DrainRequest, _worker_pb2.DrainResponse]
     """Stop taking requests, let in-flight ones finish, then reply."""
+    Resume: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ResumeRequest, _worker_pb2.ResumeResponse]
+    """Take a scale-in back: end a Drain still waiting for its requests, so the instance serves
+    again with the weights it holds; that Drain replies with resumed set. FAILED_PRECONDITION
+    when no Drain is waiting (none asked, or it has finished and the unload may follow).
+    """
     ReleaseWaiting: _grpc.UnaryUnaryMultiCallable[_worker_pb2.ReleaseWaitingRequest, _worker_pb2.ReleaseWaitingResponse]
     """Rebalancing: end up to max_requests queued (not yet started) requests here with ABORTED and
     the trailing metadata `blitzmesh-moved: <reason>`, so the gateway runs them elsewhere.
@@ -67,6 +72,11 @@ class WorkerAsyncStub(WorkerStub):
     """Fill this instance with a model, from the parameter manager or along a chain plan."""
     Drain: _aio.UnaryUnaryMultiCallable[_worker_pb2.DrainRequest, _worker_pb2.DrainResponse]  # type: ignore[assignment]
     """Stop taking requests, let in-flight ones finish, then reply."""
+    Resume: _aio.UnaryUnaryMultiCallable[_worker_pb2.ResumeRequest, _worker_pb2.ResumeResponse]  # type: ignore[assignment]
+    """Take a scale-in back: end a Drain still waiting for its requests, so the instance serves
+    again with the weights it holds; that Drain replies with resumed set. FAILED_PRECONDITION
+    when no Drain is waiting (none asked, or it has finished and the unload may follow).
+    """
     ReleaseWaiting: _aio.UnaryUnaryMultiCallable[_worker_pb2.ReleaseWaitingRequest, _worker_pb2.ReleaseWaitingResponse]  # type: ignore[assignment]
     """Rebalancing: end up to max_requests queued (not yet started) requests here with ABORTED and
     the trailing metadata `blitzmesh-moved: <reason>`, so the gateway runs them elsewhere.
@@ -118,6 +128,17 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.DrainResponse, _abc.Awaitable[_worker_pb2.DrainResponse]]:
         """Stop taking requests, let in-flight ones finish, then reply."""
+
+    @_abc_1.abstractmethod
+    def Resume(
+        self,
+        request: _worker_pb2.ResumeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ResumeResponse, _abc.Awaitable[_worker_pb2.ResumeResponse]]:
+        """Take a scale-in back: end a Drain still waiting for its requests, so the instance serves
+        again with the weights it holds; that Drain replies with resumed set. FAILED_PRECONDITION
+        when no Drain is waiting (none asked, or it has finished and the unload may follow).
+        """
 
     @_abc_1.abstractmethod
     def ReleaseWaiting(

@@ -55,6 +55,7 @@ PERMISSIONS: Final[dict[str, dict[str, frozenset[str]]]] = {
         # Lifecycle and rebalancing: only the global manager.
         "LoadParameters": frozenset({GLOBAL_MANAGER}),
         "Drain": frozenset({GLOBAL_MANAGER}),
+        "Resume": frozenset({GLOBAL_MANAGER}),
         "Unload": frozenset({GLOBAL_MANAGER}),
         "ReleaseWaiting": frozenset({GLOBAL_MANAGER}),
         "ReleaseRunning": frozenset({GLOBAL_MANAGER}),

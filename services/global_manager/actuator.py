@@ -29,6 +29,7 @@ from services.global_manager.core.actions import (
     LoadInstances,
     MigrateRequests,
     Report,
+    ResumeInstance,
     UpdateLocation,
 )
 from services.global_manager.core.actuator import ActionSink
@@ -139,6 +140,9 @@ class GrpcActuator:
                     self._own(iid, self._load(action, iid, plan))
             elif isinstance(action, DrainInstance):
                 self._own(action.instance_id, self._drain(action))
+            elif isinstance(action, ResumeInstance):
+                # Not owned: the drain it takes back owns the instance until it answers.
+                self._spawn(self._resume(action), f"resume-{action.instance_id}")
             elif isinstance(action, UpdateLocation):
                 self._spawn(self._update_location(action), "location")
             elif isinstance(action, MigrateRequests):
@@ -285,6 +289,10 @@ class GrpcActuator:
             resp = await stub.Drain(
                 worker_pb2.DrainRequest(timeout_s=self.cfg.drain_timeout_s), timeout=self.cfg.drain_timeout_s + 10
             )
+            if resp.resumed:
+                # Taken back (ResumeInstance): it serves on, in the location index as before.
+                await self._follow_up(self.sink.drain_finished(drain, "", resp.finished, 0, resumed=True))
+                return
             # Out of the location index before its weights go, so no transfer picks it as a source.
             await self._update_location(UpdateLocation(drain.model, iid, present=False))
             # Drain returns once the requests it aborted have unwound, so one call suffices; a
@@ -297,6 +305,20 @@ class GrpcActuator:
         except Exception as e:
             error = repr(e)
         await self._follow_up(self.sink.drain_finished(drain, error, resp.finished, resp.aborted))
+
+    async def _resume(self, action: ResumeInstance) -> None:
+        error = ""
+        try:
+            await self._worker(action.instance_id).Resume(
+                worker_pb2.ResumeRequest(reason=action.reason), timeout=RELEASE_TIMEOUT_S
+            )
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            error = f"{e.code().name}: {e.details()}"
+        except Exception as e:
+            error = repr(e)
+        await self._follow_up(self.sink.resume_finished(action, error))
 
     # ---- parameter-manager locations, releases --------------------------------------------
     async def _update_location(self, action: UpdateLocation) -> None:

@@ -57,6 +57,7 @@ from services.global_manager.core.actions import (
     LoadInstances,
     MigrateRequests,
     Report,
+    ResumeInstance,
     UpdateLocation,
 )
 from services.global_manager.core.actuator import Actuator
@@ -772,8 +773,10 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             role = role_from_proto(request.role)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        resumed = 0
         if request.delta > 0:
             chosen = self.scale_out(request.model_id, request.delta, role, reason="Admin.Scale")
+            resumed = sum(self.table.registry.get(iid).state is S.SERVING for iid in chosen)
             if len(chosen) < request.delta and not chosen:
                 idle = len(self.table.registry.views(state=S.IDLE))
                 await context.abort(
@@ -790,9 +793,13 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                 )
         if request.wait:
             await self.actuator.wait(chosen)
-        return admin_pb2.ScaleResponse(
-            instance_ids=chosen, reason=f"{len(chosen)} instance(s) {'loading' if request.delta > 0 else 'draining'}"
-        )
+        if request.delta < 0:
+            reason = f"{len(chosen)} instance(s) draining"
+        elif resumed:
+            reason = f"{len(chosen) - resumed} instance(s) loading, {resumed} taken back from draining"
+        else:
+            reason = f"{len(chosen)} instance(s) loading"
+        return admin_pb2.ScaleResponse(instance_ids=chosen, reason=reason)
 
     async def _drain_named(self, request, context) -> list[str]:
         """Admin.Scale with instance_ids: drain exactly those SERVING instances of the model."""
@@ -956,12 +963,17 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
                     self._load_started[target] = now
         return follow
 
-    def drain_finished(self, drain: DrainInstance, error: str, finished: int, aborted: int) -> list[Action]:
+    def drain_finished(
+        self, drain: DrainInstance, error: str, finished: int, aborted: int, *, resumed: bool = False
+    ) -> list[Action]:
         self.monitor.mark_seen(drain.instance_id, self.now_s())
-        follow = self.reconciler.drain_finished(self.table.registry, drain, error, finished, aborted)
+        follow = self.reconciler.drain_finished(self.table.registry, drain, error, finished, aborted, resumed=resumed)
         if not error:
             self._wake_reconcile()
         return follow
+
+    def resume_finished(self, action: ResumeInstance, error: str) -> list[Action]:
+        return self.reconciler.resume_finished(action, error)
 
     def released(self, action: MigrateRequests, moved: int | None) -> list[Action]:
         if moved is not None:

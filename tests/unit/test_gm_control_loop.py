@@ -15,7 +15,13 @@ from prometheus_client import REGISTRY
 
 from blitzmesh.v1 import admin_pb2, common_pb2, global_manager_pb2
 from services.global_manager.config import GlobalManagerConfig
-from services.global_manager.core.actions import DrainInstance, LoadInstances, MigrateRequests, UpdateLocation
+from services.global_manager.core.actions import (
+    DrainInstance,
+    LoadInstances,
+    MigrateRequests,
+    ResumeInstance,
+    UpdateLocation,
+)
 from services.global_manager.core.actuator import RecordingActuator
 from services.global_manager.service import GlobalManagerServicer
 
@@ -413,3 +419,33 @@ async def test_the_manager_holds_a_hand_back_while_the_partners_link_sends_param
     assert (move.source, move.n) == ("w0", 3)
     (event,) = mesh.find("zigzag_hand_back")
     assert "waited" in event.reason and "for its link to stop sending parameters" in event.reason
+
+
+async def test_a_burst_during_a_scale_in_takes_the_drain_back() -> None:
+    mesh = await started(n_workers=2, max_instances=2)
+    mesh.set_load(decode_tps=15, running=2)
+    await mesh.run(0.6)
+    assert mesh.finish_loads() == ["w1"]
+    # A lull: the policy drains one; w0 still runs a request, so w1 is the victim.
+    mesh.set_load(decode_tps=0, running=0)
+    mesh.loads["w0"] = common_pb2.LoadReport(running=1)
+    await mesh.run(0.6)
+    assert [a.instance_id for a in mesh.act.of_type(DrainInstance)] == ["w1"] and mesh.state("w1") == "DRAINING"
+    # The burst returns before w1's drain ends: no IDLE worker is left, and the drain is taken back.
+    mesh.set_load(decode_tps=15, running=2)
+    mesh.loads["w1"] = common_pb2.LoadReport(running=1)  # what w1 still runs while it drains
+    await mesh.run(0.6)
+    assert mesh.act.of_type(ResumeInstance) == [ResumeInstance("w1", MODEL, mesh.act.resuming["w1"].reason)]
+    assert mesh.state("w1") == "SERVING"
+    (resumed,) = mesh.find("scale_out", status="resumed")
+    assert resumed.instance_id == "w1" and "no load" in resumed.reason
+    assert not mesh.find("scale_out", status="partial") and len(mesh.act.of_type(LoadInstances)) == 2
+    # The worker answers; its Drain then returns "resumed": no unload, still in the location index.
+    mesh.act.finish_resume("w1")
+    mesh.act.finish_drain("w1", resumed=True)
+    mesh.drain_events()
+    assert ("w1", False) not in [(a.instance_id, a.present) for a in mesh.act.of_type(UpdateLocation)]
+    (result,) = mesh.find("drain_result")
+    assert result.status == "resumed" and result.instance_id == "w1"
+    await mesh.run(0.2)  # its reports (SERVING) agree
+    assert mesh.state("w1") == "SERVING" and not mesh.act.busy()

@@ -12,6 +12,7 @@ from services.global_manager.core.actions import (
     LoadInstances,
     MigrateRequests,
     Report,
+    ResumeInstance,
     UpdateLocation,
 )
 from services.global_manager.core.instances import Registry
@@ -237,3 +238,88 @@ def test_a_lost_warm_instance_is_forgotten() -> None:
 
 def vars_of(settings: ReconcileSettings) -> dict[str, object]:
     return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+
+
+# ---- a scale-out that takes back a scale-in ------------------------------------------------------
+
+
+def test_a_scale_out_takes_back_a_drain_in_flight_before_loading_an_idle_worker() -> None:
+    registry, _ = cluster(serving=3, idle=1)
+    rec = reconciler(max_instances=4)
+    for iid, running in (("w0", 2), ("w1", 1), ("w2", 3)):
+        registry.heartbeat(LoadSample(iid, 0.5, running=running))
+    busy: set[str] = set()
+    (victim,), _ = rec.scale_in(registry, busy, M, 1, "lull")
+    assert victim == "w1" and registry.get("w1").state is S.DRAINING and busy == {"w1"}
+    chosen, acts = rec.scale_out(registry, busy, M, 2, Role.COLOCATED, "burst")
+    # The draining instance first (it serves at once, no load), then the IDLE worker.
+    assert chosen == ["w1", "w3"]
+    assert of(acts, ResumeInstance) == [ResumeInstance("w1", M, "burst")]
+    assert of(acts, LoadInstances)[0].instance_ids == ("w3",)
+    assert registry.get("w1").state is S.SERVING and registry.get("w3").state is S.LOADING
+    assert [(r.status, r.instance_id) for r in of(acts, Report)] == [("resumed", "w1"), ("loading", "w3")]
+    # The worker answers, then its Drain says it was taken back: no unload, nothing kept warm.
+    assert rec.resume_finished(of(acts, ResumeInstance)[0], "") == [Count("resume", "ok")]
+    done = rec.drain_finished(registry, DrainInstance("w1", M, "lull"), "", finished=0, resumed=True)
+    assert Count("drain", "resumed") in done and not of(done, UpdateLocation)
+    assert registry.get("w1").state is S.SERVING and rec.warm == {} and not rec.resumable and not rec.resuming
+
+
+def test_only_a_pools_own_drains_of_that_model_and_role_are_taken_back() -> None:
+    registry, _ = cluster(serving=3, idle=0)
+    rec = reconciler(max_instances=4)
+    # An operator's drain of a named instance is final.
+    (named,), _ = rec.scale_in(registry, set(), M, 1, "maintenance", only={"w0"})
+    assert rec.scale_out(registry, {named}, M, 1, Role.COLOCATED, "burst") == ([], [])
+    # A drain of the pool is not taken by another role's scale-out, nor past max_instances.
+    (pooled,), _ = rec.scale_in(registry, {named}, M, 1, "lull")
+    busy = {named, pooled}
+    assert rec.scale_out(registry, busy, M, 1, Role.PREFILL, "burst") == ([], [])
+    assert rec.scale_out(registry, busy, "other", 1, Role.COLOCATED, "burst") == ([], [])
+    # One SERVING left: max_instances=1 leaves no room; 2 leaves room for the pool's drain only.
+    rec.settings = dataclasses.replace(rec.settings, max_instances=1)
+    assert rec.scale_out(registry, busy, M, 1, Role.COLOCATED, "burst") == ([], [])
+    rec.settings = dataclasses.replace(rec.settings, max_instances=2)
+    assert rec.scale_out(registry, busy, M, 2, Role.COLOCATED, "burst")[0] == [pooled]
+    assert registry.get(named).state is S.DRAINING
+    # A lost instance is forgotten, taken back or not.
+    (again,), _ = rec.scale_in(registry, busy, M, 1, "lull")
+    assert again in rec.resumable
+    rec.mark_lost(registry, again, "silent")
+    assert again not in rec.resumable and pooled in rec.resuming
+    rec.mark_lost(registry, pooled, "silent")
+    assert not rec.resuming
+
+
+def test_a_resume_that_comes_after_the_drain_finished_leaves_the_instance_idle() -> None:
+    registry, _ = cluster(serving=2, idle=0)
+    rec = reconciler(keep_warm_max_s=5.0)
+    rec.load_s[M] = 2.0
+    (victim,), acts = rec.scale_in(registry, set(), M, 1, "lull")
+    drain = of(acts, DrainInstance)[0]
+    (resume,) = of(rec.scale_out(registry, {victim}, M, 1, Role.COLOCATED, "burst")[1], ResumeInstance)
+    assert registry.get(victim).state is S.SERVING
+    # The worker had finished its drain and unloaded: its Drain answers "done", its Resume no.
+    done = rec.drain_finished(registry, drain, "", finished=1)
+    assert registry.get(victim).state is S.IDLE and rec.warm == {victim: M}
+    assert "the resume came after the drain had finished" in of(done, Report)[0].reason
+    refused = rec.resume_finished(resume, "FAILED_PRECONDITION: its drain is final")
+    assert Count("resume", "refused") in refused
+    assert [(r.status, r.instance_id) for r in of(refused, Report)] == [("resume_refused", victim)]
+    # The next scale-out loads it again (warm): the drain is no longer one to take back.
+    chosen, acts = rec.scale_out(registry, set(), M, 1, Role.COLOCATED, "burst")
+    assert chosen == [victim] and of(acts, LoadInstances) and not of(acts, ResumeInstance)
+
+
+def test_the_policy_takes_back_its_own_scale_in_when_load_returns() -> None:
+    registry, monitor = cluster(serving=2, idle=0)
+    rec = reconciler(pool_floors={Role.COLOCATED: 1})
+    observe(registry, monitor, 0.5, decode_tps=4)  # 8 tokens/s over 2: one instance is enough
+    drains = of(rec.reconcile(1.0, registry, Observations(monitor)), DrainInstance)
+    assert len(drains) == 1
+    victim = drains[0].instance_id
+    observe(registry, monitor, 1.5, decode_tps=15)  # the burst: 15 tokens/s on the one left, 2 wanted
+    actions = rec.reconcile(2.0, registry, Observations(monitor, busy=frozenset({victim})))
+    assert of(actions, ResumeInstance) == [ResumeInstance(victim, M, of(actions, ResumeInstance)[0].reason)]
+    assert not of(actions, LoadInstances) and Count("load", "short") not in actions
+    assert registry.get(victim).state is S.SERVING

@@ -135,6 +135,10 @@ def test_registry_full_lifecycle() -> None:
     hb = reg.heartbeat(LoadSample("w0", 5.0, running=2))
     assert hb.last_heartbeat_s == 5.0 and hb.load is not None and hb.load.running == 2
     assert reg.transition("w0", S.DRAINING).state is S.DRAINING
+    # A drain taken back: SERVING again with the model whole and its last report kept.
+    back = reg.transition("w0", S.SERVING)
+    assert (back.state, back.layers_loaded, back.load) == (S.SERVING, 4, hb.load)
+    assert reg.transition("w0", S.DRAINING).state is S.DRAINING
     idle = reg.transition("w0", S.IDLE)
     assert (idle.state, idle.layers_loaded, idle.load) == (S.IDLE, 0, None)
     assert [x.instance_id for x in reg.views(state=S.IDLE)] == ["w0"]
@@ -149,7 +153,7 @@ def test_registry_full_lifecycle() -> None:
         (S.LOADING, S.DRAINING),
         (S.SERVING, S.LOADING),
         (S.SERVING, S.IDLE),
-        (S.DRAINING, S.SERVING),
+        (S.DRAINING, S.LOADING),
         (S.LOST, S.SERVING),
         (S.LOST, S.LOADING),
         (S.SERVING, S.SERVING),

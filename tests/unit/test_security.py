@@ -76,7 +76,7 @@ def test_every_method_of_every_internal_service_has_a_row() -> None:
 
 
 def test_the_issue_rules_hold() -> None:
-    for method in ("LoadParameters", "Drain", "Unload"):
+    for method in ("LoadParameters", "Drain", "Resume", "Unload"):
         assert roles.allowed_roles(f"/blitzmesh.v1.Worker/{method}") == {roles.GLOBAL_MANAGER}
     for method in ("RegisterInstance", "Heartbeat"):
         assert roles.allowed_roles(f"/blitzmesh.v1.GlobalManager/{method}") == {roles.WORKER}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.replay.schedule import Arrival
 from bench.simulate.cluster import RunConfig, Simulation
 from bench.simulate.links import ClusterSpec
 from bench.simulate.profiles import PUBLISHED_PROFILES
@@ -70,3 +71,48 @@ def test_after_the_kept_time_or_with_it_off_the_load_moves_the_bytes() -> None:
     off = _sim(keep_warm_max_s=0.0)
     _, load_s = _drain_then_load(off, gap_s=1.0)
     assert load_s > 0.5 and off.warm_loads == 0 and off.warm_s == 0.0
+
+
+def test_a_drain_with_requests_on_it_is_taken_back_by_the_next_scale_out() -> None:
+    """The simulated worker does as the live one: a scale-out while a pool's drain still waits
+    for its requests ends the drain (no load, no transfer), the requests finish where they run,
+    and the instance serves on."""
+    sim = Simulation(
+        RunConfig(
+            name="resume",
+            profile=PROFILE,
+            cluster=ClusterSpec(hosts=2, gpus_per_host=1, hosts_per_leaf=2, rdma_gbps=100.0, host_nic_gbps=100.0),
+            arrivals=tuple(Arrival(i, 0.0, 256, 2000) for i in range(4)),
+            initial=2,
+            autoscale=False,
+            max_instances=2,
+            zigzag=False,
+        )
+    )
+    seen: dict[str, object] = {}
+
+    def scale_in() -> None:
+        (victim,), acts = sim.reconciler.scale_in(sim.registry, set(sim.actuator.busy()), MODEL, 1, "lull")
+        seen["victim"] = victim
+        seen["running"] = sim.workers[victim].empty
+        sim.actuator.execute(acts)
+
+    def scale_out() -> None:
+        victim = seen["victim"]
+        seen["draining"] = sim.registry.get(victim).state  # type: ignore[arg-type]
+        chosen, acts = sim.reconciler.scale_out(
+            sim.registry, set(sim.actuator.busy()), MODEL, 1, Role.COLOCATED, "burst"
+        )
+        seen["chosen"] = chosen
+        sim.actuator.execute(acts)
+
+    sim.loop.at(1.0, scale_in)
+    sim.loop.at(2.0, scale_out)
+    summary = sim.run()
+    victim = seen["victim"]
+    assert seen["running"] is False and seen["draining"] is InstanceState.DRAINING  # it held requests
+    assert seen["chosen"] == [victim]
+    assert summary["actions"]["drain:resumed"] == 1 and summary["actions"]["resume:ok"] == 1
+    assert "drain:ok" not in summary["actions"] and summary["loads"]["count"] == 0
+    assert sim.registry.get(victim).state is InstanceState.SERVING
+    assert all(r.outcome == "ok" and r.completion_tokens == 2000 for r in sim.records)

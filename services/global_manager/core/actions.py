@@ -12,7 +12,16 @@ import dataclasses
 
 from .types import Role
 
-__all__ = ["Action", "Count", "DrainInstance", "LoadInstances", "MigrateRequests", "Report", "UpdateLocation"]
+__all__ = [
+    "Action",
+    "Count",
+    "DrainInstance",
+    "LoadInstances",
+    "MigrateRequests",
+    "Report",
+    "ResumeInstance",
+    "UpdateLocation",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,6 +52,18 @@ class DrainInstance:
     model: str
     reason: str
     keep_warm_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResumeInstance:
+    """Take back the drain of `instance_id` (SERVING again in the registry from the decision
+    on): the worker ends its drain while the drain still waits for requests, and serves again
+    with the weights it holds; no load. If the drain has already finished, the worker refuses
+    and the drain's own outcome moves the instance on (`Reconciler.drain_finished`)."""
+
+    instance_id: str
+    model: str
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,4 +120,4 @@ class Count:
     outcome: str
 
 
-Action = LoadInstances | DrainInstance | UpdateLocation | MigrateRequests | Report | Count
+Action = LoadInstances | DrainInstance | ResumeInstance | UpdateLocation | MigrateRequests | Report | Count

@@ -13,7 +13,16 @@ import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from .actions import Action, Count, DrainInstance, LoadInstances, MigrateRequests, Report, UpdateLocation
+from .actions import (
+    Action,
+    Count,
+    DrainInstance,
+    LoadInstances,
+    MigrateRequests,
+    Report,
+    ResumeInstance,
+    UpdateLocation,
+)
 
 __all__ = ["ActionSink", "Actuator", "RecordingActuator"]
 
@@ -37,7 +46,15 @@ class ActionSink(Protocol):
         """The load on `iid` ended ("" error: done); the follow-ups to run."""
         ...
 
-    def drain_finished(self, drain: DrainInstance, error: str, finished: int, aborted: int) -> list[Action]: ...
+    def drain_finished(
+        self, drain: DrainInstance, error: str, finished: int, aborted: int, *, resumed: bool = False
+    ) -> list[Action]:
+        """The drain of `drain.instance_id` ended ("" error); `resumed`: a resume took it back."""
+        ...
+
+    def resume_finished(self, action: ResumeInstance, error: str) -> list[Action]:
+        """The worker answered a resume ("" error: it serves again)."""
+        ...
 
     def released(self, action: MigrateRequests, moved: int | None) -> list[Action]:
         """How many requests `action.source` let go (None: it could not be asked)."""
@@ -89,6 +106,7 @@ class RecordingActuator:
     actions: list[Action] = dataclasses.field(default_factory=list)
     loading: dict[str, LoadInstances] = dataclasses.field(default_factory=dict)
     draining: dict[str, DrainInstance] = dataclasses.field(default_factory=dict)
+    resuming: dict[str, ResumeInstance] = dataclasses.field(default_factory=dict)
     probes: dict[str, str] = dataclasses.field(default_factory=dict)  # instance id -> its probe's answer
     senders: set[str] = dataclasses.field(default_factory=set)  # what `sending` says: a test sets it
 
@@ -104,6 +122,8 @@ class RecordingActuator:
                     self.loading[iid] = action
             elif isinstance(action, DrainInstance):
                 self.draining[action.instance_id] = action
+            elif isinstance(action, ResumeInstance):
+                self.resuming[action.instance_id] = action
 
     def busy(self) -> frozenset[str]:
         return frozenset(self.loading) | frozenset(self.draining)
@@ -143,14 +163,23 @@ class RecordingActuator:
         del self.loading[iid]  # after the outcome, as a real actuator's task ends after it
         self.execute(follow)
 
-    def finish_drain(self, iid: str, error: str = "", finished: int = 0, aborted: int = 0) -> None:
+    def finish_drain(
+        self, iid: str, error: str = "", finished: int = 0, aborted: int = 0, *, resumed: bool = False
+    ) -> None:
+        """The drain of `iid` ends; `resumed`: a resume took it back (no location update, no
+        unload), as the worker's Drain answers once its Resume is in."""
         assert self.sink is not None
         drain = self.draining[iid]
-        if not error:
+        if not error and not resumed:
             self.actions.append(UpdateLocation(drain.model, iid, present=False))
-        follow = self.sink.drain_finished(drain, error, finished, aborted)
+        follow = self.sink.drain_finished(drain, error, finished, aborted, resumed=resumed)
         del self.draining[iid]
         self.execute(follow)
+
+    def finish_resume(self, iid: str, error: str = "") -> None:
+        """The worker answers the resume of `iid` ("" error: it serves again)."""
+        assert self.sink is not None
+        self.execute(self.sink.resume_finished(self.resuming.pop(iid), error))
 
     def finish_release(self, action: MigrateRequests, moved: int | None) -> None:
         assert self.sink is not None

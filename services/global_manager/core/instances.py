@@ -1,7 +1,7 @@
 """Instance registry: the lifecycle state machine of every worker the manager knows.
 
 Lifecycle: IDLE -> LOADING -> SERVING -> DRAINING -> IDLE; LOADING -> IDLE when a load fails;
-any state -> LOST; LOST -> IDLE when
+DRAINING -> SERVING when a scale-out takes a drain back before it finishes; any state -> LOST; LOST -> IDLE when
 the worker registers again. Anything else raises `IllegalTransitionError` naming both states.
 Routing (`routing.py`) only ever picks SERVING instances: LOADING ones are reached through the
 zigzag planner, DRAINING ones take no new work, IDLE ones hold no model and LOST ones are gone.
@@ -29,7 +29,8 @@ _NEXT: dict[InstanceState, frozenset[InstanceState]] = {
     # LOADING -> IDLE is the rollback of a failed load (bad checksum, no room, timeout).
     S.LOADING: frozenset({S.SERVING, S.IDLE, S.LOST}),
     S.SERVING: frozenset({S.DRAINING, S.LOST}),
-    S.DRAINING: frozenset({S.IDLE, S.LOST}),
+    # DRAINING -> SERVING: a scale-out resumes an instance whose drain still waits (no reload).
+    S.DRAINING: frozenset({S.IDLE, S.SERVING, S.LOST}),
     S.LOST: frozenset({S.IDLE}),
 }
 

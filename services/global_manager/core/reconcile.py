@@ -23,7 +23,16 @@ import math
 import re
 from collections.abc import Collection, Mapping
 
-from .actions import Action, Count, DrainInstance, LoadInstances, MigrateRequests, Report, UpdateLocation
+from .actions import (
+    Action,
+    Count,
+    DrainInstance,
+    LoadInstances,
+    MigrateRequests,
+    Report,
+    ResumeInstance,
+    UpdateLocation,
+)
 from .decisions import DecisionThrottle, bounded_delta
 from .instances import Registry
 from .load_monitor import LoadMonitor
@@ -155,6 +164,11 @@ class Reconciler:
         # by a scale-out of that model, and the loads handed to them (their time is no reload's).
         self.warm: dict[str, str] = {}
         self.warm_loads: set[str] = set()
+        # Drains of a pool's scale-in still in flight (instance -> model), which a scale-out of
+        # that model may take back (`ResumeInstance`), and the ones it took back, whose drain's
+        # outcome says whether the worker heard in time.
+        self.resumable: dict[str, str] = {}
+        self.resuming: set[str] = set()
 
     # ---- one tick -------------------------------------------------------------------------
     def reconcile(self, now_s: float, registry: Registry, observations: Observations) -> list[Action]:
@@ -185,6 +199,8 @@ class Reconciler:
         model = registry.get(iid).model
         registry.mark_lost(iid)
         self.warm.pop(iid, None)
+        self.resumable.pop(iid, None)
+        self.resuming.discard(iid)
         actions: list[Action] = [Report("instance_lost", "-", "LOST", reason, iid)]
         if model:
             actions.append(UpdateLocation(model, iid, present=False))
@@ -293,7 +309,8 @@ class Reconciler:
                         "scale_out",
                         model,
                         "partial",
-                        f"wanted {delta} more {role.value} instances, assigned {len(chosen)}: no more IDLE workers",
+                        f"wanted {delta} more {role.value} instances, assigned {len(chosen)}: no more IDLE workers"
+                        " nor drains to take back",
                     )
                 )
         elif delta < 0:
@@ -348,15 +365,27 @@ class Reconciler:
         only: Collection[str] | None = None,
         unhealthy: Collection[str] = (),
     ) -> tuple[list[str], list[Action]]:
-        """Assign up to n IDLE workers (of `only` when given, none of `busy` or `exclude`) to
-        `model` as `role`, within `max_instances` (`unhealthy` instances take no room: they are
-        about to leave): they are LOADING from here on, and `busy` holds them. Returns their ids
-        and the actions (one `LoadInstances` for the batch)."""
+        """Assign up to n instances to `model` as `role`, within `max_instances` (`unhealthy`
+        instances take no room: they are about to leave). First the pool's own drains still in
+        flight (none of `exclude`; not with `only`): they serve again at once, SERVING from here
+        on (`ResumeInstance`); then IDLE workers (of `only` when given, none of `busy` or
+        `exclude`): LOADING from here on, and `busy` holds them. Returns their ids and the
+        actions (one `LoadInstances` for the batch)."""
         room = max(0, self.settings.max_instances - len(live(registry, model, unhealthy=unhealthy)))
+        actions: list[Action] = []
+        resumed: list[str] = []
+        if only is None:
+            resumed = self._resumable(registry, model, role, exclude)[: min(n, room)]
+        for iid in resumed:
+            registry.transition(iid, S.SERVING)
+            del self.resumable[iid]
+            self.resuming.add(iid)
+            actions.append(Report("scale_out", model, "resumed", reason + " (its drain taken back: no load)", iid))
+            actions.append(ResumeInstance(iid, model, reason))
+        n, room = n - len(resumed), room - len(resumed)
         candidates = [v for v in registry.views(state=S.IDLE) if only is None or v.instance_id in only]
         warm = {iid for iid, m in self.warm.items() if m == model}
         idle = choose_idle(candidates, min(n, room), role, {*busy, *exclude}, warm=warm)
-        actions: list[Action] = []
         for v in idle:
             registry.transition(v.instance_id, S.LOADING, model=model, role=role)
             busy.add(v.instance_id)
@@ -368,7 +397,19 @@ class Reconciler:
         ids = tuple(v.instance_id for v in idle)
         if ids:
             actions.append(LoadInstances(model, role, ids, reason, attempt=attempt, tried=exclude))
-        return list(ids), actions
+        return [*resumed, *ids], actions
+
+    def _resumable(self, registry: Registry, model: str, role: Role, exclude: Collection[str]) -> list[str]:
+        """The pool's drains a scale-out may take back, busiest first (the most requests still
+        on it: the furthest from finishing, and the most its resume keeps where they run)."""
+        views = [
+            registry.get(iid)
+            for iid, m in self.resumable.items()
+            if m == model and iid in registry and iid not in exclude
+        ]
+        views = [v for v in views if v.state is S.DRAINING and v.role is role]
+        views.sort(key=lambda v: (-(v.load.running + v.load.waiting if v.load else 0), v.instance_id))
+        return [v.instance_id for v in views]
 
     def scale_in(
         self,
@@ -384,7 +425,8 @@ class Reconciler:
     ) -> tuple[list[str], list[Action]]:
         """Drain the n least-loaded SERVING instances of `model` (of `role` if given, among
         `only` if given) that no action owns, leaving at least `keep_serving` SERVING. Returns
-        their ids and actions."""
+        their ids and actions. A pool's scale-in (no `only`) may be taken back by a scale-out
+        while its drains wait; drains of named instances (an operator's) are final."""
         chosen: list[str] = []
         actions: list[Action] = []
         order = scale_in_order(
@@ -404,6 +446,8 @@ class Reconciler:
             actions.append(Report("scale_in", model, "draining", reason + note, victim.instance_id))
             actions.append(DrainInstance(victim.instance_id, model, reason, keep_warm_s=keep_s))
             chosen.append(victim.instance_id)
+            if only is None:
+                self.resumable[victim.instance_id] = model
         return chosen, actions
 
     def keep_warm_s(self, model: str) -> float:
@@ -487,23 +531,61 @@ class Reconciler:
         return [*actions, Count("load", "rolled_back"), Report("scale_out", load.model, "rolled_back", reason, iid)]
 
     def drain_finished(
-        self, registry: Registry, drain: DrainInstance, error: str, finished: int = 0, aborted: int = 0
+        self,
+        registry: Registry,
+        drain: DrainInstance,
+        error: str,
+        finished: int = 0,
+        aborted: int = 0,
+        *,
+        resumed: bool = False,
     ) -> list[Action]:
-        """A drain ended: IDLE (unloaded; with `keep_warm_s`, holding the weights until then), or
-        on failure the worker's own reports decide where it is (SERVING again, or LOST)."""
+        """A drain ended: IDLE (unloaded; with `keep_warm_s`, holding the weights until then);
+        `resumed`: taken back, SERVING; on failure the worker's own reports decide where it is
+        (SERVING again, or LOST). A drain that finished although a scale-out took it back (the
+        worker heard the resume too late) leaves the instance IDLE all the same."""
         iid = drain.instance_id
+        self.resumable.pop(iid, None)
+        took_back = iid in self.resuming
+        self.resuming.discard(iid)
         if error:
             return [
                 Count("drain", "failed"),
                 Report("drain_result", drain.model, "failed", f"{error}; following the worker's reports", iid),
             ]
-        if iid in registry and registry.get(iid).state is S.DRAINING:
+        state = registry.get(iid).state if iid in registry else None
+        if resumed:
+            if state is S.DRAINING:
+                registry.transition(iid, S.SERVING)
+            return [
+                Count("drain", "resumed"),
+                Report("drain_result", drain.model, "resumed", f"taken back, serving again; finished={finished}", iid),
+            ]
+        note = ""
+        if state is S.SERVING and took_back:
+            # The resume came after the drain had finished: the worker has unloaded.
+            registry.transition(iid, S.DRAINING)
+            state = S.DRAINING
+            note = "; the resume came after the drain had finished"
+        if state is S.DRAINING:
             registry.transition(iid, S.IDLE)
             if drain.keep_warm_s > 0:
                 self.warm[iid] = drain.model
         return [
             Count("drain", "ok"),
-            Report("drain_result", drain.model, "idle", f"finished={finished} aborted={aborted}", iid),
+            Report("drain_result", drain.model, "idle", f"finished={finished} aborted={aborted}{note}", iid),
+        ]
+
+    def resume_finished(self, action: ResumeInstance, error: str) -> list[Action]:
+        """The worker answered a `ResumeInstance` ("" error: serving again). A refusal is only
+        reported: the drain's own outcome moves the instance on (`drain_finished`)."""
+        if not error:
+            return [Count("resume", "ok")]
+        return [
+            Count("resume", "refused"),
+            Report(
+                "scale_out", action.model, "resume_refused", f"{error}; its drain's outcome decides", action.instance_id
+            ),
         ]
 
 
