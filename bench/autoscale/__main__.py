@@ -689,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         "slo": {"ttft_s": args.ttft_slo_s, "tbt_mean_s": args.tbt_slo_s},
         "machine": {"cpus": 2, "python": sys.version.split()[0], "platform": platform.platform()},
         "decision_log": log_path.name,
+        "decision_logs_of_later_repeats": f"{log_path.stem}_r<repeat>.csv",
         "plot": plot_path.name,
     }
     result["setup"]["rebalance"] = args.rebalance
@@ -712,6 +713,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     log_path.write_text("\n".join(decision_log(auto_events)) + "\n")
+    for i, rep in enumerate(repeats[1:], start=2):  # the later repeats' logs beside the first's
+        if "autoscaled" in rep:
+            rep_log = log_path.with_name(f"{log_path.stem}_r{i}.csv")
+            rep_log.write_text("\n".join(decision_log(rep["autoscaled"]["events"])) + "\n")
     if "autoscaled_bounds" in runs:
         bounds_log = log_path.with_name(log_path.stem + "_bounds.csv")
         bounds_log.write_text("\n".join(decision_log(runs["autoscaled_bounds"]["events"])) + "\n")

@@ -495,10 +495,10 @@ class HeteroScalePolicy(_PolicyBase):
             self._waits.popleft()
         slope = 0.0
         if math.isfinite(wait_s):
-            old_enough = [(t0_s, w0_s) for t0_s, w0_s in self._waits if now_s - t0_s >= window_s / 4]
-            if old_enough:
-                t0_s, w0_s = old_enough[-1]
-                slope = (wait_s - w0_s) / (now_s - t0_s)
+            for t0_s, w0_s in reversed(self._waits):  # the latest old enough
+                if now_s - t0_s >= window_s / 4:
+                    slope = (wait_s - w0_s) / (now_s - t0_s)
+                    break
             self._waits.append((now_s, wait_s))
         return slope
 
