@@ -37,24 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import Simulation
-from .scenarios import PD_VARIANTS, SCENARIOS, VARIANTS, build_runs
+from .scenarios import PD_VARIANTS, SCENARIOS, VARIANTS, build_runs, heteroscale_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _overrides(items: list[str]) -> dict[str, Any]:
-    """`KEY=JSON` pairs as a dict; a pair without `=` or with a value that is not JSON is refused
-    with the pair quoted."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--heteroscale takes KEY=JSON, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"--heteroscale {item!r}: the value is not JSON ({e.msg})") from e
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     sc = SCENARIOS[args.scenario]
     variants = sc.variants if args.variants is None else tuple(v for v in args.variants.split(",") if v)
     runs, meta = build_runs(sc, variants, seed=args.seed)
-    overrides = _overrides(args.heteroscale)
+    overrides = heteroscale_overrides(args.heteroscale)
     if overrides:
         runs = [
             dataclasses.replace(r, policy_params={**r.policy_params, **overrides}) if r.policy == "heteroscale" else r

@@ -47,7 +47,16 @@ from bench.replay.trace import read_azure_trace
 from .cluster import RunConfig, Simulation
 from .links import ClusterSpec
 from .profiles import PUBLISHED_PROFILES
-from .scenarios import FULL_SIZE, TARGET_UTILIZATION, TRACES, Scenario, build_runs, burst, overlay
+from .scenarios import (
+    FULL_SIZE,
+    TARGET_UTILIZATION,
+    TRACES,
+    Scenario,
+    build_runs,
+    burst,
+    heteroscale_overrides,
+    overlay,
+)
 
 __all__ = ["VARIANTS", "live8b_runs", "main", "run_variant"]
 
@@ -269,12 +278,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gbps", type=float, default=DEFAULT_GBPS, help="RDMA and host NIC bandwidth of the main table")
     p.add_argument("--sweep", default=",".join(f"{g:g}" for g in SWEEP_GBPS), help="Gbps values; '' for none")
     p.add_argument("--seeds", default=",".join(str(x) for x in SEEDS), help="trace rotations for the seed check")
+    p.add_argument(
+        "--heteroscale",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override one HeteroScale parameter of every autoscaled run, e.g. queue_project_min_s=0.125 "
+        "(repeatable; on top of the scenario's own overrides, and recorded in the JSON)",
+    )
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "simulate_live8b.json")
     args = p.parse_args(argv)
     wall = time.perf_counter()
+    extra = heteroscale_overrides(args.heteroscale)
+    over = {**POLICY_OVERRIDES, **extra}
     arrivals = live8b_arrivals(0)
     variants = tuple(v for v in args.variants.split(",") if v)
-    runs, meta = live8b_runs(variants, args.gbps, 0, arrivals)
+    runs, meta = live8b_runs(variants, args.gbps, 0, arrivals, policy_overrides=over)
     profile = runs[0].profile
     sc = scenario(args.gbps, arrivals)
     result: dict[str, Any] = {
@@ -300,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     # The same at other trace rotations: how much of a difference is the run's own noise.
     result["seeds"] = []
     for seed in [int(x) for x in args.seeds.split(",") if x]:
-        pair, _ = live8b_runs(PAIR, args.gbps, seed)
+        pair, _ = live8b_runs(PAIR, args.gbps, seed, policy_overrides=over)
         result["seeds"].append(_run_pair(pair, {"seed": seed}, f"seed{seed}@{args.gbps:g}"))
 
     per_seed = [row["ratios"].get("p99_zigzag_over_stop_the_world") for row in result["seeds"]]
@@ -311,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     # The load time: link bandwidth per GPU NIC and host NIC.
     result["sweep"] = []
     for gbps in [float(g) for g in args.sweep.split(",") if g]:
-        pair, _ = live8b_runs(SWEEP_PAIR, gbps, 0, arrivals)
+        pair, _ = live8b_runs(SWEEP_PAIR, gbps, 0, arrivals, policy_overrides=over)
         row = {"gbps": gbps, "one_link_16gb_s": round(16.06e9 * 8 / (gbps * 1e9), 2)}
         result["sweep"].append(_run_pair(pair, row, f"sweep@{gbps:g}"))
 
@@ -319,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     # loading while every SERVING instance is overloaded.
     result["policy_default"] = []
     for seed in [int(x) for x in args.seeds.split(",") if x]:
-        pair, _ = live8b_runs(PAIR, args.gbps, seed, policy_overrides={})
-        row = {"seed": seed, "policy_overrides": {}}
+        pair, _ = live8b_runs(PAIR, args.gbps, seed, policy_overrides=extra)
+        row = {"seed": seed, "policy_overrides": extra}
         result["policy_default"].append(_run_pair(pair, row, f"policy_default seed{seed}@{args.gbps:g}"))
 
     result["sim_wall_s"] = round(time.perf_counter() - wall, 1)

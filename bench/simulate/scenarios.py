@@ -23,6 +23,7 @@ bench/results/simulator.json `wall_s_1h_1000` (`Scenario.wall_key`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 from collections.abc import Callable
@@ -366,3 +367,18 @@ def _pd_runs(
     if unknown:
         raise ValueError(f"unknown variants {unknown!r}; known: {sorted(table)!r}")
     return [table[v] for v in variants]
+
+
+def heteroscale_overrides(items: list[str]) -> dict[str, Any]:
+    """`--heteroscale KEY=JSON` pairs as a dict; a pair without `=` or with a value that is not
+    JSON is refused with the pair quoted."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--heteroscale takes KEY=JSON, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--heteroscale {item!r}: the value is not JSON ({e.msg})") from e
+    return out

@@ -245,7 +245,42 @@ def test_no_scale_in_while_the_queued_prompts_wait_grows_even_below_the_target()
     assert unheld.decide(0.5, queued(10, 10_000, tps=100.0)).action == "scale_in"
 
 
-@pytest.mark.parametrize(("field", "bad"), [("queue_lead_s", -1.0), ("queue_slope_window_s", 0.0)])
+def test_a_wait_below_the_target_that_will_pass_it_within_a_load_fires_early() -> None:
+    """With the projection on: 0.3 s of wait at 0.5 s, from none at 0 s, is under the 1 s
+    target, but gaining 0.6 s per second it is 1.5 s by the time a 2 s load ends. Fired now,
+    sized as the arrivals growth (1 + 0.6 + 1.5 / 1), instead of once the wait itself is past."""
+    p = policy(queue_target_s=1.0, queue_max_factor=20.0, queue_project_min_s=0.125)
+    p.decide(0.0, queued(10, 0))
+    d = p.decide(0.5, queued(10, 6_000))
+    assert d.action == "scale_out" and d.extra["queue_factor"] == pytest.approx(3.1) and d.instances_to == 31
+    assert "wait 0.3s at 20000 tokens/s, rising 0.6s/s: 1.5s in 2s > 1s" in d.reason
+    # A flat wait under the target stays quiet; so does the projection off (the default), or
+    # drain's growth.
+    flat = policy(queue_target_s=1.0, queue_project_min_s=0.125)
+    flat.decide(0.0, queued(10, 6_000))
+    assert flat.decide(0.5, queued(10, 6_000)).action == "no_change"
+    for off in (
+        policy(queue_target_s=1.0),
+        policy(queue_target_s=1.0, queue_project_min_s=0.125, queue_growth="drain"),
+    ):
+        off.decide(0.0, queued(10, 0))
+        assert off.decide(0.5, queued(10, 6_000)).action == "no_change"
+
+
+def test_a_start_up_ripple_under_the_projection_floor_does_not_fire() -> None:
+    """0.12 s of wait gaining 0.24 s/s projects to 0.6 s, past the 0.5 s target, but a wait under
+    the 0.125 s floor is a few prompts on a fresh pool, not a burst; a lower floor lets it fire."""
+    low = policy(queue_project_min_s=0.125)
+    low.decide(0.0, queued(10, 0))
+    assert low.decide(0.5, queued(10, 2_400)).action == "no_change"
+    lower = policy(queue_project_min_s=0.1)
+    lower.decide(0.0, queued(10, 0))
+    assert lower.decide(0.5, queued(10, 2_400)).action == "scale_out"
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"), [("queue_lead_s", -1.0), ("queue_slope_window_s", 0.0), ("queue_project_min_s", -0.1)]
+)
 def test_bad_slope_settings_are_refused(field: str, bad: float) -> None:
     with pytest.raises(ValueError, match=field):
         HeteroScaleConfig(**{field: bad})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.simulate.__main__ import _overrides
+from bench.simulate.scenarios import heteroscale_overrides as _overrides
 
 
 def test_pairs_parse_as_json_values() -> None:
