@@ -250,7 +250,7 @@ async def run_all(
                 zigzag_before = await _gateway_counter(mesh, "blitzmesh_gateway_zigzag_total")
                 routes_before = await _gateway_counter(mesh, "blitzmesh_gm_schedule_total", "global_manager")
                 continued_before = await _zigzag_continued(admin, args.model)
-                result = await _replay(mesh, arrivals, args, drain_timeout_s)
+                result = await _replay(mesh, arrivals, args, drain_timeout_s, seed=PROMPT_SEEDS.get(name, 0))
                 summary = summarize(result.records, result.instances, result.duration_s, slo)
                 zigzag_after = await _gateway_counter(mesh, "blitzmesh_gateway_zigzag_total")
                 routes_after = await _gateway_counter(mesh, "blitzmesh_gm_schedule_total", "global_manager")
@@ -303,7 +303,17 @@ async def run_all(
     return runs
 
 
-async def _replay(mesh: Mesh, arrivals: list[Any], args: argparse.Namespace, drain_timeout_s: float) -> Any:
+# The token ids each replay draws its prompts from (the same lengths and times, other ids). The
+# runs share a mesh, and an instance kept across a resize keeps its prefix cache: with one seed
+# for every run (until 2026-11-29), a later run found the KV of an earlier run's identical
+# prompts on the instances it kept, and the warm-up's on its first 24 requests. Other callers of
+# `run_all` (bench.live_scaling: a fresh mesh per setup, no warm-up) keep seed 0.
+PROMPT_SEEDS = {"warm-up": 100, "autoscaled": 1, "fixed_average": 2, "fixed_peak": 3, "autoscaled_bounds": 4}
+
+
+async def _replay(
+    mesh: Mesh, arrivals: list[Any], args: argparse.Namespace, drain_timeout_s: float, *, seed: int
+) -> Any:
     return await replay(
         arrivals,
         http_url=mesh.gateway_http,
@@ -312,6 +322,7 @@ async def _replay(mesh: Mesh, arrivals: list[Any], args: argparse.Namespace, dra
         request_timeout_s=60.0,
         drain_timeout_s=drain_timeout_s,
         vocab_size=args.vocab_size,
+        seed=seed,
     )
 
 
@@ -337,7 +348,7 @@ async def _warm_up(
     await _resize(admin, args.model, peak)
     await _settle(admin, args.model, peak, timeout_s=90)
     started = time.perf_counter()
-    await _replay(mesh, arrivals[:WARMUP_REQUESTS], args, drain_timeout_s)
+    await _replay(mesh, arrivals[:WARMUP_REQUESTS], args, drain_timeout_s, seed=PROMPT_SEEDS["warm-up"])
     print(
         f"warm-up: {WARMUP_REQUESTS} requests on {peak} instances in {time.perf_counter() - started:.1f}s", flush=True
     )
@@ -697,6 +708,11 @@ def main(argv: list[str] | None = None) -> int:
     result["setup"]["zigzag_dispatch"] = args.zigzag_dispatch
     result["setup"]["link_gbps"] = args.link_gbps
     result["setup"]["warmup"] = f"{WARMUP_REQUESTS} requests on the peak pool, per mesh" if args.warmup else "none"
+    result["setup"]["prompt_seeds"] = {
+        **PROMPT_SEEDS,
+        "meaning": "each run, and the warm-up, replays prompts of its own token ids (same lengths and times): "
+        "no run finds another's prompts in the prefix cache of an instance kept across a resize",
+    }
     result["setup"]["max_batch_size"] = args.max_batch_size or "worker default (32)"
     result["setup"]["max_num_tokens"] = args.max_num_tokens or "worker default (2048)"
     if ab_result is not None:

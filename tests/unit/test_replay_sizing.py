@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from bench.autoscale.__main__ import autoscale_targets, decision_log, parse_args, warm_instance_seconds
@@ -136,3 +138,29 @@ def test_warm_instance_seconds_run_from_the_drain_to_the_reload_or_the_keep_time
     assert kept_warm_s(keeps) == 2.0 and kept_warm_s("SCALE_IN: nothing kept") == 0.0
     assert warm_instance_seconds(events, end_s=40.0) == pytest.approx(0.5 + 2.0 + 0.5)
     assert warm_instance_seconds([], end_s=40.0) == 0.0
+
+
+def test_no_run_replays_a_prompt_block_another_run_or_the_warm_up_cached() -> None:
+    """The runs share a mesh, and an instance kept across a resize keeps its prefix cache: each
+    run (and the warm-up) draws its prompts from its own seed, so no 16-token block of one run's
+    prompts is a block another replay already computed."""
+    from bench.autoscale.__main__ import PROMPT_SEEDS
+    from bench.replay.runner import prompt_ids
+
+    lengths = [16 * k + 5 for k in range(1, 40)]  # whole blocks and a tail, as the quick trace's prompts
+
+    def blocks(seed: int) -> set[tuple[int, ...]]:
+        rng = random.Random(seed)
+        out: set[tuple[int, ...]] = set()
+        for n in lengths:
+            ids = prompt_ids(n, 2048, rng)
+            out |= {tuple(ids[: i + 16]) for i in range(0, n - 15, 16)}  # a block's key is its whole prefix
+        return out
+
+    seeds = list(PROMPT_SEEDS.values())
+    assert len(set(seeds)) == len(seeds)
+    seen = [blocks(s) for s in seeds]
+    for i in range(len(seen)):
+        for j in range(i + 1, len(seen)):
+            assert not seen[i] & seen[j], (seeds[i], seeds[j])
+    assert blocks(seeds[0]) == seen[0]  # deterministic: a rerun replays the same prompts
