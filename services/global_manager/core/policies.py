@@ -481,33 +481,30 @@ class HeteroScalePolicy(_PolicyBase):
             at = f"{pool.prefill_tps:.0f} tokens/s"
         slope = self._wait_slope(now_s, wait_s)
         rising = slope > 0 and wait_s > 0
-        if wait_s <= cfg.queue_target_s:
-            projected_s = wait_s + max(0.0, slope) * cfg.queue_lead_s
-            floor_s = cfg.queue_project_min_s
-            if (
-                cfg.queue_growth != "arrivals"
-                or floor_s is None
-                or wait_s < floor_s
-                or projected_s <= cfg.queue_target_s
-            ):
-                return None, rising
+        gain = max(0.0, slope)
+        projected_s = wait_s + gain * cfg.queue_lead_s  # the wait once new instances could have loaded
+        arrivals = cfg.queue_growth == "arrivals"
+        floor_s = cfg.queue_project_min_s
+        if wait_s > cfg.queue_target_s:
+            why = f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {at} > {_g(cfg.queue_target_s)}s"
+            if arrivals and gain > 0:
+                why = f"{why}, rising {_g(gain)}s/s"
+        elif arrivals and floor_s is not None and wait_s >= floor_s and projected_s > cfg.queue_target_s:
             why = (
-                f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {at}, rising {_g(slope)}s/s: "
+                f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {at}, rising {_g(gain)}s/s: "
                 f"{_g(projected_s)}s in {_g(cfg.queue_lead_s)}s > {_g(cfg.queue_target_s)}s"
             )
-            growth = 1.0 + slope + projected_s / cfg.queue_target_s
-            return (min(cfg.queue_max_factor, growth), why), rising
-        growth = wait_s / cfg.queue_target_s
-        why = f"QUEUE: {queued:.0f} prompt tokens queued wait {_g(wait_s)}s at {at} > {_g(cfg.queue_target_s)}s"
-        if cfg.queue_growth == "drain":
-            growth += 1.0  # keep up with the pool's load (it is all served at capacity) and drain the backlog
-        elif cfg.queue_growth == "arrivals":
+        else:
+            return None, rising
+        if cfg.queue_growth == "wait":
+            growth = wait_s / cfg.queue_target_s
+        elif cfg.queue_growth == "drain":
+            # Keep up with the pool's load (it is all served at capacity) and drain the backlog.
+            growth = 1.0 + wait_s / cfg.queue_target_s
+        else:
             # Keep up with the arrivals (a saturated pool's wait grows at arrivals / capacity - 1) and
             # drain, within the target, the backlog there will be when the new instances have loaded.
-            gain = max(0.0, slope)
-            growth = 1.0 + gain + (wait_s + gain * cfg.queue_lead_s) / cfg.queue_target_s
-            if gain > 0:
-                why = f"{why}, rising {_g(gain)}s/s"
+            growth = 1.0 + gain + projected_s / cfg.queue_target_s
         return (min(cfg.queue_max_factor, growth), why), rising
 
     def _wait_slope(self, now_s: float, wait_s: float) -> float:
