@@ -18,11 +18,13 @@ from blitzmesh.types import (
     ClusterEvent,
     ClusterState,
     Completion,
+    EngineInfo,
     EspGroup,
     FinishReason,
     InstanceInfo,
     InstanceRole,
     InstanceState,
+    KernelChoice,
     LoadReport,
     ModelInfo,
     PolicyState,
@@ -482,6 +484,7 @@ def instance_info_to_proto(info: InstanceInfo) -> common_pb2.InstanceInfo:
         dataplane_kind=info.dataplane_kind,
         last_heartbeat_age_s=info.last_heartbeat_age_s,
         memory_budget_bytes=info.memory_budget_bytes,
+        engine=engine_info_to_proto(info.engine) if info.engine is not None else None,
     )
 
 
@@ -500,6 +503,50 @@ def instance_info_from_proto(msg: common_pb2.InstanceInfo) -> InstanceInfo:
         dataplane_kind=msg.dataplane_kind,
         last_heartbeat_age_s=msg.last_heartbeat_age_s,
         memory_budget_bytes=msg.memory_budget_bytes,
+        engine=engine_info_from_proto(msg.engine) if msg.HasField("engine") else None,
+    )
+
+
+def engine_info_to_proto(e: EngineInfo) -> common_pb2.EngineInfo:
+    return common_pb2.EngineInfo(
+        requested_dtype=e.requested_dtype,
+        dtype=e.dtype,
+        dtype_reason=e.dtype_reason,
+        kernel_mode=e.kernel_mode,
+        isa=e.isa,
+        machine_isa=e.machine_isa,
+        kernels=[
+            common_pb2.KernelChoice(
+                op=k.op, impl=k.impl, isa=k.isa, reason=k.reason, native_ms=k.native_ms, torch_ms=k.torch_ms
+            )
+            for k in e.kernels
+        ],
+        plan_cached=e.plan_cached,
+        plan_measured_s=e.plan_measured_s,
+    )
+
+
+def engine_info_from_proto(msg: common_pb2.EngineInfo) -> EngineInfo:
+    return EngineInfo(
+        requested_dtype=msg.requested_dtype,
+        dtype=msg.dtype,
+        dtype_reason=msg.dtype_reason,
+        kernel_mode=msg.kernel_mode,
+        isa=msg.isa,
+        machine_isa=msg.machine_isa,
+        kernels=tuple(
+            KernelChoice(
+                op=k.op,
+                impl=k.impl,
+                isa=k.isa,
+                reason=k.reason,
+                native_ms=k.native_ms if k.HasField("native_ms") else None,
+                torch_ms=k.torch_ms if k.HasField("torch_ms") else None,
+            )
+            for k in msg.kernels
+        ),
+        plan_cached=msg.plan_cached,
+        plan_measured_s=msg.plan_measured_s,
     )
 
 

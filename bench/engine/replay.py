@@ -71,7 +71,7 @@ async def _one(
     end = time.perf_counter()
     if first is None:
         return {"error": "no token streamed"}
-    return {"ttft_s": first - start, "e2e_s": end - start, "chunks": tokens}
+    return {"ttft_s": first - start, "e2e_s": end - start, "end_s": end - t0, "chunks": tokens}
 
 
 def prefill(url: str, model: str, prompt_tokens: int, requests: int, seed: int = 1) -> dict[str, Any]:
@@ -131,4 +131,6 @@ def replay_minute(url: str, model: str, minute: list[list[float]], span_s: float
         "ttft_p50_s": _rounded(percentile(ttfts, 0.50)),
         "ttft_p99_s": _rounded(percentile(ttfts, 0.99)),
         "e2e_p50_s": _rounded(percentile([r["e2e_s"] for r in ok], 0.50)),
+        # From the first scheduled arrival until the last request's last token.
+        "drain_s": _rounded(max((r["end_s"] for r in ok), default=None)),
     }

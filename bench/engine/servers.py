@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,24 +95,48 @@ class Server:
         self.stop()
 
 
+# Blitzmesh's variants: the kernels as shipped (measured choice at the machine's best level), the
+# same capped at AVX2 (differs only on an AVX-512 machine), and torch's path for every op.
+VARIANTS: dict[str, dict[str, str]] = {
+    "auto": {"BLITZMESH_KERNELS": "auto"},
+    "auto_avx2": {"BLITZMESH_KERNELS": "auto", "BLITZMESH_CPU_ISA": "avx2"},
+    "torch": {"BLITZMESH_KERNELS": "torch"},
+}
+
+
 class BlitzServer(Server):
-    """The mesh as `make up` runs it, with one worker (so no autoscaling), prefix caching off."""
+    """The mesh as `make up` runs it, with one worker (so no autoscaling), prefix caching off,
+    the kernels of one of `VARIANTS`."""
 
-    name = "blitzmesh"
-
-    def __init__(self, model_dir: Path, dtype: str) -> None:
+    def __init__(self, model_dir: Path, dtype: str, variant: str = "auto") -> None:
+        self.name = f"blitzmesh_{variant}"
         super().__init__()
         self.model_dir = model_dir
         self.dtype = dtype
+        self.variant = variant
+        self.grpc_port = free_port()
         self.run_dir = Path(tempfile.mkdtemp(prefix="bench-engine-mesh-"))
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         return [
             sys.executable, "-m", "services.mesh", "--workers", "1", "--no-autoscale",
             "--model-dir", str(self.model_dir.parent), "--run-dir", str(self.run_dir),
-            "--http-port", str(self.port), "--grpc-port", str(free_port()),
+            "--http-port", str(self.port), "--grpc-port", str(self.grpc_port),
             f"--worker-arg=--dtype={self.dtype}", "--worker-arg=--no-enable-prefix-caching",
-        ], {}  # fmt: skip
+        ], VARIANTS[self.variant]  # fmt: skip
+
+    def engine_info(self) -> dict[str, Any] | None:
+        """What the worker computes with (dtype, level, each op's kernel and its timings), as
+        `blitzmesh status --json` shows it; None if no instance reports one."""
+        import blitzmesh
+        from blitzmesh.cli import as_json
+
+        with blitzmesh.Client(f"127.0.0.1:{self.grpc_port}", timeout_s=10) as client:
+            state = client.cluster()
+        for inst in state.instances:
+            if inst.engine is not None:
+                return dict(json.loads(as_json(inst.engine)))
+        return None
 
     def __enter__(self) -> BlitzServer:
         self.start(self.model_dir.name, timeout_s=300)

@@ -531,6 +531,7 @@ class InstanceInfo(_message.Message):
     DATAPLANE_KIND_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _builtins.int
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     address: _builtins.str
     """gRPC host:port of the worker"""
@@ -551,6 +552,10 @@ class InstanceInfo(_message.Message):
     memory_budget_bytes: _builtins.int
     @_builtins.property
     def load(self) -> Global___LoadReport: ...
+    @_builtins.property
+    def engine(self) -> Global___EngineInfo:
+        """How the instance computes: dtype and each op's kernel, as measured when it loaded."""
+
     def __init__(
         self,
         *,
@@ -567,14 +572,114 @@ class InstanceInfo(_message.Message):
         dataplane_kind: _builtins.str = ...,
         last_heartbeat_age_s: _builtins.float = ...,
         memory_budget_bytes: _builtins.int = ...,
+        engine: Global___EngineInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "dataplane_address", b"dataplane_address", "dataplane_kind", b"dataplane_kind", "host", b"host", "instance_id", b"instance_id", "last_heartbeat_age_s", b"last_heartbeat_age_s", "layers_loaded", b"layers_loaded", "load", b"load", "memory_budget_bytes", b"memory_budget_bytes", "model_id", b"model_id", "num_layers", b"num_layers", "role", b"role", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "dataplane_address", b"dataplane_address", "dataplane_kind", b"dataplane_kind", "engine", b"engine", "host", b"host", "instance_id", b"instance_id", "last_heartbeat_age_s", b"last_heartbeat_age_s", "layers_loaded", b"layers_loaded", "load", b"load", "memory_budget_bytes", b"memory_budget_bytes", "model_id", b"model_id", "num_layers", b"num_layers", "role", b"role", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InstanceInfo: _TypeAlias = InstanceInfo  # noqa: Y015
+
+@_typing.final
+class KernelChoice(_message.Message):
+    """What one op of the model runs on this instance, and the timing that decided it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OP_FIELD_NUMBER: _builtins.int
+    IMPL_FIELD_NUMBER: _builtins.int
+    ISA_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    NATIVE_MS_FIELD_NUMBER: _builtins.int
+    TORCH_MS_FIELD_NUMBER: _builtins.int
+    op: _builtins.str
+    """varlen_prefill, paged_decode, small_gemm, fused_ops"""
+    impl: _builtins.str
+    """"native" or "torch" """
+    isa: _builtins.str
+    """the native kernel's level (avx512, avx2, portable); "-" for torch"""
+    reason: _builtins.str
+    native_ms: _builtins.float
+    """median over the same cases, when timed"""
+    torch_ms: _builtins.float
+    def __init__(
+        self,
+        *,
+        op: _builtins.str = ...,
+        impl: _builtins.str = ...,
+        isa: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        native_ms: _builtins.float | None = ...,
+        torch_ms: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_native_ms", b"_native_ms", "_torch_ms", b"_torch_ms", "native_ms", b"native_ms", "torch_ms", b"torch_ms"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_native_ms", b"_native_ms", "_torch_ms", b"_torch_ms", "impl", b"impl", "isa", b"isa", "native_ms", b"native_ms", "op", b"op", "reason", b"reason", "torch_ms", b"torch_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__native_ms: _TypeAlias = _typing.Literal["native_ms"]  # noqa: Y015
+    _WhichOneofArgType__native_ms: _TypeAlias = _typing.Literal["_native_ms", b"_native_ms"]  # noqa: Y015
+    _WhichOneofReturnType__torch_ms: _TypeAlias = _typing.Literal["torch_ms"]  # noqa: Y015
+    _WhichOneofArgType__torch_ms: _TypeAlias = _typing.Literal["_torch_ms", b"_torch_ms"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__native_ms) -> _WhichOneofReturnType__native_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__torch_ms) -> _WhichOneofReturnType__torch_ms | None: ...
+
+Global___KernelChoice: _TypeAlias = KernelChoice  # noqa: Y015
+
+@_typing.final
+class EngineInfo(_message.Message):
+    """The engine's compute settings, chosen at load on the CPU it runs on."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTED_DTYPE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    DTYPE_REASON_FIELD_NUMBER: _builtins.int
+    KERNEL_MODE_FIELD_NUMBER: _builtins.int
+    ISA_FIELD_NUMBER: _builtins.int
+    MACHINE_ISA_FIELD_NUMBER: _builtins.int
+    KERNELS_FIELD_NUMBER: _builtins.int
+    PLAN_CACHED_FIELD_NUMBER: _builtins.int
+    PLAN_MEASURED_S_FIELD_NUMBER: _builtins.int
+    requested_dtype: _builtins.str
+    """what the worker was asked for"""
+    dtype: _builtins.str
+    """what the model is held and computed in"""
+    dtype_reason: _builtins.str
+    kernel_mode: _builtins.str
+    """auto, torch or native (BLITZMESH_KERNELS)"""
+    isa: _builtins.str
+    """the kernels' level: the machine's best, capped by BLITZMESH_CPU_ISA"""
+    machine_isa: _builtins.str
+    plan_cached: _builtins.bool
+    """read back from the on-disk cache rather than timed now"""
+    plan_measured_s: _builtins.float
+    """time the timing took (0 when cached or forced)"""
+    @_builtins.property
+    def kernels(self) -> _containers.RepeatedCompositeFieldContainer[Global___KernelChoice]: ...
+    def __init__(
+        self,
+        *,
+        requested_dtype: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        dtype_reason: _builtins.str = ...,
+        kernel_mode: _builtins.str = ...,
+        isa: _builtins.str = ...,
+        machine_isa: _builtins.str = ...,
+        kernels: _abc.Iterable[Global___KernelChoice] | None = ...,
+        plan_cached: _builtins.bool = ...,
+        plan_measured_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "dtype_reason", b"dtype_reason", "isa", b"isa", "kernel_mode", b"kernel_mode", "kernels", b"kernels", "machine_isa", b"machine_isa", "plan_cached", b"plan_cached", "plan_measured_s", b"plan_measured_s", "requested_dtype", b"requested_dtype"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineInfo: _TypeAlias = EngineInfo  # noqa: Y015
 
 @_typing.final
 class TensorInfo(_message.Message):

@@ -26,7 +26,7 @@ from blitzmesh.v1 import admin_pb2 as blitzmesh_dot_v1_dot_admin__pb2
 from blitzmesh.v1 import common_pb2 as blitzmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!blitzmesh/v1/global_manager.proto\x12\x0c\x62litzmesh.v1\x1a\x18\x62litzmesh/v1/admin.proto\x1a\x19\x62litzmesh/v1/common.proto\"G\n\x17RegisterInstanceRequest\x12,\n\x08instance\x18\x01 \x01(\x0b\x32\x1a.blitzmesh.v1.InstanceInfo\"8\n\x18RegisterInstanceResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"\xb8\x01\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.blitzmesh.v1.InstanceState\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\rlayers_loaded\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12&\n\x04load\x18\x06 \x01(\x0b\x32\x18.blitzmesh.v1.LoadReport\"W\n\x11HeartbeatResponse\x12\x12\n\nreregister\x18\x01 \x01(\x08\x12.\n\x0czigzag_peers\x18\x02 \x03(\x0b\x32\x18.blitzmesh.v1.ZigzagPeer\"\x90\x01\n\nZigzagPeer\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x19\n\x11\x64\x61taplane_address\x18\x03 \x01(\x0c\x12\x15\n\rlayers_loaded\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x16\n\x0einflight_limit\x18\x06 \x01(\x05\"0\n\x19\x44\x65registerInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x1c\n\x1a\x44\x65registerInstanceResponse\"\xc4\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14\x65xclude_instance_ids\x18\x05 \x03(\t\x12%\n\x03slo\x18\x06 \x01(\x0b\x32\x18.blitzmesh.v1.RequestSLO\x12\x1b\n\x13prefix_block_hashes\x18\x07 \x03(\x04\"\xc7\x01\n\x08RouteHop\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12(\n\x04role\x18\x05 \x01(\x0e\x32\x1a.blitzmesh.v1.InstanceRole\x12\x19\n\x11\x64\x61taplane_address\x18\x06 \x01(\x0c\x12(\n\x03\x65sp\x18\x07 \x01(\x0b\x32\x1b.blitzmesh.v1.EspGroupRoute\"\x82\x01\n\rEspGroupRoute\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62ounds\x18\x02 \x03(\r\x12\'\n\x07members\x18\x03 \x03(\x0b\x32\x16.blitzmesh.v1.RouteHop\x12&\n\x06spares\x18\x04 \x03(\x0b\x32\x16.blitzmesh.v1.RouteHop\"A\n\x05Route\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x04hops\x18\x02 \x03(\x0b\x32\x16.blitzmesh.v1.RouteHop\"U\n\x1cReportInstanceFailureRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08reporter\x18\x03 \x01(\t\"Z\n\x1dReportInstanceFailureResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.blitzmesh.v1.InstanceState2\x85\x06\n\rGlobalManager\x12\x61\n\x10RegisterInstance\x12%.blitzmesh.v1.RegisterInstanceRequest\x1a&.blitzmesh.v1.RegisterInstanceResponse\x12L\n\tHeartbeat\x12\x1e.blitzmesh.v1.HeartbeatRequest\x1a\x1f.blitzmesh.v1.HeartbeatResponse\x12g\n\x12\x44\x65registerInstance\x12\'.blitzmesh.v1.DeregisterInstanceRequest\x1a(.blitzmesh.v1.DeregisterInstanceResponse\x12>\n\x08Schedule\x12\x1d.blitzmesh.v1.ScheduleRequest\x1a\x13.blitzmesh.v1.Route\x12p\n\x15ReportInstanceFailure\x12*.blitzmesh.v1.ReportInstanceFailureRequest\x1a+.blitzmesh.v1.ReportInstanceFailureResponse\x12I\n\nGetCluster\x12\x1f.blitzmesh.v1.GetClusterRequest\x1a\x1a.blitzmesh.v1.ClusterState\x12@\n\x05Scale\x12\x1a.blitzmesh.v1.ScaleRequest\x1a\x1b.blitzmesh.v1.ScaleResponse\x12L\n\tSetPolicy\x12\x1e.blitzmesh.v1.SetPolicyRequest\x1a\x1f.blitzmesh.v1.SetPolicyResponse\x12M\n\x0bWatchEvents\x12 .blitzmesh.v1.WatchEventsRequest\x1a\x1a.blitzmesh.v1.ClusterEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!blitzmesh/v1/global_manager.proto\x12\x0c\x62litzmesh.v1\x1a\x18\x62litzmesh/v1/admin.proto\x1a\x19\x62litzmesh/v1/common.proto\"G\n\x17RegisterInstanceRequest\x12,\n\x08instance\x18\x01 \x01(\x0b\x32\x1a.blitzmesh.v1.InstanceInfo\"8\n\x18RegisterInstanceResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"\xe2\x01\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.blitzmesh.v1.InstanceState\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\rlayers_loaded\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12&\n\x04load\x18\x06 \x01(\x0b\x32\x18.blitzmesh.v1.LoadReport\x12(\n\x06\x65ngine\x18\x07 \x01(\x0b\x32\x18.blitzmesh.v1.EngineInfo\"W\n\x11HeartbeatResponse\x12\x12\n\nreregister\x18\x01 \x01(\x08\x12.\n\x0czigzag_peers\x18\x02 \x03(\x0b\x32\x18.blitzmesh.v1.ZigzagPeer\"\x90\x01\n\nZigzagPeer\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x19\n\x11\x64\x61taplane_address\x18\x03 \x01(\x0c\x12\x15\n\rlayers_loaded\x18\x04 \x01(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x16\n\x0einflight_limit\x18\x06 \x01(\x05\"0\n\x19\x44\x65registerInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x1c\n\x1a\x44\x65registerInstanceResponse\"\xc4\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14\x65xclude_instance_ids\x18\x05 \x03(\t\x12%\n\x03slo\x18\x06 \x01(\x0b\x32\x18.blitzmesh.v1.RequestSLO\x12\x1b\n\x13prefix_block_hashes\x18\x07 \x03(\x04\"\xc7\x01\n\x08RouteHop\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12(\n\x04role\x18\x05 \x01(\x0e\x32\x1a.blitzmesh.v1.InstanceRole\x12\x19\n\x11\x64\x61taplane_address\x18\x06 \x01(\x0c\x12(\n\x03\x65sp\x18\x07 \x01(\x0b\x32\x1b.blitzmesh.v1.EspGroupRoute\"\x82\x01\n\rEspGroupRoute\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62ounds\x18\x02 \x03(\r\x12\'\n\x07members\x18\x03 \x03(\x0b\x32\x16.blitzmesh.v1.RouteHop\x12&\n\x06spares\x18\x04 \x03(\x0b\x32\x16.blitzmesh.v1.RouteHop\"A\n\x05Route\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x04hops\x18\x02 \x03(\x0b\x32\x16.blitzmesh.v1.RouteHop\"U\n\x1cReportInstanceFailureRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08reporter\x18\x03 \x01(\t\"Z\n\x1dReportInstanceFailureResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.blitzmesh.v1.InstanceState2\x85\x06\n\rGlobalManager\x12\x61\n\x10RegisterInstance\x12%.blitzmesh.v1.RegisterInstanceRequest\x1a&.blitzmesh.v1.RegisterInstanceResponse\x12L\n\tHeartbeat\x12\x1e.blitzmesh.v1.HeartbeatRequest\x1a\x1f.blitzmesh.v1.HeartbeatResponse\x12g\n\x12\x44\x65registerInstance\x12\'.blitzmesh.v1.DeregisterInstanceRequest\x1a(.blitzmesh.v1.DeregisterInstanceResponse\x12>\n\x08Schedule\x12\x1d.blitzmesh.v1.ScheduleRequest\x1a\x13.blitzmesh.v1.Route\x12p\n\x15ReportInstanceFailure\x12*.blitzmesh.v1.ReportInstanceFailureRequest\x1a+.blitzmesh.v1.ReportInstanceFailureResponse\x12I\n\nGetCluster\x12\x1f.blitzmesh.v1.GetClusterRequest\x1a\x1a.blitzmesh.v1.ClusterState\x12@\n\x05Scale\x12\x1a.blitzmesh.v1.ScaleRequest\x1a\x1b.blitzmesh.v1.ScaleResponse\x12L\n\tSetPolicy\x12\x1e.blitzmesh.v1.SetPolicyRequest\x1a\x1f.blitzmesh.v1.SetPolicyResponse\x12M\n\x0bWatchEvents\x12 .blitzmesh.v1.WatchEventsRequest\x1a\x1a.blitzmesh.v1.ClusterEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,27 +38,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERINSTANCERESPONSE']._serialized_start=177
   _globals['_REGISTERINSTANCERESPONSE']._serialized_end=233
   _globals['_HEARTBEATREQUEST']._serialized_start=236
-  _globals['_HEARTBEATREQUEST']._serialized_end=420
-  _globals['_HEARTBEATRESPONSE']._serialized_start=422
-  _globals['_HEARTBEATRESPONSE']._serialized_end=509
-  _globals['_ZIGZAGPEER']._serialized_start=512
-  _globals['_ZIGZAGPEER']._serialized_end=656
-  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_start=658
-  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_end=706
-  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_start=708
-  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_end=736
-  _globals['_SCHEDULEREQUEST']._serialized_start=739
-  _globals['_SCHEDULEREQUEST']._serialized_end=935
-  _globals['_ROUTEHOP']._serialized_start=938
-  _globals['_ROUTEHOP']._serialized_end=1137
-  _globals['_ESPGROUPROUTE']._serialized_start=1140
-  _globals['_ESPGROUPROUTE']._serialized_end=1270
-  _globals['_ROUTE']._serialized_start=1272
-  _globals['_ROUTE']._serialized_end=1337
-  _globals['_REPORTINSTANCEFAILUREREQUEST']._serialized_start=1339
-  _globals['_REPORTINSTANCEFAILUREREQUEST']._serialized_end=1424
-  _globals['_REPORTINSTANCEFAILURERESPONSE']._serialized_start=1426
-  _globals['_REPORTINSTANCEFAILURERESPONSE']._serialized_end=1516
-  _globals['_GLOBALMANAGER']._serialized_start=1519
-  _globals['_GLOBALMANAGER']._serialized_end=2292
+  _globals['_HEARTBEATREQUEST']._serialized_end=462
+  _globals['_HEARTBEATRESPONSE']._serialized_start=464
+  _globals['_HEARTBEATRESPONSE']._serialized_end=551
+  _globals['_ZIGZAGPEER']._serialized_start=554
+  _globals['_ZIGZAGPEER']._serialized_end=698
+  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_start=700
+  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_end=748
+  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_start=750
+  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_end=778
+  _globals['_SCHEDULEREQUEST']._serialized_start=781
+  _globals['_SCHEDULEREQUEST']._serialized_end=977
+  _globals['_ROUTEHOP']._serialized_start=980
+  _globals['_ROUTEHOP']._serialized_end=1179
+  _globals['_ESPGROUPROUTE']._serialized_start=1182
+  _globals['_ESPGROUPROUTE']._serialized_end=1312
+  _globals['_ROUTE']._serialized_start=1314
+  _globals['_ROUTE']._serialized_end=1379
+  _globals['_REPORTINSTANCEFAILUREREQUEST']._serialized_start=1381
+  _globals['_REPORTINSTANCEFAILUREREQUEST']._serialized_end=1466
+  _globals['_REPORTINSTANCEFAILURERESPONSE']._serialized_start=1468
+  _globals['_REPORTINSTANCEFAILURERESPONSE']._serialized_end=1558
+  _globals['_GLOBALMANAGER']._serialized_start=1561
+  _globals['_GLOBALMANAGER']._serialized_end=2334
 # @@protoc_insertion_point(module_scope)

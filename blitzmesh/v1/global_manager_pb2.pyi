@@ -72,6 +72,7 @@ class HeartbeatRequest(_message.Message):
     LAYERS_LOADED_FIELD_NUMBER: _builtins.int
     NUM_LAYERS_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     state: _common_pb2.InstanceState.ValueType
     model_id: _builtins.str
@@ -79,6 +80,10 @@ class HeartbeatRequest(_message.Message):
     num_layers: _builtins.int
     @_builtins.property
     def load(self) -> _common_pb2.LoadReport: ...
+    @_builtins.property
+    def engine(self) -> _common_pb2.EngineInfo:
+        """set once a model's kernels were chosen"""
+
     def __init__(
         self,
         *,
@@ -88,10 +93,11 @@ class HeartbeatRequest(_message.Message):
         layers_loaded: _builtins.int = ...,
         num_layers: _builtins.int = ...,
         load: _common_pb2.LoadReport | None = ...,
+        engine: _common_pb2.EngineInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "layers_loaded", b"layers_loaded", "load", b"load", "model_id", b"model_id", "num_layers", b"num_layers", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "instance_id", b"instance_id", "layers_loaded", b"layers_loaded", "load", b"load", "model_id", b"model_id", "num_layers", b"num_layers", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

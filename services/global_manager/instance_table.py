@@ -46,6 +46,8 @@ class InstanceTable:
         self.addresses: dict[str, str] = {}
         self.dataplane: dict[str, tuple[bytes, str]] = {}
         self.suspects: dict[str, Suspicion] = {}
+        # Each loaded instance's dtype and kernel choices, as its last message reported them.
+        self.engines: dict[str, common_pb2.EngineInfo] = {}
 
     def upsert(self, info: common_pb2.InstanceInfo, now_s: float) -> InstanceView:
         """Register (or re-register) a worker in the state it reports."""
@@ -68,7 +70,15 @@ class InstanceTable:
         )
         self.addresses[iid] = info.address
         self.dataplane[iid] = (info.dataplane_address, info.dataplane_kind)
+        self.note_engine(iid, info.engine if info.HasField("engine") else None)
         return view
+
+    def note_engine(self, iid: str, engine: common_pb2.EngineInfo | None) -> None:
+        """Keep what a worker reports of its engine (None: it holds no model now)."""
+        if engine is None:
+            self.engines.pop(iid, None)
+        else:
+            self.engines[iid] = engine
 
     def follow(self, iid: str, state: InstanceState, model: str, layers_loaded: int, num_layers: int) -> InstanceView:
         """Bring the registry to the state a worker reports, via legal transitions."""
@@ -125,4 +135,7 @@ class InstanceTable:
         )
         if load is not None:
             info.load.CopyFrom(sample_to_proto(load))
+        engine = self.engines.get(view.instance_id)
+        if engine is not None:
+            info.engine.CopyFrom(engine)
         return info

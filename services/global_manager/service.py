@@ -334,6 +334,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             self.table.follow(iid, state, request.model_id, request.layers_loaded, request.num_layers)
         # Even while an action owns the transitions: a route must carry the full layer range.
         view = self.table.learn_num_layers(iid, request.model_id, request.num_layers)
+        self.table.note_engine(iid, request.engine if request.HasField("engine") else None)
         state = view.state
         sample = sample_from_proto(iid, now, request.load)
         self.table.registry.heartbeat(sample)

@@ -148,7 +148,9 @@ class WorkerConfig(ServiceConfig):
         pattern="^(auto|float32|bfloat16|float16)$",
         description=(
             "dtype of the weights, the KV cache and the compute, whatever the checkpoint stores; auto = the "
-            "checkpoint's (float16 computed as float32 on CPU); bfloat16 halves the model's and the KV cache's memory"
+            "checkpoint's (float16 computed as float32 on CPU); bfloat16 halves the model's and the KV cache's memory, "
+            "but on a CPU without AVX512-BF16 the worker measures its GEMMs and computes in float32 when bfloat16 is "
+            "more than 1.5x slower (logged as dtype_overridden)"
         ),
     )
     enable_prefix_caching: bool = Field(
@@ -175,6 +177,12 @@ class WorkerConfig(ServiceConfig):
                 raise ValueError(f"device={self.device!r}: no CUDA device is visible to torch in this process")
             if index >= torch.cuda.device_count():
                 raise ValueError(f"device={self.device!r}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
+        # BLITZMESH_KERNELS and BLITZMESH_CPU_ISA are read where the kernels are chosen; a bad
+        # value fails here, at start, naming the allowed ones.
+        from services.worker.model import native
+
+        native.kernel_mode()
+        native.isa_cap()
         if self.preload_model and not self.param_manager:
             raise ValueError(f"preload_model={self.preload_model!r} needs param_manager (weights come only from it)")
         return self

@@ -14,7 +14,11 @@ from services.worker.model import fused
 from services.worker.model.attention import ForwardBatch
 from services.worker.model.llama import LlamaForCausalLM, load_model
 
-pytestmark = pytest.mark.skipif(fused.fused_ops() is None, reason="no C compiler: the eager path is used")
+# Every test at every instruction-set level this machine runs (the `kernel_isa` fixture).
+pytestmark = [
+    pytest.mark.skipif(fused.fused_ops() is None, reason="no C compiler: the eager path is used"),
+    pytest.mark.usefixtures("kernel_isa"),
+]
 
 # Float32: the kernels differ from the eager ops only in the order of a float32 sum and the last
 # bit of exp. bfloat16: both round every intermediate to bfloat16 the same way; one bfloat16 ulp

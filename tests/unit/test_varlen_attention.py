@@ -12,7 +12,11 @@ from services.worker.engine.kv_cache import KVCache
 from services.worker.model import varlen, varlen_dot
 from services.worker.model.attention import ForwardBatch, attention
 
-pytestmark = pytest.mark.skipif(varlen.paged_prefill() is None, reason="no C compiler: the torch paths are used")
+# Every test at every instruction-set level this machine runs (the `kernel_isa` fixture).
+pytestmark = [
+    pytest.mark.skipif(varlen.paged_prefill() is None, reason="no C compiler: the torch paths are used"),
+    pytest.mark.usefixtures("kernel_isa"),
+]
 
 
 def _kernel() -> varlen.PagedPrefill:

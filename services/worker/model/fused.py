@@ -372,13 +372,19 @@ def _self_check(ops: FusedOps) -> None:
                     raise RuntimeError(f"self-check failed: {name} {dtype} rows={rows}: max error {err:.3g}")
 
 
-def _load() -> FusedOps:
-    return FusedOps(ctypes.CDLL(str(build_library(_SOURCE, "fused_ops", [*vector_flags(), "-ffp-contract=off"]))))
+def _load(isa: str) -> FusedOps:
+    flags = [*vector_flags(isa), "-ffp-contract=off"]
+    return FusedOps(ctypes.CDLL(str(build_library(_SOURCE, "fused_ops", flags))))
 
 
-_FUSED = LazyKernel("native_fused_ops", _ENV_SWITCH, _load, _self_check)
+_FUSED = LazyKernel("fused_ops", "native_fused_ops", _ENV_SWITCH, _load, _self_check)
 
 
 def fused_ops() -> FusedOps | None:
-    """The fused kernels, built and checked on first call; None where unavailable or switched off."""
+    """The fused kernels the model uses (see `native.LazyKernel.get`); None: the eager ops."""
     return _FUSED.get()
+
+
+def fused_ops_at(isa: str) -> FusedOps | None:
+    """The fused kernels built for level `isa`, whatever was chosen; None if unavailable."""
+    return _FUSED.build(isa)

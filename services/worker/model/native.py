@@ -355,7 +355,8 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where compiled kernels and measured kernel plans are kept (per user)."""
     explicit = os.environ.get("BLITZMESH_CACHE_DIR")
     if explicit:
         return Path(explicit)
@@ -368,16 +369,98 @@ def _cache_dir() -> Path:
         return Path(tempfile.gettempdir()) / f"blitzmesh-{os.getuid()}"
 
 
-def vector_flags() -> list[str]:
-    """Compiler flags for the vector extensions this CPU has that the kernels use."""
+# Instruction-set levels of the native kernels, lowest first. Each kernel's C source holds a path
+# per level it has (`#ifdef __AVX512F__`, `__AVX2__`, else portable C); the level's compiler flags
+# pick one. `BLITZMESH_CPU_ISA` caps the level, so the lower paths can be built, tested and timed
+# on a machine that has the higher ones.
+ISAS = ("portable", "avx2", "avx512")
+ISA_ENV = "BLITZMESH_CPU_ISA"
+# Which implementation each op runs: `auto` = the one measured fastest on this machine's CPU for
+# the model's shapes (`services.worker.model.kernels`), `torch` = torch's own ops everywhere,
+# `native` = the native kernels wherever they build and pass their check.
+KERNEL_MODES = ("auto", "torch", "native")
+KERNELS_ENV = "BLITZMESH_KERNELS"
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def machine_isa() -> str:
+    """The highest level of `ISAS` this CPU runs (portable on anything but x86-64)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "portable"
+    cpu = cpu_flags()
+    if _AVX512 | {"avx2", "fma"} <= cpu:
+        return "avx512"
+    if {"avx2", "fma"} <= cpu:
+        return "avx2"
+    return "portable"
+
+
+def isa_cap() -> str | None:
+    """`BLITZMESH_CPU_ISA`, validated (None when unset or empty)."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in ISAS:
+        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: allowed values are {', '.join(ISAS)}")
+    return value
+
+
+def kernel_mode() -> str:
+    """`BLITZMESH_KERNELS`, validated: auto (the default), torch or native."""
+    value = os.environ.get(KERNELS_ENV, "").strip().lower() or "auto"
+    if value not in KERNEL_MODES:
+        raise ValueError(f"{KERNELS_ENV}={os.environ[KERNELS_ENV]!r}: allowed values are {', '.join(KERNEL_MODES)}")
+    return value
+
+
+def target_isa() -> str:
+    """The level the kernels are built for: the machine's, capped by `BLITZMESH_CPU_ISA`."""
+    best, cap = machine_isa(), isa_cap()
+    return best if cap is None else ISAS[min(ISAS.index(best), ISAS.index(cap))]
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """Every level this machine can execute, lowest first (what the exactness tests run)."""
+    return ISAS[: ISAS.index(machine_isa()) + 1]
+
+
+def vector_flags(isa: str | None = None) -> list[str]:
+    """Compiler flags for the vector extensions of level `isa` (default `target_isa()`)."""
+    isa = isa or target_isa()
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {', '.join(ISAS)}, got {isa!r}")
+    if ISAS.index(isa) > ISAS.index(machine_isa()):
+        raise ValueError(f"this CPU cannot run {isa!r} code (it runs up to {machine_isa()!r})")
     flags: list[str] = []
-    if platform.machine() in ("x86_64", "AMD64"):
-        cpu = cpu_flags()
-        if {"avx2", "fma"} <= cpu:
-            flags += ["-mavx2", "-mfma", "-mf16c"] if "f16c" in cpu else ["-mavx2", "-mfma"]
-        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
-            flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    if isa in ("avx2", "avx512"):
+        flags += ["-mavx2", "-mfma", "-mf16c"] if "f16c" in cpu_flags() else ["-mavx2", "-mfma"]
+    if isa == "avx512":
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
     return flags
+
+
+def has_avx512_bf16(isa: str | None = None) -> bool:
+    """Whether level `isa` (default `target_isa()`) may use AVX512-BF16 on this CPU."""
+    return (isa or target_isa()) == "avx512" and "avx512_bf16" in cpu_flags()
+
+
+# The measured choice of each op (`kernels.apply`): "native" or "torch". An op not in it runs
+# its native kernel where one is available (library use without a measurement).
+_CHOICES: dict[str, str] = {}
+
+
+def set_choices(choices: dict[str, str]) -> None:
+    """Install the implementation chosen for each op (replacing earlier choices)."""
+    bad = {op: impl for op, impl in choices.items() if impl not in ("native", "torch")}
+    if bad:
+        raise ValueError(f"kernel choices must be 'native' or 'torch', got {bad}")
+    _CHOICES.clear()
+    _CHOICES.update(choices)
+
+
+def chosen(op: str) -> str | None:
+    """The installed choice for `op`, or None where none was measured."""
+    return _CHOICES.get(op)
 
 
 def build_library(source: str, stem: str, extra_flags: Sequence[str] = ()) -> Path:
@@ -392,7 +475,7 @@ def build_library(source: str, stem: str, extra_flags: Sequence[str] = ()) -> Pa
     flags = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", *extra_flags]
     key = hashlib.sha256("\0".join([source, cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
     name = f"{stem}-{key}.so"
-    for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"blitzmesh-{os.getuid()}"):
+    for root in (cache_dir(), Path(tempfile.gettempdir()) / f"blitzmesh-{os.getuid()}"):
         target = root / "kernels" / name
         if target.exists():
             return target
@@ -417,13 +500,14 @@ def build_library(source: str, stem: str, extra_flags: Sequence[str] = ()) -> Pa
     raise RuntimeError("no writable cache directory for the compiled kernel")
 
 
-def _compile() -> Path:
-    flags = ["-mavx2", "-mfma"] if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= cpu_flags() else []
+def _compile(isa: str) -> Path:
+    # The decode kernel's vector path is AVX2 + FMA; AVX-512 machines run it too.
+    flags = [f for f in vector_flags(isa) if not f.startswith("-mavx512")]
     return build_library(_SOURCE, "paged_attention", flags)
 
 
-def _load() -> PagedDecode:
-    path = _compile()
+def _load(isa: str) -> PagedDecode:
+    path = _compile(isa)
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     entry = {}  # (cache dtype, q/out dtype) -> entry point
@@ -617,41 +701,62 @@ static inline float online_softmax64(const float* srow, int64_t lo, int64_t hi, 
 
 
 class LazyKernel(Generic[K]):
-    """A native kernel built and checked on first use (once, whichever thread asks first), then
-    cached; None where it cannot be built, fails its check, or `env_switch` is set to 0. A
-    failure is logged once (`<event>_unavailable`) and callers take their torch path."""
+    """A native kernel for op `op`, built for an instruction-set level and checked on first use
+    (once per level, whichever thread asks first), then cached; a failure is logged once per
+    level (`<event>_unavailable`) and callers take their torch path.
 
-    def __init__(self, event: str, env_switch: str, load: Callable[[], K], check: Callable[[K], None]) -> None:
+    `get()` is what the model calls: the kernel at `target_isa()`, or None where it cannot be
+    built, fails its check, `env_switch` is 0, `BLITZMESH_KERNELS=torch`, or the measured choice
+    for `op` is torch (`BLITZMESH_KERNELS=native` ignores the measurement). `build(isa)` is the
+    kernel at a given level whatever was chosen: what the measurement and the tests use."""
+
+    def __init__(
+        self, op: str, event: str, env_switch: str, load: Callable[[str], K], check: Callable[[K], None]
+    ) -> None:
+        self.op = op
         self._event = event
         self._env_switch = env_switch
         self._load = load
         self._check = check
         self._lock = threading.Lock()
-        self._kernel: K | None = None
-        self._tried = False
+        self._kernels: dict[str, K | None] = {}
+
+    def build(self, isa: str | None = None) -> K | None:
+        isa = isa or target_isa()
+        if isa in self._kernels:
+            return self._kernels[isa]
+        with self._lock:
+            if isa not in self._kernels:
+                kernel: K | None = None
+                try:
+                    kernel = self._load(isa)
+                    self._check(kernel)
+                    log.info(f"{self._event}_ready", isa=isa)
+                except Exception as e:
+                    log.warning(f"{self._event}_unavailable", isa=isa, error=f"{type(e).__name__}: {e}")
+                    kernel = None
+                self._kernels[isa] = kernel
+        return self._kernels[isa]
+
+    def enabled(self) -> bool:
+        """Whether the model should run this op natively (before knowing if the kernel builds)."""
+        if os.environ.get(self._env_switch, "1") == "0":
+            return False
+        mode = kernel_mode()
+        return mode == "native" or (mode == "auto" and chosen(self.op) != "torch")
 
     def get(self) -> K | None:
-        if os.environ.get(self._env_switch, "1") == "0":
-            return None
-        if self._tried:
-            return self._kernel
-        with self._lock:
-            if not self._tried:
-                try:
-                    kernel = self._load()
-                    self._check(kernel)
-                    self._kernel = kernel
-                    log.info(f"{self._event}_ready")
-                except Exception as e:
-                    log.warning(f"{self._event}_unavailable", error=f"{type(e).__name__}: {e}")
-                    self._kernel = None
-                self._tried = True
-        return self._kernel
+        return self.build() if self.enabled() else None
 
 
-_PAGED_DECODE = LazyKernel("native_paged_attention", _ENV_SWITCH, _load, _self_check)
+_PAGED_DECODE = LazyKernel("paged_decode", "native_paged_attention", _ENV_SWITCH, _load, _self_check)
 
 
 def paged_decode() -> PagedDecode | None:
-    """The decode-attention kernel, built and checked on first call; None where unavailable."""
+    """The decode-attention kernel the model uses (see `LazyKernel.get`); None: the torch path."""
     return _PAGED_DECODE.get()
+
+
+def paged_decode_at(isa: str) -> PagedDecode | None:
+    """The decode-attention kernel built for level `isa`, whatever was chosen; None if unavailable."""
+    return _PAGED_DECODE.build(isa)

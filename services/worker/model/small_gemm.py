@@ -32,7 +32,7 @@ import ctypes
 
 import torch
 
-from services.worker.model.native import LazyKernel, build_library, cpu_flags, vector_flags
+from services.worker.model.native import LazyKernel, build_library, has_avx512_bf16, target_isa, vector_flags
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -155,8 +155,6 @@ void gemm_small_f32(const float* x, int64_t xs, const float* wp, float* out, int
 """
 
 _ENV_SWITCH = "BLITZMESH_SMALL_GEMM"
-_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-_BF16_FLAG = "avx512_bf16"
 # Rows up to which the kernel beats oneDNN (it did at every count up to 32 measured).
 MAX_ROWS = 32
 
@@ -233,9 +231,11 @@ class SmallGemm:
         return out
 
 
-def _load() -> SmallGemm:
-    bf16 = _BF16_FLAG in cpu_flags()
-    flags = [*vector_flags(), *(["-mavx512bf16"] if bf16 else [])]
+def _load(isa: str) -> SmallGemm:
+    if isa != "avx512":
+        raise RuntimeError(f"the small GEMM has an AVX-512 path only (asked for {isa!r})")
+    bf16 = has_avx512_bf16(isa)
+    flags = [*vector_flags(isa), *(["-mavx512bf16"] if bf16 else [])]
     return SmallGemm(ctypes.CDLL(str(build_library(_SOURCE, "small_gemm", flags))), bf16)
 
 
@@ -259,11 +259,17 @@ def _self_check(kernel: SmallGemm) -> None:
                     raise RuntimeError(f"self-check failed: {dtype} [{m} x {k}] x [{n} x {k}]^T: max error {err:.3g}")
 
 
-_KERNEL = LazyKernel("native_small_gemm", _ENV_SWITCH, _load, _self_check)
+_KERNEL = LazyKernel("small_gemm", "native_small_gemm", _ENV_SWITCH, _load, _self_check)
 
 
 def small_gemm() -> SmallGemm | None:
-    """The kernel, built and checked on first call; None where unavailable (no AVX-512)."""
-    if not _CPU_FLAGS <= cpu_flags():
+    """The kernel the model uses (see `native.LazyKernel.get`); None where unavailable (below
+    AVX-512, or the CPU_ISA cap) or not chosen: oneDNN runs every row count."""
+    if target_isa() != "avx512":
         return None
     return _KERNEL.get()
+
+
+def small_gemm_at(isa: str) -> SmallGemm | None:
+    """The kernel built for level `isa`, whatever was chosen; None where unavailable."""
+    return _KERNEL.build(isa) if isa == "avx512" else None

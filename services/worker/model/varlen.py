@@ -327,8 +327,8 @@ _ENV_SWITCH = "BLITZMESH_VARLEN_ATTENTION"
 PagedPrefill = Callable[..., torch.Tensor]
 
 
-def _load() -> PagedPrefill:
-    lib = ctypes.CDLL(str(build_library(_SOURCE, "paged_prefill", vector_flags())))
+def _load(isa: str) -> PagedPrefill:
+    lib = ctypes.CDLL(str(build_library(_SOURCE, "paged_prefill", vector_flags(isa))))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     # (cache dtype, q/out dtype) -> entry point
     entry = {}
@@ -391,7 +391,7 @@ def _load() -> PagedPrefill:
         tables, q_row0, q_len, ctx = (x.contiguous() for x in (tables, q_row0, q_len, ctx))
         out = torch.empty((t, heads, d), dtype=io_dtype)
         if bf16_dot and io_dtype == torch.bfloat16 and d % 16 == 0:
-            fn = varlen_dot.bf16_dot_prefill() or fn
+            fn = varlen_dot.bf16_dot_prefill(isa) or fn
         rc = fn(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             q_row0.data_ptr(), q_len.data_ptr(), ctx.data_ptr(), n, heads, kv_heads, d, bs, d ** -0.5, window,
@@ -466,9 +466,14 @@ def _self_check(kernel: PagedPrefill) -> None:
                         )
 
 
-_PAGED_PREFILL = LazyKernel("native_varlen_attention", _ENV_SWITCH, _load, _self_check)
+_PAGED_PREFILL = LazyKernel("varlen_prefill", "native_varlen_attention", _ENV_SWITCH, _load, _self_check)
 
 
 def paged_prefill() -> PagedPrefill | None:
-    """The varlen prefill kernel, built and checked on first call; None where unavailable."""
+    """The varlen prefill kernel the model uses (see `native.LazyKernel.get`); None: torch's paths."""
     return _PAGED_PREFILL.get()
+
+
+def paged_prefill_at(isa: str) -> PagedPrefill | None:
+    """The varlen prefill kernel built for level `isa`, whatever was chosen; None if unavailable."""
+    return _PAGED_PREFILL.build(isa)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.worker.model.native import AVX512_EXP16, LazyKernel, build_library, cpu_flags, vector_flags
+from services.worker.model.native import AVX512_EXP16, LazyKernel, build_library, has_avx512_bf16, vector_flags
 
 _SOURCE = (
     r"""
@@ -278,20 +278,21 @@ int paged_prefill_bf16dp(const uint16_t* q, int64_t q_stride, const uint16_t* k_
 )
 
 _ENV_SWITCH = "BLITZMESH_BF16_DOT_ATTENTION"
-_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
 
 # The general kernel's entry signature (see `varlen._load`): q, q_stride, k_cache, v_cache,
 # tables, max_blocks, q_row0, q_len, ctx, n, H, KVH, D, block_size, scale, window, out, threads.
 DotEntry = Callable[..., int]
 
 
-def supported() -> bool:
-    """Whether this CPU has the instructions the kernel is built for."""
-    return _CPU_FLAGS <= cpu_flags()
+def supported(isa: str | None = None) -> bool:
+    """Whether level `isa` (default: the target level) has the instructions the kernel is built for."""
+    return has_avx512_bf16(isa)
 
 
-def _load() -> DotEntry:
-    lib = ctypes.CDLL(str(build_library(_SOURCE, "paged_prefill_bf16dot", [*vector_flags(), "-mavx512bf16"])))
+def _load(isa: str) -> DotEntry:
+    if not supported(isa):
+        raise RuntimeError(f"the bfloat16 dot-product kernel needs AVX512-BF16 (asked for {isa!r})")
+    lib = ctypes.CDLL(str(build_library(_SOURCE, "paged_prefill_bf16dot", [*vector_flags(isa), "-mavx512bf16"])))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn = lib.paged_prefill_bf16dp
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, ptr, i64]
@@ -337,9 +338,11 @@ def _self_check(fn: DotEntry) -> None:
                     )
 
 
-_KERNEL = LazyKernel("native_bf16_dot_attention", _ENV_SWITCH, _load, _self_check)
+# Part of the varlen prefill op: chosen with it.
+_KERNEL = LazyKernel("varlen_prefill", "native_bf16_dot_attention", _ENV_SWITCH, _load, _self_check)
 
 
-def bf16_dot_prefill() -> DotEntry | None:
-    """The kernel's entry point, built and checked on first call; None where unavailable."""
-    return _KERNEL.get() if supported() else None
+def bf16_dot_prefill(isa: str | None = None) -> DotEntry | None:
+    """The kernel's entry point at level `isa` (default: the target level), built and checked on
+    first call; None where unavailable."""
+    return _KERNEL.build(isa) if supported(isa) and _KERNEL.enabled() else None

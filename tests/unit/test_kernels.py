@@ -1,0 +1,182 @@
+"""Kernel choice by measurement (`services.worker.model.kernels`): the settings and their errors,
+the ISA cap, the verdict rule, the on-disk cache and what it refuses, the forced modes, and greedy
+exactness of every (level, implementation) the machine runs against the torch paths."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.model_format import synth
+from services.model_format.config import LlamaConfig
+from services.worker.engine.kv_cache import KVCache
+from services.worker.model import fused, kernels, native, varlen
+from services.worker.model.attention import ForwardBatch
+from services.worker.model.llama import LlamaForCausalLM, load_model
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """Each test with its own plan cache and no installed choice, restored afterwards."""
+    monkeypatch.setenv("BLITZMESH_CACHE_DIR", str(tmp_path / "cache"))
+    saved = dict(native._CHOICES)
+    native.set_choices({})
+    yield
+    native.set_choices(saved)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth.synthesize(tmp_path_factory.mktemp("kernels") / "tiny", "tiny", seed=3)
+
+
+def test_unknown_settings_fail_naming_the_allowed_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BLITZMESH_KERNELS", "fastest")
+    with pytest.raises(ValueError, match=r"BLITZMESH_KERNELS='fastest': allowed values are auto, torch, native"):
+        native.kernel_mode()
+    monkeypatch.setenv("BLITZMESH_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match=r"BLITZMESH_CPU_ISA='sse9': allowed values are portable, avx2, avx512"):
+        native.isa_cap()
+
+
+def test_a_bad_setting_fails_the_worker_config_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.worker.config import WorkerConfig
+
+    monkeypatch.setenv("BLITZMESH_CPU_ISA", "neon")
+    with pytest.raises(ValueError, match="BLITZMESH_CPU_ISA='neon'"):
+        WorkerConfig()
+
+
+def test_the_cap_lowers_the_level_and_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert native.runnable_isas()[0] == "portable"
+    assert native.runnable_isas()[-1] == native.machine_isa()
+    monkeypatch.setenv("BLITZMESH_CPU_ISA", "portable")
+    assert native.target_isa() == "portable"
+    assert native.vector_flags() == []
+    assert not native.has_avx512_bf16()
+    monkeypatch.setenv("BLITZMESH_CPU_ISA", "avx512")  # a cap above the machine is the machine
+    assert native.target_isa() == native.machine_isa()
+    if "avx2" in native.runnable_isas():
+        flags = native.vector_flags("avx2")
+        assert "-mavx2" in flags and not any(f.startswith("-mavx512") for f in flags)
+    above = [isa for isa in native.ISAS if isa not in native.runnable_isas()]
+    for isa in above:
+        with pytest.raises(ValueError, match="cannot run"):
+            native.vector_flags(isa)
+
+
+def test_native_is_chosen_only_when_it_measured_faster() -> None:
+    assert kernels._verdict("op", "avx2", 2.0, 3.0).impl == "native"
+    slower = kernels._verdict("op", "avx2", 3.0, 2.0)
+    assert slower.impl == "torch" and slower.isa == "-"
+    assert kernels._verdict("op", "avx2", 2.0, 2.0).impl == "torch"  # a tie keeps torch
+    assert slower.auto_over_torch == 1.0
+
+
+def _cfg(tiny_ckpt: Path) -> LlamaConfig:
+    return load_model(tiny_ckpt).config
+
+
+def test_a_measured_plan_never_runs_a_kernel_slower_than_torch(tiny_ckpt: Path) -> None:
+    cfg = _cfg(tiny_ckpt)
+    plan = kernels.choose(cfg, torch.float32, 8)
+    assert {c.op for c in plan.choices} == set(kernels.OPS)
+    assert plan.mode == "auto" and not plan.cached and plan.measured_s > 0
+    for c in plan.choices:
+        if c.impl == "native":
+            assert c.native_ms is not None and c.torch_ms is not None and c.native_ms < c.torch_ms, c
+            assert c.isa == native.target_isa()
+        if c.torch_ms is not None:
+            assert c.auto_over_torch is not None and c.auto_over_torch >= 1.0, c
+
+
+def test_the_plan_is_cached_and_a_bad_file_is_rewritten(tiny_ckpt: Path) -> None:
+    cfg = _cfg(tiny_ckpt)
+    first = kernels.choose(cfg, torch.float32, 8)
+    path = kernels._plan_path(first.key)
+    again = kernels.choose(cfg, torch.float32, 8)
+    assert again.cached and [c.impl for c in again.choices] == [c.impl for c in first.choices]
+    for bad in ("{not json", json.dumps({**json.loads(path.read_text()), "key": {"format": -1}})):
+        path.write_text(bad)
+        fresh = kernels.choose(cfg, torch.float32, 8)
+        assert not fresh.cached  # measured again, not trusted
+        assert json.loads(path.read_text())["key"] == first.key  # and rewritten
+    # Another kernel source (or CPU, torch, shapes, dtype, threads, cap) is another key.
+    assert kernels.plan_key(cfg, torch.bfloat16, 8) != first.key
+    assert kernels.plan_key(cfg, torch.float32, 16) != first.key
+
+
+def test_forced_modes_skip_the_measurement(tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _cfg(tiny_ckpt)
+    monkeypatch.setenv("BLITZMESH_KERNELS", "torch")
+    plan = kernels.choose(cfg, torch.float32, 8)
+    assert {c.impl for c in plan.choices} == {"torch"} and plan.measured_s == 0
+    kernels.apply(plan)
+    assert varlen.paged_prefill() is None and native.paged_decode() is None and fused.fused_ops() is None
+    monkeypatch.setenv("BLITZMESH_KERNELS", "native")
+    plan = kernels.choose(cfg, torch.float32, 8)
+    by_op = {c.op: c for c in plan.choices}
+    assert by_op["fused_ops"].impl == "native" and by_op["varlen_prefill"].impl == "native"
+    # native ignores a measured torch choice
+    native.set_choices({"varlen_prefill": "torch"})
+    assert varlen.paged_prefill() is not None
+
+
+def test_an_applied_choice_switches_the_model_path() -> None:
+    native.set_choices({"varlen_prefill": "torch", "paged_decode": "native"})
+    assert varlen.paged_prefill() is None
+    assert native.paged_decode() is not None
+    native.set_choices({"varlen_prefill": "native"})
+    assert varlen.paged_prefill() is not None
+    with pytest.raises(ValueError, match="'native' or 'torch'"):
+        native.set_choices({"varlen_prefill": "fast"})
+
+
+def test_bfloat16_follows_the_measured_gemm_speed(tiny_ckpt: Path) -> None:
+    cfg = _cfg(tiny_ckpt)
+    assert kernels.choose_dtype(cfg, torch.float32).dtype == "float32"
+    choice = kernels.choose_dtype(cfg, torch.bfloat16)
+    assert choice.bf16_gemm_ms is not None and choice.f32_gemm_ms is not None
+    slow = choice.bf16_gemm_ms / choice.f32_gemm_ms
+    assert choice.dtype == ("float32" if slow > kernels.BF16_SLOWDOWN_LIMIT else "bfloat16"), choice
+    assert kernels.choose_dtype(cfg, torch.bfloat16) == choice  # read back from the cache
+
+
+def _greedy_paged(m: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens through the paged cache: the prompt in two chunks (the second after cached
+    context), then one decode step per token, beside a second sequence decoding in the same steps."""
+    cache = KVCache.for_model(m.config, num_blocks=32, block_size=8)
+    tables = [list(range(0, 16)), list(range(16, 32))]
+    other = [5, 6, 7]
+    half = len(prompt) // 2
+    with torch.no_grad():
+        m.forward_batch(torch.tensor(other), ForwardBatch.build([3], [0], [tables[1]], 8), cache)
+        m.forward_batch(torch.tensor(prompt[:half]), ForwardBatch.build([half], [0], [tables[0]], 8), cache)
+        rest = len(prompt) - half
+        batch = ForwardBatch.build([rest, 1], [half, 3], tables, 8)
+        logits = m.forward_batch(torch.tensor([*prompt[half:], 9]), batch, cache)
+        out = [int(logits[0].argmax())]
+        ctx = [len(prompt), 4]
+        for _ in range(n - 1):
+            batch = ForwardBatch.build([1, 1], ctx, tables, 8)
+            logits = m.forward_batch(torch.tensor([out[-1], 9]), batch, cache)
+            out.append(int(logits[0].argmax()))
+            ctx = [ctx[0] + 1, ctx[1] + 1]
+    return out
+
+
+@pytest.mark.parametrize("impl", ["native", "torch"])
+def test_every_level_and_side_gives_the_torch_paths_greedy_tokens(
+    tiny_ckpt: Path, kernel_isa: str, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = torch.randint(3, 200, (45,), generator=torch.Generator().manual_seed(4)).tolist()
+    monkeypatch.setenv("BLITZMESH_KERNELS", "torch")
+    want = _greedy_paged(load_model(tiny_ckpt), prompt, 12)
+    monkeypatch.setenv("BLITZMESH_KERNELS", "auto")
+    native.set_choices({op: impl for op in kernels.OPS})
+    assert (varlen.paged_prefill() is not None) == (impl == "native")
+    assert _greedy_paged(load_model(tiny_ckpt), prompt, 12) == want
