@@ -7,6 +7,7 @@ find `models/smollm2-135m-instruct` complete and `models/.cache/` holding the GG
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,10 @@ def real_model_dir(default_gguf: Path) -> Path:
 
 
 @pytest.fixture(params=native.runnable_isas())
-def kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Each instruction-set level this machine runs (portable, avx2, avx512), one test per level:
-    the native kernels are built and run at that level (`BLITZMESH_CPU_ISA` caps it)."""
+    the native kernels are built and run at that level (`BLITZMESH_CPU_ISA` caps it), whatever
+    kernel plan an earlier test in this process applied."""
     monkeypatch.setenv("BLITZMESH_CPU_ISA", request.param)
-    return str(request.param)
+    monkeypatch.setenv("BLITZMESH_KERNELS", "native")
+    yield str(request.param)

@@ -12,6 +12,7 @@ import pytest
 import structlog
 import structlog.testing
 import torch
+from prometheus_client import generate_latest
 
 from blitzmesh.v1 import common_pb2, param_manager_pb2, param_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.grpc_util import channel
@@ -21,6 +22,7 @@ from services.param_manager.service import ParamManagerConfig, ParamManagerServi
 from services.worker.config import WorkerConfig
 from services.worker.engine.sampling import SamplingParams
 from services.worker.loader import fetch_layout_and_locations, locate_sources
+from services.worker.model import kernels
 from services.worker.model.llama import load_model
 from services.worker.service import WorkerService
 
@@ -90,6 +92,16 @@ async def test_worker_loads_from_pool_bit_identical_and_generates(
             info = await _status(w_ctx.address)
             assert info.state == common_pb2.INSTANCE_STATE_SERVING
             assert info.layers_loaded == info.num_layers > 0
+            # The kernels were chosen for this model on this CPU, and the status says which.
+            assert info.engine.dtype == "float32" and info.engine.kernel_mode == "auto"
+            assert {k.op for k in info.engine.kernels} == set(kernels.OPS)
+            for k in info.engine.kernels:
+                assert k.impl in ("native", "torch")
+                if k.impl == "native" and k.HasField("torch_ms"):
+                    assert k.native_ms < k.torch_ms, k
+            metrics = generate_latest().decode()
+            for k in info.engine.kernels:
+                assert f'blitzmesh_worker_kernel_info{{impl="{k.impl}",isa="{k.isa}",op="{k.op}"}} 1.0' in metrics
 
             # Parameters on the worker are bit-identical to the checkpoint.
             model = wk.servicer.instance.model  # type: ignore[union-attr]

@@ -66,3 +66,21 @@ def test_registry_adapter_round_trip_and_resync() -> None:
 def test_load_sample_zero_latency_means_no_observation() -> None:
     s = sample_from_proto("w", 1.0, common_pb2.LoadReport(decode_tps=5, tbt_p50_s=0.0, ttft_p50_s=0.2))
     assert s.tbt_p50_s is None and s.ttft_p50_s == 0.2 and s.decode_tps == 5
+
+
+def test_the_table_keeps_each_instances_engine_until_it_reports_none() -> None:
+    table = InstanceTable()
+    engine = common_pb2.EngineInfo(
+        requested_dtype="bfloat16",
+        dtype="float32",
+        isa="avx2",
+        kernels=[common_pb2.KernelChoice(op="paged_decode", impl="native", isa="avx2", native_ms=1.0, torch_ms=6.0)],
+    )
+    info = common_pb2.InstanceInfo(
+        instance_id="w1", model_id="m", state=common_pb2.INSTANCE_STATE_SERVING, num_layers=4, layers_loaded=4
+    )
+    info.engine.CopyFrom(engine)
+    view = table.upsert(info, now_s=1.0)
+    assert table.to_proto(view, now_s=1.0).engine == engine
+    table.note_engine("w1", None)  # a heartbeat without one: the worker holds no model now
+    assert not table.to_proto(view, now_s=1.0).HasField("engine")

@@ -13,8 +13,10 @@ from blitzmesh.types import (
     ClusterEvent,
     ClusterState,
     Completion,
+    EngineInfo,
     EspGroup,
     InstanceInfo,
+    KernelChoice,
     LoadReport,
     ModelInfo,
     PolicyState,
@@ -83,6 +85,21 @@ INSTANCE = InstanceInfo(
     dataplane_kind="ucx",
     last_heartbeat_age_s=0.4,
     memory_budget_bytes=80 * 2**30,
+    engine=EngineInfo(
+        requested_dtype="bfloat16",
+        dtype="float32",
+        dtype_reason="bfloat16 GEMM measured 40x slower",
+        kernel_mode="auto",
+        isa="avx2",
+        machine_isa="avx512",
+        kernels=(
+            KernelChoice("varlen_prefill", "torch", "-", "native measured 0.5x torch", 2.5, 1.25),
+            KernelChoice("paged_decode", "native", "avx2", "measured 6x torch", 0.5, 3.0),
+            KernelChoice("small_gemm", "torch", "-", "no native kernel at avx2"),
+        ),
+        plan_cached=True,
+        plan_measured_s=1.5,
+    ),
 )
 MODEL = ModelInfo(
     model_id="llama-8b",
