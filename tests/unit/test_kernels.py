@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog.testing
 import torch
 
 from services.model_format import synth
@@ -180,3 +181,16 @@ def test_every_level_and_side_gives_the_torch_paths_greedy_tokens(
     native.set_choices({op: impl for op in kernels.OPS})
     assert (varlen.paged_prefill() is not None) == (impl == "native")
     assert _greedy_paged(load_model(tiny_ckpt), prompt, 12) == want
+
+
+def test_a_kernel_failing_its_check_is_dropped_for_torch_and_logged() -> None:
+    def bad_check(kernel: object) -> None:
+        raise RuntimeError("max error 3.2")
+
+    lazy = native.LazyKernel("demo_op", "demo_kernel", "BLITZMESH_DEMO", lambda isa: object(), bad_check)
+    with structlog.testing.capture_logs() as logs:
+        assert lazy.build("portable") is None
+        assert lazy.build("portable") is None  # tried once per level, not again
+    assert [e["event"] for e in logs] == ["demo_kernel_unavailable"]
+    assert lazy.get() is None  # the model's path: torch
+    assert "max error 3.2" in logs[0]["error"] and logs[0]["isa"] == "portable"
