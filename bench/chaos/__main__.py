@@ -26,7 +26,7 @@ from typing import Any
 
 from tests.chaos.conftest import FULL_MATRIX_ENV
 from tests.chaos.faults import FAULTS
-from tests.chaos.harness import DEFAULT, RESULTS, TOPOLOGIES
+from tests.chaos.harness import DEFAULT, RESULTS, RESULTS_ENV, TOPOLOGIES
 
 TARGET_KINDS = 16
 BELOW_THE_MESH = ("link_rate_collapse", "full_disk_during_conversion")  # no mesh, no topology
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd += [*args.pytest_arg, *pytest_args(topologies, args.kind)]
     print(" ".join(cmd), flush=True)
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    code = subprocess.run(cmd, env={**os.environ, FULL_MATRIX_ENV: "1"}).returncode
+    code = subprocess.run(cmd, env={**os.environ, FULL_MATRIX_ENV: "1", RESULTS_ENV: str(RESULTS)}).returncode
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": []}
     ran = frozenset(TOPOLOGIES[t].row_prefix + k for t, k in matrix_cases(topologies, args.kind))
     data["summary"] = summarize(data["rows"], since, ran)

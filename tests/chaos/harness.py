@@ -14,8 +14,9 @@ takes a couple of seconds), then calls `run_chaos` with the fault as a coroutine
    again: every worker process alive is registered, none LOADING or DRAINING, the model has a
    SERVING instance and a probe completion succeeds. `recovery_s` is the time from the fault to
    that point;
-5. writes one row to `bench/results/chaos.json` and returns the `ChaosOutcome` for the test to
-   assert on.
+5. writes one row to its results file (`results_path()`: `bench/results/chaos.json` only under
+   `python -m bench.chaos`, a scratch file otherwise) and returns the `ChaosOutcome` for the test
+   to assert on.
 
 The same run has two topologies (`Topology`): the 4-worker chaos mesh (2 SERVING, 2 IDLE,
 autoscaling off: step 2 is the admin API's scale-out), and the default topology of `make up`
@@ -29,6 +30,8 @@ import asyncio
 import contextlib
 import json
 import math
+import os
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -42,7 +45,20 @@ from services.mesh.launcher import Mesh
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRACE = REPO_ROOT / "traces" / "azure_llm_2023_code.csv"
+# The committed results file: only `python -m bench.chaos` writes it (through RESULTS_ENV); a test
+# run of its own (`make test`) writes to a scratch file, so it leaves the tree as it found it.
 RESULTS = REPO_ROOT / "bench" / "results" / "chaos.json"
+RESULTS_ENV = "BLITZMESH_CHAOS_RESULTS"
+
+
+def results_path() -> Path:
+    """Where the chaos tests' rows go: the file named by `RESULTS_ENV`, else a scratch file."""
+    explicit = os.environ.get(RESULTS_ENV)
+    if explicit:
+        return Path(explicit)
+    return Path(tempfile.gettempdir()) / f"blitzmesh-chaos-{os.getuid()}" / "chaos.json"
+
+
 MODEL = "tiny"
 REQUEST_TIMEOUT_S = 60.0
 
@@ -138,8 +154,9 @@ class ChaosOutcome:
         return sorted(started - ended - settled)
 
 
-def write_row(row: dict[str, Any], path: Path = RESULTS) -> None:
-    """Replace this fault's row in the results file (rows sorted by fault)."""
+def write_row(row: dict[str, Any], path: Path | None = None) -> None:
+    """Replace this fault's row in the results file (`results_path()` by default; rows sorted by fault)."""
+    path = path or results_path()
     data: dict[str, Any] = {"rows": []}
     if path.exists():
         with contextlib.suppress(ValueError):

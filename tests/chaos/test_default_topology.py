@@ -5,7 +5,7 @@ the UCX data plane where ucxx imports. Here the only SERVING instance is the one
 - the only SERVING worker is SIGKILLed with 40 streams in flight and the scale-out they set off
   under way: no stream lost (each resumes elsewhere with its tokens so far, the exact greedy
   text), 10 requests sent right after the kill all succeed, and the pool serves again (the time
-  against the model's load time + 2 s goes to bench/results/chaos.json);
+  against the model's load time + 2 s goes to bench/results/chaos.json under bench.chaos);
 - the scale-out's chain source, or its middle hop, is SIGKILLed the moment the plan exists,
   before the targets connect: the targets take the host-cache fallback at once (no 30 s
   stall), nothing is rolled back, and every load error that reaches the manager is typed;

@@ -4,7 +4,7 @@ under a burst of the Azure code trace, in the 4-worker chaos mesh and in the def
 
 Each asserts: no accepted request lost or hung past its deadline, no error but the fault's
 designed one, no scale-out rolled back or left unresolved, the cluster healthy again (the time to
-that goes to bench/results/chaos.json), and what the kind checks on top. `make test` keeps the
+that goes to bench/results/chaos.json under `python -m bench.chaos`), and what the kind checks on top. `make test` keeps the
 4-worker runs of the kinds it always had (and test_default_topology.py's kills of the default
 topology); the rest carry the `chaos_full` marker and run under `python -m bench.chaos`.
 """
