@@ -148,10 +148,39 @@ def project_requirements() -> list[str]:
         reqs += extra
     seen, out = set(), []
     for r in reqs:
-        if r not in seen:
+        r = _for_aarch64(r)
+        if r and r not in seen:
             seen.add(r)
             out.append(r)
     return out
+
+
+# The environment markers of linux aarch64, CPython 3.11: pip evaluates a requirement's marker
+# against the interpreter running it (x86-64 here), whatever --platform says, so they are
+# evaluated for the target here instead.
+AARCH64_ENV = {
+    "platform_machine": "aarch64",
+    "platform_system": "Linux",
+    "sys_platform": "linux",
+    "os_name": "posix",
+    "python_version": "3.11",
+    "python_full_version": "3.11.0",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+}
+
+
+def _for_aarch64(req: str) -> str | None:
+    """`req` without its marker where the marker holds on aarch64; None where it does not."""
+    from packaging.requirements import Requirement
+
+    parsed = Requirement(req)
+    if parsed.marker is None:
+        return req
+    if not parsed.marker.evaluate(AARCH64_ENV):
+        return None
+    parsed.marker = None
+    return str(parsed)
 
 
 def _name(req: str) -> str:

@@ -28,8 +28,10 @@ def builds() -> dict[str, dict]:
 
 
 def test_the_portable_kernels_are_built_on_aarch64(builds):
-    # The decode and prefill attention and the fused ops have portable C paths: aarch64 runs them.
-    assert {name for name, b in builds.items() if b["built_on_aarch64"]} >= {"native", "varlen", "fused"}
+    # Decode attention and the fused ops have portable C levels: aarch64 builds them (the varlen
+    # prompt kernel is not built at the portable level: it measured 0.05-0.21x torch there).
+    built = {name for name, b in builds.items() if b["built_on_aarch64"]}
+    assert built >= {"native", "fused"} and "varlen" not in built
     for b in builds.values():
         if b["built_on_aarch64"]:
             assert not any(f.startswith("-m") for f in b["flags"]), b["flags"]  # no x86 ISA flags

@@ -179,7 +179,9 @@ def test_every_level_and_side_gives_the_torch_paths_greedy_tokens(
     want = _greedy_paged(load_model(tiny_ckpt), prompt, 12)
     monkeypatch.setenv("BLITZMESH_KERNELS", "auto")
     native.set_choices({op: impl for op in kernels.OPS})
-    assert (varlen.paged_prefill() is not None) == (impl == "native")
+    has_varlen = varlen.paged_prefill_at(kernel_isa) is not None
+    assert (varlen.paged_prefill() is not None) == (impl == "native" and has_varlen)
+    assert (native.paged_decode() is not None) == (impl == "native")
     assert _greedy_paged(load_model(tiny_ckpt), prompt, 12) == want
 
 

@@ -27,9 +27,10 @@ Three paths, picked at compile time by the build's flags:
   default model's shapes) one 2,048-token float32 layer takes 66.9 ms of one core's time against
   90.1 ms for torch's SDPA (about 72 against 54 GFLOP/s; peak about 100), 108 against 124 ms on
   2 threads of that shared machine.
-- Portable C otherwise (and for head sizes the vector paths do not take). Built with no vector
-  flags it is 5-20x slower than torch's SDPA on those shapes (0.05-0.21 of its speed): never
-  the choice there.
+- Portable C for head sizes the vector paths do not take. As a level of its own (built with no
+  vector flags) it measured 5-20x slower than torch's SDPA on the default model's shapes (0.05-0.21
+  of its speed), so the kernel is not built at the portable level: there attention always runs
+  on torch's paths.
 
 Built like the other kernels (`native.build_library`), checked against SDPA on load; with
 `BLITZMESH_VARLEN_ATTENTION=0` or where it cannot be built, `paged_prefill()` returns None and
@@ -563,6 +564,8 @@ PagedPrefill = Callable[..., torch.Tensor]
 
 
 def _load(isa: str) -> PagedPrefill:
+    if isa == "portable":
+        raise RuntimeError("not built at the portable level (measured 0.05-0.21x torch's SDPA): torch's paths run")
     lib = ctypes.CDLL(str(build_library(_SOURCE, "paged_prefill", vector_flags(isa))))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     # (cache dtype, q/out dtype) -> entry point
