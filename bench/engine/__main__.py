@@ -353,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency": CONCURRENCY,
             "model": MODEL_ID,
             "prefix_caching": False,
+            # Both engines with the same KV memory and sequences at once (vLLM's settings here).
+            "blitzmesh_worker": {"kv_cache_tokens": servers.KV_TOKENS, "max_batch_size": servers.MAX_SEQS},
+            "vllm": {"kv_cache_gib": 4, "max_num_seqs": 128, "max_num_batched_tokens": 2048},
             "threads": 2,
             "flop_per_token": FLOP_PER_TOKEN,
             "prompt_flop": {str(n): prompt_flop(n) for n in PREFILL_LENGTHS},

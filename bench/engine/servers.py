@@ -104,6 +104,10 @@ VARIANTS: dict[str, dict[str, str]] = {
 }
 
 
+KV_TOKENS = 4 * 2**30 // 46_080 // 16 * 16  # 93,200
+MAX_SEQS = 128
+
+
 class BlitzServer(Server):
     """The mesh as `make up` runs it, with one worker (so no autoscaling), prefix caching off,
     the kernels of one of `VARIANTS`."""
@@ -123,6 +127,10 @@ class BlitzServer(Server):
             "--model-dir", str(self.model_dir.parent), "--run-dir", str(self.run_dir),
             "--http-port", str(self.port), "--grpc-port", str(self.grpc_port),
             f"--worker-arg=--dtype={self.dtype}", "--worker-arg=--no-enable-prefix-caching",
+            # Configured as vLLM is here: its 4 GiB KV cache (in float32 KV tokens of the default
+            # model: 30 layers x K,V x 3 heads x 64 x 4 bytes = 46,080 B a token) and its CPU
+            # server's 128 sequences at once (the worker's defaults: 32,768 tokens, 32 sequences).
+            f"--worker-arg=--kv-cache-tokens={KV_TOKENS}", f"--worker-arg=--max-batch-size={MAX_SEQS}",
         ], VARIANTS[self.variant]  # fmt: skip
 
     def engine_info(self) -> dict[str, Any] | None:
