@@ -139,12 +139,16 @@ class BlitzServer(Server):
         import blitzmesh
         from blitzmesh.cli import as_json
 
+        # The manager learns it from the worker's next heartbeat after the load: wait for it.
+        deadline = time.monotonic() + 15.0
         with blitzmesh.Client(f"127.0.0.1:{self.grpc_port}", timeout_s=10) as client:
-            state = client.cluster()
-        for inst in state.instances:
-            if inst.engine is not None:
-                return dict(json.loads(as_json(inst.engine)))
-        return None
+            while True:
+                for inst in client.cluster().instances:
+                    if inst.engine is not None:
+                        return dict(json.loads(as_json(inst.engine)))
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.5)
 
     def __enter__(self) -> BlitzServer:
         self.start(self.model_dir.name, timeout_s=300)

@@ -8,7 +8,9 @@ import contextlib
 import functools
 import json
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import grpc
@@ -653,11 +655,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         a first measurement takes a few seconds."""
         if device.type != "cpu":
             return dtype
-        choice = await asyncio.to_thread(kernels.choose_dtype, model_cfg, dtype, device)
+        # Timed as the engine will run: a thread of its own with the engine's thread count (a
+        # pool thread would keep a second OpenMP team alive, which slows the compute thread's
+        # steps; this one's team goes when the thread ends).
+        threads = self.cfg.num_threads or os.cpu_count() or 1
+
+        def measure() -> tuple[kernels.DtypeChoice, kernels.KernelPlan]:
+            torch.set_num_threads(threads)
+            choice = kernels.choose_dtype(model_cfg, dtype, device)
+            return choice, kernels.choose(model_cfg, getattr(torch, choice.dtype), self.cfg.block_size)
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernel-choice") as pool:
+            choice, plan = await asyncio.get_running_loop().run_in_executor(pool, measure)
         if choice.dtype != choice.requested:
             log.warning("dtype_overridden", requested=choice.requested, dtype=choice.dtype, reason=choice.reason)
         dtype = getattr(torch, choice.dtype)
-        plan = await asyncio.to_thread(kernels.choose, model_cfg, dtype, self.cfg.block_size)
         kernels.apply(plan)
         self.engine_info = EngineInfo(
             requested_dtype=choice.requested,

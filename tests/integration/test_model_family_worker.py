@@ -19,6 +19,7 @@ from services.param_manager.service import ParamManagerConfig, ParamManagerServi
 from services.worker.config import WorkerConfig
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.sampling import SamplingParams
+from services.worker.model import kernels
 from services.worker.model.llama import load_model
 from services.worker.service import WorkerService
 
@@ -106,7 +107,11 @@ async def test_qwen2_over_the_data_plane_in_checkpoint_dtype_matches_transformer
     assert tokens == out[0, len(PROMPT) :].tolist()
 
 
-async def test_worker_dtype_option_serves_bfloat16(qwen2_models: Path, serve_in_process: ServeFactory) -> None:
+async def test_worker_dtype_option_serves_bfloat16(
+    qwen2_models: Path, serve_in_process: ServeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Forced kernels keep the dtype as asked, so bfloat16 is served even where its GEMMs are slow.
+    monkeypatch.setenv("BLITZMESH_KERNELS", "native")
     pm = ParamManagerService(ParamManagerConfig(port=0, model_dir=qwen2_models, chunk_bytes=64 * 1024, dataplane="tcp"))
     async with serve_in_process(pm, pm.servicer.config) as pm_ctx:
         instance, tokens = await _load_and_generate(pm_ctx.address, serve_in_process, "bfloat16")
@@ -127,3 +132,18 @@ async def test_worker_dtype_option_serves_bfloat16(qwen2_models: Path, serve_in_
     async with local:
         expected = [ev.token_id async for ev in local.generate("r", PROMPT, params)]
     assert tokens == expected
+
+
+async def test_bfloat16_follows_the_measured_choice_under_auto_kernels(
+    qwen2_models: Path, serve_in_process: ServeFactory
+) -> None:
+    """Asked for bfloat16 with the kernels measured (the default), the worker holds the model in
+    the dtype the measurement picked for this CPU (float32 where bfloat16 GEMMs are far slower)
+    and says so in its status."""
+    pm = ParamManagerService(ParamManagerConfig(port=0, model_dir=qwen2_models, chunk_bytes=64 * 1024, dataplane="tcp"))
+    async with serve_in_process(pm, pm.servicer.config) as pm_ctx:
+        instance, tokens = await _load_and_generate(pm_ctx.address, serve_in_process, "bfloat16")
+    want = kernels.choose_dtype(instance.model.config, torch.bfloat16)  # read back from the cache
+    assert instance.model.dtype == getattr(torch, want.dtype)
+    assert instance.engine.kv_cache.layer_cache(0)[0].dtype == getattr(torch, want.dtype)
+    assert len(tokens) == NEW_TOKENS
