@@ -517,7 +517,13 @@ def engine_info_to_proto(e: EngineInfo) -> common_pb2.EngineInfo:
         machine_isa=e.machine_isa,
         kernels=[
             common_pb2.KernelChoice(
-                op=k.op, impl=k.impl, isa=k.isa, reason=k.reason, native_ms=k.native_ms, torch_ms=k.torch_ms
+                op=k.op,
+                impl=k.impl,
+                isa=k.isa,
+                reason=k.reason,
+                native_ms=k.native_ms,
+                torch_ms=k.torch_ms,
+                speedup=k.speedup,
             )
             for k in e.kernels
         ],
@@ -542,6 +548,7 @@ def engine_info_from_proto(msg: common_pb2.EngineInfo) -> EngineInfo:
                 reason=k.reason,
                 native_ms=k.native_ms if k.HasField("native_ms") else None,
                 torch_ms=k.torch_ms if k.HasField("torch_ms") else None,
+                speedup=k.speedup if k.HasField("speedup") else None,
             )
             for k in msg.kernels
         ),

@@ -356,6 +356,8 @@ class KernelChoice:
     reason: str = ""
     native_ms: float | None = None
     torch_ms: float | None = None
+    speedup: float | None = None
+    """Geometric mean over the timed cases of torch's time over native's (native runs above 1)."""
 
 
 @dataclass(frozen=True, slots=True)

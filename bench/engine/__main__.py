@@ -99,12 +99,13 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
 
 
 def auto_over_torch(engine: dict[str, Any] | None) -> dict[str, float | None]:
-    """Per op, torch's median time over the chosen side's, from the worker's own load-time
-    timings (1.0 where torch was chosen; None where the op was not timed)."""
+    """Per op, the chosen side's speed over torch's from the worker's own load-time timings (the
+    geometric mean over its cases where native was chosen, 1.0 where torch was; None where the op
+    was not timed)."""
     out: dict[str, float | None] = {}
     for k in (engine or {}).get("kernels", []):
-        mine = k["native_ms"] if k["impl"] == "native" else k["torch_ms"]
-        out[k["op"]] = round(k["torch_ms"] / mine, 3) if k.get("torch_ms") and mine else None
+        speedup = k.get("speedup")
+        out[k["op"]] = None if speedup is None else (round(speedup, 3) if k["impl"] == "native" else 1.0)
     return out
 
 

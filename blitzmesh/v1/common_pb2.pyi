@@ -594,6 +594,7 @@ class KernelChoice(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     NATIVE_MS_FIELD_NUMBER: _builtins.int
     TORCH_MS_FIELD_NUMBER: _builtins.int
+    SPEEDUP_FIELD_NUMBER: _builtins.int
     op: _builtins.str
     """varlen_prefill, paged_decode, small_gemm, fused_ops"""
     impl: _builtins.str
@@ -602,8 +603,10 @@ class KernelChoice(_message.Message):
     """the native kernel's level (avx512, avx2, portable); "-" for torch"""
     reason: _builtins.str
     native_ms: _builtins.float
-    """median over the same cases, when timed"""
+    """summed over the same cases (each side's fastest call), when timed"""
     torch_ms: _builtins.float
+    speedup: _builtins.float
+    """geometric mean over the cases of torch's time over native's"""
     def __init__(
         self,
         *,
@@ -613,17 +616,22 @@ class KernelChoice(_message.Message):
         reason: _builtins.str = ...,
         native_ms: _builtins.float | None = ...,
         torch_ms: _builtins.float | None = ...,
+        speedup: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_native_ms", b"_native_ms", "_torch_ms", b"_torch_ms", "native_ms", b"native_ms", "torch_ms", b"torch_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_native_ms", b"_native_ms", "_speedup", b"_speedup", "_torch_ms", b"_torch_ms", "native_ms", b"native_ms", "speedup", b"speedup", "torch_ms", b"torch_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_native_ms", b"_native_ms", "_torch_ms", b"_torch_ms", "impl", b"impl", "isa", b"isa", "native_ms", b"native_ms", "op", b"op", "reason", b"reason", "torch_ms", b"torch_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_native_ms", b"_native_ms", "_speedup", b"_speedup", "_torch_ms", b"_torch_ms", "impl", b"impl", "isa", b"isa", "native_ms", b"native_ms", "op", b"op", "reason", b"reason", "speedup", b"speedup", "torch_ms", b"torch_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__native_ms: _TypeAlias = _typing.Literal["native_ms"]  # noqa: Y015
     _WhichOneofArgType__native_ms: _TypeAlias = _typing.Literal["_native_ms", b"_native_ms"]  # noqa: Y015
+    _WhichOneofReturnType__speedup: _TypeAlias = _typing.Literal["speedup"]  # noqa: Y015
+    _WhichOneofArgType__speedup: _TypeAlias = _typing.Literal["_speedup", b"_speedup"]  # noqa: Y015
     _WhichOneofReturnType__torch_ms: _TypeAlias = _typing.Literal["torch_ms"]  # noqa: Y015
     _WhichOneofArgType__torch_ms: _TypeAlias = _typing.Literal["_torch_ms", b"_torch_ms"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__native_ms) -> _WhichOneofReturnType__native_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__speedup) -> _WhichOneofReturnType__speedup | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__torch_ms) -> _WhichOneofReturnType__torch_ms | None: ...
 

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -655,10 +654,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         a first measurement takes a few seconds."""
         if device.type != "cpu":
             return dtype
-        # Timed as the engine will run: a thread of its own with the engine's thread count (a
-        # pool thread would keep a second OpenMP team alive, which slows the compute thread's
-        # steps; this one's team goes when the thread ends).
-        threads = self.cfg.num_threads or os.cpu_count() or 1
+        # Timed on a thread of its own, single-threaded: a thread that runs OpenMP regions with
+        # more than one thread leaves libgomp managing more threads than there are cores, and the
+        # compute thread's decode steps then ran 40-60% slower (ITL 39 -> 48-63 ms on a 2-core
+        # AVX2 EPYC). One core's times rank the two sides as the engine's team would see them.
+        threads = 1
 
         def measure() -> tuple[kernels.DtypeChoice, kernels.KernelPlan]:
             torch.set_num_threads(threads)
@@ -678,7 +678,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kernel_mode=plan.mode,
             isa=plan.isa,
             machine_isa=plan.machine_isa,
-            kernels=tuple(KernelChoice(c.op, c.impl, c.isa, c.reason, c.native_ms, c.torch_ms) for c in plan.choices),
+            kernels=tuple(
+                KernelChoice(c.op, c.impl, c.isa, c.reason, c.native_ms, c.torch_ms, c.speedup) for c in plan.choices
+            ),
             plan_cached=plan.cached,
             plan_measured_s=round(plan.measured_s, 3),
         )

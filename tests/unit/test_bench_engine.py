@@ -103,9 +103,9 @@ def test_prompt_flop_counts_projections_causal_attention_and_the_head_once() -> 
 def test_auto_over_torch_is_torchs_time_over_the_chosen_sides() -> None:
     engine = {
         "kernels": [
-            {"op": "paged_decode", "impl": "native", "native_ms": 2.0, "torch_ms": 5.0},
-            {"op": "varlen_prefill", "impl": "torch", "native_ms": 9.0, "torch_ms": 3.0},
-            {"op": "small_gemm", "impl": "torch", "native_ms": None, "torch_ms": None},
+            {"op": "paged_decode", "impl": "native", "native_ms": 2.0, "torch_ms": 5.0, "speedup": 2.5},
+            {"op": "varlen_prefill", "impl": "torch", "native_ms": 9.0, "torch_ms": 3.0, "speedup": 0.333},
+            {"op": "small_gemm", "impl": "torch", "native_ms": None, "torch_ms": None, "speedup": None},
         ]
     }
     assert auto_over_torch(engine) == {"paged_decode": 2.5, "varlen_prefill": 1.0, "small_gemm": None}

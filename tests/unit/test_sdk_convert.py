@@ -93,7 +93,7 @@ INSTANCE = InstanceInfo(
         isa="avx2",
         machine_isa="avx512",
         kernels=(
-            KernelChoice("varlen_prefill", "torch", "-", "native measured 0.5x torch", 2.5, 1.25),
+            KernelChoice("varlen_prefill", "torch", "-", "native measured 0.5x torch", 2.5, 1.25, 0.5),
             KernelChoice("paged_decode", "native", "avx2", "measured 6x torch", 0.5, 3.0),
             KernelChoice("small_gemm", "torch", "-", "no native kernel at avx2"),
         ),
