@@ -131,6 +131,9 @@ def _round(
         m = prefill(url, MODEL_ID, n, settings["prefill_requests"])
         fig["prefill_ttft_ms"][str(n)] = round(m["ttft_s_median"] * 1000, 1)
         fig["prefill_tok_s"][str(n)] = m["tok_s"]
+    if settings.get("prefill_only"):
+        print(f"[bench.engine] {server.name}: prefill {fig['prefill_tok_s']} tok/s", flush=True)
+        return fig
     for c in CONCURRENCY:
         m = load.guidellm_run(
             guidellm, url, MODEL_ID, MODEL_DIR, prompt_tokens=256, output_tokens=64, streams=c,
@@ -157,6 +160,8 @@ def best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         i = max(range(len(rounds)), key=lambda j: rounds[j]["prefill_tok_s"][n])
         best["prefill_tok_s"][n] = rounds[i]["prefill_tok_s"][n]
         best["prefill_ttft_ms"][n] = rounds[i]["prefill_ttft_ms"][n]
+    if not rounds[0]["output_tok_s"]:
+        return best  # --prefill-only
     for c in map(str, CONCURRENCY):
         best["output_tok_s"][c] = max(r["output_tok_s"][c] for r in rounds)
     best["itl_c1_ms"] = min(r["itl_c1_ms"] for r in rounds if r.get("itl_c1_ms") is not None)
@@ -230,15 +235,17 @@ def measure(
     for server in started:
         # GuideLLM's own TTFT for the shortest prompt, for the record: on 2 cores its client-side
         # work lands in TTFT (vLLM's 256-token TTFT read 1.24 s through it, 0.30 s through ours).
-        with _alone(server, started):
-            m = load.guidellm_run(
-                guidellm, server.url, MODEL_ID, MODEL_DIR, prompt_tokens=256, output_tokens=1, streams=1,
-                max_requests=settings["prefill_requests"],
-            )  # fmt: skip
+        m: dict[str, Any] = {}
+        if not settings.get("prefill_only"):
+            with _alone(server, started):
+                m = load.guidellm_run(
+                    guidellm, server.url, MODEL_ID, MODEL_DIR, prompt_tokens=256, output_tokens=1, streams=1,
+                    max_requests=settings["prefill_requests"],
+                )  # fmt: skip
         out[server.name] = {
             **best_of(rounds[server.name]),
             "ready_s": server.ready_s,
-            "guidellm_prefill_256_ttft_ms": m["ttft_ms_median"],
+            "guidellm_prefill_256_ttft_ms": m.get("ttft_ms_median"),
             "rounds": rounds[server.name],
         }
     return out, dropped
@@ -275,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     p.add_argument("--skip-vllm", action="store_true", help="measure Blitzmesh only (no ratios)")
     p.add_argument(
+        "--prefill-only", action="store_true", help="only the prefill figures (no GuideLLM, no trace): a few minutes"
+    )
+    p.add_argument(
         "--variants",
         default="auto,auto_avx2,torch",
         help="Blitzmesh kernel variants (comma-separated): auto (measured choice, machine's best level), auto_avx2"
@@ -298,9 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.mesh.launcher import ensure_model
 
         ensure_model(MODEL_DIR.parent, MODEL_ID)
-    settings = QUICK if a.quick else FULL
+    settings = {**(QUICK if a.quick else FULL), "prefill_only": a.prefill_only}
     # One file per instruction-set level: figures hold only for the CPU they were measured on.
-    out = a.out or RESULTS / f"engine_{cpu['machine_isa']}{'_quick' if a.quick else ''}.json"
+    suffix = ("_quick" if a.quick else "") + ("_prefill" if a.prefill_only else "")
+    out = a.out or RESULTS / f"engine_{cpu['machine_isa']}{suffix}.json"
     began = time.monotonic()
     guidellm = envs.guidellm_env()
     vllm = None if a.skip_vllm else envs.vllm_env()
