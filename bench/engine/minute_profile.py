@@ -75,7 +75,12 @@ def cpu_info() -> dict[str, Any]:
         if key.strip() == "flags" and not flags:
             flags = value.split()
     wanted = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16")
-    return {"model": model, "cores": os.cpu_count(), "simd_flags": [f for f in wanted if f in flags]}
+    return {
+        "model": model,
+        "cores": os.cpu_count(),
+        "simd_flags": [f for f in wanted if f in flags],
+        "flags": sorted(flags),
+    }
 
 
 def build_engine(worker: WorkerConfig, model_dir: Path) -> tuple[Engine, int]:

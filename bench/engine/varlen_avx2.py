@@ -46,7 +46,12 @@ def _cpu() -> dict[str, object]:
     except OSError:
         pass
     wanted = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
-    return {"model": model, "vector_flags": [f for f in wanted if f in flags], "machine": platform.machine()}
+    return {
+        "model": model,
+        "vector_flags": [f for f in wanted if f in flags],
+        "flags": sorted(flags),
+        "machine": platform.machine(),
+    }
 
 
 def _entry(flags: list[str], dtype: torch.dtype) -> Callable[..., int]:
