@@ -295,6 +295,19 @@ class _ScratchKV:
         return self.k, self.v
 
 
+def _scratch_cache(
+    q_lens: list[int], ctx_lens: list[int], block_size: int, kv_heads: int, d: int, dtype: torch.dtype
+) -> tuple[_ScratchKV, list[list[int]]]:
+    """A scratch cache holding every sequence's context and new tokens, and each one's block
+    table (consecutive blocks from 1; block 0 stays the padding block)."""
+    need = [-(-(c + n) // block_size) for c, n in zip(ctx_lens, q_lens, strict=True)]
+    tables, first = [], 1
+    for n in need:
+        tables.append(list(range(first, first + n)))
+        first += n
+    return _ScratchKV(first, block_size, kv_heads, d, dtype), tables
+
+
 def _with_choice(op: str, impl: str, fn: Callable[[], object]) -> Callable[[], object]:
     """`fn` run with `op` set to `impl` (the other ops as they are)."""
 
@@ -316,12 +329,7 @@ def _attention_cases(
     """One layer's attention of a step with these sequences, through `attention()` as the model
     calls it after the fused RoPE kernel wrote the new K/V (so either side may take the step)."""
     heads, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    need = [-(-(c + n) // block_size) for c, n in zip(ctx_lens, q_lens, strict=True)]
-    kv = _ScratchKV(sum(need) + 1, block_size, kvh, d, dtype)
-    tables, first = [], 1
-    for n in need:
-        tables.append(list(range(first, first + n)))
-        first += n
+    kv, tables = _scratch_cache(q_lens, ctx_lens, block_size, kvh, d, dtype)
     g = torch.Generator().manual_seed(1)
     t = sum(q_lens)
     q = torch.randn(t, heads, d, generator=g).to(dtype)
@@ -387,12 +395,7 @@ def _time_fused(cfg: LlamaConfig, dtype: torch.dtype, block_size: int, isa: str)
     top = cfg.max_context_tokens - 1  # positions the model's RoPE covers
     cases = (([1] * 16, [min(127 + 32 * i, top - 1) for i in range(16)]), ([min(512, top)], [0]))
     for q_lens, ctx_lens in cases:
-        need = [-(-(c + n) // block_size) for c, n in zip(ctx_lens, q_lens, strict=True)]
-        kv = _ScratchKV(sum(need) + 1, block_size, kvh, d, dtype)
-        tables, first = [], 1
-        for n in need:
-            tables.append(list(range(first, first + n)))
-            first += n
+        kv, tables = _scratch_cache(q_lens, ctx_lens, block_size, kvh, d, dtype)
         hidden = torch.randn(sum(q_lens), cfg.hidden_size, generator=g).to(dtype)
 
         def run(q_lens: list[int] = q_lens, ctx_lens: list[int] = ctx_lens, tables: list[list[int]] = tables,
