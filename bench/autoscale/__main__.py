@@ -40,7 +40,7 @@ import aiohttp
 
 import blitzmesh
 from bench.autoscale.sizing import Profile, size_pools
-from bench.replay import (
+from blitzmesh.replay import (
     Slo,
     TokenScaling,
     TraceWindow,

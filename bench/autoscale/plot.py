@@ -26,7 +26,7 @@ def _points(xs: list[float], ys: list[Any]) -> tuple[list[float], list[float]]:
 def plot(
     runs: dict[str, dict[str, Any]], decisions: list[dict[str, Any]], ttft_slo_s: float, title: str, out: Path
 ) -> None:
-    """`runs[name]` holds `timeline` (from bench.replay.timeline) and `samples` ([(t_s, held)]);
+    """`runs[name]` holds `timeline` (from blitzmesh.replay.timeline) and `samples` ([(t_s, held)]);
     `decisions` are the autoscaled run's scale decisions (t_s, target)."""
     fig, (ax_n, ax_r, ax_t) = plt.subplots(
         3, 1, figsize=(11, 8.5), sharex=True, gridspec_kw={"height_ratios": [1.2, 1, 1.2]}

@@ -18,10 +18,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-from bench.replay.runner import replay
-from bench.replay.schedule import Arrival, TokenScaling
-from bench.replay.summary import Slo, summarize
-from bench.replay.trace import read_azure_trace
+from blitzmesh.replay.runner import replay
+from blitzmesh.replay.schedule import Arrival, TokenScaling
+from blitzmesh.replay.summary import Slo, summarize
+from blitzmesh.replay.trace import read_azure_trace
 from services.mesh.launcher import Mesh, MeshConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

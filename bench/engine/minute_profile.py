@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from bench.engine.replay import MAX_PROMPT, load_minute, thin
-from bench.replay.summary import percentile
+from blitzmesh.replay.summary import percentile
 from services.model_format.checkpoint import load_config
 from services.model_format.generation import eos_token_ids_in
 from services.worker.config import WorkerConfig

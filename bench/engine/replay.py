@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.replay.summary import percentile
+from blitzmesh.replay.summary import percentile
 
 MINUTE = Path(__file__).with_name("trace_minute.json")
 OFFERED_TOK_S = 300.0

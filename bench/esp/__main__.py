@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.esp.sim import Pace, Slo, compute_bound_rps, simulate, summarize, workload
-from bench.replay.trace import read_azure_trace
+from blitzmesh.replay.trace import read_azure_trace
 from services.global_manager.core.esp import (
     EspInstance,
     EspRequest,

@@ -59,8 +59,8 @@ from typing import Any
 
 from bench.autoscale.__main__ import TOKEN_RATE_BIN_S, run_all
 from bench.live_scaling.plot import plot
-from bench.replay import describe, piecewise_pattern
-from bench.replay.summary import percentile
+from blitzmesh.replay import describe, piecewise_pattern
+from blitzmesh.replay.summary import percentile
 from services.mesh.launcher import MeshConfig
 from services.mesh.netns import unavailable_reason
 from services.model_format.synth import PRESETS, synthesize

@@ -18,10 +18,10 @@ import asyncio
 import json
 from pathlib import Path
 
-from .runner import replay
-from .schedule import TokenScaling, TraceWindow, describe, from_trace, spike_pattern, step_pattern
-from .summary import Slo, summarize
-from .trace import read_azure_trace
+from blitzmesh.replay.runner import replay
+from blitzmesh.replay.schedule import TokenScaling, TraceWindow, describe, from_trace, spike_pattern, step_pattern
+from blitzmesh.replay.summary import Slo, summarize
+from blitzmesh.replay.trace import read_azure_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO_ROOT / "traces" / "azure_llm_2023_code.csv"

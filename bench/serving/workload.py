@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.replay.trace import repo_relative
+from blitzmesh.replay.trace import repo_relative
 
 # Ids 0..2 are <unk>, <s>, </s> in the synthetic tokenizers; prompts start with <s> and use
 # ordinary tokens after it, as a tokenized text would.

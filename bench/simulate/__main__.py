@@ -9,7 +9,7 @@ Usage:
 Runs each variant of the scenario (`bench.simulate.scenarios`: blitzmesh, hpa, serverlessllm,
 fixed_peak; for the disaggregated disagg16 pd_mixed, pd_split_hosts, pd_kill, pd_migrate,
 colocated) on simulated workers and links, and writes one JSON: per variant the
-`bench.replay.summary` figures (TTFT p50/p99, SLO attainment, instance-seconds = GPU-seconds,
+`blitzmesh.replay.summary` figures (TTFT p50/p99, SLO attainment, instance-seconds = GPU-seconds,
 lost) plus loads, actions and the simulator's own cost, and the scenario's sizing. A scenario
 with a `wall_key` (hour1000: `wall_s_1h_1000`) also records its first variant's wall time (trace
 read and replicated, simulated, summarized), size and machine under that key: in its own JSON,

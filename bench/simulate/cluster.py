@@ -25,8 +25,8 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bench.replay.schedule import Arrival
-from bench.replay.summary import InstanceSample, RequestRecord, Slo, percentile, summarize
+from blitzmesh.replay.schedule import Arrival
+from blitzmesh.replay.summary import InstanceSample, RequestRecord, Slo, percentile, summarize
 from services.common.backlog import BACKLOG_CHECK_S, backlog_is_news
 from services.global_manager.core.actions import (
     Action,

@@ -715,7 +715,7 @@ def run(quick: bool = False, sc: EspScenario | None = None, seed: int = 0) -> di
     A request that no single instance holds is refused by chunked prefill and disaggregation and
     counts as an SLO miss; `max_rate_at_slo_servable_rps` is the same figure counting only the
     requests one instance can hold (what those strategies could serve at all)."""
-    from bench.replay.trace import read_azure_trace
+    from blitzmesh.replay.trace import read_azure_trace
 
     sc = sc or EspScenario()
     profile = PUBLISHED_PROFILES[sc.profile]

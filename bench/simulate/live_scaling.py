@@ -40,9 +40,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.replay.schedule import Arrival, TraceWindow, from_trace
-from bench.replay.summary import Slo, percentile
-from bench.replay.trace import read_azure_trace
+from blitzmesh.replay.schedule import Arrival, TraceWindow, from_trace
+from blitzmesh.replay.summary import Slo, percentile
+from blitzmesh.replay.trace import read_azure_trace
 
 from .cluster import RunConfig, Simulation
 from .links import ClusterSpec

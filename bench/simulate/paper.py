@@ -6,7 +6,7 @@ Usage:
         [--seed 0] [--jobs 2] [--floor mean|1] [--out bench/results/simulator.json] [--plots bench/results]
 
 The paper's setting: an hour of the Azure LLM inference traces (2023; `traces/`, read
-with `bench.replay`), models of 8B to 70B on up to 1,000 GPUs. `--scale` is the share of that:
+with `blitzmesh.replay`), models of 8B to 70B on up to 1,000 GPUs. `--scale` is the share of that:
 1.0 is 1,000 GPUs and the request rate that fills them, 0.1 is 104 GPUs (13 hosts of 8) at a
 tenth of the rate (the trace's shape kept), so a run sized for today reruns at full scale by changing one number.
 Settings (`SETTINGS`):
@@ -65,9 +65,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
-from bench.replay.summary import Slo, percentiles, timeline
-from bench.replay.trace import read_azure_trace
+from blitzmesh.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
+from blitzmesh.replay.summary import Slo, percentiles, timeline
+from blitzmesh.replay.trace import read_azure_trace
 
 from .cluster import RunConfig, Simulation
 from .links import ClusterSpec

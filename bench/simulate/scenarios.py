@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
-from bench.replay.summary import Slo
-from bench.replay.trace import read_azure_trace
+from blitzmesh.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
+from blitzmesh.replay.summary import Slo
+from blitzmesh.replay.trace import read_azure_trace
 from services.global_manager.core.types import Role
 
 from .cluster import Kill, RunConfig

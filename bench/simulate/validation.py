@@ -2,7 +2,7 @@
 simulator, compared with the stored real-mesh result (`bench/results/autoscale_quick.json`).
 
 The scenario `autoscale_quick` is that run's setup, read from the stored file: the same trace
-slice built by the same `bench.replay` calls (`from_trace`, `TraceWindow`, `TokenScaling`), the
+slice built by the same `blitzmesh.replay` calls (`from_trace`, `TraceWindow`, `TokenScaling`), the
 emulated accelerator as a `StepTimeModel` (base_s = a, prefill_token_s = decode_row_s = b, every
 other term 0), 4 workers (one host: the real mesh is one 2-core machine over loopback TCP), the
 same pools, policies and policy params, the manager's `--window-s 2 --tick-s 0.5
@@ -22,9 +22,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bench.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
-from bench.replay.summary import Slo, timeline
-from bench.replay.trace import read_azure_trace, repo_relative
+from blitzmesh.replay.schedule import Arrival, TokenScaling, TraceWindow, from_trace
+from blitzmesh.replay.summary import Slo, timeline
+from blitzmesh.replay.trace import read_azure_trace, repo_relative
 from services.common.worker_profile import StepTimeModel
 
 from .cluster import RunConfig, Simulation

@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
-from bench.replay.trace import repo_relative
 from bench.serving.workload import Request, WorkloadSpec, build
 from bench.slo.summary import SloRecord, compare, rate_key, summarize
+from blitzmesh.replay.trace import repo_relative
 from services.common.log import configure_logging
 from services.model_format import synth
 from services.model_format.generation import eos_token_ids_in

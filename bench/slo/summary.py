@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from bench.replay.summary import percentile
+from blitzmesh.replay.summary import percentile
 
 Outcome = Literal["ok", "rejected", "error", "lost"]
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.replay.summary import percentile
+from blitzmesh.replay.summary import percentile
 
 SIZES = ((32, 16), (30, 8), (80, 16))
 LOAD_TIMES = (0.5, 2.0, 8.0, 12.0, 14.5, 16.0)

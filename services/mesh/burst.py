@@ -6,7 +6,7 @@ Usage: python -m services.mesh.burst [--gateway http://127.0.0.1:8000] [--admin 
 
 Picks the trace's busiest `--bin-s` seconds, replays from `--lead-s` before it for `--span-s`
 (trace time, real speed), thinned so the busiest bin comes at about `--peak-rps` requests/s, and
-sends every request open loop to the gateway's OpenAI HTTP API (bench.replay's sender). Meanwhile
+sends every request open loop to the gateway's OpenAI HTTP API (blitzmesh.replay's sender). Meanwhile
 it watches the cluster's events through the gateway's Admin API and prints, as they happen:
 autoscaling decisions with their reasons, scale-outs and scale-ins, live-scaling instances with
 k/L layers, ZigZag pairs, load results; and every `--cluster-every-s` a GetCluster line with each
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import blitzmesh
-from bench.replay.runner import replay
-from bench.replay.schedule import Arrival, TokenScaling, TraceWindow, describe, from_trace
-from bench.replay.summary import InstanceSample, Slo, summarize
-from bench.replay.trace import TraceRow, read_azure_trace
+from blitzmesh.replay.runner import replay
+from blitzmesh.replay.schedule import Arrival, TokenScaling, TraceWindow, describe, from_trace
+from blitzmesh.replay.summary import InstanceSample, Slo, summarize
+from blitzmesh.replay.trace import TraceRow, read_azure_trace
 from services.model_format.default_model import DEFAULT_MODEL_ID
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "traces" / "azure_llm_2023_code.csv"

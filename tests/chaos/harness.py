@@ -5,7 +5,7 @@ A test builds a `ChaosMesh` (real processes: parameter manager, global manager, 
 on the `tiny` model with emulated accelerator pacing and emulated links slow enough that a load
 takes a couple of seconds), then calls `run_chaos` with the fault as a coroutine. `run_chaos`:
 
-1. starts the burst (open loop, `bench.replay`) and a watch on the cluster's events;
+1. starts the burst (open loop, `blitzmesh.replay`) and a watch on the cluster's events;
 2. scales out by `scale_by` instances through the admin API once the burst is under way, so a
    multicast chain is in flight;
 3. waits for the moment the fault needs (by default: the scale-out's `transfer_plan` event,
@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import blitzmesh
-from bench.replay import TokenScaling, TraceWindow, from_trace, read_azure_trace, replay
-from bench.replay.schedule import Arrival
+from blitzmesh.replay import TokenScaling, TraceWindow, from_trace, read_azure_trace, replay
+from blitzmesh.replay.schedule import Arrival
 from services.mesh.launcher import Mesh
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

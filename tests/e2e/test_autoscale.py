@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 
 import blitzmesh
-from bench.replay import replay, step_pattern
+from blitzmesh.replay import replay, step_pattern
 from blitzmesh.types import ClusterEvent
 from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc
 from services.mesh.launcher import Mesh, MeshConfig

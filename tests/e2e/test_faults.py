@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 import blitzmesh
-from bench.replay import replay, step_pattern
+from blitzmesh.replay import replay, step_pattern
 from blitzmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.mesh.launcher import Mesh, MeshConfig
 

@@ -19,7 +19,7 @@ from bench.live_scaling.__main__ import (
     replay_args,
 )
 from bench.live_scaling.plot import loading_series
-from bench.replay import RequestRecord, token_rate
+from blitzmesh.replay import RequestRecord, token_rate
 
 
 def test_links_follow_blitzscale_testbed_ratios() -> None:

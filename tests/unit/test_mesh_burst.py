@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.replay.schedule import TokenScaling
-from bench.replay.trace import TraceRow
 from blitzmesh import ClusterEvent, ClusterState, InstanceInfo, LoadReport
+from blitzmesh.replay.schedule import TokenScaling
+from blitzmesh.replay.trace import TraceRow
 from services.mesh.burst import ZigzagTally, busiest_bin, format_cluster, format_event, parse_args, plan_burst, thin_for
 
 

@@ -1,4 +1,4 @@
-"""bench.replay's pure parts: trace parsing, token scaling, schedules, stream folding, summaries."""
+"""blitzmesh.replay's pure parts: trace parsing, token scaling, schedules, stream folding, summaries."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.replay import (
+from blitzmesh.replay import (
     Arrival,
     InstanceSample,
     RequestRecord,
@@ -35,7 +35,7 @@ from bench.replay import (
     summarize,
     timeline,
 )
-from bench.replay.trace import REPO_ROOT, repo_relative
+from blitzmesh.replay.trace import REPO_ROOT, repo_relative
 
 CSV = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:17:04.0319600,3180,8

@@ -145,7 +145,7 @@ def test_no_run_replays_a_prompt_block_another_run_or_the_warm_up_cached() -> No
     run (and the warm-up) draws its prompts from its own seed, so no 16-token block of one run's
     prompts is a block another replay already computed."""
     from bench.autoscale.__main__ import PROMPT_SEEDS
-    from bench.replay.runner import prompt_ids
+    from blitzmesh.replay.runner import prompt_ids
 
     lengths = [16 * k + 5 for k in range(1, 40)]  # whole blocks and a tail, as the quick trace's prompts
 

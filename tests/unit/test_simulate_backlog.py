@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from bench.replay.schedule import Arrival
 from bench.simulate.cluster import RunConfig, Simulation
 from bench.simulate.links import ClusterSpec
 from bench.simulate.profiles import PUBLISHED_PROFILES
 from bench.simulate.worker import SimRequest
+from blitzmesh.replay.schedule import Arrival
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("error")]
 

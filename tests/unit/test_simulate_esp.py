@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.replay.trace import read_azure_trace
 from bench.simulate.esp import (
     REGIMES,
     REPO_ROOT,
@@ -28,6 +27,7 @@ from bench.simulate.esp import (
 )
 from bench.simulate.plots import plot_esp_degrees
 from bench.simulate.profiles import PUBLISHED_PROFILES, FastStep, lwm_1m_a100
+from blitzmesh.replay.trace import read_azure_trace
 
 PROFILE = PUBLISHED_PROFILES["a100-llama3-8b"]
 SC = EspScenario(instances=8)

@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 
-from bench.replay.schedule import Arrival
-from bench.replay.summary import Slo
 from bench.simulate.__main__ import _write_key
 from bench.simulate.cluster import RunConfig, Simulation
 from bench.simulate.events import EventLoop
@@ -22,6 +20,8 @@ from bench.simulate.links import ClusterSpec, Network, gbps
 from bench.simulate.profiles import PUBLISHED_PROFILES
 from bench.simulate.scenarios import SCENARIOS, build_runs, replicate
 from bench.simulate.worker import SimRequest, SimWorker
+from blitzmesh.replay.schedule import Arrival
+from blitzmesh.replay.summary import Slo
 from services.global_manager.core.routing import plan_route
 from services.global_manager.core.types import InstanceState, LoadSample, Role
 

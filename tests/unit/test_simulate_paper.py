@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.replay.schedule import Arrival
 from bench.simulate.cluster import RunConfig
 from bench.simulate.links import ClusterSpec
 from bench.simulate.paper import (
@@ -28,6 +27,7 @@ from bench.simulate.paper import (
     run_system,
 )
 from bench.simulate.profiles import PUBLISHED_PROFILES, FastStep, ModelSpec, SimProfile
+from blitzmesh.replay.schedule import Arrival
 from services.common.worker_profile import StepTimeModel
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("error")]

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.replay.schedule import Arrival
 from bench.simulate.cluster import Kill, RunConfig, Simulation
 from bench.simulate.links import ClusterSpec, gbps
 from bench.simulate.profiles import (
@@ -20,6 +19,7 @@ from bench.simulate.profiles import (
     kv_bytes_per_token,
 )
 from bench.simulate.transfer import Transfer
+from blitzmesh.replay.schedule import Arrival
 from services.global_manager.core.actions import LoadInstances, MigrateRequests
 from services.global_manager.core.multicast import HostLink, Source, Target, Topology, plan_multicast
 from services.global_manager.core.types import InstanceState, Role

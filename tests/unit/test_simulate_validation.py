@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from bench.autoscale.__main__ import QUICK
-from bench.replay import TokenScaling, TraceWindow, from_trace, read_azure_trace
 from bench.simulate import validation as v
 from bench.simulate.scenarios import TRACES
 from bench.simulate.worker import _wq
+from blitzmesh.replay import TokenScaling, TraceWindow, from_trace, read_azure_trace
 
 TRACE = TRACES / "azure_llm_2023_code.csv"
 pytestmark = pytest.mark.skipif(not TRACE.exists(), reason=f"trace {TRACE} not present")

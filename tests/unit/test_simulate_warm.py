@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replay.schedule import Arrival
 from bench.simulate.cluster import RunConfig, Simulation
 from bench.simulate.links import ClusterSpec
 from bench.simulate.profiles import PUBLISHED_PROFILES
+from blitzmesh.replay.schedule import Arrival
 from services.global_manager.core.actions import DrainInstance, LoadInstances
 from services.global_manager.core.types import InstanceState, Role
 
