@@ -1,7 +1,8 @@
 """The documentation holds together: every relative link and image in the README and docs/
 resolves to a file of the repository, every `#anchor` to a heading of its page (GitHub's slug
 rules); nothing in the repository points at a file outside it; every `docs/algorithms.md N` the
-code cites is a section there; the README stays short, with every section in its contents.
+code cites is a section there; the README stays short, with every section in its contents;
+every page under docs/ outside docs/benchmarks/ stays within 400 lines.
 
 Pure and fast: it reads files, nothing else.
 """
@@ -18,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 ALGORITHMS = ROOT / "docs" / "algorithms.md"
 README_MAX_LINES = 300
+# A page under docs/ describes the system as it is now; run journals go to docs/benchmarks/.
+DOC_PAGE_MAX_LINES = 400
 
 # Not the project's own files: virtual environments, model weights, run state, caches.
 SKIP_DIRS = {".git", ".venv", "run", "models", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".whl"}
@@ -186,6 +189,26 @@ def test_readme_is_short_and_its_contents_reach_every_section() -> None:
     toc = {m.group(1) for m in re.finditer(r"\]\(#([^)]+)\)", "\n".join(lines[start:end]))}
     missing = [s for s in sections if s != "Contents" and github_slug(s) not in toc]
     assert not missing, f"sections missing from the README's contents: {missing}"
+
+
+def design_pages() -> list[Path]:
+    """Every Markdown page under docs/ except the benchmark journals under docs/benchmarks/."""
+    benchmarks = ROOT / "docs" / "benchmarks"
+    return [p for p in sorted((ROOT / "docs").rglob("*.md")) if not p.is_relative_to(benchmarks)]
+
+
+def test_every_docs_page_outside_benchmarks_is_at_most_400_lines() -> None:
+    pages = design_pages()
+    assert pages, "no Markdown pages found under docs/"
+    too_long = [
+        f"{path.relative_to(ROOT)}: {count} lines"
+        for path in pages
+        if (count := len(path.read_text(encoding="utf-8").splitlines())) > DOC_PAGE_MAX_LINES
+    ]
+    assert not too_long, (
+        f"docs pages longer than {DOC_PAGE_MAX_LINES} lines (move run journals to docs/benchmarks/):\n"
+        + "\n".join(too_long)
+    )
 
 
 # ---- the checker itself --------------------------------------------------------------------------
