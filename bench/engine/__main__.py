@@ -19,9 +19,9 @@ client of ours (`replay.py`) times prefill at 256 / 1,024 / 2,048 prompt tokens 
 a time, random token ids, one output token: prompt tokens / median TTFT) and replays the busiest
 minute of the Azure conversation trace (`trace_minute.json`), thinned to an offered load both
 engines can carry, for TTFT p50 / p99 and the time until the last request is done (drain). A
-server whose 256-token prompt takes over 20 s (bfloat16 without AVX512-BF16, on torch's or
-vLLM's path) is recorded with that figure and not measured further; vLLM in float32 is then the
-baseline for that dtype. The physical limits come from the same run (`limits.py`).
+server whose 256-token prompt takes over 20 s, or over 4x the fastest server's in the same dtype
+(bfloat16 without AVX512-BF16, on torch's or vLLM's path), is recorded with that figure and not
+measured further; vLLM in float32 is then the baseline for that dtype. The physical limits come from the same run (`limits.py`).
 
 Writes bench/results/engine_<isa>.json (`engine_<isa>_quick.json` with --quick; <isa> the CPU's
 best level: avx512, avx2 or portable) with the CPU model and flags, each variant's kernel
@@ -187,6 +187,11 @@ def _alone(server: servers.Server, started: list[servers.Server]) -> Iterator[No
 # without AVX512-BF16, torch's bfloat16 GEMM runs about 100x slower than float32: a round would
 # take hours); the probe's figure is recorded instead.
 PROBE_LIMIT_S = 20.0
+# A server whose probe is this many times the fastest server's in the same dtype is not measured
+# further either (vLLM's and torch's bfloat16 on a CPU without AVX512-BF16: about 6x slower here,
+# a round of them took over 20 minutes); a user would run the float32 one instead, which the
+# ratios then use as the baseline.
+PROBE_RELATIVE_LIMIT = 4.0
 
 
 def probe(server: servers.Server, started: list[servers.Server]) -> float | None:
@@ -218,11 +223,23 @@ def measure(
     for server in started:
         load.warm_up(server.url, MODEL_ID)
     dropped: dict[str, str] = {}
+    probes: dict[str, float] = {}
     for server in list(started):
         took = probe(server, started)
         print(f"[bench.engine] probe {server.name}: 256-token prompt in {took} s", flush=True)
         if took is None:
             dropped[server.name] = f"a 256-token prompt took over {PROBE_LIMIT_S} s (not measured further)"
+            started.remove(server)
+            server.stop()
+        else:
+            probes[server.name] = took
+    fastest = min(probes.values(), default=0.0)
+    for server in list(started):
+        if probes[server.name] > PROBE_RELATIVE_LIMIT * fastest:
+            dropped[server.name] = (
+                f"a 256-token prompt took {probes[server.name]} s, over {PROBE_RELATIVE_LIMIT:g}x the fastest "
+                f"server's {fastest} s (not measured further)"
+            )
             started.remove(server)
             server.stop()
     rounds: dict[str, list[dict[str, Any]]] = {s.name: [] for s in started}

@@ -82,6 +82,52 @@ def test_native_is_chosen_only_when_it_measured_faster() -> None:
     assert mixed.auto_over_torch is not None and mixed.auto_over_torch > 1.0
 
 
+def test_a_gemm_path_takes_the_row_counts_up_to_where_it_stops_winning() -> None:
+    rows = (1, 8, 32, 256)
+    # Faster at 1 and 8, slower from 32: native up to 8 rows, the speedup over those two.
+    banded = kernels._rows_verdict("small_gemm", "avx2", rows, [1.0, 2.0, 5.0, 9.0], [2.0, 3.0, 4.0, 8.0], "x")
+    assert banded.impl == "native" and banded.max_rows == 8
+    assert banded.speedup == pytest.approx((2.0 * 1.5) ** 0.5, abs=1e-3) and banded.native_ms == 3.0
+    assert "up to 8 rows (slower from 32)" in banded.reason
+    # A win after a loss does not count: the band starts at the first count.
+    later = kernels._rows_verdict("small_gemm", "avx2", rows, [3.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0], "x")
+    assert later.impl == "torch" and later.max_rows is None and later.isa == "-"
+    everywhere = kernels._rows_verdict("packed_gemm", "-", rows, [1.0] * 4, [1.5] * 4, "x")
+    assert everywhere.impl == "native" and everywhere.max_rows is None
+
+
+def test_linear_routes_each_call_by_rows_as_the_plan_measured() -> None:
+    """Small GEMM up to its limit, oneDNN's blocked copy up to its own, F.linear above: each
+    call's result is bit for bit the chosen path's."""
+    from services.worker.model import small_gemm
+    from services.worker.model.llama import Linear
+
+    kernel = small_gemm.small_gemm()
+    if kernel is None or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        pytest.skip("needs the small GEMM (AVX2 or better) and oneDNN")
+    native.set_choices({"small_gemm": "native", "packed_gemm": "native"}, {"small_gemm": 2, "packed_gemm": 16})
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 576, generator=g)
+    lin = Linear(w, pack=True)
+    assert lin._packed is not None and lin._pairs is not None
+    for rows, path in ((1, "small"), (2, "small"), (3, "onednn"), (16, "onednn"), (17, "f_linear"), (64, "f_linear")):
+        x = torch.randn(rows, 576, generator=g)
+        want = {
+            "small": lambda x=x: kernel(x, lin._pairs, 96),
+            "onednn": lambda x=x: torch.ops.mkldnn._linear_pointwise(x, lin._packed, None, "none", [], ""),
+            "f_linear": lambda x=x: torch.nn.functional.linear(x, w),
+        }[path]()
+        assert torch.equal(lin(x), want), (rows, path)
+    # Measured slower at every count: no blocked copy is made, F.linear takes those rows.
+    native.set_choices({"small_gemm": "native", "packed_gemm": "torch"}, {"small_gemm": 2})
+    plain = Linear(w, pack=True)
+    assert plain._packed is None
+    x = torch.randn(8, 576, generator=g)
+    assert torch.equal(plain(x), torch.nn.functional.linear(x, w))
+    with pytest.raises(ValueError, match="positive integers"):
+        native.set_choices({"small_gemm": "native"}, {"small_gemm": 0})
+
+
 def _cfg(tiny_ckpt: Path) -> LlamaConfig:
     return load_model(tiny_ckpt).config
 

@@ -2,8 +2,12 @@
 path on this CPU, at the model's shapes, and run the faster one.
 
 The ops: `varlen_prefill` (attention of prompt tokens over the paged cache, `varlen`),
-`paged_decode` (decode attention, `native`), `small_gemm` (decode-sized GEMMs, `small_gemm`) and
-`fused_ops` (norms, RoPE + cache write, SiLU-and-multiply, `fused`). `choose()` builds each
+`paged_decode` (decode attention, `native`), `small_gemm` (decode-sized GEMMs, `small_gemm`),
+`packed_gemm` (oneDNN's GEMM on a blocked copy of the weights, against `F.linear`) and
+`fused_ops` (norms, RoPE + cache write, SiLU-and-multiply, `fused`). The two GEMM paths are raced
+per row count and take calls only up to the count where they stop winning (`max_rows`): a
+projection runs the small GEMM up to its limit, oneDNN's blocked GEMM up to its own, and
+`F.linear` above. `choose()` builds each
 native kernel at the target instruction-set level (`native.target_isa()`: the CPU's best, capped
 by `BLITZMESH_CPU_ISA`), times it and the torch path alternately on cases of the model's own
 shapes, and picks native only where it was faster: a kernel slower than torch on this machine is
@@ -43,9 +47,13 @@ from services.worker.model.attention import ForwardBatch, attention
 
 log = structlog.get_logger(__name__)
 
-OPS = ("varlen_prefill", "paged_decode", "small_gemm", "fused_ops")
+OPS = ("varlen_prefill", "paged_decode", "small_gemm", "packed_gemm", "fused_ops")
+# Row counts the GEMM paths are raced at (a decode step has one row per sequence, a prefill
+# step up to max_num_tokens).
+SMALL_GEMM_ROWS = (1, 2, 4, 8, 16, 32)
+PACKED_GEMM_ROWS = (1, 8, 16, 32, 64, 256)
 # Bumped when the file's layout or the meaning of a field changes: older files are rewritten.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # A bfloat16 GEMM more than this many times slower than float32 at the model's shapes: compute
 # in float32 instead (a factor that costs less than it saves in memory traffic stays bfloat16).
 BF16_SLOWDOWN_LIMIT = 1.5
@@ -64,6 +72,9 @@ class OpChoice:
     native_ms: float | None = None
     torch_ms: float | None = None
     speedup: float | None = None  # geometric mean over the cases of torch's time over native's
+    # GEMM paths: native only for calls of at most this many rows (the largest row count raced
+    # up to which native won at every count); None: no limit.
+    max_rows: int | None = None
 
     @property
     def auto_over_torch(self) -> float | None:
@@ -110,6 +121,7 @@ class KernelPlan:
                 native_ms=c.get("native_ms"),
                 torch_ms=c.get("torch_ms"),
                 speedup=c.get("speedup"),
+                max_rows=c.get("max_rows"),
             )
             for op, c in d["choices"].items()
         )
@@ -133,7 +145,10 @@ _CURRENT: KernelPlan | None = None
 def apply(plan: KernelPlan) -> None:
     """Make `plan` the process's choice (the model's ops consult it on every call)."""
     global _CURRENT
-    native.set_choices({c.op: c.impl for c in plan.choices})
+    native.set_choices(
+        {c.op: c.impl for c in plan.choices},
+        {c.op: c.max_rows for c in plan.choices if c.impl == "native" and c.max_rows is not None},
+    )
     _CURRENT = plan
     log.info(
         "kernel_plan",
@@ -409,22 +424,49 @@ def _time_fused(cfg: LlamaConfig, dtype: torch.dtype, block_size: int, isa: str)
     return _verdict("fused_ops", isa, ns, ts)
 
 
+def _onednn_packed(w: torch.Tensor) -> torch.Tensor | None:
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, 32)  # type: ignore[no-any-return]
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _gemm_cases(cfg: LlamaConfig) -> tuple[tuple[int, int], ...]:
+    """(out, in) of two projections of the model: the fused gate+up one and the down one."""
+    return ((2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size))
+
+
+def _rows_verdict(op: str, isa: str, rows: tuple[int, ...], ns: list[float], ts: list[float], what: str) -> OpChoice:
+    """Native for calls of up to the largest raced row count up to which it won at every count
+    (each count's time summed over the shapes); torch where it lost at the first. The speedup is
+    over the counts native takes (over all of them when it takes none)."""
+    wins = [t / n for n, t in zip(ns, ts, strict=True)]
+    taken = 0
+    while taken < len(rows) and wins[taken] > 1.0:
+        taken += 1
+    over = wins[:taken] or wins
+    speedup = round(math.exp(statistics.fmean(math.log(w) for w in over)), 3)
+    n_sum, t_sum = round(sum(ns[: taken or None]), 3), round(sum(ts[: taken or None]), 3)
+    if taken == 0:
+        return OpChoice(op, "torch", "-", f"{what}: native measured {speedup:.2f}x torch", n_sum, t_sum, speedup)
+    limit = None if taken == len(rows) else rows[taken - 1]
+    up_to = "every row count" if limit is None else f"up to {limit} rows (slower from {rows[taken]})"
+    return OpChoice(op, "native", isa, f"{what}: measured {speedup:.2f}x torch, {up_to}", n_sum, t_sum, speedup, limit)
+
+
 def _time_small_gemm(cfg: LlamaConfig, dtype: torch.dtype, isa: str) -> OpChoice:
+    """The decode-sized GEMM against oneDNN's on its blocked weights (what runs those rows
+    otherwise), per row count: it takes calls up to the count where it stops winning."""
     kernel = small_gemm.small_gemm_at(isa)
     if kernel is None or dtype not in (torch.float32, torch.bfloat16) or (dtype == torch.bfloat16 and not kernel.bf16):
         return OpChoice("small_gemm", "torch", "-", f"no native kernel at {isa} for {_DTYPE_NAMES.get(dtype, dtype)}")
     g = torch.Generator().manual_seed(3)
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    ns: list[float] = []
-    ts: list[float] = []
-    for n, k in ((2 * inter, h), (h, inter)):
+    ns = [0.0] * len(SMALL_GEMM_ROWS)
+    ts = [0.0] * len(SMALL_GEMM_ROWS)
+    for n, k in _gemm_cases(cfg):
         w = torch.randn(n, k, generator=g).to(dtype)
-        packed = kernel.pack(w)
-        try:
-            onednn = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-        except (AttributeError, RuntimeError):
-            onednn = None
-        for rows in (1, 8, 32):
+        packed, onednn = kernel.pack(w), _onednn_packed(w)
+        for i, rows in enumerate(SMALL_GEMM_ROWS):
             x = torch.randn(rows, k, generator=g).to(dtype)
 
             def torch_side(x: torch.Tensor = x, w: torch.Tensor = w, onednn: torch.Tensor | None = onednn) -> object:
@@ -433,9 +475,39 @@ def _time_small_gemm(cfg: LlamaConfig, dtype: torch.dtype, isa: str) -> OpChoice
                 return torch.nn.functional.linear(x, w)
 
             a, b = _race(lambda x=x, packed=packed, n=n: kernel(x, packed, n), torch_side)
-            ns.append(a)
-        ts.append(b)
-    return _verdict("small_gemm", isa, ns, ts)
+            ns[i] += a
+            ts[i] += b
+    return _rows_verdict("small_gemm", isa, SMALL_GEMM_ROWS, ns, ts, "against oneDNN")
+
+
+def _time_packed_gemm(cfg: LlamaConfig, dtype: torch.dtype, small: OpChoice) -> OpChoice:
+    """oneDNN's GEMM on a blocked copy of the weights (made at load) against `F.linear` on the
+    plain ones, per row count above those the small GEMM takes (`small`): the blocked copy takes
+    calls up to the count where it stops winning, and none (no copy is made) where it loses at
+    the first."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return OpChoice("packed_gemm", "torch", "-", f"no blocked oneDNN path for {_DTYPE_NAMES.get(dtype, dtype)}")
+    below = 0 if small.impl != "native" else small.max_rows or max(SMALL_GEMM_ROWS)
+    row_counts = tuple(r for r in PACKED_GEMM_ROWS if r > below)
+    g = torch.Generator().manual_seed(4)
+    ns = [0.0] * len(row_counts)
+    ts = [0.0] * len(row_counts)
+    for n, k in _gemm_cases(cfg):
+        w = torch.randn(n, k, generator=g).to(dtype)
+        onednn = _onednn_packed(w)
+        if onednn is None:
+            return OpChoice(
+                "packed_gemm", "torch", "-", f"oneDNN cannot block {_DTYPE_NAMES.get(dtype, dtype)} weights"
+            )
+        for i, rows in enumerate(row_counts):
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            a, b = _race(
+                lambda x=x, onednn=onednn: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
+                lambda x=x, w=w: torch.nn.functional.linear(x, w),
+            )
+            ns[i] += a
+            ts[i] += b
+    return _rows_verdict("packed_gemm", "-", row_counts, ns, ts, "oneDNN blocked weights against F.linear")
 
 
 def _verdict(op: str, isa: str, native_ms: list[float], torch_ms: list[float]) -> OpChoice:
@@ -456,6 +528,7 @@ def _forced(mode: str, isa: str) -> tuple[OpChoice, ...]:
         "varlen_prefill": varlen.paged_prefill_at(isa),
         "paged_decode": native.paged_decode_at(isa),
         "small_gemm": small_gemm.small_gemm_at(isa),
+        "packed_gemm": _onednn_packed(torch.ones(16, 16)),
         "fused_ops": fused.fused_ops_at(isa),
     }
     return tuple(
@@ -481,10 +554,12 @@ def choose(cfg: LlamaConfig, dtype: torch.dtype, block_size: int = 16, *, use_ca
             return cached
     began = time.perf_counter()
     with torch.inference_mode():
+        small = _time_small_gemm(cfg, dtype, isa)
         first = (
             _time_varlen(cfg, dtype, block_size, isa),
             _time_decode(cfg, dtype, block_size, isa),
-            _time_small_gemm(cfg, dtype, isa),
+            small,
+            _time_packed_gemm(cfg, dtype, small),
         )
         # The layers around the fused ops run with the attention and GEMM choices just made.
         saved = dict(native._CHOICES)

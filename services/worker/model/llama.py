@@ -29,7 +29,7 @@ from services.model_format.groups import (
     layer_index,
     param_groups,
 )
-from services.worker.model import fused, small_gemm
+from services.worker.model import fused, native, small_gemm
 from services.worker.model.attention import ForwardBatch, PagedKV, attention
 from services.worker.model.rope import RotaryEmbedding
 
@@ -42,6 +42,23 @@ def _onednn_available() -> bool:
 
 
 _ONEDNN = _onednn_available()
+
+
+def _packed_wanted() -> bool:
+    """Whether weights get the oneDNN-blocked copy: not where the kernel plan measured `F.linear`
+    faster at every row count it tried (`packed_gemm` chosen "torch")."""
+    return _ONEDNN and native.chosen("packed_gemm") != "torch"
+
+
+def _packed_takes(rows: int) -> bool:
+    """Whether a call of `rows` rows runs oneDNN's GEMM on the blocked copy rather than `F.linear`:
+    up to the row count the kernel plan measured it faster (every count without a plan)."""
+    if native.chosen("packed_gemm") == "torch":
+        return False
+    limit = native.row_limit("packed_gemm")
+    return limit is None or rows <= limit
+
+
 # Row count the blocked weight layout is tuned for (a hint only: any row count works): decode
 # batches are of this order, and prefill-sized batches ran as fast on this layout as on one
 # tuned for them.
@@ -53,6 +70,11 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 class Linear:
     """A linear layer's weight `[out, in]` (and bias, if any), plus a oneDNN-blocked copy of the
     weight on CPU (float32 and bfloat16).
+
+    Each call goes by its row count to one of three paths, as the worker's kernel plan measured
+    them on the CPU it runs on (`kernels.py`: `small_gemm`, `packed_gemm`): the small GEMM up to
+    its row limit, oneDNN on the blocked copy up to its own, `F.linear` above (on an AVX2 EPYC:
+    1-4 rows, 16-32 rows, 64 rows and more). Without a plan, the paths below.
 
     One GEMM path for every row count: with 2 threads on the development box (AVX-512 with
     BF16) the prepacked oneDNN GEMM beat `F.linear` (MKL for float32, unpacked oneDNN for
@@ -74,7 +96,7 @@ class Linear:
         self._packed: torch.Tensor | None = None
         # Without a bias: a copy packed for decode-sized row counts (`small_gemm`).
         self._pairs: torch.Tensor | None = None
-        if pack and _ONEDNN and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES:
+        if pack and _packed_wanted() and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES:
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
             except RuntimeError:
@@ -85,11 +107,11 @@ class Linear:
                 self._pairs = kernel.pack(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._pairs is not None and x.dim() == 2 and x.shape[0] <= small_gemm.MAX_ROWS:
+        if self._pairs is not None and x.dim() == 2 and x.shape[0] <= small_gemm.max_rows():
             kernel = small_gemm.small_gemm()
             if kernel is not None and x.stride(1) == 1 and x.dtype == self.weight.dtype:
                 return kernel(x, self._pairs, self.weight.shape[0])
-        if self._packed is not None and x.dim() == 2:
+        if self._packed is not None and x.dim() == 2 and _packed_takes(x.shape[0]):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -201,7 +223,7 @@ class LlamaForCausalLM:
     @property
     def packs_weights(self) -> bool:
         """Whether matmul weights get a oneDNN-packed second copy (CPU float32 / bfloat16, see `Linear`)."""
-        return self.pack_weights and _ONEDNN and self.device.type == "cpu" and self.dtype in _PACKED_DTYPES
+        return self.pack_weights and _packed_wanted() and self.device.type == "cpu" and self.dtype in _PACKED_DTYPES
 
     def weight_bytes(self, *, loaded_only: bool = False) -> int:
         """Bytes the weights take here, of every group (or of the groups loaded so far), counting

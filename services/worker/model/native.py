@@ -449,13 +449,29 @@ def has_avx512_bf16(isa: str | None = None) -> bool:
 _CHOICES: dict[str, str] = {}
 
 
-def set_choices(choices: dict[str, str]) -> None:
-    """Install the implementation chosen for each op (replacing earlier choices)."""
+# Per op, the most rows a call may have to take its native path (measured: a GEMM path wins only
+# up to some row count); an op not in it has no limit.
+_ROW_LIMITS: dict[str, int] = {}
+
+
+def set_choices(choices: dict[str, str], row_limits: dict[str, int] | None = None) -> None:
+    """Install the implementation chosen for each op, and the row limits of those that have one
+    (replacing earlier choices)."""
     bad = {op: impl for op, impl in choices.items() if impl not in ("native", "torch")}
     if bad:
         raise ValueError(f"kernel choices must be 'native' or 'torch', got {bad}")
+    bad_rows = {op: n for op, n in (row_limits or {}).items() if not isinstance(n, int) or n < 1}
+    if bad_rows:
+        raise ValueError(f"row limits must be positive integers, got {bad_rows}")
     _CHOICES.clear()
     _CHOICES.update(choices)
+    _ROW_LIMITS.clear()
+    _ROW_LIMITS.update(row_limits or {})
+
+
+def row_limit(op: str) -> int | None:
+    """The most rows a call of `op` takes its native path with (None: no measured limit)."""
+    return _ROW_LIMITS.get(op)
 
 
 def chosen(op: str) -> str | None:

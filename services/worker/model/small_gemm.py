@@ -1,4 +1,4 @@
-"""A native GEMM for the few rows of a decode step, on CPUs with AVX-512.
+"""A native GEMM for the few rows of a decode step, on CPUs with AVX-512 or AVX2 + FMA.
 
 A decode step multiplies a handful of rows (one per running sequence) by every weight matrix, so
 it is bound by reading the weights. oneDNN's GEMM on its prepacked weights read them well below
@@ -11,7 +11,9 @@ the later ones from cache; one pass of 16 rows x 16 columns measured slower):
   pairs of input dimensions, multiplied with `vdpbf16ps` against each row's two inputs
   broadcast; exact products summed in float32 and rounded to bfloat16 once, as oneDNN rounds, or
   left in float32 for the LM head's logits;
-- float32: per block of 16 output columns, K vectors of 16 weights, one FMA per row and input.
+- float32: per block of 16 output columns, K vectors of 16 weights, one FMA per row and input
+  (AVX-512: one 16-wide vector; AVX2 + FMA: two 8-wide ones, rows 4 at a time, or 1-2 rows over
+  two blocks for more independent sums). Each row's sums run in K order whatever the row count.
 
 Over the 120 projections of the default model's 30 layers: bfloat16 7.3 / 8.8 / 12.5 / 21.0 ms at
 1 / 8 / 16 / 32 rows against oneDNN's 15.4 / 12.4 / 15.1 / 24.5; float32 12.9 / 14.0 / 22.2 / 41.7
@@ -22,8 +24,9 @@ default model took 13.6 ms against 24.3 in bfloat16 and 22-25 against 34-35 in f
 
 `Linear` keeps the packed copy beside the plain and oneDNN-blocked ones (one more copy of the
 weights in memory) and routes calls of at most `MAX_ROWS` rows here. With
-`BLITZMESH_SMALL_GEMM=0`, on CPUs without AVX-512, for weights with a bias, or shapes that are not
-N % 16 == 0 and K % 2 == 0, oneDNN runs them.
+`BLITZMESH_SMALL_GEMM=0`, on CPUs without AVX2, where the worker's kernel plan measured oneDNN
+faster (`kernels.py`), for weights with a bias, or shapes that are not N % 16 == 0 and K % 2 == 0,
+oneDNN runs them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import ctypes
 
 import torch
 
+from services.worker.model import native
 from services.worker.model.native import LazyKernel, build_library, has_avx512_bf16, target_isa, vector_flags
 
 _SOURCE = r"""
@@ -120,6 +124,7 @@ void pack_f32_panels(const float* w, int64_t N, int64_t K, float* wp, int64_t nt
         for (int64_t k = 0; k < K; ++k)
             for (int64_t l = 0; l < 16; ++l) wp[(b * K + k) * 16 + l] = w[(b * 16 + l) * K + k];
 }
+#ifdef __AVX512F__
 /* RB rows x 32 columns (two blocks) over all K, float32 FMAs in K order. */
 static inline __attribute__((always_inline)) void tilef(const float* x, int64_t xs, const float* w0p, const float* w1p, int64_t K, float* out, int64_t os, int rb, const int RB, const int NB) {
     __m512 acc[8][2];
@@ -152,11 +157,63 @@ void gemm_small_f32(const float* x, int64_t xs, const float* wp, float* out, int
         }
     }
 }
+#else
+/* AVX2 + FMA: RB rows x NB blocks of 16 columns (two 8-wide vectors each) over all K, float32
+   FMAs in K order: RB * NB * 2 accumulators (at most 8 of the 16 vector registers). */
+static inline __attribute__((always_inline)) void tilef2(const float* x, int64_t xs, const float* w0p, const float* w1p, int64_t K, float* out, int64_t os, int rb, const int RB, const int NB) {
+    __m256 acc[4][4];
+    for (int r = 0; r < RB; ++r) for (int j = 0; j < 2 * NB; ++j) acc[r][j] = _mm256_setzero_ps();
+    const float* xr[4];
+    for (int r = 0; r < RB; ++r) xr[r] = x + (r < rb ? r : 0) * xs;
+    for (int64_t k = 0; k < K; ++k) {
+        __m256 w[4];
+        w[0] = _mm256_loadu_ps(w0p + k * 16); w[1] = _mm256_loadu_ps(w0p + k * 16 + 8);
+        if (NB == 2) { w[2] = _mm256_loadu_ps(w1p + k * 16); w[3] = _mm256_loadu_ps(w1p + k * 16 + 8); }
+        for (int r = 0; r < RB; ++r) {
+            const __m256 xv = _mm256_broadcast_ss(xr[r] + k);
+            for (int j = 0; j < 2 * NB; ++j) acc[r][j] = _mm256_fmadd_ps(xv, w[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < RB && r < rb; ++r) for (int j = 0; j < 2 * NB; ++j) _mm256_storeu_ps(out + r * os + 16 * (j / 2) + 8 * (j % 2), acc[r][j]);
+}
+/* out [M, N] = x [M, K] w^T in float32; w packed by pack_f32_panels. Rows go 4 at a time over
+   one block (or 1-2 at a time over two blocks, for more independent sums); every row's sums run
+   in K order whatever M is, so a row's result does not depend on the rows beside it. */
+void gemm_small_f32(const float* x, int64_t xs, const float* wp, float* out, int64_t M, int64_t N, int64_t K, int64_t nthreads) {
+    const int64_t blocks = N / 16, pairs = (blocks + 1) / 2;
+    #pragma omp parallel for num_threads((int)nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t bp = 0; bp < pairs; ++bp) {
+        const int64_t b0 = 2 * bp; const int nb = b0 + 1 < blocks ? 2 : 1;
+        const float* w0p = wp + b0 * K * 16; const float* w1p = w0p + K * 16;
+        for (int64_t m0 = 0; m0 < M;) {
+            const int left = M - m0 < 4 ? (int)(M - m0) : 4;
+            const float* xm = x + m0 * xs; float* om = out + m0 * N + b0 * 16;
+            if (left <= 2) {
+                if (nb == 2) { if (left == 1) tilef2(xm, xs, w0p, w1p, K, om, N, 1, 1, 2); else tilef2(xm, xs, w0p, w1p, K, om, N, 2, 2, 2); }
+                else { if (left == 1) tilef2(xm, xs, w0p, w1p, K, om, N, 1, 1, 1); else tilef2(xm, xs, w0p, w1p, K, om, N, 2, 2, 1); }
+                m0 += left;
+            } else {
+                tilef2(xm, xs, w0p, w0p, K, om, N, left, 4, 1);
+                if (nb == 2) tilef2(xm, xs, w1p, w1p, K, om + 16, N, left, 4, 1);
+                m0 += left;
+            }
+        }
+    }
+}
+#endif
 """
 
 _ENV_SWITCH = "BLITZMESH_SMALL_GEMM"
-# Rows up to which the kernel beats oneDNN (it did at every count up to 32 measured).
+# The most rows a call takes here without a measurement (the kernel beat oneDNN at every count up
+# to 32 on the AVX-512 development box). The worker's kernel plan measures the count on the CPU it
+# runs on (`max_rows()`): on an AVX2 EPYC the kernel wins at 1-4 rows and loses from 16.
 MAX_ROWS = 32
+
+
+def max_rows() -> int:
+    """The most rows a call takes this kernel with: the kernel plan's measured limit, else
+    `MAX_ROWS`."""
+    return native.row_limit("small_gemm") or MAX_ROWS
 
 
 class SmallGemm:
@@ -231,9 +288,13 @@ class SmallGemm:
         return out
 
 
+# Levels with a path: AVX-512 (float32, and bfloat16 with AVX512-BF16) and AVX2 + FMA (float32).
+LEVELS = ("avx512", "avx2")
+
+
 def _load(isa: str) -> SmallGemm:
-    if isa != "avx512":
-        raise RuntimeError(f"the small GEMM has an AVX-512 path only (asked for {isa!r})")
+    if isa not in LEVELS:
+        raise RuntimeError(f"the small GEMM has AVX-512 and AVX2 paths only (asked for {isa!r})")
     bf16 = has_avx512_bf16(isa)
     flags = [*vector_flags(isa), *(["-mavx512bf16"] if bf16 else [])]
     return SmallGemm(ctypes.CDLL(str(build_library(_SOURCE, "small_gemm", flags))), bf16)
@@ -264,12 +325,12 @@ _KERNEL = LazyKernel("small_gemm", "native_small_gemm", _ENV_SWITCH, _load, _sel
 
 def small_gemm() -> SmallGemm | None:
     """The kernel the model uses (see `native.LazyKernel.get`); None where unavailable (below
-    AVX-512, or the CPU_ISA cap) or not chosen: oneDNN runs every row count."""
-    if target_isa() != "avx512":
+    AVX2, or the CPU_ISA cap) or not chosen: oneDNN runs every row count."""
+    if target_isa() not in LEVELS:
         return None
     return _KERNEL.get()
 
 
 def small_gemm_at(isa: str) -> SmallGemm | None:
     """The kernel built for level `isa`, whatever was chosen; None where unavailable."""
-    return _KERNEL.build(isa) if isa == "avx512" else None
+    return _KERNEL.build(isa) if isa in LEVELS else None
