@@ -5,7 +5,7 @@ Usage:
                               [--out bench/results/dataplane.json]
 
 Four parts, measured in one run, every transfer between separate real processes
-(`services.dataplane.testing` nodes) over real sockets / UCX:
+(`tests.harness.dataplane_nodes` nodes) over real sockets / UCX:
 
 1. One hop on this host (CPU/memory-bound), payload 1 GiB (256 MiB with --quick):
    - memcpy_gbps: np.copyto of the payload in one process (warm, best of 5): the ceiling.
@@ -80,10 +80,10 @@ import numpy as np
 from bench.dataplane import hostmem, links
 from bench.dataplane.checksums import checksum_rates
 from bench.dataplane.plot import plot
+from services.dataplane import ucx_available
 from services.dataplane.checksum import CHECKSUM_ALGOS, DEFAULT_CHECKSUM_ALGO
-from services.dataplane.testing import ModelSpec, NodeProcess, NodeSpec, start_nodes
-from services.dataplane.transport import ucx_available
 from services.mesh import netns
+from tests.harness.dataplane_nodes import ModelSpec, NodeProcess, NodeSpec, start_nodes
 
 MIB = 1 << 20
 NUM_LAYERS = 8  # plus embed and head, half a layer each: 9 layer-sizes in all

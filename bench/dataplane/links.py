@@ -1,7 +1,7 @@
 """Parts 2 and 3 of the data-plane benchmark: chains, sequential unicast and sharded transfer
 between emulated hosts (network namespaces with tc-shaped uplinks, see netns.py).
 
-Every node is a real process (`services.dataplane.testing`) that enters its host's namespace
+Every node is a real process (`tests.harness.dataplane_nodes`) that enters its host's namespace
 before it opens a socket, binds the namespace address, and moves bytes over the veth pair and
 the bridge; each host's uplink is a `tbf` qdisc, so the link, not the CPU, sets the pace.
 """
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.dataplane.manifest import Manifest
-from services.dataplane.testing import ModelSpec, NodeProcess, NodeSpec, start_nodes
 from services.mesh.netns import NetnsHost, ShapedNetwork
+from tests.harness.dataplane_nodes import ModelSpec, NodeProcess, NodeSpec, start_nodes
 
 SHAPED_LAYERS = 32  # 33 layer-sizes: g = 2, 4 shards balance within 3%
 

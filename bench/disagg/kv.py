@@ -1,6 +1,6 @@
 """Part "kv_transfer": a request's KV cache between two worker-like processes against the bare transport.
 
-Two KV nodes (services.worker.kv_testing: separate processes, each with its transport, group
+Two KV nodes (tests.harness.kv_nodes: separate processes, each with its transport, group
 server and paged KV cache) per transport kind. The producer holds one request of `num_tokens`
 tokens in the layout of the real default model (SmolLM2-135M: 30 layers, 3 KV heads of 64, float32,
 16-token blocks), filled with random values. Rounds alternate, A B A B:
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.serving.host import CpuMeter
-from services.dataplane.transport import ucx_available
-from services.worker.kv_testing import KVNode, KVNodeSpec, expect, start_kv_nodes
+from services.dataplane import ucx_available
 from services.worker.kv_transfer import plan_messages
+from tests.harness.kv_nodes import KVNode, KVNodeSpec, expect, start_kv_nodes
 
 KIB = 1 << 10
 MIB = 1 << 20

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.model import native, varlen
+from services.worker.model.varlen_reference import reference_prefill
 
 HEADS, KV_HEADS, D, BS = 9, 3, 64, 16
 THREADS = 2
@@ -148,7 +149,7 @@ def _case(n: int, ctx: int, dtype: torch.dtype, repeats: int, g: torch.Generator
         torch.set_num_threads(THREADS)
     res["torch_over_avx2_cpu_1thread"] = res["torch_cpu_ms_1thread"] / res["avx2_cpu_ms_1thread"]
     results = {name: run().clone() for name, run in runs.items()}
-    want = varlen.reference_prefill(q, k_cache, v_cache, table[0].tolist(), ctx)
+    want = reference_prefill(q, k_cache, v_cache, table[0].tolist(), ctx)
     for name in VARIANTS:
         res[f"torch_over_{name}"] = res["torch_ms"] / res[f"{name}_ms"]
         res[f"{name}_max_err"] = (results[name].float() - want).abs().max().item()

@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.dataplane import make_transport
 from services.dataplane.chain import GroupServer
-from services.dataplane.transport import Transport, make_transport
+from services.dataplane.transport import Transport
 from services.model_format import synth
 from services.model_format.checkpoint import Checkpoint
 from services.worker.engine.engine import Engine, EngineConfig, KVBlocks, PacingProfile, Relayed

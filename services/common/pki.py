@@ -158,6 +158,23 @@ def issue_from(tls_dir: Path, name: str, *, ca_key: Path | None = None) -> tuple
     return issue(ca_cert, key, name)
 
 
+def read_key(path: Path) -> bytes:
+    """The data plane key in `path` (hex); SystemExit naming the file and how to make it."""
+    try:
+        text = path.read_text().strip()
+        key = bytes.fromhex(text)
+    except OSError as e:
+        raise SystemExit(
+            f"data plane key {str(path)!r} cannot be read ({e.strerror}); create it with "
+            f"`python -m services.common.pki {path.parent}`, or pass --insecure for a development mesh"
+        ) from e
+    except ValueError as e:
+        raise SystemExit(f"data plane key {str(path)!r} is not hex: {e}") from e
+    if len(key) < 16:
+        raise SystemExit(f"data plane key {str(path)!r} has {len(key)} bytes; want at least 16")
+    return key
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.common.pki", description=__doc__.split("\n\n")[0])
     p.add_argument("tls_dir", type=Path, help="where the CA, the certificates and the keys go")

@@ -101,13 +101,11 @@ def secure_channel_options(peer_role: str) -> list[tuple[str, Any]]:
 
 
 def dataplane_key(config: ServiceConfig) -> bytes | None:
-    """The key the data plane authenticates peers with (services/dataplane/auth.py); None when
-    the service runs --insecure."""
+    """The key the data plane authenticates peers with (services/dataplane/auth.py), read by
+    `pki.read_key`; None when the service runs --insecure."""
     if config.insecure or config.tls_dir is None:
         return None
-    from services.dataplane.auth import read_key
-
-    return read_key(config.tls_dir / pki.DATAPLANE_KEY)
+    return pki.read_key(config.tls_dir / pki.DATAPLANE_KEY)
 
 
 def caller_role(context: grpc.aio.ServicerContext) -> str | None:

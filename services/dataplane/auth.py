@@ -26,7 +26,6 @@ import contextlib
 import hashlib
 import hmac
 import secrets
-from pathlib import Path
 from typing import Final
 
 import structlog
@@ -37,7 +36,7 @@ from services.common.waiting import wait_for
 from .errors import PeerClosed, ProtocolError, TransferTimeout, TransportError
 from .transport import MAX_TAG, Endpoint, Transport, WrappedTransport
 
-__all__ = ["AUTH_TAG", "AuthenticatedTransport", "DataPlaneAuthError", "read_key"]
+__all__ = ["AUTH_TAG", "AuthenticatedTransport", "DataPlaneAuthError"]
 
 log = structlog.get_logger(__name__)
 
@@ -54,23 +53,6 @@ REFUSED = Counter(
 
 class DataPlaneAuthError(ProtocolError):
     """A data plane peer did not prove it holds the mesh's key."""
-
-
-def read_key(path: Path) -> bytes:
-    """The data plane key in `path` (hex); SystemExit naming the file and how to make it."""
-    try:
-        text = path.read_text().strip()
-        key = bytes.fromhex(text)
-    except OSError as e:
-        raise SystemExit(
-            f"data plane key {str(path)!r} cannot be read ({e.strerror}); create it with "
-            f"`python -m services.common.pki {path.parent}`, or pass --insecure for a development mesh"
-        ) from e
-    except ValueError as e:
-        raise SystemExit(f"data plane key {str(path)!r} is not hex: {e}") from e
-    if len(key) < 16:
-        raise SystemExit(f"data plane key {str(path)!r} has {len(key)} bytes; want at least 16")
-    return key
 
 
 def _mac(key: bytes, side: bytes, nonce: bytes) -> bytes:

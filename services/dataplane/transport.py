@@ -1,4 +1,6 @@
-"""The transport interface of the data plane (tagged messages between two processes) and its factory.
+"""The transport interface of the data plane (tagged messages between two processes): the base
+classes only. The factory, `make_transport`, is in the package (`services.dataplane`), so that this
+module imports none of its implementations.
 
 A `Transport` is one per process: `start()` it, hand `address()` (opaque bytes) to peers over
 the control plane, `connect(address)` to a peer or `accept()` a peer's connection; both give
@@ -11,7 +13,8 @@ noticed by the library. A receive or send that times out or is cancelled *aborts
 that cancels the pending operation, so no late write can land in a buffer the caller has moved
 on from (e.g. re-sourcing the same group from another peer).
 
-`make_transport("auto")` gives UCX when `ucxx` imports, else TCP (logged once per process).
+`services.dataplane.make_transport("auto")` gives UCX when `ucxx` imports, else TCP (logged once
+per process).
 """
 
 from __future__ import annotations
@@ -22,9 +25,7 @@ import json
 import struct
 from typing import Any, Final, Literal
 
-import structlog
-
-from .errors import ProtocolError, TransportUnavailable
+from .errors import ProtocolError
 
 __all__ = [
     "MAX_TAG",
@@ -33,11 +34,9 @@ __all__ = [
     "TransportKind",
     "address_kind",
     "address_label",
-    "make_transport",
-    "ucx_available",
+    "TCP_OPTIONS",
+    "UCX_OPTIONS",
 ]
-
-log = structlog.get_logger(__name__)
 
 TransportKind = Literal["auto", "ucx", "tcp"]
 # Tags are 31 bits: UCX packs a connection id and a direction bit into the rest of its 64.
@@ -151,60 +150,6 @@ class Transport(abc.ABC):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-
-_fallback_logged = False
-
-
-def ucx_available() -> tuple[bool, str]:
-    """(True, version) if `ucxx` imports in this process, else (False, the reason)."""
-    try:
-        from . import ucx
-    except ImportError as exc:  # ucxx missing, or its native libraries failed to load
-        return False, f"{type(exc).__name__}: {exc}"
-    return True, ucx.ucx_version()
-
-
-def make_transport(kind: TransportKind = "auto", *, auth_key: bytes | None = None, **options: Any) -> Transport:
-    """A transport of `kind`; `options` go to its constructor (see `TcpTransport`, `UcxTransport`).
-
-    "auto" is UCX if `ucxx` imports, else TCP with one log line saying why (once per process).
-    "ucx" raises TransportUnavailable (quoting the import error) if `ucxx` does not import.
-    With `auth_key` every connection, made or accepted, is authenticated first (auth.py).
-    """
-    transport = _make_transport(kind, **options)
-    if auth_key is None:
-        return transport
-    from .auth import AuthenticatedTransport
-
-    return AuthenticatedTransport(transport, auth_key)
-
-
-def _make_transport(kind: TransportKind, **options: Any) -> Transport:
-    global _fallback_logged
-    unknown = set(options) - TCP_OPTIONS - UCX_OPTIONS
-    if unknown:
-        raise TypeError(f"unknown transport options {sorted(unknown)}, known: {sorted(TCP_OPTIONS | UCX_OPTIONS)}")
-    tcp_options = {k: v for k, v in options.items() if k in TCP_OPTIONS}
-    if kind == "tcp":
-        from .tcp import TcpTransport
-
-        return TcpTransport(**tcp_options)
-    if kind not in ("auto", "ucx"):
-        raise ValueError(f"unknown transport kind {kind!r}, want 'auto', 'ucx' or 'tcp'")
-    ok, reason = ucx_available()
-    if ok:
-        from .ucx import UcxTransport
-
-        return UcxTransport(**{k: v for k, v in options.items() if k in UCX_OPTIONS})
-    if kind == "ucx":
-        raise TransportUnavailable(f"UCX transport requested but ucxx does not import: {reason}")
-    if not _fallback_logged:
-        _fallback_logged = True
-        log.warning("dataplane_transport_fallback", wanted="ucx", using="tcp", reason=reason)
-    from .tcp import TcpTransport
-
-    return TcpTransport(**tcp_options)
 
 
 class WrappedEndpoint(Endpoint):

@@ -26,11 +26,12 @@ from services.common.config import ServiceConfig
 from services.common.grpc_util import channel
 from services.common.security import dataplane_key
 from services.common.server import ServeContext
+from services.dataplane import make_transport
 from services.dataplane.chain import GroupServer
 from services.dataplane.faults import maybe_corrupting
 from services.dataplane.manifest import Manifest
 from services.dataplane.shaped import maybe_shaped
-from services.dataplane.transport import Transport, make_transport
+from services.dataplane.transport import Transport
 from services.param_manager.convert import layout_to_proto, model_info
 from services.param_manager.store import (
     HostModel,

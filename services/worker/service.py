@@ -26,6 +26,7 @@ from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_K
 from services.common.security import abort_stream, dataplane_key
 from services.common.server import ServeContext
 from services.common.waiting import wait_for
+from services.dataplane import make_transport
 from services.dataplane.chain import (
     FALLBACK_ROUNDS,
     GroupServer,
@@ -38,7 +39,7 @@ from services.dataplane.errors import DataPlaneError, InsufficientMemory
 from services.dataplane.faults import maybe_corrupting
 from services.dataplane.manifest import Manifest
 from services.dataplane.shaped import maybe_shaped
-from services.dataplane.transport import Transport, make_transport
+from services.dataplane.transport import Transport
 from services.model_format.config import LlamaConfig
 from services.worker.config import WorkerConfig
 from services.worker.convert import (

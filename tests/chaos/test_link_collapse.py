@@ -17,9 +17,9 @@ import time
 import pytest
 
 from bench.dataplane.links import node_spec
-from services.dataplane.testing import ModelSpec, start_nodes
 from services.mesh.netns import ShapedNetwork, plan, unavailable_reason
 from tests.chaos.harness import write_row
+from tests.harness.dataplane_nodes import ModelSpec, start_nodes
 
 REASON = unavailable_reason()
 pytestmark = [

@@ -17,10 +17,11 @@ import blitzmesh
 from bench.security import probe
 from blitzmesh.v1 import param_manager_pb2, param_manager_pb2_grpc
 from services.common import pki, roles
-from services.dataplane.auth import AuthenticatedTransport, read_key
+from services.common.pki import read_key
+from services.dataplane import make_transport
+from services.dataplane.auth import AuthenticatedTransport
 from services.dataplane.chain import fetch_manifest
 from services.dataplane.errors import TransportError
-from services.dataplane.transport import make_transport
 from services.mesh.launcher import Mesh, MeshConfig
 
 MODEL = "tiny"

@@ -18,7 +18,7 @@ import pytest_asyncio
 import blitzmesh
 from blitzmesh.types import InstanceRole
 from services.common.waiting import wait_until
-from services.dataplane.transport import ucx_available
+from services.dataplane import ucx_available
 from services.mesh.launcher import Mesh, MeshConfig
 from services.model_format.synth import synthesize
 

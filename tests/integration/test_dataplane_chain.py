@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.dataplane.testing import ModelSpec, NodeProcess, NodeSpec, start_nodes
-from services.dataplane.transport import ucx_available
+from services.dataplane import ucx_available
+from tests.harness.dataplane_nodes import ModelSpec, NodeProcess, NodeSpec, start_nodes
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import services.dataplane as dataplane_pkg
 from services.common.waiting import wait_until
 from services.dataplane import (
     ChecksumMismatch,
@@ -34,17 +35,14 @@ from services.dataplane import (
     receive_groups,
     serve_groups,
 )
-from services.dataplane import (
-    transport as transport_mod,
-)
 from services.dataplane.checksum import BLOCK_BYTES
 from services.dataplane.manifest import Manifest
 from services.dataplane.tcp import TcpTransport
-from services.dataplane.testing import ModelSpec, synthetic_model
+from tests.harness.dataplane_nodes import ModelSpec, synthetic_model
 
 pytestmark = pytest.mark.timeout(60)
 
-UCX_OK, UCX_REASON = transport_mod.ucx_available()
+UCX_OK, UCX_REASON = dataplane_pkg.ucx_available()
 KINDS = [
     "tcp",
     pytest.param(
@@ -178,13 +176,13 @@ def test_make_transport_kinds_and_options(monkeypatch: pytest.MonkeyPatch, caplo
         make_transport("rdma")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"unknown transport options \['hots'\]"):
         make_transport("tcp", hots="x")
-    monkeypatch.setattr(transport_mod, "ucx_available", lambda: (False, "ImportError: no ucxx"))
-    monkeypatch.setattr(transport_mod, "_fallback_logged", False)
-    with pytest.raises(transport_mod.TransportUnavailable, match="no ucxx"):
+    monkeypatch.setattr(dataplane_pkg, "ucx_available", lambda: (False, "ImportError: no ucxx"))
+    monkeypatch.setattr(dataplane_pkg, "_fallback_logged", False)
+    with pytest.raises(dataplane_pkg.TransportUnavailable, match="no ucxx"):
         make_transport("ucx")
     assert isinstance(make_transport("auto"), TcpTransport)
     assert isinstance(make_transport("auto"), TcpTransport)
-    assert transport_mod._fallback_logged
+    assert dataplane_pkg._fallback_logged
 
 
 # -- chains ---------------------------------------------------------------------------------------
@@ -709,7 +707,7 @@ import asyncio, sys
 from services.dataplane import serve_groups
 from services.dataplane.shaped import maybe_shaped
 from services.dataplane.ucx import UcxTransport
-from services.dataplane.testing import synthetic_model
+from tests.harness.dataplane_nodes import synthetic_model
 from tests.integration.test_dataplane_inprocess import SPEC
 async def main():
     manifest, bufs = synthetic_model(SPEC)

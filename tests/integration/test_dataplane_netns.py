@@ -11,9 +11,9 @@ import time
 import pytest
 
 from bench.dataplane.links import node_spec
-from services.dataplane.testing import ModelSpec, start_nodes
-from services.dataplane.transport import ucx_available
+from services.dataplane import ucx_available
 from services.mesh.netns import ShapedNetwork, plan, unavailable_reason
+from tests.harness.dataplane_nodes import ModelSpec, start_nodes
 
 REASON = unavailable_reason()
 UCX_OK, UCX_REASON = ucx_available()

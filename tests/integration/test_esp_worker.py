@@ -295,8 +295,8 @@ def _instance_process(path: str, kind: str, kv_tokens: int, conn: Any) -> None:
     """One instance: sends its data plane address, then either runs the member it is sent
     (`{"spec", "prompt", "max_tokens", "seed"}`; answers its tokens, or the error) or, sent None,
     serves as a spare until told to stop. Last it answers its counters and KV blocks in use."""
+    from services.dataplane import make_transport
     from services.dataplane.chain import GroupServer
-    from services.dataplane.transport import make_transport
     from services.worker.engine.engine import Engine, EngineConfig
     from services.worker.engine.kv_cache import KVCache
     from services.worker.engine.sampling import SamplingParams

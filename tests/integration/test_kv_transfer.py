@@ -2,7 +2,7 @@
 
 In-process cases run a real (synthetic) Llama's prefill into the producer's cache, move the
 request's blocks and decode on from both caches. Cross-process cases hold the producer in its
-own process (services.worker.kv_testing) so that it can be killed or stopped mid-transfer.
+own process (tests.harness.kv_nodes) so that it can be killed or stopped mid-transfer.
 UCX allows one transport per process, so in-process UCX cases connect a transport to itself.
 """
 
@@ -19,12 +19,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.dataplane import ChecksumMismatch, GroupServer, PeerClosed, TransferTimeout, Transport, make_transport
-from services.dataplane import transport as transport_mod
+from services.dataplane import (
+    ChecksumMismatch,
+    GroupServer,
+    PeerClosed,
+    TransferTimeout,
+    Transport,
+    make_transport,
+    ucx_available,
+)
 from services.dataplane.errors import TransportError, UpstreamAborted
 from services.model_format.synth import synthesize
 from services.worker.engine.kv_cache import KVCache
-from services.worker.kv_testing import KVNode, KVNodeSpec, expect, fill_request, request_kv_digest, start_kv_nodes
 from services.worker.kv_transfer import (
     KVDescriptor,
     KVLayoutMismatch,
@@ -34,10 +40,11 @@ from services.worker.kv_transfer import (
 )
 from services.worker.model.attention import ForwardBatch
 from services.worker.model.llama import LlamaForCausalLM, load_model
+from tests.harness.kv_nodes import KVNode, KVNodeSpec, expect, fill_request, request_kv_digest, start_kv_nodes
 
 pytestmark = pytest.mark.timeout(120)
 
-UCX_OK, UCX_REASON = transport_mod.ucx_available()
+UCX_OK, UCX_REASON = ucx_available()
 KINDS = [
     "tcp",
     pytest.param(

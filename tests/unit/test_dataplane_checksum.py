@@ -24,7 +24,7 @@ from services.dataplane.checksum import (
 )
 from services.dataplane.errors import ManifestError
 from services.dataplane.manifest import GroupEntry, Manifest, TensorEntry, build_manifest
-from services.dataplane.testing import ModelSpec, synthetic_model
+from tests.harness.dataplane_nodes import ModelSpec, synthetic_model
 
 SIZE = 7 * BLOCK_BYTES + 13  # a partial last block
 

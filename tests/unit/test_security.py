@@ -13,8 +13,9 @@ import blitzmesh.v1.global_manager_pb2
 import blitzmesh.v1.param_manager_pb2
 import blitzmesh.v1.worker_pb2  # noqa: F401  (registers the services' descriptors)
 from services.common import pki, roles
+from services.common.pki import read_key
 from services.common.security import load_identity
-from services.dataplane.auth import AuthenticatedTransport, read_key
+from services.dataplane.auth import AuthenticatedTransport
 from services.dataplane.errors import PeerClosed, ProtocolError, TransferTimeout
 from services.dataplane.tcp import TcpTransport
 

@@ -11,6 +11,7 @@ from services.model_format import synth
 from services.worker.engine.kv_cache import KVCache
 from services.worker.model import varlen, varlen_dot
 from services.worker.model.attention import ForwardBatch, attention
+from services.worker.model.varlen_reference import reference_prefill
 
 # Every test at every instruction-set level this machine runs (the `kernel_isa` fixture).
 pytestmark = [
@@ -46,7 +47,7 @@ def test_kernel_matches_the_reference_on_long_unaligned_chunks(dtype: torch.dtyp
     rows = [0, 200, 331]
     got = _kernel()(q, k, v, torch.tensor(tables), torch.tensor(rows), torch.tensor(lens), torch.tensor(ctxs), window)
     for s in range(3):
-        want = varlen.reference_prefill(q[rows[s] : rows[s] + lens[s]], k, v, tables[s], ctxs[s], window)
+        want = reference_prefill(q[rows[s] : rows[s] + lens[s]], k, v, tables[s], ctxs[s], window)
         torch.testing.assert_close(got[rows[s] : rows[s] + lens[s]], want, atol=2e-5, rtol=2e-5)
 
 
@@ -102,7 +103,7 @@ def test_bf16_dot_products_stay_within_bfloat16_rounding_of_the_reference(window
     assert not torch.equal(dot, exact), "the bfloat16 dot products did not run"
     for s in range(3):
         part = slice(rows[s], rows[s] + lens[s])
-        want = varlen.reference_prefill(q[part].float(), k, v, tables[s].tolist(), ctxs[s], window)
+        want = reference_prefill(q[part].float(), k, v, tables[s].tolist(), ctxs[s], window)
         # The float32-math kernel's own error (its output rounded to bfloat16) and the dot
         # products' (probabilities rounded too) are of one size.
         err_dot = (dot[part].float() - want).abs().max().item()

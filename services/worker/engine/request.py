@@ -10,18 +10,17 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
+from services.worker.engine.outputs import FinishReason
 from services.worker.engine.sampling import PromptLogprob, SamplingParams, TokenHistory
 from services.worker.engine.scorpio import SLOTicket
 from services.worker.engine.slo import RequestSLO
 
 if TYPE_CHECKING:
-    from services.worker.engine.engine import KVFill, RelayFill, RelayOutcome, TokenEvent
-
-FinishReason = Literal["stop", "length", "abort"]
+    from services.worker.engine.outputs import KVFill, RelayFill, RelayOutcome, TokenEvent
 
 
 class RequestStatus(enum.IntEnum):

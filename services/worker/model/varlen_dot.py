@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from services.worker.model.native import AVX512_EXP16, LazyKernel, build_library, has_avx512_bf16, vector_flags
+from services.worker.model.varlen_reference import reference_prefill
 
 _SOURCE = (
     r"""
@@ -305,8 +306,6 @@ def _self_check(fn: DotEntry) -> None:
     context starting mid-block, a single-token row, with and without a sliding window, head sizes
     of 32, 48 and 64): within 2e-2, the size of bfloat16 rounding of outputs of this scale (a wrong
     kernel is off by order 1)."""
-    from services.worker.model.varlen import reference_prefill
-
     g = torch.Generator().manual_seed(0)
     for heads, kv_heads, d in ((6, 2, 32), (4, 2, 48), (9, 3, 64)):
         for window in (0, 7):

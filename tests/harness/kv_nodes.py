@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from services.common.waiting import wait_for
+from services.dataplane import make_transport
 from services.dataplane.chain import CONTROL_TAG, DATA_TAG_BASE, GroupServer
 from services.dataplane.errors import DataPlaneError, ProtocolError
-from services.dataplane.transport import Endpoint, Transport, make_transport
+from services.dataplane.transport import Endpoint, Transport
 from services.worker.engine.kv_cache import KVCache, OutOfBlocks
 from services.worker.kv_transfer import KVDescriptor, KVServer, KVTransferConfig, receive_kv
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from .chain import GroupServer, Pull, receive_groups, serve_groups
-from .checksum import DEFAULT_CHECKSUM_ALGO
-from .errors import DataPlaneError
-from .manifest import GroupEntry, Manifest, pack_groups
-from .transport import make_transport
+from services.dataplane import make_transport
+from services.dataplane.chain import GroupServer, Pull, receive_groups, serve_groups
+from services.dataplane.checksum import DEFAULT_CHECKSUM_ALGO
+from services.dataplane.errors import DataPlaneError
+from services.dataplane.manifest import GroupEntry, Manifest, pack_groups
 
 __all__ = [
     "ModelSpec",
