@@ -9,8 +9,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from blitzmesh.types import SamplingParams
 from blitzmesh.v1 import common_pb2, global_manager_pb2, kv_pb2, worker_pb2
 from services.gateway import attempts as at
+from services.gateway.backend import Choice, worker_request
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.replies import Bad, HandedOff, Moved, Tokens, classify
 from services.gateway.schema import SLO, InferenceRequest, Usage
@@ -413,3 +415,33 @@ def test_no_route_after_an_slo_refusal_is_the_refusal() -> None:
     state = at.decide(at.AttemptState(), failed(C.RESOURCE_EXHAUSTED, slo_kind="ttft"), LIMITS).state
     e = error(at.ScheduleFailed(0, timeout=False, error=GatewayError(ErrorKind.UNAVAILABLE, "none")), state)
     assert e.kind is ErrorKind.SLO_UNATTAINABLE and e.retry_after_s == 1.0
+
+
+# ---- the request of one attempt, and a choice of n --------------------------------------------------
+
+
+def test_a_resumed_attempt_sends_its_tokens_and_asks_no_prompt_log_probs() -> None:
+    req = InferenceRequest(
+        model="m", request_id="r", prompt="hi", sampling=SamplingParams(stop=("x",), prompt_logprobs=2)
+    )
+    fresh = worker_request(req, hop("a"), [1, 2], 16, [])
+    assert fresh.sampling.max_tokens == 16 and not fresh.sampling.stop and fresh.sampling.HasField("prompt_logprobs")
+    assert fresh.WhichOneof("mode") == "colocated"
+    resumed = worker_request(req, hop("a"), [1, 2], 16, [7, 8])
+    assert list(resumed.resume_token_ids) == [7, 8] and not resumed.sampling.HasField("prompt_logprobs")
+
+
+def test_a_relayed_attempt_starts_at_the_partners_first_layer() -> None:
+    req = InferenceRequest(model="m", request_id="r", prompt="hi")
+    source = worker_pb2.ZigzagSource(instance_id="new", dataplane_address=b"dp")
+    partner = hop("full", layers=(8, 24))
+    assert worker_request(req, partner, [1], 4, [], zigzag_source=source).layer_start == 8
+    assert worker_request(req, partner, [1], 4, []).layer_start == 0
+
+
+def test_choice_i_of_n_is_a_child_request_with_its_own_id_and_seed() -> None:
+    req = InferenceRequest(model="m", request_id="r", prompt="hi", n=3, sampling=SamplingParams(seed=10))
+    job = Choice(req, None, [1], 4, 0.0, None)  # type: ignore[arg-type]
+    child = job.child(2)
+    assert (child.req.request_id, child.req.n, child.req.sampling.seed, child.index) == ("r-2", 1, 12, 2)
+    assert job.req.request_id == "r" and job.index == 0  # the parent is unchanged
