@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,7 +36,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from blitzmesh.convert import finish_reason_from_proto, request_slo_to_proto, sampling_to_proto
+from blitzmesh.convert import request_slo_to_proto, sampling_to_proto
 from blitzmesh.errors import parse_retry_after_s
 from blitzmesh.v1 import (
     admin_pb2,
@@ -53,23 +53,29 @@ from services.common import roles
 from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
 from services.common.prefix import block_hashes
 from services.gateway import esp
-from services.gateway import logprobs as lp
 from services.gateway.admission import Admission
 from services.gateway.attempts import (
     AttemptLimits,
+    AttemptPlan,
     AttemptState,
+    Decision,
     Fail,
     Migrate,
     Move,
+    Outcome,
     Retry,
     ScheduleFailed,
     Wait,
     WorkerFailed,
     decide,
+    error_for,
+    plan_attempt,
+    slo_error,
 )
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ErrorKind, GatewayError, invalid, quote
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.replies import Bad, HandedOff, Moved, Tokens, classify
 from services.gateway.schema import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -80,14 +86,12 @@ from services.gateway.schema import (
     InferenceRequest,
     SLOAttainment,
     TokenDelta,
-    TokenLogprob,
-    Usage,
     combine_attainment,
     slo_attainment,
     validate_request,
 )
+from services.gateway.text import Piece, TextAssembler
 from services.gateway.tokenization import ModelAssets, ModelCache
-from services.model_format.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 log = structlog.get_logger(__name__)
 
@@ -167,6 +171,19 @@ class _WorkerFailedError(Exception):
         self.slo_kind = slo_kind
         self.retry_after_s = retry_after_s
 
+    def outcome(self, incarnation: int) -> WorkerFailed:
+        """The failure as `attempts.decide` reads it; `incarnation`: the instance's now."""
+        return WorkerFailed(
+            self.instance_id,
+            self.code,
+            self.tokens_received,
+            self.moved,
+            self.slo_kind,
+            self.detail,
+            self.retry_after_s,
+            incarnation,
+        )
+
 
 class _LostGuard:
     """One open worker stream's link to the cluster-event watch: told the instance is LOST, it
@@ -182,21 +199,94 @@ class _LostGuard:
             self.timeout.reschedule(asyncio.get_running_loop().time())
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One choice of a request, as each of its attempts runs it: the request (a child request of
+    its own when n > 1), its model, prompt and budget, its deadline, the request's logger, its
+    place among the choices (`index`) and the echoed prompt's text (None without `echo`)."""
+
+    req: InferenceRequest
+    assets: ModelAssets
+    prompt_ids: list[int]
+    max_tokens: int
+    deadline_s: float
+    bound: structlog.typing.FilteringBoundLogger
+    index: int = 0
+    echo_text: str | None = None
+
+    def child(self, index: int) -> Choice:
+        """Choice `index` of n > 1: its own request id (`<request_id>-<index>`) and seed (seed + index)."""
+        req = self.req
+        child = replace(
+            req,
+            request_id=f"{req.request_id}-{index}",
+            n=1,
+            sampling=replace(req.sampling, seed=choice_seed(req.sampling.seed, index)),
+        )
+        return replace(self, req=child, index=index)
+
+    def text(self) -> TextAssembler:
+        """The choice's text state, for every instance it runs on."""
+        sampling = self.req.sampling
+        return TextAssembler(
+            self.assets.tokenizer,
+            sampling.stop,
+            echo=self.echo_text,
+            logprobs=sampling.logprobs is not None,
+            prompt_ids=self.prompt_ids if sampling.prompt_logprobs is not None else None,
+        )
+
+
 @dataclass
 class _StreamState:
     """What one choice's stream carries from instance to instance: the tokens generated so far
     (a migrated stream resumes from them) and the text state built from exactly those tokens,
     so the client sees no token twice and none missing."""
 
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
-    chars: int  # length of the choice's text so far (the echoed prompt included)
+    text: TextAssembler
     generated: list[int] = field(default_factory=list)
-    first: bool = True  # the echo and the prompt log-probs still go out with the next token
     last_s: float | None = None  # when the last token arrived, for TBT
     # Set when a prefill instance ended its stream by handing the request's KV off: where the
     # decode instance pulls it from.
     handoff: kv_pb2.KVTransferDescriptor | None = None
+
+
+@dataclass
+class _Call:
+    """One attempt's Worker.Generate call: its hop, the lost-instance guard, the ESP holders'
+    calls (`holders`, an ESP master), whether it was asked to hand its KV off (`handoff`), whether a message
+    came (the stall timeout starts with the first), and whether the worker ended the call itself
+    (`done`; otherwise it is cancelled and aborted there)."""
+
+    hop: global_manager_pb2.RouteHop
+    rpc: grpc.aio.UnaryStreamCall
+    guard: _LostGuard
+    guards: set[_LostGuard]
+    stall_s: float | None
+    handoff: bool = False
+    holders: esp.EspCalls | None = None
+    got_any: bool = False
+    done: bool = False
+
+    @property
+    def instance(self) -> str:
+        return self.hop.instance_id or self.hop.address
+
+    def failed(
+        self, code: grpc.StatusCode, detail: str, generated: int, moved: str | None = None
+    ) -> _WorkerFailedError:
+        return _WorkerFailedError(self.instance, code, detail, generated, moved=moved)
+
+
+@dataclass
+class _AttemptRun:
+    """What one attempt leaves to clean up: the ZigZag loading instance's call, and the prefill
+    instance that handed its KV off (it holds the KV until the decode instance pulls it) with the
+    tokens generated when it did."""
+
+    first_hop: asyncio.Task[None] | None = None
+    handed_off_by: global_manager_pb2.RouteHop | None = None
+    generated_before: int = 0
 
 
 class Backend:
@@ -409,10 +499,8 @@ class Backend:
             async with self.admission.slot():
                 self.metrics.queue_wait_s.observe(time.monotonic() - arrived_s)
                 deadline_s = time.monotonic() + self.config.request_timeout_s
-                if req.n == 1:
-                    events = self._attempts(req, assets, prompt_ids, max_tokens, deadline_s, bound, 0, echo_text)
-                else:
-                    events = self._fan_out(req, assets, prompt_ids, max_tokens, deadline_s, bound, echo_text)
+                job = Choice(req, assets, prompt_ids, max_tokens, deadline_s, bound, 0, echo_text)
+                events = self._attempts(job) if req.n == 1 else self._fan_out(job)
                 async with contextlib.aclosing(events):
                     async for event in events:
                         if not sent_any and isinstance(event, TokenDelta):
@@ -498,31 +586,17 @@ class Backend:
             raise invalid("the prompt is empty (0 tokens after tokenization)", "prompt")
         return ids
 
-    async def _fan_out(
-        self,
-        req: InferenceRequest,
-        assets: ModelAssets,
-        prompt_ids: list[int],
-        max_tokens: int,
-        deadline_s: float,
-        bound: structlog.typing.FilteringBoundLogger,
-        echo_text: str | None,
-    ) -> AsyncGenerator[Event, None]:
+    async def _fan_out(self, job: Choice) -> AsyncGenerator[Event, None]:
         """n > 1: one child request per choice, run as owned tasks; their events interleave.
 
         A choice failing before anything reached the client fails the request with its error;
         after that, the request ends with a MID_STREAM error naming the choice. Closing this
         generator cancels every child (each aborts its worker call)."""
+        req = job.req
         queue: asyncio.Queue[tuple[int, Event | Exception | None]] = asyncio.Queue(maxsize=4 * req.n)
 
         async def run_choice(i: int) -> None:
-            child = replace(
-                req,
-                request_id=f"{req.request_id}-{i}",
-                n=1,
-                sampling=replace(req.sampling, seed=choice_seed(req.sampling.seed, i)),
-            )
-            events = self._attempts(child, assets, prompt_ids, max_tokens, deadline_s, bound, i, echo_text)
+            events = self._attempts(job.child(i))
             try:
                 async with contextlib.aclosing(events):
                     async for event in events:
@@ -559,251 +633,166 @@ class Backend:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _attempts(
-        self,
-        req: InferenceRequest,
-        assets: ModelAssets,
-        prompt_ids: list[int],
-        max_tokens: int,
-        deadline_s: float,
-        bound: structlog.typing.FilteringBoundLogger,
-        index: int = 0,
-        echo_text: str | None = None,
-    ) -> AsyncGenerator[Event, None]:
-        """Run one choice to its end across instances.
+    async def _attempts(self, job: Choice) -> AsyncGenerator[Event, None]:
+        """Run one choice to its end across instances: schedule a route, plan the attempt on it
+        (`attempts.plan_attempt`), stream it, and on a worker's failure decide what comes next
+        (`attempts.decide`) and apply the verdict.
 
         An instance failing before the first token is excluded and the request re-routed (up to
         `retries_before_first_token`). One failing after it (death, hang, drain) is excluded and
         the stream *migrates*: another instance resumes from the prompt plus the tokens generated
         so far, and the client's stream goes on with no token repeated or missing (up to
         `max_migrations`; beyond that, or with no instance left, a MID_STREAM error)."""
-        state = _StreamState(
-            detok=assets.new_detokenizer(),
-            stops=StopStringMatcher(req.sampling.stop),
-            chars=len(echo_text) if echo_text is not None else 0,
-        )
-        excluded: list[tuple[str, int]] = []  # (instance id, its incarnation when it failed here)
-        failures: list[str] = []
+        state = _StreamState(job.text())
         attempt = AttemptState()
         limits = AttemptLimits(self.config.retries_before_first_token, self.config.max_migrations)
-        released_by: list[str] = []  # kept off the next route only: that instance is busy, not broken
-        slo_refusals: list[_WorkerFailedError] = []  # instances that refused it for its SLO
-        # The prompt's first KV blocks, for the manager to route to an instance that has them cached.
-        try:
-            prefix_hashes = block_hashes(
-                prompt_ids, self.config.kv_block_size_tokens, max_blocks=self.config.prefix_routing_max_blocks
-            )
-        except ValueError:
-            prefix_hashes = []  # a token id past 2**32: the worker refuses it against its vocabulary
+        prefix_hashes = self._prefix_hashes(job.prompt_ids)
         while True:
             try:
                 hops = await self._schedule(
-                    req,
-                    len(prompt_ids),
-                    max_tokens,
-                    [*self._current(excluded), *released_by],
-                    failures,
-                    deadline_s,
+                    job,
+                    [*self._current(attempt.excluded), *attempt.released],
+                    attempt.failures,
                     prefix_hashes,
                     wait=attempt.schedule_waits(len(state.generated)),
                 )
-                released_by = []
             except GatewayError as e:
-                failed = ScheduleFailed(len(state.generated), timeout=e.kind == ErrorKind.TIMEOUT)
-                verdict = decide(attempt, failed, limits)
-                if isinstance(verdict, Fail) and verdict.why == "slo":
-                    # No other instance to ask: the SLO refusal is the answer, not "no instance".
-                    raise _slo_error(req, slo_refusals, failures) from None
-                if isinstance(verdict, Fail) and verdict.why == "no_route":
-                    raise
-                raise GatewayError(
-                    ErrorKind.MID_STREAM,
-                    f"request {req.request_id} could not be migrated after {_count(len(state.generated), 'token')}"
-                    f" ({'; '.join(failures)}): {e.message}",
-                    code="instance_failed",
-                ) from None
-            prefill, hop = _split_route(hops)
-            zigzag = _zigzag_route(hops)
-            first_hop: asyncio.Task[None] | None = None
-            handed_off_by: global_manager_pb2.RouteHop | None = None  # holds KV until decode pulls
-            generated_before = 0
+                failed = ScheduleFailed(len(state.generated), timeout=e.kind == ErrorKind.TIMEOUT, error=e)
+                error = self._error_for(decide(attempt, failed, limits), failed, job.req, limits)
+                if error is e:
+                    raise  # Schedule's own error is the answer
+                raise error from None
+            attempt = attempt.routed()
+            plan = plan_attempt(hops, len(state.generated), state.handoff)
+            state.handoff = None  # a live-migrated stream's KV goes to this attempt only
+            run = _AttemptRun()
             try:
-                # A stream live-migrated off its instance brings its KV to the next one.
-                kv_source, state.handoff = (state.handoff, None) if state.generated else (None, None)
-                zigzag_source = None
-                if zigzag is not None and state.generated:
-                    hop = hops[-1]  # resumed: on the partner, or the decode instance of a split route
-                if zigzag is not None and not state.generated:
-                    # ZigZag: the loading instance runs the prompt's first layers while the full
-                    # partner is busy; the partner takes the request over (its KV and hidden
-                    # states) when it admits the request, then streams the tokens. In a
-                    # disaggregated deployment the partner is a prefill instance, which then
-                    # hands the whole prompt's KV to the route's decode instance.
-                    new, hop = zigzag
-                    if len(hops) == 3 and hops[2].role == common_pb2.INSTANCE_ROLE_DECODE:
-                        prefill, hop = hop, hops[2]
-                    self.metrics.zigzag.labels("routed").inc()
-                    first_hop = asyncio.create_task(
-                        self._zigzag_first_hop(req, new, zigzag[1], prompt_ids, max_tokens, deadline_s, bound),
-                        name=f"zigzag-{req.request_id}",
-                    )
-                    self._background.add(first_hop)
-                    first_hop.add_done_callback(self._background.discard)
-                    zigzag_source = worker_pb2.ZigzagSource(
-                        instance_id=new.instance_id, dataplane_address=new.dataplane_address
-                    )
-                if prefill is not None and not state.generated:
-                    # Disaggregated: the prompt and the first token on the prefill instance,
-                    # which hands the prompt's KV to the decode instance for the rest.
-                    stream = self._stream(
-                        req,
-                        assets,
-                        prefill,
-                        prompt_ids,
-                        max_tokens,
-                        deadline_s,
-                        state,
-                        index,
-                        echo_text,
-                        handoff=True,
-                        zigzag_source=zigzag_source,
-                    )
-                    zigzag_source = None
-                    async for event in stream:
+                async with contextlib.aclosing(self._run_plan(job, plan, state, run)) as events:
+                    async for event in events:
                         yield event
-                    if state.handoff is None:
-                        self.metrics.handoffs.labels("prefill_finished").inc()
-                        return
-                    self.metrics.handoffs.labels("handed_off").inc()
-                    kv_source, state.handoff = state.handoff, None
-                    handed_off_by, generated_before = prefill, len(state.generated)
-                # After a failure (tokens already generated) a disaggregated route resumes on
-                # its decode instance, which recomputes the prompt and those tokens.
-                stream = self._stream(
-                    req,
-                    assets,
-                    hop,
-                    prompt_ids,
-                    max_tokens,
-                    deadline_s,
-                    state,
-                    index,
-                    echo_text,
-                    kv_source=kv_source,
-                    zigzag_source=zigzag_source,
-                )
-                async for event in stream:
-                    yield event
                 return
             except _WorkerFailedError as f:
-                resumed = len(state.generated)
-                verdict = decide(attempt, WorkerFailed(f.instance_id, f.code, resumed, f.moved, f.slo_kind), limits)
+                failed = f.outcome(self._incarnation.get(f.instance_id, 0))
+                verdict = decide(attempt, failed, limits)
                 attempt = verdict.state
-                if isinstance(verdict, Move):
-                    released_by = [f.instance_id]
-                    self.metrics.moves.labels(verdict.reason).inc()
-                    bound.info("moved", instance_id=f.instance_id, reason=verdict.reason, resumed_tokens=resumed)
-                    continue
-                slo_refused = isinstance(verdict, Retry) or (isinstance(verdict, Fail) and verdict.why == "slo")
-                if slo_refused:
-                    # Refused for its SLO before its first token: one other instance may have
-                    # room (the manager prefers those whose estimate meets it); after that the
-                    # client hears 429 with Retry-After rather than waiting on a busy cluster.
-                    slo_refusals.append(f)
-                if (
-                    slo_refused
-                    or isinstance(verdict, Wait | Migrate)
-                    or (isinstance(verdict, Fail) and verdict.excluded)
-                ):
-                    excluded.append((f.instance_id, self._incarnation.get(f.instance_id, 0)))
-                    if not slo_refused:
-                        self.report_failure(f.instance_id, f.code, f.detail)
-                    failures.append(f"{f.instance_id}: {f.code.name}: {f.detail}")
-                if isinstance(verdict, Retry):
-                    self.metrics.retries.labels(f.code.name).inc()
-                    bound.info("slo_refused_rerouting", instance_id=f.instance_id, slo=f.slo_kind, detail=f.detail)
-                    continue
-                if isinstance(verdict, Migrate | Wait):
-                    migrating = isinstance(verdict, Migrate)
-                    (self.metrics.migrations if migrating else self.metrics.retries).labels(f.code.name).inc()
-                    where = (
-                        {"resumed_tokens": resumed, "migration": attempt.migrations}
-                        if migrating
-                        else {"attempt": attempt.retries, "attempts": 1 + limits.retries_before_first_token}
-                    )
-                    event = "migrating" if migrating else "retry_before_first_token"
-                    bound.warning(event, instance_id=f.instance_id, code=f.code.name, detail=f.detail, **where)
-                    continue
-                if verdict.why == "retries_exhausted":
-                    break
-                raise self._attempt_error(verdict, req, f, resumed, slo_refusals, failures) from None
+                if verdict.report:
+                    self.report_failure(f.instance_id, f.code, f.detail)
+                if isinstance(verdict, Fail):
+                    raise self._error_for(verdict, failed, job.req, limits) from None
+                self._log_verdict(verdict, failed, job.bound, limits)
             finally:
-                if first_hop is not None and not first_hop.done():
-                    # The partner has taken the request over (its first hop ends by itself), or
-                    # failed, or the client left: the loading instance's part is aborted there.
-                    first_hop.cancel()
-                if handed_off_by is not None and len(state.generated) == generated_before:
-                    # The decode instance produced nothing (it failed, or the client left): the
-                    # prefill instance frees the KV it offered now rather than when it expires.
-                    self._abort_later(handed_off_by.address, req.request_id)
-        if slo_refusals:
-            raise _slo_error(req, slo_refusals, failures)
-        # Every instance tried was full rather than broken: that is back-pressure, not an outage.
-        last = attempt.last_code
-        kind = ErrorKind.OVERLOADED if last == grpc.StatusCode.RESOURCE_EXHAUSTED else ErrorKind.UNAVAILABLE
-        raise GatewayError(
-            kind,
-            f"request {req.request_id} failed on {attempt.retries + 1} instances before the first token"
-            f" (retries_before_first_token={self.config.retries_before_first_token}): {'; '.join(failures)}",
-            code="instances_failed",
-        )
+                self._end_attempt(run, state, job.req.request_id)
 
-    def _attempt_error(
-        self,
-        verdict: Fail,
-        req: InferenceRequest,
-        f: _WorkerFailedError,
-        resumed: int,
-        slo_refusals: list[_WorkerFailedError],
-        failures: list[str],
+    def _prefix_hashes(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's first KV blocks, for the manager to route to an instance that has them cached."""
+        try:
+            return block_hashes(
+                prompt_ids, self.config.kv_block_size_tokens, max_blocks=self.config.prefix_routing_max_blocks
+            )
+        except ValueError:
+            return []  # a token id past 2**32: the worker refuses it against its vocabulary
+
+    def _error_for(
+        self, verdict: Decision, failed: Outcome, req: InferenceRequest, limits: AttemptLimits
     ) -> GatewayError:
-        """The client's error for a `Fail` verdict after a worker failure."""
-        if verdict.why == "timeout":
-            return GatewayError(
-                ErrorKind.TIMEOUT,
-                f"request {req.request_id} exceeded request_timeout_s={self.config.request_timeout_s}"
-                f" on instance {f.instance_id} after {_count(resumed, 'token')}",
+        assert isinstance(verdict, Fail), verdict
+        return error_for(verdict, failed, req, limits, self.config.request_timeout_s)
+
+    async def _run_plan(
+        self, job: Choice, plan: AttemptPlan, state: _StreamState, run: _AttemptRun
+    ) -> AsyncGenerator[Event, None]:
+        """One attempt, by its plan: the ZigZag loading instance's first layers in the background;
+        the prefill instance until it hands the prompt's KV off (disaggregated); then the hop that
+        streams to the end (after a failure, a disaggregated route resumes on its decode instance,
+        which recomputes the prompt and the tokens so far)."""
+        zigzag_source = None
+        if plan.relay is not None:
+            # ZigZag: the loading instance runs the prompt's first layers while the full
+            # partner is busy; the partner takes the request over (its KV and hidden
+            # states) when it admits the request, then streams the tokens. In a
+            # disaggregated deployment the partner is a prefill instance, which then
+            # hands the whole prompt's KV to the route's decode instance.
+            new, partner = plan.relay
+            run.first_hop = self._start_first_hop(job, new, partner)
+            zigzag_source = worker_pb2.ZigzagSource(
+                instance_id=new.instance_id, dataplane_address=new.dataplane_address
             )
-        if verdict.why == "invalid":
-            return invalid(f"instance {f.instance_id} rejected the request: {f.detail}")
-        if verdict.why == "slo":
-            return _slo_error(req, slo_refusals, failures)
-        if verdict.why == "migrations_exhausted":
-            return GatewayError(
-                ErrorKind.MID_STREAM,
-                f"instance {f.instance_id} failed mid-stream after {_count(resumed, 'token')}"
-                f" ({f.code.name}: {f.detail}) and the request was already migrated {verdict.state.migrations}"
-                f" times (max_migrations={self.config.max_migrations})",
-                code="instance_failed",
+        kv_source = plan.kv_source
+        if plan.prefill is not None:
+            # Disaggregated: the prompt and the first token on the prefill instance,
+            # which hands the prompt's KV to the decode instance for the rest.
+            stream = self._stream(job, plan.prefill, state, handoff=True, zigzag_source=zigzag_source)
+            zigzag_source = None
+            async for event in stream:
+                yield event
+            if state.handoff is None:
+                self.metrics.handoffs.labels("prefill_finished").inc()
+                return
+            self.metrics.handoffs.labels("handed_off").inc()
+            kv_source, state.handoff = state.handoff, None
+            run.handed_off_by, run.generated_before = plan.prefill, len(state.generated)
+        stream = self._stream(job, plan.hop, state, kv_source=kv_source, zigzag_source=zigzag_source)
+        async for event in stream:
+            yield event
+
+    def _start_first_hop(
+        self, job: Choice, new: global_manager_pb2.RouteHop, partner: global_manager_pb2.RouteHop
+    ) -> asyncio.Task[None]:
+        self.metrics.zigzag.labels("routed").inc()
+        task = asyncio.create_task(self._zigzag_first_hop(job, new, partner), name=f"zigzag-{job.req.request_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _end_attempt(self, run: _AttemptRun, state: _StreamState, request_id: str) -> None:
+        if run.first_hop is not None and not run.first_hop.done():
+            # The partner has taken the request over (its first hop ends by itself), or
+            # failed, or the client left: the loading instance's part is aborted there.
+            run.first_hop.cancel()
+        if run.handed_off_by is not None and len(state.generated) == run.generated_before:
+            # The decode instance produced nothing (it failed, or the client left): the
+            # prefill instance frees the KV it offered now rather than when it expires.
+            self._abort_later(run.handed_off_by.address, request_id)
+
+    def _log_verdict(
+        self,
+        verdict: Decision,
+        f: WorkerFailed,
+        bound: structlog.typing.FilteringBoundLogger,
+        limits: AttemptLimits,
+    ) -> None:
+        """The metrics and the log line of a verdict the choice goes on after."""
+        resumed = f.generated
+        if isinstance(verdict, Move):
+            self.metrics.moves.labels(verdict.reason).inc()
+            bound.info("moved", instance_id=f.instance_id, reason=verdict.reason, resumed_tokens=resumed)
+        elif isinstance(verdict, Retry):
+            # Refused for its SLO before its first token: one other instance may have
+            # room (the manager prefers those whose estimate meets it); after that the
+            # client hears 429 with Retry-After rather than waiting on a busy cluster.
+            self.metrics.retries.labels(f.code.name).inc()
+            bound.info("slo_refused_rerouting", instance_id=f.instance_id, slo=f.slo_kind, detail=f.detail)
+        elif isinstance(verdict, Migrate):
+            self.metrics.migrations.labels(f.code.name).inc()
+            where = {"resumed_tokens": resumed, "migration": verdict.state.migrations}
+            bound.warning("migrating", instance_id=f.instance_id, code=f.code.name, detail=f.detail, **where)
+        elif isinstance(verdict, Wait):
+            self.metrics.retries.labels(f.code.name).inc()
+            where = {"attempt": verdict.state.retries, "attempts": 1 + limits.retries_before_first_token}
+            bound.warning(
+                "retry_before_first_token", instance_id=f.instance_id, code=f.code.name, detail=f.detail, **where
             )
-        return GatewayError(
-            ErrorKind.MID_STREAM if resumed else ErrorKind.INTERNAL,
-            f"instance {f.instance_id} failed after {_count(resumed, 'token')}: {f.code.name}: {f.detail}",
-            code="instance_failed" if resumed else None,
-        )
 
     async def _schedule(
         self,
-        req: InferenceRequest,
-        prompt_tokens: int,
-        max_tokens: int,
+        job: Choice,
         excluded: list[str],
-        failures: list[str],
-        deadline_s: float,
+        failures: Sequence[str],
         prefix_hashes: list[int] | None = None,
         *,
         wait: bool = True,
     ) -> list[global_manager_pb2.RouteHop]:
+        req, deadline_s = job.req, job.deadline_s
         remaining_s = deadline_s - time.monotonic()
         if remaining_s <= 0:
             raise GatewayError(
@@ -812,9 +801,7 @@ class Backend:
             )
         started_s = time.monotonic()
         try:
-            route = await self._schedule_rpc(
-                req, prompt_tokens, max_tokens, excluded, deadline_s, prefix_hashes, wait=wait
-            )
+            route = await self._schedule_rpc(job, excluded, prefix_hashes, wait=wait)
         except grpc.aio.AioRpcError as e:
             code, detail = e.code(), e.details() or ""
             if code == grpc.StatusCode.NOT_FOUND:
@@ -851,11 +838,8 @@ class Backend:
 
     async def _schedule_rpc(
         self,
-        req: InferenceRequest,
-        prompt_tokens: int,
-        max_tokens: int,
+        job: Choice,
         excluded: list[str],
-        deadline_s: float,
         prefix_hashes: list[int] | None = None,
         *,
         wait: bool = True,
@@ -866,11 +850,12 @@ class Backend:
         after a worker failure (`excluded` not empty) and a migrating stream wait the same way:
         the instance that failed was maybe the only one, and capacity comes back (a restart, a
         scale-from-zero onto an idle worker) within about a model load."""
+        req, deadline_s = job.req, job.deadline_s
         request = global_manager_pb2.ScheduleRequest(
             request_id=req.request_id,
             model_id=req.model,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
+            prompt_tokens=len(job.prompt_ids),
+            max_tokens=job.max_tokens,
             exclude_instance_ids=excluded,
             prefix_block_hashes=prefix_hashes or (),
         )
@@ -900,15 +885,9 @@ class Backend:
 
     async def _stream(
         self,
-        req: InferenceRequest,
-        assets: ModelAssets,
+        job: Choice,
         hop: global_manager_pb2.RouteHop,
-        prompt_ids: list[int],
-        max_tokens: int,
-        deadline_s: float,
         state: _StreamState,
-        index: int = 0,
-        echo_text: str | None = None,
         *,
         handoff: bool = False,
         kv_source: kv_pb2.KVTransferDescriptor | None = None,
@@ -922,230 +901,172 @@ class Backend:
         instance): it pulls the prompt's KV from there instead of computing it.
 
         The echoed prompt (and the prompt log-probs) go out with the first token, so a worker
-        failing before it still leaves the request free to be re-routed."""
-        instance = hop.instance_id or hop.address
-        stub = self._worker(hop.address)
-        resume = list(state.generated)
-        # Stop strings are applied here, on text; the worker only sees token-level stops. Prompt
-        # log-probs went out with the first token: a resumed attempt does not ask again.
-        sampling = replace(
-            req.sampling,
-            max_tokens=max_tokens,
-            stop=(),
-            prompt_logprobs=None if resume else req.sampling.prompt_logprobs,
+        failing before it still leaves the request free to be re-routed. Each message is read
+        (`_read`: the stall watchdog), classified (`replies.classify`) and its tokens added to
+        the choice's text (`_take`); then this sends the delta and ends on a hand-off or a finish."""
+        request = worker_request(
+            job.req,
+            hop,
+            job.prompt_ids,
+            job.max_tokens,
+            state.generated,
+            handoff=handoff,
+            kv_source=kv_source,
+            zigzag_source=zigzag_source,
         )
-        request = worker_pb2.WorkerGenerateRequest(
-            request_id=req.request_id,
-            model_id=req.model,
-            prompt_token_ids=prompt_ids,
-            sampling=sampling_to_proto(sampling),
-            layer_end=0,
-            resume_token_ids=resume,
-            **generate_mode(handoff=handoff, kv_source=kv_source, zigzag_source=zigzag_source),
-            layer_start=hop.layer_start if zigzag_source is not None else 0,
-            slo=worker_slo(req, resumed=bool(resume)),
-        )
-        esp_calls = None
-        if hop.HasField("esp"):
-            # An ESP group's master: the other members are called alongside (services/gateway/esp.py).
-            timeout_s = max(deadline_s - time.monotonic(), 0.001)
-            esp_calls = esp.start_holders(
-                hop.esp, request, self._worker, timeout_s, self.report_failure, lambda why: guard.fire(why)
-            )
-            request.esp_member.CopyFrom(esp.member_spec(hop.esp, len(hop.esp.members) - 1))
-            self.metrics.esp_groups.labels(str(len(hop.esp.members))).inc()
-        call = stub.Generate(request, timeout=max(deadline_s - time.monotonic(), 0.001))
-        tokenizer = assets.tokenizer
-        detok, stops = state.detok, state.stops
-        want_logprobs = req.sampling.logprobs is not None
-        stall_s = self.config.token_stall_timeout_s or None
-        got_any = False  # on this instance: the stall timeout starts with its first message
-        worker_done = False
-        guard = _LostGuard()
-        guards = self._open.setdefault(hop.instance_id, set())
-        guards.add(guard)
+        call = self._open_call(job, hop, request, handoff)
         try:
             try:
-                while True:
-                    resp = None
-                    try:
-                        async with asyncio.timeout(stall_s if got_any else None) as guard.timeout:
-                            if guard.lost is None:
-                                resp = await call.read()
-                    except TimeoutError:
-                        pass  # stalled, or the watch fired the guard: resp stays None
-                    finally:
-                        guard.timeout = None
-                    if resp is None:
-                        raise _WorkerFailedError(
-                            esp_calls.lost_id or instance if esp_calls is not None else instance,
-                            grpc.StatusCode.UNAVAILABLE,
-                            guard.lost or f"no token for token_stall_timeout_s={self.config.token_stall_timeout_s}",
-                            len(state.generated),
-                        )
-                    if resp is grpc.aio.EOF:
-                        break
-                    got_any = True
-                    finished = resp.HasField("finish_reason")
-                    handed_off = resp.HasField("kv_handoff")
-                    if handed_off and not handoff and not finished and not resp.token_ids and state.generated:
-                        # Live migration: the instance let this request go with its KV; the next
-                        # one pulls it and goes on after the tokens so far.
-                        worker_done = True
-                        state.handoff = resp.kv_handoff
-                        raise _WorkerFailedError(
-                            instance,
-                            grpc.StatusCode.ABORTED,
-                            "the instance released the running request with its KV (live migration)",
-                            len(state.generated),
-                            moved="live_migration",
-                        )
-                    if handed_off and (finished or not handoff or not resp.token_ids):
-                        worker_done = True
-                        raise _WorkerFailedError(
-                            instance,
-                            grpc.StatusCode.INTERNAL,
-                            "the instance handed off KV it was not asked to, or with no token or with a finish_reason",
-                            len(state.generated),
-                        )
-                    try:
-                        worker_reason = finish_reason_from_proto(resp.finish_reason) if finished else None
-                    except ValueError as e:
-                        worker_done = True
-                        raise _WorkerFailedError(
-                            instance, grpc.StatusCode.INTERNAL, str(e), len(state.generated)
-                        ) from None
-                    if worker_reason == "abort":
-                        # Nothing in an aborted message counts: the request resumes elsewhere.
-                        worker_done = True
-                        raise _WorkerFailedError(
-                            instance,
-                            grpc.StatusCode.ABORTED,
-                            "the instance aborted the request (drained or stopped)",
-                            len(state.generated),
-                        )
-                    ids = tuple(resp.token_ids)
-                    logprobs: tuple[TokenLogprob, ...] = ()
-                    prompt_logprobs: tuple[TokenLogprob, ...] = ()
-                    try:
-                        # Checked before the tokens count as generated: a malformed message is
-                        # the instance's failure, and the request resumes without it.
-                        if want_logprobs and ids:
-                            logprobs = lp.from_proto(tokenizer, resp.logprobs, [0] * len(ids))
-                        if state.first and req.sampling.prompt_logprobs is not None:
-                            offsets = lp.text_offsets(tokenizer, prompt_ids)
-                            prompt_logprobs = lp.from_proto(tokenizer, resp.prompt_logprobs, offsets)
-                    except ValueError as e:  # e.g. a worker too old to know log-probs sends none
-                        raise _WorkerFailedError(
-                            instance, grpc.StatusCode.INTERNAL, f"malformed log-probs: {e}", len(state.generated)
-                        ) from None
-                    if ids:
-                        now_s = time.monotonic()
-                        if state.last_s is not None:
-                            self.metrics.tbt_s.observe((now_s - state.last_s) / len(ids))
-                        state.last_s = now_s
-                        state.generated.extend(ids)
-                    if logprobs:
-                        offsets, piece = [], ""
-                        for token in ids:  # one at a time, for each token's text offset
-                            offsets.append(state.chars + len(piece))
-                            piece += detok.add(token)
-                        logprobs = tuple(replace(e, text_offset=o) for e, o in zip(logprobs, offsets, strict=True))
-                    else:
-                        piece = detok.add(ids)
-                    prefix = ""
-                    if state.first:
-                        state.first = False
-                        prefix = echo_text or ""
-                    state.chars += len(piece)
-                    text, matched = stops.feed(piece)
-                    if finished and not matched:
-                        tail, matched = stops.feed(detok.flush())
-                        text += tail
-                        if not matched:
-                            text += stops.flush()
-                    text = prefix + text
-                    if text or (req.return_token_ids and ids) or logprobs or prompt_logprobs:
+                while (msg := await self._read(call, state)) is not grpc.aio.EOF:
+                    tokens, piece = self._take(call, state, msg)
+                    if piece.worth_sending(tokens.ids, job.req.return_token_ids):
                         yield TokenDelta(
-                            text,
-                            ids,
-                            instance,
-                            index,
-                            logprobs,
-                            prompt_logprobs,
+                            piece.text,
+                            tokens.ids,
+                            call.instance,
+                            job.index,
+                            piece.logprobs,
+                            piece.prompt_logprobs,
                             completion_tokens=len(state.generated),
-                            prompt_tokens=len(prompt_ids),
+                            prompt_tokens=len(job.prompt_ids),
                         )
-                    if handed_off and not matched:
+                    if isinstance(tokens, HandedOff) and not piece.matched:
                         # The prefill instance's part is done; its stream ends right after this.
-                        worker_done = True
-                        state.handoff = resp.kv_handoff
-                        call.cancel()
+                        call.done = True
+                        state.handoff = tokens.kv
+                        call.rpc.cancel()
                         return
-                    if matched or finished:
-                        worker_done = finished
-                        reason = FINISH_STOP if matched or worker_reason == "stop" else FINISH_LENGTH
-                        usage = Usage(
-                            prompt_tokens=resp.prompt_tokens if finished and resp.prompt_tokens else len(prompt_ids),
-                            completion_tokens=max(len(state.generated), resp.completion_tokens if finished else 0),
-                        )
-                        yield Finish(reason, usage, instance, index)
+                    ending = tokens.finish(piece.matched, len(state.generated), len(job.prompt_ids))
+                    if ending is not None:
+                        call.done = tokens.finished
+                        yield Finish(*ending, call.instance, job.index)
                         return
             except grpc.aio.AioRpcError as e:
-                worker_done = True
-                if esp_calls is not None:  # a holder that broke the group, not the master
-                    instance = await esp.failed_member(esp_calls, instance, e.details() or "")
-                trailing = dict(e.trailing_metadata() or ())
-                slo_kind = trailing.get(SLO_METADATA_KEY) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-                raise _WorkerFailedError(
-                    instance,
-                    e.code(),
-                    e.details() or "",
-                    len(state.generated),
-                    moved=trailing.get(MOVED_METADATA_KEY),
-                    slo_kind=str(slo_kind) if slo_kind else None,
-                    retry_after_s=parse_retry_after_s(trailing.get(RETRY_AFTER_METADATA_KEY)),
-                ) from None
-            worker_done = True
-            raise _WorkerFailedError(
-                instance,
-                grpc.StatusCode.UNAVAILABLE,
-                "the token stream ended without a finish_reason",
-                len(state.generated),
+                call.done = True
+                raise await self._rpc_failure(call, e, len(state.generated)) from None
+            call.done = True
+            raise call.failed(
+                grpc.StatusCode.UNAVAILABLE, "the token stream ended without a finish_reason", len(state.generated)
             )
         finally:
-            guards.discard(guard)
-            if not guards:
-                self._open.pop(hop.instance_id, None)
-            if esp_calls is not None and not worker_done:
-                esp_calls.cancel()
-            elif esp_calls is not None:
-                await esp.wait_holders(esp_calls)
-            if not worker_done:
-                # Client gone, a stop string matched, the instance stalled or was LOST: free its
-                # KV now (a stopped instance frees it when it runs again and sees the cancel).
-                call.cancel()
-                self._abort_later(hop.address, req.request_id)
+            await self._close_call(call, job.req.request_id)
+
+    def _open_call(
+        self, job: Choice, hop: global_manager_pb2.RouteHop, request: worker_pb2.WorkerGenerateRequest, handoff: bool
+    ) -> _Call:
+        """Start the Worker.Generate call of one attempt (with an ESP group's other members
+        called alongside, services/gateway/esp.py) and follow its instance for LOST events."""
+        stub = self._worker(hop.address)
+        guard = _LostGuard()
+        holders = None
+        if hop.HasField("esp"):
+            # An ESP group's master: the other members are called alongside.
+            timeout_s = max(job.deadline_s - time.monotonic(), 0.001)
+            holders = esp.start_holders(hop.esp, request, self._worker, timeout_s, self.report_failure, guard.fire)
+            request.esp_member.CopyFrom(esp.member_spec(hop.esp, len(hop.esp.members) - 1))
+            self.metrics.esp_groups.labels(str(len(hop.esp.members))).inc()
+        rpc = stub.Generate(request, timeout=max(job.deadline_s - time.monotonic(), 0.001))
+        guards = self._open.setdefault(hop.instance_id, set())
+        guards.add(guard)
+        stall_s = self.config.token_stall_timeout_s or None
+        return _Call(hop, rpc, guard, guards, stall_s, handoff=handoff, holders=holders)
+
+    async def _read(self, call: _Call, state: _StreamState) -> Any:
+        """The call's next message (or EOF). None came within `token_stall_timeout_s` of the last
+        one (the timeout starts with the instance's first message), or the cluster-event watch
+        marked the instance LOST: the instance's failure (UNAVAILABLE)."""
+        msg = None
+        try:
+            async with asyncio.timeout(call.stall_s if call.got_any else None) as call.guard.timeout:
+                if call.guard.lost is None:
+                    msg = await call.rpc.read()
+        except TimeoutError:
+            pass  # stalled, or the watch fired the guard: msg stays None
+        finally:
+            call.guard.timeout = None
+        if msg is None:
+            raise _WorkerFailedError(
+                call.holders.lost_id or call.instance if call.holders is not None else call.instance,
+                grpc.StatusCode.UNAVAILABLE,
+                call.guard.lost or f"no token for token_stall_timeout_s={self.config.token_stall_timeout_s}",
+                len(state.generated),
+            )
+        if msg is not grpc.aio.EOF:
+            call.got_any = True
+        return msg
+
+    def _take(self, call: _Call, state: _StreamState, msg: worker_pb2.WorkerGenerateResponse) -> tuple[Tokens, Piece]:
+        """One message's tokens, counted as generated, and the text they add. A live migration,
+        a bad message or malformed log-probs end the attempt (_WorkerFailedError); the tokens of
+        such a message do not count."""
+        reply = classify(msg, handoff=call.handoff, resumed=bool(state.generated))
+        if isinstance(reply, Moved):
+            # The next instance pulls the KV and goes on after the tokens so far.
+            call.done = True
+            state.handoff = reply.kv
+            raise call.failed(grpc.StatusCode.ABORTED, reply.detail, len(state.generated), moved=reply.reason)
+        if isinstance(reply, Bad):
+            call.done = True
+            raise call.failed(reply.code, reply.detail, len(state.generated))
+        try:
+            # Checked before the tokens count as generated: a malformed message is
+            # the instance's failure, and the request resumes without it.
+            logprobs, prompt_logprobs = state.text.logprobs(reply.ids, msg.logprobs, msg.prompt_logprobs)
+        except ValueError as e:  # e.g. a worker too old to know log-probs sends none
+            raise call.failed(grpc.StatusCode.INTERNAL, f"malformed log-probs: {e}", len(state.generated)) from None
+        if reply.ids:
+            now_s = time.monotonic()
+            if state.last_s is not None:
+                self.metrics.tbt_s.observe((now_s - state.last_s) / len(reply.ids))
+            state.last_s = now_s
+            state.generated.extend(reply.ids)
+        return reply, state.text.feed(reply.ids, logprobs, prompt_logprobs, final=reply.finished)
+
+    async def _rpc_failure(self, call: _Call, e: grpc.aio.AioRpcError, generated: int) -> _WorkerFailedError:
+        """The worker ended the call with a status: on an ESP master, the holder that broke the
+        group if one did; a move (rebalancing) or an SLO refusal as its trailing metadata says."""
+        instance = call.instance
+        if call.holders is not None:  # a holder that broke the group, not the master
+            instance = await esp.failed_member(call.holders, instance, e.details() or "")
+        trailing = dict(e.trailing_metadata() or ())
+        slo_kind = trailing.get(SLO_METADATA_KEY) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+        return _WorkerFailedError(
+            instance,
+            e.code(),
+            e.details() or "",
+            generated,
+            moved=trailing.get(MOVED_METADATA_KEY),
+            slo_kind=str(slo_kind) if slo_kind else None,
+            retry_after_s=parse_retry_after_s(trailing.get(RETRY_AFTER_METADATA_KEY)),
+        )
+
+    async def _close_call(self, call: _Call, request_id: str) -> None:
+        call.guards.discard(call.guard)
+        if not call.guards:
+            self._open.pop(call.hop.instance_id, None)
+        if call.holders is not None and not call.done:
+            call.holders.cancel()
+        elif call.holders is not None:
+            await esp.wait_holders(call.holders)
+        if not call.done:
+            # Client gone, a stop string matched, the instance stalled or was LOST: free its
+            # KV now (a stopped instance frees it when it runs again and sees the cancel).
+            call.rpc.cancel()
+            self._abort_later(call.hop.address, request_id)
 
     async def _zigzag_first_hop(
-        self,
-        req: InferenceRequest,
-        hop: global_manager_pb2.RouteHop,
-        partner: global_manager_pb2.RouteHop,
-        prompt_ids: list[int],
-        max_tokens: int,
-        deadline_s: float,
-        bound: structlog.typing.FilteringBoundLogger,
+        self, job: Choice, hop: global_manager_pb2.RouteHop, partner: global_manager_pb2.RouteHop
     ) -> None:
         """The loading instance's part of a ZigZag request: it runs the prompt's first layers
         until the partner relays it (the partner embeds the prompt while the loading instance has
         no embedding yet). Its failure costs nothing but speed: the partner then
         computes the prompt whole. Cancelled (the partner failed, the client left): aborted there."""
+        req, max_tokens, bound = job.req, job.max_tokens, job.bound
         call = self._worker(hop.address).Generate(
             worker_pb2.WorkerGenerateRequest(
                 request_id=req.request_id,
                 model_id=req.model,
-                prompt_token_ids=prompt_ids,
+                prompt_token_ids=job.prompt_ids,
                 sampling=sampling_to_proto(replace(req.sampling, max_tokens=max_tokens, stop=(), prompt_logprobs=None)),
                 layer_start=hop.layer_start,
                 layer_end=hop.layer_end,
@@ -1155,7 +1076,7 @@ class Backend:
                     )
                 ),
             ),
-            timeout=max(deadline_s - time.monotonic(), 0.001),
+            timeout=max(job.deadline_s - time.monotonic(), 0.001),
         )
         layers: int | None = None
         try:
@@ -1226,57 +1147,43 @@ def worker_slo(req: InferenceRequest, *, resumed: bool, now_s: float | None = No
     return request_slo_to_proto(ttft_s, req.slo.tpot_s)
 
 
-def _slo_error(req: InferenceRequest, refusals: list[_WorkerFailedError], failures: list[str]) -> GatewayError:
-    """429 for a request whose objective no instance tried could meet: names the objective and
-    its value, and when to retry (the soonest any of them expects room, at least 1 s)."""
-    kind = refusals[-1].slo_kind or "ttft"
-    value = req.slo.value(kind)
-    objective = f"{kind}_slo_s={quote(value)}" if value is not None else f"its {kind} SLO"
-    waits = [f.retry_after_s for f in refusals if f.retry_after_s is not None]
-    retry_after_s = max(min(waits), 1.0) if waits else 1.0
-    return GatewayError(
-        ErrorKind.SLO_UNATTAINABLE,
-        f"request {req.request_id}: the {kind.upper()} objective {objective} cannot be met now"
-        f" ({'; '.join(failures)}); retry after {math.ceil(retry_after_s)} s or relax the objective",
-        param=f"{kind}_slo_s",
-        code=429,
-        retry_after_s=retry_after_s,
-        slo_kind=kind,
+def worker_request(
+    req: InferenceRequest,
+    hop: global_manager_pb2.RouteHop,
+    prompt_ids: list[int],
+    max_tokens: int,
+    resume: list[int],
+    *,
+    handoff: bool = False,
+    kv_source: kv_pb2.KVTransferDescriptor | None = None,
+    zigzag_source: worker_pb2.ZigzagSource | None = None,
+) -> worker_pb2.WorkerGenerateRequest:
+    """The Worker.Generate request of one attempt on `hop`, resuming after the tokens `resume`
+    (`generate_mode` for the other arguments). Stop strings are applied by the gateway, on text;
+    the worker only sees token-level stops. Prompt log-probs went out with the first token: a
+    resumed attempt does not ask again."""
+    resume = list(resume)
+    sampling = replace(
+        req.sampling,
+        max_tokens=max_tokens,
+        stop=(),
+        prompt_logprobs=None if resume else req.sampling.prompt_logprobs,
+    )
+    return worker_pb2.WorkerGenerateRequest(
+        request_id=req.request_id,
+        model_id=req.model,
+        prompt_token_ids=prompt_ids,
+        sampling=sampling_to_proto(sampling),
+        layer_end=0,
+        resume_token_ids=resume,
+        **generate_mode(handoff=handoff, kv_source=kv_source, zigzag_source=zigzag_source),
+        layer_start=hop.layer_start if zigzag_source is not None else 0,
+        slo=worker_slo(req, resumed=bool(resume)),
     )
 
 
-def _split_route(
-    hops: list[global_manager_pb2.RouteHop],
-) -> tuple[global_manager_pb2.RouteHop | None, global_manager_pb2.RouteHop]:
-    """(prefill hop, the hop that decodes): a [PREFILL, DECODE] route is disaggregated; any
-    other route runs on its first hop (ZigZag routes are read by `_zigzag_route`)."""
-    if (
-        len(hops) == 2
-        and hops[0].role == common_pb2.INSTANCE_ROLE_PREFILL
-        and hops[1].role == common_pb2.INSTANCE_ROLE_DECODE
-    ):
-        return hops[0], hops[1]
-    return None, hops[0]
-
-
-def _zigzag_route(
-    hops: list[global_manager_pb2.RouteHop],
-) -> tuple[global_manager_pb2.RouteHop, global_manager_pb2.RouteHop] | None:
-    """(loading instance, full partner) of a ZigZag route: its first two hops split by layer
-    range, the first ending where the second starts (a third hop is the decode instance of a
-    disaggregated deployment); None for any other route."""
-    if (
-        len(hops) in (2, 3)
-        and hops[0].layer_start == 0
-        and 0 < hops[0].layer_end == hops[1].layer_start < hops[1].layer_end
-        and hops[0].dataplane_address
-    ):
-        return hops[0], hops[1]
-    return None
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+# The name tests/unit/test_slo_plumbing.py imports; the one error builder is `attempts.error_for`.
+_slo_error = slo_error
 
 
 def _resolve_max_tokens(assets: ModelAssets, req: InferenceRequest, prompt_tokens: int, default_max_tokens: int) -> int:

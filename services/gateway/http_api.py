@@ -222,14 +222,7 @@ class HttpApi:
             first = await anext(events)
         except StopAsyncIteration:
             raise GatewayError(ErrorKind.INTERNAL, f"request {response_id} produced no events") from None
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": response_id,
-                "X-Accel-Buffering": "no",  # proxies must not hold SSE back
-            }
-        )
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": response_id})
         await resp.prepare(request)
         model, kind, usage_on, n = oreq.inference.model, oreq.kind, oreq.include_usage, oreq.inference.n
         # continuous_usage_stats: each chunk carries its choice's usage so far, as vLLM does.
@@ -292,6 +285,13 @@ class HttpApi:
             # The client hung up between writes; leaving `aclosing` cancels the worker call.
             log.info("client_disconnected", request_id=response_id)
         return resp
+
+
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # proxies must not hold SSE back
+}
 
 
 def _chunk_logprobs(oreq: OpenAIRequest, event: TokenDelta) -> list[TokenLogprob] | None:

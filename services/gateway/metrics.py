@@ -55,7 +55,6 @@ class GatewayMetrics:
             ["code"],
             registry=r,
         )
-
         self.migrations = Counter(
             "blitzmesh_gateway_migrations",
             "Streams resumed on another instance after theirs failed mid-stream, by gRPC status of the failure",
@@ -68,7 +67,6 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
-
         self.handoffs = Counter(
             "blitzmesh_gateway_kv_handoffs",
             "Disaggregated requests: 'handed_off' (prefill emitted the first token and offered its KV to a decode"
@@ -76,14 +74,12 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
-
         self.esp_groups = Counter(
             "blitzmesh_gateway_esp_groups",
             "Attempts routed to an ESP group (elastic sequence parallelism), by the group's degree",
             ["degree"],
             registry=r,
         )
-
         self.zigzag = Counter(
             "blitzmesh_gateway_zigzag",
             "ZigZag requests: 'routed' (split with a loading instance), then how the loading instance's part"
@@ -92,7 +88,6 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
-
         self.slo_requests = Counter(
             "blitzmesh_gateway_slo_requests",
             "Finished requests with a latency objective, by kind (ttft, tpot), the objective's value in seconds"
