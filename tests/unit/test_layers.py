@@ -21,8 +21,14 @@ def module_name(path: Path) -> str:
 
 
 def modules(*tops: str) -> dict[str, Path]:
-    """Every Python file under `tops`, by dotted module name."""
-    return {module_name(p): p for top in tops for p in sorted((REPO / top).rglob("*.py"))}
+    """Every Python file under `tops`, by dotted module name (not hidden folders such as the
+    benchmarks' virtual environments, bench/.envs)."""
+    return {
+        module_name(p): p
+        for top in tops
+        for p in sorted((REPO / top).rglob("*.py"))
+        if not any(part.startswith(".") for part in p.relative_to(REPO).parts)
+    }
 
 
 def imported_names(name: str, path: Path) -> set[str]:
