@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
+# The 30 slowest tests are listed after every run: where the CI minutes go.
+PYTEST_ARGS ?= --durations=30
 
 .PHONY: up test setup lint protos protos-check deploy-gen deploy-check bench-serving clean
 

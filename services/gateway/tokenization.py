@@ -21,7 +21,7 @@ import structlog
 from services.gateway.errors import ErrorKind, GatewayError, quote
 from services.gateway.schema import ChatMessage
 from services.model_format.generation import eos_token_ids
-from services.model_format.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.model_format.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -56,9 +56,6 @@ class ModelAssets:
 
     async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
-
-    def new_detokenizer(self) -> IncrementalDetokenizer:
-        return self.tokenizer.incremental_detokenizer()
 
 
 def build_assets(model_id: str, files: dict[str, bytes], executor: Executor | None = None) -> ModelAssets:
