@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from services.common.backlog import BACKLOG_CHECK_S, BACKLOG_FLOOR_S
 from services.common.config import ServiceConfig
+from services.worker.engine import defaults
 
 
 class WorkerConfig(ServiceConfig):
@@ -39,14 +40,14 @@ class WorkerConfig(ServiceConfig):
         description="on SIGTERM, how long in-flight requests may run to their end; those still running then "
         "are aborted, and the gateway resumes each on another instance (0 = abort at once)",
     )
-    max_batch_size: int = Field(32, gt=0, description="most requests in one engine iteration")
+    max_batch_size: int = Field(defaults.MAX_BATCH_SIZE, gt=0, description="most requests in one engine iteration")
     max_num_tokens: int = Field(
-        2048,
+        defaults.MAX_NUM_TOKENS,
         gt=0,
         description="most tokens (prefill + decode) in one iteration; prompts up to this long prefill in one"
         " step (a later chunk attends over cached context, which costs more per token)",
     )
-    block_size: int = Field(16, gt=0, description="tokens per KV block")
+    block_size: int = Field(defaults.BLOCK_SIZE, gt=0, description="tokens per KV block")
     kv_cache_tokens: int = Field(
         32768,
         gt=0,
@@ -161,6 +162,8 @@ class WorkerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:
+        # At parse time, before any model loads (the engine checks the same rule again).
+        defaults.check_token_budget(self.max_num_tokens, self.max_batch_size)
         if self.kv_cache_tokens < self.block_size:
             raise ValueError(
                 f"kv_cache_tokens={self.kv_cache_tokens} is smaller than one block (block_size={self.block_size})"

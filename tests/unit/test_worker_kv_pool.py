@@ -13,7 +13,7 @@ import torch
 
 from services.model_format import synth
 from services.worker.config import WorkerConfig
-from services.worker.engine.engine import Engine
+from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.sampling import SamplingParams
 from services.worker.engine.scheduler import CapacityPolicy
 from services.worker.kv_pool import engine_config, free_memory_bytes, kv_pool_blocks, mem_available_bytes
@@ -153,6 +153,15 @@ def test_worker_defaults_and_engine_config() -> None:
     assert ecfg.capacity_policy is CapacityPolicy.MAX_UTILIZATION and ecfg.preemption_mode == "swap"
     assert not ecfg.enable_chunked_prefill and ecfg.max_num_tokens == 256 and ecfg.block_size == 8
     assert ecfg.num_kv_blocks == 100 and ecfg.pacing is not None and ecfg.pacing.base_s == 0.01
+
+
+def test_worker_and_engine_share_their_defaults_and_refuse_a_bad_budget_at_parse_time() -> None:
+    worker, engine = WorkerConfig(), EngineConfig()
+    for name in ("max_batch_size", "max_num_tokens", "block_size", "enable_chunked_prefill", "enable_prefix_caching"):
+        assert getattr(worker, name) == getattr(engine, name), name
+    # Refused when the flags are parsed, before any model loads, with both values quoted.
+    with pytest.raises(ValueError, match=r"max_num_tokens \(8\) must be >= max_batch_size \(16\)"):
+        WorkerConfig(max_num_tokens=8, max_batch_size=16)
 
 
 def make_engine_as_the_worker(cfg: WorkerConfig, model: LlamaForCausalLM) -> Engine:

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.common.backlog import sample_wait_s
 from services.common.prefix import ROOT_HASH, block_hashes, chain_hash
 from services.common.waiting import wait_for
+from services.worker.engine import defaults
 from services.worker.engine.cpu_share import CpuShare
 from services.worker.engine.kv_cache import KVCache
 from services.worker.engine.outputs import (
@@ -120,11 +121,13 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_batch_size: int = Field(16, ge=1, description="most requests running at once (in one iteration)")
-    max_num_tokens: int = Field(
-        2048, ge=1, description="most tokens in one iteration: prefill tokens in full, 1 per decode"
+    max_batch_size: int = Field(
+        defaults.MAX_BATCH_SIZE, ge=1, description="most requests running at once (in one iteration)"
     )
-    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    max_num_tokens: int = Field(
+        defaults.MAX_NUM_TOKENS, ge=1, description="most tokens in one iteration: prefill tokens in full, 1 per decode"
+    )
+    block_size: int = Field(defaults.BLOCK_SIZE, ge=1, description="tokens per KV block")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV pool size in blocks; None = from kv_cache_bytes or the given cache"
     )
@@ -177,11 +180,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
-        if self.max_num_tokens < self.max_batch_size:
-            # Otherwise a full batch of decodes could not all run in one iteration.
-            raise ValueError(
-                f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size ({self.max_batch_size})"
-            )
+        defaults.check_token_budget(self.max_num_tokens, self.max_batch_size)
         return self
 
 
