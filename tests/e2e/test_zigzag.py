@@ -30,6 +30,7 @@ WAVE_1, WAVE_2 = 8, 6
 # Every data-plane sender of the mesh (the parameter manager, and a worker that is a chain's
 # source) shaped to 0.02 Gbit/s: the ~6 MB model takes seconds to arrive, layer by layer.
 LINK_GBPS = "0.02"
+KILL_LINK_GBPS = "0.005"
 
 
 @contextlib.asynccontextmanager
@@ -38,6 +39,7 @@ async def slow_mesh(
     name: str,
     manager_args: tuple[str, ...] = (),
     dataplane: str | None = None,
+    link_gbps: str = LINK_GBPS,
     **layout: int,
 ) -> AsyncIterator[Mesh]:
     """A mesh of the 6-layer model whose data plane is shaped to LINK_GBPS, with `layout`'s
@@ -62,7 +64,7 @@ async def slow_mesh(
             "--max-batch-size",
             "2",
             "--dataplane-link-gbps",
-            LINK_GBPS,
+            link_gbps,
         ],
         # Routed dispatch unless `manager_args` says pull (the default pulls; these tests pin
         # the manager's split). The gate opens on the TTFT signal as soon as an instance has
@@ -78,7 +80,7 @@ async def slow_mesh(
         ],
         **layout,  # type: ignore[arg-type]
     )
-    env = {"BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS": LINK_GBPS}
+    env = {"BLITZMESH_PARAM_MANAGER_DATAPLANE_LINK_GBPS": link_gbps}
     if dataplane is not None:
         env |= {"BLITZMESH_PARAM_MANAGER_DATAPLANE": dataplane, "BLITZMESH_WORKER_DATAPLANE": dataplane}
     before = {key: os.environ.get(key) for key in env}
@@ -216,7 +218,12 @@ async def _serving_count(client: blitzmesh.AsyncClient, n: int) -> bool:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def zz_kill_mesh(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
-    async with slow_mesh(tmp_path_factory, "zigzag-kill", workers=2, initial_instances=1) as m:
+    # A 4x slower link: the kill needs the loading instance seen (through heartbeats, 1 s apart)
+    # running split requests, and at LINK_GBPS its window from the first layer to the last was
+    # 1.2-1.6 s when the other meshes of this module still ran, too short to be seen reliably.
+    async with slow_mesh(
+        tmp_path_factory, "zigzag-kill", link_gbps=KILL_LINK_GBPS, workers=2, initial_instances=1
+    ) as m:
         yield m
 
 
@@ -224,9 +231,13 @@ async def test_a_loading_instance_killed_mid_zigzag_loses_no_request(zz_kill_mes
     """The loading instance is SIGKILLed while it runs the first layers of split requests: their
     partner finds nothing to relay and computes them whole, with the tokens of a whole run."""
     prompts = [f"killed {i} " * (1 + i % 5) for i in range(WAVE_1 + WAVE_2)]
+    # The first wave decodes long enough to keep the serving instance at batch capacity until the
+    # new one is live, so the second wave meets an overloaded instance and is split (with 12
+    # tokens the first wave could end before the load began, and nothing split).
+    kinds = [{**ARGS, "max_tokens": 90}] * WAVE_1 + [ARGS] * WAVE_2
     async with blitzmesh.AsyncClient(zz_kill_mesh.gateway_grpc, timeout_s=180, max_retries=0) as client:
-        references = [(await client.complete(p, **ARGS)).token_ids for p in prompts]
-        first = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[:WAVE_1]]
+        references = [(await client.complete(p, **k)).token_ids for p, k in zip(prompts, kinds, strict=True)]
+        first = [asyncio.create_task(client.complete(p, **kinds[0])) for p in prompts[:WAVE_1]]
 
         await _scale_out_until_live(client)
         second = [asyncio.create_task(client.complete(p, **ARGS)) for p in prompts[WAVE_1:]]
