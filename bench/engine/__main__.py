@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python -m bench.engine" + (" --quick" if a.quick else "") + f" --dtypes {a.dtypes}"
         f" --variants {a.variants}",
+        # The CPU the figures hold for, in the shape the other results use (`machine` repeats it).
+        "cpu": {"model": cpu["model"], "flags": cpu["flags"], "machine_isa": cpu["machine_isa"]},
         "machine": {
             "cpu": cpu["model"],
             "cpu_flags": cpu["flags"],

@@ -27,6 +27,7 @@ from services.dataplane.chain import GroupServer, Pull, receive_groups, serve_gr
 from services.dataplane.checksum import DEFAULT_CHECKSUM_ALGO
 from services.dataplane.errors import DataPlaneError
 from services.dataplane.manifest import GroupEntry, Manifest, pack_groups
+from tests.harness import stop_node
 
 __all__ = [
     "ModelSpec",
@@ -434,15 +435,7 @@ class NodeProcess:
         self.proc.join(5)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.is_alive():
-            try:
-                self._conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(timeout_s)
-        if self.proc.is_alive():
-            self.kill()
-        self._conn.close()
+        stop_node(self.proc, self._conn, timeout_s)
 
 
 def start_nodes(specs: Sequence[NodeSpec], *, timeout_s: float = 60.0) -> list[NodeProcess]:

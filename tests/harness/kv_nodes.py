@@ -15,7 +15,6 @@ import hashlib
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from services.dataplane.errors import DataPlaneError, ProtocolError
 from services.dataplane.transport import Endpoint, Transport
 from services.worker.engine.kv_cache import KVCache, OutOfBlocks
 from services.worker.kv_transfer import KVDescriptor, KVServer, KVTransferConfig, receive_kv
+from tests.harness import stop_node
 
 __all__ = ["KVNode", "KVNodeSpec", "fill_request", "request_kv_digest", "start_kv_nodes"]
 
@@ -315,16 +315,7 @@ class KVNode:
             os.kill(self.proc.pid, sig)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.is_alive():
-            try:
-                self._conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(timeout_s)
-        if self.proc.is_alive():
-            self.signal(signal.SIGKILL)
-            self.proc.join(5)
-        self._conn.close()
+        stop_node(self.proc, self._conn, timeout_s)
 
 
 def start_kv_nodes(specs: Sequence[KVNodeSpec], *, timeout_s: float = 60.0) -> list[KVNode]:
