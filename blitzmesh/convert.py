@@ -277,6 +277,7 @@ def usage_to_proto(usage: Usage) -> common_pb2.Usage:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
+        cached_tokens=usage.cached_tokens,
     )
     if usage.slo is not None:
         msg.slo.CopyFrom(slo_attainment_to_proto(usage.slo))
@@ -289,6 +290,7 @@ def usage_from_proto(msg: common_pb2.Usage) -> Usage:
         completion_tokens=msg.completion_tokens,
         total_tokens=msg.total_tokens,
         slo=slo_attainment_from_proto(msg.slo) if msg.HasField("slo") else None,
+        cached_tokens=msg.cached_tokens,
     )
 
 

@@ -203,12 +203,15 @@ class SLOAttainment:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts of one request, and its SLO attainment when it had an objective."""
+    """Token counts of one request, and its SLO attainment when it had an objective.
+    `cached_tokens`: of `prompt_tokens`, those whose KV came from a prefix cache instead of being
+    computed (OpenAI's `usage.prompt_tokens_details.cached_tokens`)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     slo: SLOAttainment | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

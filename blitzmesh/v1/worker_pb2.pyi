@@ -278,12 +278,18 @@ class WorkerGenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     KV_HANDOFF_FIELD_NUMBER: _builtins.int
     ZIGZAG_LAYERS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     zigzag_layers: _builtins.int
     """Last message of a `zigzag` request: the decoder layers of its prompt that ran here before
     its partner took it over (0: none; the partner computed it whole).
+    """
+    cached_tokens: _builtins.int
+    """Of prompt_tokens, those whose KV this instance's prefix cache held when it last prefilled the
+    prompt. Unset when the prompt's KV came from elsewhere (a decode_from_kv pull): the instance
+    that computed it reported the count.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -312,15 +318,20 @@ class WorkerGenerateResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         kv_handoff: _kv_pb2.KVTransferDescriptor | None = ...,
         zigzag_layers: _builtins.int | None = ...,
+        cached_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "_zigzag_layers", b"_zigzag_layers", "finish_reason", b"finish_reason", "kv_handoff", b"kv_handoff", "zigzag_layers", b"zigzag_layers"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "_finish_reason", b"_finish_reason", "_zigzag_layers", b"_zigzag_layers", "cached_tokens", b"cached_tokens", "finish_reason", b"finish_reason", "kv_handoff", b"kv_handoff", "zigzag_layers", b"zigzag_layers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason", "_zigzag_layers", b"_zigzag_layers", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "kv_handoff", b"kv_handoff", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "token_ids", b"token_ids", "zigzag_layers", b"zigzag_layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens", "_finish_reason", b"_finish_reason", "_zigzag_layers", b"_zigzag_layers", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "kv_handoff", b"kv_handoff", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "prompt_tokens", b"prompt_tokens", "token_ids", b"token_ids", "zigzag_layers", b"zigzag_layers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cached_tokens: _TypeAlias = _typing.Literal["cached_tokens"]  # noqa: Y015
+    _WhichOneofArgType__cached_tokens: _TypeAlias = _typing.Literal["_cached_tokens", b"_cached_tokens"]  # noqa: Y015
     _WhichOneofReturnType__finish_reason: _TypeAlias = _typing.Literal["finish_reason"]  # noqa: Y015
     _WhichOneofArgType__finish_reason: _TypeAlias = _typing.Literal["_finish_reason", b"_finish_reason"]  # noqa: Y015
     _WhichOneofReturnType__zigzag_layers: _TypeAlias = _typing.Literal["zigzag_layers"]  # noqa: Y015
     _WhichOneofArgType__zigzag_layers: _TypeAlias = _typing.Literal["_zigzag_layers", b"_zigzag_layers"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cached_tokens) -> _WhichOneofReturnType__cached_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__finish_reason) -> _WhichOneofReturnType__finish_reason | None: ...
     @_typing.overload

@@ -249,6 +249,9 @@ class _StreamState:
     # Set when a prefill instance ended its stream by handing the request's KV off: where the
     # decode instance pulls it from.
     handoff: kv_pb2.KVTransferDescriptor | None = None
+    # The prompt tokens that came from a prefix cache, as the last instance that prefilled the
+    # prompt reported them (one that pulled the KV instead reports nothing and leaves it).
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -929,6 +932,7 @@ class Backend:
                             piece.prompt_logprobs,
                             completion_tokens=len(state.generated),
                             prompt_tokens=len(job.prompt_ids),
+                            cached_tokens=state.cached_tokens,
                         )
                     if isinstance(tokens, HandedOff) and not piece.matched:
                         # The prefill instance's part is done; its stream ends right after this.
@@ -936,7 +940,9 @@ class Backend:
                         state.handoff = tokens.kv
                         call.rpc.cancel()
                         return
-                    ending = tokens.finish(piece.matched, len(state.generated), len(job.prompt_ids))
+                    ending = tokens.finish(
+                        piece.matched, len(state.generated), len(job.prompt_ids), state.cached_tokens
+                    )
                     if ending is not None:
                         call.done = tokens.finished
                         yield Finish(*ending, call.instance, job.index)
@@ -1014,6 +1020,8 @@ class Backend:
             logprobs, prompt_logprobs = state.text.logprobs(reply.ids, msg.logprobs, msg.prompt_logprobs)
         except ValueError as e:  # e.g. a worker too old to know log-probs sends none
             raise call.failed(grpc.StatusCode.INTERNAL, f"malformed log-probs: {e}", len(state.generated)) from None
+        if reply.cached_tokens is not None:
+            state.cached_tokens = reply.cached_tokens
         if reply.ids:
             now_s = time.monotonic()
             if state.last_s is not None:

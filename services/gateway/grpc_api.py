@@ -77,7 +77,10 @@ def logprobs_to_proto(entries: Sequence[TokenLogprob]) -> list[common_pb2.TokenL
 
 def usage_to_proto(usage: Usage) -> common_pb2.Usage:
     msg = common_pb2.Usage(
-        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        cached_tokens=usage.cached_tokens,
     )
     if usage.slo is not None:
         msg.slo.CopyFrom(convert.slo_attainment_to_proto(usage.slo))

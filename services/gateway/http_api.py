@@ -227,16 +227,18 @@ class HttpApi:
         model, kind, usage_on, n = oreq.inference.model, oreq.kind, oreq.include_usage, oreq.inference.n
         # continuous_usage_stats: each chunk carries its choice's usage so far, as vLLM does.
         prompt_tokens = first.prompt_tokens if isinstance(first, TokenDelta) else first.usage.prompt_tokens
+        first_cached = first.cached_tokens if isinstance(first, TokenDelta) else first.usage.cached_tokens
 
         def chunk(
             index: int,
             text: str | None,
             completion_tokens: int,
+            cached_tokens: int,
             finish: str | None = None,
             role: bool = False,
             logprobs: list[TokenLogprob] | None = None,
         ) -> bytes:
-            so_far = Usage(prompt_tokens, completion_tokens) if oreq.continuous_usage else None
+            so_far = Usage(prompt_tokens, completion_tokens, cached_tokens=cached_tokens)
             return sse_event(
                 stream_chunk(
                     kind,
@@ -249,7 +251,7 @@ class HttpApi:
                     role=role,
                     index=index,
                     logprobs=logprobs,
-                    usage=so_far,
+                    usage=so_far if oreq.continuous_usage else None,
                 )
             )
 
@@ -257,18 +259,22 @@ class HttpApi:
             try:
                 if kind == "chat":
                     for index in range(n):
-                        await resp.write(chunk(index, "", 0, role=True))
+                        await resp.write(chunk(index, "", 0, first_cached, role=True))
                 usages: list[Usage] = []
                 event: Event | None = first
                 while event is not None:
                     if isinstance(event, TokenDelta):
                         logprobs = _chunk_logprobs(oreq, event)
                         if event.text or logprobs:
-                            await resp.write(chunk(event.index, event.text, event.completion_tokens, logprobs=logprobs))
+                            done = event.completion_tokens
+                            await resp.write(
+                                chunk(event.index, event.text, done, event.cached_tokens, logprobs=logprobs)
+                            )
                     else:
                         text = None if kind == "chat" else ""
                         done = event.usage.completion_tokens
-                        await resp.write(chunk(event.index, text, done, finish=event.finish_reason))
+                        cached = event.usage.cached_tokens
+                        await resp.write(chunk(event.index, text, done, cached, finish=event.finish_reason))
                         usages.append(event.usage)
                         if len(usages) == n:
                             if usage_on:

@@ -14,6 +14,9 @@ Supported beyond the basics, as OpenAI (and vLLM, for its extensions) define the
   (vLLM's, > 0, over prompt + generated tokens), `logit_bias` (token id -> -100..100).
 - completions `echo`: the prompt text starts each choice's text; with `logprobs`, the prompt
   tokens' log-probs come first (the first token's is null), computed in the same prefill.
+- `usage.prompt_tokens_details.cached_tokens` on every response and final usage chunk: the prompt
+  tokens whose KV came from a prefix cache (docs/architecture/gateway.md says which attempt of a
+  retried, migrated or split request counts).
 - Blitzmesh's per-request SLOs: `ttft_slo_s` and `tpot_slo_s` (positive seconds; unset ones take
   the deployment's defaults). With an SLO, `usage.slo` reports whether each was met; a request no
   instance can serve within its objective gets a 429 with `Retry-After`.
@@ -423,10 +426,13 @@ def _message_text(i: int, content: Any) -> str:
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
+    """`usage`, with `prompt_tokens_details.cached_tokens` always present (0 when nothing was
+    cached), as OpenAI sends it: AIPerf and GuideLLM count prefix-cache hits from it."""
     out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
     if usage.slo is not None:
         out["slo"] = slo_json(usage.slo)

@@ -24,26 +24,35 @@ __all__ = ["Bad", "HandedOff", "Moved", "Reply", "Tokens", "classify"]
 class Tokens:
     """New tokens (maybe none). `finished`: the message ends the worker's stream, with its
     `finish_reason` (None when it sent FINISH_REASON_UNSPECIFIED) and its own counts of the prompt
-    and completion tokens (0 when it sent none)."""
+    and completion tokens (0 when it sent none). `cached_tokens`: the prompt tokens the instance's
+    prefix cache held when it prefilled the prompt; None when it did not prefill it (its KV was
+    pulled) or did not say."""
 
     ids: tuple[int, ...]
     finished: bool = False
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | None = None
 
-    def finish(self, matched: bool, generated: int, prompt_tokens: int) -> tuple[str, Usage] | None:
+    def finish(
+        self, matched: bool, generated: int, prompt_tokens: int, cached_tokens: int = 0
+    ) -> tuple[str, Usage] | None:
         """How the choice ends with this message, given whether a stop string `matched` in its
-        text and the tokens `generated` so far (these included): (finish reason, usage), or None
-        while it goes on. A stop string is a "stop"; the worker's own end is its reason ("stop" on
-        an EOS or token-level stop, else "length"). The usage takes the worker's counts when it
-        finished (they cover every instance the choice ran on), never fewer tokens than streamed."""
+        text, the tokens `generated` so far (these included) and the prompt tokens that came from
+        a prefix cache the last time an instance prefilled it (`cached_tokens`, the stream's
+        count): (finish reason, usage), or None while it goes on. A stop string is a "stop"; the
+        worker's own end is its reason ("stop" on an EOS or token-level stop, else "length"). The
+        usage takes the worker's counts when it finished (they cover every instance the choice
+        ran on), never fewer tokens than streamed, and never more cached tokens than prompt."""
         if not (matched or self.finished):
             return None
         reason = FINISH_STOP if matched or self.finish_reason == "stop" else FINISH_LENGTH
+        prompt = self.prompt_tokens if self.finished and self.prompt_tokens else prompt_tokens
         return reason, Usage(
-            prompt_tokens=self.prompt_tokens if self.finished and self.prompt_tokens else prompt_tokens,
+            prompt_tokens=prompt,
             completion_tokens=max(generated, self.completion_tokens if self.finished else 0),
+            cached_tokens=min(cached_tokens, prompt),
         )
 
 
@@ -104,6 +113,7 @@ def classify(msg: worker_pb2.WorkerGenerateResponse, *, handoff: bool, resumed: 
     if reason == "abort":
         return Bad(grpc.StatusCode.ABORTED, "the instance aborted the request (drained or stopped)")
     ids = tuple(msg.token_ids)
+    cached = msg.cached_tokens if msg.HasField("cached_tokens") else None
     if handed_off:
-        return HandedOff(ids, kv=msg.kv_handoff)
-    return Tokens(ids, finished, reason, msg.prompt_tokens, msg.completion_tokens)
+        return HandedOff(ids, cached_tokens=cached, kv=msg.kv_handoff)
+    return Tokens(ids, finished, reason, msg.prompt_tokens, msg.completion_tokens, cached)

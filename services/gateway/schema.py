@@ -77,6 +77,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     slo: SLOAttainment | None = None  # set when the request had an SLO
+    # Of prompt_tokens, those whose KV came from a prefix cache (the last time the prompt was
+    # prefilled for this answer; docs/architecture/gateway.md, "Cached prompt tokens").
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -84,12 +87,14 @@ class Usage:
 
 
 def total_usage(usages: Sequence[Usage]) -> Usage:
-    """The usage of a request with n choices: the prompt once, every choice's completion tokens,
-    and the worst choice's SLO attainment."""
+    """The usage of a request with n choices: the prompt once (its tokens, and those of them
+    cached, the largest over the choices), every choice's completion tokens, and the worst
+    choice's SLO attainment."""
     return Usage(
         max((u.prompt_tokens for u in usages), default=0),
         sum(u.completion_tokens for u in usages),
         combine_attainment([u.slo for u in usages if u.slo is not None]),
+        max((u.cached_tokens for u in usages), default=0),
     )
 
 
@@ -160,7 +165,8 @@ class TokenDelta:
     a choice's first delta carries `prompt_logprobs` when asked for, and the echoed prompt at
     the start of its `text`. `completion_tokens` counts the choice's tokens generated so far,
     these included (also those whose text is still held back, on every instance it ran on);
-    `prompt_tokens` is its prompt's length (streamed usage, continuous_usage_stats)."""
+    `prompt_tokens` is its prompt's length and `cached_tokens` how many of those came from a
+    prefix cache, as known so far (streamed usage, continuous_usage_stats)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -170,6 +176,7 @@ class TokenDelta:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -595,6 +595,7 @@ def event_to_proto(ev: EspEvent, params: SamplingParams) -> worker_pb2.WorkerGen
         token_ids=[ev.token] if ev.token is not None else [],
         prompt_tokens=ev.prompt_tokens,
         completion_tokens=ev.completion_tokens,
+        cached_tokens=0,  # an ESP group computes the whole prompt: it has no prefix cache
     )
     if params.logprobs is not None and ev.token is not None and ev.logprob is not None:
         msg.logprobs.append(token_logprob_to_proto(ev.token, ev.logprob, ev.top_logprobs))

@@ -383,6 +383,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     msg.logprobs.append(token_logprob_to_proto(ev.token_id, ev.logprob, ev.top_logprobs))
                 if ev.finish_reason is not None:
                     msg.finish_reason = finish_reason_to_proto(ev.finish_reason)
+                if ev.cached_tokens is not None:
+                    msg.cached_tokens = ev.cached_tokens
                 if ev.zigzag_layers is not None:
                     # Relayed to its partner (which pulls the parked KV through the relay's offer).
                     msg.zigzag_layers = ev.zigzag_layers

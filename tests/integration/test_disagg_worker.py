@@ -77,6 +77,9 @@ async def split(
             request(rid, prompt, resume_token_ids=list(head[0].token_ids), decode_from_kv=desc), timeout=30
         )
     ]
+    # The prefill side prefilled the prompt and reports its prefix-cache hits; the decode side
+    # pulled the KV and reports none (the gateway keeps the prefill side's count).
+    assert head[0].HasField("cached_tokens") and not any(m.HasField("cached_tokens") for m in rest)
     return [*head[0].token_ids, *(t for m in rest for t in m.token_ids)], rest[-1]
 
 

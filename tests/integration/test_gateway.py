@@ -82,6 +82,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.release = False  # release the request before its first token, as rebalancing does
         self.gate: asyncio.Event | None = None  # hold the first token until set
         self.delay_s = 0.0
+        # Sent on every message of a request it prefills, as a real worker reports its prefix-cache
+        # hits; a request whose KV it pulls (decode_from_kv) gets none, as from a real worker.
+        self.cached_tokens: int | None = None
         self.requests: list[worker_pb2.WorkerGenerateRequest] = []
         self.started = asyncio.Event()
         self.cancelled = asyncio.Event()
@@ -130,6 +133,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     prompt_tokens=len(request.prompt_token_ids),
                     completion_tokens=i + 1,
                 )
+                if self.cached_tokens is not None and request.WhichOneof("mode") != "decode_from_kv":
+                    msg.cached_tokens = self.cached_tokens
                 if request.WhichOneof("mode") in ("prefill_handoff", "zigzag_partner_handoff") and i < n - 1:
                     # A prefill instance: the first token, then the prompt's KV is offered.
                     msg.kv_handoff.CopyFrom(handoff_descriptor(self.instance_id, request))
@@ -394,6 +399,16 @@ def chat_prompt_tokens(cluster: Cluster, content: str = "Say hi") -> int:
     return len(cluster.tokenizer.encode_chat([{"role": "user", "content": content}]))
 
 
+def usage_body(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """An OpenAI `usage` object as the gateway sends it."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
 # ---- the OpenAI HTTP API -----------------------------------------------------------------------
 
 
@@ -535,10 +550,10 @@ async def test_guidellm_chat_stream_carries_usage_on_every_chunk(cluster: Cluste
     role, *content, finish, final = (await sse_events(gw.http + "/v1/chat/completions", body))[:-1]
     prompt = chat_prompt_tokens(cluster)
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert role["usage"] == {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+    assert role["usage"] == usage_body(prompt, 0)
     check_usage_so_far(cluster, content, prompt, lambda choice: choice["delta"]["content"])
     assert finish["choices"][0]["finish_reason"] == "length"
-    assert finish["usage"] == {"prompt_tokens": prompt, "completion_tokens": 12, "total_tokens": prompt + 12}
+    assert finish["usage"] == usage_body(prompt, 12)
     assert final["choices"] == [] and final["usage"] == finish["usage"]  # the final usage matches
     sampling = worker.requests[0].sampling
     assert sampling.ignore_eos and sampling.max_tokens == 12 and not sampling.stop
@@ -564,7 +579,7 @@ async def test_guidellm_completions_usage_keeps_growing_across_a_migration(clust
     assert list(other.requests[0].resume_token_ids) == cluster.reply_ids[:4]  # it did move
     n = len(cluster.reply_ids)
     assert finish["usage"]["completion_tokens"] == final["usage"]["completion_tokens"] == n
-    assert final["usage"] == {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+    assert final["usage"] == usage_body(prompt, n)
 
 
 async def test_continuous_usage_of_n_choices_is_per_choice(cluster: Cluster, start_gateway) -> None:
@@ -579,7 +594,7 @@ async def test_continuous_usage_of_n_choices_is_per_choice(cluster: Cluster, sta
         check_usage_so_far(cluster, mine[1:-1], prompt, lambda choice: choice["delta"]["content"])
         assert mine[-1]["choices"][0]["finish_reason"] == "length" and mine[-1]["usage"]["completion_tokens"] == 6
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": prompt, "completion_tokens": 12, "total_tokens": prompt + 12}
+    assert chunks[-1]["usage"] == usage_body(prompt, 12)
 
 
 async def test_vllm_bench_serve_bodies_are_served(cluster: Cluster, start_gateway) -> None:
@@ -613,7 +628,7 @@ async def test_vllm_bench_serve_bodies_are_served(cluster: Cluster, start_gatewa
     ):
         chunks = (await sse_events(gw.http + path, body))[:-1]
         assert all(c["usage"] is None for c in chunks[:-1])  # no continuous_usage_stats asked
-        assert chunks[-1]["usage"] == {"prompt_tokens": prompt, "completion_tokens": 7, "total_tokens": prompt + 7}
+        assert chunks[-1]["usage"] == usage_body(prompt, 7)
     assert [list(r.prompt_token_ids) for r in worker.requests][0] == prompt_ids
     assert all(r.sampling.ignore_eos and r.sampling.max_tokens == 7 for r in worker.requests)
 
@@ -1350,6 +1365,44 @@ async def test_a_live_migrated_stream_resumes_elsewhere_with_its_kv(cluster: Clu
     assert list(cluster.gm.schedules[-1].exclude_instance_ids) == ["w0"]
     metrics = await fetch_text(f"{gw.http}/metrics")
     assert 'blitzmesh_gateway_moves_total{reason="live_migration"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("path", "cached"),
+    [
+        ("prefill_decode", 4),  # the decode side pulls the KV and reports none: the prefill's count
+        ("live_migration", 4),  # the next instance pulls the KV: the first instance's count
+        ("retried", 2),  # the next instance prefills prompt + tokens so far again: its own count
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_cached_tokens_are_those_of_the_last_prefill(
+    cluster: Cluster, start_gateway, path: str, cached: int, stream: bool
+) -> None:
+    """usage.prompt_tokens_details.cached_tokens is what the last instance that prefilled the
+    prompt reported: an instance that pulled the KV (P/D decode, live migration) changes nothing;
+    one that computed it again (a retry elsewhere) counts anew."""
+    if path == "prefill_decode":
+        (first, (second,)) = await pd_cluster(cluster)
+    else:
+        first, second = await cluster.add_worker("w0"), await cluster.add_worker("w1")
+        if path == "live_migration":
+            first.migrate_after = 3
+        else:
+            first.die_after = 3
+    first.cached_tokens, second.cached_tokens = 4, 2
+    gw = await start_gateway()
+    body = chat_body(max_tokens=64)
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+        *_, final = (await sse_events(f"{gw.http}/v1/chat/completions", body))[:-1]
+        usage = final["usage"]
+    else:
+        status, reply = await post(f"{gw.http}/v1/chat/completions", body)
+        assert status == 200, reply
+        usage = reply["usage"]
+    assert second.requests  # the request did reach the second instance
+    assert usage == usage_body(chat_prompt_tokens(cluster), len(cluster.reply_ids), cached)
 
 
 async def test_a_zigzag_route_in_a_split_deployment_runs_three_hops_as_one_stream(

@@ -3,8 +3,9 @@
 synthetic model, weights from a real parameter manager).
 
 Covers log-probs (chat and completions, streamed and not), n > 1 with seeds (reproducible, choice 0
-equal to n=1), echo with prompt log-probs, the penalties and logit_bias (accepted and acting), and
-bad values refused with a 400 that quotes them.
+equal to n=1), echo with prompt log-probs, the penalties and logit_bias (accepted and acting), bad
+values refused with a 400 that quotes them, and the prompt tokens served from the worker's prefix
+cache (usage.prompt_tokens_details.cached_tokens, and the SDK's usage.cached_tokens).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import openai
 import pytest
 
 import blitzmesh
+from blitzmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.common.grpc_util import channel
 from services.model_format.tokenizer import Tokenizer
 from tests.integration.mini_mesh import mini_mesh
 
@@ -35,12 +38,13 @@ class Mesh:
     http: str
     grpc_address: str
     tokenizer: Tokenizer
+    worker_address: str
 
 
 @pytest.fixture
 async def mesh(tiny_models: Path, serve_in_process: ServeFactory) -> AsyncIterator[Mesh]:
     async with mini_mesh(tiny_models, serve_in_process) as m:
-        yield Mesh(m.http, m.grpc_address, Tokenizer(tiny_models / MODEL))
+        yield Mesh(m.http, m.grpc_address, Tokenizer(tiny_models / MODEL), m.worker_address)
 
 
 @contextlib.asynccontextmanager
@@ -205,6 +209,61 @@ async def test_benchmark_usage_stream_and_min_tokens_on_a_real_worker(mesh: Mesh
     # The finish chunk and the final usage chunk: exactly max_tokens, min_tokens held.
     assert chunks[-2].choices[0].finish_reason == "length" and counts[-2:] == [10, 10]
     assert chunks[-1].choices == [] and usages[-1] and usages[-1].prompt_tokens == prompt
+
+
+# Longer than a few KV blocks of 16 tokens (181 tokens as a prompt, 198 as a chat).
+LONG_PROMPT = "The prefix cache keeps the KV blocks of a long shared prompt so a repeat skips them. " * 4
+
+
+async def prefix_hit_tokens(mesh: Mesh) -> int:
+    """The worker engine's own count of prompt tokens served from its prefix cache, so far."""
+    async with channel(mesh.worker_address) as ch:
+        info = await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+    return info.load.prefix_hit_tokens
+
+
+async def cached_tokens_of_one_request(mesh: Mesh, api: str, stream: bool) -> tuple[int, int]:
+    """LONG_PROMPT sent once through `api`: (prompt_tokens, cached_tokens) as the client parsed them."""
+    usage: Any
+    if api == "sdk":
+        async with blitzmesh.AsyncClient(mesh.grpc_address, timeout_s=60) as sdk:
+            if stream:
+                chunks = [c async for c in sdk.generate(LONG_PROMPT, model=MODEL, max_tokens=4, temperature=0)]
+                usage = chunks[-1].usage
+            else:
+                usage = (await sdk.complete(LONG_PROMPT, model=MODEL, max_tokens=4, temperature=0)).usage
+        return usage.prompt_tokens, usage.cached_tokens
+    options: Any = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    async with openai_client(mesh) as client:
+        if api == "completions":
+            reply: Any = await client.completions.create(
+                model=MODEL, prompt=LONG_PROMPT, max_tokens=4, temperature=0, **options
+            )
+        else:
+            reply = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=4, temperature=0, **options
+            )
+        if stream:
+            chunks = [c async for c in reply]
+            assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+            reply = chunks[-1]
+    usage = reply.usage
+    return usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", ["completions", "chat", "sdk"])
+async def test_a_repeated_prompt_reports_its_cached_tokens(mesh: Mesh, api: str, stream: bool) -> None:
+    """The same long prompt twice: nothing cached the first time; the second time, the prompt
+    tokens the worker's engine counted as prefix-cache hits for it (its prefix_hit_tokens delta):
+    every full block short of the last token. As parsed by the `openai` client (HTTP) and by the
+    SDK (the gateway's gRPC API)."""
+    hits_before = await prefix_hit_tokens(mesh)
+    prompt, cached = await cached_tokens_of_one_request(mesh, api, stream)
+    assert prompt >= 4 * 16 and cached == 0 and await prefix_hit_tokens(mesh) == hits_before
+    again, cached = await cached_tokens_of_one_request(mesh, api, stream)
+    hits = await prefix_hit_tokens(mesh) - hits_before
+    assert again == prompt and cached == hits == (prompt - 1) // 16 * 16, (prompt, cached, hits)
 
 
 @pytest.mark.parametrize(

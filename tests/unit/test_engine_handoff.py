@@ -76,6 +76,9 @@ async def test_a_handed_off_request_gives_the_tokens_of_a_whole_run(model: Llama
         assert [head.token_id] + [e.token_id for e in rest] == [e.token_id for e in whole_events]
         assert [e.completion_tokens for e in rest] == list(range(2, params.max_tokens + 1))
         assert rest[-1].finish_reason == "length"
+        # The prefill side prefilled the prompt and says so (0 cached); the decode side pulled its
+        # KV and says nothing, so the gateway keeps the prefill side's count.
+        assert head.cached_tokens == 0 and {e.cached_tokens for e in rest} == {None}
 
 
 async def test_a_failed_fill_recomputes_the_prompt(model: LlamaForCausalLM) -> None:
@@ -92,6 +95,7 @@ async def test_a_failed_fill_recomputes_the_prompt(model: LlamaForCausalLM) -> N
         assert [e.token_id for e in events] == expected[1:]
         assert decode.kv_fills == {"pulled": 0, "recomputed": 1}
         assert decode.kv_cache.used_blocks == 0
+        assert {e.cached_tokens for e in events} == {0}  # prefilled here after all, from nothing cached
 
 
 async def test_parked_kv_stays_until_released_and_frees_the_request_id(model: LlamaForCausalLM) -> None:

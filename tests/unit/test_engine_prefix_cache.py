@@ -79,6 +79,8 @@ async def test_a_hit_streams_what_a_cold_run_streams(model: LlamaForCausalLM) ->
         again = await run(engine, "b", prompt)
         s = engine.stats()
         assert (s.prefix_hit_tokens, s.prefix_query_tokens) == (32, 80)
+        # Each event tells the request's own hit: what usage.prompt_tokens_details reports.
+        assert {e.cached_tokens for e in first} == {0} and {e.cached_tokens for e in again} == {32}
         # Only the 8 tokens after the cached blocks were computed for the second prompt.
         assert engine.step_log[-len(again)].work == (("b", 8),)
         assert_no_leak(engine)
@@ -109,8 +111,18 @@ async def test_generated_tokens_are_cached_for_the_next_turn(model: LlamaForCaus
         turn2 = [*turn1, *out, *prompt_of(9, 4)[1:]]  # type: ignore[list-item]
         got = await run(engine, "t2", turn2, params)
         assert engine.stats().prefix_hit_tokens == 48
+        assert got[-1].cached_tokens == 48
+        # Resumed after 29 tokens (a migration): 48 tokens matched, but its prompt has only 20.
+        resumed = await run_resumed(engine, "t1-again", turn1, params, out[:29])  # type: ignore[arg-type]
+        assert engine.stats().prefix_hit_tokens == 96 and resumed[-1].cached_tokens == 20
         assert_no_leak(engine)
     assert_same_stream(got, await cold(model, turn2, params))
+
+
+async def run_resumed(
+    engine: Engine, request_id: str, prompt: Sequence[int], params: SamplingParams, resumed: list[int]
+) -> list[TokenEvent]:
+    return [ev async for ev in engine.generate(request_id, list(prompt), params, resumed)]
 
 
 async def test_concurrent_identical_prompts_and_a_small_pool_that_evicts(model: LlamaForCausalLM) -> None:
@@ -154,6 +166,7 @@ async def test_prompt_logprobs_compute_the_whole_prompt(model: LlamaForCausalLM)
         # Not looked up (its prompt's log-probs need every position computed).
         assert engine.stats().prefix_query_tokens == 40
         assert engine.step_log[-len(got)].work == (("p", 40),)
+        assert {e.cached_tokens for e in got} == {0}
         assert_no_leak(engine)
     want = await cold(model, prompt, with_prompt)
     assert [e.token_id for e in got] == [e.token_id for e in want]
@@ -166,7 +179,7 @@ async def test_a_hand_off_parks_shared_blocks_and_gives_them_back(model: LlamaFo
     async with make_engine(model) as engine:
         await run(engine, "warm", prompt)
         (head,) = [ev async for ev in engine.generate("h", prompt, PARAMS, handoff=True)]
-        assert head.parked_kv is not None and head.kv_tokens == 40
+        assert head.parked_kv is not None and head.kv_tokens == 40 and head.cached_tokens == 32
         table = engine.kv_cache.block_table(head.parked_kv)
         assert [engine.kv_cache.ref_count(b) for b in table] == [1, 1, 1]
         assert engine.kv_cache.block_hash(table[0]) is not None  # a cached block, parked
@@ -182,9 +195,9 @@ async def test_caching_off_computes_everything(model: LlamaForCausalLM) -> None:
     prompt = prompt_of(40, 7)
     async with make_engine(model, enable_prefix_caching=False) as engine:
         await run(engine, "a", prompt)
-        await run(engine, "b", prompt)
+        b = await run(engine, "b", prompt)
         s = engine.stats()
-        assert (s.prefix_hit_tokens, s.prefix_query_tokens) == (0, 0)
+        assert (s.prefix_hit_tokens, s.prefix_query_tokens) == (0, 0) and {e.cached_tokens for e in b} == {0}
         assert engine.kv_cache.cached_blocks == 0
         assert_no_leak(engine)
 

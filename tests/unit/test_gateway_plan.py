@@ -128,6 +128,15 @@ def test_tokens_and_a_finish_are_tokens() -> None:
     assert done == Tokens((7,), True, "length", 3, 9)
 
 
+def test_cached_tokens_are_read_only_when_the_worker_sent_them() -> None:
+    """Unset (a worker that pulled the prompt's KV, or an older one) reads as None, not 0: the
+    stream keeps the count of the instance that prefilled the prompt."""
+    assert classify(msg(5), handoff=False, resumed=False).cached_tokens is None  # type: ignore[union-attr]
+    assert classify(msg(5, cached_tokens=0), handoff=False, resumed=False) == Tokens((5,), cached_tokens=0)
+    handed = classify(msg(11, kv=True, cached_tokens=32), handoff=True, resumed=False)
+    assert isinstance(handed, HandedOff) and handed.cached_tokens == 32
+
+
 def test_an_unspecified_finish_reason_still_ends_the_stream() -> None:
     reply = classify(msg(finish=common_pb2.FINISH_REASON_UNSPECIFIED), handoff=False, resumed=False)
     assert isinstance(reply, Tokens) and reply.finished and reply.finish_reason is None
@@ -180,6 +189,19 @@ def test_an_abort_and_an_unknown_finish_reason_end_the_attempt() -> None:
 )
 def test_how_a_message_ends_the_choice(reply: Tokens, matched: bool, expected: tuple[str, Usage] | None) -> None:
     assert reply.finish(matched, generated=6, prompt_tokens=4) == expected
+
+
+@pytest.mark.parametrize(
+    ("reply", "cached", "expected"),
+    [
+        (Tokens((1,), True, "length", 5, 8), 3, 3),  # the stream's count
+        (Tokens((1,), True, "length", 5, 8), 9, 5),  # never more than the prompt
+        (Tokens((1,), True, "length", 0, 0), 9, 4),  # ... the gateway's count when the worker sent none
+    ],
+)
+def test_the_usage_of_a_finish_carries_the_streams_cached_tokens(reply: Tokens, cached: int, expected: int) -> None:
+    ending = reply.finish(False, generated=6, prompt_tokens=4, cached_tokens=cached)
+    assert ending is not None and ending[1].cached_tokens == expected
 
 
 # ---- TextAssembler --------------------------------------------------------------------------------

@@ -395,9 +395,22 @@ def test_min_tokens_is_honoured_through_ignore_eos() -> None:
 
 def test_streamed_chunk_carries_usage_so_far_when_given() -> None:
     chunk = stream_chunk(
-        "chat", "c", MODEL, 1, text="a", finish_reason=None, include_usage=True, index=1, usage=Usage(7, 3)
+        "chat",
+        "c",
+        MODEL,
+        1,
+        text="a",
+        finish_reason=None,
+        include_usage=True,
+        index=1,
+        usage=Usage(7, 3, cached_tokens=2),
     )
-    assert chunk["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert chunk["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     assert "usage" not in stream_chunk("chat", "c", MODEL, 1, text="a", finish_reason=None, include_usage=False)
 
 
@@ -561,7 +574,12 @@ def test_response_objects_follow_openai() -> None:
     assert done["object"] == "chat.completion"
     assert done["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
     assert done["choices"][0]["logprobs"] is None
-    assert done["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert done["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     chunk = stream_chunk("completion", "cmpl-1", MODEL, 1, text="a", finish_reason=None, include_usage=True)
     assert chunk["choices"][0]["text"] == "a" and chunk["usage"] is None
     last = usage_chunk("completion", "cmpl-1", MODEL, 1, usage)
@@ -602,8 +620,9 @@ def test_logprobs_objects_follow_openai() -> None:
 
 
 def test_n_choices_usage_counts_the_prompt_once() -> None:
-    total = total_usage([Usage(7, 3), Usage(7, 5), Usage(7, 1)])
+    total = total_usage([Usage(7, 3, cached_tokens=4), Usage(7, 5), Usage(7, 1, cached_tokens=5)])
     assert (total.prompt_tokens, total.completion_tokens, total.total_tokens) == (7, 9, 16)
+    assert total.cached_tokens == 5  # the prompt once: the largest count over the choices
     body = full_response(
         "completion",
         "cmpl-n",

@@ -54,7 +54,7 @@ LOGPROBS = (
     TokenLogprob(4, -1.5, ()),
 )
 PROMPT_LOGPROBS = (TokenLogprob(1, None), TokenLogprob(99, -7.75, (TopLogprob(5, -0.125),)))
-USAGE = Usage(prompt_tokens=11, completion_tokens=5, total_tokens=16)
+USAGE = Usage(prompt_tokens=11, completion_tokens=5, total_tokens=16, cached_tokens=7)
 LOAD = LoadReport(
     decode_tps=2500.5,
     prefill_tps=9000.25,

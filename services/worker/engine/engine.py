@@ -1169,8 +1169,13 @@ class Engine:
                 seq.num_computed = bs * len(prefix)
                 self._prefix_hit_tokens += seq.num_computed
                 self._prefix_query_tokens += seq.prefill_len
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt))
         fills: list[EngineRequest] = []
         for seq in later:
+            if seq.mode is not RequestMode.DECODE_FROM_KV:
+                # ZigZag computes every layer of the prompt without the prefix cache, here or on
+                # the loading instance; a pulled fill's KV was counted where it was computed.
+                seq.cached_tokens = 0
             if seq.fill is not None:
                 # Its blocks are taken now, between steps: blocks freed while a step computes
                 # (an abort) may still be written by that step, and must not receive KV.
@@ -1420,6 +1425,7 @@ class Engine:
             self.kv_cache.free(seq.request_id)
             self.kv_cache.allocate(seq.request_id, 0)
             seq.num_computed = 0
+            seq.cached_tokens = 0
             if relay:
                 self.zigzag["recomputed"] += 1
             else:
@@ -1446,10 +1452,32 @@ class Engine:
             kv_tokens = seq.num_computed
             parked = self._park(seq, RequestStatus.FINISHED_HANDED_OFF)
             seq.queue.put_nowait(
-                TokenEvent(token, None, len(seq.prompt), len(seq.output), logprob, top, prompt_lps, parked, kv_tokens)
+                TokenEvent(
+                    token,
+                    None,
+                    len(seq.prompt),
+                    len(seq.output),
+                    logprob,
+                    top,
+                    prompt_lps,
+                    parked,
+                    kv_tokens,
+                    cached_tokens=seq.cached_tokens,
+                )
             )
             return
-        seq.queue.put_nowait(TokenEvent(token, reason, len(seq.prompt), len(seq.output), logprob, top, prompt_lps))
+        seq.queue.put_nowait(
+            TokenEvent(
+                token,
+                reason,
+                len(seq.prompt),
+                len(seq.output),
+                logprob,
+                top,
+                prompt_lps,
+                cached_tokens=seq.cached_tokens,
+            )
+        )
         if reason is not None:
             self._policy.finished(seq)
             self._finish(seq, reason, notify=False)

@@ -90,6 +90,8 @@ class TokenEvent:
     the token's log-prob under the model's raw distribution; `top_logprobs` holds the
     `params.logprobs` most likely tokens at its position, and the first event carries
     `prompt_logprobs` (one per prompt token) when `params.prompt_logprobs` is set.
+    `cached_tokens`: of the prompt's tokens, those the prefix cache held when the prompt was last
+    prefilled here (`EngineRequest.cached_tokens`); None while its KV came from elsewhere.
     """
 
     token_id: int | None
@@ -106,3 +108,4 @@ class TokenEvent:
     # A ZigZag request's last event on the loading instance: the layers that ran here before
     # its partner took it over (see `Engine.relay`); no token.
     zigzag_layers: int | None = None
+    cached_tokens: int | None = None

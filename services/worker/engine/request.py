@@ -167,6 +167,11 @@ class EngineRequest:
     prefix_register: bool = False
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its first full blocks
     num_registered: int = 0  # blocks of its table offered to the prefix cache so far
+    # Of its prompt's tokens, those whose KV the prefix cache held when its prompt was last
+    # prefilled here (re-admitted after a recompute pause: that admission's; a resumed request's
+    # match may reach into its output, which does not count). None while the prompt's KV came
+    # from elsewhere: a pulled KV fill (the instance that computed it counted it).
+    cached_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
