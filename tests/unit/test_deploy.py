@@ -233,10 +233,14 @@ def test_stack_command_parses_and_is_placed_by_node_label(name: str) -> None:
         cls, service = CONFIGS[module]
         cfg = load_config(cls, service, args, env={})
         assert cfg.host == "0.0.0.0" and str(cfg.tls_dir) == "/tls"
-        # Its own role's key and no other, from the swarm's secrets.
+        # Its own role's key and no other, from the swarm's secrets; a worker its own instance's.
         targets = {s["target"] for s in svc["secrets"]}
-        role = next(r for r in roles.ALL_ROLES if f"/tls/{r}.key" in targets)
-        assert {t for t in targets if t.endswith(".key") and t != "/tls/dataplane.key"} == {f"/tls/{role}.key"}
+        own = (
+            f"worker/{cfg.instance_id}"
+            if module == "services.worker"
+            else next(r for r in roles.ALL_ROLES if f"/tls/{r}.key" in targets)
+        )
+        assert {t for t in targets if t.endswith(".key") and t != "/tls/dataplane.key"} == {f"/tls/{own}.key"}
         assert svc["deploy"]["restart_policy"]["condition"] == "any"
     [constraint] = svc["deploy"]["placement"]["constraints"]
     expected = "blitzmesh.worker" if module == "services.worker" else None
