@@ -14,7 +14,12 @@ from tests.unit.test_gm_control_loop import MODEL, Aborted, Context, Mesh, start
 
 async def _cluster(mesh: Mesh) -> tuple[Any, ...]:
     c = await mesh.gm.GetCluster(admin_pb2.GetClusterRequest(), Context())
-    return c.policy, c.advisory, dict(c.policy_params), sorted((i.instance_id, i.state, i.model_id) for i in c.instances)
+    return (
+        c.policy,
+        c.advisory,
+        dict(c.policy_params),
+        sorted((i.instance_id, i.state, i.model_id) for i in c.instances),
+    )
 
 
 @pytest.mark.parametrize(
