@@ -13,23 +13,26 @@ Layout of the directory (docs/security.md):
     <role>/<id>.pem .key  one certificate per instance of a per-instance role (workers, host
                           caches): CN and SAN DNS name = the role, as above, and a SAN URI
                           spiffe://blitzmesh/<role>/<id> naming the instance (`spiffe_id`)
+    own/tls.crt tls.key ca.crt  the same, for an instance whose certificate a per-pod issuer
+                          writes under fixed names (cert-manager's csi-driver; docs/deploy.md)
     dataplane.key         the data plane's shared secret (services/dataplane/auth.py)
 
-Usage: python -m services.common.pki DIR [--ca-key PATH] [--instance ROLE/ID ...] [--days N]
+Usage: python -m services.common.pki DIR [--ca-key PATH] [--instance ROLE/ID ...] [--days N] [--k8s-secret NAME]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import secrets
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from services.common.roles import ALL_ROLES, INSTANCE_ROLES
+from services.common.roles import ADMIN, ALL_ROLES, INSTANCE_ROLES
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
@@ -39,6 +42,11 @@ CA_DAYS = 3650
 # A leaf certificate's lifetime; ensure_pki issues a new one once less than a third of it is left.
 LEAF_DAYS = 30
 TRUST_DOMAIN = "blitzmesh"
+# A per-pod issuer (cert-manager's csi-driver) cannot put the instance id into a file name: it
+# writes the pod's certificate, key and CA under these fixed names, and the certificate's SAN URI
+# says whose it is (load_identity checks that it names the instance).
+OWN_DIR = "own"
+OWN_CERT, OWN_KEY, OWN_CA = "tls.crt", "tls.key", "ca.crt"
 
 
 def spiffe_id(role: str, instance: str) -> str:
@@ -71,6 +79,38 @@ def cert_path(tls_dir: Path, role: str, instance: str | None = None) -> Path:
 
 def key_path(tls_dir: Path, role: str, instance: str | None = None) -> Path:
     return tls_dir / f"{role}.key" if instance is None else tls_dir / role / f"{instance}.key"
+
+
+def instance_files(
+    tls_dir: Path, role: str, instance: str, *, exists: Callable[[Path], bool] = Path.exists
+) -> tuple[Path, Path, Path]:
+    """(CA, certificate, key) an instance presents: its own files `<role>/<id>.pem|.key` beside
+    the CA, or, where only a per-pod issuer's `own/` directory is there, that directory's.
+    (`exists`: services/mesh/chart.py asks of a pod's rendered volumes instead of the disk.)"""
+    named = (tls_dir / CA_CERT, cert_path(tls_dir, role, instance), key_path(tls_dir, role, instance))
+    own = tls_dir / OWN_DIR
+    if exists(named[1]) or not exists(own / OWN_CERT):
+        return named
+    return own / OWN_CA, own / OWN_CERT, own / OWN_KEY
+
+
+def secret_key(role: str, instance: str, suffix: str) -> str:
+    """The key of `<role>/<id><suffix>` in a Kubernetes Secret, whose keys hold no '/':
+    `<role>.<id><suffix>` (the Helm chart's Secret mode, docs/deploy.md)."""
+    return f"{role}.{instance}{suffix}"
+
+
+def named_instances(cert_pem: bytes) -> list[tuple[str, str]]:
+    """(role, instance) of every `spiffe_id` SAN URI of a PEM certificate."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    named = (parse_spiffe_id(uri) for uri in san.get_values_for_type(x509.UniformResourceIdentifier))
+    return [n for n in named if n is not None]
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -232,6 +272,30 @@ def issue_from(
     return issue(ca_cert, key, name, instance=instance, days=days)
 
 
+def secret_manifest(tls_dir: Path, name: str, *, ca_key: Path | None = None) -> dict[str, Any]:
+    """A Kubernetes Secret `name` holding what the Helm chart's Secret mode mounts from `tls_dir`:
+    ca.pem, dataplane.key, the certificate and key of each role a pod runs as one of (not the
+    per-instance roles' shared ones, not the admin's), each instance's `<role>/<id>.pem` and
+    `.key` under `secret_key`. Never a private key of the CA."""
+    import base64
+
+    wanted = {CA_CERT, DATAPLANE_KEY} | {
+        p.name
+        for role in ALL_ROLES
+        if role not in INSTANCE_ROLES and role != ADMIN
+        for p in (cert_path(tls_dir, role), key_path(tls_dir, role))
+    }
+    data: dict[str, str] = {}
+    for path in sorted(tls_dir.iterdir()):
+        if path.is_file() and path.name in wanted and (ca_key is None or path.resolve() != ca_key.resolve()):
+            data[path.name] = base64.b64encode(path.read_bytes()).decode()
+        elif path.is_dir() and path.name in INSTANCE_ROLES:
+            for f in sorted(path.iterdir()):
+                if f.suffix in (".pem", ".key"):
+                    data[secret_key(path.name, f.stem, f.suffix)] = base64.b64encode(f.read_bytes()).decode()
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "type": "Opaque", "data": data}
+
+
 def read_key(path: Path) -> bytes:
     """The data plane key in `path` (hex); SystemExit naming the file and how to make it."""
     try:
@@ -261,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"also a certificate for this instance, e.g. worker/worker-0 (roles {list(INSTANCE_ROLES)}); repeatable",
     )
     p.add_argument("--days", type=int, default=LEAF_DAYS, help="lifetime of the certificates issued (days)")
+    p.add_argument(
+        "--k8s-secret",
+        metavar="NAME",
+        default=None,
+        help="then print a Kubernetes Secret NAME (JSON, for kubectl apply -f -) holding DIR's files as the Helm "
+        "chart's tls.secretName wants them: <role>/<id>.pem as key <role>.<id>.pem; never the CA key",
+    )
     args = p.parse_args(argv)
     instances = []
     for spec in args.instance:
@@ -273,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     print(f"{args.tls_dir}: " + (f"made {', '.join(made)}" if made else "all present, nothing made"), file=sys.stderr)
+    if args.k8s_secret is not None:
+        print(json.dumps(secret_manifest(args.tls_dir, args.k8s_secret, ca_key=args.ca_key), indent=1))
     return 0
 
 

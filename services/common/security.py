@@ -66,8 +66,8 @@ class Identity:
 
 
 def load_identity(tls_dir: Path, role: str, instance: str | None = None) -> Identity:
-    """The identity of `role` (of one `instance` of it: its own certificate) from `tls_dir`;
-    SystemExit naming the missing file and how to make it."""
+    """The identity of `role` (of one `instance` of it: its own certificate, `pki.instance_files`,
+    which must name it) from `tls_dir`; SystemExit naming the missing file and how to make it."""
     if role not in ALL_ROLES:
         raise SystemExit(f"unknown workload role {role!r}; the roles are {list(ALL_ROLES)}")
     if instance is not None:
@@ -75,7 +75,10 @@ def load_identity(tls_dir: Path, role: str, instance: str | None = None) -> Iden
             pki.check_instance_id(role, instance)
         except ValueError as e:
             raise SystemExit(str(e)) from e
-    paths = [tls_dir / pki.CA_CERT, pki.cert_path(tls_dir, role, instance), pki.key_path(tls_dir, role, instance)]
+    if instance is None:
+        paths = [tls_dir / pki.CA_CERT, pki.cert_path(tls_dir, role), pki.key_path(tls_dir, role)]
+    else:
+        paths = list(pki.instance_files(tls_dir, role, instance))
     how = HOW_TO_CREATE if instance is None else HOW_TO_CREATE_INSTANCE
     whose = f"role {role!r}" + (f", instance {instance!r}" if instance is not None else "")
     data: list[bytes] = []
@@ -88,6 +91,17 @@ def load_identity(tls_dir: Path, role: str, instance: str | None = None) -> Iden
                 + how.format(dir=tls_dir, role=role, instance=instance)
                 + ", or pass --insecure for a plaintext development mesh"
             ) from e
+    if instance is not None:
+        # A certificate for another instance would be refused at registration; say so at start.
+        try:
+            named = pki.named_instances(data[1])
+        except ValueError as e:
+            raise SystemExit(f"TLS file {str(paths[1])!r} of {whose} is no PEM certificate ({e})") from e
+        if (role, instance) not in named:
+            raise SystemExit(
+                f"TLS file {str(paths[1])!r} names {[pki.spiffe_id(*n) for n in named]}, not this process's "
+                f"{pki.spiffe_id(role, instance)!r}; an instance presents its own certificate (docs/security.md)"
+            )
     return Identity(role, data[1], data[2], data[0], tls_dir, instance)
 
 

@@ -118,6 +118,53 @@ def test_missing_instance_certificate_says_how_to_make_it(tmp_path: Path) -> Non
     assert f"python -m services.common.pki {tmp_path} --instance worker/worker-7" in str(e.value)
 
 
+def test_an_instance_presents_a_per_pod_issuer_s_certificate_only_if_it_names_the_instance(tmp_path: Path) -> None:
+    """cert-manager's csi-driver writes a pod's certificate under fixed names (own/tls.crt, as
+    the Helm chart mounts it); a certificate for another instance fails at start, not at
+    registration."""
+    pki.ensure_pki(tmp_path, (roles.WORKER,))
+    own = tmp_path / pki.OWN_DIR
+    own.mkdir()
+    cert, key = pki.issue_from(tmp_path, roles.WORKER, instance="pod-3")
+    (own / pki.OWN_CERT).write_bytes(cert)
+    (own / pki.OWN_KEY).write_bytes(key)
+    (own / pki.OWN_CA).write_bytes((tmp_path / "ca.pem").read_bytes())
+    identity = load_identity(tmp_path, roles.WORKER, "pod-3")
+    assert identity.cert_pem == cert and identity.key_pem == key
+    with pytest.raises(SystemExit, match="names \\['spiffe://blitzmesh/worker/pod-3'\\], not this process's"):
+        load_identity(tmp_path, roles.WORKER, "pod-4")
+    # The file named for the instance wins over own/, and must name it too.
+    pki.ensure_pki(tmp_path, instances=[(roles.WORKER, "pod-4")])
+    assert load_identity(tmp_path, roles.WORKER, "pod-4").cert_pem == (tmp_path / "worker" / "pod-4.pem").read_bytes()
+    (tmp_path / "worker" / "pod-4.pem").write_bytes(cert)
+    with pytest.raises(SystemExit, match="not this process's 'spiffe://blitzmesh/worker/pod-4'"):
+        load_identity(tmp_path, roles.WORKER, "pod-4")
+
+
+def test_the_helm_secret_holds_each_instance_s_files_and_no_ca_key(tmp_path: Path) -> None:
+    import base64
+
+    pki.ensure_pki(tmp_path, instances=[(roles.WORKER, "blitzmesh-worker-0"), (roles.HOST_CACHE, "host-cache-1")])
+    secret = pki.secret_manifest(tmp_path, "blitzmesh-tls")
+    assert secret["metadata"] == {"name": "blitzmesh-tls"} and secret["kind"] == "Secret"
+    assert sorted(secret["data"]) == [
+        "ca.pem",
+        "dataplane.key",
+        "gateway.key",
+        "gateway.pem",
+        "global-manager.key",
+        "global-manager.pem",
+        "host-cache.host-cache-1.key",
+        "host-cache.host-cache-1.pem",
+        "param-manager.key",
+        "param-manager.pem",
+        "worker.blitzmesh-worker-0.key",
+        "worker.blitzmesh-worker-0.pem",
+    ]
+    key = pki.secret_key(roles.WORKER, "blitzmesh-worker-0", ".key")
+    assert base64.b64decode(secret["data"][key]) == (tmp_path / "worker" / "blitzmesh-worker-0.key").read_bytes()
+
+
 def test_missing_certificate_names_the_path_and_how_to_make_it(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
         load_identity(tmp_path, roles.WORKER)
