@@ -7,10 +7,12 @@ records the fuzz counts in bench/results/security.json. The callers:
 - `no-client-cert`: TLS that trusts the mesh's CA but presents no certificate;
 - `foreign-ca`: a certificate of the right role, from another CA;
 - `unknown-name`: a certificate of the mesh's CA naming no role;
-- `role:<r>`: the mesh's certificate of role r (services/common/roles.py says which may call what).
+- `role:<r>`: the mesh's certificate of role r (services/common/roles.py says which may call what);
+  for a worker or a host cache, one instance's own certificate (the first in the directory).
 
-Every call is bounded by a deadline: a unary call that runs into it is a hang; a server stream
-read to its deadline is a stream (Generate, LoadParameters, WatchEvents) that was still running.
+Every call is bounded by a deadline: a call that runs into it is a hang, except a watch stream
+(WatchEvents, health's Watch), which runs until its caller leaves and is read for
+`watch_timeout_s` only.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class Method:
     def path(self) -> str:
         return f"/{self.service}/{self.name}"
 
+    @property
+    def watch(self) -> bool:
+        """A stream that runs until its caller leaves: its deadline is not a hang."""
+        return self.server_streaming and self.name.startswith("Watch")
+
 
 @dataclass(frozen=True)
 class Target:
@@ -93,6 +100,8 @@ class Callers:
     tls_dir: Path | None  # None: a mesh started --insecure, where only `plaintext` means anything
     scratch: Path
     _creds: dict[str, grpc.ChannelCredentials | None] = field(default_factory=dict)
+    # The instance whose own certificate `role:<r>` presents, for the per-instance roles.
+    instances: dict[str, str | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._creds["plaintext"] = None
@@ -101,10 +110,14 @@ class Callers:
         ca = (self.tls_dir / pki.CA_CERT).read_bytes()
         self._creds["no-client-cert"] = grpc.ssl_channel_credentials(root_certificates=ca)
         for role in roles.ALL_ROLES:
+            # A worker's or host cache's real certificate is its instance's own (the first there).
+            own = sorted(p.stem for p in (self.tls_dir / role).glob("*.pem")) if role in roles.INSTANCE_ROLES else []
+            instance = own[0] if own else None
+            self.instances[role] = instance
             self._creds[f"role:{role}"] = grpc.ssl_channel_credentials(
                 root_certificates=ca,
-                private_key=pki.key_path(self.tls_dir, role).read_bytes(),
-                certificate_chain=pki.cert_path(self.tls_dir, role).read_bytes(),
+                private_key=pki.key_path(self.tls_dir, role, instance).read_bytes(),
+                certificate_chain=pki.cert_path(self.tls_dir, role, instance).read_bytes(),
             )
         cert, key = pki.issue_from(self.tls_dir, "stranger")
         self._creds["unknown-name"] = grpc.ssl_channel_credentials(
@@ -263,9 +276,12 @@ class Tally:
     hangs: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     examples: dict[str, str] = field(default_factory=dict)  # the first call that got each other code
+    by_caller: dict[str, int] = field(default_factory=dict)  # calls made as each caller
+    watches: int = 0  # watch streams read to their deadline (not hangs)
 
-    def add(self, what: str, outcome: Outcome, expected: str | None) -> None:
+    def add(self, what: str, outcome: Outcome, expected: str | None, caller: str = "") -> None:
         self.calls += 1
+        self.by_caller[caller] = self.by_caller.get(caller, 0) + 1
         if outcome.code in REFUSED_CODES:
             self.refused += 1
         elif outcome.code == HANDSHAKE_REFUSED and expected == HANDSHAKE_REFUSED:
@@ -288,7 +304,9 @@ class Tally:
             "ok": self.ok,
             "other_codes": dict(sorted(self.other.items())),
             "other_code_examples": dict(sorted(self.examples.items())),
-            "unary_hangs": len(self.hangs),
+            "hangs": len(self.hangs),
+            "watch_streams_to_deadline": self.watches,
+            "calls_by_caller": dict(sorted(self.by_caller.items())),
             "unexpected": len(self.unexpected),
         }
 
@@ -302,6 +320,7 @@ async def sweep(
     timeout_s: float,
     select: str,
     concurrency: int = 16,
+    watch_timeout_s: float | None = None,
 ) -> Tally:
     """Every (target, method, caller, payload) where the caller is one the method must refuse
     (`select="refused"`) or one it allows (`select="allowed"`); `select="any"` calls them all
@@ -315,12 +334,15 @@ async def sweep(
         if select != "any" and (expected is None) != (select == "allowed"):
             return
         async with sem:
-            outcome = await call(ch, method, payload, timeout_s)
+            outcome = await call(
+                ch, method, payload, watch_timeout_s if method.watch and watch_timeout_s else timeout_s
+            )
         what = f"{target.process} {method.name} as {caller}"
-        # A server stream that ran to the deadline is a call still streaming, not a hang.
-        if method.server_streaming and outcome.hung:
-            outcome = Outcome("STREAM_RAN_TO_DEADLINE", outcome.seconds)
-        tally.add(what, outcome, expected)
+        # A watch stream that ran to the deadline is a call still streaming, not a hang.
+        if method.watch and outcome.hung:
+            outcome = Outcome("WATCH_RAN_TO_DEADLINE", outcome.seconds)
+            tally.watches += 1
+        tally.add(what, outcome, expected, caller)
 
     channels: list[grpc.aio.Channel] = []
     try:

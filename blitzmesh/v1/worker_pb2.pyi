@@ -494,9 +494,14 @@ class LoadParametersRequest(_message.Message):
     PARAM_MANAGER_ADDRESS_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     param_manager_address: _builtins.str
     role: _common_pb2.InstanceRole.ValueType
+    instance_id: _builtins.str
+    """The instance the command is for: the worker refuses (INVALID_ARGUMENT) a command that does not
+    name it, so an empty or garbled request changes nothing.
+    """
     @_builtins.property
     def plan(self) -> Global___TransferPlan:
         """unset: fetch every group from the parameter manager"""
@@ -508,10 +513,11 @@ class LoadParametersRequest(_message.Message):
         param_manager_address: _builtins.str = ...,
         plan: Global___TransferPlan | None = ...,
         role: _common_pb2.InstanceRole.ValueType = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_id", b"model_id", "param_manager_address", b"param_manager_address", "plan", b"plan", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "model_id", b"model_id", "param_manager_address", b"param_manager_address", "plan", b"plan", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -558,6 +564,7 @@ class ReleaseWaitingRequest(_message.Message):
     MAX_REQUESTS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     RAN_AHEAD_BY_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     max_requests: _builtins.int
     reason: _builtins.str
     ran_ahead_by: _builtins.str
@@ -565,16 +572,21 @@ class ReleaseWaitingRequest(_message.Message):
     loading) ran ahead, beyond max_requests, and offer it no more. It has run their first layers
     and now holds them all, with an empty batch; here they would wait their turn in the queue.
     """
+    instance_id: _builtins.str
+    """The instance the command is for: the worker refuses (INVALID_ARGUMENT) a command that does not
+    name it, so an empty or garbled request changes nothing.
+    """
     def __init__(
         self,
         *,
         max_requests: _builtins.int = ...,
         reason: _builtins.str = ...,
         ran_ahead_by: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_requests", b"max_requests", "ran_ahead_by", b"ran_ahead_by", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "max_requests", b"max_requests", "ran_ahead_by", b"ran_ahead_by", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -607,11 +619,16 @@ class ReleaseRunningRequest(_message.Message):
     MAX_REQUESTS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_LEFT_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     max_requests: _builtins.int
     reason: _builtins.str
     min_tokens_left: _builtins.int
     """Only requests with at least this many tokens left of their max_tokens leave (0: any). A move
     costs a round trip through the gateway and a KV pull: not worth it for a few last tokens.
+    """
+    instance_id: _builtins.str
+    """The instance the command is for: the worker refuses (INVALID_ARGUMENT) a command that does not
+    name it, so an empty or garbled request changes nothing.
     """
     def __init__(
         self,
@@ -619,10 +636,11 @@ class ReleaseRunningRequest(_message.Message):
         max_requests: _builtins.int = ...,
         reason: _builtins.str = ...,
         min_tokens_left: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_requests", b"max_requests", "min_tokens_left", b"min_tokens_left", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "max_requests", b"max_requests", "min_tokens_left", b"min_tokens_left", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -653,15 +671,22 @@ class DrainRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     timeout_s: _builtins.float
+    """how long in-flight requests may take; must be > 0"""
+    instance_id: _builtins.str
+    """The instance the command is for: the worker refuses (INVALID_ARGUMENT) a command that does not
+    name it, so an empty or garbled request changes nothing.
+    """
     def __init__(
         self,
         *,
         timeout_s: _builtins.float = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -700,15 +725,21 @@ class ResumeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REASON_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
+    instance_id: _builtins.str
+    """The instance the command is for: the worker refuses (INVALID_ARGUMENT) a command that does not
+    name it, so an empty or garbled request changes nothing.
+    """
     def __init__(
         self,
         *,
         reason: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -739,19 +770,25 @@ class UnloadRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KEEP_WARM_S_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     keep_warm_s: _builtins.float
     """Keep the weights this long after unloading (seconds; 0: free them now): a LoadParameters
     of the same model, with the same manifest, within it reuses them instead of a transfer.
     Any other load frees them first.
     """
+    instance_id: _builtins.str
+    """The instance the command is for: the worker refuses (INVALID_ARGUMENT) a command that does not
+    name it, so an empty or garbled request changes nothing.
+    """
     def __init__(
         self,
         *,
         keep_warm_s: _builtins.float = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_warm_s", b"keep_warm_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "keep_warm_s", b"keep_warm_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

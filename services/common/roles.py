@@ -1,7 +1,8 @@
 """Who may call what: the workload roles of the mesh and the one table of their permissions.
 
 A caller's role is the name in its client certificate (CN, also its SAN DNS name), issued by the
-mesh's CA (services/common/pki.py). Every internal gRPC server checks each call against
+mesh's CA (services/common/pki.py); a worker's or host cache's certificate also names its
+instance, which `security.caller_instance` reads. Every internal gRPC server checks each call against
 `PERMISSIONS` (services/common/security.py's interceptor) before the request is even decoded:
 a method missing from the table is refused to everyone, so a new RPC must be added here to be
 callable at all (tests/unit/test_security.py checks that the table covers every method of the
@@ -25,6 +26,10 @@ HOST_CACHE: Final = "host-cache"
 ADMIN: Final = "admin"
 
 ALL_ROLES: Final = (GATEWAY, GLOBAL_MANAGER, WORKER, PARAM_MANAGER, HOST_CACHE, ADMIN)
+# Roles with many processes: each instance has a certificate of its own, which names the role
+# (CN, for this table) and the instance (a SAN URI, services/common/pki.py's `spiffe_id`). The
+# services they report to accept a report about instance X only from X's certificate.
+INSTANCE_ROLES: Final = (WORKER, HOST_CACHE)
 
 _ANY: Final = frozenset(ALL_ROLES)
 

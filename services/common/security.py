@@ -40,6 +40,7 @@ AUTH_REFUSED = Counter(
 
 _REFUSED_STREAM_WAIT_S = 0.5
 HOW_TO_CREATE = "create them with `python -m services.common.pki {dir}` (make up does on its first start)"
+HOW_TO_CREATE_INSTANCE = "create it with `python -m services.common.pki {dir} --instance {role}/{instance}` (make up does when it starts the instance)"
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Identity:
     key_pem: bytes
     ca_pem: bytes
     tls_dir: Path
+    instance: str | None = None  # the instance its certificate names (workers, host caches)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials(
@@ -63,22 +65,44 @@ class Identity:
         )
 
 
-def load_identity(tls_dir: Path, role: str) -> Identity:
-    """The identity of `role` from `tls_dir`; SystemExit naming the missing file and how to make it."""
+def load_identity(tls_dir: Path, role: str, instance: str | None = None) -> Identity:
+    """The identity of `role` (of one `instance` of it: its own certificate, `pki.instance_files`,
+    which must name it) from `tls_dir`; SystemExit naming the missing file and how to make it."""
     if role not in ALL_ROLES:
         raise SystemExit(f"unknown workload role {role!r}; the roles are {list(ALL_ROLES)}")
-    paths = [tls_dir / pki.CA_CERT, pki.cert_path(tls_dir, role), pki.key_path(tls_dir, role)]
+    if instance is not None:
+        try:
+            pki.check_instance_id(role, instance)
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
+    if instance is None:
+        paths = [tls_dir / pki.CA_CERT, pki.cert_path(tls_dir, role), pki.key_path(tls_dir, role)]
+    else:
+        paths = list(pki.instance_files(tls_dir, role, instance))
+    how = HOW_TO_CREATE if instance is None else HOW_TO_CREATE_INSTANCE
+    whose = f"role {role!r}" + (f", instance {instance!r}" if instance is not None else "")
     data: list[bytes] = []
     for path in paths:
         try:
             data.append(path.read_bytes())
         except OSError as e:
             raise SystemExit(
-                f"TLS file {str(path)!r} of role {role!r} cannot be read ({e.strerror}); "
-                + HOW_TO_CREATE.format(dir=tls_dir)
+                f"TLS file {str(path)!r} of {whose} cannot be read ({e.strerror}); "
+                + how.format(dir=tls_dir, role=role, instance=instance)
                 + ", or pass --insecure for a plaintext development mesh"
             ) from e
-    return Identity(role, data[1], data[2], data[0], tls_dir)
+    if instance is not None:
+        # A certificate for another instance would be refused at registration; say so at start.
+        try:
+            named = pki.named_instances(data[1])
+        except ValueError as e:
+            raise SystemExit(f"TLS file {str(paths[1])!r} of {whose} is no PEM certificate ({e})") from e
+        if (role, instance) not in named:
+            raise SystemExit(
+                f"TLS file {str(paths[1])!r} names {[pki.spiffe_id(*n) for n in named]}, not this process's "
+                f"{pki.spiffe_id(role, instance)!r}; an instance presents its own certificate (docs/security.md)"
+            )
+    return Identity(role, data[1], data[2], data[0], tls_dir, instance)
 
 
 _process_identity: Identity | None = None
@@ -113,6 +137,34 @@ def caller_role(context: grpc.aio.ServicerContext) -> str | None:
     auth = context.auth_context()
     names = auth.get("x509_common_name") or []
     return names[0].decode(errors="replace") if names else None
+
+
+def caller_instance(context: grpc.aio.ServicerContext) -> str | None:
+    """The instance named by the caller's verified certificate (its SAN URI
+    spiffe://blitzmesh/<role>/<id>, the role matching its CN); None: it names none."""
+    auth = context.auth_context()
+    role = caller_role(context)
+    for raw in auth.get("peer_uri") or []:  # the certificate's SAN URIs
+        named = pki.parse_spiffe_id(raw.decode(errors="replace"))
+        if named is not None and named[0] == role:
+            return named[1]
+    return None
+
+
+async def require_instance(context: grpc.aio.ServicerContext, method: str, instance_id: str) -> None:
+    """Abort with PERMISSION_DENIED unless the caller's certificate names `instance_id`: an
+    instance reports only for itself. No-op without TLS (an --insecure mesh checks nobody)."""
+    if context.auth_context().get("transport_security_type") != [b"ssl"]:
+        return
+    caller = caller_instance(context)
+    if caller is not None and caller == instance_id:
+        return
+    AUTH_REFUSED.labels(method, "wrong_instance").inc()
+    await context.abort(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"{method}: the caller's certificate names instance {caller!r}, the request instance {instance_id!r}; "
+        "an instance may act only for itself",
+    )
 
 
 class AuthorizationInterceptor(grpc.aio.ServerInterceptor):

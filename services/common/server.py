@@ -20,6 +20,7 @@ from services.common.config import ServiceConfig
 from services.common.grpc_util import PROCESS_IDENTITY, ProcessIdentity
 from services.common.grpc_util import channel as mesh_channel
 from services.common.metrics import start_metrics_server
+from services.common.roles import INSTANCE_ROLES
 from services.common.security import AuthorizationInterceptor, Identity, load_identity, use_identity
 
 log = structlog.get_logger(__name__)
@@ -80,6 +81,9 @@ class Service(Protocol):
         """Release everything start() acquired (after the gRPC server has stopped)."""
 
 
+# A service of a per-instance role (roles.INSTANCE_ROLES: a worker, a host cache) has an
+# `instance_id`: it presents that instance's own certificate (pki.spiffe_id names it), so the
+# services it reports to can tell it from the other instances of its role.
 # A service may set `public = True` (the gateway): its own port is the public edge, plaintext with
 # API keys as before, while its calls into the mesh still present its certificate.
 # A service may also define `async def drain(self) -> None`: serve() awaits it on shutdown after
@@ -133,7 +137,8 @@ def configure_security(service: Service, config: ServiceConfig) -> Identity | No
             f"{service.role}.key (python -m services.common.pki DIR makes them), or --insecure for a "
             "plaintext development mesh"
         )
-    identity = load_identity(config.tls_dir, service.role)
+    instance = getattr(service, "instance_id", None) if service.role in INSTANCE_ROLES else None
+    identity = load_identity(config.tls_dir, service.role, instance)
     use_identity(identity)
     return identity
 

@@ -257,7 +257,10 @@ class GrpcActuator:
             done = False
             # The role travels with the load: the worker serves as what the manager counts it as.
             request = worker_pb2.LoadParametersRequest(
-                model_id=load.model, param_manager_address=self.cfg.param_manager, role=role_to_proto(load.role)
+                model_id=load.model,
+                param_manager_address=self.cfg.param_manager,
+                role=role_to_proto(load.role),
+                instance_id=iid,
             )
             transfer_plan = await plan
             if transfer_plan is not None:
@@ -287,7 +290,8 @@ class GrpcActuator:
         try:
             stub = self._worker(iid)
             resp = await stub.Drain(
-                worker_pb2.DrainRequest(timeout_s=self.cfg.drain_timeout_s), timeout=self.cfg.drain_timeout_s + 10
+                worker_pb2.DrainRequest(timeout_s=self.cfg.drain_timeout_s, instance_id=iid),
+                timeout=self.cfg.drain_timeout_s + 10,
             )
             if resp.resumed:
                 # Taken back (ResumeInstance): it serves on, in the location index as before.
@@ -297,7 +301,7 @@ class GrpcActuator:
             await self._update_location(UpdateLocation(drain.model, iid, present=False))
             # Drain returns once the requests it aborted have unwound, so one call suffices; a
             # refusal (still in flight) fails the drain and the worker's reports take over.
-            await stub.Unload(worker_pb2.UnloadRequest(keep_warm_s=drain.keep_warm_s), timeout=30)
+            await stub.Unload(worker_pb2.UnloadRequest(keep_warm_s=drain.keep_warm_s, instance_id=iid), timeout=30)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as e:
@@ -310,7 +314,8 @@ class GrpcActuator:
         error = ""
         try:
             await self._worker(action.instance_id).Resume(
-                worker_pb2.ResumeRequest(reason=action.reason), timeout=RELEASE_TIMEOUT_S
+                worker_pb2.ResumeRequest(reason=action.reason, instance_id=action.instance_id),
+                timeout=RELEASE_TIMEOUT_S,
             )
         except asyncio.CancelledError:
             raise
@@ -368,7 +373,7 @@ class GrpcActuator:
         if address is not None:
             try:
                 stub = worker_pb2_grpc.WorkerStub(self._channel(address))
-                request = request_type(max_requests=action.n, reason=action.reason)
+                request = request_type(max_requests=action.n, reason=action.reason, instance_id=action.source)
                 if action.running:
                     request.min_tokens_left = action.min_tokens_left
                 elif action.ran_ahead_by:

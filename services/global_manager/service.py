@@ -39,6 +39,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from blitzmesh.v1 import admin_pb2, global_manager_pb2, global_manager_pb2_grpc
 from services.common import roles
 from services.common.backlog import backlog_is_news, sample_wait_s
+from services.common.security import require_instance
 from services.common.server import ServeContext
 from services.common.waiting import wait_for
 from services.global_manager.actuator import GrpcActuator
@@ -302,6 +303,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
     # ---- registry -----------------------------------------------------------------------
     async def RegisterInstance(self, request, context):
         info = request.instance
+        await require_instance(context, "RegisterInstance", info.instance_id)
         if not info.instance_id or not info.address:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -321,6 +323,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
 
     async def Heartbeat(self, request, context):
         iid = request.instance_id
+        await require_instance(context, "Heartbeat", iid)
         if iid not in self.table.registry or self.table.registry.get(iid).state is S.LOST:
             return global_manager_pb2.HeartbeatResponse(reregister=True)
         now = self.now_s()
@@ -371,6 +374,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
 
     async def DeregisterInstance(self, request, context):
         iid = request.instance_id
+        await require_instance(context, "DeregisterInstance", iid)
         if iid in self.table.registry:
             self.table.registry.mark_lost(iid)
             self.table.registry.remove(iid)
@@ -766,6 +770,12 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id is required")
         if request.delta == 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "delta must be non-zero, got 0")
+        if request.delta > 0 and request.instance_ids:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"delta={request.delta} with instance_ids {list(request.instance_ids)}: naming instances "
+                "drains them (delta < 0); a scale-out picks its own",
+            )
         try:
             await self._check_model(request.model_id)
         except LookupError as e:
@@ -831,14 +841,20 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         return chosen
 
     async def SetPolicy(self, request, context):
-        """Switch or retune the policy. The given params replace the current ones (none given
-        with no policy named keeps them, e.g. to toggle advisory mode only). Cooldown timers
-        carry over: they protect the cluster, whichever rule is in force."""
-        name = request.policy or self.policy_name
-        if request.params or request.policy:
-            params = {k: _param_from_proto(v) for k, v in request.params.items()}
-        else:
-            params = dict(self.policy_params)
+        """Switch or retune the policy. The request names the policy (the one in force to keep
+        it, e.g. to toggle advisory mode only); the given params replace the current ones.
+        A request naming none changes nothing (INVALID_ARGUMENT): an empty or garbled message
+        must not flip the manager into advisory mode. Cooldown timers carry over: they protect
+        the cluster, whichever rule is in force."""
+        if not request.policy:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"policy is required, got {request.policy!r} (with advisory="
+                f"{request.advisory if request.HasField('advisory') else 'unset'}, {len(request.params)} params); "
+                f"name the policy in force ({self.policy_name!r}) to change only its mode",
+            )
+        name = request.policy
+        params = {k: _param_from_proto(v) for k, v in request.params.items()}
         try:
             policy = self._make_policy(name, params)
         except ValueError as e:

@@ -7,7 +7,9 @@ wheel: `pip install '.[deploy]'`), not a re-implementation. The rendered objects
     deploy/helm/schemas/ (the fields the chart sets, from those APIs' v1 CRDs) or, with
     `crd_dir`, against the CRDs themselves;
   - cross-checked: every container command parses with its service's config parser, and the
-    probes, ports, Service names and selectors agree across objects (`consistency`).
+    probes, ports, Service names and selectors agree across objects (`consistency`), and every
+    worker and host-cache pod finds at /tls a certificate naming its own instance and no other
+    instance's key (`identity_problems`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from services.common import pki
+from services.common.roles import HOST_CACHE, WORKER
 from services.mesh import topology as t
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -237,7 +241,145 @@ def consistency(objects: list[dict[str, Any]]) -> list[str]:
         if not _selects(match, w["spec"]["template"]["metadata"]["labels"]):
             problems.append(f"{_name(w)}: its selector does not match its pods")
     problems += _shape(objects, workloads)
+    problems += identity_problems(objects)
     return problems
+
+
+# ---- per-instance identities ------------------------------------------------------------------
+
+TLS_MOUNT = "/tls"
+
+
+@dataclass(frozen=True)
+class TlsFile:
+    """Where a file a pod sees under /tls comes from: a Secret's key, or the cert-manager
+    csi-driver volume (`csi` holds its attributes, `${POD_NAME}` expanded)."""
+
+    secret: str = ""
+    key: str = ""
+    csi: tuple[tuple[str, str], ...] = ()
+
+
+def tls_files(pod_spec: Mapping[str, Any], container: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, TlsFile]:
+    """path -> source of every file `container` of a pod with `env` sees under /tls, resolving
+    projected Secret items, csi-driver files and `subPathExpr` as the kubelet does."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    files: dict[str, TlsFile] = {}
+    for mount in container.get("volumeMounts", []):
+        at = mount["mountPath"]
+        if at != TLS_MOUNT and not at.startswith(TLS_MOUNT + "/"):
+            continue
+        volume = volumes.get(mount["name"], {})
+        provided: dict[str, TlsFile] = {}
+        for source in volume.get("projected", {}).get("sources", []):
+            secret = source.get("secret")
+            for item in (secret or {}).get("items") or []:
+                provided[item["path"]] = TlsFile(secret=secret["name"], key=item["key"])
+        if volume.get("csi", {}).get("driver") == "csi.cert-manager.io":
+            attrs = volume["csi"].get("volumeAttributes", {})
+            expanded = tuple((k, v.replace("${POD_NAME}", env["POD_NAME"])) for k, v in sorted(attrs.items()))
+            for which, default in (
+                ("certificate-file", "tls.crt"),
+                ("privatekey-file", "tls.key"),
+                ("ca-file", "ca.crt"),
+            ):
+                provided[attrs.get(f"csi.cert-manager.io/{which}", default)] = TlsFile(key=which, csi=expanded)
+        sub = mount.get("subPath") or expand([mount.get("subPathExpr", "")], env)[0]
+        for path, source in provided.items():
+            if not sub or path.startswith(sub + "/"):
+                files[f"{at}/{path[len(sub) + 1 :] if sub else path}"] = source
+    return files
+
+
+@dataclass(frozen=True)
+class PodIdentity:
+    workload: str
+    pod: str
+    role: str
+    instance: str
+    named_by: str  # what names the instance in the certificate the pod presents; "" if nothing does
+    problems: tuple[str, ...]
+
+
+def pod_identities(objects: list[dict[str, Any]]) -> list[PodIdentity]:
+    """Every worker and host-cache pod the StatefulSets would make, the instance it runs as and
+    whether the certificate it would load (`pki.instance_files`) names that instance."""
+    from services.common.config import load_config
+
+    certificates = {
+        o["spec"]["secretName"]: o["spec"] for o in objects if o["kind"] == "Certificate" and "secretName" in o["spec"]
+    }
+    out = []
+    for obj in objects:
+        if obj["kind"] != "StatefulSet":
+            continue
+        pod_spec = obj["spec"]["template"]["spec"]
+        container = pod_spec["containers"][0]
+        service = config_of(list(container.get("command", [])))
+        if service is None or service[1] not in ("worker", "param_manager"):
+            continue
+        start = obj["spec"].get("ordinals", {}).get("start", 0)
+        for ordinal in range(start, start + obj["spec"].get("replicas", 1)):
+            pod = f"{obj['metadata']['name']}-{ordinal}"
+            env = {**POD_VALUES, "POD_NAME": pod, "POD_INDEX": str(ordinal)}
+            cfg = load_config(*service, without_cuda(expand(container["command"], env)[3:]), env={})
+            if service[1] == "worker":
+                role, instance = WORKER, cfg.instance_id
+            elif cfg.index:
+                role, instance = HOST_CACHE, f"host-cache-{cfg.cache_slot}"
+            else:
+                continue  # the index (shard 0) is one pod with its role's certificate
+            files = tls_files(pod_spec, container, env)
+            out.append(_identity(_name(obj), pod, role, instance, files, certificates))
+    return out
+
+
+def _identity(
+    workload: str, pod: str, role: str, instance: str, files: Mapping[str, TlsFile], certs: Mapping[str, Any]
+) -> PodIdentity:
+    problems: list[str] = []
+    root = Path(TLS_MOUNT)
+    ca, cert, key = (str(p) for p in pki.instance_files(root, role, instance, exists=lambda p: str(p) in files))
+    want = pki.spiffe_id(role, instance)
+    named_by = ""
+    for path in (ca, cert, key):
+        if path not in files:
+            problems.append(f"no {path}")
+    if cert in files and key in files:
+        c, k = files[cert], files[key]
+        if c.csi:
+            attrs = dict(c.csi)
+            uris = attrs.get("csi.cert-manager.io/uri-sans", "").split(",")
+            if want in uris and attrs.get("csi.cert-manager.io/common-name") == role and k.csi == c.csi:
+                named_by = f"csi-driver uri-sans {want}"
+        elif c.secret in certs:
+            spec = certs[c.secret]
+            pair = (c.key, k.key, k.secret) == ("tls.crt", "tls.key", c.secret)
+            if pair and want in spec.get("uris", []) and spec.get("commonName") == role:
+                named_by = f"Certificate {c.secret} uris {want}"
+        elif (c.key, k.key, k.secret) == (
+            pki.secret_key(role, instance, ".pem"),
+            pki.secret_key(role, instance, ".key"),
+            c.secret,
+        ):
+            named_by = (
+                f"Secret {c.secret} keys {c.key}, {k.key} (python -m services.common.pki --instance {role}/{instance})"
+            )
+        if not named_by:
+            problems.append(f"{cert} ({c}) does not name {want}")
+    others = sorted(p for p in files if p not in (key, f"{TLS_MOUNT}/{pki.DATAPLANE_KEY}") and p.endswith(".key"))
+    if others:
+        problems.append(f"also sees other keys: {others}")
+    return PodIdentity(workload, pod, role, instance, named_by, tuple(problems))
+
+
+def identity_problems(objects: list[dict[str, Any]]) -> list[str]:
+    """A line per worker or host-cache pod that would not present its own instance's certificate."""
+    return [
+        f"{i.workload} pod {i.pod} ({i.role} {i.instance}): {problem}"
+        for i in pod_identities(objects)
+        for problem in i.problems
+    ]
 
 
 def _shape(objects: list[dict[str, Any]], workloads: Mapping[str, dict[str, Any]]) -> list[str]:

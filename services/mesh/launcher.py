@@ -227,17 +227,22 @@ class Mesh:
             return None, net.plan.root_address
         return h.netns, h.address
 
-    async def ensure_tls(self) -> None:
-        """The mesh's CA and certificates, made on its first start (kept after); none --insecure."""
-        if self.cfg.insecure or self._tls_ready:
+    async def ensure_tls(self, name: str | None = None) -> None:
+        """The mesh's CA and role certificates, made on its first start (kept after, renewed
+        when they near their end), and the own certificate of the instance process `name` is
+        (a worker, a host cache) before it starts; nothing --insecure."""
+        if self.cfg.insecure:
             return
-        made = await asyncio.to_thread(ensure_pki, self.cfg.tls_path)
+        instance = instance_of(name) if name is not None else None
+        if self._tls_ready and instance is None:
+            return
+        made = await asyncio.to_thread(ensure_pki, self.cfg.tls_path, instances=[instance] if instance else [])
         if made:
-            print(f"blitzmesh: made the mesh's CA and certificates in {self.cfg.tls_path}/", file=sys.stderr)
+            print(f"blitzmesh: made {', '.join(made)} in {self.cfg.tls_path}/", file=sys.stderr)
         self._tls_ready = True
 
     async def spawn(self, name: str, module: str, args: list[str]) -> Proc:
-        await self.ensure_tls()
+        await self.ensure_tls(name)
         run_dir = self.cfg.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         port_file = (run_dir / f"{name}.ports.json").resolve()
@@ -306,9 +311,9 @@ class Mesh:
         await self.wait_ready(new, self.cfg.ready_timeout_s)
         return new
 
-    def identity(self, role: str = roles.ADMIN) -> Identity | None:
-        """The certificate of `role` in this mesh (None for an --insecure mesh)."""
-        return None if self.cfg.insecure else load_identity(self.cfg.tls_path, role)
+    def identity(self, role: str = roles.ADMIN, instance: str | None = None) -> Identity | None:
+        """The certificate of `role` (of its `instance`) in this mesh (None for an --insecure mesh)."""
+        return None if self.cfg.insecure else load_identity(self.cfg.tls_path, role, instance)
 
     def channel(self, name: str, as_role: str = roles.ADMIN) -> grpc.aio.Channel:
         """A channel to process `name` presenting `as_role`'s certificate (the gateway's public
@@ -648,6 +653,18 @@ def role_of(name: str) -> str:
         "param_manager": roles.PARAM_MANAGER,
         "host_cache": roles.HOST_CACHE,
     }[prefix]
+
+
+def instance_of(name: str) -> tuple[str, str] | None:
+    """(role, instance id) of the mesh's process `name` when it presents a certificate of its
+    own (services/common/roles.py's INSTANCE_ROLES): worker-<i> is instance worker-<i>,
+    host_cache-<k> is host-cache-<k> (the id it registers with)."""
+    role = role_of(name)
+    if role == roles.WORKER:
+        return role, name
+    if role == roles.HOST_CACHE:
+        return role, name.replace("_", "-")
+    return None
 
 
 def child_env() -> dict[str, str]:

@@ -52,12 +52,13 @@ class Service:
     port: int  # its gRPC port in a container
     public: bool = False  # the gateway: API keys, no client certificate on its gRPC port
 
-    def healthcheck(self, tls_dir: str | None = TLS_DIR) -> list[str]:
-        """The command that exits 0 when this service reports SERVING (compose and swarm)."""
+    def healthcheck(self, tls_dir: str | None = TLS_DIR, instance: str | None = None) -> list[str]:
+        """The command that exits 0 when this service reports SERVING (compose and swarm); an
+        `instance` of a per-instance role presents its own certificate, the one it has there."""
         check = ["python", "-m", "services.common.healthcheck", f"127.0.0.1:{self.port}"]
         if self.public or tls_dir is None:
             return check
-        return [*check, "--tls-dir", tls_dir, "--role", self.role]
+        return [*check, "--tls-dir", tls_dir, "--role", self.role, *(["--instance", instance] if instance else [])]
 
 
 PARAM_MANAGER = Service("param_manager", "services.param_manager", roles.PARAM_MANAGER, PARAM_MANAGER_PORT)
@@ -218,6 +219,11 @@ def worker_args(
     return out + ["--global-manager", global_manager, "--param-manager", param_manager]
 
 
+def instance_id_of(args: list[str]) -> str | None:
+    """The instance id a worker's command line gives it (`worker_args`); None: none given."""
+    return args[args.index("--instance-id") + 1] if "--instance-id" in args else None
+
+
 def dataplane_args(kind: str) -> list[str]:
     """The data plane's transport: auto (UCX if it imports), ucx or tcp."""
     return ["--dataplane", kind]
@@ -264,6 +270,10 @@ def model_init_command(model_dir: str = MODEL_DIR) -> list[str]:
     return ["python", "-m", "services.model_format", "fetch-default", model_dir]
 
 
-def certs_init_command(tls_dir: str = TLS_DIR, ca_key: str = "/tls-ca/ca.key") -> list[str]:
-    """Make the mesh's CA and one certificate per role (kept if there)."""
-    return ["python", "-m", "services.common.pki", tls_dir, "--ca-key", ca_key]
+def certs_init_command(
+    tls_dir: str = TLS_DIR, ca_key: str = "/tls-ca/ca.key", instances: tuple[tuple[str, str], ...] = ()
+) -> list[str]:
+    """Make the mesh's CA, one certificate per role and one per (role, instance id) of
+    `instances` (kept while current, renewed near their end)."""
+    extra = [arg for role, iid in instances for arg in ("--instance", f"{role}/{iid}")]
+    return ["python", "-m", "services.common.pki", tls_dir, "--ca-key", ca_key, *extra]

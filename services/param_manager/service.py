@@ -24,7 +24,7 @@ from blitzmesh.v1 import admin_pb2, common_pb2, param_manager_pb2, param_manager
 from services.common import roles
 from services.common.config import ServiceConfig
 from services.common.grpc_util import channel
-from services.common.security import dataplane_key
+from services.common.security import dataplane_key, require_instance
 from services.common.server import ServeContext
 from services.dataplane import make_transport
 from services.dataplane.chain import GroupServer
@@ -222,6 +222,11 @@ class ParamManagerServicer(param_manager_pb2_grpc.ParamManagerServicer):
         return param_manager_pb2.LocateResponse(locations=out)
 
     async def UpdateLocation(self, request, context):
+        if not request.holder:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"holder is required, got {request.holder!r} (model {request.model_id!r})",
+            )
         manifest = self.manifests.get(request.model_id)
         if manifest is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model_id!r}")
@@ -242,11 +247,18 @@ class ParamManagerServicer(param_manager_pb2_grpc.ParamManagerServicer):
         return param_manager_pb2.UpdateLocationResponse()
 
     async def RegisterHostCache(self, request, context):
+        await require_instance(context, "RegisterHostCache", request.cache_id)
         if not self.is_index:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{self.cache_id} is not the index; ask {self.config.index}"
             )
         slots = self.config.cache_slots
+        if request.cache_id != f"host-cache-{request.slot}" or not request.address:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cache_id {request.cache_id!r} with slot {request.slot} and address {request.address!r}: "
+                f"the host cache of slot {request.slot} is 'host-cache-{request.slot}' and gives its address",
+            )
         if not 1 <= request.slot < slots:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -280,6 +292,8 @@ class ParamManagerService:
         # The index is the parameter manager; a process pointed at an index is a host cache.
         self.role = roles.HOST_CACHE if config.index else roles.PARAM_MANAGER
         self.servicer = ParamManagerServicer(config)
+        # A host cache presents its own instance's certificate (serve()); the index its role's.
+        self.instance_id = self.servicer.cache_id
         self.transport: Transport | None = None
         self.group_server: GroupServer | None = None
 

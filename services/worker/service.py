@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -41,6 +40,7 @@ from services.dataplane.manifest import Manifest
 from services.dataplane.shaped import maybe_shaped
 from services.dataplane.transport import Transport
 from services.model_format.config import LlamaConfig
+from services.worker import commands
 from services.worker.config import WorkerConfig
 from services.worker.convert import (
     kv_descriptor_from_proto,
@@ -619,6 +619,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def LoadParameters(self, request, context):
+        if (bad := commands.load_error(request, self.instance_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
         role = instance_role_from_proto(request.role)
         if request.role and role == "unspecified":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown instance role {request.role}")
@@ -1054,6 +1056,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.heartbeat_now.set()
 
     async def ReleaseWaiting(self, request, context):
+        if (bad := commands.target_error("ReleaseWaiting", request.instance_id, self.instance_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
         inst = self.instance
         if self.state != "serving" or inst is None or inst.engine is None:
             return worker_pb2.ReleaseWaitingResponse()
@@ -1068,6 +1072,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ReleaseWaitingResponse(request_ids=released)
 
     async def ReleaseRunning(self, request, context):
+        if (bad := commands.target_error("ReleaseRunning", request.instance_id, self.instance_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
         inst = self.instance
         if request.max_requests < 0 or request.min_tokens_left < 0:
             await context.abort(
@@ -1083,16 +1089,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ReleaseRunningResponse(request_ids=released)
 
     async def Drain(self, request, context):
+        if (bad := commands.drain_error(request, self.instance_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
         if self.state not in ("serving", "draining"):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"instance {self.instance_id} is {self.state.upper()}"
             )
-        drained = await self.drain(request.timeout_s or 60.0, resumable=True)
+        drained = await self.drain(request.timeout_s, resumable=True)
         return worker_pb2.DrainResponse(finished=drained.finished, aborted=drained.aborted, resumed=drained.resumed)
 
     async def Resume(self, request, context):
         """Take back a drain still waiting for its requests: SERVING again at once, with the
         weights, the KV and the requests it holds (the scale-out that reverses a scale-in)."""
+        if (bad := commands.target_error("Resume", request.instance_id, self.instance_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
         resume = self._resume
         if self.state != "draining" or resume is None:
             why = "its drain is final (finished, or not the manager's)" if self.state == "draining" else "no drain"
@@ -1157,14 +1167,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self._idle.is_set()
 
     async def Unload(self, request, context):
+        if (bad := commands.unload_error(request, self.instance_id)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
         if self._inflight:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"instance {self.instance_id} has {len(self._inflight)} requests in flight; Drain first",
-            )
-        if not (math.isfinite(request.keep_warm_s) and request.keep_warm_s >= 0):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"keep_warm_s must be a finite number >= 0, got {request.keep_warm_s}"
             )
         await self._drop_instance(keep_warm_s=request.keep_warm_s)
         return worker_pb2.UnloadResponse()
@@ -1192,6 +1200,11 @@ class WorkerService:
         # ~30% slower on the 2-core development box, as libgomp throttles its spin-waits once
         # it manages more threads than there are cores.
         torch.set_num_threads(1)
+
+    @property
+    def instance_id(self) -> str:
+        """Whose certificate this worker presents under mTLS (serve(): its own instance's)."""
+        return self.servicer.instance_id
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)

@@ -6,6 +6,7 @@ answered by the servicer."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -65,9 +66,7 @@ async def test_every_internal_method_refuses_callers_without_the_right_certifica
     assert await _complete(secure_mesh)  # the mesh's own callers still get through
 
 
-async def test_fuzz_changes_nothing_without_credentials_and_kills_or_hangs_nothing_with_them(
-    secure_mesh: Mesh, tmp_path: Path
-) -> None:
+async def test_fuzz_without_credentials_changes_nothing(secure_mesh: Mesh, tmp_path: Path) -> None:
     callers = probe.Callers(secure_mesh.cfg.tls_path, tmp_path)
     targets = probe.targets(secure_mesh)
     payloads = list(probe.fuzz_payloads(random.Random(24), 4))
@@ -77,13 +76,39 @@ async def test_fuzz_changes_nothing_without_credentials_and_kills_or_hangs_nothi
     assert refused.unexpected == [] and refused.hangs == [] and refused.ok == 0
     assert await probe.snapshot(secure_mesh, MODEL) == before
 
-    # The same garbage from the roles allowed to call each method: it may change state (that
-    # is what those callers are for), but no process dies and no unary call hangs.
+
+FUZZ_CALLS = 2000
+
+
+async def test_garbage_from_every_role_to_every_method_it_may_call_changes_nothing(
+    secure_mesh: Mesh, tmp_path: Path
+) -> None:
+    """Each role's real certificate (a worker's and a host cache's own instance's) sends garbage
+    to every method the table lets it call: at least FUZZ_CALLS calls. Whatever parses must be
+    refused for what it says (no instance named, the wrong instance, no policy, a bad field),
+    so the cluster's policy, mode, every instance's state and model, the location index and
+    the pool are what they were; no process dies; no call but a watch stream runs into its
+    deadline. On the code before per-instance identities and request checks, garbage
+    DeregisterInstance, Unload, Drain and SetPolicy calls changed that state."""
+    callers = probe.Callers(secure_mesh.cfg.tls_path, tmp_path)
+    assert callers.instances[roles.WORKER] == "worker-0" and callers.instances[roles.HOST_CACHE] == "host-cache-1"
+    targets = probe.targets(secure_mesh)
     role_callers = [f"role:{r}" for r in roles.ALL_ROLES]
-    allowed = await probe.sweep(callers, targets, role_callers, payloads, timeout_s=5.0, select="allowed")
-    assert allowed.calls > 0
-    assert allowed.hangs == []
+    allowed_pairs = sum(probe.refusal_expected(c, m) is None for t in targets for m in t.methods for c in role_callers)
+    payloads = list(probe.fuzz_payloads(random.Random(46), -(-FUZZ_CALLS // allowed_pairs)))
+    before = await probe.snapshot(secure_mesh, MODEL)
+
+    tally = await probe.sweep(
+        callers, targets, role_callers, payloads, timeout_s=5.0, watch_timeout_s=0.5, select="allowed", concurrency=32
+    )
+    print("fuzz with credentials:", json.dumps(tally.to_dict(), sort_keys=True))
+
+    assert tally.calls >= FUZZ_CALLS
+    assert len([c for c, n in tally.by_caller.items() if n > 0]) >= 4, tally.by_caller
+    assert tally.hangs == []
     assert probe.alive(secure_mesh) == dict.fromkeys(secure_mesh.procs, True)
+    assert await probe.snapshot(secure_mesh, MODEL) == before
+    assert await _complete(secure_mesh)  # and it still serves
 
 
 async def test_the_data_plane_serves_no_peer_without_the_mesh_key(secure_mesh: Mesh) -> None:

@@ -37,6 +37,7 @@ from services.common.grpc_util import channel
 from services.common.waiting import wait_until
 from services.mesh.launcher import Mesh, MeshConfig, metrics_targets
 from tests.e2e.conftest import running_mesh
+from tests.harness.admin import unchanged_policy
 from tests.unit.test_gguf import write_tiny_gguf
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -191,7 +192,7 @@ async def test_events_show_decisions_with_reasons(ops_mesh: Mesh) -> None:
         admin = admin_pb2_grpc.AdminStub(ch)
         metadata = (("authorization", f"Bearer {ADMIN_KEY}"),)
         for _ in range(60):  # one SetPolicy each half second, 30 s at most
-            await admin.SetPolicy(admin_pb2.SetPolicyRequest(), timeout=10, metadata=metadata)
+            await admin.SetPolicy(await unchanged_policy(admin, metadata), timeout=10, metadata=metadata)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), 0.5)
                 break
@@ -379,7 +380,7 @@ async def test_dashboard_shows_a_scale_out_within_2s(ops_mesh: Mesh, browser: An
         admin = admin_pb2_grpc.AdminStub(ch)
         metadata = (("authorization", f"Bearer {ADMIN_KEY}"),)
         for _ in range(30):
-            await admin.SetPolicy(admin_pb2.SetPolicyRequest(), timeout=10, metadata=metadata)
+            await admin.SetPolicy(await unchanged_policy(admin, metadata), timeout=10, metadata=metadata)
             with contextlib.suppress(TimeoutError):
                 await wait_until(lambda: find('li[data-action="policy"]'), 1.0, interval_s=0.05, what="policy event")
                 break
@@ -396,7 +397,7 @@ async def test_dashboard_shows_a_scale_out_within_2s(ops_mesh: Mesh, browser: An
 
         watcher = asyncio.create_task(watch())
         for _ in range(30):  # live once it has seen a policy event too
-            await admin.SetPolicy(admin_pb2.SetPolicyRequest(), timeout=10, metadata=metadata)
+            await admin.SetPolicy(await unchanged_policy(admin, metadata), timeout=10, metadata=metadata)
             with contextlib.suppress(TimeoutError):
                 await wait_until(lambda: ("policy", "") in seen, 1.0, interval_s=0.02, what="our watch live")
                 break

@@ -14,7 +14,6 @@ import pytest_asyncio
 
 import blitzmesh
 from blitzmesh.v1 import (
-    admin_pb2,
     admin_pb2_grpc,
     param_manager_pb2,
     param_manager_pb2_grpc,
@@ -23,6 +22,7 @@ from blitzmesh.v1 import (
 )
 from services.common.waiting import wait_until
 from services.mesh.launcher import Mesh, MeshConfig
+from tests.harness.admin import unchanged_policy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
@@ -47,13 +47,13 @@ async def scale_mesh(
 
 
 async def watch_is_live(mesh: Mesh, events: list[blitzmesh.ClusterEvent]) -> None:
-    """Return once the watch that fills `events` receives events: a SetPolicy that names nothing
-    changes nothing and emits a "policy" event; it is sent until the watch has seen one. (A
+    """Return once the watch that fills `events` receives events: a SetPolicy of the policy in
+    force changes nothing and emits a "policy" event; it is sent until the watch has seen one. (A
     watch subscribes over two hops; a scale-out started before that loses its first events.)"""
     async with mesh.channel("gateway") as ch:
         admin = admin_pb2_grpc.AdminStub(ch)
         for _ in range(30):  # one SetPolicy a second, for 30 s at most
-            await admin.SetPolicy(admin_pb2.SetPolicyRequest(), timeout=10)
+            await admin.SetPolicy(await unchanged_policy(admin), timeout=10)
             with contextlib.suppress(TimeoutError):
                 await wait_until(
                     lambda: any(e.action == "policy" for e in events), 1.0, interval_s=0.02, what="a policy event"

@@ -43,7 +43,7 @@ async def workers(
             ctx = await stack.enter_async_context(serve_in_process(wk, wk.cfg))
             ch = await stack.enter_async_context(channel(ctx.address))
             stub = worker_pb2_grpc.WorkerStub(ch)
-            load = worker_pb2.LoadParametersRequest(model_id="tiny", role=role)
+            load = worker_pb2.LoadParametersRequest(model_id="tiny", role=role, instance_id=iid)
             assert [p async for p in stub.LoadParameters(load, timeout=60)][-1].done
             out[iid] = (wk, stub)
         yield out
@@ -129,7 +129,7 @@ async def test_a_source_gone_before_the_pull_is_recomputed(tiny_models: Path, se
         ]
         desc = head[0].kv_handoff
         expected = await collect_tokens(decode.Generate(request("whole", prompt), timeout=30))
-        await prefill.Unload(worker_pb2.UnloadRequest(), timeout=10)  # the offer goes with it
+        await prefill.Unload(worker_pb2.UnloadRequest(instance_id="p"), timeout=10)  # the offer goes with it
         rest = await collect_tokens(
             decode.Generate(
                 request("r", prompt, resume_token_ids=list(head[0].token_ids), decode_from_kv=desc), timeout=30
@@ -167,7 +167,9 @@ async def test_bad_hand_off_requests_are_refused(tiny_models: Path, serve_in_pro
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, expected
             assert expected in (e.value.details() or ""), (expected, e.value.details())
         with pytest.raises(grpc.aio.AioRpcError) as unknown:
-            await prefill.LoadParameters(worker_pb2.LoadParametersRequest(model_id="tiny", role=7)).read()
+            await prefill.LoadParameters(
+                worker_pb2.LoadParametersRequest(model_id="tiny", role=7, instance_id="p")
+            ).read()
         assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role 7" in (unknown.value.details() or "")
 
 
@@ -212,7 +214,9 @@ async def test_a_running_request_live_migrates_with_its_kv(tiny_models: Path, se
 
         task = asyncio.create_task(run())
         await wait_until(lambda: len(messages) >= 4, 10, what="four tokens on worker a")
-        released = await a.ReleaseRunning(worker_pb2.ReleaseRunningRequest(max_requests=2, reason="test"), timeout=5)
+        released = await a.ReleaseRunning(
+            worker_pb2.ReleaseRunningRequest(max_requests=2, reason="test", instance_id="a"), timeout=5
+        )
         assert list(released.request_ids) == ["r"]
         await task
         last = messages[-1]

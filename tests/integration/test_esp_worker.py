@@ -47,7 +47,7 @@ async def esp_workers(tiny_models: Path, serve_in_process: Any, kv_tokens: dict[
             ctx = await stack.enter_async_context(serve_in_process(wk, wk.cfg))
             ch = await stack.enter_async_context(channel(ctx.address))
             stub = worker_pb2_grpc.WorkerStub(ch)
-            load = worker_pb2.LoadParametersRequest(model_id="tiny")
+            load = worker_pb2.LoadParametersRequest(model_id="tiny", instance_id=iid)
             assert [p async for p in stub.LoadParameters(load, timeout=60)][-1].done
             out[iid] = (wk, stub)
         yield out

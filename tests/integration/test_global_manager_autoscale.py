@@ -353,7 +353,10 @@ async def test_failed_drain_follows_the_worker(serve_in_process: Any) -> None:
         await c.wait_event(lambda e: e.action == "load_result" and e.status == "ok", count=2)
         for w in c.workers.values():
             w.fail_drain = True
-        await c.stub.SetPolicy(admin_pb2.SetPolicyRequest(advisory=True), timeout=5)
+        now = await c.stub.GetCluster(admin_pb2.GetClusterRequest(), timeout=5)
+        await c.stub.SetPolicy(
+            admin_pb2.SetPolicyRequest(policy=now.policy, params=now.policy_params, advisory=True), timeout=5
+        )
         resp = await c.stub.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=-1, wait=True), timeout=10)
         (victim,) = resp.instance_ids
         (failed,) = await c.wait_event(lambda e: e.action == "drain_result" and e.status == "failed")

@@ -73,7 +73,7 @@ async def _load_and_generate(pm_address: str, serve_in_process: ServeFactory, dt
     )
     async with serve_in_process(wk, wk.cfg) as w_ctx, channel(w_ctx.address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
-        load = worker_pb2.LoadParametersRequest(model_id="qwen2")
+        load = worker_pb2.LoadParametersRequest(model_id="qwen2", instance_id=f"w-{dtype}")
         progress = [p async for p in stub.LoadParameters(load, timeout=60)]
         assert progress[-1].done
         req = worker_pb2.WorkerGenerateRequest(

@@ -51,7 +51,12 @@ def worker_config(pm_address: str, **kw: object) -> WorkerConfig:
 async def _load(worker_address: str, model_id: str) -> list[worker_pb2.LoadProgress]:
     async with channel(worker_address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
-        return [p async for p in stub.LoadParameters(worker_pb2.LoadParametersRequest(model_id=model_id), timeout=60)]
+        return [
+            p
+            async for p in stub.LoadParameters(
+                worker_pb2.LoadParametersRequest(model_id=model_id, instance_id="w0"), timeout=60
+            )
+        ]
 
 
 async def _status(worker_address: str) -> common_pb2.InstanceInfo:
@@ -168,7 +173,9 @@ async def test_load_from_another_parameter_source_is_refused(tiny_models: Path, 
     wk = WorkerService(worker_config("127.0.0.1:1"))
     async with serve_in_process(wk, wk.cfg) as w_ctx, channel(w_ctx.address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
-        request = worker_pb2.LoadParametersRequest(model_id="tiny", param_manager_address="203.0.113.9:50060")
+        request = worker_pb2.LoadParametersRequest(
+            model_id="tiny", param_manager_address="203.0.113.9:50060", instance_id="w0"
+        )
         with pytest.raises(grpc.aio.AioRpcError) as e:
             async for _ in stub.LoadParameters(request, timeout=10):
                 pass

@@ -37,9 +37,9 @@ async def test_resume_ends_a_waiting_drain_and_the_request_runs_on_unchanged(
         reference = await collect_tokens(stub.Generate(request("ref", PROMPT, max_tokens=150), timeout=60))
         running = asyncio.create_task(collect_tokens(stub.Generate(request("a", PROMPT, max_tokens=150), timeout=60)))
         await wait_until(lambda: bool(svc.servicer._inflight), 10, interval_s=0.01, what="request a in flight")
-        drain = asyncio.ensure_future(stub.Drain(worker_pb2.DrainRequest(timeout_s=60), timeout=70))
+        drain = asyncio.ensure_future(stub.Drain(worker_pb2.DrainRequest(timeout_s=60, instance_id="w"), timeout=70))
         await wait_until(lambda: svc.servicer.state == "draining", 10, interval_s=0.01, what="the drain to start")
-        resumed = await stub.Resume(worker_pb2.ResumeRequest(reason="test"), timeout=10)
+        resumed = await stub.Resume(worker_pb2.ResumeRequest(reason="test", instance_id="w"), timeout=10)
         assert resumed.in_flight == 1
         drained = await drain
         assert drained.resumed and drained.aborted == 0
@@ -51,7 +51,7 @@ async def test_resume_ends_a_waiting_drain_and_the_request_runs_on_unchanged(
         assert await collect_tokens(stub.Generate(request("b", PROMPT, max_tokens=150), timeout=60)) == reference
         # Nothing to take back now: refused, saying why.
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.Resume(worker_pb2.ResumeRequest(), timeout=10)
+            await stub.Resume(worker_pb2.ResumeRequest(instance_id="w"), timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "SERVING" in (e.value.details() or "")
 
 
@@ -64,15 +64,15 @@ async def test_a_final_drain_is_not_taken_back(tiny_models: Path, serve_in_proce
         shutdown = asyncio.create_task(svc.servicer.drain(60))
         await wait_until(lambda: svc.servicer.state == "draining", 10, interval_s=0.01, what="the drain to start")
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.Resume(worker_pb2.ResumeRequest(), timeout=10)
+            await stub.Resume(worker_pb2.ResumeRequest(instance_id="w"), timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "final" in (e.value.details() or "")
         assert len(await running) == 150  # it finished where it ran
         assert tuple(await shutdown) == (1, 0, False)
         # The manager's drain of an instance with nothing in flight finishes at once: too late.
-        done = await stub.Drain(worker_pb2.DrainRequest(timeout_s=60), timeout=70)
+        done = await stub.Drain(worker_pb2.DrainRequest(timeout_s=60, instance_id="w"), timeout=70)
         assert (done.finished, done.aborted, done.resumed) == (0, 0, False)
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.Resume(worker_pb2.ResumeRequest(), timeout=10)
+            await stub.Resume(worker_pb2.ResumeRequest(instance_id="w"), timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "DRAINING" in (e.value.details() or "")
 
 

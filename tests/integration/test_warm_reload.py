@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 ServeFactory = Any  # tests/integration/conftest.py: serve_in_process
 PROMPT = [1, *range(5, 40)]
-LOAD = worker_pb2.LoadParametersRequest(model_id="tiny", role=common_pb2.INSTANCE_ROLE_COLOCATED)
+LOAD = worker_pb2.LoadParametersRequest(model_id="tiny", role=common_pb2.INSTANCE_ROLE_COLOCATED, instance_id="w")
 
 
 async def _load(stub: worker_pb2_grpc.WorkerStub) -> worker_pb2.LoadProgress:
@@ -34,7 +34,7 @@ async def test_a_load_within_keep_warm_reuses_the_weights_with_the_same_tokens(
         svc, stub = ws["w"]
         before = await collect_tokens(stub.Generate(request("a", PROMPT), timeout=30))
         model = svc.servicer.instance.model  # type: ignore[union-attr]
-        await stub.Unload(worker_pb2.UnloadRequest(keep_warm_s=30), timeout=10)
+        await stub.Unload(worker_pb2.UnloadRequest(keep_warm_s=30, instance_id="w"), timeout=10)
         assert (await stub.GetStatus(worker_pb2.GetStatusRequest())).state == common_pb2.INSTANCE_STATE_IDLE
         with pytest.raises(grpc.aio.AioRpcError) as e:  # IDLE serves nothing, kept weights or not
             await collect_tokens(stub.Generate(request("idle", PROMPT), timeout=10))
@@ -53,10 +53,10 @@ async def test_without_keep_warm_or_after_it_the_load_moves_the_bytes(
     async with workers(tiny_models, serve_in_process, {"w": common_pb2.INSTANCE_ROLE_COLOCATED}) as ws:
         svc, stub = ws["w"]
         before = await collect_tokens(stub.Generate(request("a", PROMPT), timeout=30))
-        await stub.Unload(worker_pb2.UnloadRequest(), timeout=10)
+        await stub.Unload(worker_pb2.UnloadRequest(instance_id="w"), timeout=10)
         assert svc.servicer._warm is None
         assert (await _load(stub)).bytes_loaded > 0
-        await stub.Unload(worker_pb2.UnloadRequest(keep_warm_s=0.2), timeout=10)
+        await stub.Unload(worker_pb2.UnloadRequest(keep_warm_s=0.2, instance_id="w"), timeout=10)
         assert svc.servicer._warm is not None
         await wait_until(lambda: svc.servicer._warm is None, 10, what="the kept weights freed after 0.2 s")
         assert (await _load(stub)).bytes_loaded > 0
@@ -67,6 +67,6 @@ async def test_a_negative_keep_warm_is_refused_quoting_it(tiny_models: Path, ser
     async with workers(tiny_models, serve_in_process, {"w": common_pb2.INSTANCE_ROLE_COLOCATED}) as ws:
         _, stub = ws["w"]
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.Unload(worker_pb2.UnloadRequest(keep_warm_s=-1.5), timeout=10)
+            await stub.Unload(worker_pb2.UnloadRequest(keep_warm_s=-1.5, instance_id="w"), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "-1.5" in (e.value.details() or "")
         assert (await stub.GetStatus(worker_pb2.GetStatusRequest())).state == common_pb2.INSTANCE_STATE_SERVING

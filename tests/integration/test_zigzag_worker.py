@@ -82,10 +82,15 @@ async def pair(
         for full in ("old", "decode") if decode else ("old",):
             stub = out[full][1]
             loaded = [
-                p async for p in stub.LoadParameters(worker_pb2.LoadParametersRequest(model_id=MODEL), timeout=60)
+                p
+                async for p in stub.LoadParameters(
+                    worker_pb2.LoadParametersRequest(model_id=MODEL, instance_id=full), timeout=60
+                )
             ]
             assert loaded[-1].done
-        load = out["new"][1].LoadParameters(worker_pb2.LoadParametersRequest(model_id=MODEL), timeout=60)
+        load = out["new"][1].LoadParameters(
+            worker_pb2.LoadParametersRequest(model_id=MODEL, instance_id="new"), timeout=60
+        )
         out["load"] = asyncio.create_task(collect(load))
         try:
             yield out
@@ -298,7 +303,7 @@ async def test_a_loaded_peer_takes_back_the_queued_requests_it_ran_ahead(
         ahead = {rid for rid, (pid, _) in offloader._ahead.items() if pid == "new"}
         resp = await old.ReleaseWaiting(
             worker_pb2.ReleaseWaitingRequest(
-                max_requests=0, reason="scale_out: new finished loading", ran_ahead_by="new"
+                max_requests=0, reason="scale_out: new finished loading", ran_ahead_by="new", instance_id="old"
             ),
             timeout=10,
         )
@@ -385,7 +390,7 @@ async def test_hand_back_moves_a_split_requests_decode_to_the_loaded_worker_with
         assert (await first)[-1].zigzag_layers >= 1
         assert not on_partner.done(), "the split request finished before the load: nothing left to hand back"
         released = await old.ReleaseRunning(
-            worker_pb2.ReleaseRunningRequest(max_requests=1, reason="hand-back"), timeout=5
+            worker_pb2.ReleaseRunningRequest(max_requests=1, reason="hand-back", instance_id="old"), timeout=5
         )
         assert list(released.request_ids) == ["r"]
         head_msgs = await asyncio.wait_for(on_partner, 30)

@@ -233,10 +233,14 @@ def test_stack_command_parses_and_is_placed_by_node_label(name: str) -> None:
         cls, service = CONFIGS[module]
         cfg = load_config(cls, service, args, env={})
         assert cfg.host == "0.0.0.0" and str(cfg.tls_dir) == "/tls"
-        # Its own role's key and no other, from the swarm's secrets.
+        # Its own role's key and no other, from the swarm's secrets; a worker its own instance's.
         targets = {s["target"] for s in svc["secrets"]}
-        role = next(r for r in roles.ALL_ROLES if f"/tls/{r}.key" in targets)
-        assert {t for t in targets if t.endswith(".key") and t != "/tls/dataplane.key"} == {f"/tls/{role}.key"}
+        own = (
+            f"worker/{cfg.instance_id}"
+            if module == "services.worker"
+            else next(r for r in roles.ALL_ROLES if f"/tls/{r}.key" in targets)
+        )
+        assert {t for t in targets if t.endswith(".key") and t != "/tls/dataplane.key"} == {f"/tls/{own}.key"}
         assert svc["deploy"]["restart_policy"]["condition"] == "any"
     [constraint] = svc["deploy"]["placement"]["constraints"]
     expected = "blitzmesh.worker" if module == "services.worker" else None
@@ -334,7 +338,13 @@ def test_the_chart_s_shape(rendered: dict[str, list[dict]]) -> None:
         "StatefulSet/blitzmesh-worker-prefill": "prefill",
         "StatefulSet/blitzmesh-worker-decode": "decode",
     }
-    assert sum(k.startswith("Certificate/") for k in disagg) == 5
+    # The param manager's, the global manager's and the gateway's; each worker's comes from the
+    # csi-driver (and each host cache's from a Certificate of its slot: none here, one shard).
+    assert sorted(k for k in disagg if k.startswith("Certificate/")) == [
+        "Certificate/blitzmesh-gateway",
+        "Certificate/blitzmesh-global-manager",
+        "Certificate/blitzmesh-param-manager",
+    ]
     gm = load_config(
         GlobalManagerConfig,
         "global_manager",
@@ -345,6 +355,67 @@ def test_the_chart_s_shape(rendered: dict[str, list[dict]]) -> None:
     obs = kinds("observability")
     assert obs["InferencePool/blitzmesh"]["spec"]["targetPorts"] == [{"number": topology.GATEWAY_HTTP_PORT}]
     assert obs["ServiceMonitor/blitzmesh"]["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def render_in_mode(values: str, cert_manager: bool) -> list[dict]:
+    """A values set rendered with its TLS mode forced: Secret (tls.secretName) or cert-manager."""
+    pytest.importorskip("helm_python", reason="the deploy extra: pip install '.[deploy]' (make deploy-check does)")
+    overrides = yaml.safe_load(VALUES_SETS[values].read_text()) or {}
+    tls = overrides.setdefault("tls", {})
+    tls["certManager"] = {**tls.get("certManager", {}), "enabled": cert_manager}
+    return chart.render(overrides)
+
+
+@pytest.mark.parametrize("cert_manager", [False, True], ids=["secret", "cert-manager"])
+@pytest.mark.parametrize("values", sorted(VALUES_SETS))
+def test_every_worker_and_host_cache_pod_presents_a_certificate_naming_its_own_instance(
+    values: str, cert_manager: bool
+) -> None:
+    """The manager takes RegisterInstance/Heartbeat for X only from X's certificate (and the
+    index RegisterHostCache likewise): every pod the StatefulSets make must find at /tls, as
+    load_identity reads it, a certificate whose SPIFFE URI names the instance it runs as, and
+    no other instance's key."""
+    objects = render_in_mode(values, cert_manager)
+    pods = chart.pod_identities(objects)
+    sets = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "StatefulSet"}
+    workers = sum(spec["replicas"] for name, spec in sets.items() if "-worker" in name)
+    caches = sets.get("blitzmesh-host-cache", {}).get("replicas", 0)
+    assert len(pods) == workers + caches and workers > 0
+    assert [(i.pod, i.problems) for i in pods if i.problems] == []
+    assert len({(i.role, i.instance) for i in pods}) == len(pods)
+    for i in pods:
+        if i.role == roles.WORKER:
+            assert i.instance == i.pod  # --instance-id $(POD_NAME)
+            assert i.named_by.startswith("csi-driver" if cert_manager else "Secret blitzmesh-tls"), i
+        else:
+            assert i.instance == f"host-cache-{i.pod.rsplit('-', 1)[1]}"
+            assert i.named_by.startswith("Certificate" if cert_manager else "Secret blitzmesh-tls"), i
+    assert chart.identity_problems(objects) == []
+
+
+def test_the_identity_check_catches_a_shared_or_a_wrong_certificate() -> None:
+    secret_mode = copy.deepcopy(render_in_mode("gpu", False))
+    worker = next(o for o in secret_mode if o["metadata"]["name"] == "blitzmesh-worker" and o["kind"] == "StatefulSet")
+    del worker["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["subPathExpr"]
+    problems = "\n".join(chart.identity_problems(secret_mode))
+    assert "pod blitzmesh-worker-0 (worker blitzmesh-worker-0): no /tls/ca.pem" in problems
+    cache = next(
+        o for o in secret_mode if o["metadata"]["name"] == "blitzmesh-host-cache" and o["kind"] == "StatefulSet"
+    )
+    items = cache["spec"]["template"]["spec"]["volumes"][0]["projected"]["sources"][0]["secret"]["items"]
+    items[1]["key"] = "host-cache.pem"  # the role's shared certificate names no instance
+    assert "/tls/host-cache/host-cache-1.pem (TlsFile(secret='blitzmesh-tls', key='host-cache.pem'" in "\n".join(
+        chart.identity_problems(secret_mode)
+    )
+    csi_mode = copy.deepcopy(render_in_mode("gpu", True))
+    worker = next(o for o in csi_mode if o["metadata"]["name"] == "blitzmesh-worker" and o["kind"] == "StatefulSet")
+    csi = next(v for v in worker["spec"]["template"]["spec"]["volumes"] if "csi" in v)["csi"]
+    csi["volumeAttributes"]["csi.cert-manager.io/uri-sans"] = "spiffe://blitzmesh/worker/blitzmesh-worker-0"
+    problems = chart.identity_problems(csi_mode)
+    assert len(problems) == 3 and all(
+        "does not name spiffe://blitzmesh/worker/blitzmesh-worker-" in p for p in problems
+    )
+    assert not any("blitzmesh-worker-0 (" in p for p in problems)  # the one pod it does name
 
 
 def test_the_chart_s_autoscaling_defaults_are_make_up_s() -> None:

@@ -45,7 +45,11 @@ class Aborted(Exception):
 
 
 class Context:
-    """Enough of a grpc.aio context for the handlers: abort raises."""
+    """Enough of a grpc.aio context for the handlers: abort raises; no transport security (as
+    an --insecure mesh: nobody's instance is checked)."""
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
 
     async def abort(self, code: Any, details: str) -> None:
         raise Aborted(f"{code.name}: {details}")
@@ -300,7 +304,10 @@ async def test_advisory_mode_decides_without_acting() -> None:
     assert all(e.reason.endswith("ADVISORY: not acted on") for e in outs)
     assert [mesh.state(i) for i in ("w1", "w2")] == ["IDLE", "IDLE"]
     assert [e.reason for e in mesh.find("scale_out")] == ["min_instances=1"]
-    resp = await mesh.gm.SetPolicy(admin_pb2.SetPolicyRequest(advisory=False), Context())
+    now = await mesh.gm.GetCluster(admin_pb2.GetClusterRequest(), Context())
+    resp = await mesh.gm.SetPolicy(
+        admin_pb2.SetPolicyRequest(policy=now.policy, params=now.policy_params, advisory=False), Context()
+    )
     assert not resp.advisory
     await mesh.run(TICK_S)  # the next tick acts
     assert [mesh.state(i) for i in ("w1", "w2")] == ["LOADING", "LOADING"]
@@ -349,7 +356,10 @@ async def test_failed_drain_follows_the_worker() -> None:
     mesh.set_load(decode_tps=15, running=2)
     await mesh.run(0.6)
     mesh.finish_loads()
-    await mesh.gm.SetPolicy(admin_pb2.SetPolicyRequest(advisory=True), Context())
+    now = await mesh.gm.GetCluster(admin_pb2.GetClusterRequest(), Context())
+    await mesh.gm.SetPolicy(
+        admin_pb2.SetPolicyRequest(policy=now.policy, params=now.policy_params, advisory=True), Context()
+    )
     resp = await mesh.gm.Scale(admin_pb2.ScaleRequest(model_id=MODEL, delta=-1), Context())
     (victim,) = resp.instance_ids
     assert mesh.state(victim) == "DRAINING"

@@ -7,6 +7,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 from google.protobuf import descriptor_pool
 
 import blitzmesh.v1.global_manager_pb2
@@ -54,6 +55,114 @@ def test_certificates_name_their_role(tmp_path: Path) -> None:
         assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == role
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert san.get_values_for_type(x509.DNSName) == [role]
+
+
+def test_an_instance_certificate_names_its_role_and_its_instance_for_thirty_days(tmp_path: Path) -> None:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    made = pki.ensure_pki(tmp_path, instances=[(roles.WORKER, "worker-0"), (roles.HOST_CACHE, "host-cache-1")])
+    assert "worker/worker-0.pem" in made and "host-cache/host-cache-1.key" in made
+    assert stat.S_IMODE((tmp_path / "worker" / "worker-0.key").stat().st_mode) == 0o600
+    cert = x509.load_pem_x509_certificate((tmp_path / "worker" / "worker-0.pem").read_bytes())
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == roles.WORKER
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == [roles.WORKER]
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["spiffe://blitzmesh/worker/worker-0"]
+    assert pki.parse_spiffe_id("spiffe://blitzmesh/worker/worker-0") == (roles.WORKER, "worker-0")
+    assert pki.parse_spiffe_id("spiffe://other/worker/worker-0") is None
+    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
+    assert lifetime.days == pki.LEAF_DAYS == 30  # (plus the 5 minutes of clock skew allowed)
+    identity = load_identity(tmp_path, roles.WORKER, "worker-0")
+    assert identity.instance == "worker-0" and identity.cert_pem == cert.public_bytes(serialization.Encoding.PEM)
+
+
+def test_a_certificate_near_its_end_or_from_another_ca_is_issued_again(tmp_path: Path) -> None:
+    pki.ensure_pki(tmp_path, instances=[(roles.WORKER, "worker-0")])
+    assert pki.ensure_pki(tmp_path, instances=[(roles.WORKER, "worker-0")]) == []
+    # Nine days left of a thirty-day certificate: less than a third, so the next start renews it.
+    cert, key = pki.issue_from(tmp_path, roles.WORKER, instance="worker-0", days=9)
+    (tmp_path / "worker" / "worker-0.pem").write_bytes(cert)
+    assert pki.ensure_pki(tmp_path, instances=[(roles.WORKER, "worker-0")]) == [
+        "worker/worker-0.pem",
+        "worker/worker-0.key",
+    ]
+    # A gateway certificate some other CA signed.
+    other = tmp_path / "other"
+    pki.ensure_pki(other, (roles.GATEWAY,))
+    (tmp_path / "gateway.pem").write_bytes((other / "gateway.pem").read_bytes())
+    assert pki.ensure_pki(tmp_path) == ["gateway.pem", "gateway.key"]
+
+
+@pytest.mark.parametrize(
+    ("role", "instance", "why"),
+    [
+        (roles.GATEWAY, "gw-0", "no per-instance certificates"),
+        (roles.WORKER, "../ca", "must be letters"),
+        (roles.WORKER, "", "must be letters"),
+        (roles.WORKER, "a/b", "must be letters"),
+    ],
+)
+def test_an_instance_id_that_cannot_name_a_certificate_is_refused(
+    tmp_path: Path, role: str, instance: str, why: str
+) -> None:
+    with pytest.raises(ValueError, match=why):
+        pki.ensure_pki(tmp_path, instances=[(role, instance)])
+
+
+def test_missing_instance_certificate_says_how_to_make_it(tmp_path: Path) -> None:
+    pki.ensure_pki(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        load_identity(tmp_path, roles.WORKER, "worker-7")
+    assert str(tmp_path / "worker" / "worker-7.pem") in str(e.value)
+    assert f"python -m services.common.pki {tmp_path} --instance worker/worker-7" in str(e.value)
+
+
+def test_an_instance_presents_a_per_pod_issuer_s_certificate_only_if_it_names_the_instance(tmp_path: Path) -> None:
+    """cert-manager's csi-driver writes a pod's certificate under fixed names (own/tls.crt, as
+    the Helm chart mounts it); a certificate for another instance fails at start, not at
+    registration."""
+    pki.ensure_pki(tmp_path, (roles.WORKER,))
+    own = tmp_path / pki.OWN_DIR
+    own.mkdir()
+    cert, key = pki.issue_from(tmp_path, roles.WORKER, instance="pod-3")
+    (own / pki.OWN_CERT).write_bytes(cert)
+    (own / pki.OWN_KEY).write_bytes(key)
+    (own / pki.OWN_CA).write_bytes((tmp_path / "ca.pem").read_bytes())
+    identity = load_identity(tmp_path, roles.WORKER, "pod-3")
+    assert identity.cert_pem == cert and identity.key_pem == key
+    with pytest.raises(SystemExit, match="names \\['spiffe://blitzmesh/worker/pod-3'\\], not this process's"):
+        load_identity(tmp_path, roles.WORKER, "pod-4")
+    # The file named for the instance wins over own/, and must name it too.
+    pki.ensure_pki(tmp_path, instances=[(roles.WORKER, "pod-4")])
+    assert load_identity(tmp_path, roles.WORKER, "pod-4").cert_pem == (tmp_path / "worker" / "pod-4.pem").read_bytes()
+    (tmp_path / "worker" / "pod-4.pem").write_bytes(cert)
+    with pytest.raises(SystemExit, match="not this process's 'spiffe://blitzmesh/worker/pod-4'"):
+        load_identity(tmp_path, roles.WORKER, "pod-4")
+
+
+def test_the_helm_secret_holds_each_instance_s_files_and_no_ca_key(tmp_path: Path) -> None:
+    import base64
+
+    pki.ensure_pki(tmp_path, instances=[(roles.WORKER, "blitzmesh-worker-0"), (roles.HOST_CACHE, "host-cache-1")])
+    secret = pki.secret_manifest(tmp_path, "blitzmesh-tls")
+    assert secret["metadata"] == {"name": "blitzmesh-tls"} and secret["kind"] == "Secret"
+    assert sorted(secret["data"]) == [
+        "ca.pem",
+        "dataplane.key",
+        "gateway.key",
+        "gateway.pem",
+        "global-manager.key",
+        "global-manager.pem",
+        "host-cache.host-cache-1.key",
+        "host-cache.host-cache-1.pem",
+        "param-manager.key",
+        "param-manager.pem",
+        "worker.blitzmesh-worker-0.key",
+        "worker.blitzmesh-worker-0.pem",
+    ]
+    key = pki.secret_key(roles.WORKER, "blitzmesh-worker-0", ".key")
+    assert base64.b64decode(secret["data"][key]) == (tmp_path / "worker" / "blitzmesh-worker-0.key").read_bytes()
 
 
 def test_missing_certificate_names_the_path_and_how_to_make_it(tmp_path: Path) -> None:

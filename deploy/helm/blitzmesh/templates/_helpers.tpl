@@ -88,6 +88,14 @@ livenessProbe:
 - {name: health, containerPort: {{ .health }}, protocol: TCP}
 {{- end -}}
 
+{{- define "blitzmesh.dataplaneKeySecret" -}}
+{{- .Values.tls.dataplaneKeySecret | default (printf "%s-dataplane-key" (include "blitzmesh.fullname" .)) -}}
+{{- end -}}
+
+{{- define "blitzmesh.tlsSecretName" -}}
+{{- required "tls.secretName: a Secret with ca.pem, <role>.pem, <role>.key, one <role>.<instance>.pem and .key per worker and host cache, and dataplane.key (docs/deploy.md), or tls.certManager.enabled" .Values.tls.secretName -}}
+{{- end -}}
+
 {{/* The Secret or cert-manager secrets a role's pods mount at /tls: its own certificate and key,
      the CA, and (data-plane roles) the data plane's key. (dict "root" $ "role" ROLE "dataplane" BOOL) */}}
 {{- define "blitzmesh.tlsVolume" -}}
@@ -104,13 +112,13 @@ livenessProbe:
         - {key: tls.key, path: {{ .role }}.key}
 {{- if .dataplane }}
     - secret:
-        name: {{ .root.Values.tls.dataplaneKeySecret | default (printf "%s-dataplane-key" (include "blitzmesh.fullname" .root)) }}
+        name: {{ include "blitzmesh.dataplaneKeySecret" .root }}
         items:
         - {key: dataplane.key, path: dataplane.key}
 {{- end }}
 {{- else }}
     - secret:
-        name: {{ required "tls.secretName: a Secret with ca.pem, <role>.pem, <role>.key and dataplane.key (docs/deploy.md), or tls.certManager.enabled" .root.Values.tls.secretName }}
+        name: {{ include "blitzmesh.tlsSecretName" .root }}
         items:
         - {key: ca.pem, path: ca.pem}
         - {key: {{ .role }}.pem, path: {{ .role }}.pem}
@@ -118,6 +126,95 @@ livenessProbe:
 {{- if .dataplane }}
         - {key: dataplane.key, path: dataplane.key}
 {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The pods of one per-instance StatefulSet (workers, host caches), each with the instance id
+     its certificate must name (services/common/pki.py spiffe_id): a JSON list of
+     {"pod", "instance"}. (dict "root" $ "name" STATEFULSET-NAME "start" FIRST-ORDINAL "replicas" N
+     "instance" "pod" | PREFIX) : a worker's instance id is its pod name, a host cache's
+     host-cache-<ordinal> (its cache slot). */}}
+{{- define "blitzmesh.instancePods" -}}
+{{- $pods := list }}
+{{- $start := int .start }}
+{{- range $i := until (int .replicas) }}
+{{- $ordinal := add $i $start }}
+{{- $pod := printf "%s-%d" $.name $ordinal }}
+{{- $pods = append $pods (dict "pod" $pod "instance" (ternary $pod (printf "%s-%d" $.instance $ordinal) (eq $.instance "pod"))) }}
+{{- end }}
+{{- toJson $pods }}
+{{- end -}}
+
+{{/* /tls of a per-instance pod: the mesh's layout with the pod's own certificate and no other
+     instance's (docs/deploy.md). Secret mode and a host cache's per-slot Certificates: one
+     projected volume holding a directory per pod (<pod>/ca.pem, <pod>/<role>/<id>.pem|.key,
+     <pod>/dataplane.key), of which the container mounts only its own (subPathExpr $(POD_NAME));
+     a worker with cert-manager: the csi-driver issues the pod a key and certificate of its own
+     at /tls/own, the SPIFFE URI naming the pod. Takes the dict of "blitzmesh.instancePods" plus
+     "role" ROLE; the two defines give the volumes and the container's volumeMounts. */}}
+{{- define "blitzmesh.instanceTlsVolumes" -}}
+{{- $root := .root }}
+{{- $fullname := include "blitzmesh.fullname" $root }}
+{{- $pods := include "blitzmesh.instancePods" . | fromJsonArray }}
+{{- $csi := and $root.Values.tls.certManager.enabled (eq .instance "pod") }}
+- name: tls
+  projected:
+    defaultMode: 0400
+    sources:
+{{- if $csi }}
+    - secret:
+        name: {{ include "blitzmesh.dataplaneKeySecret" $root }}
+        items:
+        - {key: dataplane.key, path: dataplane.key}
+- name: tls-own
+  csi:
+    driver: csi.cert-manager.io
+    readOnly: true
+    volumeAttributes:
+      csi.cert-manager.io/issuer-name: {{ $root.Values.tls.certManager.issuerRef.name | quote }}
+      csi.cert-manager.io/issuer-kind: {{ $root.Values.tls.certManager.issuerRef.kind | default "Issuer" | quote }}
+      csi.cert-manager.io/issuer-group: {{ $root.Values.tls.certManager.issuerRef.group | default "cert-manager.io" | quote }}
+      csi.cert-manager.io/common-name: {{ .role | quote }}
+      csi.cert-manager.io/dns-names: {{ .role | quote }}
+      csi.cert-manager.io/uri-sans: {{ printf "spiffe://blitzmesh/%s/${POD_NAME}" .role | quote }}
+      csi.cert-manager.io/key-usages: "server auth,client auth,digital signature"
+      csi.cert-manager.io/duration: {{ $root.Values.tls.certManager.duration | quote }}
+      csi.cert-manager.io/renew-before: {{ $root.Values.tls.certManager.renewBefore | quote }}
+      csi.cert-manager.io/certificate-file: tls.crt
+      csi.cert-manager.io/privatekey-file: tls.key
+      csi.cert-manager.io/ca-file: ca.crt
+{{- else if $root.Values.tls.certManager.enabled }}
+{{- range $pods }}
+    - secret:
+        name: {{ $fullname }}-{{ .instance }}-tls
+        items:
+        - {key: ca.crt, path: {{ .pod }}/ca.pem}
+        - {key: tls.crt, path: {{ .pod }}/{{ $.role }}/{{ .instance }}.pem}
+        - {key: tls.key, path: {{ .pod }}/{{ $.role }}/{{ .instance }}.key}
+    - secret:
+        name: {{ include "blitzmesh.dataplaneKeySecret" $root }}
+        items:
+        - {key: dataplane.key, path: {{ .pod }}/dataplane.key}
+{{- end }}
+{{- else }}
+    - secret:
+        name: {{ include "blitzmesh.tlsSecretName" $root }}
+        items:
+{{- range $pods }}
+        - {key: ca.pem, path: {{ .pod }}/ca.pem}
+        - {key: {{ $.role }}.{{ .instance }}.pem, path: {{ .pod }}/{{ $.role }}/{{ .instance }}.pem}
+        - {key: {{ $.role }}.{{ .instance }}.key, path: {{ .pod }}/{{ $.role }}/{{ .instance }}.key}
+        - {key: dataplane.key, path: {{ .pod }}/dataplane.key}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "blitzmesh.instanceTlsMounts" -}}
+{{- if and .root.Values.tls.certManager.enabled (eq .instance "pod") }}
+- {name: tls, mountPath: /tls, readOnly: true}
+- {name: tls-own, mountPath: /tls/own, readOnly: true}
+{{- else }}
+- {name: tls, mountPath: /tls, subPathExpr: $(POD_NAME), readOnly: true}
 {{- end }}
 {{- end -}}
 
