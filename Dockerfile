@@ -1,5 +1,8 @@
 # One image for every Blitzmesh service; the compose file picks the module per container.
 # Build with docker/build.sh (it stages a local torch CPU wheel, if any, in docker/wheels/).
+# The dependencies are installed before the source is copied, so a change to the code rebuilds
+# only the last two layers: torch and the rest come from Docker's cache on a machine that built
+# the image once.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
@@ -11,9 +14,11 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 COPY docker/wheels/ /wheels/
-COPY pyproject.toml README.md ./
+RUN pip install --no-cache-dir --find-links /wheels ${TORCH_INDEX_URL:+--index-url $TORCH_INDEX_URL} torch==2.13.0
+COPY pyproject.toml ./
+RUN python3 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["services"]))' > /tmp/requirements.txt \
+ && pip install --no-cache-dir --find-links /wheels -r /tmp/requirements.txt
+COPY README.md ./
 COPY blitzmesh ./blitzmesh
 COPY services ./services
-COPY bench ./bench
-RUN pip install --no-cache-dir --find-links /wheels ${TORCH_INDEX_URL:+--index-url $TORCH_INDEX_URL} torch==2.13.0 \
- && pip install --no-cache-dir --find-links /wheels '.[services]'
+RUN pip install --no-cache-dir --no-deps .

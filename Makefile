@@ -22,8 +22,10 @@ $(VENV)/.installed: pyproject.toml
 up: setup
 	$(PY) -m services.mesh $(ARGS)
 
+# The suite runs with its real outside parts (Chromium, Prometheus, a Docker engine with compose and
+# swarm): scripts/with_system.sh installs and starts them as root on Debian, and stops the engine after.
 test: setup protos-check lint deploy-check
-	$(PY) -m pytest $(PYTEST_ARGS)
+	scripts/with_system.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 # ruff lint and format check on all hand-written code (generated protos are excluded in pyproject).
 lint: setup

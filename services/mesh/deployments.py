@@ -101,6 +101,19 @@ def _svc(service: t.Service, args: list[str], depends: dict[str, str], **extra: 
     return out
 
 
+# The workers of one Docker host split its cores (services/worker/engine/cpu_share.py) through a
+# volume they all mount: a named volume is local to its node, so in a swarm each node's workers
+# count each other. Without it every worker's engine takes all the cores, and three engines
+# decoding at once on a 2-core host slowed to a few tokens/s.
+CPU_SHARE_DIR = "/cpu-share"
+_WORKER_VOLUMES = ["tls:/tls:ro", f"cpu-share:{CPU_SHARE_DIR}"]
+
+
+def _worker(args: list[str], depends: dict[str, str], **extra: Any) -> dict[str, Any]:
+    args = [*args, *t.worker_thread_args(threads=0, cpu_share_dir=CPU_SHARE_DIR)]
+    return _svc(t.WORKER, args, depends, volumes=list(_WORKER_VOLUMES), **extra)
+
+
 def _gm(param_manager: str, pool: list[str], autoscale: list[str]) -> list[str]:
     return t.global_manager_args(param_manager=param_manager, model=DEFAULT_MODEL_ID, pool=pool, autoscale=autoscale)
 
@@ -149,8 +162,7 @@ def compose() -> dict[str, Any]:
     gm = f"global_manager:{t.GLOBAL_MANAGER_PORT}"
     for i in range(DEFAULT_WORKERS):
         name = f"worker-{i}"
-        services[name] = _svc(
-            t.WORKER,
+        services[name] = _worker(
             t.worker_args(
                 advertise_host=name, instance_id=name, topology_host=name, global_manager=gm, param_manager=pm
             ),
@@ -180,8 +192,7 @@ def compose() -> dict[str, Any]:
     )
     for role in ("prefill", "decode"):
         name = f"worker-{role}"
-        services[name] = _svc(
-            t.WORKER,
+        services[name] = _worker(
             t.worker_args(
                 advertise_host=name,
                 instance_id=name,
@@ -228,7 +239,7 @@ def compose() -> dict[str, Any]:
         if "command" in svc and (iid := _instance_of(t.WORKER, svc["command"])) is not None
     )
     services["certs-init"]["command"] = t.certs_init_command(instances=instances)
-    return {"services": services, "volumes": {"models": None, "tls": None, "tls-ca": None}}
+    return {"services": services, "volumes": {"models": None, "tls": None, "tls-ca": None, "cpu-share": None}}
 
 
 # Swarm: which node label each service is placed by (the key of `node.labels.<key> == true`).
@@ -295,7 +306,7 @@ def stack(compose_file: dict[str, Any]) -> dict[str, Any]:
     return {
         "version": "3.8",
         "services": services,
-        "volumes": {"models": None},
+        "volumes": {"models": None, "cpu-share": None},
         "secrets": {_secret(f): {"file": f"tls/{f}"} for f in sorted(used_secrets)},  # beside the stack file
     }
 

@@ -35,6 +35,13 @@ def _labels() -> set[str]:
     return {c.split("node.labels.")[1].split(" ")[0] for s in services for c in s["deploy"]["placement"]["constraints"]}
 
 
+def _instance_args() -> list[str]:
+    """`--instance ROLE/ID` for every instance certificate the stack's secrets name."""
+    files = (Path(v["file"]) for v in yaml.safe_load(STACK_FILE.read_text())["secrets"].values())
+    own = sorted({f"{f.parent.name}/{f.stem}" for f in files if f.suffix == ".pem" and f.parent.name != "tls"})
+    return [a for spec in own for a in ("--instance", spec)]
+
+
 def _swarm_state() -> str:
     return run("docker", "info", "--format", "{{.Swarm.LocalNodeState}}").stdout.strip()
 
@@ -73,7 +80,7 @@ def swarm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     tls = ROOT / deployments.SWARM_TLS_DIR
     ca_key = tmp_path_factory.mktemp("ca") / "ca.key"
     subprocess.run(
-        [sys.executable, "-m", "services.common.pki", str(tls), "--ca-key", str(ca_key)],
+        [sys.executable, "-m", "services.common.pki", str(tls), "--ca-key", str(ca_key), *_instance_args()],
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -95,7 +102,7 @@ def swarm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             if time.monotonic() > deadline:
                 break
             time.sleep(1)
-        run("docker", "volume", "rm", f"{STACK}_models", check=False)
+        run("docker", "volume", "rm", f"{STACK}_models", f"{STACK}_cpu-share", check=False)
         if joined:
             run("docker", "swarm", "leave", "--force", check=False)
 

@@ -37,13 +37,25 @@ def test_never_fewer_than_one_thread(tmp_path: Path) -> None:
 
 
 def test_an_engine_of_a_killed_process_stops_counting(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(done.stdout)
-    (tmp_path / f"{dead_pid}-engine1.engine").touch()  # left behind by a SIGKILLed worker
-    share = CpuShare(tmp_path, cores=2)
-    share.join("me")
-    assert share.threads() == 2
-    assert not (tmp_path / f"{dead_pid}-engine1.engine").exists()
+    # Another process (another container's, as far as the count can tell) joins and is SIGKILLed:
+    # the kernel drops its lock, and the next count removes its file.
+    code = (
+        "import os, sys; from services.worker.engine.cpu_share import CpuShare; "
+        f"CpuShare({str(tmp_path)!r}, cores=2).join('engine1'); print('joined', flush=True); sys.stdin.read()"
+    )
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "joined"
+        share = CpuShare(tmp_path, cores=2)
+        share.join("me")
+        assert share.threads() == 1  # the other engine's lock is held: two engines
+        other.kill()
+        other.wait(timeout=10)
+    finally:
+        other.kill()
+    later = CpuShare(tmp_path, cores=2)
+    assert later.members() == 1  # only "me" is left
+    assert [p.name.endswith("-me.engine") for p in tmp_path.iterdir()] == [True]
 
 
 def test_cores_must_be_positive(tmp_path: Path) -> None:

@@ -8,14 +8,19 @@ So each engine takes `cores // n` threads, where n is the number of engines runn
 machine now, and follows n as instances are loaded and dropped.
 
 Membership is a file per running engine in a directory the workers of a machine share (the
-launcher gives them one). An engine counts the files whose process is alive, at most once a
-second; the files of a process that was killed are removed by the next count.
+launcher gives them one; compose and swarm a volume of the host). The engine holds an exclusive
+`flock` on its file while it runs, so liveness needs no process id: that works across containers,
+whose PID namespaces differ. An engine counts the files whose lock is held, at most once a
+second; the file of a process that was killed is unlocked by the kernel and removed by the next
+count. A file is locked before it takes its counted name, so no count sees it unlocked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,14 +36,19 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _alive(pid: int) -> bool:
+def _held(path: Path) -> bool:
+    """Whether a running engine holds `path`'s lock (False: its process is gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
         return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the shared lock taken just now, if it was taken
+    return False
 
 
 class CpuShare:
@@ -59,30 +69,35 @@ class CpuShare:
         self.recount_s = recount_s
         self._clock = clock
         self._file: Path | None = None
+        self._fd: int | None = None
         self._members = 1
         self._counted_s: float | None = None
 
     def join(self, name: str) -> None:
         """Count this engine (`name` unique within the process) until `leave()`."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._file = self.directory / f"{os.getpid()}-{name}{_SUFFIX}"
-        self._file.touch()
+        stem = f"{socket.gethostname()}-{os.getpid()}-{name}"
+        staging = self.directory / f"{stem}.joining"
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self._file = self.directory / f"{stem}{_SUFFIX}"
+        os.replace(staging, self._file)
+        self._fd = fd
         self._counted_s = None
 
     def leave(self) -> None:
         if self._file is not None:
             self._file.unlink(missing_ok=True)
             self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def members(self) -> int:
         """Engines running on the machine now (this one included while joined)."""
         live = 0
         for path in self.directory.glob(f"*{_SUFFIX}"):
-            try:
-                pid = int(path.name.split("-", 1)[0])
-            except ValueError:
-                continue
-            if _alive(pid):
+            if path == self._file or _held(path):
                 live += 1
             else:
                 with contextlib.suppress(OSError):
