@@ -411,3 +411,155 @@ class ClusterEvent(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterEvent: _TypeAlias = ClusterEvent  # noqa: Y015
+
+@_typing.final
+class GetHistoryRequest(_message.Message):
+    """The manager's recent past (GlobalManager.GetHistory): what a dashboard opened late draws."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SINCE_S_FIELD_NUMBER: _builtins.int
+    SAMPLES_ONLY_FIELD_NUMBER: _builtins.int
+    since_s: _builtins.float
+    """only what is newer than this time on the manager's clock (unset: all)"""
+    samples_only: _builtins.bool
+    """leave the events out (for a caller that watches them already)"""
+    def __init__(
+        self,
+        *,
+        since_s: _builtins.float | None = ...,
+        samples_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_since_s", b"_since_s", "since_s", b"since_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_since_s", b"_since_s", "samples_only", b"samples_only", "since_s", b"since_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__since_s: _TypeAlias = _typing.Literal["since_s"]  # noqa: Y015
+    _WhichOneofArgType__since_s: _TypeAlias = _typing.Literal["_since_s", b"_since_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__since_s) -> _WhichOneofReturnType__since_s | None: ...
+
+Global___GetHistoryRequest: _TypeAlias = GetHistoryRequest  # noqa: Y015
+
+@_typing.final
+class ClusterSample(_message.Message):
+    """The cluster at one time, a sample every history period of the manager."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class InstancesByStateEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TIME_S_FIELD_NUMBER: _builtins.int
+    REQUEST_RATE_FIELD_NUMBER: _builtins.int
+    DECODE_TPS_FIELD_NUMBER: _builtins.int
+    TTFT_P50_S_FIELD_NUMBER: _builtins.int
+    TTFT_P99_S_FIELD_NUMBER: _builtins.int
+    TBT_P50_S_FIELD_NUMBER: _builtins.int
+    TBT_P99_S_FIELD_NUMBER: _builtins.int
+    INSTANCES_BY_STATE_FIELD_NUMBER: _builtins.int
+    time_s: _builtins.float
+    """the manager's clock, as ClusterEvent.time_s"""
+    request_rate: _builtins.float
+    """requests routed per second since the previous sample"""
+    decode_tps: _builtins.float
+    """tokens per second of the pool producing them"""
+    ttft_p50_s: _builtins.float
+    """The load monitor's window quantiles (unset: no instance observed one in the window)."""
+    ttft_p99_s: _builtins.float
+    tbt_p50_s: _builtins.float
+    tbt_p99_s: _builtins.float
+    @_builtins.property
+    def instances_by_state(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """"serving" -> 2, "loading" -> 1, ..."""
+
+    def __init__(
+        self,
+        *,
+        time_s: _builtins.float = ...,
+        request_rate: _builtins.float = ...,
+        decode_tps: _builtins.float = ...,
+        ttft_p50_s: _builtins.float | None = ...,
+        ttft_p99_s: _builtins.float | None = ...,
+        tbt_p50_s: _builtins.float | None = ...,
+        tbt_p99_s: _builtins.float | None = ...,
+        instances_by_state: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_tbt_p50_s", b"_tbt_p50_s", "_tbt_p99_s", b"_tbt_p99_s", "_ttft_p50_s", b"_ttft_p50_s", "_ttft_p99_s", b"_ttft_p99_s", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tbt_p50_s", b"_tbt_p50_s", "_tbt_p99_s", b"_tbt_p99_s", "_ttft_p50_s", b"_ttft_p50_s", "_ttft_p99_s", b"_ttft_p99_s", "decode_tps", b"decode_tps", "instances_by_state", b"instances_by_state", "request_rate", b"request_rate", "tbt_p50_s", b"tbt_p50_s", "tbt_p99_s", b"tbt_p99_s", "time_s", b"time_s", "ttft_p50_s", b"ttft_p50_s", "ttft_p99_s", b"ttft_p99_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__tbt_p50_s: _TypeAlias = _typing.Literal["tbt_p50_s"]  # noqa: Y015
+    _WhichOneofArgType__tbt_p50_s: _TypeAlias = _typing.Literal["_tbt_p50_s", b"_tbt_p50_s"]  # noqa: Y015
+    _WhichOneofReturnType__tbt_p99_s: _TypeAlias = _typing.Literal["tbt_p99_s"]  # noqa: Y015
+    _WhichOneofArgType__tbt_p99_s: _TypeAlias = _typing.Literal["_tbt_p99_s", b"_tbt_p99_s"]  # noqa: Y015
+    _WhichOneofReturnType__ttft_p50_s: _TypeAlias = _typing.Literal["ttft_p50_s"]  # noqa: Y015
+    _WhichOneofArgType__ttft_p50_s: _TypeAlias = _typing.Literal["_ttft_p50_s", b"_ttft_p50_s"]  # noqa: Y015
+    _WhichOneofReturnType__ttft_p99_s: _TypeAlias = _typing.Literal["ttft_p99_s"]  # noqa: Y015
+    _WhichOneofArgType__ttft_p99_s: _TypeAlias = _typing.Literal["_ttft_p99_s", b"_ttft_p99_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tbt_p50_s) -> _WhichOneofReturnType__tbt_p50_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tbt_p99_s) -> _WhichOneofReturnType__tbt_p99_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_p50_s) -> _WhichOneofReturnType__ttft_p50_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_p99_s) -> _WhichOneofReturnType__ttft_p99_s | None: ...
+
+Global___ClusterSample: _TypeAlias = ClusterSample  # noqa: Y015
+
+@_typing.final
+class ClusterHistory(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOW_S_FIELD_NUMBER: _builtins.int
+    WINDOW_S_FIELD_NUMBER: _builtins.int
+    PERIOD_S_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    now_s: _builtins.float
+    """the manager's clock when it answered: a caller maps times by it"""
+    window_s: _builtins.float
+    """how far back the manager keeps"""
+    period_s: _builtins.float
+    """between two samples"""
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterEvent]:
+        """oldest first"""
+
+    @_builtins.property
+    def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterSample]:
+        """oldest first"""
+
+    def __init__(
+        self,
+        *,
+        now_s: _builtins.float = ...,
+        window_s: _builtins.float = ...,
+        period_s: _builtins.float = ...,
+        events: _abc.Iterable[Global___ClusterEvent] | None = ...,
+        samples: _abc.Iterable[Global___ClusterSample] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "now_s", b"now_s", "period_s", b"period_s", "samples", b"samples", "window_s", b"window_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterHistory: _TypeAlias = ClusterHistory  # noqa: Y015

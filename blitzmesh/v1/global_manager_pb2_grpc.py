@@ -80,6 +80,11 @@ class GlobalManagerStub:
                 request_serializer=blitzmesh_dot_v1_dot_admin__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=blitzmesh_dot_v1_dot_admin__pb2.ClusterEvent.FromString,
                 _registered_method=True)
+        self.GetHistory = channel.unary_unary(
+                '/blitzmesh.v1.GlobalManager/GetHistory',
+                request_serializer=blitzmesh_dot_v1_dot_admin__pb2.GetHistoryRequest.SerializeToString,
+                response_deserializer=blitzmesh_dot_v1_dot_admin__pb2.ClusterHistory.FromString,
+                _registered_method=True)
 
 
 class GlobalManagerServicer:
@@ -143,6 +148,13 @@ class GlobalManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHistory(self, request, context):
+        """The events and cluster samples of the last minutes (a dashboard opened after them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GlobalManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -190,6 +202,11 @@ def add_GlobalManagerServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=blitzmesh_dot_v1_dot_admin__pb2.WatchEventsRequest.FromString,
                     response_serializer=blitzmesh_dot_v1_dot_admin__pb2.ClusterEvent.SerializeToString,
+            ),
+            'GetHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHistory,
+                    request_deserializer=blitzmesh_dot_v1_dot_admin__pb2.GetHistoryRequest.FromString,
+                    response_serializer=blitzmesh_dot_v1_dot_admin__pb2.ClusterHistory.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -435,6 +452,33 @@ class GlobalManager:
             '/blitzmesh.v1.GlobalManager/WatchEvents',
             blitzmesh_dot_v1_dot_admin__pb2.WatchEventsRequest.SerializeToString,
             blitzmesh_dot_v1_dot_admin__pb2.ClusterEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blitzmesh.v1.GlobalManager/GetHistory',
+            blitzmesh_dot_v1_dot_admin__pb2.GetHistoryRequest.SerializeToString,
+            blitzmesh_dot_v1_dot_admin__pb2.ClusterHistory.FromString,
             options,
             channel_credentials,
             insecure,

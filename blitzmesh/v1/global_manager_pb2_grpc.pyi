@@ -50,6 +50,8 @@ class GlobalManagerStub:
     Scale: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ScaleRequest, _admin_pb2.ScaleResponse]
     SetPolicy: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetPolicyRequest, _admin_pb2.SetPolicyResponse]
     WatchEvents: _grpc.UnaryStreamMultiCallable[_admin_pb2.WatchEventsRequest, _admin_pb2.ClusterEvent]
+    GetHistory: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetHistoryRequest, _admin_pb2.ClusterHistory]
+    """The events and cluster samples of the last minutes (a dashboard opened after them)."""
 
 @_typing.type_check_only
 class GlobalManagerAsyncStub(GlobalManagerStub):
@@ -68,6 +70,8 @@ class GlobalManagerAsyncStub(GlobalManagerStub):
     Scale: _aio.UnaryUnaryMultiCallable[_admin_pb2.ScaleRequest, _admin_pb2.ScaleResponse]  # type: ignore[assignment]
     SetPolicy: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetPolicyRequest, _admin_pb2.SetPolicyResponse]  # type: ignore[assignment]
     WatchEvents: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchEventsRequest, _admin_pb2.ClusterEvent]  # type: ignore[assignment]
+    GetHistory: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetHistoryRequest, _admin_pb2.ClusterHistory]  # type: ignore[assignment]
+    """The events and cluster samples of the last minutes (a dashboard opened after them)."""
 
 class GlobalManagerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -137,5 +141,13 @@ class GlobalManagerServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.WatchEventsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_admin_pb2.ClusterEvent], _abc.AsyncIterator[_admin_pb2.ClusterEvent]]: ...
+
+    @_abc_1.abstractmethod
+    def GetHistory(
+        self,
+        request: _admin_pb2.GetHistoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ClusterHistory, _abc.Awaitable[_admin_pb2.ClusterHistory]]:
+        """The events and cluster samples of the last minutes (a dashboard opened after them)."""
 
 def add_GlobalManagerServicer_to_server(servicer: GlobalManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -50,6 +50,7 @@ PERMISSIONS: Final[dict[str, dict[str, frozenset[str]]]] = {
         "Scale": frozenset({GATEWAY, ADMIN}),
         "SetPolicy": frozenset({GATEWAY, ADMIN}),
         "WatchEvents": frozenset({GATEWAY, ADMIN}),
+        "GetHistory": frozenset({GATEWAY, ADMIN}),
     },
     "blitzmesh.v1.Worker": {
         # Inference: the gateway, and a worker relaying a ZigZag request to its loading partner.

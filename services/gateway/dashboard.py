@@ -2,12 +2,15 @@
 services/gateway/static/ (no build step, nothing from outside), fed by one Server-Sent Events
 stream at /dashboard/stream.
 
-The stream carries two kinds of message: `event`, each of the global manager's WatchEvents as it
-comes (scaling decisions with their reasons, transfer plans, ZigZag pairs, state changes), and
+The stream carries three kinds of message: `event`, each of the global manager's WatchEvents as
+it comes (scaling decisions with their reasons, transfer plans, ZigZag pairs, state changes);
 `cluster`, every `period_s` a GetCluster snapshot with the gateway's own request rate, TTFT and
-TBT over that period. The page and its stream take an admin key, as the Admin API does (the
-`Authorization: Bearer` header, or `?key=` since a browser's EventSource sends no headers); a
-gateway without admin keys serves them to loopback callers. The assets themselves are open."""
+TBT over that period; and `sample`, each new cluster sample of the manager's history. On opening,
+the page reads the manager's recent past (GetHistory) from /dashboard/history as JSON and draws
+it before the live messages. The page, its stream and its history take an admin key, as the
+Admin API does (the `Authorization: Bearer` header, or `?key=` since a browser's EventSource
+sends no headers); a gateway without admin keys serves them to loopback callers. The assets
+themselves are open."""
 
 from __future__ import annotations
 
@@ -35,8 +38,17 @@ from services.gateway.metrics import GatewayMetrics
 log = structlog.get_logger(__name__)
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
+ASSETS = {
+    "app.js": "text/javascript",
+    "style.css": "text/css",
+    # uPlot (MIT, vendor/uPlot.LICENSE), as npm publishes it: the charts of the history.
+    "vendor/uPlot.iife.min.js": "text/javascript",
+    "vendor/uPlot.min.css": "text/css",
+}
 OPEN_PREFIX = "/dashboard/assets/"
+# A live stream re-sends the samples of this last stretch first, so a page whose history read
+# raced the stream's start misses none (the page drops the ones it has by their time).
+STREAM_SAMPLES_OVERLAP_S = 60.0
 
 
 def http_peer(remote: str | None) -> str:
@@ -139,6 +151,50 @@ def cluster_json(state: admin_pb2.ClusterState) -> dict[str, Any]:
     }
 
 
+def sample_json(sample: admin_pb2.ClusterSample, offset_s: float) -> dict[str, Any]:
+    """One manager sample; `at_s` is its wall-clock time (the manager's time plus `offset_s`)."""
+
+    def opt(name: str) -> float | None:
+        return getattr(sample, name) if sample.HasField(name) else None
+
+    return {
+        "time_s": sample.time_s,
+        "at_s": sample.time_s + offset_s,
+        "request_rate": sample.request_rate,
+        "decode_tps": sample.decode_tps,
+        "ttft_p50_s": opt("ttft_p50_s"),
+        "ttft_p99_s": opt("ttft_p99_s"),
+        "tbt_p50_s": opt("tbt_p50_s"),
+        "tbt_p99_s": opt("tbt_p99_s"),
+        "instances": dict(sample.instances_by_state),
+    }
+
+
+def history_json(reply: admin_pb2.ClusterHistory, wall_now_s: float) -> dict[str, Any]:
+    """GetHistory as the page reads it. The manager stamps times on its own monotonic clock;
+    `at_s` maps each to the wall clock by the reply's `now_s` read at `wall_now_s` (the RPC's
+    latency is the error, milliseconds)."""
+    offset_s = wall_now_s - reply.now_s
+    return {
+        "now_s": wall_now_s,
+        "window_s": reply.window_s,
+        "period_s": reply.period_s,
+        "events": [
+            dataclasses.asdict(convert.cluster_event_from_proto(ev)) | {"at_s": ev.time_s + offset_s}
+            for ev in reply.events
+        ],
+        "samples": [sample_json(s, offset_s) for s in reply.samples],
+    }
+
+
+def manager_error(what: str, error: grpc.aio.AioRpcError, timeout_s: float) -> GatewayError:
+    if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return GatewayError(ErrorKind.TIMEOUT, f"the global manager did not answer {what} within {timeout_s} s")
+    return GatewayError(
+        ErrorKind.UNAVAILABLE, f"the global manager's {what} failed: {error.code().name}: {error.details()}"
+    )
+
+
 def sse(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
@@ -165,7 +221,8 @@ class Dashboard:
         app.router.add_get("/dashboard", self.page)
         app.router.add_get("/dashboard/", self.page)
         app.router.add_get("/dashboard/stream", self.stream)
-        app.router.add_get(OPEN_PREFIX + "{name}", self.asset)
+        app.router.add_get("/dashboard/history", self.history)
+        app.router.add_get(OPEN_PREFIX + "{name:[A-Za-z0-9._/-]+}", self.asset)
 
     def check(self, request: web.Request) -> None:
         authorization = request.headers.get("Authorization")
@@ -190,11 +247,25 @@ class Dashboard:
             raise GatewayError(ErrorKind.NOT_FOUND, f"no dashboard asset {quote(name)}; there are {sorted(ASSETS)}")
         return web.FileResponse(STATIC_DIR / name, headers={"Content-Type": ASSETS[name]})
 
-    async def stream(self, request: web.Request) -> web.StreamResponse:
-        self.check(request)
+    def _gm(self) -> Any:
         gm = self.backend.gm
         if gm is None:
             raise GatewayError(ErrorKind.UNAVAILABLE, "the gateway is not connected to the global manager yet")
+        return gm
+
+    async def history(self, request: web.Request) -> web.Response:
+        """The manager's recent past as JSON; 503 (or 504) naming the cause when it cannot be read."""
+        self.check(request)
+        gm, timeout_s = self._gm(), self.config.rpc_timeout_s
+        try:
+            reply = await gm.GetHistory(admin_pb2.GetHistoryRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise manager_error("GetHistory", e, timeout_s) from e
+        return web.json_response(history_json(reply, time.time()), headers={"Cache-Control": "no-store"})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        self.check(request)
+        gm = self._gm()
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
@@ -203,6 +274,7 @@ class Dashboard:
         tasks = [
             asyncio.create_task(self._events(gm, queue), name="dashboard-events"),
             asyncio.create_task(self._snapshots(gm, queue), name="dashboard-cluster"),
+            asyncio.create_task(self._samples(gm, queue), name="dashboard-samples"),
         ]
         try:
             await resp.write(sse("hello", {"gateway_time_s": time.time(), "period_s": self.period_s}))
@@ -243,4 +315,27 @@ class Dashboard:
                 offer(queue, "cluster", data | {"time_s": time.time()})
             except grpc.aio.AioRpcError as e:
                 offer_problem(queue, "cluster", e)
+            await asyncio.sleep(self.period_s)
+
+    async def _samples(self, gm: Any, queue: asyncio.Queue[bytes]) -> None:
+        """Every period: the manager's history samples since the last one sent."""
+        since_s: float | None = None
+        while True:
+            try:
+                request = admin_pb2.GetHistoryRequest(samples_only=True)
+                if since_s is not None:
+                    request.since_s = since_s
+                reply = await gm.GetHistory(request, timeout=self.config.rpc_timeout_s)
+                offset_s = time.time() - reply.now_s
+                first = since_s is None
+                for sample in reply.samples:
+                    if not first or sample.time_s > reply.now_s - STREAM_SAMPLES_OVERLAP_S:
+                        offer(queue, "sample", sample_json(sample, offset_s))
+                    since_s = sample.time_s
+                if since_s is None:
+                    since_s = reply.now_s - STREAM_SAMPLES_OVERLAP_S
+            except grpc.aio.AioRpcError as e:
+                offer_problem(queue, "history", e)
+                if e.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    return  # a manager from before GetHistory: the page draws the live part only
             await asyncio.sleep(self.period_s)

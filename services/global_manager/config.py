@@ -189,6 +189,15 @@ class GlobalManagerConfig(ServiceConfig):
     decision_repeat_s: float = Field(
         30.0, gt=0, description="a 'no change' decision is reported when its reason changes, or this often"
     )
+    history_window_s: float = Field(
+        900.0, gt=0, description="GetHistory (the dashboard's past): events and cluster samples kept this long"
+    )
+    history_period_s: float = Field(
+        1.0, gt=0, description="GetHistory: a cluster sample (request rate, TTFT, TBT, instances by state) this often"
+    )
+    history_max_events: int = Field(
+        10_000, ge=1, description="GetHistory: at most this many events kept, the oldest dropped first"
+    )
     prefix_overlap_weight: float = Field(
         1.0,
         ge=0,
@@ -207,6 +216,10 @@ class GlobalManagerConfig(ServiceConfig):
         make_policy(self.policy, self.policy_params)
         if self.autoscale and not self.default_model:
             raise ValueError("autoscale=True needs default_model (the model the policy scales)")
+        if self.history_period_s > self.history_window_s:
+            raise ValueError(
+                f"history_period_s={self.history_period_s!r} must be <= history_window_s={self.history_window_s!r}"
+            )
         if self.min_instances > self.max_instances:
             raise ValueError(f"min_instances={self.min_instances!r} must be <= max_instances={self.max_instances!r}")
         if (self.min_prefill > 0) != (self.min_decode > 0):

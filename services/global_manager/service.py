@@ -90,6 +90,7 @@ from services.global_manager.core.zigzag import (
     plan_take_back,
 )
 from services.global_manager.esp_routing import EspRouter, EspUnplaced
+from services.global_manager.history import HistoryRecorder
 from services.global_manager.instance_table import InstanceTable, Suspicion
 
 log = structlog.get_logger(__name__)
@@ -130,6 +131,16 @@ SUSPECTS = Counter(
     "Instances a gateway reported failed, by outcome (reported, lost: the probe found it dead, cleared)",
     ["outcome"],
 )
+
+
+def routed_total() -> float:
+    """Requests `Schedule` routed so far (one manager per process: the counter is the process's)."""
+    return sum(
+        sample.value
+        for family in SCHEDULED.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.labels.get("outcome") not in ("unavailable", "esp_unplaced")
+    )
 
 
 def _param_from_proto(value: str) -> Any:
@@ -212,6 +223,8 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         # The reported decisions as `time,action,target,status,reason` lines (newest last).
         self.decision_log: collections.deque[str] = collections.deque(maxlen=10_000)
         self.events = EventBus()
+        # The recent past (events and cluster samples) for GetHistory: a dashboard opened late.
+        self.history = HistoryRecorder(cfg, self.monitor, routed_total)
         self.actuator: Actuator = actuator(self) if actuator is not None else GrpcActuator(cfg, self.table, sink=self)
         self._load_started: dict[str, float] = {}  # instance id -> when its load began
         # Instance id of a load target -> the nodes upstream of it on its transfer chain (the
@@ -299,6 +312,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         )
         log.info("cluster_event", action=action, target=target, status=status, reason=reason, instance_id=instance_id)
         self.events.publish(ev)
+        self.history.record(ev)
 
     # ---- registry -----------------------------------------------------------------------
     async def RegisterInstance(self, request, context):
@@ -883,6 +897,11 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
         finally:
             self.events.unsubscribe(q)
 
+    async def GetHistory(self, request, context):
+        return self.history.to_proto(
+            self.now_s(), request.since_s if request.HasField("since_s") else None, request.samples_only
+        )
+
     # ---- acting: the reconcile core's actions, the actuator's outcomes ----------------------
     async def _check_model(self, model_id: str) -> None:
         known = await self.actuator.list_models()
@@ -1041,6 +1060,7 @@ class GlobalManagerServicer(global_manager_pb2_grpc.GlobalManagerServicer):
             INSTANCES.labels(state.value).set(len(self.table.registry.views(state=state)))
         # An instance that left SERVING takes its cached prefixes with it (between two routes too).
         self.prefix_index.sync(self.table.registry)
+        self.history.tick(now, self.table.registry)
 
     def _decision_metrics(self, model: str, decision: ScaleDecision) -> None:
         DECISIONS.labels(decision.policy, decision.action).inc()

@@ -480,6 +480,70 @@ async def test_dashboard_shows_a_scale_out_within_2s(ops_mesh: Mesh, browser: An
                 await watcher
     assert statuses and all(s == 200 for s in statuses)
 
+    # A page opened after all that draws it: the manager's history holds the scale-out and the
+    # samples of the burst, and the fresh page shows both (in its timeline and on its charts).
+    assert http_status(f"{http}/dashboard/history") == 401
+    # A sample a second: wait for one taken after the new instance turned SERVING.
+    past = await wait_until(
+        lambda: (
+            (h := read_json(f"{http}/dashboard/history?key={ADMIN_KEY}"))["samples"][-1]["instances"]["serving"] >= 2
+            and h
+        ),
+        5,
+        interval_s=0.2,
+        what="a history sample with two instances serving",
+    )
+    assert past["window_s"] == 900
+    (out,) = [e for e in past["events"] if e["action"] == "scale_out" and e["instance_id"] == new]
+    assert out["at_s"] <= past["now_s"] and "Admin.Scale" in out["reason"]
+    assert any(x["request_rate"] > 0 for x in past["samples"]), "the burst's routed requests are in the samples"
+
+    await asyncio.to_thread(browser.get, f"{http}/dashboard?key={ADMIN_KEY}")
+    entry = await wait_until(
+        lambda: find(f'li[data-action="scale_out"][data-instance-id="{new}"]'), 10, interval_s=0.1, what="the past"
+    )
+    assert entry["attrs"].get("data-from-history") == "1" and "Admin.Scale" in entry["text"]
+    markers = await wait_until(
+        lambda: find(f'#chart-instances .marker[data-action="scale_out"][data-instance-id="{new}"]'),
+        10,
+        interval_s=0.1,
+        what="the scale-out's marker on the instances chart",
+    )
+    assert abs(float(markers["attrs"]["data-at-s"]) - out["at_s"]) < 1.0
+    assert find('.marker[data-action="scale_out"]')["count"] >= 4  # on each of the four charts
+
+    def drawn() -> dict[str, Any] | None:
+        """Per chart: its canvas's size and, per series, the points that have a value."""
+        return browser.execute_script(
+            "const out = {};"
+            "for (const [id, u] of Object.entries(window.dashboard.charts)) {"
+            "  const c = document.querySelector('#' + id + ' canvas');"
+            "  out[id] = {w: c.width, h: c.height, points: u.data.slice(1).map(s => s.filter(v => v !== null).length),"
+            "             max: u.data.slice(1).map(s => Math.max(0, ...s.filter(v => v !== null)))};"
+            "}"
+            "return out;"
+        )
+
+    charts = await wait_until(
+        lambda: (d := drawn()) and all(c["points"][0] >= 2 for c in d.values()) and d,
+        10,
+        interval_s=0.1,
+        what="four charts with points",
+    )
+    assert set(charts) == {"chart-rate", "chart-ttft", "chart-tbt", "chart-instances"}
+    assert all(c["w"] > 0 and c["h"] > 0 for c in charts.values()), charts
+    assert charts["chart-rate"]["max"][0] > 0, "requests/s"
+    assert charts["chart-ttft"]["max"][0] > 0 and charts["chart-tbt"]["max"][0] > 0, charts
+    assert charts["chart-instances"]["max"][0] >= 2, "the scaled-out instance serving too"
+    # Live samples keep coming after the past: the last point moves on.
+    first = browser.execute_script("return window.dashboard.history.times.at(-1)")
+    await wait_until(
+        lambda: browser.execute_script("return window.dashboard.history.times.at(-1)") > first,
+        10,
+        interval_s=0.1,
+        what="a live sample after the history",
+    )
+
 
 async def test_scale_and_drain_commands(ops_mesh: Mesh) -> None:
     gw = ("--gateway", ops_mesh.gateway_grpc)

@@ -63,6 +63,21 @@ class FakeGlobalManager(global_manager_pb2_grpc.GlobalManagerServicer):
         yield admin_pb2.ClusterEvent(time_s=1.0, action="scale_out", target=MODEL)
         await asyncio.Event().wait()  # a watch stays open until its caller leaves
 
+    async def GetHistory(self, request, context):
+        """On a manager clock at 100 s: a scale-out at 40 s and two samples, 99 s the newest."""
+        samples = [
+            admin_pb2.ClusterSample(time_s=98.0, request_rate=1.5, instances_by_state={"serving": 1}),
+            admin_pb2.ClusterSample(time_s=99.0, request_rate=2.5, ttft_p50_s=0.2, instances_by_state={"serving": 2}),
+        ]
+        after = request.since_s if request.HasField("since_s") else -1.0
+        return admin_pb2.ClusterHistory(
+            now_s=100.0,
+            window_s=900.0,
+            period_s=1.0,
+            events=[] if request.samples_only else [admin_pb2.ClusterEvent(time_s=40.0, action="scale_out")],
+            samples=[x for x in samples if x.time_s > after],
+        )
+
 
 class FakeParamManager(param_manager_pb2_grpc.ParamManagerServicer):
     async def ListModels(self, request, context):
@@ -275,11 +290,26 @@ async def test_the_dashboard_takes_admin_access_like_the_admin_api(start_gateway
             assert resp.status == 200 and resp.content_type == "text/javascript"
         async with session.get(f"{base}/assets/index.html") as resp:  # the page itself is not an open asset
             assert resp.status == 404 and "no dashboard asset" in (await resp.json())["error"]["message"]
+        async with session.get(f"{base}/assets/vendor/uPlot.iife.min.js") as resp:
+            assert resp.status == 200 and resp.content_type == "text/javascript" and "uPlot" in await resp.text()
+        async with session.get(f"{base}/assets/vendor/uPlot.iife.js") as resp:  # only the files named in ASSETS
+            assert resp.status == 404
         async with session.get(f"{base}/stream") as resp:
             assert resp.status == 200 and resp.content_type == "text/event-stream"
-            got = await _read_sse(resp, {"hello", "cluster", "event"})
+            got = await _read_sse(resp, {"hello", "cluster", "event", "sample"})
         assert '"instance_id":"w-1"' in got["cluster"] and '"request_rate":0.0' in got["cluster"]
         assert '"action":"scale_out"' in got["event"]
+        assert '"time_s":98.0' in got["sample"]  # the stream's first samples overlap the history
+        async with session.get(f"{base}/history") as resp:
+            assert resp.status == 200
+            history = await resp.json()
+        # Manager times map to the gateway's wall clock: 60 s and 1 s before its reply.
+        (event,) = history["events"]
+        assert event["action"] == "scale_out" and event["time_s"] == 40.0
+        assert history["now_s"] - event["at_s"] == pytest.approx(60.0)
+        assert [x["request_rate"] for x in history["samples"]] == [1.5, 2.5]
+        assert history["samples"][1]["ttft_p50_s"] == 0.2 and history["samples"][0]["ttft_p50_s"] is None
+        assert history["samples"][1]["instances"] == {"serving": 2}
 
     async with start_gateway(admin_api_keys=[ADMIN_KEY], api_keys=[INFERENCE_KEY]) as ctx:
         base = f"http://127.0.0.1:{ctx.extra_ports['http_port']}/dashboard"
@@ -290,9 +320,33 @@ async def test_the_dashboard_takes_admin_access_like_the_admin_api(start_gateway
                 assert resp.status == 403 and "is an inference API key" in (await resp.json())["error"]["message"]
             async with session.get(f"{base}/stream", headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as resp:
                 assert resp.status == 200
+            async with session.get(f"{base}/history") as resp:
+                assert resp.status == 401
+            async with session.get(f"{base}/history?key={ADMIN_KEY}") as resp:
+                assert resp.status == 200
             async with session.get(f"{base}?key={ADMIN_KEY}") as resp:
                 assert resp.status == 200
 
     async with start_gateway(admin_allow_loopback=False) as ctx, aiohttp.ClientSession() as session:
         async with session.get(f"http://127.0.0.1:{ctx.extra_ports['http_port']}/dashboard") as resp:
             assert resp.status == 403 and "admin_allow_loopback is off" in (await resp.json())["error"]["message"]
+
+
+async def test_dashboard_history_answers_503_when_the_manager_is_gone(managers, serve_in_process) -> None:
+    """The history is read when the page opens: a manager that went away is a quick, named 503."""
+    gm = FakeGlobalManager()
+    gm_server, gm_address = await _start(lambda s: global_manager_pb2_grpc.add_GlobalManagerServicer_to_server(gm, s))
+    cfg = GatewayConfig(port=0, http_port=0, global_manager=gm_address, param_manager=managers[2], shutdown_grace_s=0.2)
+    async with serve_in_process(GatewayService(cfg, registry=CollectorRegistry()), cfg) as ctx:
+        await wait_for_serving(ctx.address, 5)
+        url = f"http://127.0.0.1:{ctx.extra_ports['http_port']}/dashboard/history"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url) as resp:
+                assert resp.status == 200
+            await gm_server.stop(0)
+            started = asyncio.get_running_loop().time()
+            async with session.get(url) as resp:
+                message = (await resp.json())["error"]["message"]
+            assert resp.status == 503, message
+            assert asyncio.get_running_loop().time() - started < cfg.rpc_timeout_s
+            assert message.startswith("the global manager's GetHistory failed: UNAVAILABLE"), message

@@ -459,3 +459,28 @@ async def test_a_burst_during_a_scale_in_takes_the_drain_back() -> None:
     assert result.status == "resumed" and result.instance_id == "w1"
     await mesh.run(0.2)  # its reports (SERVING) agree
     assert mesh.state("w1") == "SERVING" and not mesh.act.busy()
+
+
+async def test_the_history_holds_a_scale_out_and_the_samples_around_it() -> None:
+    """GetHistory (what a dashboard opened late draws): the events and the cluster samples of the
+    last history_window_s, one sample per history_period_s of ticks."""
+    mesh = await started(history_window_s=2.0, history_period_s=0.1)
+    mesh.set_load(decode_tps=50, running=4, ttft_p50_s=0.3)
+    await mesh.run(0.6)
+    reply = await mesh.gm.GetHistory(admin_pb2.GetHistoryRequest(), Context())
+    assert reply.now_s == mesh.gm.now_s() and reply.window_s == 2.0 and reply.period_s == 0.1
+    outs = [e for e in reply.events if e.action == "scale_out"]
+    assert [e.instance_id for e in outs] == ["w0", "w1", "w2"]  # the floor, then the two on load
+    assert [e.time_s for e in reply.events] == sorted(e.time_s for e in reply.events)
+    times = [s.time_s for s in reply.samples]
+    assert all(b - a >= 0.1 - 1e-9 for a, b in zip(times, times[1:], strict=False))
+    last = reply.samples[-1]
+    assert last.decode_tps == 50 and last.ttft_p50_s == 0.3
+    assert dict(last.instances_by_state) == {"serving": 1, "loading": 2, "idle": 0, "draining": 0, "lost": 0}
+    newer = await mesh.gm.GetHistory(admin_pb2.GetHistoryRequest(since_s=times[-2], samples_only=True), Context())
+    assert [s.time_s for s in newer.samples] == times[-1:] and not newer.events
+    # Two seconds on, the scale-out is out of the window; the samples keep coming.
+    await mesh.run(2.5)
+    later = await mesh.gm.GetHistory(admin_pb2.GetHistoryRequest(), Context())
+    assert not [e for e in later.events if e.action == "scale_out"]
+    assert later.samples[0].time_s >= later.now_s - 2.0 and len(later.samples) <= 21

@@ -1,4 +1,5 @@
-// Blitzmesh dashboard: one EventSource on /dashboard/stream ("cluster" snapshots, manager "event"s).
+// Blitzmesh dashboard: the manager's recent past from /dashboard/history, then one EventSource on
+// /dashboard/stream ("cluster" snapshots, manager "event"s and history "sample"s).
 "use strict";
 
 const TIMELINE = new Set(["autoscaling_decision", "autoscaling_bound", "scale_from_zero", "scale_out", "scale_in",
@@ -153,7 +154,112 @@ function renderZigzag() {
   }
 }
 
-function onEvent(ev) {
+// ---- history: charts of the manager's samples, scaling decisions marked on their time axis ----
+
+// Events marked on the charts: the decisions that change the instance count, and losses.
+const MARKED = new Set(["scale_out", "scale_in", "scale_from_zero", "instance_lost"]);
+const STATE_COLORS = { serving: "#3fb950", loading: "#d29922", draining: "#db6d28", idle: "#6e7681", lost: "#f85149" };
+const toMs = (s) => (s === null || s === undefined ? null : s * 1000);
+const history = { windowS: 900, times: [], rows: [], seen: new Set(), markers: [], seenEvents: new Set() };
+const charts = {};
+window.dashboard = { charts, history };  // for the browser test and a curious operator
+
+// Each chart: its series as [label, colour, value of a sample], drawn against the samples' times.
+const CHARTS = {
+  "chart-rate": [["requests/s", "#4aa3ff", (s) => s.request_rate], ["tokens/s (right)", "#a371f7", (s) => s.decode_tps, "tps"]],
+  "chart-ttft": [["TTFT p50", "#4aa3ff", (s) => toMs(s.ttft_p50_s)], ["TTFT p99", "#f85149", (s) => toMs(s.ttft_p99_s)]],
+  "chart-tbt": [["TBT p50", "#4aa3ff", (s) => toMs(s.tbt_p50_s)], ["TBT p99", "#f85149", (s) => toMs(s.tbt_p99_s)]],
+  "chart-instances": Object.entries(STATE_COLORS).map(([st, c]) => [st, c, (s) => (s.instances || {})[st] ?? 0, null, true]),
+};
+
+// The scaling markers as elements over the plot (one per event in view), so they carry the
+// event's action and instance as data attributes and its reason as a tooltip.
+function drawMarkers(u) {
+  for (const old of u.over.querySelectorAll(".marker")) old.remove();
+  const [lo, hi] = [u.scales.x.min, u.scales.x.max];
+  for (const m of history.markers) {
+    if (lo === null || m.at_s < lo || m.at_s > hi) continue;
+    const div = el("div", "marker marker-" + m.action);
+    div.style.left = u.valToPos(m.at_s, "x") + "px";
+    div.dataset.action = m.action;
+    div.dataset.instanceId = m.instance_id || "";
+    div.dataset.atS = String(m.at_s);
+    div.title = clock(m.at_s) + " " + m.action + " " + (m.instance_id || "") + ": " + m.reason;
+    u.over.append(div);
+  }
+}
+
+function makeChart(id) {
+  const box = $(id), spec = CHARTS[id];
+  const axis = { stroke: "#8a96a3", grid: { stroke: "#222a35" }, ticks: { stroke: "#222a35" } };
+  const opts = {
+    title: box.dataset.title,
+    width: Math.max(box.clientWidth, 300),
+    height: 170,
+    scales: { x: { time: true } },
+    series: [{}, ...spec.map(([label, stroke, , scale, stepped]) => ({
+      label, stroke, width: 1.5, scale: scale || "y", spanGaps: false,
+      paths: stepped ? uPlot.paths.stepped({ align: 1 }) : undefined,
+    }))],
+    axes: [axis, { ...axis, scale: "y" }, ...(spec.some((x) => x[3]) ? [{ ...axis, scale: "tps", side: 1, grid: { show: false } }] : [])],
+    legend: { live: false },
+    hooks: { draw: [drawMarkers] },
+  };
+  charts[id] = new uPlot(opts, [[], ...spec.map(() => [])], box);
+}
+
+function redrawCharts() {
+  const horizon = (history.times.at(-1) ?? 0) - history.windowS;
+  let dropped = false;
+  while (history.times.length && history.times[0] < horizon) { history.times.shift(); history.rows.shift(); dropped = true; }
+  if (dropped) history.seen = new Set(history.rows.map((r) => r.time_s));
+  history.markers = history.markers.filter((m) => m.at_s >= horizon);
+  for (const [id, spec] of Object.entries(CHARTS)) {
+    charts[id].setData([history.times.slice(), ...spec.map(([, , value]) => history.rows.map(value))]);
+  }
+}
+
+function onSample(sample, redraw = true) {
+  if (history.seen.has(sample.time_s)) return;  // a stream's first samples overlap the history
+  history.seen.add(sample.time_s);
+  let k = history.times.length;
+  while (k && history.times[k - 1] > sample.at_s) k--;
+  history.times.splice(k, 0, sample.at_s);
+  history.rows.splice(k, 0, sample);
+  if (redraw) redrawCharts();
+}
+
+// Resolves when the page has the manager's past (or knows it cannot have it).
+async function loadHistory() {
+  const key = new URLSearchParams(location.search).get("key");
+  const status = $("history-status");
+  try {
+    const r = await fetch("/dashboard/history" + (key ? "?key=" + encodeURIComponent(key) : ""));
+    const body = await r.json();
+    if (!r.ok) throw new Error(body.error ? body.error.message : "HTTP " + r.status);
+    history.windowS = body.window_s;
+    for (const sample of body.samples) onSample(sample, false);
+    for (const ev of body.events) onEvent(ev, ev.at_s);
+    status.textContent = "last " + Math.round(body.window_s / 60) + " min, a sample every " + body.period_s + " s";
+  } catch (e) {
+    status.textContent = "no history: " + e.message;
+    status.className = "problem";
+  }
+  redrawCharts();
+}
+
+function onEvent(ev, atS) {
+  // The same event may come from the history and the stream: keep the first.
+  const key = [ev.time_s, ev.action, ev.instance_id, ev.target, ev.status].join("|");
+  if (history.seenEvents.has(key)) return;
+  history.seenEvents.add(key);
+  // A Set iterates in insertion order: the oldest keys go first (a page open for days).
+  for (const old of history.seenEvents) { if (history.seenEvents.size <= 10000) break; history.seenEvents.delete(old); }
+  const at = atS ?? ev.received_s;
+  if (MARKED.has(ev.action)) {
+    history.markers.push({ at_s: at, action: ev.action, instance_id: ev.instance_id, reason: ev.reason });
+    if (atS === undefined) redrawCharts();
+  }
   if (ev.action === "transfer_plan") { state.chains = parseChains(ev.reason); renderChains(); }
   if (ev.action === "zigzag_pair" && ev.instance_id) { state.zigzag.set(ev.instance_id, ev.status); renderZigzag(); }
   if (ev.action === "zigzag_stopped") { state.zigzag.delete(ev.instance_id); renderZigzag(); }
@@ -162,8 +268,9 @@ function onEvent(ev) {
   li.dataset.action = ev.action;
   li.dataset.instanceId = ev.instance_id || "";
   li.dataset.shownMs = String(Date.now());
-  li.dataset.receivedS = String(ev.received_s);
-  li.append(el("span", "when", clock(ev.received_s)));
+  li.dataset.receivedS = String(at);
+  if (atS !== undefined) li.dataset.fromHistory = "1";
+  li.append(el("span", "when", clock(at)));
   li.append(el("span", "what", ev.action + (ev.instance_id ? " " + ev.instance_id : "")));
   li.append(el("span", "why", [ev.target, ev.status, ev.reason].filter(Boolean).join(" · ")));
   const ol = $("timeline");
@@ -174,11 +281,21 @@ function onEvent(ev) {
 function connect() {
   const key = new URLSearchParams(location.search).get("key");
   const src = new EventSource("/dashboard/stream" + (key ? "?key=" + encodeURIComponent(key) : ""));
+  // The stream opens before the history is read, so nothing falls between them; what it brings
+  // meanwhile waits, then goes after the history (the same event twice counts once).
+  let pending = [];
+  const later = (f) => (m) => { const data = JSON.parse(m.data); pending ? pending.push(() => f(data)) : f(data); };
   src.addEventListener("open", () => { $("connection").textContent = "live"; $("connection").className = "pill live"; });
   src.addEventListener("error", () => { $("connection").textContent = "reconnecting…"; $("connection").className = "pill down"; });
   src.addEventListener("cluster", (m) => onCluster(JSON.parse(m.data)));
-  src.addEventListener("event", (m) => onEvent(JSON.parse(m.data)));
+  src.addEventListener("event", later(onEvent));
+  src.addEventListener("sample", later(onSample));
   src.addEventListener("problem", (m) => console.warn(JSON.parse(m.data).message));
+  loadHistory().then(() => { const run = pending; pending = null; for (const f of run) f(); });
 }
 
+for (const id of Object.keys(CHARTS)) makeChart(id);
+addEventListener("resize", () => {
+  for (const [id, u] of Object.entries(charts)) u.setSize({ width: Math.max($(id).clientWidth, 300), height: 170 });
+});
 connect();
