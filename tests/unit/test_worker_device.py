@@ -203,5 +203,5 @@ def test_engine_with_cuda_graphs_gives_the_eager_tokens(tmp_path) -> None:
         engine = Engine.create(load_model(str(path), device="cuda", dtype=torch.float32), (2,), config)
         out[graphs] = asyncio.run(_greedy(engine, prompts))
         if graphs:
-            assert engine._decode_graphs is not None and engine._decode_graphs.num_graphs >= 1
+            assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.num_graphs >= 1
     assert out[True] == out[False]

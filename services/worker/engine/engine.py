@@ -47,13 +47,12 @@ from services.worker.engine.outputs import (
 from services.worker.engine.policy import FcfsPolicy, QueuePolicy, ScorpioPolicy
 from services.worker.engine.preemption import Preemption
 from services.worker.engine.request import EngineRequest, RequestMode, RequestStatus
+from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampling import (
     PromptLogprob,
     SamplingParams,
     TokenHistory,
     TopLogprobs,
-    prompt_logprobs,
-    sample,
 )
 from services.worker.engine.scheduler import (
     CapacityPolicy,
@@ -75,14 +74,10 @@ from services.worker.engine.step import (
     StepRow,
 )
 from services.worker.model import fused, native
-from services.worker.model.attention import ForwardBatch
-from services.worker.model.cuda_graphs import DecodeGraphs
 from services.worker.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
-# Prompt positions whose logits are computed at once for prompt log-probs: [rows, vocab] float32.
-_PROMPT_LOGITS_ROWS = 256
 # ZigZag relays remembered for requests that have not arrived yet (bounded: most never come).
 _MAX_EARLY_RELAYS = 1024
 
@@ -290,14 +285,19 @@ class Engine:
         # With a share (and no fixed `num_threads`), the compute thread takes its share of the
         # machine's cores among the engines running on it, re-read between steps.
         self._cpu_share = cpu_share if self.config.num_threads is None else None
-        self._threads = 0  # the compute thread's team size, once it has started
         # Called once, on the event loop, when the loop crashes (after every request was failed):
         # the owner must hear of it, or it goes on advertising an engine that serves nothing.
         self._on_dead = on_dead
         self.model = model
-        # Built on the first decode-only step of a complete CUDA model (see `_decode_logits`).
-        self._decode_graphs: DecodeGraphs | None = None
         self.kv_cache = kv_cache
+        # The compute thread's side of a step: the forward passes and sampling.
+        self.runner = ModelRunner(
+            model,
+            kv_cache,
+            max_batch_size=self.config.max_batch_size,
+            cuda_graphs=self.config.cuda_graphs,
+            cpu_share=self._cpu_share,
+        )
         # Every id that ends a generation (a chat model may have several, e.g. <|im_end|> and <|endoftext|>).
         self.eos_token_ids = _eos_set(eos_token_ids)
         if kv_cache.block_size != self.config.block_size:
@@ -435,7 +435,7 @@ class Engine:
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="engine-compute",
-            initializer=self._set_threads,
+            initializer=self.runner.set_threads,
             initargs=(threads or torch.get_num_threads(),),
         )
         # Build (or load from the cache) the native decode-attention and fused-op kernels on the
@@ -453,11 +453,6 @@ class Engine:
             threads=threads or torch.get_num_threads(),
             threads_shared=self._cpu_share is not None,
         )
-
-    def _set_threads(self, n: int) -> None:
-        """On the compute thread: the size of its OpenMP team (this thread's only)."""
-        torch.set_num_threads(n)
-        self._threads = n
 
     async def stop(self) -> None:
         """Stop the loop; requests still in flight fail with EngineStoppedError."""
@@ -1483,95 +1478,8 @@ class Engine:
             self._finish(seq, reason, notify=False)
 
     def _execute(self, inp: StepInput) -> StepOutputs:
-        """The compute thread's part of a step: forward over the flat batch, then sampling (and
-        the prompt log-probs some prefills asked for, from the same hidden states); ZigZag
-        continuations run their remaining layers; ZigZag requests on a loading instance run the
-        layers it holds and keep their hidden states."""
-        model = self.model
-        device = model.device
-        share = self._cpu_share.threads() if self._cpu_share is not None else self._threads
-        if share != self._threads:
-            self._set_threads(share)
-        num_layers = model.config.num_hidden_layers
-        logits_parts: list[torch.Tensor] = []
-        prompt_out: list[list[tuple[float, TopLogprobs]]] = []
-        graphs = self._graphs_for(inp) if inp.query_lens else None
-        if graphs is not None:
-            logits_parts.append(graphs.run(inp.input_ids, inp.context_lens, inp.block_tables))
-        elif inp.query_lens:
-            batch = ForwardBatch.build(
-                inp.query_lens,
-                inp.context_lens,
-                inp.block_tables,
-                self.kv_cache.block_size,
-                logits_rows=inp.logits_local,
-                device=device,
-            )
-            ids = torch.tensor(inp.input_ids, dtype=torch.long, device=device)
-            if not inp.prompt_work:
-                if inp.logits_local:
-                    logits_parts.append(model.forward_batch(ids, batch, self.kv_cache))
-                else:
-                    model.run_layers(model.embed(ids), 0, num_layers, batch, self.kv_cache)
-            else:
-                # forward_batch's steps, keeping every position's hidden state for the prompt logits.
-                hidden = model.run_layers(model.embed(ids), 0, num_layers, batch, self.kv_cache)
-                if inp.logits_local:
-                    logits_parts.append(model.head(hidden.index_select(0, batch.logits_indices)))
-                starts = [0]
-                for n in inp.query_lens:
-                    starts.append(starts[-1] + n)
-                for work in inp.prompt_work:
-                    results: list[tuple[float, TopLogprobs]] = []
-                    base = starts[work.row]
-                    for a in range(0, len(work.targets), _PROMPT_LOGITS_ROWS):
-                        b = min(a + _PROMPT_LOGITS_ROWS, len(work.targets))
-                        rows = torch.arange(base + a, base + b, device=hidden.device)
-                        results.extend(
-                            prompt_logprobs(model.head(hidden.index_select(0, rows)), work.targets[a:b], work.k)
-                        )
-                    prompt_out.append(results)
-        for cont in inp.continuations:
-            batch = ForwardBatch.build(
-                [cont.num_tokens], [cont.context_len], [cont.block_table], self.kv_cache.block_size, device=device
-            )
-            hidden = model.run_layers(cont.hidden.to(device), cont.layer_start, num_layers, batch, self.kv_cache)
-            if cont.sample:
-                logits_parts.append(model.head(hidden.index_select(0, batch.logits_indices)))
-        partial_out: list[torch.Tensor] = []
-        for part in inp.partials:
-            batch = ForwardBatch.build(
-                [part.num_tokens], [0], [part.block_table], self.kv_cache.block_size, device=device
-            )
-            if part.layer_start == 0 and part.seq.zz_embedded is not None:
-                hidden = part.seq.zz_embedded.to(device)  # looked up by its partner (no embedding here yet)
-            elif part.layer_start == 0:
-                hidden = model.embed(torch.tensor(part.seq.prompt, dtype=torch.long, device=device))
-            else:
-                assert part.hidden is not None
-                hidden = part.hidden
-            partial_out.append(model.run_layers(hidden, part.layer_start, part.layer_end, batch, self.kv_cache))
-        if not inp.sample_rows:
-            return StepOutputs(None, prompt_out, partial_out)
-        logits = logits_parts[0] if len(logits_parts) == 1 else torch.cat(logits_parts)
-        return StepOutputs(sample(logits, inp.params, inp.generators, inp.histories), prompt_out, partial_out)
-
-    def _graphs_for(self, inp: StepInput) -> DecodeGraphs | None:
-        """The CUDA graphs that run this step, or None: only a step of decodes alone on a complete
-        CUDA model whose every row samples, within the graphs' buckets."""
-        model = self.model
-        if not self.config.cuda_graphs or model.device.type != "cuda" or inp.prompt_work:
-            return None
-        n = len(inp.query_lens)
-        if len(inp.logits_local) != n or any(q != 1 for q in inp.query_lens) or min(inp.context_lens) <= 0:
-            return None
-        if not model.static_decode_supported:
-            return None
-        if self._decode_graphs is None:
-            self._decode_graphs = DecodeGraphs(model, self.kv_cache, self.config.max_batch_size)
-        if self._decode_graphs.bucket(n, max(inp.context_lens) + 1) is None:
-            return None
-        return self._decode_graphs
+        """The compute thread's part of a step (`ModelRunner.execute`)."""
+        return self.runner.execute(inp)
 
     def scorpio_report(self) -> dict[str, Any] | None:
         """SCORPIO's fits and counters (None under FCFS): the TPOT model (coefficients, terms,
