@@ -21,7 +21,7 @@ from blitzmesh.types import EngineInfo, InstanceInfo, InstanceState, KernelChoic
 from blitzmesh.v1 import common_pb2, global_manager_pb2, global_manager_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import roles
 from services.common.backlog import backlog_is_news, sample_wait_s
-from services.common.grpc_util import MOVED_METADATA_KEY, RETRY_AFTER_METADATA_KEY, SLO_METADATA_KEY, channel
+from services.common.grpc_util import channel
 from services.common.security import abort_stream, dataplane_key
 from services.common.server import ServeContext
 from services.common.waiting import wait_for
@@ -63,8 +63,10 @@ from services.worker.engine.engine import (
     RequestTooLarge,
 )
 from services.worker.engine.kv_cache import KVCache
+from services.worker.engine.request import RequestMode
 from services.worker.engine.slo import RequestSLO, SLOUnattainable
 from services.worker.esp_worker import EspError, EspWorker, event_to_proto
+from services.worker.generate_reply import ESP_MEMBER, mode_of, refusal_for
 from services.worker.kv_pool import engine_config, free_memory_bytes, kv_pool_blocks
 from services.worker.kv_transfer import KVDescriptor, KVOffer, KVServer, KVTransferConfig, receive_kv
 from services.worker.loader import (
@@ -166,13 +168,6 @@ def load_error_status(e: Exception, pm_address: str) -> tuple[grpc.StatusCode, s
         return grpc.StatusCode.FAILED_PRECONDITION, f": {type(e).__name__}: {e}"
     # A bug, or an error of a library below us that slipped through: still typed.
     return grpc.StatusCode.INTERNAL, f": unexpected {type(e).__module__}.{type(e).__name__}: {e}"
-
-
-def slo_refusal_message(instance_id: str, e: SLOUnattainable, slo: RequestSLO | None) -> str:
-    """The details of an SLO refusal: the objective, its value as this worker got it, and why."""
-    value = None if slo is None else (slo.ttft_s if e.slo == "ttft" else slo.tpot_s)
-    objective = f"{e.slo.upper()} SLO" + (f" of {value:g} s" if value is not None else "")
-    return f"instance {instance_id}: {objective} unattainable: {e} (retry after {e.retry_after_s:.3f} s)"
 
 
 class Instance:
@@ -295,9 +290,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # ---- generation ---------------------------------------------------------------------
     async def Generate(self, request, context):
         inst = self.instance
-        mode = request.WhichOneof("mode") or "colocated"
-        first_layers = mode == "zigzag_first_layers"
-        handoff = mode in ("prefill_handoff", "zigzag_partner_handoff")
+        oneof = request.WhichOneof("mode")
+        first_layers = oneof == RequestMode.ZIGZAG_FIRST_LAYERS.value
         # A loading instance serves ZigZag requests with the layers it holds (its engine runs
         # once the first decoder layer has arrived).
         zigzag_ok = first_layers and self.state == "loading" and inst is not None and inst.engine is not None
@@ -321,10 +315,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"layer range [{request.layer_start}, {request.layer_end}) outside [0, {num_layers}]",
             )
-        if mode == "esp_member":
+        if oneof == ESP_MEMBER:
             async for msg in self._esp_generate(request, context):
                 yield msg
             return
+        mode = mode_of(oneof)
         kv_fill: KVFill | None = None
         relay_fill: RelayFill | None = None
         embedded: torch.Tensor | None = None
@@ -335,12 +330,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             sampling = sampling_from_proto(request.sampling, default_max_tokens=16)
             if request.HasField("slo"):
                 slo = slo_from_proto(request.slo)
-            if mode in ("zigzag_partner", "zigzag_partner_handoff"):
-                partner = getattr(request, mode)
+            if mode.relayed:
+                partner = getattr(request, oneof)
                 if not partner.dataplane_address:
-                    raise ValueError(f"{mode}.dataplane_address is empty")
+                    raise ValueError(f"{oneof}.dataplane_address is empty")
                 relay_fill = self._relay_fill(inst, request.request_id, partner.dataplane_address)
-            if mode == "decode_from_kv":
+            if mode is RequestMode.DECODE_FROM_KV:
                 source = kv_descriptor_from_proto(request.decode_from_kv)
                 expected = len(request.prompt_token_ids) + len(request.resume_token_ids) - 1
                 if source.num_tokens != expected:
@@ -351,7 +346,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 kv_fill = self._kv_fill(inst, source)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if handoff and inst.kv_server is None:
+        if mode.hands_off and inst.kv_server is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"instance {self.instance_id} has no data plane to hand KV off"
             )
@@ -363,7 +358,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             list(request.prompt_token_ids),
             sampling,
             list(request.resume_token_ids),
-            handoff=handoff,
+            handoff=mode.hands_off,
             kv_fill=kv_fill,
             zigzag=first_layers,
             zigzag_embedded=embedded,
@@ -397,33 +392,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield msg
             if outcome not in ("handoff", "relayed", "migrated"):
                 outcome = "ok"
-        except RequestMovedError as e:
-            # Released by rebalancing before it started: the gateway re-routes it, uncounted.
-            outcome = "moved"
-            context.set_trailing_metadata(((MOVED_METADATA_KEY, "rebalance"),))
-            await context.abort(grpc.StatusCode.ABORTED, f"instance {self.instance_id}: {e}")
-        except SLOUnattainable as e:
-            # Refused before its first token: the gateway may try another instance, else tells
-            # its client 429 with Retry-After.
-            outcome = "slo_rejected"
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                slo_refusal_message(self.instance_id, e, slo),
-                trailing_metadata=(
-                    (RETRY_AFTER_METADATA_KEY, f"{e.retry_after_s:.3f}"),
-                    (SLO_METADATA_KEY, e.slo),
-                ),
-            )
-        except RequestTooLarge as e:
-            outcome = "rejected"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except (EngineDeadError, EngineStoppedError) as e:
-            # The gateway retries UNAVAILABLE on another instance if no token was sent yet.
-            outcome = "engine_down"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"instance {self.instance_id}: {e}")
-        except ValueError as e:
-            outcome = "rejected"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (
+            RequestMovedError,
+            SLOUnattainable,
+            RequestTooLarge,
+            EngineDeadError,
+            EngineStoppedError,
+            ValueError,
+        ) as e:
+            refusal = refusal_for(e, self.instance_id, slo)
+            assert refusal is not None  # every type caught here has a reply
+            outcome = refusal.outcome
+            await context.abort(refusal.code, refusal.details, trailing_metadata=refusal.trailing)
         except asyncio.CancelledError:
             # The client went away: the engine frees this request's KV blocks at once.
             outcome = "cancelled"
