@@ -17,6 +17,7 @@ from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.sampling import SamplingParams
 from services.worker.engine.scheduler import CapacityPolicy
 from services.worker.kv_pool import engine_config, free_memory_bytes, kv_pool_blocks, mem_available_bytes
+from services.worker.model import small_gemm
 from services.worker.model.llama import LlamaForCausalLM, load_model
 from services.worker.service import WorkerServicer
 
@@ -97,11 +98,11 @@ def measured_weight_bytes(model: LlamaForCausalLM) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
     def linear(lin: object) -> int:
-        return sum(nbytes(getattr(lin, a)) for a in ("weight", "bias", "_packed"))
+        return sum(nbytes(getattr(lin, a)) for a in ("weight", "bias", "_packed", "_pairs"))
 
     total = nbytes(model._embed) + nbytes(model._norm) + nbytes(model._lm_head)
     if model._head is not None:
-        total += nbytes(model._head._packed)
+        total += nbytes(model._head._packed) + nbytes(model._head._pairs)
     for layer in model._layers:
         if layer is not None:
             total += nbytes(layer.input_norm) + nbytes(layer.post_norm)
@@ -110,14 +111,14 @@ def measured_weight_bytes(model: LlamaForCausalLM) -> int:
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
-def test_weight_bytes_count_the_packed_copy(tiny_path: Path, pack: bool) -> None:
+def test_weight_bytes_count_the_packed_copies(tiny_path: Path, pack: bool) -> None:
     loaded = load_model(str(tiny_path))
     model = LlamaForCausalLM(loaded.config, pack_weights=pack)
     model.load_groups((g, loaded.export_group(g)) for g in loaded.loaded_groups)
     assert model.weight_bytes() == measured_weight_bytes(model)
     elem = torch.empty((), dtype=model.dtype).element_size()
-    if model.packs_weights:
-        assert model.weight_bytes() > model.config.num_parameters() * elem  # the packed copy
+    if model.packs_weights or (pack and small_gemm.small_gemm() is not None):
+        assert model.weight_bytes() > model.config.num_parameters() * elem  # a packed copy
     else:
         assert model.weight_bytes() == model.config.num_parameters() * elem
 

@@ -130,6 +130,15 @@ class Linear:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _has_bias(cfg: LlamaConfig, name: str) -> bool:
+    """Whether the `Linear` that holds weight `name` has a bias (then it keeps no small-GEMM copy)."""
+    if ".self_attn.o_proj." in name:
+        return cfg.o_bias
+    if ".self_attn." in name:
+        return cfg.qkv_bias
+    return ".mlp." in name and cfg.mlp_bias
+
+
 @dataclass(frozen=True)
 class _LayerWeights:
     """One decoder layer. Q/K/V and gate/up are fused so each needs one matmul per step."""
@@ -227,10 +236,12 @@ class LlamaForCausalLM:
 
     def weight_bytes(self, *, loaded_only: bool = False) -> int:
         """Bytes the weights take here, of every group (or of the groups loaded so far), counting
-        the packed copy of the matmul weights where there is one: what sizing the KV pool from
-        the memory left must subtract. From the config's shapes: a group's tensors arrive whole."""
+        the packed copies of the matmul weights where `Linear` makes them (oneDNN's blocked copy,
+        the small GEMM's panels): what sizing the KV pool from the memory left must subtract.
+        From the config's shapes: a group's tensors arrive whole."""
         cfg = self.config
         elem = torch.empty((), dtype=self.dtype).element_size()
+        kernel = small_gemm.small_gemm() if self.pack_weights and self.device.type == "cpu" else None
         total = 0
         for group in param_groups(cfg):
             if loaded_only and group not in self._loaded:
@@ -239,10 +250,13 @@ class LlamaForCausalLM:
                 n = 1
                 for d in shape:
                     n *= d
-                # Packed: every 2-D weight that a `Linear` holds (the layers' projections, the LM
-                # head, and the embedding when the head reuses it).
-                packed = len(shape) == 2 and self.packs_weights and (name != EMBED_WEIGHT or cfg.tie_word_embeddings)
-                total += n * elem * (2 if packed else 1)
+                # Every 2-D weight that a `Linear` holds: the layers' projections, the LM head,
+                # and the embedding when the head reuses it.
+                linear = len(shape) == 2 and (name != EMBED_WEIGHT or cfg.tie_word_embeddings)
+                copies = 1 + (linear and self.packs_weights)
+                if linear and kernel is not None and not _has_bias(cfg, name):
+                    copies += kernel.packs_shape(self.dtype, shape)
+                total += n * elem * copies
         return total
 
     def _take(self, tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:

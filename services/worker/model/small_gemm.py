@@ -238,8 +238,12 @@ class SmallGemm:
             fn.restype = None
 
     def packable(self, weight: torch.Tensor) -> bool:
-        n, k = weight.shape
-        return weight.dtype in self._pack and weight.device.type == "cpu" and n % 16 == 0 and k % 2 == 0
+        return weight.device.type == "cpu" and self.packs_shape(weight.dtype, tuple(weight.shape))
+
+    def packs_shape(self, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+        """Whether a CPU weight of this dtype and [N, K] shape gets a packed copy (its bytes:
+        the weight's own)."""
+        return dtype in self._pack and len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % 2 == 0
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight [N, K]` -> its packed copy (bfloat16: int32 storage of N * K / 2 pairs;
