@@ -3,6 +3,7 @@
     blitzmesh status | top | events [--follow] | models
     blitzmesh scale MODEL N | drain INSTANCE | policy get | policy set NAME [KEY=VALUE ...]
     blitzmesh replay TRACE [burst options] | convert-gguf FILE OUT_DIR [options]
+    blitzmesh certs rotate [--tls-dir DIR] [--ca-key PATH] [--days N]
 
 Tables for people, `--json` for scripts. A failure (gateway unreachable, admin key missing or
 refused, unknown instance or model) is one line on stderr saying what failed and how to fix it,
@@ -31,6 +32,7 @@ from blitzmesh.types import ClusterEvent, ClusterState, InstanceInfo
 
 EXIT_FAILED = 2
 PORT_FILE = Path("run") / "gateway.ports.json"
+TLS_DIR = Path("run") / "tls"  # where make up keeps the mesh's CA and certificates
 # The instance states that hold (or are getting) a model: what `scale MODEL N` counts.
 LIVE_STATES = ("loading", "serving")
 
@@ -348,6 +350,26 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     return model_format_main(["convert-gguf", *args.convert_args])
 
 
+def cmd_certs(args: argparse.Namespace, out: TextIO) -> int:
+    from services.common import pki, security  # the services' extras: imported only for this command
+
+    try:
+        days = args.days or pki.LEAF_DAYS
+        renewed = pki.renew(args.tls_dir, ca_key=args.ca_key, days=days)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if args.json:
+        print(as_json([{"certificate": name, "serial": format(serial, "x")} for name, serial in renewed]), file=out)
+    else:
+        print(table(("CERTIFICATE", "NEW SERIAL"), [(name, format(serial, "x")) for name, serial in renewed]), file=out)
+        print(
+            f"renewed {len(renewed)} certificates in {args.tls_dir}/, valid {days} days; running services "
+            f"present them within {security.RELOAD_CHECK_S:g} s, without a restart",
+            file=out,
+        )
+    return 0
+
+
 # ---- the parser --------------------------------------------------------------------------
 
 
@@ -445,6 +467,18 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument(
         "--http", default=None, metavar="URL", help="the gateway's HTTP base URL (default: from the port file)"
     )
+    ce = add("certs", "the mesh's certificates")
+    cesub = ce.add_subparsers(dest="certs_command", required=True, metavar="rotate")
+    cr = cesub.add_parser(
+        "rotate",
+        help="renew every certificate of the mesh in place; running services pick them up without a restart",
+        parents=[common],
+    )
+    cr.add_argument(
+        "--tls-dir", type=Path, default=TLS_DIR, help=f"the mesh's certificates (default {TLS_DIR}, make up's)"
+    )
+    cr.add_argument("--ca-key", type=Path, default=None, help="the CA's private key (default TLS_DIR/ca.key)")
+    cr.add_argument("--days", type=count, default=None, help="lifetime of the new certificates (default 30)")
     cv = add("convert-gguf", "convert a Llama GGUF file into a checkpoint the mesh serves")
     cv.add_argument("convert_args", nargs=argparse.REMAINDER, help="FILE OUT_DIR [--dtype ...] [--force]")
     return p
@@ -475,6 +509,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
             return cmd_replay(args, out)
         if args.command == "convert-gguf":
             return cmd_convert(args, out)
+        if args.command == "certs":
+            return cmd_certs(args, out)
         asyncio.run(COMMANDS[args.command](args, out))
         return 0
     except KeyboardInterrupt:

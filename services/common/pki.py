@@ -17,6 +17,9 @@ Layout of the directory (docs/security.md):
                           writes under fixed names (cert-manager's csi-driver; docs/deploy.md)
     dataplane.key         the data plane's shared secret (services/dataplane/auth.py)
 
+`renew(dir)` (`blitzmesh certs rotate`) issues every certificate there again, in place, with the
+CA there: the running processes pick the new files up without a restart (docs/security.md).
+
 Usage: python -m services.common.pki DIR [--ca-key PATH] [--instance ROLE/ID ...] [--days N] [--k8s-secret NAME]
 """
 
@@ -115,18 +118,82 @@ def named_instances(cert_pem: bytes) -> list[tuple[str, str]]:
 
 def write_private(path: Path, data: bytes) -> None:
     """Write `data` readable by the owner only (0600), atomically (no half-written key is read)."""
+    _staged_private(path, data).replace(path)
+
+
+def _staged_private(path: Path, data: bytes) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-    tmp.replace(path)
+    return tmp
 
 
 def _write_public(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     tmp.replace(path)
+
+
+def write_pair(cert_file: Path, key_file: Path, cert_pem: bytes, key_pem: bytes) -> None:
+    """Replace a certificate and its key, each file atomically: both are written beside, then
+    renamed into place, the certificate last. A reader sees the old pair, the new pair, or
+    (between the two renames) the new key with the old certificate, never a half-written file;
+    readers check that the two belong together and read again if not
+    (services/common/security.py's `key_matches`)."""
+    cert_file.parent.mkdir(parents=True, exist_ok=True)
+    staged_key = _staged_private(key_file, key_pem)
+    staged_cert = cert_file.with_name(cert_file.name + ".tmp")
+    staged_cert.write_bytes(cert_pem)
+    staged_key.replace(key_file)
+    staged_cert.replace(cert_file)
+
+
+def leaf_certificates(tls_dir: Path) -> list[tuple[str, str | None]]:
+    """(role, instance or None) of every role and instance certificate in `tls_dir` (not the
+    CA's, not a per-pod issuer's `own/`)."""
+    found: list[tuple[str, str | None]] = [(role, None) for role in ALL_ROLES if cert_path(tls_dir, role).is_file()]
+    for role in INSTANCE_ROLES:
+        if (tls_dir / role).is_dir():
+            found += [(role, p.stem) for p in sorted((tls_dir / role).glob("*.pem"))]
+    return found
+
+
+def renew(tls_dir: Path, *, ca_key: Path | None = None, days: int = LEAF_DAYS) -> list[tuple[str, int]]:
+    """Issue every certificate in `tls_dir` (`leaf_certificates`) again, with a new key, signed by
+    the CA there, valid for `days`; each pair is replaced with `write_pair`. Returns (file, new
+    serial) per certificate. The CA stays: every process keeps trusting every other."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    if days < 1:
+        raise ValueError(f"days must be >= 1, got {days}")
+    ca_key_file = ca_key if ca_key is not None else tls_dir / CA_KEY
+    try:
+        ca_cert = x509.load_pem_x509_certificate((tls_dir / CA_CERT).read_bytes())
+        ca_private = serialization.load_pem_private_key(ca_key_file.read_bytes(), password=None)
+    except OSError as e:
+        raise ValueError(
+            f"cannot read the mesh CA ({str(e.filename)!r}: {e.strerror}); renew needs {CA_CERT} in {str(tls_dir)!r} "
+            "and the CA key (--ca-key, default DIR/ca.key)"
+        ) from e
+    if not isinstance(ca_private, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"CA key {str(ca_key_file)!r} is not an EC private key")
+    leaves = leaf_certificates(tls_dir)
+    if not leaves:
+        raise ValueError(f"no certificates to renew in {str(tls_dir)!r} (make up makes them on its first start)")
+    renewed: list[tuple[str, int]] = []
+    for role, instance in leaves:
+        if instance is not None:
+            check_instance_id(role, instance)
+        cert_pem, key_pem = issue(ca_cert, ca_private, role, instance=instance, days=days)
+        cert_file = cert_path(tls_dir, role, instance)
+        write_pair(cert_file, key_path(tls_dir, role, instance), cert_pem, key_pem)
+        serial = x509.load_pem_x509_certificate(cert_pem).serial_number
+        renewed.append((str(cert_file.relative_to(tls_dir)), serial))
+    return renewed
 
 
 def ensure_pki(
@@ -196,9 +263,7 @@ def ensure_pki(
         if not new_ca and key_file.exists() and _current(cert_file, ca_cert, renew_at):
             continue
         cert_pem, key_pem = issue(ca_cert, ca_private, role, instance=instance, days=days)
-        cert_file.parent.mkdir(parents=True, exist_ok=True)
-        write_private(key_file, key_pem)
-        _write_public(cert_file, cert_pem)
+        write_pair(cert_file, key_file, cert_pem, key_pem)
         made += [str(f.relative_to(tls_dir)) for f in (cert_file, key_file)]
 
     if not (tls_dir / DATAPLANE_KEY).exists():

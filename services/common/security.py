@@ -7,6 +7,12 @@ made by services/common/pki.py). serve() binds the internal services with
 `grpc_util.channel()` opens `secure_channel`s with the process's identity as its client
 certificate, checking that the server's certificate names the role it expects there.
 
+Certificates are renewed in place (`blitzmesh certs rotate`, docs/security.md): the process
+identity is re-read when its files change on disk (`IdentityWatch`, checked at most every
+`RELOAD_CHECK_S`), the server hands each new handshake the current certificate
+(`dynamic_server_credentials`), and grpc_util's channels move to a new connection on their next
+call. A certificate is only taken together with the key it was issued for (`key_matches`).
+
 Plaintext is an explicit opt-in for development (`--insecure`): serve() logs a warning, and no
 caller is checked. The process identity starts unset (plaintext channels) until serve() or the
 launcher sets it with `use_identity()`.
@@ -16,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +47,13 @@ AUTH_REFUSED = Counter(
 )
 
 _REFUSED_STREAM_WAIT_S = 0.5
+# How often a process looks at its certificate files for a renewal (a stat of three files): a
+# rotation is seen within this, well inside the 10 s an operator is promised (docs/security.md).
+RELOAD_CHECK_S = 2.0
+# A certificate read without its key (read between the two renames of a rotation) is read again
+# this much later; at start-up, for at most _PAIR_WAIT_S.
+_PAIR_RETRY_S = 0.05
+_PAIR_WAIT_S = 2.0
 HOW_TO_CREATE = "create them with `python -m services.common.pki {dir}` (make up does on its first start)"
 HOW_TO_CREATE_INSTANCE = "create it with `python -m services.common.pki {dir} --instance {role}/{instance}` (make up does when it starts the instance)"
 
@@ -59,15 +74,56 @@ class Identity:
             [(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem, require_client_auth=True
         )
 
+    def certificate_configuration(self) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem)
+
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem
         )
 
 
+def identity_paths(tls_dir: Path, role: str, instance: str | None = None) -> list[Path]:
+    """[CA, certificate, key] of `role` (of its `instance`, `pki.instance_files`) in `tls_dir`."""
+    if instance is None:
+        return [tls_dir / pki.CA_CERT, pki.cert_path(tls_dir, role), pki.key_path(tls_dir, role)]
+    return list(pki.instance_files(tls_dir, role, instance))
+
+
+def key_matches(cert_pem: bytes, key_pem: bytes) -> bool:
+    """Whether `key_pem` is the private key of `cert_pem`'s public key (False if either does not parse)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    try:
+        cert_key = x509.load_pem_x509_certificate(cert_pem).public_key().public_bytes(*spki)
+        private = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError):
+        return False
+    return private.public_key().public_bytes(*spki) == cert_key
+
+
 def load_identity(tls_dir: Path, role: str, instance: str | None = None) -> Identity:
     """The identity of `role` (of one `instance` of it: its own certificate, `pki.instance_files`,
-    which must name it) from `tls_dir`; SystemExit naming the missing file and how to make it."""
+    which must name it) from `tls_dir`; SystemExit naming the missing file and how to make it.
+    A certificate and key that do not belong together (read in the middle of a rotation) are
+    read again for up to `_PAIR_WAIT_S`."""
+    deadline = time.monotonic() + _PAIR_WAIT_S
+    while True:
+        identity = _read_identity(tls_dir, role, instance)
+        if key_matches(identity.cert_pem, identity.key_pem):
+            return identity
+        if time.monotonic() >= deadline:
+            paths = identity_paths(tls_dir, role, instance)
+            raise SystemExit(
+                f"TLS files {str(paths[1])!r} and {str(paths[2])!r} do not belong together (the key is not the "
+                f"certificate's); renew them with `blitzmesh certs rotate --tls-dir {tls_dir}`"
+            )
+        time.sleep(_PAIR_RETRY_S)
+
+
+def _read_identity(tls_dir: Path, role: str, instance: str | None) -> Identity:
     if role not in ALL_ROLES:
         raise SystemExit(f"unknown workload role {role!r}; the roles are {list(ALL_ROLES)}")
     if instance is not None:
@@ -75,10 +131,7 @@ def load_identity(tls_dir: Path, role: str, instance: str | None = None) -> Iden
             pki.check_instance_id(role, instance)
         except ValueError as e:
             raise SystemExit(str(e)) from e
-    if instance is None:
-        paths = [tls_dir / pki.CA_CERT, pki.cert_path(tls_dir, role), pki.key_path(tls_dir, role)]
-    else:
-        paths = list(pki.instance_files(tls_dir, role, instance))
+    paths = identity_paths(tls_dir, role, instance)
     how = HOW_TO_CREATE if instance is None else HOW_TO_CREATE_INSTANCE
     whose = f"role {role!r}" + (f", instance {instance!r}" if instance is not None else "")
     data: list[bytes] = []
@@ -105,17 +158,104 @@ def load_identity(tls_dir: Path, role: str, instance: str | None = None) -> Iden
     return Identity(role, data[1], data[2], data[0], tls_dir, instance)
 
 
-_process_identity: Identity | None = None
+class IdentityWatch:
+    """One identity, re-read from its files when they change on disk: `current()` looks (a stat
+    of each file) at most every `check_interval_s` and returns the same `Identity` object until
+    new files were read whole, the key the certificate's. Thread-safe: gRPC's certificate
+    fetcher calls it from its own threads."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        check_interval_s: float = RELOAD_CHECK_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._identity = identity
+        self._paths = identity_paths(identity.tls_dir, identity.role, identity.instance)
+        self._check_interval_s = check_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        # None: compare the contents on the first look (the files may have changed since the
+        # identity was read); then only a changed stat makes it read them.
+        self._stamp: tuple[tuple[int, int, int], ...] | None = None
+        self._next_check_s = clock() + check_interval_s
+
+    def current(self) -> Identity:
+        now_s = self._clock()
+        if now_s < self._next_check_s:
+            return self._identity
+        with self._lock:
+            if now_s >= self._next_check_s:
+                self._next_check_s = now_s + self._check_interval_s
+                self._refresh()
+            return self._identity
+
+    def _refresh(self) -> None:
+        try:
+            stamp = tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in (p.stat() for p in self._paths))
+        except OSError:
+            return  # a file is away for a moment (being replaced): keep what we have, look again
+        if stamp == self._stamp:
+            return
+        old = self._identity
+        try:
+            new = _read_identity(old.tls_dir, old.role, old.instance)
+        except SystemExit as e:
+            log.warning("certificate_reload_failed", role=old.role, instance=old.instance, error=str(e))
+            return
+        if not key_matches(new.cert_pem, new.key_pem):
+            # Read between the key's and the certificate's rename: look again very soon.
+            self._next_check_s = self._clock() + _PAIR_RETRY_S
+            return
+        self._stamp = stamp
+        if (new.cert_pem, new.key_pem, new.ca_pem) != (old.cert_pem, old.key_pem, old.ca_pem):
+            self._identity = new
+            log.info("certificate_reloaded", role=new.role, instance=new.instance, serial=_serial(new.cert_pem))
 
 
-def use_identity(identity: Identity | None) -> None:
-    """Set the identity this process's channels present (None: plaintext channels)."""
+def _serial(cert_pem: bytes) -> str:
+    from cryptography import x509
+
+    return format(x509.load_pem_x509_certificate(cert_pem).serial_number, "x")
+
+
+def dynamic_server_credentials(watch: IdentityWatch) -> grpc.ServerCredentials:
+    """mTLS server credentials that give each new handshake `watch`'s current certificate
+    (connections already open keep theirs; the client certificate is checked against its CA)."""
+    served = watch.current()
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        nonlocal served
+        try:
+            identity = watch.current()
+        except Exception:  # an exception here would fail the handshake; keep the certificate served
+            log.exception("certificate_fetch_failed")
+            return None
+        if identity is served:
+            return None
+        served = identity
+        return identity.certificate_configuration()
+
+    return grpc.dynamic_ssl_server_credentials(
+        served.certificate_configuration(), fetch, require_client_authentication=True
+    )
+
+
+_process_identity: IdentityWatch | None = None
+
+
+def use_identity(identity: Identity | None) -> IdentityWatch | None:
+    """Set the identity this process's channels present (None: plaintext channels), re-read from
+    its files when they change; returns its watch (serve() gives it to the server too)."""
     global _process_identity
-    _process_identity = identity
+    _process_identity = None if identity is None else IdentityWatch(identity)
+    return _process_identity
 
 
 def process_identity() -> Identity | None:
-    return _process_identity
+    """This process's identity as its files hold it now (checked at most every `RELOAD_CHECK_S`)."""
+    return None if _process_identity is None else _process_identity.current()
 
 
 def secure_channel_options(peer_role: str) -> list[tuple[str, Any]]:

@@ -21,7 +21,14 @@ from services.common.grpc_util import PROCESS_IDENTITY, ProcessIdentity
 from services.common.grpc_util import channel as mesh_channel
 from services.common.metrics import start_metrics_server
 from services.common.roles import INSTANCE_ROLES
-from services.common.security import AuthorizationInterceptor, Identity, load_identity, use_identity
+from services.common.security import (
+    AuthorizationInterceptor,
+    Identity,
+    IdentityWatch,
+    dynamic_server_credentials,
+    load_identity,
+    use_identity,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -121,8 +128,9 @@ def write_port_file(ctx: ServeContext, metrics_port: int | None) -> None:
     tmp.replace(ctx.config.port_file)  # atomic: a reader never sees half a file
 
 
-def configure_security(service: Service, config: ServiceConfig) -> Identity | None:
-    """This process's identity from `config` (also what its channels present); None with --insecure."""
+def configure_security(service: Service, config: ServiceConfig) -> IdentityWatch | None:
+    """This process's identity from `config` (also what its channels present), watched for
+    renewed files; None with --insecure."""
     if config.insecure:
         log.warning(
             "insecure_plaintext",
@@ -138,9 +146,7 @@ def configure_security(service: Service, config: ServiceConfig) -> Identity | No
             "plaintext development mesh"
         )
     instance = getattr(service, "instance_id", None) if service.role in INSTANCE_ROLES else None
-    identity = load_identity(config.tls_dir, service.role, instance)
-    use_identity(identity)
-    return identity
+    return use_identity(load_identity(config.tls_dir, service.role, instance))
 
 
 async def serve(
@@ -168,7 +174,12 @@ async def serve(
     if config.reflection or public:
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bind = f"{config.host}:{config.port}"
-    port = server.add_secure_port(bind, identity.server_credentials()) if checked else server.add_insecure_port(bind)
+    if checked:
+        assert identity is not None
+        # Each new handshake gets the certificate on disk now: a renewal needs no restart.
+        port = server.add_secure_port(bind, dynamic_server_credentials(identity))
+    else:
+        port = server.add_insecure_port(bind)
     if port == 0:
         raise SystemExit(f"cannot bind gRPC port {config.host}:{config.port}")
     ctx = ServeContext(config=config, grpc_port=port, health_servicer=health_servicer, service_names=names)

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import stat
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from google.protobuf import descriptor_pool
 
 import blitzmesh.v1.global_manager_pb2
 import blitzmesh.v1.param_manager_pb2
 import blitzmesh.v1.worker_pb2  # noqa: F401  (registers the services' descriptors)
-from services.common import pki, roles
+from blitzmesh import cli
+from services.common import pki, roles, security
 from services.common.pki import read_key
-from services.common.security import load_identity
+from services.common.security import key_matches, load_identity
 from services.dataplane.auth import AuthenticatedTransport
 from services.dataplane.errors import PeerClosed, ProtocolError, TransferTimeout
 from services.dataplane.tcp import TcpTransport
@@ -295,3 +299,42 @@ def test_make_up_runs_mtls_unless_told_insecure(tmp_path: Path) -> None:
         roles.PARAM_MANAGER,
         roles.HOST_CACHE,
     ]
+
+
+def test_certs_rotate_renews_every_certificate_in_place_with_the_same_ca(tmp_path: Path) -> None:
+    pki.ensure_pki(tmp_path, instances=[(roles.WORKER, "worker-0"), (roles.HOST_CACHE, "host-cache-1")])
+    ca_before = (tmp_path / pki.CA_CERT).read_bytes()
+    leaves = pki.leaf_certificates(tmp_path)
+    assert len(leaves) == len(roles.ALL_ROLES) + 2
+    before = {leaf: pki.cert_path(tmp_path, *leaf).read_bytes() for leaf in leaves}
+
+    out = io.StringIO()
+    assert cli.main(["certs", "rotate", "--tls-dir", str(tmp_path), "--json"], out) == 0
+    printed = {row["certificate"]: int(row["serial"], 16) for row in json.loads(out.getvalue())}
+
+    assert (tmp_path / pki.CA_CERT).read_bytes() == ca_before
+    ca = x509.load_pem_x509_certificate(ca_before)
+    for leaf in leaves:
+        cert_pem = pki.cert_path(tmp_path, *leaf).read_bytes()
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        assert cert_pem != before[leaf]
+        cert.verify_directly_issued_by(ca)
+        assert printed[str(pki.cert_path(tmp_path, *leaf).relative_to(tmp_path))] == cert.serial_number
+        assert key_matches(cert_pem, pki.key_path(tmp_path, *leaf).read_bytes())
+        assert stat.S_IMODE(pki.key_path(tmp_path, *leaf).stat().st_mode) == 0o600
+    assert load_identity(tmp_path, roles.WORKER, "worker-0").instance == "worker-0"
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_certs_rotate_without_a_ca_says_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["certs", "rotate", "--tls-dir", str(tmp_path)], io.StringIO()) == cli.EXIT_FAILED
+    assert "ca.pem" in capsys.readouterr().err
+
+
+def test_a_certificate_with_another_key_is_not_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pki.ensure_pki(tmp_path)
+    _, other_key = pki.issue_from(tmp_path, roles.GATEWAY)
+    pki.write_private(pki.key_path(tmp_path, roles.GATEWAY), other_key)
+    monkeypatch.setattr(security, "_PAIR_WAIT_S", 0.1)
+    with pytest.raises(SystemExit, match="do not belong together.*blitzmesh certs rotate"):
+        load_identity(tmp_path, roles.GATEWAY)
