@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import heapq
 import math
 import time
 from collections import deque
@@ -395,6 +396,10 @@ class Simulation:
         # The pairs (partner, loading instance) at a registry version and order of live instances.
         self._pairs: tuple[tuple[int, tuple[str, ...]], list[tuple[str, str]]] | None = None
         self._pull_cache: list[tuple[str, str]] | None = None  # the last pulled pairs
+        # What the last pulled pairing saw (`_landed_alone`), and each live instance's latest
+        # layer growth, oldest first, to tell when one may stall (stale entries are dropped).
+        self._pull_seen: _PullSeen | None = None
+        self._grew: list[tuple[float, str]] = []
         self.reached_serving: list[tuple[float, str]] = []
         # P/D hand-offs and live migrations: the decode instance chosen with each prefill hop,
         # the KV pulls in flight (request index -> flow id, source, destination, start), and
@@ -943,7 +948,39 @@ class Simulation:
             self.monitor.mark_seen(iid, self.loop.now_s)
             self.zigzag.load_progress(self.loop.now_s, iid, view.model, k, view.num_layers)
             if iid in self.zigzag.started:
+                if self.cfg.fast_path:
+                    heapq.heappush(self._grew, (self.zigzag.progress[iid][2], iid))
+                    if self._landed_alone(iid):
+                        return
                 self._update_zigzag(repair=False)
+
+    def _landed_alone(self, iid: str) -> bool:
+        """A layer landed on live instance `iid`. When nothing else that the pulled pairing reads
+        changed since the last one (no instance went live, stalls now or changed state, every
+        partner's worker as alive and as short of unstarted prompts as then), the pairing
+        `_update_zigzag(repair=False)` would make is that one again, and only `iid`'s partner's
+        speedup can move: this sets it and returns True. False: `_update_zigzag` must run."""
+        seen, registry, zigzag = self._pull_seen, self.registry, self.zigzag
+        if seen is None or not isinstance(registry, IndexedRegistry) or seen.state_version != registry.state_version:
+            return False
+        grew, started, progress = self._grew, zigzag.started, zigzag.progress
+        while grew:
+            at_s, live = grew[0]
+            if live in started and progress.get(live, (None, None, None))[2] == at_s:
+                break
+            heapq.heappop(grew)  # no longer live, or it grew since
+        if grew and self.loop.now_s - grew[0][0] > zigzag.settings.stall_s:
+            return False  # `expire_stalled` has work
+        if list(started) != seen.started:
+            return False
+        for worker, valid in seen.partners:
+            if (worker is not None and worker.alive and worker.unstarted_prompts) != valid:
+                return False
+        partner = seen.partner_of.get(iid)
+        if partner is not None:
+            ks = [registry.get(i).layers_loaded for i in seen.members[partner]]
+            self.boosted[partner] = self.workers[partner].speedup = partner_speedup(self.model.num_layers, ks)
+        return True
 
     def _take_warm(self, iid: str, model: str) -> bool:
         """Whether `iid` still holds `model`'s weights; they are no longer kept either way (a
@@ -1093,6 +1130,7 @@ class Simulation:
         ):
             return  # nothing is paired and the gate is shut at this version: nothing changes
         old, self.boosted = self.boosted, {}
+        self._pull_seen = None
         try:
             self._pair_live(version, repair)
         finally:
@@ -1166,15 +1204,41 @@ class Simulation:
         else:
             pairs = [(iid, partner) for iid, partner in self._pull_cache if iid in ids]
         by_partner: dict[str, list[int]] = {}
+        members: dict[str, list[str]] = {}
+        partners: dict[str, tuple[SimWorker | None, bool]] = {}
         for iid, partner in pairs:
             worker = self.workers.get(partner)
-            if worker is None or not worker.alive or not worker.unstarted_prompts:
+            valid = worker is not None and worker.alive and worker.unstarted_prompts
+            partners.setdefault(partner, (worker, valid))
+            if not valid:
                 continue
             self.zigzag.note_split(iid, partner)
             by_partner.setdefault(partner, []).append(self.registry.get(iid).layers_loaded)
+            members.setdefault(partner, []).append(iid)
             self.zigzag_paired.add(iid)
         for partner, ks in by_partner.items():
             self.boosted[partner] = partner_speedup(self.model.num_layers, ks)
+        if self.cfg.fast_path and isinstance(self.registry, IndexedRegistry):
+            self._pull_seen = _PullSeen(
+                started=list(self.zigzag.started),
+                state_version=self.registry.state_version,
+                partners=tuple(partners.values()),
+                members=members,
+                partner_of={iid: partner for partner, ids in members.items() for iid in ids},
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _PullSeen:
+    """What a pulled pairing read besides layer counts: the live instances in order, the
+    registry's state version, each partner's worker with whether it held unstarted prompts
+    (alive), and the pairs it sped up (partner -> live instances in pairing order)."""
+
+    started: list[str]
+    state_version: int
+    partners: tuple[tuple[SimWorker | None, bool], ...]
+    members: dict[str, list[str]]
+    partner_of: dict[str, str]
 
 
 def partner_speedup(num_layers: int, k_layers: Sequence[int]) -> float:
