@@ -956,10 +956,11 @@ class Simulation:
 
     def _landed_alone(self, iid: str) -> bool:
         """A layer landed on live instance `iid`. When nothing else that the pulled pairing reads
-        changed since the last one (no instance went live, stalls now or changed state, every
-        partner's worker as alive and as short of unstarted prompts as then), the pairing
-        `_update_zigzag(repair=False)` would make is that one again, and only `iid`'s partner's
-        speedup can move: this sets it and returns True. False: `_update_zigzag` must run."""
+        changed since the last one (no other instance went live, none stalls now or changed
+        state, every partner's worker as alive and as short of unstarted prompts as then), the
+        pairing `_update_zigzag(repair=False)` would make is that one again, and only `iid`'s
+        partner's speedup can move: this sets it and returns True. False: `_update_zigzag` must
+        run."""
         seen, registry, zigzag = self._pull_seen, self.registry, self.zigzag
         if seen is None or not isinstance(registry, IndexedRegistry) or seen.state_version != registry.state_version:
             return False
@@ -971,8 +972,13 @@ class Simulation:
             heapq.heappop(grew)  # no longer live, or it grew since
         if grew and self.loop.now_s - grew[0][0] > zigzag.settings.stall_s:
             return False  # `expire_stalled` has work
-        if list(started) != seen.started:
-            return False
+        now_started = list(started)
+        if now_started != seen.started:
+            # `iid` has just gone live: the pairs the pulled pairing keeps between ticks are the
+            # cached ones, so one not among them changes nothing until the next tick.
+            if now_started[-1] != iid or iid in seen.cached or now_started[:-1] != seen.started:
+                return False
+            seen.started = now_started
         for worker, valid in seen.partners:
             if (worker is not None and worker.alive and worker.unstarted_prompts) != valid:
                 return False
@@ -1221,6 +1227,7 @@ class Simulation:
         if self.cfg.fast_path and isinstance(self.registry, IndexedRegistry):
             self._pull_seen = _PullSeen(
                 started=list(self.zigzag.started),
+                cached={iid for iid, _ in self._pull_cache or ()},
                 state_version=self.registry.state_version,
                 partners=tuple(partners.values()),
                 members=members,
@@ -1228,13 +1235,15 @@ class Simulation:
             )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _PullSeen:
-    """What a pulled pairing read besides layer counts: the live instances in order, the
-    registry's state version, each partner's worker with whether it held unstarted prompts
-    (alive), and the pairs it sped up (partner -> live instances in pairing order)."""
+    """What a pulled pairing read besides layer counts: the live instances in order, those
+    among its cached pairs, the registry's state version, each partner's worker with whether it
+    held unstarted prompts (alive), and the pairs it sped up (partner -> live instances in
+    pairing order)."""
 
     started: list[str]
+    cached: set[str]
     state_version: int
     partners: tuple[tuple[SimWorker | None, bool], ...]
     members: dict[str, list[str]]

@@ -41,7 +41,9 @@ def _digest(sim: Simulation, summary: dict[str, Any]) -> str:
     h = hashlib.sha256()
     h.update("\n".join(sim.decision_log).encode())
     h.update(repr(sim.events).encode())
-    h.update(repr([(r.index, r.first_token_s, r.end_s, r.worker, r.generated, r.resumed) for r in sim.requests]).encode())
+    h.update(
+        repr([(r.index, r.first_token_s, r.end_s, r.worker, r.generated, r.resumed) for r in sim.requests]).encode()
+    )
     h.update(json.dumps(outcome, sort_keys=True).encode())
     return h.hexdigest()
 
