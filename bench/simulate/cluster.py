@@ -299,6 +299,8 @@ class Simulation:
         )
         self.leaves = {host: link.leaf for host, link in self.topology.hosts.items()}
         self.workers: dict[str, SimWorker] = {}
+        # Workers whose unstarted prompts or life changed since `_landed_alone` last looked.
+        self._flips: set[SimWorker] = set()
         gpus = self.fabric.gpus
         roles = self._initial_roles(gpus)
         if len(roles) > len(gpus) or cfg.max_instances > len(gpus):
@@ -329,6 +331,8 @@ class Simulation:
             )
             if cfg.report_window_s is not None:
                 self.workers[gpu].window = WindowStats(cfg.report_window_s)
+            if cfg.fast_path:
+                self.workers[gpu].flips = self._flips
             serving = gpu in roles
             self.registry.register(
                 gpu,
@@ -979,9 +983,12 @@ class Simulation:
             if now_started[-1] != iid or iid in seen.cached or now_started[:-1] != seen.started:
                 return False
             seen.started = now_started
-        for worker, valid in seen.partners:
-            if (worker is not None and worker.alive and worker.unstarted_prompts) != valid:
+        partners = seen.partners
+        for worker in self._flips:
+            valid = partners.get(worker)
+            if valid is not None and (worker.alive and worker.unstarted_prompts) != valid:
                 return False
+        self._flips.clear()  # each as the pairing saw it
         partner = seen.partner_of.get(iid)
         if partner is not None:
             ks = [registry.get(i).layers_loaded for i in seen.members[partner]]
@@ -1211,11 +1218,12 @@ class Simulation:
             pairs = [(iid, partner) for iid, partner in self._pull_cache if iid in ids]
         by_partner: dict[str, list[int]] = {}
         members: dict[str, list[str]] = {}
-        partners: dict[str, tuple[SimWorker | None, bool]] = {}
+        partners: dict[SimWorker, bool] = {}
         for iid, partner in pairs:
             worker = self.workers.get(partner)
             valid = worker is not None and worker.alive and worker.unstarted_prompts
-            partners.setdefault(partner, (worker, valid))
+            if worker is not None:
+                partners.setdefault(worker, valid)
             if not valid:
                 continue
             self.zigzag.note_split(iid, partner)
@@ -1225,11 +1233,12 @@ class Simulation:
         for partner, ks in by_partner.items():
             self.boosted[partner] = partner_speedup(self.model.num_layers, ks)
         if self.cfg.fast_path and isinstance(self.registry, IndexedRegistry):
+            self._flips.clear()
             self._pull_seen = _PullSeen(
                 started=list(self.zigzag.started),
                 cached={iid for iid, _ in self._pull_cache or ()},
                 state_version=self.registry.state_version,
-                partners=tuple(partners.values()),
+                partners=partners,
                 members=members,
                 partner_of={iid: partner for partner, ids in members.items() for iid in ids},
             )
@@ -1238,14 +1247,14 @@ class Simulation:
 @dataclass(slots=True)
 class _PullSeen:
     """What a pulled pairing read besides layer counts: the live instances in order, those
-    among its cached pairs, the registry's state version, each partner's worker with whether it
-    held unstarted prompts (alive), and the pairs it sped up (partner -> live instances in
-    pairing order)."""
+    among its cached pairs, the registry's state version, each partner's worker -> whether it
+    held unstarted prompts (alive; a change since shows in `Simulation._flips`), and the pairs
+    it sped up (partner -> live instances in pairing order)."""
 
     started: list[str]
     cached: set[str]
     state_version: int
-    partners: tuple[tuple[SimWorker | None, bool], ...]
+    partners: dict[SimWorker, bool]
     members: dict[str, list[str]]
     partner_of: dict[str, str]
 
