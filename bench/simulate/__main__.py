@@ -1,7 +1,7 @@
 """Discrete-event cluster simulator driving the global manager's reconcile core.
 
 Usage:
-    python -m bench.simulate --scenario smoke|conv64|disagg16|hour1000 [--variants blitzmesh,fixed_peak]
+    python -m bench.simulate --scenario smoke|conv64|disagg16|hour1000|churn64 [--variants blitzmesh,fixed_peak]
         [--seed 0] [--out bench/results/simulate_smoke.json]
     python -m bench.simulate --validate [--out bench/results/simulator.json]
     python -m bench.simulate --scenario esp [--quick] [--out bench/results/simulate_esp.json]
