@@ -1,7 +1,7 @@
 """Discrete-event cluster simulator driving the global manager's reconcile core.
 
 Usage:
-    python -m bench.simulate --scenario smoke|conv64|disagg16|hour1000 [--variants blitzmesh,fixed_peak]
+    python -m bench.simulate --scenario smoke|conv64|disagg16|hour1000|churn64 [--variants blitzmesh,fixed_peak]
         [--seed 0] [--out bench/results/simulate_smoke.json]
     python -m bench.simulate --validate [--out bench/results/simulator.json]
     python -m bench.simulate --scenario esp [--quick] [--out bench/results/simulate_esp.json]
@@ -31,6 +31,8 @@ import dataclasses
 import json
 import os
 import platform
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_s": round(build_s + summary["sim_wall_s"], 2),
                 "build_s": round(build_s, 2),
                 "sim_wall_s": summary["sim_wall_s"],
+                # CPU time (user + sys) of the whole process so far: less noisy than the wall
+                # time on a machine shared with other jobs.
+                "cpu_s": round(_cpu_s(), 2),
                 "scenario": sc.name,
                 "variant": cfg.name,
                 "requests": len(cfg.arrivals),
@@ -140,22 +145,52 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _machine(load_before: tuple[float, float, float]) -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+            elif key.strip() == "flags":
+                flags = sorted(value.split())
+            if flags and cpu:
                 break
     except OSError:
         pass
     return {
         "cpu": cpu,
+        "cpu_flags": flags,
+        "commit": _commit(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "load_avg_1m_before": round(load_before[0], 2),
         "load_avg_1m_after": round(os.getloadavg()[0], 2),
     }
+
+
+def _commit() -> str:
+    """The repository's commit, with "+dirty" when its tracked files differ from it ("" outside git)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+dirty" if dirty else "")
 
 
 def _write_key(path: Path, key: str, value: Any) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import heapq
 import math
 import time
 from collections import deque
@@ -298,6 +299,8 @@ class Simulation:
         )
         self.leaves = {host: link.leaf for host, link in self.topology.hosts.items()}
         self.workers: dict[str, SimWorker] = {}
+        # Workers whose unstarted prompts or life changed since `_landed_alone` last looked.
+        self._flips: set[SimWorker] = set()
         gpus = self.fabric.gpus
         roles = self._initial_roles(gpus)
         if len(roles) > len(gpus) or cfg.max_instances > len(gpus):
@@ -328,6 +331,8 @@ class Simulation:
             )
             if cfg.report_window_s is not None:
                 self.workers[gpu].window = WindowStats(cfg.report_window_s)
+            if cfg.fast_path:
+                self.workers[gpu].flips = self._flips
             serving = gpu in roles
             self.registry.register(
                 gpu,
@@ -395,6 +400,10 @@ class Simulation:
         # The pairs (partner, loading instance) at a registry version and order of live instances.
         self._pairs: tuple[tuple[int, tuple[str, ...]], list[tuple[str, str]]] | None = None
         self._pull_cache: list[tuple[str, str]] | None = None  # the last pulled pairs
+        # What the last pulled pairing saw (`_landed_alone`), and each live instance's latest
+        # layer growth, oldest first, to tell when one may stall (stale entries are dropped).
+        self._pull_seen: _PullSeen | None = None
+        self._grew: list[tuple[float, str]] = []
         self.reached_serving: list[tuple[float, str]] = []
         # P/D hand-offs and live migrations: the decode instance chosen with each prefill hop,
         # the KV pulls in flight (request index -> flow id, source, destination, start), and
@@ -943,7 +952,48 @@ class Simulation:
             self.monitor.mark_seen(iid, self.loop.now_s)
             self.zigzag.load_progress(self.loop.now_s, iid, view.model, k, view.num_layers)
             if iid in self.zigzag.started:
+                if self.cfg.fast_path:
+                    heapq.heappush(self._grew, (self.zigzag.progress[iid][2], iid))
+                    if self._landed_alone(iid):
+                        return
                 self._update_zigzag(repair=False)
+
+    def _landed_alone(self, iid: str) -> bool:
+        """A layer landed on live instance `iid`. When nothing else that the pulled pairing reads
+        changed since the last one (no other instance went live, none stalls now or changed
+        state, every partner's worker as alive and as short of unstarted prompts as then), the
+        pairing `_update_zigzag(repair=False)` would make is that one again, and only `iid`'s
+        partner's speedup can move: this sets it and returns True. False: `_update_zigzag` must
+        run."""
+        seen, registry, zigzag = self._pull_seen, self.registry, self.zigzag
+        if seen is None or not isinstance(registry, IndexedRegistry) or seen.state_version != registry.state_version:
+            return False
+        grew, started, progress = self._grew, zigzag.started, zigzag.progress
+        while grew:
+            at_s, live = grew[0]
+            if live in started and progress.get(live, (None, None, None))[2] == at_s:
+                break
+            heapq.heappop(grew)  # no longer live, or it grew since
+        if grew and self.loop.now_s - grew[0][0] > zigzag.settings.stall_s:
+            return False  # `expire_stalled` has work
+        now_started = list(started)
+        if now_started != seen.started:
+            # `iid` has just gone live: the pairs the pulled pairing keeps between ticks are the
+            # cached ones, so one not among them changes nothing until the next tick.
+            if now_started[-1] != iid or iid in seen.cached or now_started[:-1] != seen.started:
+                return False
+            seen.started = now_started
+        partners = seen.partners
+        for worker in self._flips:
+            valid = partners.get(worker)
+            if valid is not None and (worker.alive and worker.unstarted_prompts) != valid:
+                return False
+        self._flips.clear()  # each as the pairing saw it
+        partner = seen.partner_of.get(iid)
+        if partner is not None:
+            ks = [registry.get(i).layers_loaded for i in seen.members[partner]]
+            self.boosted[partner] = self.workers[partner].speedup = partner_speedup(self.model.num_layers, ks)
+        return True
 
     def _take_warm(self, iid: str, model: str) -> bool:
         """Whether `iid` still holds `model`'s weights; they are no longer kept either way (a
@@ -1093,6 +1143,7 @@ class Simulation:
         ):
             return  # nothing is paired and the gate is shut at this version: nothing changes
         old, self.boosted = self.boosted, {}
+        self._pull_seen = None
         try:
             self._pair_live(version, repair)
         finally:
@@ -1166,15 +1217,46 @@ class Simulation:
         else:
             pairs = [(iid, partner) for iid, partner in self._pull_cache if iid in ids]
         by_partner: dict[str, list[int]] = {}
+        members: dict[str, list[str]] = {}
+        partners: dict[SimWorker, bool] = {}
         for iid, partner in pairs:
             worker = self.workers.get(partner)
-            if worker is None or not worker.alive or not worker.unstarted_prompts:
+            valid = worker is not None and worker.alive and worker.unstarted_prompts
+            if worker is not None:
+                partners.setdefault(worker, valid)
+            if not valid:
                 continue
             self.zigzag.note_split(iid, partner)
             by_partner.setdefault(partner, []).append(self.registry.get(iid).layers_loaded)
+            members.setdefault(partner, []).append(iid)
             self.zigzag_paired.add(iid)
         for partner, ks in by_partner.items():
             self.boosted[partner] = partner_speedup(self.model.num_layers, ks)
+        if self.cfg.fast_path and isinstance(self.registry, IndexedRegistry):
+            self._flips.clear()
+            self._pull_seen = _PullSeen(
+                started=list(self.zigzag.started),
+                cached={iid for iid, _ in self._pull_cache or ()},
+                state_version=self.registry.state_version,
+                partners=partners,
+                members=members,
+                partner_of={iid: partner for partner, ids in members.items() for iid in ids},
+            )
+
+
+@dataclass(slots=True)
+class _PullSeen:
+    """What a pulled pairing read besides layer counts: the live instances in order, those
+    among its cached pairs, the registry's state version, each partner's worker -> whether it
+    held unstarted prompts (alive; a change since shows in `Simulation._flips`), and the pairs
+    it sped up (partner -> live instances in pairing order)."""
+
+    started: list[str]
+    cached: set[str]
+    state_version: int
+    partners: dict[SimWorker, bool]
+    members: dict[str, list[str]]
+    partner_of: dict[str, str]
 
 
 def partner_speedup(num_layers: int, k_layers: Sequence[int]) -> float:

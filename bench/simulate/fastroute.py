@@ -143,6 +143,8 @@ class IndexedRegistry(Registry):
         # Bumped when an instance comes or goes or its state, model or load report changes (not
         # on a route noted or a layer landed): what the ZigZag gate reads is the same until then.
         self.version = 0
+        # Bumped only when an instance comes or goes or its state, role or model changes.
+        self.state_version = 0
 
     def _put(self, iid: str, old: InstanceView | None, view: InstanceView) -> None:
         self._views[iid] = view
@@ -162,6 +164,7 @@ class IndexedRegistry(Registry):
     def _changed(self, iid: str, view: InstanceView | None) -> None:
         """`iid` came, went, or changed state, role or model."""
         self.version += 1
+        self.state_version += 1
         self.index.update(iid, view)
         self.idle.discard(iid)
         self._active.discard(iid)

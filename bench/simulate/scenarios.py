@@ -188,6 +188,14 @@ def _code_hour_arrivals() -> list[Arrival]:
     return replicate(base, HOUR_COPIES, HOUR_SHIFT_S, seed=5)
 
 
+def _code_churn_arrivals() -> list[Arrival]:
+    # The code trace's first 200 s (its first burst, a lull, a second burst) at x8, copies
+    # shifted by up to 10 s as in hour1000: 1,792 requests.
+    rows = read_azure_trace(TRACES / "azure_llm_2023_code.csv")
+    base = from_trace(rows, TraceWindow(start_s=0.0, span_s=200.0), FULL_SIZE)
+    return replicate(base, 8, HOUR_SHIFT_S, seed=5)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "smoke": Scenario(
         name="smoke",
@@ -255,6 +263,29 @@ SCENARIOS: dict[str, Scenario] = {
         keep_alive_s=60.0,
         default_variants=("blitzmesh",),
         wall_key="wall_s_1h_1000",
+    ),
+    # hour1000 in miniature for tests/unit/test_simulate_identity.py: every decision kind of the
+    # hour (scale-outs by the queue trigger, ZigZag pairs and hand-backs, rebalances, scale-ins,
+    # drains taken back, loads onto kept weights) in a few seconds. The 10 s scale-in cooldown
+    # and stabilization (hour1000: 60 s) make the pool churn, so drains still waiting meet the
+    # next burst's scale-out.
+    "churn64": Scenario(
+        name="churn64",
+        description="64 A100s (published-spec Llama-3-8B estimate), 8 hosts x 8 on 2 leaves, 200 Gbps RDMA per "
+        "GPU, NVLink 2.4 Tbps; the Azure code trace's first 200 s at x8 (copies shifted by up to 10 s), full-size "
+        "prompts; HeteroScale bounded at 60 instances with 10 s scale-in cooldown and stabilization, starting "
+        "sized for the mean rate",
+        profile=lambda: PUBLISHED_PROFILES["a100-llama3-8b"],
+        cluster=ClusterSpec(hosts=8, gpus_per_host=8, hosts_per_leaf=4, rdma_gbps=200.0, nvlink_gbps=2400.0),
+        arrivals=_code_churn_arrivals,
+        slo=Slo(ttft_s=1.0, tbt_s=0.1),
+        initial=None,
+        max_instances=60,
+        batch_for_sizing=32,
+        scale_out_cooldown_s=5.0,
+        scale_in_cooldown_s=10.0,
+        keep_alive_s=60.0,
+        default_variants=("blitzmesh",),
     ),
 }
 

@@ -208,6 +208,11 @@ class SimWorker:
         self.window: WindowStats | None = None
         self.busy_s = 0.0
         self.alive = True  # False once killed or hung: no more steps, no heartbeats
+        # `unstarted_prompts` as of the last change to the queue or the prefills, and where to
+        # note the worker when that or `alive` changes (the pulled ZigZag pairing watches its
+        # partners through it instead of asking each one on every layer landing).
+        self._unstarted = False
+        self.flips: set[SimWorker] | None = None
         self._epoch = 0  # a step scheduled before a kill ends in nothing
 
     # ---- requests ----------------------------------------------------------------------------
@@ -235,6 +240,14 @@ class SimWorker:
         prefilled, so the started ones are a prefix: the last one says it (a hot path)."""
         return self._waiting_tokens > 0 or (bool(self.prefilling) and self.prefilling[-1].prefilled == 0)
 
+    def _note_unstarted(self) -> None:
+        """After a change to `waiting` or `prefilling`: note a change of `unstarted_prompts`."""
+        now = self._waiting_tokens > 0 or (bool(self.prefilling) and self.prefilling[-1].prefilled == 0)
+        if now != self._unstarted:
+            self._unstarted = now
+            if self.flips is not None:
+                self.flips.add(self)
+
     @property
     def empty(self) -> bool:
         return not (self.waiting or self.prefilling or self.decoding or self.pulling or self.offered)
@@ -259,6 +272,7 @@ class SimWorker:
         self.waiting.append(req)
         if phase != "decode":
             self._waiting_tokens += req.ctx
+            self._note_unstarted()
         if not self.busy and self.alive:
             self._start_step()
         if phase != "decode":
@@ -275,6 +289,7 @@ class SimWorker:
             if r.phase != "decode":
                 self._waiting_tokens -= r.ctx
             out.append(r)
+        self._note_unstarted()
         return out
 
     def release_running(self, n: int, min_tokens_left: int = 0) -> list[SimRequest]:
@@ -328,6 +343,7 @@ class SimWorker:
         r.phase, r.prefilled, r.ctx = "full", 0, r.prompt + r.generated
         self.prefilling.append(r)
         self._prefill_left += r.ctx
+        self._note_unstarted()
         if self.alive and not self.busy:
             self._start_step()
 
@@ -340,6 +356,8 @@ class SimWorker:
             span.timer.cancel()
             self._span = None
         self.alive = False
+        if self.flips is not None:
+            self.flips.add(self)
         self.busy = False
         self._epoch += 1
         if self.cpu is not None:
@@ -361,6 +379,7 @@ class SimWorker:
         self._prefill_left = 0
         self.pulling, self.offered = {}, {}
         self.ctx_sum = self.kv_used = 0
+        self._note_unstarted()
         return sorted(out, key=lambda r: r.index), offered
 
     # ---- iterations --------------------------------------------------------------------------
@@ -376,6 +395,7 @@ class SimWorker:
                 self._waiting_tokens -= r.ctx
                 self.prefilling.append(r)
                 self._prefill_left += r.ctx - r.prefilled
+        self._note_unstarted()  # admitted here, or prefilled by the step that just ended
         rows = len(self.decoding)
         budget = self.max_num_tokens - rows
         ptok = 0
