@@ -48,7 +48,7 @@ _ADDRESS_MARKERS: Final = {b"TCP1": "tcp", b"UCX1": "ucx"}
 # Constructor options of each transport, so that `make_transport(**options)` can take the union
 # (the caller may not know which one it gets) and still reject typos.
 TCP_OPTIONS: Final = frozenset({"host", "advertise_host", "port", "socket_buffer_bytes"})
-UCX_OPTIONS: Final = frozenset({"progress_mode", "warmup_bytes", "tls"})
+UCX_OPTIONS: Final = frozenset({"progress_mode", "warmup_bytes", "tls", "advertise_host"})
 
 
 def address_kind(address: bytes) -> str:

@@ -54,6 +54,7 @@ from services.common.waiting import wait_for
 
 from .buffers import as_uint8_array
 from .errors import DataPlaneError, PeerClosed, PeerUnreachable, ProtocolError, TransferTimeout, TransportError
+from .netdev import advertised_net_device
 from .transport import Endpoint, Transport, address_kind, check_tag
 
 __all__ = ["UcxTransport", "ucx_version"]
@@ -185,10 +186,13 @@ class _ArmedProgress:
                 return
 
 
-def _ensure_ucxx(progress_mode: str, tls: str | None) -> _ArmedProgress | None:
+def _ensure_ucxx(progress_mode: str, tls: str | None, net_device: str | None = None) -> _ArmedProgress | None:
     """Initialise ucxx once per process and bind progress to the running loop; returns our
-    driver in "blocking" mode (None in ucxx's own modes)."""
+    driver in "blocking" mode (None in ucxx's own modes). `net_device`: the one network
+    interface UCX may use (netdev.py); None leaves UCX all of them."""
     options = {} if tls is None else {"TLS": tls}
+    if net_device is not None:
+        options["NET_DEVICES"] = net_device
     loop = asyncio.get_running_loop()
     tasks = _ucxx_app.ProgressTasks  # ucxx's registry: event loop -> the object progressing it
     if progress_mode == "blocking":
@@ -199,7 +203,7 @@ def _ensure_ucxx(progress_mode: str, tls: str | None) -> _ArmedProgress | None:
         # BlockingMode to it; ours replaces the placeholder below.
         tasks[loop] = None
     try:
-        # An operator's UCX_TLS in the environment wins over our default.
+        # An operator's UCX_TLS / UCX_NET_DEVICES in the environment wins over ours.
         ucxx.init(options=options, env_takes_precedence=True, progress_mode=progress_mode)
     except RuntimeError:
         pass  # already initialised by someone else in this process: use it as it is
@@ -350,12 +354,21 @@ class UcxTransport(Transport):
     kind = "ucx"
 
     def __init__(
-        self, *, progress_mode: str = "blocking", warmup_bytes: int = 1 << 20, tls: str | None = SAFE_TLS
+        self,
+        *,
+        progress_mode: str = "blocking",
+        warmup_bytes: int = 1 << 20,
+        tls: str | None = SAFE_TLS,
+        advertise_host: str | None = None,
     ) -> None:
+        """`advertise_host`: the name peers reach this process by; UCX then uses the network
+        interface holding its address alone (see netdev.py: in a swarm container the others
+        may drop traffic between containers, and the first transfer hung)."""
         if progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
             raise ValueError(f"unknown progress_mode {progress_mode!r}")
         self._progress_mode = progress_mode
         self._tls = tls
+        self._advertise_host = advertise_host
         self._warmup_bytes = warmup_bytes
         self._address: bytes | None = None
         self._accept_task: asyncio.Task[None] | None = None
@@ -396,7 +409,8 @@ class UcxTransport(Transport):
             return
         if _active_transport is not None and _active_transport is not self:
             raise TransportError("only one UcxTransport per process (ucxx has one worker per process)")
-        self._driver = _ensure_ucxx(self._progress_mode, self._tls)
+        net_device = advertised_net_device(self._advertise_host)
+        self._driver = _ensure_ucxx(self._progress_mode, self._tls, net_device)
         _active_transport = self
         self._address = _ADDRESS_PREFIX + ucxx.get_worker_address().tobytes()
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(), name="dataplane-ucx-accept")
@@ -405,6 +419,7 @@ class UcxTransport(Transport):
             progress_mode=self._progress_mode,
             version=ucx_version(),
             tls=os.environ.get("UCX_TLS", self._tls),
+            net_devices=os.environ.get("UCX_NET_DEVICES", net_device or "all"),
             address_bytes=len(self._address),
             pid=os.getpid(),
         )
