@@ -768,15 +768,25 @@ class Simulation:
             # The same calls in the same order, the IDLE instances' in one batch.
             self.monitor.mark_seen_many(registry.idle - self.dead - self.hung, now)
             views = registry.active()
+        # `_report` written out, its lookups hoisted: a round is a thousand reports.
+        workers, sampled_early, monitor = self.workers, self.sampled_early, self.monitor
+        heartbeat_s, loading = self.cfg.heartbeat_s, S.LOADING
         for view in views:
-            if not self.workers[view.instance_id].alive:
+            iid = view.instance_id
+            worker = workers[iid]
+            if not worker.alive:
                 continue  # killed or hung: silent, so the core finds it LOST
-            if view.state in REPORTING:
+            state = view.state
+            if state in REPORTING:
                 # A worker that reported early this period covers only the time since then.
-                early = self.sampled_early.pop(view.instance_id, None) if self.sampled_early else None
-                self._report(view, now, self.cfg.heartbeat_s if early is None else max(1e-3, now - early))
-            elif view.state is S.IDLE:
-                self.monitor.mark_seen(view.instance_id, now)
+                early = sampled_early.pop(iid, None) if sampled_early else None
+                sample = worker.sample(
+                    now, heartbeat_s if early is None else max(1e-3, now - early), serving=state is not loading
+                )
+                registry.heartbeat(sample)
+                monitor.observe(sample)
+            elif state is S.IDLE:
+                monitor.mark_seen(iid, now)
 
     def _report(self, view: InstanceView, now: float, period_s: float) -> None:
         """`view`'s worker reports the `period_s` just ended: the registry and monitor take it."""
@@ -1110,9 +1120,10 @@ class Simulation:
                 self.report(report)
             return
         moved = source.release_waiting(action.n)
-        for req in self._route_batch(moved, action.source):
-            if not self._route(req, exclude=(action.source,)):
-                source.submit(req, req.phase)
+        if moved:  # most releases find nothing queued any more (the plan reads reports)
+            for req in self._route_batch(moved, action.source):
+                if not self._route(req, exclude=(action.source,)):
+                    source.submit(req, req.phase)
         self.report(Count("rebalance", "moved" if moved else "none"))
 
     def locations_changed(self, action: UpdateLocation) -> None:
@@ -1209,7 +1220,14 @@ class Simulation:
         model = self.model.name
         ids = {v.instance_id for v in live}
         if repair or self._pull_cache is None:
-            views = self.registry.views(model=model)
+            registry = self.registry
+            if isinstance(registry, IndexedRegistry):
+                # The pairing reads the live (LOADING) instances and the SERVING candidates; an
+                # IDLE partner counts as a missing one. So the active views, in the registry's
+                # order, give the same pairs as all of them (at 1,000 GPUs most are IDLE).
+                views = [v for v in registry.active() if v.model == model]
+            else:
+                views = registry.views(model=model)
             pairs = []
             for role in sorted({v.role for v in live}, key=lambda r: r.value):
                 pairs.extend(self.zigzag.pull_pairs(self.loop.now_s, views, model, role, ids).pairs)

@@ -32,15 +32,22 @@ class LeastLoaded:
         self.model = model
         self.current: dict[str, InstanceView] = {}  # SERVING colocated views, by id
         self.split: set[str] = set()  # SERVING prefill or decode instances
-        # (instance_load, id, sequence, view, routes noted in a `route_many` batch): an entry is
-        # current while its view is and, in a batch, its count of routes noted there is too.
+        # (instance_load, id, sequence, token, routes noted in a `route_many` batch): an entry
+        # is current while its token is its instance's and, in a batch, its count of routes
+        # noted there is too. The token is the view the entry was pushed for; a new view whose
+        # load is the same float keeps the entry (most reports of a quiet instance), and the
+        # answer is the instance's current view.
         self._heap: list[tuple[float, str, int, InstanceView, int]] = []
+        self._token: dict[str, InstanceView] = {}
+        self._load: dict[str, float] = {}  # the load of each token's entry outside a batch
         self._n = 0
         self._noted: dict[str, int] = {}  # empty outside `route_many`
 
     def update(self, iid: str, view: InstanceView | None) -> None:
         """`iid`'s view is now `view` (None: removed)."""
         self.current.pop(iid, None)
+        self._token.pop(iid, None)
+        self._load.pop(iid, None)
         self.split.discard(iid)
         if view is None or view.state is not InstanceState.SERVING or view.model != self.model:
             return
@@ -53,8 +60,13 @@ class LeastLoaded:
         """`iid`, indexed, has a new view of the same state, role and model (a report, a route
         noted): the new load goes in, the old entry goes stale."""
         self.current[iid] = view
+        load = instance_load(view)
+        if self._load.get(iid) == load:
+            return  # its entry's key stands
+        self._token[iid] = view
+        self._load[iid] = load
         self._n += 1
-        heapq.heappush(self._heap, (instance_load(view), iid, self._n, view, 0))
+        heapq.heappush(self._heap, (load, iid, self._n, view, 0))
         if len(self._heap) > 4 * len(self.current) + 256:
             self._rebuild()
 
@@ -65,6 +77,9 @@ class LeastLoaded:
             (instance_load(v, noted.get(iid, 0)), iid, self._n, v, noted.get(iid, 0)) for iid, v in self.current.items()
         ]
         heapq.heapify(self._heap)
+        self._token = dict(self.current)
+        # An instance with routes noted in a batch has no entry for after it: its next view pushes one.
+        self._load = {e[1]: e[0] for e in self._heap if not e[4]}
 
     def route(
         self, request_tokens: int, block_size: int, exclude: Collection[str] = ()
@@ -73,17 +88,17 @@ class LeastLoaded:
         `exclude` left out, or None when only `plan_route` can tell."""
         if self.split:
             return None
-        heap, current, noted = self._heap, self.current, self._noted
+        heap, token, noted = self._heap, self._token, self._noted
         passed = []  # current entries of excluded instances, put back after
         top = None
         while heap:
             entry = heap[0]
-            if current.get(entry[1]) is not entry[3] or entry[4] != (noted.get(entry[1], 0) if noted else 0):
+            if token.get(entry[1]) is not entry[3] or entry[4] != (noted.get(entry[1], 0) if noted else 0):
                 heapq.heappop(heap)  # stale
             elif entry[1] in exclude:
                 passed.append(heapq.heappop(heap))
             else:
-                top = entry[3]
+                top = self.current[entry[1]]
                 break
         for entry in passed:
             heapq.heappush(heap, entry)
@@ -115,7 +130,7 @@ class LeastLoaded:
                 chosen.append(view)
                 n = noted[iid] = noted.get(iid, 0) + 1
                 self._n += 1
-                heapq.heappush(self._heap, (instance_load(view, n), iid, self._n, view, n))
+                heapq.heappush(self._heap, (instance_load(view, n), iid, self._n, self._token[iid], n))
         finally:
             noted.clear()  # the batch's entries go stale; the caller's notes replace them
         return chosen

@@ -28,8 +28,10 @@ under way becomes an ordinary step again.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,6 +119,46 @@ def _wq(samples: list[tuple[float, int]], q: float) -> float | None:
         if seen >= rank:
             return v
     return samples[-1][0]
+
+
+# The fields a simulated worker reports, in `_load_sample`'s argument order; the others keep
+# their defaults (ZigZag relays, SLO rejections, prefix hits: the simulator models none).
+_SAMPLE_GIVEN = (
+    "instance_id",
+    "now_s",
+    "decode_tps",
+    "prefill_tps",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tbt_p50_s",
+    "tbt_p99_s",
+    "running",
+    "waiting",
+    "waiting_prefill_tokens",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "prefill_capacity_tps",
+)
+_SAMPLE_SET = tuple(LoadSample.__dict__[name].__set__ for name in _SAMPLE_GIVEN)
+_SAMPLE_DEFAULTS = tuple(
+    (LoadSample.__dict__[f.name].__set__, f.default)
+    for f in dataclasses.fields(LoadSample)
+    if f.name not in _SAMPLE_GIVEN
+)
+assert all(default is not dataclasses.MISSING for _, default in _SAMPLE_DEFAULTS)
+
+
+def _load_sample(*values: object) -> LoadSample:
+    """`LoadSample(**dict(zip(_SAMPLE_GIVEN, values)))`, filled through its slot setters: a
+    frozen dataclass's `__init__` sets each of its 22 fields by name, and a thousand workers
+    report every heartbeat. `__post_init__` checks it as the constructor would."""
+    sample = object.__new__(LoadSample)
+    for set_field, value in zip(_SAMPLE_SET, values, strict=True):
+        set_field(sample, value)
+    for set_field, default in _SAMPLE_DEFAULTS:
+        set_field(sample, default)
+    sample.__post_init__()
+    return sample
 
 
 def _p50_p99(values: list[float]) -> tuple[float | None, float | None]:
@@ -525,19 +567,26 @@ class SimWorker:
         assert span is not None
         i, last = span.done, len(span.ends) - 1
         ends, dts, rows = span.ends, span.dts, span.rows
-        stats, win = self.stats, self.window
-        while i < last and ends[i] < now_s:
-            dt = dts[i]
-            self.step_no += 1
-            stats.tokens += rows
-            stats.tbts.append(dt)
-            if win is not None:
-                win.tokens.append((ends[i], rows))
-                win.tbts.append((ends[i], dt, rows))
-            self.ctx_sum += rows
-            i += 1
-            self.busy_s += dts[i]
-        span.done = i
+        # The steps ending before `now_s` (`ends` never decreases), counted at once: the
+        # integer counts in one product, the lists extended, `busy_s` summed in the same order.
+        j = bisect_left(ends, now_s, i, last)
+        if j == i:
+            return
+        k = j - i
+        self.step_no += k
+        stats = self.stats
+        stats.tokens += rows * k
+        stats.tbts.extend(dts[i:j])
+        win = self.window
+        if win is not None:
+            win.tokens.extend((ends[x], rows) for x in range(i, j))
+            win.tbts.extend((ends[x], dts[x], rows) for x in range(i, j))
+        self.ctx_sum += rows * k
+        busy_s = self.busy_s
+        for dt in dts[i + 1 : j + 1]:
+            busy_s += dt
+        self.busy_s = busy_s
+        span.done = j
 
     def _end_span(self) -> None:
         span = self._span
@@ -590,39 +639,28 @@ class SimWorker:
         if win is not None:
             win.prune(now_s)
             span = max(1e-3, min(win.window_s, now_s))
+            decode_tps = sum(n for _, n in win.tokens) / span
+            prefill_tps = sum(n for _, n in win.prefill) / span
             ttft_p50, ttft_p99 = _p50_p99([v for _, v in win.ttfts])
             tbts = [(v, w) for _, v, w in win.tbts]
-            return LoadSample(
-                instance_id=self.iid,
-                now_s=now_s,
-                decode_tps=sum(n for _, n in win.tokens) / span,
-                prefill_tps=sum(n for _, n in win.prefill) / span,
-                ttft_p50_s=ttft_p50,
-                ttft_p99_s=ttft_p99,
-                tbt_p50_s=_wq(tbts, 0.5),
-                tbt_p99_s=_wq(tbts, 0.99),
-                running=self.running,
-                waiting=len(self.waiting),
-                waiting_prefill_tokens=self._waiting_tokens + self._prefill_left,
-                kv_blocks_used=self.kv_used if serving else 0,
-                kv_blocks_total=self.kv_total if serving else 0,
-                prefill_capacity_tps=self.prefill_capacity_tps * self._speedup,
-            )
-        ttft_p50, ttft_p99 = _p50_p99(s.ttfts)
-        tbt_p50, tbt_p99 = _p50_p99(s.tbts)
-        return LoadSample(
-            instance_id=self.iid,
-            now_s=now_s,
-            decode_tps=s.tokens / period_s,
-            prefill_tps=s.prefill_tokens / period_s,
-            ttft_p50_s=ttft_p50,
-            ttft_p99_s=ttft_p99,
-            tbt_p50_s=tbt_p50,
-            tbt_p99_s=tbt_p99,
-            running=self.running,
-            waiting=len(self.waiting),
-            waiting_prefill_tokens=self._waiting_tokens + self._prefill_left,
-            kv_blocks_used=self.kv_used if serving else 0,
-            kv_blocks_total=self.kv_total if serving else 0,
-            prefill_capacity_tps=self.prefill_capacity_tps * self._speedup,
+            tbt_p50, tbt_p99 = _wq(tbts, 0.5), _wq(tbts, 0.99)
+        else:
+            decode_tps, prefill_tps = s.tokens / period_s, s.prefill_tokens / period_s
+            ttft_p50, ttft_p99 = _p50_p99(s.ttfts)
+            tbt_p50, tbt_p99 = _p50_p99(s.tbts)
+        return _load_sample(
+            self.iid,
+            now_s,
+            decode_tps,
+            prefill_tps,
+            ttft_p50,
+            ttft_p99,
+            tbt_p50,
+            tbt_p99,
+            self.running,
+            len(self.waiting),
+            self._waiting_tokens + self._prefill_left,
+            self.kv_used if serving else 0,
+            self.kv_total if serving else 0,
+            self.prefill_capacity_tps * self._speedup,
         )

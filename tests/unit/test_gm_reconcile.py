@@ -323,3 +323,28 @@ def test_the_policy_takes_back_its_own_scale_in_when_load_returns() -> None:
     assert of(actions, ResumeInstance) == [ResumeInstance(victim, M, of(actions, ResumeInstance)[0].reason)]
     assert not of(actions, LoadInstances) and Count("load", "short") not in actions
     assert registry.get(victim).state is S.SERVING
+
+
+def test_the_registrys_fast_copy_of_a_view_sets_every_field_and_checks_it() -> None:
+    from services.global_manager.core.instances import _evolve
+    from services.global_manager.core.types import InstanceView
+
+    old = InstanceView("i1", "m", Role.COLOCATED, InstanceState.LOADING, 3, 8, "h1", 1.5, None, 2)
+    sample = LoadSample(instance_id="i1", now_s=2.0, running=1)
+    changes: list[dict[str, object]] = [
+        {},
+        {"layers_loaded": 5},
+        {"last_heartbeat_s": 2.0, "load": sample, "routes_since_heartbeat": 0},
+        {"routes_since_heartbeat": 7},
+    ]
+    for change in changes:
+        new = _evolve(old, **change)  # type: ignore[arg-type]
+        assert type(new) is InstanceView
+        assert new == dataclasses.replace(old, **change)
+        assert [getattr(new, f.name) for f in dataclasses.fields(new)] == [
+            getattr(dataclasses.replace(old, **change), f.name) for f in dataclasses.fields(new)
+        ]
+    with pytest.raises(ValueError, match="layers_loaded=9"):
+        _evolve(old, layers_loaded=9)
+    with pytest.raises(ValueError, match="routes_since_heartbeat=-1"):
+        _evolve(old, routes_since_heartbeat=-1)

@@ -374,3 +374,16 @@ def test_link_rates_from_the_heap_match_scanning_every_link(seed: int) -> None:
     for _ in range(rng.randint(1, 60)):
         net.start(tuple(rng.sample(range(n), rng.randint(1, min(4, n)))), rng.uniform(1, 1000), lambda: None)
     assert {fid: f.rate for fid, f in net.flows.items()} == _scan_rates(net)
+
+
+def test_the_workers_report_built_through_its_slots_equals_the_constructors() -> None:
+    from bench.simulate.worker import _SAMPLE_GIVEN, _load_sample
+
+    values: list[Any] = ["i7", 3.5, 120.0, 900.0, 0.2, 0.9, None, 0.05, 4, 2, 3000, 40, 100, 8000.0]
+    built = _load_sample(*values)
+    assert type(built) is LoadSample
+    assert built == LoadSample(**dict(zip(_SAMPLE_GIVEN, values, strict=True)))
+    with pytest.raises(ValueError, match="kv_blocks_used=101"):
+        _load_sample(*values[:11], 101, 100, 8000.0)
+    with pytest.raises(ValueError):
+        _load_sample(*values[:-1])  # every reported field must be given

@@ -289,6 +289,12 @@ class Registry:
         return old
 
 
+# The slot setters of `InstanceView`, in its field order: `_evolve` fills a new view through
+# them, which takes half the time of the frozen dataclass's `__init__` (one `object.__setattr__`
+# per field, looked up by name).
+_VIEW_SETTERS = tuple(InstanceView.__dict__[f.name].__set__ for f in dataclasses.fields(InstanceView))
+
+
 def _evolve(
     old: InstanceView,
     *,
@@ -300,16 +306,19 @@ def _evolve(
     """`dataclasses.replace` for the registry's hot paths (a route noted, a report, a layer
     landed), written out: the generic one inspects the fields on every call, and a simulated
     cluster of 1,000 instances makes millions of these. `load=None` keeps the old report.
-    Positional, in `InstanceView`'s field order (a unit test pins that every field is copied)."""
-    return InstanceView(
-        old.instance_id,
-        old.model,
-        old.role,
-        old.state,
-        old.layers_loaded if layers_loaded is None else layers_loaded,
-        old.num_layers,
-        old.host,
-        old.last_heartbeat_s if last_heartbeat_s is None else last_heartbeat_s,
-        old.load if load is None else load,
-        old.routes_since_heartbeat if routes_since_heartbeat is None else routes_since_heartbeat,
-    )
+    Every field is set, in `InstanceView`'s field order (a unit test pins that every field is
+    copied), and `__post_init__` checks the result as the constructor would."""
+    view = object.__new__(InstanceView)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9 = _VIEW_SETTERS
+    s0(view, old.instance_id)
+    s1(view, old.model)
+    s2(view, old.role)
+    s3(view, old.state)
+    s4(view, old.layers_loaded if layers_loaded is None else layers_loaded)
+    s5(view, old.num_layers)
+    s6(view, old.host)
+    s7(view, old.last_heartbeat_s if last_heartbeat_s is None else last_heartbeat_s)
+    s8(view, old.load if load is None else load)
+    s9(view, old.routes_since_heartbeat if routes_since_heartbeat is None else routes_since_heartbeat)
+    view.__post_init__()
+    return view

@@ -146,9 +146,14 @@ class LoadMonitor:
         self._pending_owner.append(index)
         if len(self._pending) >= _INITIAL_ROWS:
             self._flush()  # bounded without snapshots too (autoscaling off): the table compacts
-        self._last_sample_s[iid] = sample.now_s
-        self._last_seen_s[iid] = max(self._last_seen_s.get(iid, -math.inf), sample.now_s)
-        self._newest_s = max(self._newest_s, sample.now_s)
+        now_s = sample.now_s
+        self._last_sample_s[iid] = now_s
+        # Comparisons, not max(): a heartbeat per instance per period makes this a hot path.
+        seen = self._last_seen_s
+        if now_s > seen.get(iid, -math.inf):
+            seen[iid] = now_s
+        if now_s > self._newest_s:
+            self._newest_s = now_s
 
     def mark_seen(self, instance_id: str, now_s: float) -> None:
         """Start (or restart) an instance's silence clock without a sample, e.g. on registration."""
@@ -204,18 +209,21 @@ class LoadMonitor:
         fed_indices: list[int] = []
         fed_codes: list[int] = []
         split_seen = False
-        index = self._index
+        # Names bound once: this loop visits every instance (most of them IDLE at scale) on
+        # every reconcile.
+        index, load_states, colocated = self._index, _LOAD_STATES, Role.COLOCATED
+        serving, loading = InstanceState.SERVING, InstanceState.LOADING
         for view in instances:
             if model is not None and view.model != model:
                 continue
             role = view.role
-            if role is not Role.COLOCATED:
+            if role is not colocated:
                 split_seen = True
             state = view.state
-            if state not in _LOAD_STATES:
+            if state not in load_states:
                 continue
             counts = state_counts[role]
-            counts[0 if state is InstanceState.SERVING else 1 if state is InstanceState.LOADING else 2] += 1
+            counts[0 if state is serving else 1 if state is loading else 2] += 1
             i = index.get(view.instance_id)
             if i is not None:
                 fed_indices.append(i)

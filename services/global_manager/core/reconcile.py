@@ -488,7 +488,8 @@ class Reconciler:
             Report("load_result", load.model, "ok", f"load_s={load_s:.3f}", iid),
         ]
         if self.settings.rebalance:
-            for source, n in plan_rebalance(registry.views(model=load.model), iid):
+            # SERVING views only: the pool `plan_rebalance` reads, and the new instance is one.
+            for source, n in plan_rebalance(registry.views(model=load.model, state=S.SERVING), iid):
                 actions.append(MigrateRequests(source, load.model, n, running=False, why=f"{iid} is SERVING"))
         return actions
 
