@@ -70,9 +70,8 @@ STACK_HEADER = """\
 #   - swarm's restart policy instead of depends_on (a service whose peer is not up yet exits and
 #     is started again until the mesh converges; the parameter manager exits until model-init has
 #     put the model in place: --require-models);
-#   - the data plane over UCX where it imports (--dataplane auto), on the interface of the name
-#     each service advertises: UCX on every interface hung on the first transfer here (a task's
-#     docker_gwbridge interface drops traffic between containers; docs/deploy.md);
+#   - the data plane over TCP (--dataplane tcp): UCX between swarm containers hung on the first
+#     transfer on the one machine it was run on;
 #   - DNS round robin (endpoint_mode dnsrr), not a virtual IP per service: a name resolves to its
 #     container, as the mesh's peers expect, and no node needs IPVS; so the gateway publishes
 #     :8000 and :50051 in host mode, on the node that runs it (put a load balancer in front of the
@@ -247,10 +246,9 @@ def compose() -> dict[str, Any]:
 SWARM_LABELS = {"param_manager": "blitzmesh.cache", "model-init": "blitzmesh.cache", "worker": "blitzmesh.worker"}
 SWARM_CONTROL_LABEL = "blitzmesh.control"
 SWARM_TLS_DIR = "deploy/swarm/tls"
-# UCX (TCP where ucxx does not import). A task has an overlay and a docker_gwbridge interface;
-# the transport gives UCX the advertised name's interface alone (services/dataplane/netdev.py),
-# without which the first transfer hung. "tcp" here puts the asyncio TCP data plane back.
-SWARM_DATAPLANE = "auto"
+# UCX between swarm containers hung on the first transfer here (a container has an overlay and a
+# gateway-bridge interface); the asyncio TCP data plane goes over the overlay by name.
+SWARM_DATAPLANE = "tcp"
 
 
 def _swarm_label(name: str) -> str:
