@@ -409,7 +409,7 @@ class UcxTransport(Transport):
             return
         if _active_transport is not None and _active_transport is not self:
             raise TransportError("only one UcxTransport per process (ucxx has one worker per process)")
-        net_device = advertised_net_device(self._advertise_host)
+        net_device = await asyncio.to_thread(advertised_net_device, self._advertise_host)
         self._driver = _ensure_ucxx(self._progress_mode, self._tls, net_device)
         _active_transport = self
         self._address = _ADDRESS_PREFIX + ucxx.get_worker_address().tobytes()
