@@ -18,7 +18,7 @@ from services.common import pki
 from services.common.waiting import wait_until
 from services.mesh.launcher import Mesh, MeshConfig, instance_of, role_of
 from tests.e2e.conftest import running_mesh
-from tests.integration.test_cert_rotation import PICKUP_S, file_serial, presented_serial
+from tests.integration.test_cert_reload import PICKUP_S, file_serial, presented_serial
 
 MODEL = "tiny"
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
