@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 + "".join(f" --heteroscale {item}" for item in args.heteroscale),
             }
             result[sc.wall_key] = wall
+            # The CPU the speed figure holds for, at the top level as every result records it.
+            result["cpu"] = {"model": wall["machine"]["cpu"], "flags": wall["machine"]["cpu_flags"]}
             if args.out is None:
                 _write_key(REPO_ROOT / "bench" / "results" / "simulator.json", sc.wall_key, wall)
             print(f"{sc.wall_key}: {wall['wall_s']} s ({build_s:.1f} s building the workload)", flush=True)
